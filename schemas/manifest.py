@@ -1,0 +1,89 @@
+"""Version manifest of the model store (DESIGN §2) and the tensor hash everyone agrees on.
+
+A version is named ``v000001``-style (zero padded, sortable). Its manifest records the
+parent, whether it is stored as a full ``snapshot`` or as a ``delta`` on that exact parent,
+and the sha256 of every reconstructed tensor: the learner computes them when it
+publishes, the store checks them after reconstruction, serving checks them after a load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+VersionKind = Literal["snapshot", "delta"]
+
+
+def version_name(n: int) -> str:
+    """``7 -> 'v000007'``."""
+    return f"v{n:06d}"
+
+
+def version_number(name: str) -> int:
+    """``'v000007' -> 7``; raises ValueError on anything else."""
+    if not (name.startswith("v") and name[1:].isdigit()):
+        raise ValueError(f"version: {name!r} is not of the form v000123")
+    return int(name[1:])
+
+
+def tensor_sha256(t) -> str:
+    """sha256 (hex) of a tensor's raw bytes in C order; dtype and shape are hashed too.
+
+    Args:
+        t: a ``torch.Tensor`` of any dtype (moved to CPU, made contiguous).
+    """
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_sha256(state: dict) -> dict[str, str]:
+    """``{name: tensor_sha256}`` for a state dict (sorted by name)."""
+    return {k: tensor_sha256(state[k]) for k in sorted(state)}
+
+
+def digest_of_hashes(hashes: dict[str, str]) -> str:
+    """One sha256 over all per-tensor hashes: a short id of a full set of weights."""
+    h = hashlib.sha256()
+    for k in sorted(hashes):
+        h.update(f"{k}={hashes[k]};".encode())
+    return h.hexdigest()
+
+
+class TensorMeta(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dtype: str
+    shape: list[int]
+    sha256: str
+
+
+class StatusChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: str  # published | rejected | canary | promoted | rolled_back | ...
+    at: int  # ms since epoch
+    reason: str = ""
+
+
+class VersionManifest(BaseModel):
+    """What the store knows about one version."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: str
+    parent: str | None
+    created_at: int
+    kind: VersionKind
+    tensors: dict[str, TensorMeta]
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    eval: dict[str, Any] = Field(default_factory=dict)
+    status_history: list[StatusChange] = Field(default_factory=list)
+    size_bytes: int = 0  # bytes on disk of this version's payload
+    snapshot_bytes: int = 0  # bytes a full snapshot of these weights takes
+
+    @property
+    def weights_digest(self) -> str:
+        return digest_of_hashes({k: v.sha256 for k, v in self.tensors.items()})

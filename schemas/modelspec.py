@@ -1,0 +1,82 @@
+"""The numerics contract between serving and learner (DESIGN §4).
+
+Both sides build the model with :func:`load_model` (same dtype, same attention and experts
+implementation) and lay batches out with :func:`left_pad` and :func:`position_ids` so that
+the learner's recomputed logprobs line up with the behavior logprobs serving logged.
+Expert routes follow vLLM's layout: ``(prompt_len + completion_len - 1, moe_layers, top_k)``,
+one row per token that went through a forward pass, in sequence order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ATTN_IMPLEMENTATION = "eager"  # bitwise-stable across batch shapes on CPU (DESIGN §4)
+EXPERTS_IMPLEMENTATION = "eager"
+
+
+def load_model(model_dir: str | Path, dtype=None):
+    """Build the causal LM at ``model_dir`` (HF checkpoint dir) in eval mode.
+
+    Args:
+        model_dir: directory with ``config.json`` (+ weights, which callers may replace
+            with ``load_state_dict`` from the model store).
+        dtype: torch dtype, default float32.
+
+    Returns:
+        ``transformers`` model (``MixtralForCausalLM`` for the default MoE).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
+        experts_implementation=EXPERTS_IMPLEMENTATION)
+    model.eval()
+    return model
+
+
+def load_tokenizer(model_dir: str | Path):
+    """Tokenizer of the checkpoint, with left padding and a pad token set."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def moe_routers(model) -> list:
+    """The router modules (one per MoE layer, in layer order); empty for dense models.
+
+    A router maps hidden states ``(N, H)`` to ``(logits (N, E), gates (N, k), indices (N, k))``.
+    """
+    return [m for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def moe_top_k(model) -> int:
+    return int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int):
+    """Left-pad token sequences.
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``(B, T_max)`` int64, padding on the left.
+    """
+    import torch
+
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, T - len(s):] = 1
+    return ids, mask
+
+
+def position_ids(attention_mask):
+    """``position_ids = cumsum(mask) - 1`` (clamped at 0 on padding), ``(B, T)`` int64."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
