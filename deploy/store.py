@@ -1,0 +1,353 @@
+"""Model store: versions as full snapshots or bit-exact deltas on their exact parent.
+
+Layout under ``root``::
+
+    base/                      HF checkpoint (config, tokenizer, weights) consumers build from
+    versions/v000007/
+        index.json             one entry per tensor: dtype, shape, mode, offset, length,
+                               sha256 of the stored payload bytes, parent tensor sha256
+        payload.bin            concatenated entries (zstd frames)
+        manifest.json          schemas.manifest.VersionManifest; written last
+
+Encoding of one tensor (delta mode ``xor``): the raw bit pattern (bytes, C order) of the new
+tensor XOR the parent's, byte-plane shuffled (all byte 0s, then all byte 1s, ...), zstd
+compressed. Mode ``raw`` (snapshots, or a tensor whose dtype/shape changed) skips the XOR.
+XOR of bit patterns is exactly invertible, so reconstruction is bit-exact; unchanged bits
+are zero bytes and the high byte planes of a small update are nearly all zero, which zstd
+compresses well. Every reconstructed tensor is verified against the manifest's sha256.
+
+This module knows nothing about serving or training: it stores ``{name: tensor}`` dicts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from schemas.manifest import (StatusChange, TensorMeta, VersionManifest, tensor_sha256,
+                              version_name, version_number)
+
+ZSTD_LEVEL = 3
+INDEX_FORMAT = 1
+
+
+class CorruptVersionError(ValueError):
+    """A version could not be reconstructed exactly.
+
+    Attributes:
+        version: the version being loaded.
+        tensor: the tensor name at fault (or ``"*"`` for the whole version).
+        reason: what was wrong (checksum, truncation, hash mismatch, wrong parent, ...).
+    """
+
+    def __init__(self, version: str, tensor: str, reason: str):
+        self.version, self.tensor, self.reason = version, tensor, reason
+        super().__init__(f"version {version}: tensor {tensor!r}: {reason}")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a tensor, C order, as a uint8 numpy array (a copy)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy().copy()
+
+
+def _shuffle(b: np.ndarray, width: int) -> np.ndarray:
+    """Byte-plane shuffle: ``(n, width) -> (width, n)``."""
+    return np.ascontiguousarray(b.reshape(-1, width).T) if width > 1 else b
+
+
+def _unshuffle(b: np.ndarray, width: int) -> np.ndarray:
+    return np.ascontiguousarray(b.reshape(width, -1).T).reshape(-1) if width > 1 else b
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+                                torch.bool)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {name!r} is not supported by the store")
+    return _DTYPES[name]
+
+
+def encode_state(state: dict[str, torch.Tensor],
+                 parent: dict[str, torch.Tensor] | None) -> tuple[list[dict], bytes]:
+    """Encode ``state`` as a delta on ``parent`` (or a snapshot when ``parent`` is None).
+
+    Returns:
+        ``(entries, payload)``: one entry per tensor (name, dtype, shape, mode ``xor``|``raw``,
+        offset/length in bytes into ``payload``, sha256 of those payload bytes, parent
+        tensor sha256 for ``xor``), and the concatenated zstd frames.
+    """
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    entries: list[dict] = []
+    chunks: list[bytes] = []
+    off = 0
+    for name in sorted(state):
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+        _dtype(str(t.dtype))
+        width = t.element_size()
+        b = _raw_bytes(t)
+        p = parent.get(name) if parent is not None else None
+        entry = {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "mode": "raw"}
+        if p is not None and p.dtype == t.dtype and tuple(p.shape) == tuple(t.shape):
+            b = np.bitwise_xor(b, _raw_bytes(p))
+            entry["mode"] = "xor"
+            entry["parent_sha256"] = tensor_sha256(p)
+        blob = cctx.compress(_shuffle(b, width).tobytes())
+        entry.update(offset=off, length=len(blob), payload_sha256=hashlib.sha256(blob).hexdigest())
+        entries.append(entry)
+        chunks.append(blob)
+        off += len(blob)
+    return entries, b"".join(chunks)
+
+
+def decode_state(version: str, entries: list[dict], payload: bytes,
+                 parent: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`encode_state`.
+
+    Raises:
+        CorruptVersionError: a payload entry is truncated or fails its checksum, does not
+            decompress to the expected size, or an ``xor`` entry is offered a parent tensor
+            whose sha256 differs from the one it was encoded against (wrong parent).
+    """
+    dctx = zstandard.ZstdDecompressor()
+    out: dict[str, torch.Tensor] = {}
+    for e in entries:
+        name = e["name"]
+        dt = _dtype(e["dtype"])
+        shape = tuple(e["shape"])
+        width = torch.empty(0, dtype=dt).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * width
+        blob = payload[e["offset"]:e["offset"] + e["length"]]
+        if len(blob) != e["length"]:
+            raise CorruptVersionError(version, name, f"payload truncated: {len(blob)} of {e['length']} bytes")
+        if hashlib.sha256(blob).hexdigest() != e["payload_sha256"]:
+            raise CorruptVersionError(version, name, "payload checksum mismatch")
+        try:
+            raw = dctx.decompress(blob, max_output_size=max(nbytes, 1))
+        except zstandard.ZstdError as exc:
+            raise CorruptVersionError(version, name, f"zstd: {exc}") from exc
+        if len(raw) != nbytes:
+            raise CorruptVersionError(version, name, f"decoded {len(raw)} bytes, expected {nbytes}")
+        b = _unshuffle(np.frombuffer(raw, dtype=np.uint8), width)
+        if e["mode"] == "xor":
+            p = parent.get(name) if parent is not None else None
+            if p is None:
+                raise CorruptVersionError(version, name, "wrong parent: parent has no such tensor")
+            if tensor_sha256(p) != e["parent_sha256"]:
+                raise CorruptVersionError(version, name, "wrong parent: parent tensor sha256 differs "
+                                          "from the one this delta was encoded against")
+            b = np.bitwise_xor(b, _raw_bytes(p))
+        elif e["mode"] != "raw":
+            raise CorruptVersionError(version, name, f"unknown mode {e['mode']!r}")
+        t = torch.frombuffer(bytearray(b.tobytes()), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(dt).reshape(shape)
+    return out
+
+
+class ModelStore:
+    """Versions of one model's weights on a local directory.
+
+    Args:
+        root: store directory (created).
+        snapshot_every: every K-th version (by number) is stored as a full snapshot,
+            which bounds delta chains to K-1 links.
+    """
+
+    def __init__(self, root: str | Path, snapshot_every: int = 10):
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every: must be >= 1, got {snapshot_every}")
+        self.root = Path(root)
+        self.snapshot_every = snapshot_every
+        (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    # -- layout -------------------------------------------------------------------------
+    @property
+    def base_dir(self) -> Path:
+        """HF checkpoint dir to build the module from (``schemas.modelspec.load_model``)
+        before ``load_state_dict(store.load(version))``."""
+        return self.root / "base"
+
+    def _vdir(self, version: str) -> Path:
+        version_number(version)
+        return self.root / "versions" / version
+
+    @contextmanager
+    def _lock(self):
+        with open(self.root / ".lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    # -- queries ------------------------------------------------------------------------
+    def versions(self) -> list[str]:
+        """All complete versions (manifest present), sorted."""
+        vs = []
+        for p in (self.root / "versions").iterdir():
+            if p.name.startswith("v") and p.name[1:].isdigit() and (p / "manifest.json").exists():
+                vs.append(p.name)
+        return sorted(vs)
+
+    def manifest(self, version: str) -> VersionManifest:
+        """The manifest of ``version``; raises KeyError if it is not in the store."""
+        f = self._vdir(version) / "manifest.json"
+        if not f.exists():
+            raise KeyError(f"version {version} is not in the store at {self.root}")
+        return VersionManifest.model_validate_json(f.read_text())
+
+    def latest(self) -> str:
+        """Newest version; raises LookupError on an empty store."""
+        vs = self.versions()
+        if not vs:
+            raise LookupError(f"model store at {self.root} is empty (run init_base)")
+        return vs[-1]
+
+    # -- writes -------------------------------------------------------------------------
+    def init_base(self, model_dir: Path) -> VersionManifest:
+        """Copy the HF checkpoint to ``base/`` and register it as ``v000000`` (snapshot,
+        status ``promoted``). Idempotent: returns the existing manifest if present."""
+        from schemas.modelspec import load_model
+
+        v0 = version_name(0)
+        with self._lock():
+            if (self._vdir(v0) / "manifest.json").exists():
+                return self.manifest(v0)
+            model_dir = Path(model_dir)
+            if not (model_dir / "config.json").exists():
+                raise ValueError(f"model_dir: {model_dir} has no config.json")
+            tmp_base = self.root / f".tmp-base-{uuid.uuid4().hex}"
+            shutil.copytree(model_dir, tmp_base)
+            if self.base_dir.exists():
+                shutil.rmtree(self.base_dir)
+            os.rename(tmp_base, self.base_dir)
+            state = load_model(model_dir).state_dict()
+            return self._write(v0, None, state, None, {}, {}, "promoted", "base model")
+
+    def publish(self, state: dict[str, torch.Tensor], parent: str, metrics: dict | None = None,
+                eval: dict | None = None) -> VersionManifest:
+        """Store ``state`` as the next version, a delta on ``parent`` (or a snapshot every
+        ``snapshot_every`` versions), status ``published``.
+
+        Raises:
+            KeyError: ``parent`` is not in the store.
+            ValueError: ``state`` holds a non-tensor or an unsupported dtype.
+        """
+        with self._lock():
+            self.manifest(parent)
+            n = version_number(self.latest()) + 1
+            parent_state = None if n % self.snapshot_every == 0 else self.load(parent)
+            return self._write(version_name(n), parent, state, parent_state, metrics or {}, eval or {},
+                               "published", "")
+
+    def _write(self, version, parent, state, parent_state, metrics, eval_, status, reason):
+        entries, payload = encode_state(state, parent_state)
+        tensors = {k: TensorMeta(dtype=str(v.dtype), shape=list(v.shape), sha256=tensor_sha256(v))
+                   for k, v in sorted(state.items())}
+        snapshot_bytes = sum(v.numel() * v.element_size() for v in state.values())
+        tmp = self.root / "versions" / f".tmp-{version}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        (tmp / "payload.bin").write_bytes(payload)
+        index = {"format": INDEX_FORMAT, "version": version,
+                 "parent": parent if parent_state is not None else None, "entries": entries}
+        (tmp / "index.json").write_text(json.dumps(index))
+        size = (tmp / "payload.bin").stat().st_size + (tmp / "index.json").stat().st_size
+        m = VersionManifest(version=version, parent=parent, created_at=_now_ms(),
+                            kind="delta" if parent_state is not None else "snapshot", tensors=tensors,
+                            metrics=metrics, eval=eval_,
+                            status_history=[StatusChange(status=status, at=_now_ms(), reason=reason)],
+                            size_bytes=size, snapshot_bytes=snapshot_bytes)
+        (tmp / "manifest.json").write_text(m.model_dump_json(indent=1))  # last
+        os.rename(tmp, self._vdir(version))
+        return m
+
+    def set_status(self, version: str, status: str, reason: str = "") -> VersionManifest:
+        """Append ``status`` (published|canary|promoted|rolled_back|rejected|...) to the
+        version's status history (atomic rewrite of its manifest)."""
+        with self._lock():
+            m = self.manifest(version)
+            m.status_history.append(StatusChange(status=status, at=_now_ms(), reason=reason))
+            f = self._vdir(version) / "manifest.json"
+            tmp = f.with_suffix(f".tmp-{uuid.uuid4().hex}")
+            tmp.write_text(m.model_dump_json(indent=1))
+            os.replace(tmp, f)
+            return m
+
+    # -- reads --------------------------------------------------------------------------
+    def load(self, version: str) -> dict[str, torch.Tensor]:
+        """Reconstruct ``version``'s tensors (fresh copies; safe to modify).
+
+        Walks back to the nearest snapshot (or a cached ancestor), applies each delta on
+        its exact parent and verifies every tensor's sha256 against the manifest.
+
+        Raises:
+            KeyError: the version is not in the store.
+            CorruptVersionError: truncated/corrupt payload, hash mismatch or wrong parent.
+        """
+        state = self._load_cached(version)
+        return {k: v.clone() for k, v in state.items()}
+
+    def _load_cached(self, version: str) -> dict[str, torch.Tensor]:
+        with self._cache_lock:
+            if version in self._cache:
+                self._cache.move_to_end(version)
+                return self._cache[version]
+        m = self.manifest(version)
+        vdir = self._vdir(version)
+        try:
+            index = json.loads((vdir / "index.json").read_text())
+            payload = (vdir / "payload.bin").read_bytes()
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CorruptVersionError(version, "*", f"unreadable index/payload: {exc}") from exc
+        parent_state = None
+        if m.kind == "delta":
+            if index.get("parent") != m.parent:
+                raise CorruptVersionError(version, "*", f"wrong parent: delta was encoded against "
+                                          f"{index.get('parent')}, manifest says {m.parent}")
+            parent_state = self._load_cached(m.parent)
+        state = decode_state(version, index["entries"], payload, parent_state)
+        if set(state) != set(m.tensors):
+            raise CorruptVersionError(version, "*", "tensor names differ from the manifest: "
+                                      f"missing {sorted(set(m.tensors) - set(state))[:3]}, "
+                                      f"extra {sorted(set(state) - set(m.tensors))[:3]}")
+        for k, meta in m.tensors.items():
+            if tensor_sha256(state[k]) != meta.sha256:
+                raise CorruptVersionError(version, k, "sha256 of the reconstructed tensor differs from the manifest")
+        with self._cache_lock:
+            self._cache[version] = state
+            self._cache.move_to_end(version)
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        return state
+
+    def clear_cache(self) -> None:
+        """Drop the in-memory cache of reconstructed versions (named step; e.g. after
+        files were replaced underneath the store)."""
+        with self._cache_lock:
+            self._cache.clear()

@@ -1,0 +1,85 @@
+"""Top-level commands: ``broker``, ``model init``, ``demo``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)
+model_app = typer.Typer(help="The default model.", no_args_is_help=True)
+
+
+@broker_app.command("start")
+def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (default: a free one)."),
+                 partitions: int = typer.Option(6, help="Partitions of every Flywheel topic.")):
+    """Start the embedded broker detached and create all topics."""
+    from flywheel import broker
+
+    b = broker.start(port, partitions)
+    typer.echo(json.dumps({"bootstrap": b.bootstrap, "pid": b.pid}))
+
+
+@broker_app.command("stop")
+def broker_stop():
+    """Stop the embedded broker (memory-only: its data is gone)."""
+    from flywheel import broker
+
+    typer.echo("stopped" if broker.stop() else "not running")
+
+
+@broker_app.command("status")
+def broker_status():
+    """Print the running embedded broker, or exit 1."""
+    import os
+
+    from flywheel import broker
+
+    ext = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
+    if ext:
+        typer.echo(json.dumps({"bootstrap": ext, "external": True}))
+        return
+    b = broker.status()
+    if b is None:
+        typer.echo("not running")
+        raise typer.Exit(1)
+    typer.echo(json.dumps({"bootstrap": b.bootstrap, "pid": b.pid}))
+
+
+@model_app.command("init")
+def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (default ~/.cache/flywheel/models/...)."),
+               experts: int = typer.Option(4, min=1, max=64, help="Experts per MoE layer."),
+               top_k: int = typer.Option(2, min=1, help="Experts per token."),
+               force: bool = typer.Option(False, help="Rebuild even if cached.")):
+    """Convert the packaged SmolLM2-135M-Instruct and sparse-upcycle it to a MoE."""
+    from flywheel.modelinit import init_model
+    from schemas import settings
+
+    if top_k > experts:
+        raise typer.BadParameter(f"top_k={top_k} exceeds experts={experts}", param_hint="--top-k")
+    d = init_model(out or settings.base_model_dir(), num_experts=experts, top_k=top_k, force=force)
+    typer.echo(str(d))
+
+
+def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
+         quick: bool = typer.Option(False, "--quick", help="Small run: <= 5 min on 2 cores."),
+         cycles: int = typer.Option(2, min=1, help="Learner cycles (each canaried)."),
+         prompts: Optional[int] = typer.Option(None, help="Requests per traffic phase."),
+         max_tokens: Optional[int] = typer.Option(None, help="New tokens per completion."),
+         seed: int = typer.Option(0)):
+    """Run the whole loop on HumanEval traffic from simulated users and write a report."""
+    from flywheel.demo import Demo, DemoConfig
+
+    cfg = DemoConfig.for_mode(out, quick, cycles=cycles, prompts_per_phase=prompts,
+                              max_tokens=max_tokens, seed=seed)
+    report = Demo(cfg).run()
+    if report["events_lost"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(broker_app, name="broker")
+    app.add_typer(model_app, name="model")
+    app.command("demo")(demo)

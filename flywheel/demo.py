@@ -1,0 +1,420 @@
+"""``flywheel demo``: the whole loop on one machine, on real input, with every real part.
+
+Starts the embedded broker (unless ``FLYWHEEL_KAFKA_BOOTSTRAP`` is set), builds the
+default model if missing, starts serving, the ingest worker and the rollout controller as
+real subprocesses, replays HumanEval prompts as product traffic from simulated users who
+vote by running the returned code (``flywheel.users``), runs learner cycles
+(``flywheel learn --once`` subprocesses) whose versions the controller canaries, and ends
+with a report (``flywheel.report``).
+
+The demo only drives and observes; every decision (join, training, canary verdict) is
+made by the component that owns it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from flywheel import report as rep
+from flywheel.users import UserBehaviour, build_messages, extract_code, load_problems, run_tests
+
+
+@dataclass
+class DemoConfig:
+    """Knobs of one demo run. ``quick`` sizes it for <= 5 min on 2 cores."""
+
+    out: Path
+    quick: bool = False
+    cycles: int = 2
+    prompts_per_phase: int = 48
+    problems: int = 40
+    max_tokens: int = 200
+    temperature: float = 0.8
+    top_p: float = 0.95
+    concurrency: int = 8
+    users: int = 32
+    learner_steps: int = 4
+    learner_lr: float = 1e-5
+    seal_after_s: float = 3.0
+    canary_steps: str = "0.5,1.0"
+    canary_min_votes: int = 8
+    canary_max_wait_s: float = 120.0
+    seed: int = 0
+    behaviour: UserBehaviour = field(default_factory=UserBehaviour)
+
+    @classmethod
+    def for_mode(cls, out: Path, quick: bool, **kw) -> "DemoConfig":
+        if quick:
+            base = dict(prompts_per_phase=12, problems=12, max_tokens=96, learner_steps=2,
+                        canary_min_votes=3, canary_max_wait_s=60.0, concurrency=6)
+            base.update({k: v for k, v in kw.items() if v is not None})
+            return cls(out=out, quick=True, **base)
+        return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
+
+
+class Proc:
+    """A child process with its output in a log file; stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")
+        self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+        self._log.close()
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flywheel.cli", *args]
+
+
+class Demo:
+    """One run of the main job. Use :meth:`run`; returns the report dict."""
+
+    def __init__(self, cfg: DemoConfig, console: Console | None = None):
+        self.cfg = cfg
+        self.console = console or Console()
+        self.rng = random.Random(cfg.seed)
+        self.procs: list[Proc] = []
+        self.accepted: set[str] = set()  # feedback event_ids the API accepted (HTTP 200)
+        self.feedback_rejected = 0
+        self.requests_ok = 0
+        self.requests_failed = 0
+        self.lock = threading.Lock()
+        self.phase_log: list[dict] = []
+        self.vote_threads: list[threading.Thread] = []
+
+    # ----------------------------------------------------------------- setup
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env["FLYWHEEL_HOME"] = str(self.home)
+        env["FLYWHEEL_KAFKA_BOOTSTRAP"] = self.bootstrap
+        env["FLYWHEEL_SERVING_URL"] = self.url
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def log(self, msg: str) -> None:
+        self.console.log(msg)
+
+    def setup(self) -> None:
+        from flywheel.broker import free_port, spawn
+        from flywheel.modelinit import init_model
+        from schemas import settings
+
+        cfg = self.cfg
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        self.home = (cfg.out / "home").absolute()
+        if self.home.exists():
+            import shutil
+            shutil.rmtree(self.home)
+        self.home.mkdir(parents=True)
+        os.environ["FLYWHEEL_HOME"] = str(self.home)
+        self.logs = cfg.out / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.broker = None
+        if os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"):
+            self.bootstrap = os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"]
+            from schemas.topics import ensure_topics
+            ensure_topics(self.bootstrap)
+            self.log(f"using external Kafka at {self.bootstrap}")
+        else:
+            self.broker = spawn(log_path=self.logs / "broker.log")
+            self.bootstrap = self.broker.bootstrap
+            self.log(f"embedded Tansu broker on {self.bootstrap}, topics created (6 partitions)")
+        os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"] = self.bootstrap
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model_dir = init_model(settings.base_model_dir(), log=self.log)
+        from deploy.store import ModelStore
+        self.store = ModelStore(settings.store_dir())
+        self.store.init_base(model_dir)
+        self.samples_dir = settings.samples_dir()
+        env = self._env()
+        self.serving = self._start("serving", _cli("serve", "--port", str(self.port), "--pod", "pod-0",
+                                                   "--max-batch", str(cfg.concurrency)), env)
+        self.ingest = self._start("ingest", _cli("ingest", "--seal-after-s", str(cfg.seal_after_s),
+                                                 "--tick-s", "0.5", "--max-label-age-s", "900",
+                                                 "--orphan-ttl-s", "120"), env)
+        self.controller = self._start("controller", _cli(
+            "controller", "--serving", self.url, "--steps", cfg.canary_steps,
+            "--min-votes", str(cfg.canary_min_votes), "--max-wait-s", str(cfg.canary_max_wait_s),
+            "--inconclusive", "promote_if_not_worse", "--poll-s", "1"), env)
+        self._wait_http(self.url + "/healthz", 180, self.serving)
+        self.log(f"serving ready at {self.url}")
+
+    def _start(self, name: str, args: list[str], env: dict) -> Proc:
+        p = Proc(name, args, self.logs, env)
+        self.procs.append(p)
+        return p
+
+    def _wait_http(self, url: str, timeout_s: float, proc: Proc) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{url} not ready after {timeout_s}s:\n{proc.tail()}")
+
+    # --------------------------------------------------------------- traffic
+    def _one_request(self, client: httpx.Client, problem: dict, user: str) -> dict | None:
+        body = {"model": "flywheel", "messages": build_messages(problem), "max_tokens": self.cfg.max_tokens,
+                "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "user": user,
+                "seed": self.rng.randrange(1 << 30)}
+        try:
+            r = client.post(self.url + "/v1/chat/completions", json=body, timeout=600)
+        except httpx.HTTPError:
+            with self.lock:
+                self.requests_failed += 1
+            return None
+        if r.status_code != 200:
+            with self.lock:
+                self.requests_failed += 1
+            return None
+        data = r.json()
+        text = data["choices"][0]["message"]["content"] or ""
+        code = extract_code(text)
+        passed, why = run_tests(problem, code) if code else (False, "no code block")
+        with self.lock:
+            self.requests_ok += 1
+        version = r.headers.get("x-flywheel-model-version", "?")
+        plan = self.cfg.behaviour.plan(passed, self.rng)
+        t = threading.Thread(target=self._send_votes, args=(data["id"], user, plan), daemon=True)
+        t.start()
+        self.vote_threads.append(t)
+        return {"version": version, "passed": passed, "why": why, "voted": plan.final}
+
+    def _send_votes(self, completion_id: str, user: str, plan) -> None:
+        start = time.monotonic()
+        with httpx.Client(timeout=30) as c:
+            for delay, event_id, value in plan.events:
+                time.sleep(max(0.0, delay - (time.monotonic() - start)))
+                for attempt in range(5):
+                    try:
+                        r = c.post(self.url + "/v1/feedback", json={
+                            "completion_id": completion_id, "event_id": event_id, "kind": "thumb",
+                            "value": value, "user": user})
+                    except httpx.HTTPError:
+                        time.sleep(0.2 * (attempt + 1))
+                        continue
+                    with self.lock:
+                        if r.status_code == 200:
+                            self.accepted.add(event_id)
+                        else:
+                            self.feedback_rejected += 1
+                    break
+
+    def traffic(self, phase: str, n: int) -> list[dict]:
+        """Send ``n`` chat requests with ``concurrency`` in flight; users vote in background."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        problems = self.problems
+        results: list[dict] = []
+        with Progress(TextColumn(f"[bold]{phase}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                      console=self.console, transient=False) as prog:
+            task = prog.add_task(phase, total=n, status="")
+            with httpx.Client() as client, ThreadPoolExecutor(self.cfg.concurrency) as pool:
+                futs = [pool.submit(self._one_request, client, problems[i % len(problems)],
+                                    f"user-{self.rng.randrange(self.cfg.users)}") for i in range(n)]
+                for f in futs:
+                    r = f.result()
+                    if r:
+                        results.append(r)
+                    passed = sum(1 for x in results if x["passed"])
+                    by_v: dict[str, int] = {}
+                    for x in results:
+                        by_v[x["version"]] = by_v.get(x["version"], 0) + 1
+                    prog.update(task, advance=1, status=f"tests passed {passed}/{len(results)} "
+                                f"by version {by_v} votes accepted {len(self.accepted)}")
+        self.phase_log.append({"phase": phase, "requests": n, "ok": len(results),
+                               "passed": sum(1 for x in results if x["passed"]),
+                               "by_version": {v: sum(1 for x in results if x["version"] == v)
+                                              for v in {x["version"] for x in results}}})
+        return results
+
+    def wait_votes_sealed(self, timeout_s: float) -> None:
+        """Wait until every accepted vote is in a sample or dead-lettered."""
+        for t in self.vote_threads:
+            t.join(timeout=60)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            in_samples = set(rep.event_ids_in_samples(self.samples_dir))
+            missing = self.accepted - in_samples - self.dead_lettered_ids()
+            if not missing:
+                return
+            self._check_alive()
+            time.sleep(1.0)
+        self.log(f"[yellow]{len(missing)} accepted votes not sealed after {timeout_s}s")
+
+    def dead_lettered_ids(self) -> set[str]:
+        """event_ids of feedback events on the dead-letter topic (read from the start)."""
+        from kafka import KafkaConsumer, TopicPartition
+
+        from schemas.events import DeadLetter
+        from schemas.topics import DEADLETTER
+
+        ids: set[str] = set()
+        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+                          consumer_timeout_ms=1500, group_id=None)
+        try:
+            parts = c.partitions_for_topic(DEADLETTER) or set()
+            tps = [TopicPartition(DEADLETTER, p) for p in parts]
+            c.assign(tps)
+            c.seek_to_beginning(*tps)
+            for msg in c:
+                try:
+                    dl = DeadLetter.from_bytes(msg.value)
+                    ids.add(str(json.loads(dl.payload).get("event_id")))
+                except Exception:  # a dead letter we cannot attribute stays counted as lost
+                    continue
+        finally:
+            c.close()
+        return ids
+
+    def _check_alive(self) -> None:
+        for p in (self.serving, self.ingest, self.controller):
+            if not p.alive():
+                raise RuntimeError(f"{p.name} died:\n{p.tail(40)}")
+
+    # ---------------------------------------------------------------- cycles
+    def learn(self, cycle: int) -> str | None:
+        before = set(self.store.versions())
+        self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, KTO, router replay) ...")
+        args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
+                    "--seed", str(self.cfg.seed + cycle), "--min-samples", "1")
+        with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
+            r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            raise RuntimeError(f"learner failed (exit {r.returncode}); see {self.logs}/learner-{cycle}.log")
+        new = sorted(set(self.store.versions()) - before)
+        if not new:
+            self.log("[yellow]learner published no version (gate or too few samples)")
+            return None
+        self.log(f"learner published {new[-1]}")
+        return new[-1]
+
+    def canary(self, version: str) -> dict:
+        """Serve traffic until the controller decides about ``version``."""
+        from deploy.ledger import Ledger
+        from schemas import settings
+
+        ledger = Ledger(settings.ledger_path())
+        deadline = time.monotonic() + max(600.0, 6 * self.cfg.canary_max_wait_s)
+        n = 0
+        while time.monotonic() < deadline:
+            decision = ledger.final_decision(version)
+            if decision is not None:
+                self.log(f"controller decided [bold]{decision['decision']}[/bold] for {version}: "
+                         f"{decision['reason']}")
+                return decision
+            self._check_alive()
+            self.traffic(f"canary {version} #{n}", max(4, self.cfg.prompts_per_phase // 2))
+            n += 1
+        raise RuntimeError(f"no canary decision for {version} in time:\n{self.controller.tail(40)}")
+
+    # ---------------------------------------------------------------- report
+    def build_report(self, t0: float) -> dict:
+        from deploy.ledger import Ledger
+        from schemas import settings
+
+        by_v = rep.samples_by_version(self.samples_dir)
+        ledger = Ledger(settings.ledger_path())
+        versions = []
+        for v in self.store.versions():
+            m = self.store.manifest(v)
+            s = by_v.get(v, {"samples": 0, "votes_up": 0, "votes_down": 0})
+            n = s["votes_up"] + s["votes_down"]
+            d = ledger.final_decision(v) if v != "v000000" else None
+            metrics = m.metrics or {}
+            versions.append({
+                "version": v, "parent": m.parent, "samples": s["samples"], "votes_up": s["votes_up"],
+                "votes_down": s["votes_down"], "thumbs_up_rate": (s["votes_up"] / n) if n else 0.0,
+                "ci95": list(rep.wilson_interval(s["votes_up"], n)),
+                "decision": d["decision"] if d else ("base" if m.parent is None else None),
+                "reason": d["reason"] if d else ("initial version" if m.parent is None else None),
+                "mismatch_mean": metrics.get("mismatch/mean"), "mismatch_max": metrics.get("mismatch/max"),
+                "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.kind == "delta" and m.size_bytes else None,
+                "swap_pause_ms": (d or {}).get("numbers", {}).get("swap_pause_ms") if d else None,
+                "train_samples": metrics.get("samples"),
+            })
+        ids = rep.event_ids_in_samples(self.samples_dir)
+        uniq = set(ids)
+        dead = self.dead_lettered_ids()
+        lost = self.accepted - uniq - dead
+        return {
+            "versions": versions,
+            "events_accepted": len(self.accepted),
+            "events_in_samples": len(uniq & self.accepted),
+            "events_dead_lettered": len(dead & self.accepted),
+            "events_lost": len(lost),
+            "events_double_counted": len(ids) - len(uniq),
+            "feedback_rejected": self.feedback_rejected,
+            "requests_ok": self.requests_ok, "requests_failed": self.requests_failed,
+            "phases": self.phase_log,
+            "quick": self.cfg.quick,
+            "wall_s": time.time() - t0,
+        }
+
+    def run(self) -> dict:
+        t0 = time.time()
+        try:
+            self.problems = load_problems(self.cfg.problems)
+            self.setup()
+            self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
+            for cycle in range(1, self.cfg.cycles + 1):
+                self.wait_votes_sealed(120)
+                v = self.learn(cycle)
+                if v is not None:
+                    self.canary(v)
+            self.wait_votes_sealed(120)
+            report = self.build_report(t0)
+            rep.write_report(report, self.cfg.out)
+            rep.print_report(report, self.console)
+            self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
+                               f"{self.cfg.out / 'thumbs_up_by_version.png'}")
+            return report
+        finally:
+            for p in reversed(self.procs):
+                p.stop()
+            if self.broker is not None:
+                self.broker.stop()

@@ -1,0 +1,319 @@
+"""Event log: serving's path to Kafka that never blocks a request and never drops an event.
+
+``emit()`` puts the event on a bounded in-memory queue and returns at once. A background
+thread drains the queue into a kafka-python ``KafkaProducer`` (acks=all, key=completion_id).
+When Kafka is unreachable, or when the queue is full, events spill to an append-only local
+journal (one JSON line per event, fsync'd). Once the journal holds anything, every later
+event goes through it too, so order is kept; the thread replays the journal in order when
+Kafka answers again, and also after a pod restart (the journal is read at start).
+
+Delivery is at-least-once across a crash between a send and the journal cursor update;
+exactly once otherwise. This module knows nothing about the events' contents.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("flywheel.serving.eventlog")
+
+_STOP = object()
+
+
+@dataclass
+class EventLogCounters:
+    """Event counts since start (events, not bytes)."""
+
+    queued: int = 0  # accepted into the in-memory queue
+    sent: int = 0  # acked by Kafka straight from the queue
+    spilled: int = 0  # written to the local journal
+    replayed: int = 0  # journal entries acked by Kafka
+    failed: int = 0  # could not be journaled either (disk error): lost, and counted
+
+
+class EventLog:
+    """Bounded queue -> Kafka producer, with a local journal for outages.
+
+    Args:
+        bootstrap: ``host:port[,...]`` of the Kafka cluster, or None to journal only
+            (events wait in the journal until an EventLog with a bootstrap replays them).
+        journal_path: the append-only journal file; its cursor lives next to it
+            (``<journal>.offset``, byte offset of the first entry not yet acked).
+        max_queue: in-memory queue bound (events); beyond it ``emit`` spills to the journal.
+        batch_max: events sent per producer flush.
+        send_timeout_s: how long one flush may wait for acks before Kafka counts as down (s).
+        retry_interval_s: how often to probe Kafka while it is down (s).
+    """
+
+    def __init__(self, bootstrap: str | None, journal_path: str | Path, max_queue: int = 10_000,
+                 batch_max: int = 500, send_timeout_s: float = 5.0, retry_interval_s: float = 1.0,
+                 client_id: str = "flywheel-serving"):
+        self.bootstrap = bootstrap
+        self.journal_path = Path(journal_path)
+        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+        self.cursor_path = self.journal_path.with_name(self.journal_path.name + ".offset")
+        self.batch_max = batch_max
+        self.send_timeout_s = send_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.client_id = client_id
+        self.counters = EventLogCounters()
+        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._jlock = threading.Lock()  # journal file + cursor
+        self._clock = threading.Lock()  # counters
+        self._jfile = open(self.journal_path, "ab")
+        self._producer = None
+        self._kafka_up = False
+        self._inflight = 0  # events taken from the queue and not yet settled
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="flywheel-eventlog", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- request path
+    def emit(self, topic: str, key: str, value: bytes) -> None:
+        """Log one event; never blocks on Kafka. ``value`` is the encoded event (bytes).
+
+        Raises:
+            RuntimeError: the log is closed.
+        """
+        if self._closed:
+            raise RuntimeError("event log is closed")
+        item = (topic, key, value)
+        try:
+            self._q.put_nowait(item)
+            self._count("queued")
+        except queue.Full:
+            self._spill([item])
+
+    # ---------------------------------------------------------------- state
+    @property
+    def kafka_up(self) -> bool:
+        """Whether the last send or probe reached Kafka."""
+        return self._kafka_up
+
+    def journal_pending(self) -> int:
+        """Bytes of journal not yet acked by Kafka."""
+        with self._jlock:
+            return self._journal_size() - self._read_cursor()
+
+    def queue_depth(self) -> int:
+        """Events waiting in the in-memory queue."""
+        return self._q.qsize()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the queue and the journal are drained to Kafka.
+
+        Returns:
+            True when everything emitted so far was acked, False on timeout (s).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._q.empty() and self._inflight == 0 and self.journal_pending() == 0:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush for up to ``timeout_s``, then stop; what is left stays in the journal."""
+        if self._closed:
+            return
+        self.flush(timeout_s)
+        self._closed = True
+        self._q.put(_STOP)
+        self._thread.join(timeout=timeout_s + 5)
+        with self._jlock:
+            self._jfile.close()
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=1)
+            except Exception:  # noqa: BLE001 - closing a dead producer
+                pass
+
+    # ---------------------------------------------------------------- internals
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._clock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def _journal_size(self) -> int:
+        try:
+            return self.journal_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _read_cursor(self) -> int:
+        try:
+            return int(self.cursor_path.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def _write_cursor(self, off: int) -> None:
+        tmp = self.cursor_path.with_name(self.cursor_path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(off))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.cursor_path)
+
+    def _spill(self, items: list[tuple[str, str, bytes]], count: bool = True) -> None:
+        lines = b"".join(
+            json.dumps({"topic": t, "key": k, "value": base64.b64encode(v).decode()}).encode() + b"\n"
+            for t, k, v in items)
+        try:
+            with self._jlock:
+                self._jfile.write(lines)
+                self._jfile.flush()
+                os.fsync(self._jfile.fileno())
+            if count:
+                self._count("spilled", len(items))
+        except OSError as exc:
+            log.error("event journal write failed, %d events lost: %s", len(items), exc)
+            self._count("failed", len(items))
+
+    def _get_producer(self):
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all",
+                linger_ms=5, max_block_ms=2000, request_timeout_ms=int(self.send_timeout_s * 1000),
+                retries=0, reconnect_backoff_max_ms=1000, max_request_size=16 * 1024 * 1024)
+        return self._producer
+
+    def _drop_producer(self) -> None:
+        p, self._producer = self._producer, None
+        self._kafka_up = False
+        if p is not None:
+            try:
+                p.close(timeout=0)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _send(self, items: list[tuple[str, str, bytes]]) -> list[bool]:
+        """Send in order and wait for acks; returns per-item success."""
+        if self.bootstrap is None:
+            return [False] * len(items)
+        try:
+            p = self._get_producer()
+        except Exception as exc:  # noqa: BLE001 - NoBrokersAvailable and friends
+            log.debug("kafka unreachable: %s", exc)
+            self._drop_producer()
+            return [False] * len(items)
+        futs = []
+        for t, k, v in items:
+            try:
+                futs.append(p.send(t, key=k.encode(), value=v))
+            except Exception as exc:  # noqa: BLE001 - metadata timeout etc.
+                log.debug("kafka send failed: %s", exc)
+                futs.append(None)
+        try:
+            p.flush(timeout=self.send_timeout_s)
+        except Exception:  # noqa: BLE001
+            pass
+        ok = []
+        for f in futs:
+            good = False
+            if f is not None and f.is_done:
+                good = f.succeeded()
+            ok.append(good)
+        if all(ok):
+            self._kafka_up = True
+        else:
+            self._drop_producer()
+        return ok
+
+    def _replay(self) -> bool:
+        """Send journal entries from the cursor on, in order; True when the journal is drained."""
+        with self._jlock:
+            start = self._read_cursor()
+            size = self._journal_size()
+        if start >= size:
+            return True
+        with open(self.journal_path, "rb") as f:
+            f.seek(start)
+            while True:
+                offsets, items = [], []
+                pos = f.tell()
+                for _ in range(self.batch_max):
+                    line = f.readline()
+                    if not line or not line.endswith(b"\n"):
+                        break
+                    pos += len(line)
+                    d = json.loads(line)
+                    items.append((d["topic"], d["key"], base64.b64decode(d["value"])))
+                    offsets.append(pos)
+                if not items:
+                    break
+                ok = self._send(items)
+                failed = [it for it, good in zip(items, ok) if not good]
+                if len(failed) == len(items):
+                    return False
+                # Partial failure: those that failed go to the journal's end (the acked ones
+                # must not be sent twice), then the cursor moves past the whole batch.
+                if failed:
+                    self._spill(failed, count=False)
+                with self._jlock:
+                    self._write_cursor(offsets[-1])
+                self._count("replayed", len(items) - len(failed))
+                if failed:
+                    return False
+        with self._jlock:  # drained: truncate so the journal does not grow forever
+            if self._read_cursor() >= self._journal_size():
+                self._jfile.truncate(0)
+                self._jfile.seek(0)
+                self._write_cursor(0)
+                return True
+        return False
+
+    def _run(self) -> None:
+        next_probe = 0.0
+        stopping = False
+        while True:
+            pending_journal = self.journal_pending() > 0
+            if pending_journal and self.bootstrap is not None and time.monotonic() >= next_probe:
+                if not self._replay():
+                    next_probe = time.monotonic() + self.retry_interval_s
+                continue_loop = True
+            else:
+                continue_loop = False
+            try:
+                first = self._q.get(timeout=0.05 if (continue_loop or pending_journal) else 0.2)
+            except queue.Empty:
+                if stopping:
+                    return
+                continue
+            if first is _STOP:
+                stopping = True
+                if self._q.empty():
+                    return
+                continue
+            items = [first]
+            while len(items) < self.batch_max:
+                try:
+                    it = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if it is _STOP:
+                    stopping = True
+                    break
+                items.append(it)
+            self._inflight = len(items)
+            if self.journal_pending() > 0 or not self._kafka_up and time.monotonic() < next_probe:
+                self._spill(items)  # keep order behind the journal
+            else:
+                ok = self._send(items)
+                failed = [it for it, good in zip(items, ok) if not good]
+                self._count("sent", len(items) - len(failed))
+                if failed:  # only the unacked ones: an acked event is never sent twice
+                    self._spill(failed)
+                    next_probe = time.monotonic() + self.retry_interval_s
+            self._inflight = 0
+            if stopping and self._q.empty():
+                return
+
