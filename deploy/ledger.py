@@ -1,0 +1,154 @@
+"""Deployment ledger: every canary decision with its numbers, in DuckDB, also on Kafka.
+
+The DuckDB file (``schemas.settings.ledger_path()`` by default; callers pass the path) is
+the source of truth; each call opens a short-lived connection and retries while another
+process holds the file lock. Each recorded decision is also published to the topic
+``flywheel.deployments`` (key = version) when a bootstrap address is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from schemas.topics import DEPLOYMENTS
+
+log = logging.getLogger(__name__)
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS decisions (
+    ts BIGINT,            -- ms since epoch
+    version VARCHAR,      -- candidate (or the version acted on)
+    stable VARCHAR,       -- stable version at the time (the candidate's baseline)
+    step INTEGER,         -- canary step index, -1 outside a canary
+    weight DOUBLE,        -- candidate traffic share after the decision (0..1)
+    decision VARCHAR,     -- START | ADVANCE | HOLD | PROMOTE | ROLLBACK | FAILED | ABORT | MANUAL_*
+    reason VARCHAR,
+    numbers VARCHAR,      -- JSON
+    actor VARCHAR         -- 'controller' or the user who ran a CLI command
+)
+"""
+
+
+@dataclass
+class LedgerEntry:
+    """One row of the ledger."""
+
+    version: str
+    stable: str | None
+    step: int
+    weight: float
+    decision: str
+    reason: str
+    numbers: dict = field(default_factory=dict)
+    actor: str = "controller"
+    ts: int = 0
+
+
+def _connect(path: Path, read_only: bool = False, timeout_s: float = 10.0):
+    """Open DuckDB at ``path``, retrying while another process holds its lock."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if read_only and not path.exists():
+                read_only = False
+            con = duckdb.connect(str(path), read_only=read_only)
+            if not read_only:
+                con.execute(_DDL)
+            return con
+        except duckdb.IOException as exc:
+            if "lock" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None) -> LedgerEntry:
+    """Append ``entry`` (ts set now if 0) and publish it to ``flywheel.deployments``.
+
+    A failed Kafka publish is logged, not raised: the DuckDB row is the source of truth.
+    """
+    if not entry.ts:
+        entry.ts = int(time.time() * 1000)
+    con = _connect(path)
+    try:
+        con.execute("INSERT INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [entry.ts, entry.version, entry.stable, entry.step, entry.weight, entry.decision,
+                     entry.reason, json.dumps(entry.numbers, default=str), entry.actor])
+    finally:
+        con.close()
+    if bootstrap:
+        try:
+            publish(bootstrap, entry)
+        except Exception as exc:  # noqa: BLE001 - ledger row is written; Kafka is a copy
+            log.warning("could not publish decision for %s to %s: %s", entry.version, DEPLOYMENTS, exc)
+    return entry
+
+
+def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 10.0) -> None:
+    """Send one decision to ``flywheel.deployments`` (key = version, value = JSON)."""
+    from kafka import KafkaProducer
+
+    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    try:
+        p.send(DEPLOYMENTS, key=entry.version.encode(),
+               value=json.dumps(asdict(entry), default=str).encode()).get(timeout=timeout_s)
+    finally:
+        p.close(timeout=timeout_s)
+
+
+def decisions(path: Path, version: str | None = None, limit: int | None = None) -> list[LedgerEntry]:
+    """Recorded decisions, oldest first (the newest ``limit`` if given)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    con = _connect(path)
+    try:
+        q = "SELECT ts, version, stable, step, weight, decision, reason, numbers, actor FROM decisions"
+        args: list = []
+        if version:
+            q += " WHERE version = ?"
+            args.append(version)
+        q += " ORDER BY ts DESC, rowid DESC"
+        if limit:
+            q += f" LIMIT {int(limit)}"
+        rows = con.execute(q, args).fetchall()
+    finally:
+        con.close()
+    out = [LedgerEntry(ts=r[0], version=r[1], stable=r[2], step=r[3], weight=r[4], decision=r[5],
+                       reason=r[6], numbers=json.loads(r[7] or "{}"), actor=r[8]) for r in rows]
+    return out[::-1]
+
+
+FINAL_DECISIONS = ("PROMOTE", "ROLLBACK", "FAILED", "ABORT", "MANUAL_PROMOTE", "MANUAL_ROLLBACK")
+
+
+class Ledger:
+    """The ledger at one path, with an optional Kafka copy (``bootstrap``).
+
+    Thin object wrapper over :func:`record` and :func:`decisions` for callers that keep one.
+    """
+
+    def __init__(self, path: str | Path, bootstrap: str | None = None):
+        self.path, self.bootstrap = Path(path), bootstrap
+
+    def record(self, entry: LedgerEntry) -> LedgerEntry:
+        return record(self.path, entry, self.bootstrap)
+
+    def decisions(self, version: str | None = None, limit: int | None = None) -> list[LedgerEntry]:
+        return decisions(self.path, version, limit)
+
+    def final_decision(self, version: str) -> dict | None:
+        """The last final decision (one of :data:`FINAL_DECISIONS`) about ``version`` as a
+        dict (ts, version, stable, step, weight, decision, reason, numbers, actor), or None
+        while the canary is still undecided."""
+        for e in reversed(self.decisions(version)):
+            if e.decision in FINAL_DECISIONS:
+                return asdict(e)
+        return None

@@ -1,0 +1,520 @@
+"""Rollout controller, ledger, admin client and on-call CLI against a real HTTP admin server.
+
+The admin server below is a minimal real FastAPI/uvicorn implementation of
+``schemas/admin.py`` backed by a real ModelStore (the stand-in for serving, which is not
+under test here); votes come from real Parquet shards; the ledger is a real DuckDB file
+and decisions go to a real Tansu broker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import typer
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from typer.testing import CliRunner
+
+from deploy import ledger
+from deploy.analysis import AnalysisConfig
+from deploy.commands import register, rollout_status_path
+from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, vote_counts
+from deploy.serving_client import ServingAdmin, ServingAdminError
+from deploy.store import CorruptVersionError, ModelStore
+from flywheel.broker import free_port
+from schemas.admin import LoadRequest, RollbackRequest, SlotInfo, SlotsStatus, WeightRequest
+from schemas.arrow import samples_to_table
+from schemas.events import RewardedSample, SamplingParams
+from schemas.manifest import digest_of_hashes, state_sha256
+from schemas.topics import DEPLOYMENTS
+
+TOKEN = "s3cret"
+
+
+# --------------------------------------------------------------------- fake serving admin
+def make_admin_app(store: ModelStore) -> FastAPI:
+    app = FastAPI()
+    st: dict = {"candidate": None, "weight": 0.0, "pause": None}
+
+    def slot(version: str) -> tuple[SlotInfo, dict]:
+        t0 = time.perf_counter()
+        try:
+            state = store.load(version)
+        except CorruptVersionError as exc:
+            raise HTTPException(409, f"load {version} failed: {exc}") from exc
+        except KeyError as exc:
+            raise HTTPException(404, f"version {version} not in store") from exc
+        return SlotInfo(version=version, weights_digest=digest_of_hashes(state_sha256(state)),
+                        loaded_at=int(time.time() * 1000), load_ms=(time.perf_counter() - t0) * 1e3), state
+
+    st["stable"], _ = slot("v000000")
+
+    def auth(req: Request):
+        if req.headers.get("authorization") != f"Bearer {TOKEN}":
+            raise HTTPException(401, "bad admin token")
+
+    def status() -> SlotsStatus:
+        return SlotsStatus(pod="test-pod", stable=st["stable"], candidate=st["candidate"],
+                           candidate_weight=st["weight"], last_swap_pause_ms=st["pause"])
+
+    @app.get("/admin/slots")
+    def slots(req: Request) -> SlotsStatus:
+        auth(req)
+        return status()
+
+    @app.post("/admin/load")
+    def load(body: LoadRequest, req: Request) -> SlotsStatus:
+        auth(req)
+        st["candidate"], _ = slot(body.version)
+        st["weight"] = 0.0
+        return status()
+
+    @app.post("/admin/weight")
+    def weight(body: WeightRequest, req: Request) -> SlotsStatus:
+        auth(req)
+        if st["candidate"] is None:
+            raise HTTPException(409, "no candidate loaded")
+        st["weight"] = body.candidate_weight
+        return status()
+
+    @app.post("/admin/promote")
+    def promote(req: Request) -> SlotsStatus:
+        auth(req)
+        if st["candidate"] is None:
+            raise HTTPException(409, "no candidate loaded")
+        t0 = time.perf_counter()
+        st["stable"], st["candidate"], st["weight"] = st["candidate"], None, 0.0
+        st["pause"] = (time.perf_counter() - t0) * 1e3
+        return status()
+
+    @app.post("/admin/rollback")
+    def rollback(body: RollbackRequest, req: Request) -> SlotsStatus:
+        auth(req)
+        if body.version:
+            st["stable"], _ = slot(body.version)
+        st["candidate"], st["weight"] = None, 0.0
+        return status()
+
+    @app.get("/metrics")
+    def metrics():
+        return "flywheel_requests_total 0\n"
+
+    return app
+
+
+def start_admin_server(store: ModelStore):
+    """Run the admin app on a free port in a thread; returns (url, stop)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(make_admin_app(store), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+    def stop():
+        server.should_exit = True
+        th.join(10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture()
+def env(tmp_path, tiny_moe_dir, fw_home, broker_env, monkeypatch):
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    url, stop = start_admin_server(store)
+    monkeypatch.setenv("FLYWHEEL_STORE", str(store.root))
+    monkeypatch.setenv("FLYWHEEL_SAMPLES", str(tmp_path / "samples"))
+    monkeypatch.setenv("FLYWHEEL_SERVING_URL", url)
+    monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("USER", "oncall-alice")
+    ns = type("Env", (), {})()
+    ns.store, ns.url, ns.samples, ns.broker = store, url, tmp_path / "samples", broker_env
+    ns.ledger, ns.status = fw_home / "ledger.duckdb", fw_home / "deploy" / "rollout.json"
+    ns.admin = ServingAdmin(url, TOKEN)
+    yield ns
+    ns.admin.close()
+    stop()
+
+
+def publish_v(store: ModelStore, parent: str, scale: float = 1.0001):
+    state = store.load(parent)
+    for v in state.values():
+        if v.is_floating_point():
+            v.mul_(scale)
+    return store.publish(state, parent, metrics={"kto/loss": 0.5})
+
+
+def write_votes(samples: Path, version: str, up: int, down: int, created_at: int) -> None:
+    rows = []
+    for i in range(up + down):
+        good = i < up
+        rows.append(RewardedSample(
+            completion_id=uuid.uuid4(), model_version=version, created_at=created_at, user_hash=f"u{i}",
+            prompt_token_ids=[1, 2], completion_token_ids=[3], behavior_logprobs=[-0.5],
+            sampling=SamplingParams(), finish_reason="stop", reward=1.0 if good else -1.0, label=good,
+            n_votes=1, votes_up=int(good), votes_down=int(not good), event_ids=[str(uuid.uuid4())],
+            sealed_at=created_at))
+    d = samples / f"model_version={version}" / "date=2026-11-30"
+    d.mkdir(parents=True, exist_ok=True)
+    pq.write_table(samples_to_table(rows), d / f"part-{uuid.uuid4().hex}.parquet")
+
+
+class Clock:
+    def __init__(self):
+        self.t = int(time.time() * 1000)
+
+    def __call__(self):
+        return self.t
+
+
+def controller(env, clock, **cfg) -> RolloutController:
+    """A fresh controller object each time: state lives only in the persisted record."""
+    analysis = AnalysisConfig(min_votes=cfg.pop("min_votes", 20))
+    return RolloutController(env.store, env.admin, env.samples, env.ledger, env.status,
+                             ControllerConfig(analysis=analysis, **cfg), bootstrap=env.broker.bootstrap,
+                             clock=clock)
+
+
+def deployments_on_kafka(bootstrap: str, n: int, timeout_s: float = 15.0) -> list[tuple[str, dict]]:
+    from kafka import KafkaConsumer
+
+    c = KafkaConsumer(DEPLOYMENTS, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
+                      consumer_timeout_ms=1000)
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            for m in c:
+                out.append((m.key.decode(), json.loads(m.value)))
+    finally:
+        c.close()
+    return out
+
+
+# --------------------------------------------------------------------------- tests
+def test_good_candidate_is_canaried_and_promoted(env):
+    m1 = publish_v(env.store, "v000000")
+    clock = Clock()
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert (st.phase, st.candidate, st.stable, st.weight) == (RolloutPhase.CANARY, "v000001", "v000000", 0.5)
+    s = env.admin.slots()
+    assert s.candidate.version == "v000001" and s.candidate_weight == 0.5
+    assert s.candidate.weights_digest == m1.weights_digest  # hashes verified on the serving side
+    # no votes yet: holds, never promotes on empty data
+    clock.t += 1000
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert st.phase == RolloutPhase.CANARY and st.last_outcome == "HOLD" and "too few votes" in st.last_reason
+    write_votes(env.samples, "v000001", 12, 13, clock.t)
+    write_votes(env.samples, "v000000", 11, 14, clock.t)
+    clock.t += 1000
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert (st.last_outcome, st.step, st.weight) == ("ADVANCE", 1, 1.0)
+    assert env.admin.slots().candidate_weight == 1.0
+    clock.t += 1000
+    # serving restarted and lost its candidate: the controller re-loads it at the same weight
+    env.admin.rollback()
+    # step 1 needs new candidate votes of its own
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert env.admin.slots().candidate.version == "v000001" and env.admin.slots().candidate_weight == 1.0
+    assert st.last_outcome == "HOLD" and "0 new candidate votes" in st.last_reason
+    write_votes(env.samples, "v000001", 10, 10, clock.t + 1)
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert st.phase == RolloutPhase.PROMOTED and st.phase.is_terminal()
+    s = env.admin.slots()
+    assert s.stable.version == "v000001" and s.candidate is None
+    assert s.stable.weights_digest == m1.weights_digest
+    assert [h.status for h in env.store.manifest("v000001").status_history] == ["published", "canary", "promoted"]
+    rows = ledger.decisions(env.ledger, version="v000001")
+    assert [r.decision for r in rows] == ["START", "HOLD", "ADVANCE", "RELOAD", "HOLD", "PROMOTE"]
+    promote = rows[-1].numbers["thumbs_up"]
+    # 22/45 vs 11/25 over the whole canary, counted independently here
+    assert (promote["candidate_up"], promote["candidate_votes"], promote["stable_up"], promote["stable_votes"]) == (22, 45, 11, 25)
+    final = ledger.Ledger(env.ledger).final_decision("v000001")
+    assert final["decision"] == "PROMOTE" and final["numbers"]["swap_pause_ms"] >= 0
+    msgs = deployments_on_kafka(env.broker.bootstrap, 6)
+    assert [(k, v["decision"]) for k, v in msgs] == [
+        ("v000001", d) for d in ["START", "HOLD", "ADVANCE", "RELOAD", "HOLD", "PROMOTE"]]
+    # idle afterwards: nothing newer than stable
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert st.phase == RolloutPhase.PROMOTED and env.admin.slots().stable.version == "v000001"
+
+
+def test_worse_candidate_is_rolled_back(env):
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    controller(env, clock).reconcile()
+    write_votes(env.samples, "v000001", 8, 32, clock.t + 1)  # 0.20
+    write_votes(env.samples, "v000000", 20, 20, clock.t + 1)  # 0.50
+    st = controller(env, clock).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and st.last_outcome == "ROLLBACK"
+    assert "candidate worse" in st.last_reason
+    s = env.admin.slots()
+    assert s.candidate is None and s.stable.version == "v000000"
+    assert env.store.manifest("v000001").status_history[-1].status == "rolled_back"
+    last = ledger.decisions(env.ledger)[-1]
+    assert last.decision == "ROLLBACK" and last.numbers["thumbs_up"]["check"] == "FAIL"
+    # a rolled-back version is never canaried again
+    st = controller(env, clock).reconcile()
+    assert env.admin.slots().candidate is None and st.phase == RolloutPhase.ROLLED_BACK
+
+
+def test_corrupt_candidate_fails_to_load_and_slots_stay(env):
+    publish_v(env.store, "v000000")
+    p = env.store.root / "versions" / "v000001" / "payload.bin"
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    env.store.clear_cache()
+    before = env.admin.slots()
+    st = controller(env, Clock()).reconcile()
+    assert st.phase == RolloutPhase.FAILED and "could not load v000001" in st.last_reason
+    assert "checksum" in st.last_reason
+    after = env.admin.slots()
+    assert after.candidate is None and after.stable == before.stable
+    assert ledger.decisions(env.ledger)[-1].decision == "FAILED"
+    with pytest.raises(ServingAdminError) as ei:
+        env.admin.load("v000001")
+    assert ei.value.status == 409 and "checksum" in ei.value.reason
+
+
+def test_fixed_budget_and_deadline(env):
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    kw = dict(steps=(0.5, 1.0), max_wait_s=60, step_deadline_s=600)
+    controller(env, clock, **kw).reconcile()
+    write_votes(env.samples, "v000001", 3, 2, clock.t + 1)  # too few for the test
+    write_votes(env.samples, "v000000", 2, 3, clock.t + 1)
+    clock.t += 61_000
+    st = controller(env, clock, **kw).reconcile()  # policy hold: recorded as such
+    assert st.last_outcome == "HOLD" and "fixed budget" in st.last_reason and "policy hold" in st.last_reason
+    st = controller(env, clock, inconclusive_policy="promote_if_not_worse", **kw).reconcile()
+    assert st.last_outcome == "ADVANCE" and "promote_if_not_worse" in st.last_reason and st.weight == 1.0
+    clock.t += 601_000  # step 1 stays inconclusive past its deadline: rolled back
+    st = controller(env, clock, **kw).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and "deadline" in st.last_reason
+    assert env.admin.slots().candidate is None
+
+
+def test_vote_counts_by_version_since(env):
+    write_votes(env.samples, "v000001", 3, 1, 1000)
+    write_votes(env.samples, "v000001", 2, 2, 5000)
+    write_votes(env.samples, "v000000", 0, 4, 5000)
+    assert vote_counts(env.samples, 0) == {"v000001": (5, 3, 8), "v000000": (0, 4, 4)}
+    assert vote_counts(env.samples, 2000) == {"v000001": (2, 2, 4), "v000000": (0, 4, 4)}
+    assert vote_counts(env.samples / "nothing", 0) == {}
+
+
+def test_admin_client_errors(env):
+    bad = ServingAdmin(env.url, "wrong")
+    with pytest.raises(ServingAdminError) as ei:
+        bad.slots()
+    assert ei.value.status == 401 and "bad admin token" in ei.value.reason
+    with pytest.raises(ServingAdminError, match="no candidate loaded"):
+        env.admin.promote()
+    with pytest.raises(ValueError, match="candidate_weight"):
+        env.admin.set_weight(1.5)
+    with pytest.raises(ServingAdminError) as ei:
+        ServingAdmin(f"http://127.0.0.1:{free_port()}").slots()
+    assert ei.value.status == 0
+    assert "flywheel_requests_total" in env.admin.metrics_text()
+
+
+def test_cli_status_versions_promote_rollback(env):
+    app = typer.Typer()
+    register(app)
+    run = CliRunner().invoke
+    m1 = publish_v(env.store, "v000000")
+    r = run(app, ["controller", "--once", "--steps", "0.25,1", "--min-votes", "5"])
+    assert r.exit_code == 0, r.output
+    assert "phase=canary" in r.output
+    r = run(app, ["status", "--json"])
+    j = json.loads(r.output)
+    assert j["serving"]["candidate"]["version"] == "v000001" and j["serving"]["candidate_weight"] == 0.25
+    assert j["rollout"]["phase"] == "canary" and [d["decision"] for d in j["decisions"]] == ["START", "HOLD"]
+    r = run(app, ["status"])
+    assert r.exit_code == 0 and "v000001" in r.output and "START" in r.output
+    r = run(app, ["versions", "--json"])
+    vs = json.loads(r.output)
+    assert [v["version"] for v in vs] == ["v000000", "v000001"] and vs[1]["kind"] == "delta"
+    assert vs[1]["delta_ratio"] == pytest.approx(m1.snapshot_bytes / m1.size_bytes)
+    # confirmation is required without --yes
+    r = run(app, ["promote"], input="n\n")
+    assert r.exit_code == 1 and env.admin.slots().candidate is not None
+    r = run(app, ["promote", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert env.admin.slots().stable.weights_digest == m1.weights_digest
+    assert json.loads(run(app, ["status", "--json"]).output)["rollout"]["phase"] == "promoted"
+    # rollback with no candidate: restore the previous promoted version (v0) by hashes
+    v0_digest = env.store.manifest("v000000").weights_digest
+    r = run(app, ["rollback", "--yes"])
+    assert r.exit_code == 0, r.output
+    s = env.admin.slots()
+    assert s.stable.version == "v000000" and s.stable.weights_digest == v0_digest
+    last = ledger.decisions(env.ledger)[-1]
+    assert (last.decision, last.actor, last.version, last.stable) == ("MANUAL_ROLLBACK", "oncall-alice", "v000000", "v000001")
+    assert env.store.manifest("v000001").status_history[-1].status == "rolled_back"
+    # no older promoted version left: a clear error
+    r = run(app, ["rollback", "--yes"])
+    assert r.exit_code == 2 and "no promoted version older than" in r.output
+    # a candidate loaded by hand is dropped by rollback
+    publish_v(env.store, "v000001")
+    env.admin.load("v000002")
+    r = run(app, ["rollback", "--yes"])
+    assert r.exit_code == 0 and "dropped candidate v000002" in r.output
+    assert env.admin.slots().candidate is None
+    r = run(app, ["rollback", "--to", "v000009", "--yes"])
+    assert r.exit_code == 2 and "v000009" in r.output
+    r = run(app, ["controller", "--once", "--steps", "0.5,0.4,1"])
+    assert r.exit_code == 2 and "steps" in r.output
+
+
+def test_two_pods_promote_to_the_same_hashes(env, tmp_path):
+    m1 = publish_v(env.store, "v000000")
+    url2, stop2 = start_admin_server(ModelStore(env.store.root))  # second pod, same store
+    pod2 = ServingAdmin(url2, TOKEN)
+    try:
+        clock = Clock()
+        ctl = lambda: RolloutController(env.store, [env.admin, pod2], env.samples, env.ledger, env.status,
+                                        ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(min_votes=5)),
+                                        clock=clock)
+        st = ctl().reconcile()
+        assert st.phase == RolloutPhase.CANARY
+        assert [a.slots().candidate_weight for a in (env.admin, pod2)] == [1.0, 1.0]
+        write_votes(env.samples, "v000001", 5, 1, clock.t)
+        write_votes(env.samples, "v000000", 5, 1, clock.t)
+        st = ctl().reconcile()
+        assert st.phase == RolloutPhase.PROMOTED, st.last_reason
+        for a in (env.admin, pod2):
+            s = a.slots()
+            assert s.stable.version == "v000001" and s.stable.weights_digest == m1.weights_digest
+    finally:
+        pod2.close()
+        stop2()
+
+
+def test_pod_that_fails_to_load_aborts_the_rollout(env, tmp_path):
+    import shutil
+
+    publish_v(env.store, "v000000")
+    bad_root = tmp_path / "store-pod2"
+    shutil.copytree(env.store.root, bad_root)
+    p = bad_root / "versions" / "v000001" / "payload.bin"
+    p.write_bytes(p.read_bytes()[:-50])  # pod 2 sees a truncated delta
+    url2, stop2 = start_admin_server(ModelStore(bad_root))
+    pod2 = ServingAdmin(url2, TOKEN)
+    try:
+        st = RolloutController(env.store, [env.admin, pod2], env.samples, env.ledger, env.status,
+                               clock=Clock()).reconcile()
+        assert st.phase == RolloutPhase.FAILED
+        assert url2 in st.last_reason and "truncated" in st.last_reason
+        assert env.admin.slots().candidate is None and pod2.slots().candidate is None  # pod 1 dropped it too
+        assert ledger.decisions(env.ledger)[-1].numbers["pod"].startswith(url2)
+    finally:
+        pod2.close()
+        stop2()
+
+
+def test_ledger_waits_for_another_process_holding_the_lock(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "ledger.duckdb"
+    ledger.record(path, ledger.LedgerEntry(version="v000001", stable="v000000", step=0, weight=0.05,
+                                           decision="START", reason="first"))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); "
+        "time.sleep(1.5); c.close()"), str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        ledger.record(path, ledger.LedgerEntry(version="v000001", stable="v000000", step=1, weight=0.25,
+                                               decision="ADVANCE", reason="second", numbers={"z": 0.5}))
+        waited = time.monotonic() - t0
+    finally:
+        holder.wait(10)
+    assert waited > 0.5  # it really had to wait for the other process's lock
+    rows = ledger.decisions(path)
+    assert [(r.decision, r.step, r.numbers) for r in rows] == [("START", 0, {}), ("ADVANCE", 1, {"z": 0.5})]
+
+
+def test_canary_abort_and_start_are_recorded_intents(env):
+    app = typer.Typer()
+    register(app)
+    run = CliRunner().invoke
+    publish_v(env.store, "v000000")
+    r = run(app, ["canary", "abort", "--yes"])
+    assert r.exit_code == 2 and "no canary in progress" in r.output
+    clock = Clock()
+    controller(env, clock).reconcile()
+    r = run(app, ["canary", "abort", "--yes"])
+    assert r.exit_code == 0, r.output
+    # the CLI only recorded intent: serving still has the candidate until the controller acts
+    assert env.admin.slots().candidate is not None
+    assert json.loads(run(app, ["status", "--json"]).output)["pending_intent"]["action"] == "abort"
+    st = controller(env, clock).reconcile()
+    assert st.phase == RolloutPhase.ABORTED and "aborted by oncall-alice" in st.last_reason
+    assert env.admin.slots().candidate is None
+    last = ledger.decisions(env.ledger)[-1]
+    assert (last.decision, last.actor) == ("ABORT", "oncall-alice")
+    # an aborted version is not restarted by the controller, but an operator can start it
+    assert controller(env, clock).reconcile().phase == RolloutPhase.ABORTED
+    r = run(app, ["canary", "start", "v000007", "--yes"])
+    assert r.exit_code == 2 and "v000007" in r.output
+    assert run(app, ["canary", "start", "v000001", "--yes"]).exit_code == 0
+    st = controller(env, clock).reconcile()
+    assert st.phase == RolloutPhase.CANARY and st.candidate == "v000001" and "started by oncall-alice" in st.last_reason
+    assert env.admin.slots().candidate.version == "v000001"
+
+
+def test_controller_processes_resume_from_the_persisted_phase(env):
+    """Two separate `flywheel controller --once` processes: the second resumes the canary."""
+    import os
+    import subprocess
+    import sys
+
+    publish_v(env.store, "v000000")
+    cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
+           "register(app); app()", "controller", "--once", "--steps", "0.5,1", "--min-votes", "5",
+           "--max-wait-s", "1", "--inconclusive", "promote_if_not_worse"]
+    envv = dict(os.environ)
+    r1 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
+    assert r1.returncode == 0, r1.stderr
+    assert "phase=canary" in r1.stdout and "step=0" in r1.stdout
+    time.sleep(1.2)  # past max_wait_s: the inconclusive step advances by policy
+    r2 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 0, r2.stderr
+    assert "step=1" in r2.stdout and "weight=1.0" in r2.stdout
+    decs = [d.decision for d in ledger.decisions(env.ledger)]
+    assert decs.count("START") == 1 and "ADVANCE" in decs
+    adv = [d for d in ledger.decisions(env.ledger) if d.decision == "ADVANCE"]
+    assert len(adv) == 1 and "fixed budget" in adv[0].reason and "promote_if_not_worse" in adv[0].reason
+
+
+def test_latency_metric_rolls_back_and_a_broken_source_holds(env):
+    publish_v(env.store, "v000000")
+    clock = Clock()
+
+    def ctl(fn):
+        return RolloutController(env.store, env.admin, env.samples, env.ledger, env.status,
+                                 ControllerConfig(analysis=AnalysisConfig(min_votes=5)), clock=clock,
+                                 arm_metrics=fn)
+
+    ctl(None).reconcile()
+    write_votes(env.samples, "v000001", 6, 4, clock.t)
+    write_votes(env.samples, "v000000", 6, 4, clock.t)
+
+    def broken(st):
+        raise OSError("metrics endpoint down")
+
+    st = ctl(broken).reconcile()
+    assert st.last_outcome == "HOLD" and "HOLD (error)" in st.last_reason and "metrics endpoint down" in st.last_reason
+    st = ctl(lambda st: ({"p99_ms": 900.0}, {"p99_ms": 300.0})).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and "p99_latency" in st.last_reason and "ratio 3.00" in st.last_reason

@@ -1,0 +1,193 @@
+"""Model store: bit-exact deltas, snapshots, corruption and wrong-parent rejection."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy.store import CorruptVersionError, ModelStore, decode_state
+from schemas.manifest import state_sha256
+from schemas.modelspec import load_model
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json")
+
+
+def _adam_steps(model, n: int, lr: float, seed: int) -> None:
+    """n real AdamW steps of next-token loss on random tokens (what the learner does)."""
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(n):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16))
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture()
+def store(tmp_path, tiny_moe_dir) -> ModelStore:
+    s = ModelStore(tmp_path / "store", snapshot_every=4)
+    s.init_base(tiny_moe_dir)
+    return s
+
+
+def test_init_base_registers_v0_promoted_and_is_idempotent(store, tiny_moe_dir):
+    m0 = store.manifest("v000000")
+    assert m0.kind == "snapshot" and m0.parent is None
+    assert [s.status for s in m0.status_history] == ["promoted"]
+    ref = state_sha256(load_model(tiny_moe_dir).state_dict())
+    assert {k: t.sha256 for k, t in m0.tensors.items()} == ref
+    assert "lm_head.weight" in m0.tensors and "model.embed_tokens.weight" in m0.tensors  # tied: both
+    assert (store.base_dir / "config.json").exists()
+    again = store.init_base(tiny_moe_dir)
+    assert again.created_at == m0.created_at and store.versions() == ["v000000"]
+    assert state_sha256(store.load("v000000")) == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_publish_load_round_trip_is_bit_exact(tmp_path, tiny_moe_dir, dtype):
+    store = ModelStore(tmp_path / "store", snapshot_every=3)
+    store.init_base(tiny_moe_dir)
+    model = load_model(tiny_moe_dir, dtype=dtype)
+    model.load_state_dict(store.load("v000000"))
+    expected, parent = {}, "v000000"
+    for i in range(4):  # v1 delta, v2 delta, v3 snapshot, v4 delta on a snapshot
+        model.train()
+        _adam_steps(model, 1, lr=1e-3, seed=i)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        m = store.publish(state, parent, metrics={"step": i})
+        expected[m.version] = state_sha256(state)
+        assert [s.status for s in m.status_history] == ["published"]
+        parent = m.version
+    kinds = [store.manifest(v).kind for v in store.versions()]
+    assert kinds == ["snapshot", "delta", "delta", "snapshot", "delta"]
+    fresh = ModelStore(tmp_path / "store", snapshot_every=3)  # no cache: replay chains from disk
+    for v, ref in expected.items():
+        got = fresh.load(v)
+        assert state_sha256(got) == ref, v
+    # the serving-side path: build from base_dir, load_state_dict (tied weights included)
+    m2 = load_model(fresh.base_dir, dtype=dtype)
+    m2.load_state_dict(fresh.load("v000004"))
+    assert state_sha256(m2.state_dict()) == expected["v000004"]
+    assert m2.lm_head.weight.data_ptr() == m2.model.embed_tokens.weight.data_ptr()
+
+
+def test_delta_is_much_smaller_than_snapshot_for_a_small_update(tmp_path, tiny_moe_dir):
+    store = ModelStore(tmp_path / "store", snapshot_every=2)
+    store.init_base(tiny_moe_dir)
+    state = store.load("v000000")
+    g = torch.Generator().manual_seed(0)
+    for k, v in state.items():  # 1 % of the entries move by a small step
+        mask = torch.rand(v.shape, generator=g) < 0.01
+        v.add_(mask * 1e-3 * torch.randn(v.shape, generator=g))
+    m1 = store.publish(state, "v000000")
+    m2 = store.publish(state, "v000001")  # v2 is a full snapshot of the same weights
+    assert (m1.kind, m2.kind) == ("delta", "snapshot")
+    d1 = _dir_bytes(store.root / "versions" / "v000001")
+    d2 = _dir_bytes(store.root / "versions" / "v000002")
+    assert m1.size_bytes == d1 and m2.size_bytes == d2
+    raw = sum(v.numel() * v.element_size() for v in state.values())
+    assert m1.snapshot_bytes == raw
+    assert d2 / d1 > 10, (d1, d2)
+    assert store.load("v000001").keys() == state.keys()
+
+
+def _v1(store):
+    state = store.load("v000000")
+    for v in state.values():
+        v.mul_(1.0001)
+    return store.publish(state, "v000000")
+
+
+def test_flipped_byte_names_the_tensor(store):
+    _v1(store)
+    vdir = store.root / "versions" / "v000001"
+    entries = json.loads((vdir / "index.json").read_text())["entries"]
+    victim = entries[5]
+    raw = bytearray((vdir / "payload.bin").read_bytes())
+    raw[victim["offset"] + victim["length"] // 2] ^= 0x01
+    (vdir / "payload.bin").write_bytes(bytes(raw))
+    with pytest.raises(CorruptVersionError) as ei:
+        ModelStore(store.root).load("v000001")
+    assert ei.value.tensor == victim["name"] and "checksum" in ei.value.reason
+    assert isinstance(ei.value, ValueError)
+
+
+def test_truncated_payload_is_rejected(store):
+    _v1(store)
+    p = store.root / "versions" / "v000001" / "payload.bin"
+    p.write_bytes(p.read_bytes()[: p.stat().st_size - 100])
+    with pytest.raises(CorruptVersionError, match="truncated"):
+        ModelStore(store.root).load("v000001")
+
+
+def test_delta_on_wrong_parent_is_rejected(store):
+    _v1(store)
+    state = store.load("v000001")
+    for v in state.values():
+        v.mul_(1.0001)
+    store.publish(state, "v000001")  # v2: delta on v1
+    vdir = store.root / "versions" / "v000002"
+    entries = json.loads((vdir / "index.json").read_text())["entries"]
+    with pytest.raises(CorruptVersionError, match="wrong parent"):
+        decode_state("v000002", entries, (vdir / "payload.bin").read_bytes(), store.load("v000000"))
+    # a manifest edited to claim another parent is rejected too
+    mf = vdir / "manifest.json"
+    m = json.loads(mf.read_text())
+    m["parent"] = "v000000"
+    mf.write_text(json.dumps(m))
+    with pytest.raises(CorruptVersionError, match="wrong parent"):
+        ModelStore(store.root).load("v000002")
+
+
+def test_hash_mismatch_against_manifest_is_rejected(store):
+    _v1(store)
+    mf = store.root / "versions" / "v000001" / "manifest.json"
+    m = json.loads(mf.read_text())
+    name = sorted(m["tensors"])[0]
+    m["tensors"][name]["sha256"] = "0" * 64
+    mf.write_text(json.dumps(m))
+    with pytest.raises(CorruptVersionError) as ei:
+        ModelStore(store.root).load("v000001")
+    assert ei.value.tensor == name and "sha256" in ei.value.reason
+
+
+def test_bad_inputs_and_status(store):
+    with pytest.raises(KeyError, match="v000009"):
+        store.publish(store.load("v000000"), "v000009")
+    with pytest.raises(ValueError, match="state\\['x'\\]"):
+        store.publish({"x": [1, 2]}, "v000000")
+    with pytest.raises(ValueError, match="version"):
+        store.manifest("latest")
+    with pytest.raises(ValueError, match="snapshot_every"):
+        ModelStore(store.root, snapshot_every=0)
+    m = _v1(store)
+    store.set_status(m.version, "canary", "5%")
+    assert [s.status for s in store.manifest(m.version).status_history] == ["published", "canary"]
+    assert store.latest() == "v000001"
+    # temp dirs of an interrupted publish are not versions
+    (store.root / "versions" / ".tmp-v000002-x").mkdir()
+    shutil.copy(store.root / "versions" / "v000001" / "index.json", store.root / "versions" / ".tmp-v000002-x")
+    assert store.versions() == ["v000000", "v000001"]
+
+
+def test_delta_bench_entropy_bound_by_hand_and_bit_exact():
+    from deploy.bench_delta import entropy_bound_bytes, measure
+
+    parent = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    assert entropy_bound_bytes(parent, parent) == 0.0
+    raw = parent["w"].view(torch.int16).clone()
+    raw[3] ^= 1  # one bit flipped in the low byte of one element
+    state = {"w": raw.view(torch.bfloat16)}
+    # low-byte plane: 7 zeros and one 0x01 -> 8 * H(1/8) bits; high-byte plane all zero -> 0
+    h = -(7 / 8 * math.log2(7 / 8) + 1 / 8 * math.log2(1 / 8))
+    assert entropy_bound_bytes(state, parent) == pytest.approx(8 * h / 8)
+    m = measure(state, parent)  # raises if the round trip is not bit-exact
+    assert m["changed_frac"] == 1 / 8 and m["raw"] == 16
