@@ -17,7 +17,7 @@ This module knows nothing about DeepSpeed or losses.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -75,6 +75,20 @@ class LearnerBatch:
     @property
     def n_completion_tokens(self) -> int:
         return int(self.completion_mask.sum().item())
+
+    def trim(self) -> "LearnerBatch":
+        """Drop the leading columns that are padding in every row (T shrinks; still left padded)."""
+        real = self.attention_mask.bool().any(0)
+        start = int(real.nonzero()[0]) if real.any() else 0
+        if start == 0:
+            return self
+        cut = lambda t: None if t is None else t[:, start:]  # noqa: E731
+        return LearnerBatch(
+            input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
+            position_ids=cut(self.position_ids), target_ids=cut(self.target_ids),
+            completion_mask=cut(self.completion_mask), behavior_logprobs=cut(self.behavior_logprobs),
+            routes=cut(self.routes), labels=self.labels, rewards=self.rewards, versions=self.versions,
+            completion_ids=self.completion_ids, ref_logprobs=cut(self.ref_logprobs))
 
     def select(self, idx: list[int]) -> "LearnerBatch":
         """Sub-batch of rows ``idx`` (padding columns kept; still left padded)."""

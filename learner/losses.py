@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 ISLevel = Literal["sequence", "token"]
 

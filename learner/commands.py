@@ -1,0 +1,89 @@
+"""``flywheel learn``: run learner cycles (once, or as a daemon on a schedule)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and exit."),
+           store: Optional[Path] = typer.Option(None, help="Model store dir (default $FLYWHEEL_HOME/store)."),
+           samples: Optional[Path] = typer.Option(None, help="RewardedSample Parquet root (default "
+                                                  "$FLYWHEEL_HOME/data/samples)."),
+           state: Optional[Path] = typer.Option(None, help="Learner state dir (default $FLYWHEEL_HOME/learner)."),
+           min_samples: int = typer.Option(1, help="Skip the cycle below this many trainable samples."),
+           steps: int = typer.Option(4, help="Optimizer steps per cycle."),
+           batch_size: int = typer.Option(8, help="Samples per step."),
+           lr: float = typer.Option(1e-5, help="AdamW learning rate."),
+           beta: float = typer.Option(0.1, help="KTO beta."),
+           objective: str = typer.Option("kto", help="kto | reinforce."),
+           is_cap: float = typer.Option(2.0, help="Truncation of the importance ratio."),
+           max_staleness: int = typer.Option(4, help="Drop samples more than this many versions old."),
+           seed: int = typer.Option(0, help="RNG seed."),
+           checkpoint_every: int = typer.Option(0, help="Resumable DeepSpeed checkpoint every N steps (0 = off)."),
+           zero_stage: int = typer.Option(2, help="DeepSpeed ZeRO stage (1 or 2)."),
+           holdout_frac: float = typer.Option(0.0, help="Eval gate: fraction of new samples held out (0 = off)."),
+           max_regression: float = typer.Option(0.0, help="Eval gate: allowed score drop vs the parent."),
+           no_replay: bool = typer.Option(False, "--no-replay", help="Free routing (no router replay)."),
+           allow_free_routing: bool = typer.Option(False, help="Train samples without routes on free routing."),
+           parent: str = typer.Option("stable", help="Train from the 'stable' (promoted) or 'latest' version."),
+           every_h: float = typer.Option(1.0, help="Daemon: run a cycle at least every this many hours."),
+           every_n: int = typer.Option(64, help="Daemon: run a cycle once this many new samples are sealed."),
+           poll_s: float = typer.Option(10.0, help="Daemon: seconds between checks for new samples."),
+           ) -> None:
+    """Train on new sealed samples (KTO + router replay, DeepSpeed) and publish a version."""
+    from schemas import settings
+    from learner.cycle import load_state, read_samples, run_cycle
+    from learner.trainer import LearnerConfig, ensure_dist_env
+
+    try:
+        cfg = LearnerConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta, objective=objective,
+                            is_cap=is_cap, max_staleness=max_staleness, seed=seed, router_replay=not no_replay,
+                            checkpoint_every=checkpoint_every, zero_stage=zero_stage,
+                            holdout_frac=holdout_frac, max_regression=max_regression,
+                            allow_free_routing=allow_free_routing, min_samples=min_samples)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    store = store or settings.store_dir()
+    samples = samples or settings.samples_dir()
+    state = state or settings.home() / "learner"
+    ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly
+
+    def cycle() -> None:
+        started_ms = int(time.time() * 1000)
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        m = run_cycle(store, samples, state, cfg, parent=parent, show_progress=rank0)
+        if not rank0:
+            return
+        if m is None:
+            cycles = load_state(state)["cycles"]
+            if cycles and cycles[-1].get("rejected") and cycles[-1]["at"] >= started_ms:
+                typer.echo(f"learn: candidate rejected by the eval gate: {cycles[-1]['rejected']}")
+            else:
+                typer.echo(f"learn: fewer than {min_samples} new trainable samples; nothing published")
+            return
+        keys = ("data/n_samples", "kto/loss_first", "kto/loss", "mismatch/max", "is/ratio_mean",
+                "perf/tokens_per_s")
+        summary = {k: m.metrics[k] for k in keys if k in m.metrics}
+        typer.echo(f"learn: published {m.version} (parent {m.parent}, {m.kind}) {json.dumps(summary)}")
+
+    if once:
+        cycle()
+        return
+    last = time.monotonic()
+    while True:  # daemon: every_h hours or every_n new samples, whichever first
+        n_new = len(read_samples(samples, exclude=set(load_state(state)["trained"])))
+        if n_new >= max(every_n, min_samples) or (time.monotonic() - last >= every_h * 3600 and n_new >= min_samples):
+            cycle()
+            last = time.monotonic()
+        time.sleep(poll_s)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``flywheel learn`` to the CLI."""
+    app.command("learn")(_learn)

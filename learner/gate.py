@@ -1,0 +1,75 @@
+"""Evaluation gate: a candidate that regresses on held-out feedback is not published.
+
+The built-in score needs no generation: on held-out labelled samples (never trained on),
+``score`` = mean per-token log π(y|x) of desirable completions − that of undesirable ones
+(free routing, as serving will run the candidate). A policy that learned from feedback
+raises it; one that learned the wrong direction lowers it. Any callable
+``evaluate(model) -> {"score": float, ...}`` (e.g. HumanEval pass rate scored the way the
+simulated users score) can replace it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+
+from schemas.events import RewardedSample
+from learner.batch import build_batch
+from learner.trainer import forward_token_logprobs
+
+Evaluator = Callable[[object], dict]
+
+
+def split_holdout(samples: list[RewardedSample], frac: float) -> tuple[list[RewardedSample], list[RewardedSample]]:
+    """Deterministic split by sha256(completion_id): ``(train, holdout)``, about ``frac`` held out.
+
+    Raises:
+        ValueError: ``frac`` outside [0, 1).
+    """
+    if not 0 <= frac < 1:
+        raise ValueError(f"holdout_frac: must be in [0, 1), got {frac}")
+    train, hold = [], []
+    for s in samples:
+        u = int(hashlib.sha256(str(s.completion_id).encode()).hexdigest()[:8], 16) / 2**32
+        (hold if u < frac else train).append(s)
+    return train, hold
+
+
+def preference_margin_evaluator(holdout: list[RewardedSample], pad_id: int, chunk: int = 8) -> Evaluator:
+    """``evaluate(model) -> {"score", "logp_desirable", "logp_undesirable", "n"}``: mean
+    per-token logprob (nats/token) of desirable minus undesirable held-out completions.
+
+    Raises:
+        ValueError: the holdout lacks a desirable or an undesirable sample.
+    """
+    if not any(s.label for s in holdout) or all(s.label for s in holdout):
+        raise ValueError("holdout: needs both desirable and undesirable samples")
+
+    @torch.no_grad()
+    def evaluate(model) -> dict:
+        was = model.training
+        model.eval()
+        sums = {True: 0.0, False: 0.0}
+        toks = {True: 0.0, False: 0.0}
+        for s in range(0, len(holdout), chunk):
+            part = holdout[s:s + chunk]
+            b = build_batch(part, pad_id, with_routes=False)
+            lp = forward_token_logprobs(model, b, replay=False) * b.completion_mask  # (B, T)
+            for i, smp in enumerate(part):
+                sums[bool(smp.label)] += float(lp[i].sum())
+                toks[bool(smp.label)] += float(b.completion_mask[i].sum())
+        model.train(was)
+        d, u = sums[True] / toks[True], sums[False] / toks[False]
+        return {"score": d - u, "logp_desirable": d, "logp_undesirable": u, "n": len(holdout)}
+
+    return evaluate
+
+
+def gate_decision(parent_eval: dict, candidate_eval: dict, max_regression: float) -> tuple[bool, str]:
+    """``(publish, reason)``: publish unless candidate score < parent score − max_regression."""
+    p, c = float(parent_eval["score"]), float(candidate_eval["score"])
+    if c < p - max_regression:
+        return False, f"eval score {c:.6g} < parent {p:.6g} - max_regression {max_regression:g}"
+    return True, f"eval score {c:.6g} vs parent {p:.6g} (max_regression {max_regression:g})"

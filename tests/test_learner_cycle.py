@@ -1,0 +1,317 @@
+"""One real DeepSpeed learner cycle end to end: Parquet shards -> DuckDB -> KTO with router
+replay (ZeRO-2, gloo, fp32, CPU) -> a new version in the real model store; then the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from learner.batch import build_batch
+from learner.cycle import load_state, read_samples, run_cycle
+from learner.losses import sequence_logprobs
+from learner.trainer import LearnerConfig, forward_token_logprobs
+from schemas.arrow import samples_to_table
+from schemas.modelspec import load_model
+
+try:
+    from deploy.store import ModelStore
+except ImportError:  # pragma: no cover - the store is another engineer's package
+    ModelStore = None
+
+from test_learner_replay import make_samples  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_shard(samples_dir: Path, samples, version: str, name: str) -> Path:
+    d = samples_dir / f"model_version={version}" / "date=2026-11-30"
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / f"part-{name}.parquet"
+    pq.write_table(samples_to_table(samples), f)
+    return f
+
+
+def seq_logps(model, samples, pad_id):
+    b = build_batch(samples, pad_id)
+    with torch.no_grad():
+        return sequence_logprobs(forward_token_logprobs(model, b), b.completion_mask)
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)  # v000000
+    model = load_model(store.base_dir)
+    pad = model.config.pad_token_id
+    samples = make_samples(model, 8, version="v000000", seed=3)
+    samples_dir = tmp_path / "samples"
+    write_shard(samples_dir, samples[:5], "v000000", "a")
+    write_shard(samples_dir, samples[5:], "v000000", "b")
+    stale = make_samples(model, 2, version="v000000", seed=9)  # seeds differ -> other ids
+
+    assert len(read_samples(samples_dir)) == 8
+    before = seq_logps(model, samples, pad)
+
+    cfg = LearnerConfig(steps=4, batch_size=8, lr=1e-3, beta=0.1, seed=0)
+    m = run_cycle(tmp_path / "store", samples_dir, tmp_path / "state", cfg, show_progress=False)
+    assert m is not None and m.version == "v000001" and m.parent == "v000000" and m.kind == "delta"
+    met = m.metrics
+    # aligned numerics: fp32 eager, replayed routes, same forward as the one that logged -> exactly 0
+    assert met["mismatch/n_tokens"] == sum(len(s.completion_token_ids) for s in samples)
+    assert met["mismatch/max"] == 0.0 and met["mismatch/mean"] == 0.0
+    assert met["routes/flip_frac"] == 0.0 and met["mismatch_free/max"] == 0.0
+    # step 1 runs on the parent weights, but as one padded batch of 8: CPU fp32 matmuls over a
+    # different row count differ in the last bits (measured <= ~1e-6 per token), so the
+    # importance ratio and KL are 1 and 0 to 1e-5, not bitwise
+    assert abs(met["is/ratio_mean_first"] - 1.0) < 1e-5 and abs(met["kl/k1_first"]) < 1e-5
+    for key in ("kto/loss", "kto/loss_first", "is/ratio_mean", "mismatch/p99", "data/n_samples",
+                "perf/tokens_per_s", "kl/k3"):
+        assert key in met, key
+    assert met["data/n_samples"] == 8 and met["perf/tokens_per_s"] > 0
+
+    # the store reconstructs the learner's weights; they changed; the policy moved toward desirable
+    new = store.load("v000001")
+    old = store.load("v000000")
+    changed = [k for k in new if not torch.equal(new[k], old[k])]
+    assert any(".gate." in k for k in changed)  # the router learned under replay
+    assert len(changed) > len(new) // 2
+    model.load_state_dict(new, strict=False)
+    after = seq_logps(model, samples, pad)
+    des = torch.tensor([s.label for s in samples])
+    assert (after - before)[des].mean() > 0 > (after - before)[~des].mean()
+
+    # samples are consumed once
+    assert set(load_state(tmp_path / "state")["trained"]) == {str(s.completion_id) for s in samples}
+    assert run_cycle(tmp_path / "store", samples_dir, tmp_path / "state", cfg, show_progress=False) is None
+
+    # the CLI as a subprocess: new samples from v000001 plus two stale ones; trains from latest
+    model.load_state_dict(new, strict=False)
+    fresh = make_samples(model, 4, version="v000001", seed=4)
+    write_shard(samples_dir, fresh, "v000001", "c")
+    store.init_base  # noqa: B018 - store stays as it is
+    env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path / "home")}
+    env.pop("MASTER_PORT", None)
+    # stale: produced by v000000, parent v000001, --max-staleness 0 -> dropped and counted
+    write_shard(samples_dir, stale, "v000000", "d")
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", "learn", "--once", "--store", str(tmp_path / "store"),
+                        "--samples", str(samples_dir), "--state", str(tmp_path / "state"), "--steps", "2",
+                        "--lr", "1e-4", "--max-staleness", "0", "--parent", "latest"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "published v000002" in r.stdout
+    m2 = store.manifest("v000002")
+    assert m2.parent == "v000001"
+    assert m2.metrics["data/n_samples"] == 4 and m2.metrics["data/dropped_stale"] == 2
+    assert m2.metrics["mismatch/max"] == 0.0
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="lr: must be >= 0"):
+        LearnerConfig(lr=-1)
+    with pytest.raises(ValueError, match="is_level: KTO"):
+        LearnerConfig(is_level="token")
+    with pytest.raises(ValueError, match="zero_stage"):
+        LearnerConfig(zero_stage=3)
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_lr0_200_passes_ratio_exactly_one_with_top_p(tiny_moe_dir):
+    """Issue 5: at zero weight change the importance ratio is exactly 1 even for samples
+    served with top_p < 1 (behavior logprobs are raw), and 200 passes keep mismatch flat."""
+    from learner.trainer import train
+    from schemas.events import SamplingParams
+
+    model = load_model(tiny_moe_dir)
+    samples = [s.model_copy(update={"sampling": SamplingParams(top_p=0.5, temperature=0.7)})
+               for s in make_samples(model, 4, version="v000003", seed=5)]
+    before = _state(model)
+    ratios, kls = [], []
+    cfg = LearnerConfig(steps=200, batch_size=1, lr=0.0, seed=1)
+    state, met = train(model, samples, "v000003", cfg, model.config.pad_token_id,
+                       progress=lambda step, m: (ratios.append(m["is/ratio_mean"]), kls.append(m["kl/k1"])))
+    assert len(ratios) == 200
+    assert set(ratios) == {1.0} and set(kls) == {0.0}  # bitwise: batch-1 train forward == logged forward
+    assert met["mismatch/max"] == 0.0
+    assert all(torch.equal(state[k], before[k]) for k in before)
+
+
+def test_reinforce_zero1_free_routing(tiny_moe_dir):
+    """REINFORCE + LOO baseline + TIS (token level) + KL penalty on ZeRO-1, router replay off:
+    weights move; route-flip fraction and free-routing mismatch are reported."""
+    from learner.trainer import train
+
+    model = load_model(tiny_moe_dir)
+    samples = make_samples(model, 6, version="v000000", seed=6)
+    before = _state(model)
+    cfg = LearnerConfig(objective="reinforce", is_level="token", kl_coef=0.1, zero_stage=1, steps=2,
+                        batch_size=6, lr=1e-3, router_replay=False)
+    state, met = train(model, samples, "v000000", cfg, model.config.pad_token_id)
+    assert met["data/n_samples"] == 6
+    assert "pg/loss" in met and "pg/kl_k3" in met and met["train/steps"] == 2
+    assert met["routes/flip_frac"] == 0.0 and met["mismatch_free/max"] == 0.0  # same forward as logged
+    assert any(not torch.equal(state[k], before[k]) for k in before)
+    # with replay on, a sample without routes is refused and counted, never trained on free routing
+    samples[0] = samples[0].model_copy(update={"expert_routes": None})
+    model2 = load_model(tiny_moe_dir)
+    _, met2 = train(model2, samples, "v000000", LearnerConfig(steps=1, lr=0.0), model2.config.pad_token_id)
+    assert met2["data/dropped_routes_missing"] == 1 and met2["data/n_samples"] == 5
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_sigkill_mid_cycle_resumes_to_same_hashes(tiny_moe_dir, tmp_path):
+    """Issue 5: a learner killed with SIGKILL mid-cycle resumes from its DeepSpeed checkpoint
+    and publishes a version whose tensor hashes equal an uninterrupted run's (same seed)."""
+    model = load_model(tiny_moe_dir)
+    samples = make_samples(model, 6, version="v000000", seed=7)
+    for run in ("a", "b"):
+        ModelStore(tmp_path / run / "store").init_base(tiny_moe_dir)
+        write_shard(tmp_path / run / "samples", samples, "v000000", "x")
+    args = ["--steps", "5", "--batch-size", "4", "--lr", "1e-3", "--checkpoint-every", "1", "--seed", "3"]
+
+    def learn(run: str, extra_env: dict) -> subprocess.CompletedProcess:
+        env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path / run / "home"), **extra_env}
+        env.pop("MASTER_PORT", None)
+        return subprocess.run([sys.executable, "-m", "flywheel.cli", "learn", "--once",
+                               "--store", str(tmp_path / run / "store"), "--samples", str(tmp_path / run / "samples"),
+                               "--state", str(tmp_path / run / "state"), *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+    r = learn("a", {"FLYWHEEL_LEARN_SIGKILL_AFTER_STEP": "3"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert json.loads((tmp_path / "a" / "state" / "ckpt" / "meta.json").read_text())["step"] == 3
+    assert ModelStore(tmp_path / "a" / "store").versions() == ["v000000"]  # nothing published
+    r = learn("a", {})
+    assert r.returncode == 0, r.stderr[-2000:]
+    resumed = ModelStore(tmp_path / "a" / "store").manifest("v000001")
+    assert resumed.metrics["train/resumed_from_step"] == 3
+    assert not (tmp_path / "a" / "state" / "ckpt").exists()
+
+    r = learn("b", {})
+    assert r.returncode == 0, r.stderr[-2000:]
+    straight = ModelStore(tmp_path / "b" / "store").manifest("v000001")
+    assert straight.metrics["train/resumed_from_step"] == 0
+    assert {k: t.sha256 for k, t in resumed.tensors.items()} == {k: t.sha256 for k, t in straight.tensors.items()}
+    base = ModelStore(tmp_path / "b" / "store").manifest("v000000")
+    assert straight.weights_digest != base.weights_digest
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_eval_gate_publishes_improvement_and_rejects_regression(tiny_moe_dir, tmp_path):
+    """Desirable completions repeat token 40, undesirable ones token 41. Training on them
+    raises the held-out preference margin (published, eval in the manifest); judged against a
+    holdout whose labels say the opposite, the same update is a regression and is rejected."""
+    from learner.gate import preference_margin_evaluator
+
+    model = load_model(tiny_moe_dir)
+    pattern = lambda i, C: [40 if i % 2 == 0 else 41] * C  # noqa: E731
+    samples = make_samples(model, 24, version="v000000", seed=11, completion=pattern)
+    cfg = LearnerConfig(steps=6, batch_size=8, lr=3e-3, holdout_frac=0.3, max_regression=0.0)
+    for run in ("good", "bad"):
+        ModelStore(tmp_path / run / "store").init_base(tiny_moe_dir)
+        write_shard(tmp_path / run / "samples", samples, "v000000", "x")
+
+    m = run_cycle(tmp_path / "good" / "store", tmp_path / "good" / "samples", tmp_path / "good" / "state", cfg,
+                  show_progress=False)
+    assert m is not None and m.eval["passed"] is True
+    assert m.eval["candidate"]["score"] > m.eval["parent"]["score"]
+    assert m.metrics["data/n_samples"] + m.eval["parent"]["n"] == 24
+
+    flipped = [s.model_copy(update={"label": not s.label}) for s in samples[:6]]
+    bad = run_cycle(tmp_path / "bad" / "store", tmp_path / "bad" / "samples", tmp_path / "bad" / "state", cfg,
+                    show_progress=False, evaluate=preference_margin_evaluator(flipped, model.config.pad_token_id))
+    assert bad is None
+    assert ModelStore(tmp_path / "bad" / "store").versions() == ["v000000"]
+    last = load_state(tmp_path / "bad" / "state")["cycles"][-1]
+    assert last["version"] is None and last["rejected"].startswith("eval score")
+    assert last["eval"]["candidate"]["score"] < last["eval"]["parent"]["score"]
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_daemon_triggers_on_new_samples(tiny_moe_dir, tmp_path):
+    """``flywheel learn`` without --once waits until --every-n new samples are sealed."""
+    import time
+
+    ModelStore(tmp_path / "store").init_base(tiny_moe_dir)
+    model = load_model(tiny_moe_dir)
+    samples = make_samples(model, 4, version="v000000", seed=12)
+    write_shard(tmp_path / "samples", samples[:2], "v000000", "a")
+    env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path / "home")}
+    env.pop("MASTER_PORT", None)
+    p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "learn", "--store", str(tmp_path / "store"),
+                          "--samples", str(tmp_path / "samples"), "--state", str(tmp_path / "state"),
+                          "--every-n", "4", "--every-h", "10", "--poll-s", "0.3", "--steps", "1"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(5)  # 2 new samples < every_n: no cycle
+        assert ModelStore(tmp_path / "store").versions() == ["v000000"] and p.poll() is None
+        write_shard(tmp_path / "samples", samples[2:], "v000000", "b")
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and ModelStore(tmp_path / "store").versions() == ["v000000"]:
+            time.sleep(0.5)
+        assert ModelStore(tmp_path / "store").versions() == ["v000000", "v000001"]
+        assert ModelStore(tmp_path / "store").manifest("v000001").metrics["data/n_samples"] == 4
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def test_config_docstring_lists_every_field():
+    import dataclasses
+
+    doc = LearnerConfig.__doc__
+    missing = [f.name for f in dataclasses.fields(LearnerConfig) if f"{f.name}:" not in doc and f"{f.name}," not in doc]
+    assert not missing, f"LearnerConfig docstring lacks {missing}"
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_two_processes_torchrun_match_one(tiny_moe_dir, tmp_path):
+    """ZeRO-2 on two gloo ranks (torchrun) trains the same update as one process: each rank
+    takes half of every global batch, gradients are averaged, KTO's z0 is all-reduced."""
+    model = load_model(tiny_moe_dir)
+    samples = make_samples(model, 8, version="v000000", seed=13)
+    for run in ("one", "two"):
+        ModelStore(tmp_path / run / "store").init_base(tiny_moe_dir)
+        write_shard(tmp_path / run / "samples", samples, "v000000", "x")
+    env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path / "home")}
+    for k in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+
+    def args(run):
+        return ["learn", "--once", "--store", str(tmp_path / run / "store"), "--samples", str(tmp_path / run / "samples"),
+                "--state", str(tmp_path / run / "state"), "--steps", "3", "--lr", "1e-3", "--batch-size", "8"]
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    r2 = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "flywheel.cli",
+                         *args("two")], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert r2.stdout.count("published v000001") == 1  # rank 0 publishes, rank 1 does not
+    r1 = subprocess.run([sys.executable, "-m", "flywheel.cli", *args("one")], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=240)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    base = ModelStore(tmp_path / "one" / "store").load("v000000")
+    one = ModelStore(tmp_path / "one" / "store").load("v000001")
+    two = ModelStore(tmp_path / "two" / "store").load("v000001")
+    d1 = torch.cat([(one[k] - base[k]).flatten() for k in base])
+    d2 = torch.cat([(two[k] - base[k]).flatten() for k in base])
+    # same update up to float summation order (gloo all-reduce, OMP_NUM_THREADS=1 under torchrun)
+    assert d1.abs().max() > 1e-3
+    assert (d1 - d2).abs().max() < 1e-5
+    m1 = ModelStore(tmp_path / "one" / "store").manifest("v000001").metrics
+    m2 = ModelStore(tmp_path / "two" / "store").manifest("v000001").metrics
+    assert m2["kto/loss"] == pytest.approx(m1["kto/loss"], abs=1e-4)
+
+
+def _port() -> int:
+    from learner.trainer import free_port
+
+    return free_port()
