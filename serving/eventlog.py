@@ -7,8 +7,10 @@ journal (one JSON line per event, fsync'd). Once the journal holds anything, eve
 event goes through it too, so order is kept; the thread replays the journal in order when
 Kafka answers again, and also after a pod restart (the journal is read at start).
 
-Delivery is at-least-once across a crash between a send and the journal cursor update;
-exactly once otherwise. This module knows nothing about the events' contents.
+Delivery is exactly once while the pod lives and the broker answers or refuses cleanly;
+at-least-once across a pod crash between a send and the journal cursor update, or when a
+broker persisted a batch but its ack was lost (then the journaled copy is sent again). Order: events are sent in emission order, except that a batch in
+flight when Kafka fails (<= ``batch_max`` events) may land behind events spilled meanwhile. This module knows nothing about the events' contents.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 log = logging.getLogger("flywheel.serving.eventlog")
 
 _STOP = object()
+_REJECTED = "rejected"
 
 
 @dataclass
@@ -51,11 +54,15 @@ class EventLog:
         batch_max: events sent per producer flush.
         send_timeout_s: how long one flush may wait for acks before Kafka counts as down (s).
         retry_interval_s: how often to probe Kafka while it is down (s).
+        max_request_bytes: producer request size limit (bytes). An event Kafka refuses for
+            good (too large, invalid topic: a non-retriable error) is not retried forever,
+            which would stall every later event: it is kept out of band in
+            ``<journal>.rejected`` (same JSON-line format) and counted as ``failed``.
     """
 
     def __init__(self, bootstrap: str | None, journal_path: str | Path, max_queue: int = 10_000,
                  batch_max: int = 500, send_timeout_s: float = 5.0, retry_interval_s: float = 1.0,
-                 client_id: str = "flywheel-serving"):
+                 client_id: str = "flywheel-serving", max_request_bytes: int = 16 * 1024 * 1024):
         self.bootstrap = bootstrap
         self.journal_path = Path(journal_path)
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +71,8 @@ class EventLog:
         self.send_timeout_s = send_timeout_s
         self.retry_interval_s = retry_interval_s
         self.client_id = client_id
+        self.max_request_bytes = max_request_bytes
+        self.rejected_path = self.journal_path.with_name(self.journal_path.name + ".rejected")
         self.counters = EventLogCounters()
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._jlock = threading.Lock()  # journal file + cursor
@@ -90,7 +99,19 @@ class EventLog:
             self._q.put_nowait(item)
             self._count("queued")
         except queue.Full:
-            self._spill([item])
+            # Move what still waits in memory to the journal first, so the journal keeps
+            # emission order (only a batch already in flight can end up behind these).
+            items = []
+            while True:
+                try:
+                    it = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if it is _STOP:
+                    self._q.put_nowait(it)
+                    break
+                items.append(it)
+            self._spill(items + [item])
 
     # ---------------------------------------------------------------- state
     @property
@@ -162,9 +183,7 @@ class EventLog:
         os.replace(tmp, self.cursor_path)
 
     def _spill(self, items: list[tuple[str, str, bytes]], count: bool = True) -> None:
-        lines = b"".join(
-            json.dumps({"topic": t, "key": k, "value": base64.b64encode(v).decode()}).encode() + b"\n"
-            for t, k, v in items)
+        lines = _encode_lines(items)
         try:
             with self._jlock:
                 self._jfile.write(lines)
@@ -182,21 +201,38 @@ class EventLog:
 
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all",
-                linger_ms=5, max_block_ms=2000, request_timeout_ms=int(self.send_timeout_s * 1000),
-                retries=0, reconnect_backoff_max_ms=1000, max_request_size=16 * 1024 * 1024)
+                linger_ms=5, max_block_ms=2000, bootstrap_timeout_ms=2000, request_timeout_ms=int(self.send_timeout_s * 1000),
+                retries=0, reconnect_backoff_max_ms=1000, max_request_size=self.max_request_bytes)
         return self._producer
 
     def _drop_producer(self) -> None:
         p, self._producer = self._producer, None
         self._kafka_up = False
-        if p is not None:
-            try:
-                p.close(timeout=0)
-            except Exception:  # noqa: BLE001
-                pass
+        if p is None:
+            return
+        # kafka-python's close() flushes first and raises on a timeout before it reaches its
+        # force-close, leaving the sender thread alive with our unacked batches: it would
+        # deliver them once the broker is back, after we journaled them (duplicates). So
+        # force-close the sender (abort incomplete batches) when close() does not finish.
+        try:
+            p.close(timeout=0)
+        except Exception:  # noqa: BLE001
+            sender = getattr(p, "_sender", None)
+            if sender is not None:
+                sender.force_close()
+            p._closed = True  # keep __del__ from flushing again
+
+    def _reject(self, items: list[tuple[str, str, bytes]], why: str) -> None:
+        log.error("kafka refused %d events for good (%s): kept in %s", len(items), why, self.rejected_path)
+        with open(self.rejected_path, "ab") as f:
+            f.write(_encode_lines(items))
+            f.flush()
+            os.fsync(f.fileno())
+        self._count("failed", len(items))
 
     def _send(self, items: list[tuple[str, str, bytes]]) -> list[bool]:
-        """Send in order and wait for acks; returns per-item success."""
+        """Send in order and wait for acks; per item: True (acked), False (retry later) or
+        ``_REJECTED`` (refused for good; now in the rejected file)."""
         if self.bootstrap is None:
             return [False] * len(items)
         try:
@@ -205,22 +241,29 @@ class EventLog:
             log.debug("kafka unreachable: %s", exc)
             self._drop_producer()
             return [False] * len(items)
-        futs = []
+        futs: list = []
         for t, k, v in items:
             try:
                 futs.append(p.send(t, key=k.encode(), value=v))
             except Exception as exc:  # noqa: BLE001 - metadata timeout etc.
-                log.debug("kafka send failed: %s", exc)
-                futs.append(None)
+                if getattr(exc, "retriable", True) is False:
+                    self._reject([(t, k, v)], repr(exc))
+                    futs.append(_REJECTED)
+                else:
+                    log.debug("kafka send failed: %s", exc)
+                    futs.append(None)
         try:
             p.flush(timeout=self.send_timeout_s)
         except Exception:  # noqa: BLE001
             pass
-        ok = []
-        for f in futs:
-            good = False
-            if f is not None and f.is_done:
+        ok: list = []
+        for it, f in zip(items, futs):
+            good = f if f is _REJECTED else False
+            if f is not None and f is not _REJECTED and f.is_done:
                 good = f.succeeded()
+                if not good and getattr(f.exception, "retriable", True) is False:
+                    self._reject([it], repr(f.exception))
+                    good = _REJECTED
             ok.append(good)
         if all(ok):
             self._kafka_up = True
@@ -260,7 +303,7 @@ class EventLog:
                     self._spill(failed, count=False)
                 with self._jlock:
                     self._write_cursor(offsets[-1])
-                self._count("replayed", len(items) - len(failed))
+                self._count("replayed", sum(1 for g in ok if g is True))
                 if failed:
                     return False
         with self._jlock:  # drained: truncate so the journal does not grow forever
@@ -309,7 +352,7 @@ class EventLog:
             else:
                 ok = self._send(items)
                 failed = [it for it, good in zip(items, ok) if not good]
-                self._count("sent", len(items) - len(failed))
+                self._count("sent", sum(1 for g in ok if g is True))
                 if failed:  # only the unacked ones: an acked event is never sent twice
                     self._spill(failed)
                     next_probe = time.monotonic() + self.retry_interval_s
@@ -317,3 +360,9 @@ class EventLog:
             if stopping and self._q.empty():
                 return
 
+
+
+def _encode_lines(items: list[tuple[str, str, bytes]]) -> bytes:
+    return b"".join(
+        json.dumps({"topic": t, "key": k, "value": base64.b64encode(v).decode()}).encode() + b"\n"
+        for t, k, v in items)

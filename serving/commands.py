@@ -1,0 +1,144 @@
+"""``flywheel serve``: one serving pod (engine + two weight slots + event log + HTTP API)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+log = logging.getLogger("flywheel.serving")
+
+
+def default_version(store) -> str:
+    """Latest version whose status history ends in ``promoted``; else ``v000000``."""
+    best = None
+    for v in store.versions():
+        try:
+            hist = store.manifest(v).status_history
+        except Exception:  # noqa: BLE001 - an unreadable manifest is not a candidate
+            continue
+        if hist and hist[-1].status == "promoted":
+            best = v if best is None or v > best else best
+    return best or "v000000"
+
+
+def open_store(store_dir: Path, model_dir: Path | None = None):
+    """The model store to serve from.
+
+    With ``model_dir``: a one-version :class:`serving.slots.CheckpointStore` over it.
+    Else ``deploy.store.ModelStore(store_dir)``, initialised from the base model
+    (``schemas.settings.base_model_dir()``) only if it has no versions yet.
+    """
+    from serving.slots import CheckpointStore
+
+    if model_dir is not None:
+        return CheckpointStore(model_dir)
+    from deploy.store import ModelStore  # the deploy package's public API
+    from schemas import settings
+
+    store = ModelStore(store_dir)
+    if not list(store.versions()):
+        store.init_base(settings.base_model_dir())
+    return store
+
+
+@dataclass
+class Pod:
+    """Everything one serving pod runs; ``close()`` stops it."""
+
+    app: object
+    engine: object
+    slots: object
+    event_log: object
+
+    def close(self) -> None:
+        if self.event_log is not None:
+            self.event_log.close()
+        self.engine.close()
+
+
+def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: int = 8,
+              bootstrap: str | None = None, journal: Path | None = None, log_events: bool = True,
+              api_keys: set[str] | None = None, admin_token: str | None = None,
+              threads: int | None = None) -> Pod:
+    """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
+
+    Args:
+        bootstrap: Kafka bootstrap; None = ``schemas.settings.bootstrap()`` (journal only if
+            no broker is configured: events wait in the journal).
+        journal: event journal file (default ``$FLYWHEEL_HOME/serving/<pod>.journal``).
+        log_events: False turns event logging off (benchmarks only).
+    """
+    from schemas import settings
+    from serving.app import create_app
+    from serving.engine import TorchEngine
+    from serving.eventlog import EventLog
+    from serving.slots import Slots
+
+    engine = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads)
+    slots = Slots(engine, store, pod=pod)
+    try:
+        slots.start(version or default_version(store))
+    except Exception:
+        engine.close()
+        raise
+    ev = None
+    if log_events:
+        if bootstrap is None:
+            try:
+                bootstrap = settings.bootstrap()
+            except RuntimeError as exc:
+                log.warning("%s; events wait in the journal", exc)
+        ev = EventLog(bootstrap, journal or settings.home() / "serving" / f"{pod}.journal",
+                      client_id=f"flywheel-serving-{pod}")
+    app = create_app(slots, ev, pod=pod, api_keys=api_keys, admin_token=admin_token)
+    return Pod(app=app, engine=engine, slots=slots, event_log=ev)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``flywheel serve`` to the CLI."""
+
+    @app.command("serve")
+    def serve(
+        host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+        port: int = typer.Option(8000, help="TCP port."),
+        store: Optional[Path] = typer.Option(None, help="Model store dir (default: $FLYWHEEL_HOME/store)."),
+        version: Optional[str] = typer.Option(None, help="Version to serve as stable (default: latest "
+                                                         "promoted, else v000000)."),
+        pod: str = typer.Option(os.environ.get("HOSTNAME", "pod-0"), help="Pod name in every event."),
+        max_batch: int = typer.Option(8, help="Requests per engine batch at most."),
+        engine: str = typer.Option("torch", help="Inference engine: torch (vllm: not in this build)."),
+        model_dir: Optional[Path] = typer.Option(None, help="Serve a plain HF checkpoint dir as v000000 "
+                                                            "instead of a model store."),
+        api_keys_file: Optional[Path] = typer.Option(None, help="Bearer keys for /v1/*, one per line "
+                                                                "(also env FLYWHEEL_API_KEYS, comma-separated)."),
+        threads: Optional[int] = typer.Option(None, help="torch intra-op threads."),
+    ):
+        """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
+        import uvicorn
+
+        from schemas import settings
+        from serving.app import load_keys
+
+        if engine != "torch":
+            raise typer.BadParameter(f"engine {engine!r} is not available in this build (use torch)",
+                                     param_hint="--engine")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        st = open_store(store or settings.store_dir(), model_dir)
+        p = build_pod(st, version, pod=pod, max_batch=max_batch,
+                      api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
+                      admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads)
+        typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
+
+        def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown
+            raise SystemExit(0)
+        signal.signal(signal.SIGTERM, _exit)
+        try:
+            uvicorn.run(p.app, host=host, port=port, log_level="warning")
+        finally:
+            p.close()

@@ -1,0 +1,47 @@
+"""Run an app under a real uvicorn server on a port, in a background thread (tests, bench)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread.
+
+    ``start()`` returns once the port accepts connections (RuntimeError after ``timeout_s``);
+    ``stop()`` asks uvicorn to exit and joins.
+    """
+
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.host = host
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.server.started:
+                return self
+            time.sleep(0.02)
+        raise RuntimeError(f"uvicorn did not start on {self.url} within {timeout_s}s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

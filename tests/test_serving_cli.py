@@ -1,0 +1,56 @@
+"""``flywheel serve`` as a real subprocess: empty store initialised from the base model dir,
+OpenAI client request, CompletionEvent on Kafka, clean shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from schemas import topics
+from schemas.events import CompletionEvent
+from serving.server import free_port
+from tests.test_serving_app import consume
+
+
+def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
+    port = free_port()
+    env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_MODEL_DIR=str(tiny_moe_dir),
+               FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap, FLYWHEEL_ADMIN_TOKEN="t")
+    store = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(port),
+                             "--store", str(store), "--pod", "cli-pod", "--max-batch", "4"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.3)
+        else:
+            raise AssertionError("flywheel serve did not become healthy in 90 s")
+        assert (store / "versions" / "v000000" / "manifest.json").exists()  # init_base on empty store
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+        assert r.model == "v000000"
+        recs = [x for x in consume(broker.bootstrap, topics.COMPLETIONS, 1) if x.key == r.id.encode()]
+        assert len(recs) == 1 and CompletionEvent.from_bytes(recs[0].value).pod == "cli-pod"
+        assert httpx.get(url + "/admin/slots").status_code == 401  # FLYWHEEL_ADMIN_TOKEN honoured
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read().decode()[-3000:]

@@ -1,0 +1,111 @@
+"""EventLog across a real broker outage and a pod restart: every event arrives exactly once."""
+
+from __future__ import annotations
+
+import time
+
+from flywheel.broker import free_port, spawn
+from schemas import topics
+from serving.eventlog import EventLog
+from tests.test_serving_app import consume
+
+
+def test_outage_spills_and_replays_exactly_once(tmp_path):
+    port = free_port()
+    b = spawn(port)
+    ev = EventLog(b.bootstrap, tmp_path / "ev.journal", send_timeout_s=1.0, retry_interval_s=0.3)
+    try:
+        ev.emit(topics.COMPLETIONS, "warmup", b"w")
+        assert ev.flush(20) and ev.counters.sent == 1
+        b.stop()
+        n = 500
+        t0 = time.perf_counter()
+        for i in range(n):
+            ev.emit(topics.COMPLETIONS, f"k{i:04d}", f"v{i}".encode())
+        emit_ms = (time.perf_counter() - t0) * 1000
+        assert emit_ms < 500, f"emit blocked: {emit_ms:.0f} ms for {n} events"
+        deadline = time.monotonic() + 20
+        while ev.counters.spilled < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ev.counters.spilled == n and not ev.kafka_up
+        b = spawn(port)  # a new memory-only broker on the same port; spawn recreates the topics
+        assert ev.flush(60), vars(ev.counters)
+        recs = consume(b.bootstrap, topics.COMPLETIONS, n + 1, timeout_s=6)  # n+1: waits to see a duplicate
+        keys = [r.key.decode() for r in recs]
+        assert len(keys) == n and len(set(keys)) == n
+        assert sorted(keys) == [f"k{i:04d}" for i in range(n)]
+        assert all(r.value == f"v{int(r.key[1:])}".encode() for r in recs)
+        assert ev.counters.replayed == n and ev.counters.failed == 0
+        assert ev.journal_pending() == 0
+    finally:
+        ev.close(timeout_s=1)
+        b.stop()
+
+
+def test_journal_replayed_in_order_after_restart(tmp_path):
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: Kafka unreachable from the start
+    j = tmp_path / "ev.journal"
+    ev = EventLog(dead, j, send_timeout_s=0.5, retry_interval_s=0.2)
+    n = 60
+    for i in range(n):  # one key -> one partition -> Kafka keeps emission order
+        ev.emit(topics.FEEDBACK, "same-key", f"{i}".encode())
+    deadline = time.monotonic() + 20
+    while ev.counters.spilled < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ev.counters.spilled == n
+    ev.close(timeout_s=0.5)  # the "pod" dies with everything in its journal
+    assert j.stat().st_size > 0
+
+    b = spawn()
+    ev2 = EventLog(b.bootstrap, j)  # restart: reads the journal at start
+    try:
+        assert ev2.flush(30)
+        assert ev2.counters.replayed == n
+        recs = consume(b.bootstrap, topics.FEEDBACK, n + 1, timeout_s=4)
+        assert [r.value.decode() for r in sorted(recs, key=lambda r: r.offset)] == [str(i) for i in range(n)]
+        assert j.stat().st_size == 0  # drained journal is truncated
+    finally:
+        ev2.close(timeout_s=1)
+        b.stop()
+
+
+def test_full_queue_spills_without_blocking(tmp_path):
+    b = spawn()
+    dead = f"127.0.0.1:{free_port()}"
+    ev = EventLog(dead, tmp_path / "ev.journal", max_queue=5, send_timeout_s=0.5)
+    n = 200
+    t0 = time.perf_counter()
+    for i in range(n):
+        ev.emit(topics.COMPLETIONS, f"q{i}", b"x")
+    assert (time.perf_counter() - t0) < 2.0  # fsync'd spills, but never a wait on Kafka
+    deadline = time.monotonic() + 20
+    while ev.counters.spilled < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ev.counters.spilled == n and ev.counters.sent == 0
+    ev.close(timeout_s=0.5)
+    ev2 = EventLog(b.bootstrap, tmp_path / "ev.journal")
+    try:
+        assert ev2.flush(30)
+        keys = [r.key.decode() for r in consume(b.bootstrap, topics.COMPLETIONS, n)]
+        assert sorted(keys) == sorted(f"q{i}" for i in range(n))
+    finally:
+        ev2.close(timeout_s=1)
+        b.stop()
+
+
+def test_oversized_event_kept_out_of_band_and_does_not_stall(tmp_path, broker):
+    ev = EventLog(broker.bootstrap, tmp_path / "ev.journal", max_request_bytes=2000)
+    try:
+        ev.emit(topics.COMPLETIONS, "small-1", b"a")
+        ev.emit(topics.COMPLETIONS, "big", b"x" * 10_000)
+        ev.emit(topics.COMPLETIONS, "small-2", b"b")
+        assert ev.flush(20)
+        assert ev.counters.sent == 2 and ev.counters.failed == 1 and ev.counters.spilled == 0
+        keys = sorted(r.key.decode() for r in consume(broker.bootstrap, topics.COMPLETIONS, 2))
+        assert keys == ["small-1", "small-2"]
+        import base64
+        import json
+        kept = [json.loads(x) for x in (tmp_path / "ev.journal.rejected").read_text().splitlines()]
+        assert [(k["key"], len(base64.b64decode(k["value"]))) for k in kept] == [("big", 10_000)]
+    finally:
+        ev.close(timeout_s=1)
