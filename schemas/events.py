@@ -177,8 +177,10 @@ class RewardedSample(_Event):
 
     ``model_version`` is the version that produced the completion (the behavior policy).
     ``label`` is True for desirable (net up-votes), False for undesirable; ``reward`` is the
-    shaped scalar (see ``ingest`` reward config). ``event_ids`` are the distinct feedback
-    events that count toward the label (the last vote of each user).
+    shaped scalar (see ``ingest`` reward config). ``event_ids`` are all distinct feedback
+    events folded into the label, including votes a user later replaced (so every accepted
+    event is in exactly one sample); ``votes_up``/``votes_down``/``n_votes`` count each
+    user's last vote only.
     """
 
     completion_id: uuid.UUID

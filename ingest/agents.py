@@ -1,0 +1,173 @@
+"""The ingest agents: completions and feedback in, shards + samples + dead letters out.
+
+Crash safety (no label lost, none counted twice; issue 4 item 3):
+
+1. An agent folds each event into the SQLite join state (``ingest.state``) before the event
+   is acked; faust commits only acked offsets. Agents take batches of events
+   (``take_events``: faust acks a batch only after the agent body is done with it); the
+   state of a batch is one SQLite commit (group commit), flushed at the end of the body,
+   and also from faust's ``on_commit_initiated`` hook (a safety net: it runs synchronously
+   before faust computes the offsets to commit). A dead letter decided on an event is delivered (producer ack awaited) before
+   the event is acked. So a committed offset never covers an event whose effect is not
+   durable; a killed worker loses only an unflushed batch whose offsets were not committed.
+2. After a crash, the uncommitted tail is consumed again; every event_id ever folded or
+   dead-lettered is in the ``events`` table and every sealed completion in ``sealed``, so
+   replays are recognised as duplicates and fold nothing.
+3. The seal timer claims due labels with the path of the shard that will hold them (one
+   transaction), writes the shard atomically (temp + fsync + rename), then marks them
+   sealed. A worker killed between the rename and the mark is repaired at start by
+   :meth:`ingest.join.Joiner.recover`: the shard exists, so the labels are marked sealed,
+   not sealed again; a shard that never appeared releases its labels to be sealed again.
+4. Nothing depends on end offsets, lag, or changelog highwaters (wrong on the embedded
+   broker, DESIGN §3).
+
+Samples on ``flywheel.samples`` and dead letters are at-least-once (a crash between the
+shard and the publish re-publishes nothing but may miss the topic copy of a shard's
+samples; the shards are the source of truth the learner reads).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from faust.sensors import Sensor
+
+from schemas import topics as T
+from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, now_ms
+
+from ingest import catalog, topics, writer
+from ingest.join import Joiner, parse_event
+from ingest.state import StateStore
+
+log = logging.getLogger("ingest")
+
+BATCH_EVENTS = 500  # events per agent batch (faust take_events) = one SQLite commit ...
+BATCH_AGE_S = 0.05  # ... or what arrived within this long (s)
+
+
+class _FlushBeforeCommit(Sensor):
+    """faust calls ``on_commit_initiated`` synchronously before it computes and commits
+    offsets: flushing the state there makes every acked event durable before its offset is
+    committed."""
+
+    def __init__(self, store: StateStore):
+        super().__init__()
+        self.store = store
+
+    def on_commit_initiated(self, consumer):
+        self.store.flush()
+
+
+def attach(app, cfg) -> Joiner:
+    """Declare the topics, agents and seal timer of ``cfg`` (an ``IngestConfig``) on ``app``."""
+    completions, feedback, samples_topic, deadletter = topics.declare(app)
+    store = StateStore(cfg.state_path)
+    joiner = Joiner(store, cfg.join)
+    app.sensors.add(_FlushBeforeCommit(store))
+    rec = joiner.recover(lambda p: Path(p).exists())
+    if rec["sealed"] or rec["released"]:
+        log.warning("ingest recover: %s", rec)
+    last_stats = {"at": 0.0, "c": None}
+    dead_seen: list[DeadLetter] = []  # for the catalog file, written at the next tick
+    dead_dir = catalog.deadletters_dir(cfg.samples_dir)
+
+    async def publish_dead(dl: DeadLetter) -> None:
+        fut = await deadletter.send(key=(dl.key or "").encode(), value=dl.to_bytes())
+        await fut  # delivered before the source event is acked
+        dead_seen.append(dl)
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(app, assigned, **kwargs):
+        mine = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned if tp.topic in (T.COMPLETIONS, T.FEEDBACK))
+        log.warning("ingest assigned %s", json.dumps(mine))
+
+    async def fold_completion(ev) -> None:
+        raw = ev.message.value
+        parsed = parse_event(CompletionEvent, raw, T.COMPLETIONS, ev.message.key)
+        if isinstance(parsed, DeadLetter):
+            await publish_dead(parsed)
+            with store.transaction():
+                store.bump("deadletter_malformed_completion")
+            return
+        store.begin_batch()
+        joiner.on_completion(parsed, raw)
+
+    async def fold_feedback(ev) -> None:
+        raw = ev.message.value
+        parsed = parse_event(FeedbackEvent, raw, T.FEEDBACK, ev.message.key)
+        if isinstance(parsed, DeadLetter):
+            await publish_dead(parsed)
+            with store.transaction():
+                store.bump("deadletter_malformed_feedback")
+            return
+        store.begin_batch()
+        _, dl = joiner.on_feedback(parsed, raw)
+        if dl is not None:
+            store.flush()
+            await publish_dead(dl)
+            joiner.mark_dead([str(parsed.event_id)])
+
+    # take_events acks a batch only after this body has finished with it, and the body
+    # flushes the state first: durable before acked, acked before committed.
+    @app.agent(completions, name="ingest-completions")
+    async def on_completions(stream):
+        async for batch in stream.take_events(BATCH_EVENTS, within=BATCH_AGE_S):
+            for ev in batch:
+                await fold_completion(ev)
+            store.flush()
+
+    @app.agent(feedback, name="ingest-feedback")
+    async def on_feedback(stream):
+        async for batch in stream.take_events(BATCH_EVENTS, within=BATCH_AGE_S):
+            for ev in batch:
+                await fold_feedback(ev)
+            store.flush()
+
+    @app.timer(cfg.tick_s, name="ingest-seal")
+    async def seal():
+        store.flush()  # claims and seals below are their own durable transactions
+        res = joiner.tick(now_ms(), writer.shard_namer(cfg.samples_dir))
+        wrote = 0
+        for path, samples in res.shards.items():
+            try:
+                writer.write_shard(samples, path)
+            except Exception:
+                log.exception("ingest: shard %s failed; labels released, retried next tick", path)
+                joiner.release([str(s.completion_id) for s in samples])
+                continue
+            joiner.commit_sealed(samples, path)
+            wrote += len(samples)
+            for s in samples:
+                await samples_topic.send(key=str(s.completion_id).encode(), value=s.to_bytes())
+        if res.dead_letters:
+            try:
+                for dl in res.dead_letters:
+                    await publish_dead(dl)
+                joiner.commit_dead(res)
+            except Exception:
+                log.exception("ingest: orphan dead letters failed; retried next tick")
+                joiner.release(res.orphan_ids)
+        if dead_seen:
+            try:
+                writer.write_deadletters(list(dead_seen), dead_dir)
+                dead_seen.clear()
+                wrote += 1
+            except Exception:
+                log.exception("ingest: dead-letter file failed; retried next tick")
+        if wrote:
+            try:
+                catalog.refresh_catalog(cfg.samples_dir, cfg.catalog)
+            except Exception as exc:  # the shards are the truth; the views are rebuilt next time
+                log.warning("ingest: catalog refresh failed: %s", exc)
+        if time.monotonic() - last_stats["at"] > 5.0:
+            c = store.counters()
+            c["open_labels"] = store.open_count()
+            if c != last_stats["c"]:
+                log.warning("ingest stats %s", json.dumps(c, sort_keys=True))
+                last_stats["c"] = c
+            last_stats["at"] = time.monotonic()
+
+    return joiner

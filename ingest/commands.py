@@ -1,0 +1,62 @@
+"""CLI of the ingest package: ``flywheel ingest`` and ``flywheel data stats``."""
+
+from __future__ import annotations
+
+import typer
+
+data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_help=True)
+
+
+def ingest_cmd(
+    seal_after_s: float = typer.Option(600.0, help="Seal a label after this long without a new vote (s)."),
+    max_label_age_s: float = typer.Option(3600.0, help="Seal (or drop, with no vote) completions this old (s)."),
+    orphan_ttl_s: float = typer.Option(600.0, help="How long feedback waits for its completion (s)."),
+    tick_s: float = typer.Option(1.0, help="Seal timer period (s)."),
+    worker_port: int = typer.Option(0, help="faust web port (0: no web server)."),
+    late_policy: str = typer.Option("deadletter", help="Feedback after sealing: deadletter | drop."),
+    reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
+    reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
+    loglevel: str = typer.Option("warn", help="crit | error | warn | info | debug."),
+) -> None:
+    """Run the ingest worker: join completions and feedback into RewardedSample shards."""
+    from ingest.app import IngestConfig, run_worker
+    from ingest.join import JoinConfig, RewardShaping
+
+    try:
+        cfg = IngestConfig(
+            join=JoinConfig(seal_after_s=seal_after_s, max_label_age_s=max_label_age_s,
+                            orphan_ttl_s=orphan_ttl_s, late_policy=late_policy,
+                            shaping=RewardShaping(up=reward_up, down=reward_down)),
+            tick_s=tick_s, worker_port=worker_port)
+    except (ValueError, RuntimeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    run_worker(cfg, loglevel=loglevel)
+
+
+@data_app.command("stats")
+def stats_cmd() -> None:
+    """Print the catalog views: votes by version, label balance, dead letters by reason."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ingest import catalog
+    from schemas import settings
+
+    catalog.refresh_catalog()
+    con = Console()
+    con.print(f"samples: {settings.samples_dir()}  catalog: {settings.catalog_path()}")
+    for view in ("votes_by_version", "label_balance", "deadletters_by_reason"):
+        rows = catalog.query(f"SELECT * FROM {view}")
+        t = Table(title=view)
+        cols = list(rows[0].keys()) if rows else ["(no samples)"]
+        for c in cols:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()])
+        con.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``ingest`` and ``data stats`` to the ``flywheel`` CLI."""
+    app.command("ingest")(ingest_cmd)
+    app.add_typer(data_app, name="data")

@@ -1,0 +1,399 @@
+"""The join: completions + feedback -> sealed RewardedSamples (pure logic, no Kafka).
+
+What it knows: per ``completion_id`` one :class:`LabelState` (the CompletionEvent, each
+user's last vote, every folded ``event_id``, vote times), kept in a
+:class:`ingest.state.StateStore` (SQLite) so that a killed worker restarts with the exact
+state it had. What it does not know: topics, offsets, partitions, files. The runtime
+(``ingest.agents``) feeds it parsed events and a clock, and writes what :meth:`Joiner.tick`
+hands back.
+
+Semantics (issue 4 item 2):
+
+* **Dedupe**: an ``event_id`` folds at most once, ever (open, sealed or dead-lettered).
+* **Last vote wins**: votes are keyed by ``user_hash``; a user's vote with the larger
+  ``(created_at, arrival order)`` replaces the earlier one until the label is sealed. The
+  superseded event still belongs to the sample (``event_ids`` holds every folded event),
+  so each accepted event is in exactly one sample or one dead letter.
+* **Seal**: when no new vote arrived for ``seal_after_s`` (processing time) or the
+  completion is older than ``max_label_age_s`` (its ``created_at``). Sealing emits one
+  RewardedSample and removes the open state.
+* **Orphans**: feedback whose completion has not arrived waits ``orphan_ttl_s`` and then
+  goes to the dead letters (reason ``orphan``).
+* **Late**: feedback for an already sealed completion is counted as ``late`` and, by
+  ``late_policy``, dead-lettered (default) or dropped (still counted).
+* **Unlabelled**: a completion with no vote by ``max_label_age_s`` is dropped (counted).
+* Feedback kinds other than ``thumb`` are not used by the label yet: dead-lettered with
+  the reason, so they are accounted for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pydantic
+
+from schemas import topics
+from schemas.events import SCHEMA_VERSION, CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample, now_ms
+
+
+@dataclass(frozen=True)
+class RewardShaping:
+    """How a label's votes become the scalar ``reward``.
+
+    ``reward = (up * votes_up + down * votes_down) / (votes_up + votes_down)`` (mean over
+    users' last votes) with ``aggregate="mean"``, or the plain sum with ``"sum"``.
+    Default ±1 averaged, i.e. reward in [-1, 1]; e.g. ``up=0.75, down=-0.25`` for an
+    asymmetric shaping.
+    """
+
+    up: float = 1.0
+    down: float = -1.0
+    aggregate: Literal["mean", "sum"] = "mean"
+
+    def __post_init__(self):
+        if self.aggregate not in ("mean", "sum"):
+            raise ValueError(f"aggregate: must be 'mean' or 'sum', got {self.aggregate!r}")
+
+    def reward(self, votes_up: int, votes_down: int) -> float:
+        total = self.up * votes_up + self.down * votes_down
+        n = votes_up + votes_down
+        return total / n if self.aggregate == "mean" and n else float(total)
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """Join timing and policies.
+
+    Timing (seconds):
+        seal_after_s: seal a label when no new vote arrived for this long (default 600).
+        max_label_age_s: seal (or drop, with no votes) once the completion's
+            ``created_at`` is this old (default 3600).
+        orphan_ttl_s: how long feedback waits for its completion before it is
+            dead-lettered (default 600).
+    Policies:
+        late_policy: feedback after its label was sealed: ``"deadletter"`` (default) or
+            ``"drop"`` (counted in ``late`` either way).
+        shaping: :class:`RewardShaping`.
+    """
+
+    seal_after_s: float = 600.0
+    max_label_age_s: float = 3600.0
+    orphan_ttl_s: float = 600.0
+    late_policy: Literal["deadletter", "drop"] = "deadletter"
+    shaping: RewardShaping = field(default_factory=RewardShaping)
+
+    def __post_init__(self):
+        for name in ("seal_after_s", "max_label_age_s", "orphan_ttl_s"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {v}")
+        if self.late_policy not in ("deadletter", "drop"):
+            raise ValueError(f"late_policy: must be 'deadletter' or 'drop', got {self.late_policy!r}")
+
+
+@dataclass
+class Vote:
+    """One user's current vote: value ±1, ``created_at`` ms (client time), ``seq`` arrival order."""
+
+    event_id: str
+    value: float
+    created_at: int
+    seq: int
+
+
+@dataclass
+class LabelState:
+    """Open join state of one completion.
+
+    ``completion``: the CompletionEvent JSON, or None while only feedback has arrived.
+    ``votes``: user_hash -> that user's last :class:`Vote`. ``event_ids``: every folded
+    feedback event (in arrival order). Times are ms: ``first_seen_at`` (processing time of
+    the first event of either kind), ``last_vote_at`` (processing time of the last folded
+    vote), ``created_at`` (the completion's).
+    """
+
+    completion_id: str
+    completion: str | None = None
+    created_at: int | None = None
+    votes: dict[str, Vote] = field(default_factory=dict)
+    event_ids: list[str] = field(default_factory=list)
+    first_seen_at: int = 0
+    first_vote_at: int | None = None
+    last_vote_at: int | None = None
+    seq: int = 0
+    pending_raw: dict[str, str] = field(default_factory=dict)  # event_id -> raw, while orphan
+
+    def due_at(self, cfg: JoinConfig) -> int:
+        """Processing time (ms) at which :meth:`Joiner.tick` must look at this state."""
+        if self.completion is None:
+            return self.first_seen_at + int(cfg.orphan_ttl_s * 1000)
+        age_due = self.created_at + int(cfg.max_label_age_s * 1000)
+        if self.last_vote_at is None:
+            return age_due
+        return min(age_due, self.last_vote_at + int(cfg.seal_after_s * 1000))
+
+    def to_json(self) -> str:
+        return json.dumps({  # the completion travels in its own column (ingest.state)
+            "completion_id": self.completion_id,
+            "created_at": self.created_at, "event_ids": self.event_ids,
+            "votes": {u: [v.event_id, v.value, v.created_at, v.seq] for u, v in self.votes.items()},
+            "first_seen_at": self.first_seen_at, "first_vote_at": self.first_vote_at,
+            "last_vote_at": self.last_vote_at, "seq": self.seq, "pending_raw": self.pending_raw})
+
+    @classmethod
+    def from_json(cls, raw: str, completion: str | None = None) -> "LabelState":
+        d = json.loads(raw)
+        d["completion"] = completion
+        d["votes"] = {u: Vote(*v) for u, v in d["votes"].items()}
+        return cls(**d)
+
+
+@dataclass
+class TickResult:
+    """What one :meth:`Joiner.tick` decided; the runtime makes it durable.
+
+    ``samples``: sealed RewardedSamples (their states are claimed, not yet removed: call
+    :meth:`Joiner.commit_sealed` once the shard holding them is durable); ``shards``: the
+    same samples by shard path.
+    ``dead_letters``: one per event of an orphan past ``orphan_ttl_s`` (states removed and
+    event_ids recorded as dead-lettered only by :meth:`Joiner.commit_dead`).
+    ``dropped``: completion ids dropped with no vote.
+    """
+
+    samples: list[RewardedSample] = field(default_factory=list)
+    shards: dict[str, list[RewardedSample]] = field(default_factory=dict)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    dead_event_ids: list[str] = field(default_factory=list)
+    orphan_ids: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+
+def _payload(raw: bytes | str) -> str:
+    return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+
+
+def dead_letter(source_topic: str, key: bytes | str | None, fld: str, reason: str,
+                raw: bytes | str, at: int | None = None) -> DeadLetter:
+    """Build a :class:`schemas.events.DeadLetter` (payload kept as utf-8 with replacement)."""
+    k = _payload(key) if key is not None else None
+    return DeadLetter(source_topic=source_topic, key=k, field=fld, reason=reason,
+                      payload=_payload(raw), at=now_ms() if at is None else at)
+
+
+def parse_event(model: type[CompletionEvent] | type[FeedbackEvent], raw: bytes | str,
+                source_topic: str, key: bytes | str | None = None):
+    """Validate one Kafka value as ``model``.
+
+    Returns the event, or a :class:`DeadLetter` naming the field (pydantic ``loc`` joined
+    by ``.``, ``"value"`` for undecodable JSON) and the reason. Never raises.
+    """
+    try:  # fast path: pydantic-core parses and validates in one pass
+        return model.model_validate_json(raw)
+    except (pydantic.ValidationError, ValueError):
+        pass
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return dead_letter(source_topic, key, "value", f"bad JSON: {exc}", raw)
+    if not isinstance(obj, dict):
+        return dead_letter(source_topic, key, "value", f"expected a JSON object, got {type(obj).__name__}", raw)
+    if "schema_version" in obj and obj["schema_version"] != SCHEMA_VERSION:
+        return dead_letter(source_topic, key, "schema_version",
+                           f"unknown schema_version {obj['schema_version']!r} (this worker reads {SCHEMA_VERSION})", raw)
+    try:
+        return model.model_validate(obj)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "value"
+        return dead_letter(source_topic, key, loc, f"{err['msg']} (input {str(err.get('input'))[:80]!r})", raw)
+
+
+class Joiner:
+    """Folds parsed events into :class:`LabelState` s and seals them.
+
+    Args:
+        store: the durable state (:class:`ingest.state.StateStore`); every method leaves it
+            consistent, so a crash between two calls loses nothing.
+        config: :class:`JoinConfig`.
+
+    Times passed as ``now`` are processing time in ms since the epoch (UTC).
+    """
+
+    def __init__(self, store, config: JoinConfig | None = None):
+        self.store = store
+        self.cfg = config or JoinConfig()
+
+    # -- events ---------------------------------------------------------------------------
+    def on_completion(self, ev: CompletionEvent, raw: bytes | str | None = None, now: int | None = None) -> str:
+        """Fold a completion. Returns ``"new"``, ``"duplicate"`` or ``"sealed"`` (already
+        sealed: ignored, e.g. a replay after a crash)."""
+        now = now_ms() if now is None else now
+        cid = str(ev.completion_id)
+        with self.store.transaction():
+            if self.store.is_sealed(cid):
+                self.store.bump("completions_after_seal")
+                return "sealed"
+            st = self.store.get(cid)
+            if st is not None and st.completion is not None:
+                self.store.bump("completions_duplicate")
+                return "duplicate"
+            if st is None:
+                st = LabelState(completion_id=cid, first_seen_at=now)
+            st.completion = _payload(raw) if raw is not None else ev.model_dump_json()
+            st.created_at = ev.created_at
+            st.pending_raw = {}
+            self.store.put(st, st.due_at(self.cfg))
+            self.store.bump("completions")
+        return "new"
+
+    def on_feedback(self, ev: FeedbackEvent, raw: bytes | str | None = None,
+                    now: int | None = None) -> tuple[str, DeadLetter | None]:
+        """Fold one feedback event.
+
+        Returns ``(outcome, dead_letter)``: outcome is ``"folded"``, ``"duplicate"`` (this
+        event_id was already folded, sealed or dead-lettered), ``"late"`` (its label is
+        sealed; a DeadLetter is returned when ``late_policy="deadletter"``), or
+        ``"unsupported"`` (a kind the label does not use; DeadLetter returned). A returned dead
+        letter is not yet recorded: publish it, then call :meth:`mark_dead` (a crash in
+        between re-decides it on replay: dead letters are at-least-once, never lost).
+        """
+        now = now_ms() if now is None else now
+        cid, eid = str(ev.completion_id), str(ev.event_id)
+        raw_s = _payload(raw) if raw is not None else ev.model_dump_json()
+        with self.store.transaction():
+            if self.store.event_seen(eid):
+                self.store.bump("feedback_duplicate")
+                return "duplicate", None
+            if ev.kind != "thumb":
+                self.store.bump("feedback_unsupported")
+                return "unsupported", dead_letter(topics.FEEDBACK, cid, "kind",
+                                                  f"kind {ev.kind!r} is not used by the label yet", raw_s, now)
+            if self.store.is_sealed(cid):
+                self.store.bump("feedback_late")
+                if self.cfg.late_policy == "deadletter":
+                    return "late", dead_letter(topics.FEEDBACK, cid, "completion_id",
+                                               f"late: label of completion {cid} already sealed", raw_s, now)
+                self.store.mark_dead([eid])
+                return "late", None
+            st = self.store.get(cid)
+            if st is None:
+                st = LabelState(completion_id=cid, first_seen_at=now)
+            if eid in st.event_ids:  # also guarded by event_seen; kept for in-memory stores
+                return "duplicate", None
+            st.seq += 1
+            vote = Vote(event_id=eid, value=float(ev.value), created_at=ev.created_at, seq=st.seq)
+            cur = st.votes.get(ev.user_hash)
+            if cur is None or (vote.created_at, vote.seq) > (cur.created_at, cur.seq):
+                st.votes[ev.user_hash] = vote
+            st.event_ids.append(eid)
+            if st.completion is None:
+                st.pending_raw[eid] = raw_s
+            st.first_vote_at = st.first_vote_at or now
+            st.last_vote_at = now
+            self.store.put(st, st.due_at(self.cfg))
+            self.store.add_event(eid, cid)
+            self.store.bump("feedback_folded")
+        return "folded", None
+
+    # -- time ----------------------------------------------------------------------------
+    def seal(self, st: LabelState, now: int) -> RewardedSample:
+        """The RewardedSample of a state with a completion and at least one vote."""
+        ev = CompletionEvent.model_validate_json(st.completion)
+        up = sum(1 for v in st.votes.values() if v.value > 0)
+        down = sum(1 for v in st.votes.values() if v.value < 0)
+        return RewardedSample(
+            completion_id=ev.completion_id, model_version=ev.model_version, created_at=ev.created_at,
+            user_hash=ev.user_hash, prompt_token_ids=ev.prompt_token_ids,
+            completion_token_ids=ev.completion_token_ids, behavior_logprobs=ev.behavior_logprobs,
+            sampling=ev.sampling, expert_routes=ev.expert_routes, finish_reason=ev.finish_reason,
+            reward=self.cfg.shaping.reward(up, down), label=up > down, n_votes=up + down,
+            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now)
+
+    def tick(self, now: int | None = None, shard_for=None, limit: int = 10_000) -> TickResult:
+        """Decide every state due by ``now``: seal, orphan, or drop.
+
+        Args:
+            now: processing time, ms.
+            shard_for: ``RewardedSample -> str``, the shard path that will hold the sample
+                (``ingest.writer.shard_path``); recorded in the claim so that recovery after
+                a crash can tell whether the shard was written (default: ``""``).
+            limit: most states looked at in one tick.
+
+        Sealed states are *claimed* (hidden from later ticks) with their shard path and kept
+        until :meth:`commit_sealed`; orphans are claimed until :meth:`commit_dead`; dropped
+        completions are removed here (nothing to write). Returns a :class:`TickResult` whose
+        ``shards`` maps shard path -> its samples.
+        """
+        now = now_ms() if now is None else now
+        res = TickResult()
+        with self.store.transaction():
+            for st in self.store.due(now, limit):
+                if st.completion is None:
+                    for eid in st.event_ids:
+                        res.dead_letters.append(dead_letter(
+                            topics.FEEDBACK, st.completion_id, "completion_id",
+                            f"orphan: completion {st.completion_id} not seen within orphan_ttl_s="
+                            f"{self.cfg.orphan_ttl_s:g}", st.pending_raw.get(eid, json.dumps({"event_id": eid})), now))
+                        res.dead_event_ids.append(eid)
+                    res.orphan_ids.append(st.completion_id)
+                    self.store.claim(st.completion_id, "dead:")
+                elif not st.votes:
+                    res.dropped.append(st.completion_id)
+                    self.store.delete(st.completion_id)
+                    self.store.bump("completions_dropped_unlabelled")
+                else:
+                    sample = self.seal(st, now)
+                    path = shard_for(sample) if shard_for else ""
+                    res.samples.append(sample)
+                    res.shards.setdefault(path, []).append(sample)
+                    self.store.claim(st.completion_id, "shard:" + path)
+        return res
+
+    def recover(self, shard_exists) -> dict[str, int]:
+        """After a restart: finish or undo the claims a dead worker left.
+
+        A state claimed for a shard that exists (``shard_exists(path) -> bool``) is marked
+        sealed (the sample is on disk; sealing again would count it twice); any other claim is
+        released, so the label is sealed again (shard never appeared) or the orphan
+        dead-lettered again (dead letters are at-least-once). Returns counts.
+        """
+        out = {"sealed": 0, "released": 0}
+        with self.store.transaction():
+            for cid, claim in self.store.claims():
+                if claim.startswith("shard:") and claim[6:] and shard_exists(claim[6:]):
+                    self.store.mark_sealed(cid, now_ms(), claim[6:])
+                    self.store.delete(cid)
+                    out["sealed"] += 1
+                else:
+                    self.store.unclaim(cid)
+                    out["released"] += 1
+        return out
+
+    def commit_sealed(self, samples: list[RewardedSample], shard: str) -> None:
+        """Mark ``samples`` sealed (state removed) once ``shard`` holding them is durable."""
+        with self.store.transaction():
+            for s in samples:
+                self.store.mark_sealed(str(s.completion_id), s.sealed_at, shard)
+                self.store.delete(str(s.completion_id))
+            self.store.bump("samples", len(samples))
+
+    def commit_dead(self, res: TickResult) -> None:
+        """Mark the orphans of ``res`` dead-lettered once their dead letters are published."""
+        with self.store.transaction():
+            self.store.mark_dead(res.dead_event_ids)
+            for cid in res.orphan_ids:
+                self.store.delete(cid)
+            self.store.bump("feedback_orphaned", len(res.dead_event_ids))
+
+    def mark_dead(self, event_ids: list[str]) -> None:
+        """Record ``event_ids`` as dead-lettered (published); later copies are duplicates."""
+        with self.store.transaction():
+            self.store.mark_dead(event_ids)
+
+    def release(self, completion_ids: list[str]) -> None:
+        """Undo a claim (the shard or dead letter could not be written); retried next tick."""
+        with self.store.transaction():
+            for cid in completion_ids:
+                self.store.unclaim(cid)

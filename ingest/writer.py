@@ -1,0 +1,87 @@
+"""Parquet shards of RewardedSamples (layout: ``schemas.arrow``).
+
+``<samples_dir>/model_version=<v>/date=<YYYY-MM-DD>/part-<uuid>.parquet``; ``date`` is the
+UTC day of ``sealed_at``. Each shard is written to a hidden temp file in the same
+directory, fsynced, renamed (atomic on POSIX) and the directory fsynced, so a reader never
+sees a partial file and a shard that exists is complete and durable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.arrow import samples_to_table
+from schemas.events import DeadLetter, RewardedSample
+
+ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
+
+
+def partition_dir(samples_dir: Path, model_version: str, sealed_at_ms: int) -> Path:
+    """``samples_dir/model_version=<v>/date=<YYYY-MM-DD>`` (UTC day of ``sealed_at_ms``)."""
+    if not model_version or "/" in model_version or model_version.startswith("."):
+        raise ValueError(f"model_version: {model_version!r} cannot be a directory name")
+    day = dt.datetime.fromtimestamp(sealed_at_ms / 1000, tz=dt.timezone.utc).strftime("%Y-%m-%d")
+    return Path(samples_dir) / f"model_version={model_version}" / f"date={day}"
+
+
+def shard_namer(samples_dir: Path):
+    """A ``RewardedSample -> path`` function giving one new shard path per partition
+    (model_version, date) per call of the namer's owner (one tick)."""
+    names: dict[Path, str] = {}
+
+    def shard_for(s: RewardedSample) -> str:
+        d = partition_dir(samples_dir, s.model_version, s.sealed_at)
+        if d not in names:
+            names[d] = str(d / f"part-{uuid.uuid4().hex}.parquet")
+        return names[d]
+
+    return shard_for
+
+
+def write_shard(samples: list[RewardedSample], path: str | Path) -> Path:
+    """Write ``samples`` (all one model_version and day) to ``path`` atomically.
+
+    Returns the path. Raises ``ValueError`` on an empty list.
+    """
+    if not samples:
+        raise ValueError("samples: empty, nothing to write")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    table = samples_to_table(samples)
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, compression="zstd")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return path
+
+
+DEADLETTER_SCHEMA = pa.schema([("source_topic", pa.string()), ("key", pa.string()), ("field", pa.string()),
+                               ("reason", pa.string()), ("payload", pa.string()), ("at", pa.int64())])
+
+
+def write_deadletters(dead: list[DeadLetter], deadletters_dir: str | Path) -> Path | None:
+    """Append ``dead`` as one atomic Parquet file ``deadletters_dir/part-<uuid>.parquet``
+    (for the catalog's ``deadletters_by_reason``; the topic ``flywheel.deadletter`` stays the
+    record). Returns the path, or None for an empty list."""
+    if not dead:
+        return None
+    cols = {f.name: [getattr(d, f.name) for d in dead] for f in DEADLETTER_SCHEMA}
+    path = Path(deadletters_dir) / f"part-{uuid.uuid4().hex}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    pq.write_table(pa.table(cols, schema=DEADLETTER_SCHEMA), tmp)
+    os.rename(tmp, path)
+    return path

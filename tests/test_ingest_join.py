@@ -1,0 +1,237 @@
+"""Join semantics (issue 4 item 2), pure: no Kafka, state in SQLite (:memory: or a file)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from ingest.join import JoinConfig, Joiner, RewardShaping, parse_event
+from ingest.state import StateStore
+from schemas import topics
+from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, SamplingParams
+
+T0 = 1_700_000_000_000  # ms
+CFG = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20)
+
+
+def completion(cid=None, created_at=T0, version="v0001") -> CompletionEvent:
+    return CompletionEvent(
+        completion_id=cid or uuid.uuid4(), request_id="r", created_at=created_at, model_version=version,
+        pod="p0", user_hash="author", prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5],
+        behavior_logprobs=[-0.5, -1.25], sampling=SamplingParams(), finish_reason="stop",
+        ttft_ms=1.0, latency_ms=2.0)
+
+
+def vote(cid, user, value, created_at=T0, eid=None, kind="thumb") -> FeedbackEvent:
+    return FeedbackEvent(event_id=eid or uuid.uuid4(), completion_id=cid, user_hash=user, kind=kind,
+                         value=value, created_at=created_at)
+
+
+@pytest.fixture()
+def j():
+    return Joiner(StateStore(":memory:"), CFG)
+
+
+def test_duplicate_event_id_counts_once(j):
+    c = completion()
+    j.on_completion(c, now=T0)
+    v = vote(c.completion_id, "u1", 1)
+    assert j.on_feedback(v, now=T0 + 1)[0] == "folded"
+    assert j.on_feedback(v, now=T0 + 2)[0] == "duplicate"
+    assert j.tick(T0 + 1 + 9_999).samples == []
+    # seal_after counts from the last *folded* vote: the duplicate at T0+2 does not extend it
+    res = j.tick(T0 + 1 + 10_000)
+    (s,) = res.samples
+    assert (s.votes_up, s.votes_down, s.n_votes, s.label, s.reward) == (1, 0, 1, True, 1.0)
+    assert s.event_ids == [str(v.event_id)]
+    assert s.behavior_logprobs == [-0.5, -1.25] and s.model_version == "v0001"
+
+
+def test_multi_user_aggregate_and_shaping():
+    j = Joiner(StateStore(), JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20,
+                                        shaping=RewardShaping(up=0.75, down=-0.25)))
+    c = completion()
+    j.on_completion(c, now=T0)
+    vs = [vote(c.completion_id, "u1", 1), vote(c.completion_id, "u2", 1), vote(c.completion_id, "u3", -1)]
+    for i, v in enumerate(vs):
+        j.on_feedback(v, now=T0 + i)
+    (s,) = j.tick(T0 + 2 + 10_000).samples
+    assert (s.votes_up, s.votes_down, s.n_votes, s.label) == (2, 1, 3, True)
+    assert s.reward == pytest.approx((2 * 0.75 - 0.25) / 3)  # mean shaping by hand
+    assert sorted(s.event_ids) == sorted(str(v.event_id) for v in vs)
+
+
+def test_flip_last_vote_wins_by_created_at_then_arrival(j):
+    c = completion()
+    j.on_completion(c, now=T0)
+    up = vote(c.completion_id, "u1", 1, created_at=T0 + 100)
+    down = vote(c.completion_id, "u1", -1, created_at=T0 + 200)
+    stale_up = vote(c.completion_id, "u1", 1, created_at=T0 + 150)  # arrives last, older vote
+    for i, v in enumerate([up, down, stale_up]):
+        j.on_feedback(v, now=T0 + i)
+    (s,) = j.tick(T0 + 2 + 10_000).samples
+    assert (s.votes_up, s.votes_down, s.n_votes, s.label, s.reward) == (0, 1, 1, False, -1.0)
+    assert set(s.event_ids) == {str(up.event_id), str(down.event_id), str(stale_up.event_id)}
+    # a tie on created_at: the later arrival wins
+    c2 = completion()
+    j.on_completion(c2, now=T0)
+    j.on_feedback(vote(c2.completion_id, "u1", -1, created_at=T0), now=T0)
+    j.on_feedback(vote(c2.completion_id, "u1", 1, created_at=T0), now=T0 + 1)
+    (s2,) = j.tick(T0 + 1 + 10_000).samples
+    assert (s2.votes_up, s2.votes_down) == (1, 0)
+
+
+def test_seal_commit_then_late_and_duplicate(j):
+    c = completion()
+    j.on_completion(c, now=T0)
+    v = vote(c.completion_id, "u1", 1)
+    j.on_feedback(v, now=T0)
+    res = j.tick(T0 + 10_000, shard_for=lambda s: "/x/part-1.parquet")
+    assert list(res.shards) == ["/x/part-1.parquet"]
+    assert j.tick(T0 + 20_000).samples == []  # claimed: not sealed twice
+    j.commit_sealed(res.samples, "/x/part-1.parquet")
+    late = vote(c.completion_id, "u2", -1)
+    outcome, dl = j.on_feedback(late, now=T0 + 20_000)
+    assert outcome == "late" and isinstance(dl, DeadLetter)
+    assert dl.field == "completion_id" and dl.reason.startswith("late")
+    assert json.loads(dl.payload)["event_id"] == str(late.event_id)
+    j.mark_dead([str(late.event_id)])
+    assert j.on_feedback(late, now=T0 + 20_001)[0] == "duplicate"
+    assert j.on_feedback(v, now=T0 + 20_001)[0] == "duplicate"  # replay of a sealed vote
+    assert j.on_completion(c, now=T0 + 20_001) == "sealed"
+    assert j.store.counters()["feedback_late"] == 1
+
+
+def test_late_policy_drop():
+    j = Joiner(StateStore(), JoinConfig(seal_after_s=10, late_policy="drop"))
+    c = completion()
+    j.on_completion(c, now=T0)
+    j.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    res = j.tick(T0 + 10_000)
+    j.commit_sealed(res.samples, "")
+    assert j.on_feedback(vote(c.completion_id, "u2", 1), now=T0 + 11_000) == ("late", None)
+
+
+def test_orphan_waits_then_dead_letter(j):
+    cid = uuid.uuid4()
+    v = vote(cid, "u1", 1)
+    j.on_feedback(v, raw=v.to_bytes(), now=T0)
+    assert j.tick(T0 + 19_999).dead_letters == []
+    res = j.tick(T0 + 20_000)
+    (dl,) = res.dead_letters
+    assert dl.field == "completion_id" and "orphan" in dl.reason and "orphan_ttl_s=20" in dl.reason
+    assert FeedbackEvent.from_bytes(dl.payload).event_id == v.event_id  # the raw event is kept
+    j.commit_dead(res)
+    assert j.store.open_count() == 0
+    assert j.on_feedback(v, now=T0 + 20_001)[0] == "duplicate"
+
+
+def test_orphan_then_completion_in_time_joins(j):
+    cid = uuid.uuid4()
+    v = vote(cid, "u1", -1)
+    j.on_feedback(v, now=T0)
+    j.on_completion(completion(cid), now=T0 + 5_000)
+    res = j.tick(T0 + 10_000)
+    (s,) = res.samples
+    assert s.label is False and s.event_ids == [str(v.event_id)] and res.dead_letters == []
+
+
+def test_unlabelled_completion_dropped_and_age_seals(j):
+    quiet = completion(created_at=T0)
+    j.on_completion(quiet, now=T0)
+    busy = completion(created_at=T0)
+    j.on_completion(busy, now=T0)
+    # a vote every 5 s keeps seal_after (10 s) from firing; max_label_age (100 s) seals it
+    for k in range(30):
+        j.on_feedback(vote(busy.completion_id, f"u{k}", 1), now=T0 + 5_000 * k)
+        res = j.tick(T0 + 5_000 * k)
+        if k * 5_000 < 100_000:
+            assert res.samples == []
+        if res.samples:
+            break
+    assert res.dropped == [str(quiet.completion_id)]
+    (s,) = res.samples
+    assert s.completion_id == busy.completion_id and s.n_votes == 21  # votes at 0..100 s
+    assert j.store.counters()["completions_dropped_unlabelled"] == 1
+
+
+def test_other_kinds_dead_lettered(j):
+    c = completion()
+    j.on_completion(c, now=T0)
+    out, dl = j.on_feedback(vote(c.completion_id, "u1", 1.0, kind="copy"), now=T0)
+    assert out == "unsupported" and dl.field == "kind"
+
+
+@pytest.mark.parametrize("raw,field,needle", [
+    (b"{not json", "value", "bad JSON"),
+    (b"[1, 2]", "value", "JSON object"),
+    (json.dumps({"schema_version": 2}).encode(), "schema_version", "unknown schema_version 2"),
+    (json.dumps({"event_id": str(uuid.uuid4()), "user_hash": "u", "value": 1, "created_at": T0}).encode(),
+     "completion_id", "Field required"),
+    (json.dumps({"event_id": "nope", "completion_id": str(uuid.uuid4()), "user_hash": "u", "value": 1,
+                 "created_at": T0}).encode(), "event_id", "UUID"),
+    (json.dumps({"event_id": str(uuid.uuid4()), "completion_id": str(uuid.uuid4()), "user_hash": "u",
+                 "value": "up", "created_at": T0}).encode(), "value", "number"),
+    (json.dumps({"event_id": str(uuid.uuid4()), "completion_id": str(uuid.uuid4()), "user_hash": "u",
+                 "value": 1, "created_at": T0, "extra": 1}).encode(), "extra", "Extra inputs"),
+    (b"\xff\xfe", "value", "bad JSON"),
+])
+def test_malformed_feedback_dead_letter_names_field(raw, field, needle):
+    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, b"k")
+    assert isinstance(dl, DeadLetter)
+    assert dl.field == field and needle in dl.reason, (dl.field, dl.reason)
+    assert dl.source_topic == topics.FEEDBACK and dl.key == "k"
+
+
+def test_state_survives_reopen_and_recover(tmp_path):
+    """The SQLite state is what a killed worker restarts from; recover() finishes claims."""
+    path = tmp_path / "state.sqlite"
+    j = Joiner(StateStore(path), CFG)
+    a, b = completion(), completion()
+    for c in (a, b):
+        j.on_completion(c, now=T0)
+        j.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    shard_a, shard_b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    res = j.tick(T0 + 10_000, shard_for=lambda s: str(shard_a if s.completion_id == a.completion_id else shard_b))
+    assert len(res.samples) == 2
+    shard_a.write_bytes(b"x")  # a's shard was renamed into place; the worker dies before commit
+    j.store.close()
+    j2 = Joiner(StateStore(path), CFG)
+    assert j2.recover(lambda p: __import__("os").path.exists(p)) == {"sealed": 1, "released": 1}
+    assert j2.on_completion(a, now=T0 + 11_000) == "sealed"
+    (s,) = j2.tick(T0 + 11_000).samples  # b is sealed again, a is not
+    assert s.completion_id == b.completion_id
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="seal_after_s"):
+        JoinConfig(seal_after_s=0)
+    with pytest.raises(ValueError, match="late_policy"):
+        JoinConfig(late_policy="keep")
+
+
+def test_group_commit_batch_and_savepoints(tmp_path):
+    """Batched state: a failing unit rolls back alone; an unflushed batch is lost on a kill
+    (its offsets were never committed: faust commits only after StateStore.flush)."""
+    path = tmp_path / "s.sqlite"
+    st = StateStore(path)
+    j = Joiner(st, CFG)
+    a, b = completion(), completion()
+    st.begin_batch()
+    j.on_completion(a, now=T0)
+    with pytest.raises(RuntimeError):
+        with st.transaction():
+            st.bump("x")
+            raise RuntimeError("boom")
+    st.begin_batch()
+    j.on_completion(b, now=T0)
+    assert st.get(str(a.completion_id)) is not None and "x" not in st.counters()
+    st.flush()
+    st.begin_batch()
+    j.on_feedback(vote(a.completion_id, "u1", 1), now=T0)
+    st.db.close()  # killed: no flush
+    st2 = StateStore(path)
+    assert st2.open_count() == 2 and st2.counters().get("feedback_folded") is None
+    assert st2.get(str(a.completion_id)).votes == {}
