@@ -47,7 +47,9 @@ class DemoConfig:
     concurrency: int = 8
     users: int = 32
     learner_steps: int = 4
-    learner_lr: float = 1e-5
+    learner_batch: int = 8
+    learner_train_layers: int = 4  # last N decoder layers train; see docs/decisions.md D6
+    learner_lr: float = 2e-5
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
     canary_min_votes: int = 8
@@ -58,8 +60,9 @@ class DemoConfig:
     @classmethod
     def for_mode(cls, out: Path, quick: bool, **kw) -> "DemoConfig":
         if quick:
-            base = dict(prompts_per_phase=12, problems=12, max_tokens=96, learner_steps=2,
-                        canary_min_votes=3, canary_max_wait_s=60.0, concurrency=6)
+            base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2,
+                        learner_batch=4, learner_train_layers=2, canary_min_votes=2,
+                        canary_max_wait_s=20.0, concurrency=8)
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
@@ -321,6 +324,8 @@ class Demo:
         before = set(self.store.versions())
         self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, KTO, router replay) ...")
         args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
+                    "--batch-size", str(self.cfg.learner_batch),
+                    "--train-layers", str(self.cfg.learner_train_layers),
                     "--seed", str(self.cfg.seed + cycle), "--min-samples", "1")
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
             r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)
@@ -348,7 +353,7 @@ class Demo:
                          f"{decision['reason']}")
                 return decision
             self._check_alive()
-            self.traffic(f"canary {version} #{n}", max(4, self.cfg.prompts_per_phase // 2))
+            self.traffic(f"canary {version} #{n}", max(self.cfg.concurrency, self.cfg.prompts_per_phase // 2))
             n += 1
         raise RuntimeError(f"no canary decision for {version} in time:\n{self.controller.tail(40)}")
 

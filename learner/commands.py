@@ -29,6 +29,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            zero_stage: int = typer.Option(2, help="DeepSpeed ZeRO stage (1 or 2)."),
            holdout_frac: float = typer.Option(0.0, help="Eval gate: fraction of new samples held out (0 = off)."),
            max_regression: float = typer.Option(0.0, help="Eval gate: allowed score drop vs the parent."),
+           train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
            no_replay: bool = typer.Option(False, "--no-replay", help="Free routing (no router replay)."),
            allow_free_routing: bool = typer.Option(False, help="Train samples without routes on free routing."),
            parent: str = typer.Option("stable", help="Train from the 'stable' (promoted) or 'latest' version."),
@@ -46,7 +47,8 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                             is_cap=is_cap, max_staleness=max_staleness, seed=seed, router_replay=not no_replay,
                             checkpoint_every=checkpoint_every, zero_stage=zero_stage,
                             holdout_frac=holdout_frac, max_regression=max_regression,
-                            allow_free_routing=allow_free_routing, min_samples=min_samples)
+                            allow_free_routing=allow_free_routing, min_samples=min_samples,
+                            train_layers=train_layers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     store = store or settings.store_dir()
@@ -76,7 +78,20 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         cycle()
         return
     last = time.monotonic()
+    paused_flag = settings.home() / "learner" / "paused"  # written by `flywheel pause` (deploy)
+    was_paused = False
     while True:  # daemon: every_h hours or every_n new samples, whichever first
+        # Operator pause (`flywheel pause` / `flywheel resume`): checked before each cycle; a
+        # cycle already running finishes. The flag file holds JSON {actor, at, reason}.
+        if paused_flag.exists():
+            if not was_paused:
+                typer.echo(f"learn: paused by operator ({paused_flag.read_text().strip()}); waiting")
+            was_paused = True
+            time.sleep(poll_s)
+            continue
+        if was_paused:
+            typer.echo("learn: resumed")
+            was_paused = False
         n_new = len(read_samples(samples, exclude=set(load_state(state)["trained"])))
         if n_new >= max(every_n, min_samples) or (time.monotonic() - last >= every_h * 3600 and n_new >= min_samples):
             cycle()

@@ -152,6 +152,12 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
         raise RuntimeError(f"parent {parent}: state does not fit the base model (missing "
                            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    # Memory: keep only the parent's key order and dtypes; the model holds the weights now
+    # (the full SmolLM2 MoE is 1.5 GB fp32 per copy; DeepSpeed adds ~4 copies).
+    parent_dtypes = {k: v.dtype for k, v in parent_state.items()}
+    del parent_state
+    if hasattr(store, "clear_cache"):
+        store.clear_cache()
     load_s = time.perf_counter() - t0
 
     progress = None
@@ -202,9 +208,10 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
             save_state(state_dir, state)
             shutil.rmtree(Path(state_dir) / "ckpt", ignore_errors=True)
             return None
-    keys = list(parent_state) if parent_state else list(new_state)
-    publish_state = {k: new_state[k].detach().to(parent_state[k].dtype).contiguous() if k in parent_state
+    keys = list(parent_dtypes) if parent_dtypes else list(new_state)
+    publish_state = {k: new_state[k].detach().to(parent_dtypes[k]).contiguous() if k in parent_dtypes
                      else new_state[k] for k in keys}
+    del new_state
     manifest = store.publish(publish_state, parent=parent, metrics=metrics, eval=eval_result)
     state["trained"] = sorted(done | {str(s.completion_id) for s in samples})
     state["cycles"].append({**record, "version": manifest.version})

@@ -68,6 +68,13 @@ class LearnerConfig:
             trainable samples (>= 1).
         measure_chunk: samples per forward in the start-of-cycle reference/mismatch pass
             (1 = each sample alone, unpadded).
+
+    Trainable set:
+        train_layers: 0 trains every parameter; N > 0 trains only the last N decoder layers
+            (attention, router and experts) and freezes the rest (embeddings, earlier
+            layers, final norm). Frozen layers keep no activations and get no optimizer
+            state, so memory and backward time shrink roughly by N / num_layers; frozen
+            tensors are bit-identical in the new version, so the delta skips them.
         checkpoint_every: write a resumable DeepSpeed checkpoint every this many steps
             (0 = never).
 
@@ -105,6 +112,7 @@ class LearnerConfig:
     router_replay: bool = True
     allow_free_routing: bool = False
     min_samples: int = 1
+    train_layers: int = 0
 
     def __post_init__(self):
         checks = [
@@ -122,6 +130,7 @@ class LearnerConfig:
              "KTO's loss is per sequence: use 'sequence'"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("min_samples", self.min_samples >= 1, "must be >= 1"),
+            ("train_layers", self.train_layers >= 0, "must be >= 0 (0 = all)"),
             ("measure_chunk", self.measure_chunk >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0"),
             ("holdout_frac", 0 <= self.holdout_frac < 1, "must be in [0, 1)"),
@@ -247,6 +256,27 @@ def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1) -> tu
         metrics.update(_abs_stats(torch.cat(d_free), "mismatch_free"))
         metrics["routes/flip_frac"] = flips / max(flip_n, 1)
     return torch.cat(refs), metrics
+
+
+def freeze_for_training(model, train_layers: int) -> int:
+    """Freeze all but the last ``train_layers`` decoder layers (0: train everything).
+
+    Returns:
+        number of trainable parameters.
+
+    Raises:
+        ValueError: ``train_layers`` exceeds the model's layer count.
+    """
+    if train_layers:
+        layers = model.model.layers
+        if train_layers > len(layers):
+            raise ValueError(f"train_layers: {train_layers} > {len(layers)} layers in the model")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for layer in layers[len(layers) - train_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _ds_config(cfg: LearnerConfig) -> dict:
@@ -415,6 +445,8 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
     bs = max(min(cfg.batch_size, batch.size) // world, 1) * world
     if bs > batch.size:
         raise ValueError(f"samples: {batch.size} trainable samples for {world} ranks; need >= {world}")
+    n_trainable = freeze_for_training(model, cfg.train_layers)
+    metrics["train/trainable_params"] = n_trainable
     dcfg = _ds_config(LearnerConfig(**{**cfg.__dict__, "batch_size": bs}))
     dcfg["train_micro_batch_size_per_gpu"] = bs // world
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
@@ -456,7 +488,12 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
         metrics[f"{key}_first"] = vs[0]  # first step (before any update)
     metrics.update({"perf/train_s": train_s, "perf/tokens_per_s": tokens / max(train_s, 1e-9),
                     "perf/tokens": tokens, "train/steps": cfg.steps, "train/lr": cfg.lr, "train/batch_size": bs})
-    state = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+    # No clone: the tensors stay alive through this dict while the engine (and its optimizer
+    # state, 2 fp32 copies of the weights) is released.
+    state = {n: t.detach() for n, t in engine.module.state_dict().items()}
     if hasattr(engine, "destroy"):
         engine.destroy()
+    del engine
+    import gc
+    gc.collect()
     return state, metrics

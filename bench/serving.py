@@ -1,6 +1,6 @@
 """Serving figures (DESIGN §6), measured side by side in one run on one model.
 
-``python -m serving.bench [--quick] [--model-dir DIR]`` prints, as its last lines, one line
+``python bench/serving.py [--quick] [--model-dir DIR]`` prints, as its last lines, one line
 per figure: ``RESULT <metric>=<value> <unit> target<op><value>``:
 
 * ``logging_overhead_ratio``: median request latency with event logging on (real broker)
@@ -12,6 +12,11 @@ per figure: ``RESULT <metric>=<value> <unit> target<op><value>``:
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path as _P
+
+sys.path.insert(0, str(_P(__file__).resolve().parents[1]))  # run from a checkout
 
 import argparse
 import statistics
