@@ -1,9 +1,13 @@
 """Rollout controller: canary a newly published version, then promote or roll back.
 
-One persisted :class:`RolloutStatus` record (JSON, atomic rewrite) holds the phase, the
-candidate, the step and its timestamps; :meth:`RolloutController.reconcile` performs one
-step acting on the stored phase (Flagger habit), so a controller killed mid-canary resumes
-where it was. Every decision goes to the ledger (DuckDB + ``flywheel.deployments``).
+Every decision goes to the ledger (DuckDB + ``flywheel.deployments``), and the ledger is
+the source of truth of the rollout: :func:`status_from_ledger` replays it into a
+:class:`RolloutStatus` (phase, candidate, step, weight, timestamps), so a controller killed
+mid-canary resumes at the recorded step and takes no decision twice. The status JSON (atomic
+rewrite) is a cache for the CLI and the fallback while the ledger cannot be read.
+:meth:`RolloutController.reconcile` performs one step acting on the stored phase (Flagger
+habit). Error rate, p99 latency and tokens/s come from serving's ``/metrics``
+(:mod:`deploy.metrics`).
 
 Votes come from ingest's sample shards (``<samples_dir>/model_version=<v>/...parquet``):
 per version, ``sum(votes_up)`` and ``sum(votes_down)`` of samples created after the canary
@@ -131,6 +135,61 @@ class ControllerConfig:
                              f"got {self.inconclusive_policy!r}")
 
 
+_END_PHASE = {"PROMOTE": RolloutPhase.PROMOTED, "ROLLBACK": RolloutPhase.ROLLED_BACK,
+              "FAILED": RolloutPhase.FAILED, "ABORT": RolloutPhase.ABORTED,
+              "MANUAL_PROMOTE": RolloutPhase.PROMOTED, "MANUAL_ROLLBACK": RolloutPhase.ABORTED}
+
+
+def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | None:
+    """Replay ledger decisions (oldest first) into the rollout status they imply; None if
+    no rollout was ever recorded.
+
+    START opens a canary (candidate, stable, step 0, weight, ``canary_started_ms``);
+    ADVANCE moves it to the recorded step and weight (``step_started_ms``); HOLD updates the
+    last outcome; PROMOTE / ROLLBACK / FAILED / ABORT end it; MANUAL_PROMOTE of the candidate
+    and any MANUAL_ROLLBACK (the CLI always drops the candidate) end it too. FAILED is
+    recorded without a START. RELOAD changes nothing.
+    """
+    st = None
+    for e in entries:
+        d = e.decision
+        if d == "START" or (d == "FAILED" and (st is None or st.phase != RolloutPhase.CANARY)):
+            st = RolloutStatus(phase=RolloutPhase.CANARY, candidate=e.version, stable=e.stable, step=e.step,
+                               weight=e.weight, canary_started_ms=e.ts, step_started_ms=e.ts)
+        if st is None:
+            continue
+        in_canary = st.phase == RolloutPhase.CANARY
+        if d == "ADVANCE" and in_canary and e.version == st.candidate:
+            st.step, st.weight, st.step_started_ms = e.step, e.weight, e.ts
+        elif d in _END_PHASE and in_canary and (e.version == st.candidate or d == "MANUAL_ROLLBACK"):
+            if d in ("PROMOTE", "MANUAL_PROMOTE"):
+                st.stable = st.candidate
+            st.phase, st.weight = _END_PHASE[d], 0.0
+        elif d in ("MANUAL_PROMOTE", "MANUAL_ROLLBACK") and not in_canary:
+            st.stable = e.version  # the version the operator made stable
+        if d != "RELOAD" and (e.version == st.candidate or d.startswith("MANUAL_")):
+            st.last_outcome, st.last_reason = d, e.reason
+    return st
+
+
+def current_status(status_path: Path, ledger_path: Path) -> RolloutStatus:
+    """The rollout status, rebuilt from the ledger (:func:`status_from_ledger`), which is the
+    source of truth: a controller killed between a serving action, its ledger row and the
+    status file resumes at the step the ledger says, so no decision is taken twice. The
+    status JSON is a cache, used only while the ledger has no rollout or cannot be read."""
+    try:
+        cached = RolloutStatus.load(status_path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log.warning("status file %s unreadable (%s): rebuilding from the ledger", status_path, exc)
+        cached = RolloutStatus()
+    try:
+        st = status_from_ledger(ledger.decisions(ledger_path))
+    except Exception as exc:  # noqa: BLE001 - ledger locked/unreadable: fall back to the cache
+        log.warning("ledger %s unreadable (%s): using the status file", ledger_path, exc)
+        return cached
+    return cached if st is None else st
+
+
 def vote_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, tuple[int, int, int]]:
     """``{model_version: (votes_up, votes_down, samples)}`` of samples created at or after
     ``since_ms`` (ms), read from the hive-partitioned Parquet shards with DuckDB.
@@ -190,10 +249,13 @@ class RolloutController:
         clock: returns ms since epoch (tests inject one).
         intent_path: operator intents (:func:`write_intent`); default ``intent.json`` next
             to ``status_path``.
-        arm_metrics: optional ``f(status) -> (candidate, stable)`` dicts of per-version
-            ``errors``, ``requests``, ``p99_ms``, ``tokens_per_s`` since the canary started
-            (serving's ``/metrics`` exports no per-version latency yet, so by default those
-            metrics are SKIPPED and only thumbs-up decides). An exception counts as ERROR.
+        arm_metrics: ``f(status) -> (candidate, stable[, skipped])``: dicts of per-version
+            ``errors``, ``requests``, ``p99_ms``, ``tokens_per_s`` since the canary started,
+            and ``{metric: reason}`` for metrics not available. Default: a
+            :class:`deploy.metrics.ServingMetricsSource` over every pod's ``/metrics``
+            (baseline in ``metrics_baseline.json`` next to ``status_path``); metrics serving
+            does not export per version are SKIPPED with the reason in the ledger. An
+            exception counts as ERROR (HOLD). Pass ``False`` for thumbs-up only.
     """
 
     def __init__(self, store: ModelStore, admin: ServingAdmin, samples_dir: Path, ledger_path: Path,
@@ -209,11 +271,16 @@ class RolloutController:
         self.bootstrap = bootstrap
         self.clock = clock or (lambda: int(time.time() * 1000))
         self.intent_path = Path(intent_path) if intent_path else self.status_path.with_name("intent.json")
-        self.arm_metrics = arm_metrics
+        if arm_metrics is None:
+            from deploy.metrics import ServingMetricsSource
+
+            arm_metrics = ServingMetricsSource(self.admins, self.status_path.with_name("metrics_baseline.json"))
+        self.arm_metrics = arm_metrics or None
 
     @property
     def status(self) -> RolloutStatus:
-        return RolloutStatus.load(self.status_path)
+        """The rollout status (:func:`current_status`)."""
+        return current_status(self.status_path, self.ledger_path)
 
     def _record(self, st: RolloutStatus, decision: str, reason: str, numbers: dict | None = None,
                 version: str | None = None, actor: str = "controller") -> None:
@@ -338,31 +405,34 @@ class RolloutController:
         if actor != "controller":
             st.last_reason += f", started by {actor}"
         self.store.set_status(cand, "canary", st.last_reason)
+        if hasattr(self.arm_metrics, "mark"):
+            self.arm_metrics.mark(st)  # serving counters are measured from here
         self._record(st, "START", st.last_reason, {"steps": list(self.config.steps)}, actor=actor)
         return st
 
-    def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None]:
+    def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None, dict[str, str]]:
         """Candidate and stable stats since the canary started, the candidate's votes since
-        the current step started, and a source error (or None)."""
+        the current step started, a source error (or None) and ``{metric: skip reason}``."""
         try:
             counts = vote_counts(self.samples_dir, st.canary_started_ms)
             step_counts = vote_counts(self.samples_dir, st.step_started_ms)
         except (duckdb.Error, OSError) as exc:
-            return ArmStats(), ArmStats(), 0, f"sample shards unreadable: {exc}"
+            return ArmStats(), ArmStats(), 0, f"sample shards unreadable: {exc}", {}
         cu, cd, _ = counts.get(st.candidate, (0, 0, 0))
         su, sd, _ = counts.get(st.stable, (0, 0, 0))
         su_step, sd_step, _ = step_counts.get(st.candidate, (0, 0, 0))
-        extra_c, extra_s = {}, {}
         if self.arm_metrics is not None:
             try:
-                extra_c, extra_s = self.arm_metrics(st)
+                got = self.arm_metrics(st)
+                extra_c, extra_s = got[0], got[1]
+                skipped = dict(got[2]) if len(got) > 2 else {}
                 c = ArmStats(votes_up=cu, votes_down=cd, **extra_c)
                 s = ArmStats(votes_up=su, votes_down=sd, **extra_s)
             except Exception as exc:  # noqa: BLE001 - any failure of the source is an ERROR
-                return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}"
-            return c, s, su_step + sd_step, None
+                return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}", {}
+            return c, s, su_step + sd_step, None, skipped
         return (ArmStats(votes_up=cu, votes_down=cd), ArmStats(votes_up=su, votes_down=sd),
-                su_step + sd_step, None)
+                su_step + sd_step, None, {})
 
     def _ensure_loaded(self, st: RolloutStatus) -> None:
         """Re-load the candidate on a pod that lost it (e.g. restarted) and restore the weight;
@@ -379,8 +449,8 @@ class RolloutController:
     def _canary_step(self, st: RolloutStatus) -> RolloutStatus:
         cfg = self.config
         self._ensure_loaded(st)
-        cand_stats, stable_stats, step_votes, err = self.arm_stats(st)
-        d = analyze(cand_stats, stable_stats, cfg.analysis, source_error=err)
+        cand_stats, stable_stats, step_votes, err, skipped = self.arm_stats(st)
+        d = analyze(cand_stats, stable_stats, cfg.analysis, source_error=err, skipped=skipped)
         now = self.clock()
         waited_s = (now - st.step_started_ms) / 1000.0
         numbers = {**d.numbers(), "waited_s": waited_s, "step": st.step, "weight": st.weight,
@@ -396,7 +466,13 @@ class RolloutController:
                 reason = f"step deadline {cfg.step_deadline_s:.0f}s exceeded after {waited_s:.0f}s; {reason}"
             elif cfg.max_wait_s is not None and waited_s >= cfg.max_wait_s:
                 thumbs_ok = all(m.check not in (Check.FAIL, Check.ERROR) for m in d.metrics) and err is None
-                if cfg.inconclusive_policy == "promote_if_not_worse" and thumbs_ok:
+                # never promote on empty data: both arms, and this step, must have votes
+                has_data = (cand_stats.votes_up + cand_stats.votes_down > 0
+                            and stable_stats.votes_up + stable_stats.votes_down > 0 and step_votes > 0)
+                if cfg.inconclusive_policy == "promote_if_not_worse" and thumbs_ok and not has_data:
+                    reason = (f"fixed budget: max_wait_s={cfg.max_wait_s:.0f}s reached, but an arm or this "
+                              f"step has no votes: holding (never decide on empty data); {reason}")
+                elif cfg.inconclusive_policy == "promote_if_not_worse" and thumbs_ok:
                     outcome = Outcome.PROMOTE
                     reason = (f"fixed budget: max_wait_s={cfg.max_wait_s:.0f}s reached, inconclusive, "
                               f"policy promote_if_not_worse (no metric failed); {reason}")

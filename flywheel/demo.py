@@ -62,7 +62,7 @@ class DemoConfig:
         if quick:
             base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
-                        canary_max_wait_s=20.0, concurrency=8)
+                        canary_max_wait_s=45.0, concurrency=8)
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
@@ -345,6 +345,15 @@ class Demo:
 
         ledger = Ledger(settings.ledger_path())
         deadline = time.monotonic() + max(600.0, 6 * self.cfg.canary_max_wait_s)
+        # canary traffic only makes sense once the controller has loaded the candidate
+        while time.monotonic() < deadline and ledger.final_decision(version) is None:
+            slots = httpx.get(self.url + "/admin/slots", timeout=10).json()
+            if (slots.get("candidate") or {}).get("version") == version or slots["stable"]["version"] == version:
+                self.log(f"controller loaded {version} into the candidate slot "
+                         f"({slots.get('candidate_weight', 0):.0%} of traffic)")
+                break
+            self._check_alive()
+            time.sleep(0.5)
         n = 0
         while time.monotonic() < deadline:
             decision = ledger.final_decision(version)

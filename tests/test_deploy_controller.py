@@ -19,6 +19,7 @@ import pytest
 import typer
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import PlainTextResponse
 from typer.testing import CliRunner
 
 from deploy import ledger
@@ -101,9 +102,11 @@ def make_admin_app(store: ModelStore) -> FastAPI:
         st["candidate"], st["weight"] = None, 0.0
         return status()
 
+    app.state.metrics_text = "flywheel_requests_total 0\n"  # tests replace it
+
     @app.get("/metrics")
     def metrics():
-        return "flywheel_requests_total 0\n"
+        return PlainTextResponse(app.state.metrics_text)
 
     return app
 
@@ -111,7 +114,8 @@ def make_admin_app(store: ModelStore) -> FastAPI:
 def start_admin_server(store: ModelStore):
     """Run the admin app on a free port in a thread; returns (url, stop)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(make_admin_app(store), host="127.0.0.1", port=port, log_level="warning"))
+    app = make_admin_app(store)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     deadline = time.monotonic() + 10
@@ -122,6 +126,7 @@ def start_admin_server(store: ModelStore):
         server.should_exit = True
         th.join(10)
 
+    stop.app = app
     return f"http://127.0.0.1:{port}", stop
 
 
@@ -137,6 +142,7 @@ def env(tmp_path, tiny_moe_dir, fw_home, broker_env, monkeypatch):
     monkeypatch.setenv("USER", "oncall-alice")
     ns = type("Env", (), {})()
     ns.store, ns.url, ns.samples, ns.broker = store, url, tmp_path / "samples", broker_env
+    ns.app = stop.app
     ns.ledger, ns.status = fw_home / "ledger.duckdb", fw_home / "deploy" / "rollout.json"
     ns.admin = ServingAdmin(url, TOKEN)
     yield ns
@@ -301,6 +307,23 @@ def test_fixed_budget_and_deadline(env):
     st = controller(env, clock, **kw).reconcile()
     assert st.phase == RolloutPhase.ROLLED_BACK and "deadline" in st.last_reason
     assert env.admin.slots().candidate is None
+
+
+def test_fixed_budget_never_promotes_on_empty_data(env):
+    """promote_if_not_worse after max_wait_s still needs votes on both arms and this step."""
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    kw = dict(steps=(0.5, 1.0), max_wait_s=60, step_deadline_s=600, inconclusive_policy="promote_if_not_worse")
+    controller(env, clock, **kw).reconcile()
+    clock.t += 61_000
+    st = controller(env, clock, **kw).reconcile()  # no votes at all
+    assert st.last_outcome == "HOLD" and "no votes" in st.last_reason and st.weight == 0.5
+    write_votes(env.samples, "v000001", 1, 0, clock.t + 1)  # candidate only: stable arm still empty
+    st = controller(env, clock, **kw).reconcile()
+    assert st.last_outcome == "HOLD" and "no votes" in st.last_reason and st.weight == 0.5
+    write_votes(env.samples, "v000000", 0, 1, clock.t + 1)
+    st = controller(env, clock, **kw).reconcile()
+    assert st.last_outcome == "ADVANCE" and st.weight == 1.0
 
 
 def test_vote_counts_by_version_since(env):
@@ -489,6 +512,9 @@ def test_controller_processes_resume_from_the_persisted_phase(env):
     assert r1.returncode == 0, r1.stderr
     assert "phase=canary" in r1.stdout and "step=0" in r1.stdout
     time.sleep(1.2)  # past max_wait_s: the inconclusive step advances by policy
+    now = int(time.time() * 1000)
+    write_votes(env.samples, "v000001", 2, 1, now)  # some votes on both arms, too few to test
+    write_votes(env.samples, "v000000", 1, 1, now)
     r2 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 0, r2.stderr
     assert "step=1" in r2.stdout and "weight=1.0" in r2.stdout
@@ -518,3 +544,71 @@ def test_latency_metric_rolls_back_and_a_broken_source_holds(env):
     assert st.last_outcome == "HOLD" and "HOLD (error)" in st.last_reason and "metrics endpoint down" in st.last_reason
     st = ctl(lambda st: ({"p99_ms": 900.0}, {"p99_ms": 300.0})).reconcile()
     assert st.phase == RolloutPhase.ROLLED_BACK and "p99_latency" in st.last_reason and "ratio 3.00" in st.last_reason
+
+
+def _wait_for(pred, timeout_s: float, what: str, proc=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"controller exited ({proc.returncode}) while waiting for {what}: "
+                                 f"{proc.stdout.read()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigkilled_controller_resumes_from_the_ledger_at_the_same_step(env):
+    """A real `flywheel controller` daemon is SIGKILLed mid-canary and its status file is
+    deleted; the restarted daemon resumes from the ledger at step 1 and promotes once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    publish_v(env.store, "v000000")
+    cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
+           "register(app); app()", "controller", "--steps", "0.5,1", "--min-votes", "5", "--poll-s", "0.3"]
+
+    def start():
+        return subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def decs():
+        return [d.decision for d in ledger.decisions(env.ledger, version="v000001")]
+
+    p = start()
+    try:
+        _wait_for(lambda: "START" in decs(), 60, "START", p)
+        now = int(time.time() * 1000)
+        write_votes(env.samples, "v000001", 6, 4, now)
+        write_votes(env.samples, "v000000", 6, 4, now)
+        _wait_for(lambda: "ADVANCE" in decs(), 30, "ADVANCE", p)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert env.admin.slots().candidate_weight == 1.0  # serving keeps the step-1 weight meanwhile
+    env.status.unlink()  # the JSON cache is gone: only the ledger knows the step
+    p = start()
+    try:
+        # resumed at step 1: it holds for new candidate votes instead of re-running step 0
+        _wait_for(lambda: decs()[-1] == "HOLD" and "at step 1" in ledger.decisions(env.ledger)[-1].reason,
+                  60, "HOLD at step 1", p)
+        write_votes(env.samples, "v000001", 5, 0, int(time.time() * 1000) + 1)
+        _wait_for(lambda: "PROMOTE" in decs(), 30, "PROMOTE", p)
+        time.sleep(1.0)  # a few more polls: nothing is decided twice
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    d = decs()
+    assert d.count("START") == 1 and d.count("ADVANCE") == 1 and d.count("PROMOTE") == 1, d
+    assert d.index("START") < d.index("ADVANCE") < d.index("PROMOTE")
+    s = env.admin.slots()
+    assert s.stable.version == "v000001" and s.candidate is None
+    assert [h.status for h in env.store.manifest("v000001").status_history] == ["published", "canary", "promoted"]
