@@ -325,7 +325,7 @@ class Demo:
         self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, KTO, router replay) ...")
         args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
                     "--batch-size", str(self.cfg.learner_batch),
-                    "--train-layers", str(self.cfg.learner_train_layers),
+                    "--train-layers", str(self.cfg.learner_train_layers), "--measure-free-max", "2",
                     "--seed", str(self.cfg.seed + cycle), "--min-samples", "1")
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
             r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)

@@ -65,7 +65,7 @@ def write_plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vs = [v for v in report["versions"] if v["votes_up"] + v["votes_down"] > 0]
+    vs = report["versions"]
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(vs) + 2), 3.6))
     xs = range(len(vs))
     rates = [v["thumbs_up_rate"] for v in vs]
@@ -73,10 +73,9 @@ def write_plot(report: dict, path: Path) -> None:
     hi = [v["ci95"][1] - v["thumbs_up_rate"] for v in vs]
     colors = {"promote": "tab:green", "rollback": "tab:red", "base": "tab:blue"}
     ax.bar(xs, rates, yerr=[lo, hi], capsize=5,
-           color=[colors.get((v.get("decision") or "").split()[0] if v.get("decision") else "", "tab:gray")
-                  for v in vs])
-    ax.set_xticks(list(xs), [f"{v['version']}\n{v.get('decision') or ''}\nn={v['votes_up'] + v['votes_down']}"
-                             for v in vs], fontsize=8)
+           color=[colors.get((v.get("decision") or "").lower(), "tab:gray") for v in vs])
+    ax.set_xticks(list(xs), [f"{v['version']}\n{(v.get('decision') or '-').lower()}\n"
+                             f"n={v['votes_up'] + v['votes_down']}" for v in vs], fontsize=8)
     ax.set_ylabel("thumbs-up rate (95% Wilson CI)")
     ax.set_ylim(0, 1)
     ax.set_title("Flywheel demo: thumbs-up rate by model version")
@@ -97,6 +96,8 @@ def print_report(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
+    if not console.is_terminal:  # a log file or CI: do not squeeze the table into 80 columns
+        console = Console(width=200)
     t = Table(title="Flywheel demo report")
     for col in ("version", "parent", "samples", "up/down", "thumbs-up (95% CI)", "decision", "reason",
                 "mismatch mean/max", "delta ratio", "swap pause ms"):
@@ -107,7 +108,7 @@ def print_report(report: dict, console=None) -> None:
         t.add_row(v["version"], v.get("parent") or "-", str(v["samples"]),
                   f"{v['votes_up']}/{v['votes_down']}",
                   f"{v['thumbs_up_rate']:.3f} [{v['ci95'][0]:.2f},{v['ci95'][1]:.2f}]",
-                  v.get("decision") or "-", (v.get("reason") or "")[:80], mm,
+                  v.get("decision") or "-", (v.get("reason") or "")[:120], mm,
                   "-" if v.get("delta_ratio") is None else f"{v['delta_ratio']:.1f}x",
                   "-" if v.get("swap_pause_ms") is None else f"{v['swap_pause_ms']:.2f}")
     console.print(t)

@@ -30,6 +30,8 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            holdout_frac: float = typer.Option(0.0, help="Eval gate: fraction of new samples held out (0 = off)."),
            max_regression: float = typer.Option(0.0, help="Eval gate: allowed score drop vs the parent."),
            train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
+           measure_free_max: int = typer.Option(0, help="Samples that also get a replay-off forward "
+                                                "for route-flip figures (0 = all)."),
            no_replay: bool = typer.Option(False, "--no-replay", help="Free routing (no router replay)."),
            allow_free_routing: bool = typer.Option(False, help="Train samples without routes on free routing."),
            parent: str = typer.Option("stable", help="Train from the 'stable' (promoted) or 'latest' version."),
@@ -48,7 +50,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                             checkpoint_every=checkpoint_every, zero_stage=zero_stage,
                             holdout_frac=holdout_frac, max_regression=max_regression,
                             allow_free_routing=allow_free_routing, min_samples=min_samples,
-                            train_layers=train_layers)
+                            train_layers=train_layers, measure_free_max=measure_free_max)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     store = store or settings.store_dir()

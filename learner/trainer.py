@@ -68,6 +68,8 @@ class LearnerConfig:
             trainable samples (>= 1).
         measure_chunk: samples per forward in the start-of-cycle reference/mismatch pass
             (1 = each sample alone, unpadded).
+        measure_free_max: samples that also get a replay-off forward for the route-flip
+            and free-routing mismatch figures (0 = all; each costs one more forward).
 
     Trainable set:
         train_layers: 0 trains every parameter; N > 0 trains only the last N decoder layers
@@ -113,6 +115,7 @@ class LearnerConfig:
     allow_free_routing: bool = False
     min_samples: int = 1
     train_layers: int = 0
+    measure_free_max: int = 0
 
     def __post_init__(self):
         checks = [
@@ -131,6 +134,7 @@ class LearnerConfig:
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("min_samples", self.min_samples >= 1, "must be >= 1"),
             ("train_layers", self.train_layers >= 0, "must be >= 0 (0 = all)"),
+            ("measure_free_max", self.measure_free_max >= 0, "must be >= 0 (0 = all)"),
             ("measure_chunk", self.measure_chunk >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0"),
             ("holdout_frac", 0 <= self.holdout_frac < 1, "must be in [0, 1)"),
@@ -212,7 +216,8 @@ def _abs_stats(d: torch.Tensor, prefix: str) -> dict[str, float]:
 
 
 @torch.no_grad()
-def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1) -> tuple[torch.Tensor, dict]:
+def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1,
+                  free_max: int | None = None) -> tuple[torch.Tensor, dict]:
     """The start-of-cycle pass with the parent weights (no grad, eval mode).
 
     Forwards run ``chunk`` samples at a time with common padding trimmed (chunk 1 = each
@@ -226,6 +231,8 @@ def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1) -> tu
     itself (``mismatch/mean|p99|max``, ``mismatch/n_tokens``); with routes, also the same
     with free routing (``mismatch_free/*``) and ``routes/flip_frac`` = fraction of real
     (token, layer) pairs whose free top-k expert set differs from the logged one.
+    ``free_max`` bounds how many samples get the extra replay-off forward (None: all);
+    the replayed pass, which gives the reference logprobs, always covers every sample.
     """
     was_training = model.training
     model.eval()
@@ -239,7 +246,7 @@ def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1) -> tu
         own = torch.tensor([v == parent for v in b.versions])
         m = b.completion_mask.bool() & own.unsqueeze(-1)
         d_rep.append((lp - b.behavior_logprobs)[m].abs())
-        if b.routes is not None:
+        if b.routes is not None and (free_max is None or s < free_max):
             cap: list = []
             with capture_routes(model, cap):
                 lpf = forward_token_logprobs(model, b, replay=False)
@@ -433,7 +440,8 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
     metrics["data/staleness_mean"] = sum(staleness) / len(staleness)
 
     t0 = time.perf_counter()
-    batch.ref_logprobs, mm = measure_start(model, batch, parent, cfg.measure_chunk)
+    batch.ref_logprobs, mm = measure_start(model, batch, parent, cfg.measure_chunk,
+                                               cfg.measure_free_max or None)
     metrics.update(mm)
     metrics["perf/measure_s"] = time.perf_counter() - t0
 
