@@ -39,9 +39,9 @@ class DemoConfig:
     out: Path
     quick: bool = False
     cycles: int = 2
-    prompts_per_phase: int = 48
+    prompts_per_phase: int = 24
     problems: int = 40
-    max_tokens: int = 200
+    max_tokens: int = 160
     temperature: float = 0.8
     top_p: float = 0.95
     concurrency: int = 8
@@ -52,7 +52,7 @@ class DemoConfig:
     learner_lr: float = 2e-5
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
-    canary_min_votes: int = 8
+    canary_min_votes: int = 6
     canary_max_wait_s: float = 120.0
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
