@@ -1,8 +1,10 @@
-"""deploy: model store (bit-exact deltas), rollout controller with canary analysis, ledger,
-and the on-call CLI.
+"""deploy: model store (bit-exact deltas, local dir or fsspec URL), rollout controller with
+canary analysis, ledger, and the on-call CLI.
 
 Public API: ``deploy.store.ModelStore`` / ``CorruptVersionError``,
 ``deploy.serving_client.ServingAdmin`` / ``ServingAdminError``, ``deploy.analysis.analyze``,
-``deploy.ledger.Ledger`` / ``record`` / ``decisions``, ``deploy.controller.RolloutController``,
-``deploy.commands.register``.
+``deploy.metrics.ServingMetricsSource``, ``deploy.ledger.Ledger`` / ``record`` / ``decisions``,
+``deploy.controller.RolloutController`` / ``status_from_ledger`` / ``current_status``,
+``deploy.commands.register`` (and ``pause_learner`` / ``resume_learner`` / ``learner_paused``).
+Benchmarks live in ``bench/delta.py`` and ``bench/rollback.py``.
 """

@@ -233,7 +233,7 @@ def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: s
 
 
 def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = None,
-            source_error: str | None = None) -> Decision:
+            source_error: str | None = None, skipped: dict[str, str] | None = None) -> Decision:
     """Compare ``candidate`` with ``stable``; worst metric wins.
 
     Args:
@@ -241,6 +241,9 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
         cfg: thresholds (defaults of :class:`AnalysisConfig`).
         source_error: set when the metrics could not be read (e.g. Parquet unreadable):
             the decision is HOLD with ``error=True``.
+        skipped: ``{metric: reason}`` for metrics the source does not provide
+            (``error_rate``, ``p99_latency``, ``tokens_per_s``): SKIPPED with that reason.
+            ``thumbs_up`` cannot be skipped (ValueError).
 
     Returns:
         :class:`Decision` with per-metric numbers and a one-line reason.
@@ -260,6 +263,12 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     # all (source did not provide them) the metric is skipped rather than holding forever.
     if candidate.requests == 0 and stable.requests == 0 and results[1].check == Check.INCONCLUSIVE:
         results[1] = MetricResult("error_rate", Check.SKIPPED, "error rate not measured", results[1].numbers)
+    for name, why in (skipped or {}).items():
+        idx = [m.name for m in results].index(name) if name in [m.name for m in results] else -1
+        if idx <= 0:
+            raise ValueError(f"skipped: {name!r} is not a skippable metric "
+                             f"(error_rate, p99_latency, tokens_per_s)")
+        results[idx] = MetricResult(name, Check.SKIPPED, f"{name} skipped: {why}", {"skipped": why})
     worst = max(results, key=lambda m: _SEVERITY[m.check])
     sev = _SEVERITY[worst.check]
     bad = [m for m in results if _SEVERITY[m.check] == sev]

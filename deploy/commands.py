@@ -1,4 +1,5 @@
-"""On-call CLI of ``deploy``: controller, status, versions, promote, rollback.
+"""On-call CLI of ``deploy``: controller, status, versions, promote, rollback, canary,
+pause/resume (learner), runbook.
 
 Every action that changes traffic asks for confirmation unless ``--yes`` and is recorded in
 the ledger with who ran it (``$USER``).
@@ -23,7 +24,7 @@ from rich.table import Table
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.controller import (INCONCLUSIVE_POLICIES, ControllerConfig, RolloutController, RolloutPhase,
-                               RolloutStatus, read_intent, write_intent)
+                               RolloutStatus, current_status, read_intent, write_intent)
 from deploy.runbook import RUNBOOK
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import ModelStore
@@ -43,8 +44,55 @@ def intent_path() -> Path:
     return rollout_status_path().with_name("intent.json")
 
 
+def learner_pause_path() -> Path:
+    """Flag file the learner daemon checks before each cycle (JSON: actor, at, reason)."""
+    return settings.home() / "learner" / "paused"
+
+
+def learner_paused() -> dict | None:
+    """The pause record (``{"actor", "at" (ms), "reason"}``) or None when the learner runs."""
+    p = learner_pause_path()
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        return {"actor": "unknown", "at": int(p.stat().st_mtime * 1000), "reason": "unreadable pause record"}
+
+
+def pause_learner(actor: str, reason: str = "") -> dict:
+    """Record the pause intent (atomic write of the flag file) and a PAUSE ledger row."""
+    rec = {"actor": actor, "at": int(time.time() * 1000), "reason": reason}
+    p = learner_pause_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".paused.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, p)
+    ledger.record(settings.ledger_path(), ledger.LedgerEntry(
+        version="learner", stable=None, step=-1, weight=0.0, decision="PAUSE",
+        reason=f"learner paused by {actor}" + (f": {reason}" if reason else ""), actor=actor), _bootstrap())
+    return rec
+
+
+def resume_learner(actor: str) -> dict | None:
+    """Remove the pause flag and record a RESUME ledger row; returns the pause it ended."""
+    prev = learner_paused()
+    learner_pause_path().unlink(missing_ok=True)
+    ledger.record(settings.ledger_path(), ledger.LedgerEntry(
+        version="learner", stable=None, step=-1, weight=0.0, decision="RESUME",
+        reason=f"learner resumed by {actor}", numbers={"paused": prev or {}}, actor=actor), _bootstrap())
+    return prev
+
+
 def _actor() -> str:
     return os.environ.get("USER") or getpass.getuser() or "unknown"
+
+
+def _store() -> ModelStore:
+    """The model store: ``$FLYWHEEL_STORE`` as given when it is an fsspec URL
+    (``s3://...``, ``memory://...``), else ``schemas.settings.store_dir()``."""
+    raw = os.environ.get("FLYWHEEL_STORE", "")
+    return ModelStore(raw if "://" in raw else settings.store_dir())
 
 
 def _admin(serving: str | None) -> ServingAdmin:
@@ -95,7 +143,7 @@ def previous_promoted(store: ModelStore, stable: str) -> str | None:
 
 def register(app: typer.Typer) -> None:
     """Add ``controller``, ``status``, ``versions``, ``promote``, ``rollback``,
-    ``canary start|abort`` and ``runbook``."""
+    ``canary start|abort``, ``pause``, ``resume`` and ``runbook``."""
     canary = typer.Typer(help="Ask the controller to start or abort a canary (recorded intent).",
                          no_args_is_help=True)
     app.add_typer(canary, name="canary")
@@ -104,7 +152,7 @@ def register(app: typer.Typer) -> None:
     def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Canary VERSION at the next reconcile (also one the controller skipped or rolled back)."""
-        store = ModelStore(settings.store_dir())
+        store = _store()
         try:
             store.manifest(version)
         except (KeyError, ValueError) as exc:
@@ -116,13 +164,37 @@ def register(app: typer.Typer) -> None:
     @canary.command("abort")
     def canary_abort(yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Abort the canary in progress: the controller drops the candidate (all traffic to stable)."""
-        st = RolloutStatus.load(rollout_status_path())
+        st = current_status(rollout_status_path(), settings.ledger_path())
         if st.phase != RolloutPhase.CANARY:
             _fail(f"no canary in progress (phase {st.phase.value}); to drop a loaded candidate use "
                   "`flywheel rollback`")
         _confirm(f"abort the canary of {st.candidate} at {st.weight:.0%}", yes)
         write_intent(intent_path(), "abort", _actor())
         console.print(f"recorded: abort canary of {st.candidate}; the controller acts at its next reconcile")
+
+    @app.command("pause")
+    def pause_cmd(reason: str = typer.Option("", help="why (shown in status and the ledger)"),
+                  yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
+        """Pause the learner: its daemon publishes nothing new until `flywheel resume` (a cycle
+        already running finishes)."""
+        cur = learner_paused()
+        if cur:
+            console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
+            return
+        _confirm("pause the learner", yes)
+        pause_learner(_actor(), reason)
+        console.print(f"learner paused by {_actor()} (flag {learner_pause_path()})")
+
+    @app.command("resume")
+    def resume_cmd(yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
+        """Resume the learner after `flywheel pause`."""
+        cur = learner_paused()
+        if not cur:
+            console.print("learner is not paused")
+            return
+        _confirm(f"resume the learner (paused by {cur['actor']})", yes)
+        resume_learner(_actor())
+        console.print(f"learner resumed by {_actor()}")
 
     @app.command("runbook")
     def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
@@ -160,7 +232,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             _fail(str(exc))
         admins = [_admin(u) for u in serving] if serving else [_admin(None)]
-        ctl = RolloutController(ModelStore(settings.store_dir()), admins, settings.samples_dir(),
+        ctl = RolloutController(_store(), admins, settings.samples_dir(),
                                 settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap())
         if once:
             try:
@@ -182,13 +254,14 @@ def register(app: typer.Typer) -> None:
             slots = _admin(serving).slots()
         except ServingAdminError as exc:
             err = str(exc)
-        st = RolloutStatus.load(rollout_status_path())
+        st = current_status(rollout_status_path(), settings.ledger_path())
         decs = ledger.decisions(settings.ledger_path(), limit=last)
         if as_json:
             sd = asdict(st)
             sd["phase"] = st.phase.value
             print(json.dumps({"serving": slots.model_dump() if slots else None, "serving_error": err,
                               "rollout": sd, "pending_intent": read_intent(intent_path()),
+                              "learner": {"paused": learner_paused()},
                               "decisions": [asdict(d) for d in decs]}, indent=1))
             return
         t = Table(title="serving")
@@ -205,6 +278,9 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]serving unreachable:[/red] {err}")
         console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
                       f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
+        lp = learner_paused()
+        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
+                                     f"{lp.get('reason', '')}" if lp else "running (not paused)"))
         pending = read_intent(intent_path())
         if pending:
             console.print(f"pending intent: {pending['action']} {pending.get('version') or ''} by {pending['actor']}")
@@ -220,7 +296,7 @@ def register(app: typer.Typer) -> None:
     @app.command("versions")
     def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
         """Versions in the model store: parent, kind, size, delta ratio, status."""
-        store = ModelStore(settings.store_dir())
+        store = _store()
         rows = []
         for v in store.versions():
             m = store.manifest(v)
@@ -258,7 +334,7 @@ def register(app: typer.Typer) -> None:
             admin.promote()
         except ServingAdminError as exc:
             _fail(str(exc))
-        store = ModelStore(settings.store_dir())
+        store = _store()
         reason = f"manual promote by {_actor()}"
         store.set_status(cand, "promoted", reason)
         _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", reason)
@@ -274,7 +350,7 @@ def register(app: typer.Typer) -> None:
         """Drop the candidate if one is loaded; otherwise (or with --to) restore stable to the
         previous promoted version."""
         admin = _admin(serving)
-        store = ModelStore(settings.store_dir())
+        store = _store()
         try:
             slots = admin.slots()
         except ServingAdminError as exc:

@@ -1,6 +1,7 @@
 """Model store: versions as full snapshots or bit-exact deltas on their exact parent.
 
-Layout under ``root``::
+``root`` is a local directory or any fsspec URL (``memory://``, ``s3://``, ...; ``file://``
+is local); see :class:`ModelStore` for what is atomic where. Layout under ``root``::
 
     base/                      HF checkpoint (config, tokenizer, weights) consumers build from
     versions/v000007/
@@ -30,6 +31,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -125,17 +127,26 @@ def encode_state(state: dict[str, torch.Tensor],
 
 
 def decode_state(version: str, entries: list[dict], payload: bytes,
-                 parent: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`encode_state`.
+                 parent: dict[str, torch.Tensor] | None,
+                 parent_hashes: dict[str, str] | None = None,
+                 expected: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`encode_state`. Tensors are decoded in parallel threads (zstd,
+    numpy and hashlib release the GIL).
+
+    Args:
+        parent_hashes: ``{name: sha256}`` of ``parent`` already verified by the caller (the
+            parent manifest's hashes): saves hashing the parent again; computed if None.
+        expected: ``{name: sha256}`` each reconstructed tensor must have (the manifest's);
+            checked here, per tensor, while the bytes are hot in cache.
 
     Raises:
         CorruptVersionError: a payload entry is truncated or fails its checksum, does not
-            decompress to the expected size, or an ``xor`` entry is offered a parent tensor
-            whose sha256 differs from the one it was encoded against (wrong parent).
+            decompress to the expected size, an ``xor`` entry is offered a parent tensor
+            whose sha256 differs from the one it was encoded against (wrong parent), or a
+            reconstructed tensor's sha256 differs from ``expected``.
     """
-    dctx = zstandard.ZstdDecompressor()
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
+    def one(e: dict) -> tuple[str, torch.Tensor]:
+        dctx = zstandard.ZstdDecompressor()
         name = e["name"]
         dt = _dtype(e["dtype"])
         shape = tuple(e["shape"])
@@ -157,41 +168,127 @@ def decode_state(version: str, entries: list[dict], payload: bytes,
             p = parent.get(name) if parent is not None else None
             if p is None:
                 raise CorruptVersionError(version, name, "wrong parent: parent has no such tensor")
-            if tensor_sha256(p) != e["parent_sha256"]:
+            ph = parent_hashes.get(name) if parent_hashes is not None else None
+            if (ph or tensor_sha256(p)) != e["parent_sha256"]:
                 raise CorruptVersionError(version, name, "wrong parent: parent tensor sha256 differs "
                                           "from the one this delta was encoded against")
             b = np.bitwise_xor(b, _raw_bytes(p))
         elif e["mode"] != "raw":
             raise CorruptVersionError(version, name, f"unknown mode {e['mode']!r}")
-        t = torch.frombuffer(bytearray(b.tobytes()), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        out[name] = t.view(dt).reshape(shape)
-    return out
+        if not nbytes:
+            t = torch.empty(0, dtype=torch.uint8)
+        else:
+            if not b.flags.writeable:  # width 1 raw: still a view of the zstd output
+                b = b.copy()
+            t = torch.from_numpy(b)
+        t = t.view(dt).reshape(shape)
+        if expected is not None and name in expected and tensor_sha256(t) != expected[name]:
+            raise CorruptVersionError(version, name, "sha256 of the reconstructed tensor differs from the manifest")
+        return name, t
+
+    workers = min(8, os.cpu_count() or 1)
+    if workers <= 1 or len(entries) <= 1:
+        return dict(one(e) for e in entries)
+    with ThreadPoolExecutor(workers) as ex:
+        return dict(ex.map(one, entries))
+
+
+def _is_url(root) -> bool:
+    return isinstance(root, str) and "://" in root
 
 
 class ModelStore:
-    """Versions of one model's weights on a local directory.
+    """Versions of one model's weights on a local directory or any fsspec URL.
 
     Args:
-        root: store directory (created).
+        root: store directory (created), or an fsspec URL (``memory://store``,
+            ``s3://bucket/store``, ``file:///srv/store``; ``file://`` is handled as a local
+            directory).
         snapshot_every: every K-th version (by number) is stored as a full snapshot,
             which bounds delta chains to K-1 links.
+        storage_options: passed to ``fsspec.core.url_to_fs`` for URLs (credentials, ...).
+
+    Atomicity: on a local directory a version is written to a temp dir and renamed into
+    place, manifests are replaced with ``os.replace``, and writers hold an ``flock`` on
+    ``<root>/.lock`` (several processes may publish). On other filesystems there is no
+    rename or lock: a version's payload and index are written first and its
+    ``manifest.json`` last, in one put, so readers never see a half-written version (a
+    version counts only once its manifest exists), and a status change rewrites the manifest
+    in one put (atomic on object stores: S3/GCS/Azure PUT). Concurrent *writers* are only
+    serialised within one process there: run one publisher (the learner) per remote store.
     """
 
-    def __init__(self, root: str | Path, snapshot_every: int = 10):
+    def __init__(self, root: str | Path, snapshot_every: int = 10, storage_options: dict | None = None):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every: must be >= 1, got {snapshot_every}")
-        self.root = Path(root)
         self.snapshot_every = snapshot_every
-        (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        self.fs = None  # fsspec filesystem for non-local URLs, else None (local Path I/O)
+        if _is_url(root):
+            import fsspec
+            from fsspec.implementations.local import LocalFileSystem
+
+            fs, path = fsspec.core.url_to_fs(root, **(storage_options or {}))
+            if isinstance(fs, LocalFileSystem):
+                root = path
+            else:
+                self.fs, self._fs_root = fs, path.rstrip("/")
+        self.root: Path | str = root if self.fs is not None else Path(root)
+        if self.fs is None:
+            (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        else:
+            self.fs.makedirs(self._p("versions"), exist_ok=True)
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+
+    # -- storage (local Path or fsspec) -------------------------------------------------
+    def _p(self, *parts: str) -> str:
+        """Path on the fsspec filesystem of ``root/parts``."""
+        return "/".join((self._fs_root, *parts))
+
+    def _read(self, *parts: str) -> bytes:
+        if self.fs is None:
+            return self.root.joinpath(*parts).read_bytes()
+        return self.fs.cat_file(self._p(*parts))
+
+    def _exists(self, *parts: str) -> bool:
+        if self.fs is None:
+            return self.root.joinpath(*parts).exists()
+        return self.fs.exists(self._p(*parts))
+
+    def _put_atomic(self, data: bytes, *parts: str) -> None:
+        """Replace one file: local temp + ``os.replace``; fsspec one ``pipe`` (one PUT)."""
+        if self.fs is None:
+            f = self.root.joinpath(*parts)
+            tmp = f.with_name(f".{f.name}.tmp-{uuid.uuid4().hex}")
+            tmp.write_bytes(data)
+            os.replace(tmp, f)
+        else:
+            self.fs.pipe_file(self._p(*parts), data)
 
     # -- layout -------------------------------------------------------------------------
     @property
     def base_dir(self) -> Path:
-        """HF checkpoint dir to build the module from (``schemas.modelspec.load_model``)
-        before ``load_state_dict(store.load(version))``."""
-        return self.root / "base"
+        """Local HF checkpoint dir to build the module from (``schemas.modelspec.load_model``)
+        before ``load_state_dict(store.load(version))``. For a URL store, ``base/`` is
+        downloaded once into ``schemas.settings.home()/store-cache/<hash>/base``."""
+        if self.fs is None:
+            return self.root / "base"
+        from schemas import settings
+
+        key = hashlib.sha256(str(self.root).encode()).hexdigest()[:16]
+        local = settings.home() / "store-cache" / key / "base"
+        if not (local / ".complete").exists():
+            tmp = local.with_name(f".tmp-base-{uuid.uuid4().hex}")
+            tmp.mkdir(parents=True)
+            for f in self.fs.ls(self._p("base"), detail=False):
+                name = f.rstrip("/").rsplit("/", 1)[-1]
+                (tmp / name).write_bytes(self.fs.cat_file(f))
+            (tmp / ".complete").write_text(str(self.root))
+            if local.exists():
+                shutil.rmtree(local)
+            os.rename(tmp, local)
+        return local
 
     def _vdir(self, version: str) -> Path:
         version_number(version)
@@ -199,28 +296,38 @@ class ModelStore:
 
     @contextmanager
     def _lock(self):
-        with open(self.root / ".lock", "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
+        with self._write_lock:
+            if self.fs is not None:  # no cross-process lock on object stores (see class doc)
                 yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            with open(self.root / ".lock", "w") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
 
     # -- queries ------------------------------------------------------------------------
     def versions(self) -> list[str]:
         """All complete versions (manifest present), sorted."""
-        vs = []
-        for p in (self.root / "versions").iterdir():
-            if p.name.startswith("v") and p.name[1:].isdigit() and (p / "manifest.json").exists():
-                vs.append(p.name)
-        return sorted(vs)
+        if self.fs is None:
+            names = [p.name for p in (self.root / "versions").iterdir()]
+        else:
+            try:
+                names = [f.rstrip("/").rsplit("/", 1)[-1] for f in self.fs.ls(self._p("versions"), detail=False)]
+            except FileNotFoundError:
+                names = []
+        return sorted(n for n in names
+                      if n.startswith("v") and n[1:].isdigit() and self._exists("versions", n, "manifest.json"))
 
     def manifest(self, version: str) -> VersionManifest:
         """The manifest of ``version``; raises KeyError if it is not in the store."""
-        f = self._vdir(version) / "manifest.json"
-        if not f.exists():
-            raise KeyError(f"version {version} is not in the store at {self.root}")
-        return VersionManifest.model_validate_json(f.read_text())
+        version_number(version)
+        try:
+            raw = self._read("versions", version, "manifest.json")
+        except FileNotFoundError:
+            raise KeyError(f"version {version} is not in the store at {self.root}") from None
+        return VersionManifest.model_validate_json(raw)
 
     def latest(self) -> str:
         """Newest version; raises LookupError on an empty store."""
@@ -237,16 +344,21 @@ class ModelStore:
 
         v0 = version_name(0)
         with self._lock():
-            if (self._vdir(v0) / "manifest.json").exists():
+            if self._exists("versions", v0, "manifest.json"):
                 return self.manifest(v0)
             model_dir = Path(model_dir)
             if not (model_dir / "config.json").exists():
                 raise ValueError(f"model_dir: {model_dir} has no config.json")
-            tmp_base = self.root / f".tmp-base-{uuid.uuid4().hex}"
-            shutil.copytree(model_dir, tmp_base)
-            if self.base_dir.exists():
-                shutil.rmtree(self.base_dir)
-            os.rename(tmp_base, self.base_dir)
+            if self.fs is None:
+                tmp_base = self.root / f".tmp-base-{uuid.uuid4().hex}"
+                shutil.copytree(model_dir, tmp_base)
+                if self.base_dir.exists():
+                    shutil.rmtree(self.base_dir)
+                os.rename(tmp_base, self.base_dir)
+            else:
+                for f in sorted(model_dir.iterdir()):
+                    if f.is_file():
+                        self.fs.pipe_file(self._p("base", f.name), f.read_bytes())
             state = load_model(model_dir).state_dict()
             return self._write(v0, None, state, None, {}, {}, "promoted", "base model")
 
@@ -271,20 +383,25 @@ class ModelStore:
         tensors = {k: TensorMeta(dtype=str(v.dtype), shape=list(v.shape), sha256=tensor_sha256(v))
                    for k, v in sorted(state.items())}
         snapshot_bytes = sum(v.numel() * v.element_size() for v in state.values())
-        tmp = self.root / "versions" / f".tmp-{version}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        (tmp / "payload.bin").write_bytes(payload)
-        index = {"format": INDEX_FORMAT, "version": version,
-                 "parent": parent if parent_state is not None else None, "entries": entries}
-        (tmp / "index.json").write_text(json.dumps(index))
-        size = (tmp / "payload.bin").stat().st_size + (tmp / "index.json").stat().st_size
+        index = json.dumps({"format": INDEX_FORMAT, "version": version,
+                            "parent": parent if parent_state is not None else None, "entries": entries}).encode()
         m = VersionManifest(version=version, parent=parent, created_at=_now_ms(),
                             kind="delta" if parent_state is not None else "snapshot", tensors=tensors,
                             metrics=metrics, eval=eval_,
                             status_history=[StatusChange(status=status, at=_now_ms(), reason=reason)],
-                            size_bytes=size, snapshot_bytes=snapshot_bytes)
-        (tmp / "manifest.json").write_text(m.model_dump_json(indent=1))  # last
-        os.rename(tmp, self._vdir(version))
+                            size_bytes=len(payload) + len(index), snapshot_bytes=snapshot_bytes)
+        manifest = m.model_dump_json(indent=1).encode()
+        if self.fs is None:
+            tmp = self.root / "versions" / f".tmp-{version}-{uuid.uuid4().hex}"
+            tmp.mkdir()
+            (tmp / "payload.bin").write_bytes(payload)
+            (tmp / "index.json").write_bytes(index)
+            (tmp / "manifest.json").write_bytes(manifest)  # last
+            os.rename(tmp, self._vdir(version))
+        else:  # no rename on object stores: the manifest, written last in one put, commits
+            self.fs.pipe_file(self._p("versions", version, "payload.bin"), payload)
+            self.fs.pipe_file(self._p("versions", version, "index.json"), index)
+            self.fs.pipe_file(self._p("versions", version, "manifest.json"), manifest)
         return m
 
     def set_status(self, version: str, status: str, reason: str = "") -> VersionManifest:
@@ -293,10 +410,7 @@ class ModelStore:
         with self._lock():
             m = self.manifest(version)
             m.status_history.append(StatusChange(status=status, at=_now_ms(), reason=reason))
-            f = self._vdir(version) / "manifest.json"
-            tmp = f.with_suffix(f".tmp-{uuid.uuid4().hex}")
-            tmp.write_text(m.model_dump_json(indent=1))
-            os.replace(tmp, f)
+            self._put_atomic(m.model_dump_json(indent=1).encode(), "versions", version, "manifest.json")
             return m
 
     # -- reads --------------------------------------------------------------------------
@@ -319,10 +433,9 @@ class ModelStore:
                 self._cache.move_to_end(version)
                 return self._cache[version]
         m = self.manifest(version)
-        vdir = self._vdir(version)
         try:
-            index = json.loads((vdir / "index.json").read_text())
-            payload = (vdir / "payload.bin").read_bytes()
+            index = json.loads(self._read("versions", version, "index.json"))
+            payload = self._read("versions", version, "payload.bin")
         except (OSError, json.JSONDecodeError) as exc:
             raise CorruptVersionError(version, "*", f"unreadable index/payload: {exc}") from exc
         parent_state = None
@@ -330,15 +443,17 @@ class ModelStore:
             if index.get("parent") != m.parent:
                 raise CorruptVersionError(version, "*", f"wrong parent: delta was encoded against "
                                           f"{index.get('parent')}, manifest says {m.parent}")
-            parent_state = self._load_cached(m.parent)
-        state = decode_state(version, index["entries"], payload, parent_state)
+            parent_state = self._load_cached(m.parent)  # verified against its manifest
+            parent_hashes = {k: t.sha256 for k, t in self.manifest(m.parent).tensors.items()}
+        else:
+            parent_hashes = None
+        expected = {k: meta.sha256 for k, meta in m.tensors.items()}
+        state = decode_state(version, index["entries"], payload, parent_state, parent_hashes, expected)
         if set(state) != set(m.tensors):
             raise CorruptVersionError(version, "*", "tensor names differ from the manifest: "
                                       f"missing {sorted(set(m.tensors) - set(state))[:3]}, "
                                       f"extra {sorted(set(state) - set(m.tensors))[:3]}")
-        for k, meta in m.tensors.items():
-            if tensor_sha256(state[k]) != meta.sha256:
-                raise CorruptVersionError(version, k, "sha256 of the reconstructed tensor differs from the manifest")
+        # every tensor's sha256 was checked against the manifest inside decode_state
         with self._cache_lock:
             self._cache[version] = state
             self._cache.move_to_end(version)

@@ -1,0 +1,129 @@
+"""Canary metrics from serving's Prometheus ``/metrics``: parsing real prometheus_client
+output, deltas since the canary's baseline, p99 by bucket interpolation (checked by hand),
+skip-with-reason for metrics serving does not export per version, and the controller acting
+on them over real HTTP."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from deploy import ledger
+from deploy.controller import RolloutPhase
+from deploy.metrics import arm_metrics, delta, histogram_quantile, merge, parse
+from tests.test_deploy_controller import Clock, controller, env, publish_v, write_votes  # noqa: F401
+
+LAT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # serving's buckets
+
+
+class PerVersionServing:
+    """Registry shaped like serving's, with a ``version`` label on requests/latency/tokens."""
+
+    def __init__(self, per_version: bool = True):
+        self.r = r = CollectorRegistry()
+        v = ["version"] if per_version else []
+        self.requests = Counter("flywheel_requests", "HTTP requests", ["endpoint", "status", *v], registry=r)
+        self.latency = Histogram("flywheel_request_latency_seconds", "latency", ["endpoint", *v],
+                                 buckets=LAT_BUCKETS, registry=r)
+        self.tps = Histogram("flywheel_decode_tokens_per_second", "tokens/s", v,
+                             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
+        self.version_requests = Counter("flywheel_version_requests", "completions by version", ["version"], registry=r)
+        self.per_version = per_version
+
+    def serve(self, version: str, n: int, latency_s: float, tokens_per_s: float = 50.0, status: str = "200"):
+        for _ in range(n):
+            lab = {"version": version} if self.per_version else {}
+            self.requests.labels(endpoint="/v1/chat/completions", status=status, **lab).inc()
+            if status == "200":
+                self.latency.labels(endpoint="/v1/chat/completions", **lab).observe(latency_s)
+                (self.tps.labels(**lab) if lab else self.tps).observe(tokens_per_s)
+                self.version_requests.labels(version).inc()
+
+    def text(self) -> str:
+        return generate_latest(self.r).decode()
+
+
+def test_histogram_quantile_by_hand():
+    # 10 in (0, 1], 10 in (1, 2]: p50 -> rank 10 -> le 1; p75 -> rank 15 -> 1 + 1 * 5/10
+    b = [(1.0, 10.0), (2.0, 20.0), (float("inf"), 20.0)]
+    assert histogram_quantile(0.5, b) == pytest.approx(1.0)
+    assert histogram_quantile(0.75, b) == pytest.approx(1.5)
+    assert histogram_quantile(0.99, [(1.0, 0.0), (float("inf"), 4.0)]) == 1.0  # +Inf: highest finite bound
+    assert histogram_quantile(0.99, [(1.0, 0.0), (float("inf"), 0.0)]) is None
+
+
+def test_errors_latency_tokens_per_version_since_baseline():
+    s = PerVersionServing()
+    s.serve("v000000", 30, 5.0)  # before the canary: must not count
+    base = parse(s.text())
+    s.serve("v000000", 40, 0.2, tokens_per_s=60.0)
+    s.serve("v000001", 35, 0.2, tokens_per_s=30.0)
+    s.serve("v000001", 5, 0.2, status="500")
+    d = delta(merge([parse(s.text())]), base)
+    c, skipped = arm_metrics(d, "v000001")
+    st, _ = arm_metrics(d, "v000000")
+    assert skipped == {}
+    assert (c["requests"], c["errors"]) == (40, 5) and (st["requests"], st["errors"]) == (40, 0)
+    assert c["p99_ms"] == pytest.approx((0.1 + 0.15 * 0.99) * 1000)  # rank 0.99*35 in (0.1, 0.25]
+    assert st["p99_ms"] == pytest.approx((0.1 + 0.15 * 0.99) * 1000)  # the 5 s before baseline are gone
+    assert (c["tokens_per_s"], st["tokens_per_s"]) == (pytest.approx(30.0), pytest.approx(60.0))
+    # a pod restart resets counters: the current value counts from zero
+    assert delta({("x", ()): 3.0}, {("x", ()): 10.0}) == {("x", ()): 3.0}
+    # two pods add up
+    assert merge([{("x", ()): 1.0}, {("x", ()): 2.0}]) == {("x", ()): 3.0}
+
+
+def test_current_serving_shape_skips_with_reasons_and_thumbs_decide(env):
+    s = PerVersionServing(per_version=False)  # what serving/app.py exports today
+    env.app.state.metrics_text = s.text()
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
+    s.serve("v000000", 30, 0.2)
+    s.serve("v000001", 30, 3.0)  # slow, but serving cannot say which version was slow
+    env.app.state.metrics_text = s.text()
+    write_votes(env.samples, "v000001", 6, 4, clock.t)
+    write_votes(env.samples, "v000000", 6, 4, clock.t)
+    clock.t += 1000
+    st = controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
+    assert st.last_outcome == "ADVANCE", st.last_reason
+    nums = ledger.decisions(env.ledger)[-1].numbers
+    for m in ("error_rate", "p99_latency", "tokens_per_s"):
+        assert nums[m]["check"] == "SKIPPED" and "version label" in nums[m]["skipped"], nums[m]
+    assert nums["thumbs_up"]["check"] == "PASS"
+
+
+def test_slow_candidate_is_rolled_back_on_p99_from_metrics(env):
+    s = PerVersionServing()
+    s.serve("v000000", 30, 5.0)  # slow stable traffic before the canary (excluded by the baseline)
+    env.app.state.metrics_text = s.text()
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
+    s.serve("v000000", 40, 0.2)
+    s.serve("v000001", 40, 2.0)
+    env.app.state.metrics_text = s.text()
+    write_votes(env.samples, "v000001", 6, 4, clock.t)
+    write_votes(env.samples, "v000000", 6, 4, clock.t)
+    clock.t += 1000
+    st = controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and "p99_latency" in st.last_reason, st.last_reason
+    assert env.admin.slots().candidate is None
+    p99 = ledger.decisions(env.ledger)[-1].numbers["p99_latency"]
+    # candidate: 40 in (1, 2.5] -> 1 + 1.5 * 0.99 s; stable: 40 in (0.1, 0.25] -> 0.1 + 0.15 * 0.99 s
+    assert p99["candidate"] == pytest.approx((1 + 1.5 * 0.99) * 1000)
+    assert p99["stable"] == pytest.approx((0.1 + 0.15 * 0.99) * 1000)
+    assert p99["ratio"] == pytest.approx(10.0) and p99["check"] == "FAIL"
+    errs = ledger.decisions(env.ledger)[-1].numbers["error_rate"]
+    assert (errs["candidate_requests"], errs["stable_requests"], errs["check"]) == (40, 40, "PASS")
+
+
+def test_unreachable_metrics_hold_as_error(env):
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
+    env.app.state.metrics_text = "this is { not prometheus"
+    write_votes(env.samples, "v000001", 6, 4, clock.t)
+    write_votes(env.samples, "v000000", 6, 4, clock.t)
+    st = controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
+    assert st.last_outcome == "HOLD" and "HOLD (error)" in st.last_reason and "arm metrics" in st.last_reason

@@ -1,0 +1,69 @@
+"""`flywheel pause` / `resume`: recorded intent (flag file + ledger, with who ran it) that a
+real `flywheel learn` daemon process honours before each cycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from deploy import ledger
+from deploy.commands import learner_pause_path, register
+from deploy.store import ModelStore
+from schemas.modelspec import load_model
+
+from test_learner_cycle import write_shard  # noqa: E402  (learner's test helpers: real samples)
+from test_learner_replay import make_samples  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_path, fw_home, monkeypatch):
+    monkeypatch.setenv("USER", "oncall-bob")
+    monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
+    app = typer.Typer()
+    register(app)
+    run = CliRunner().invoke
+    r = run(app, ["pause", "--reason", "disk full on the learner box", "--yes"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(learner_pause_path().read_text())
+    assert learner_pause_path() == fw_home / "learner" / "paused"
+    assert rec["actor"] == "oncall-bob" and rec["reason"] == "disk full on the learner box"
+    st = json.loads(run(app, ["status", "--json"]).output)
+    assert st["learner"]["paused"]["actor"] == "oncall-bob"
+    assert "already paused by oncall-bob" in run(app, ["pause", "--yes"]).output
+
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    samples = make_samples(load_model(tiny_moe_dir), 4, version="v000000", seed=21)
+    write_shard(tmp_path / "samples", samples, "v000000", "a")  # enough to trigger a cycle
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "learn", "--store", str(tmp_path / "store"),
+                          "--samples", str(tmp_path / "samples"), "--every-n", "4", "--every-h", "10",
+                          "--poll-s", "0.3", "--steps", "1"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(6)  # paused: 4 new samples >= every_n, yet no cycle
+        assert p.poll() is None and ModelStore(tmp_path / "store").versions() == ["v000000"]
+        r = run(app, ["resume", "--yes"])
+        assert r.exit_code == 0 and "resumed by oncall-bob" in r.output
+        assert not learner_pause_path().exists()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ModelStore(tmp_path / "store").versions() == ["v000000"]:
+            assert p.poll() is None, p.stdout.read()[-3000:]
+            time.sleep(0.5)
+        assert ModelStore(tmp_path / "store").versions() == ["v000000", "v000001"]
+    finally:
+        p.kill()
+        out = p.communicate(timeout=10)[0]
+    assert "learn: paused by operator" in out and "oncall-bob" in out and "learn: resumed" in out
+    rows = [(d.decision, d.actor) for d in ledger.decisions(fw_home / "ledger.duckdb")]
+    assert rows == [("PAUSE", "oncall-bob"), ("RESUME", "oncall-bob")]
+    assert json.loads(run(app, ["status", "--json"]).output)["learner"]["paused"] is None
