@@ -10,16 +10,29 @@ Crash safety (no label lost, none counted twice; issue 4 item 3):
    before faust computes the offsets to commit). A dead letter decided on an event is delivered (producer ack awaited) before
    the event is acked. So a committed offset never covers an event whose effect is not
    durable; a killed worker loses only an unflushed batch whose offsets were not committed.
-2. After a crash, the uncommitted tail is consumed again; every event_id ever folded or
-   dead-lettered is in the ``events`` table and every sealed completion in ``sealed``, so
-   replays are recognised as duplicates and fold nothing.
-3. The seal timer claims due labels with the path of the shard that will hold them (one
-   transaction), writes the shard atomically (temp + fsync + rename), then marks them
-   sealed. A worker killed between the rename and the mark is repaired at start by
-   :meth:`ingest.join.Joiner.recover`: the shard exists, so the labels are marked sealed,
-   not sealed again; a shard that never appeared releases its labels to be sealed again.
+2. After a crash, the uncommitted tail is consumed again; every event_id folded or
+   dead-lettered is in the ``events`` table and every sealed completion in ``sealed`` (for
+   ``JoinConfig.dedupe_retention_s``, far longer than that tail), so replays are
+   recognised as duplicates and fold nothing.
+3. The seal timer claims due labels with the path of the shard that will hold them and the
+   worker's owner id (one transaction), writes the shard atomically (temp + fsync +
+   rename), then marks them sealed. A worker killed between the rename and the mark is
+   repaired by :meth:`ingest.join.Joiner.recover` (at start, and every ``RECOVER_EVERY_S``
+   by the live workers): the shard exists, so the labels are marked sealed, not sealed
+   again; a shard that never appeared releases its labels to be sealed again. Recovery
+   touches only claims of dead owners (an owner is alive while its process holds its
+   ``flock``), so a worker starting next to a live one never releases a claim the live
+   one is still writing.
 4. Nothing depends on end offsets, lag, or changelog highwaters (wrong on the embedded
    broker, DESIGN §3).
+5. A restart of the memory-only embedded broker loses topics, data and committed offsets:
+   the workers' heartbeats fail (unknown member), they rejoin the group, find no committed
+   offset and read the recreated topics from the beginning (``auto_offset_reset=
+   "earliest"``); open labels stay in the SQLite state and are sealed as usual.
+   ``tests/test_ingest_scale.py`` checks it with three workers on one partition.
+
+Counters ``consumed_completions`` / ``consumed_feedback`` count deliveries (a replayed
+record counts again); they are how ``bench/ingest.py`` measures consumption.
 
 Samples on ``flywheel.samples`` and dead letters are at-least-once (a crash between the
 shard and the publish re-publishes nothing but may miss the topic copy of a shard's
@@ -46,6 +59,9 @@ log = logging.getLogger("ingest")
 
 BATCH_EVENTS = 500  # events per agent batch (faust take_events) = one SQLite commit ...
 BATCH_AGE_S = 0.05  # ... or what arrived within this long (s)
+RECOVER_EVERY_S = 5.0  # live workers finish/release dead workers' claims this often (s)
+CATALOG_EVERY_S = 60.0  # catalog views re-created at most this often once they see files (s)
+PRUNE_EVERY_S = 60.0  # dedupe/sealed rows older than dedupe_retention_s deleted this often (s)
 
 
 class _FlushBeforeCommit(Sensor):
@@ -67,10 +83,12 @@ def attach(app, cfg) -> Joiner:
     store = StateStore(cfg.state_path)
     joiner = Joiner(store, cfg.join)
     app.sensors.add(_FlushBeforeCommit(store))
+    log.warning("ingest owner %s", store.owner)
     rec = joiner.recover(lambda p: Path(p).exists())
     if rec["sealed"] or rec["released"]:
         log.warning("ingest recover: %s", rec)
-    last_stats = {"at": 0.0, "c": None}
+    last_stats = {"at": 0.0, "c": None, "recover": time.monotonic(), "prune": 0.0,
+                  "cat_samples": False, "cat_dead": False, "cat_at": 0.0}
     dead_seen: list[DeadLetter] = []  # for the catalog file, written at the next tick
     dead_dir = catalog.deadletters_dir(cfg.samples_dir)
 
@@ -117,6 +135,9 @@ def attach(app, cfg) -> Joiner:
         async for batch in stream.take_events(BATCH_EVENTS, within=BATCH_AGE_S):
             for ev in batch:
                 await fold_completion(ev)
+            store.begin_batch()
+            with store.transaction():
+                store.bump("consumed_completions", len(batch))
             store.flush()
 
     @app.agent(feedback, name="ingest-feedback")
@@ -124,13 +145,24 @@ def attach(app, cfg) -> Joiner:
         async for batch in stream.take_events(BATCH_EVENTS, within=BATCH_AGE_S):
             for ev in batch:
                 await fold_feedback(ev)
+            store.begin_batch()
+            with store.transaction():
+                store.bump("consumed_feedback", len(batch))
             store.flush()
 
     @app.timer(cfg.tick_s, name="ingest-seal")
     async def seal():
         store.flush()  # claims and seals below are their own durable transactions
+        if time.monotonic() - last_stats["recover"] > RECOVER_EVERY_S:  # a dead peer's claims
+            last_stats["recover"] = time.monotonic()
+            rec = joiner.recover(lambda p: Path(p).exists())
+            if rec["sealed"] or rec["released"]:
+                log.warning("ingest recover: %s", rec)
+        if time.monotonic() - last_stats["prune"] > PRUNE_EVERY_S:
+            last_stats["prune"] = time.monotonic()
+            joiner.prune()
         res = joiner.tick(now_ms(), writer.shard_namer(cfg.samples_dir))
-        wrote = 0
+        wrote, wrote_dead = 0, False
         for path, samples in res.shards.items():
             try:
                 writer.write_shard(samples, path)
@@ -154,12 +186,18 @@ def attach(app, cfg) -> Joiner:
             try:
                 writer.write_deadletters(list(dead_seen), dead_dir)
                 dead_seen.clear()
-                wrote += 1
+                wrote_dead = True
             except Exception:
                 log.exception("ingest: dead-letter file failed; retried next tick")
-        if wrote:
+        # the views read the Parquet globs at query time: a refresh is needed only when the
+        # first shard / dead-letter file appears (the view SQL changes), else now and then
+        if (wrote and not last_stats["cat_samples"]) or (wrote_dead and not last_stats["cat_dead"]) or (
+                (wrote or wrote_dead) and time.monotonic() - last_stats["cat_at"] > CATALOG_EVERY_S):
             try:
                 catalog.refresh_catalog(cfg.samples_dir, cfg.catalog)
+                last_stats["cat_samples"] |= bool(wrote)
+                last_stats["cat_dead"] |= wrote_dead
+                last_stats["cat_at"] = time.monotonic()
             except Exception as exc:  # the shards are the truth; the views are rebuilt next time
                 log.warning("ingest: catalog refresh failed: %s", exc)
         if time.monotonic() - last_stats["at"] > 5.0:

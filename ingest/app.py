@@ -35,6 +35,8 @@ class IngestConfig:
         samples_dir: shard root (default ``schemas.settings.samples_dir()``).
         state_path: the SQLite join state (default ``$FLYWHEEL_HOME/ingest/state.sqlite``).
         catalog: the DuckDB catalog (default ``schemas.settings.catalog_path()``).
+        app_id: faust app id = Kafka consumer group (default ``APP_ID``); workers with the
+            same id split the partitions and must share ``state_path``.
     """
 
     join: JoinConfig = field(default_factory=JoinConfig)
@@ -44,8 +46,11 @@ class IngestConfig:
     samples_dir: Path | None = None
     state_path: Path | None = None
     catalog: Path | None = None
+    app_id: str = APP_ID
 
     def __post_init__(self):
+        if not self.app_id or not self.app_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"app_id: must be non-empty [A-Za-z0-9._-], got {self.app_id!r}")
         if not self.tick_s > 0:
             raise ValueError(f"tick_s: must be > 0 seconds, got {self.tick_s}")
         if not 0 <= self.worker_port < 65536:
@@ -54,6 +59,20 @@ class IngestConfig:
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         self.state_path = Path(self.state_path or settings.home() / "ingest" / "state.sqlite")
         self.catalog = Path(self.catalog or settings.catalog_path())
+
+
+def faust_settings(cfg: IngestConfig) -> dict:
+    """The faust App settings of an ingest worker (also used by ``bench/ingest.py``)."""
+    return dict(
+        broker=f"kafka://{cfg.bootstrap}", store="memory://", datadir=str(cfg.state_path.parent / "faust"),
+        broker_session_timeout=SESSION_TIMEOUT_S, broker_heartbeat_interval=1.0,
+        consumer_auto_offset_reset="earliest", topic_allow_declare=False,
+        processing_guarantee="at_least_once",
+        web_enabled=cfg.worker_port > 0, web_port=cfg.worker_port or 6066, web_bind="127.0.0.1",
+        key_serializer="raw", value_serializer="raw",
+        # fetch more per round trip: completions carry expert routes (~18 KB each)
+        consumer_max_fetch_size=16 * 1024 * 1024, broker_max_poll_records=2000,
+        stream_buffer_maxsize=8192)
 
 
 def build_app(cfg: IngestConfig):
@@ -66,17 +85,7 @@ def build_app(cfg: IngestConfig):
 
     from ingest import agents
 
-    datadir = cfg.state_path.parent / "faust"
-    app = faust.App(
-        APP_ID, broker=f"kafka://{cfg.bootstrap}", store="memory://", datadir=str(datadir),
-        broker_session_timeout=SESSION_TIMEOUT_S, broker_heartbeat_interval=1.0,
-        consumer_auto_offset_reset="earliest", topic_allow_declare=False,
-        processing_guarantee="at_least_once",
-        web_enabled=cfg.worker_port > 0, web_port=cfg.worker_port or 6066, web_bind="127.0.0.1",
-        key_serializer="raw", value_serializer="raw",
-        # fetch more per round trip: completions carry expert routes (~10 KB each)
-        consumer_max_fetch_size=16 * 1024 * 1024, broker_max_poll_records=2000,
-        stream_buffer_maxsize=8192)
+    app = faust.App(cfg.app_id, **faust_settings(cfg))
     agents.attach(app, cfg)
     return app
 

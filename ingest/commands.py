@@ -17,6 +17,7 @@ def ingest_cmd(
     reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
     reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
     loglevel: str = typer.Option("warn", help="crit | error | warn | info | debug."),
+    app_id: str = typer.Option("flywheel-ingest", help="Consumer group; workers sharing it split the partitions."),
 ) -> None:
     """Run the ingest worker: join completions and feedback into RewardedSample shards."""
     from ingest.app import IngestConfig, run_worker
@@ -27,7 +28,7 @@ def ingest_cmd(
             join=JoinConfig(seal_after_s=seal_after_s, max_label_age_s=max_label_age_s,
                             orphan_ttl_s=orphan_ttl_s, late_policy=late_policy,
                             shaping=RewardShaping(up=reward_up, down=reward_down)),
-            tick_s=tick_s, worker_port=worker_port)
+            tick_s=tick_s, worker_port=worker_port, app_id=app_id)
     except (ValueError, RuntimeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_worker(cfg, loglevel=loglevel)

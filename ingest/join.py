@@ -24,6 +24,18 @@ Semantics (issue 4 item 2):
 * **Unlabelled**: a completion with no vote by ``max_label_age_s`` is dropped (counted).
 * Feedback kinds other than ``thumb`` are not used by the label yet: dead-lettered with
   the reason, so they are accounted for.
+* **Retention** (bounded state): the sealed set keeps a row for ``dedupe_retention_s``
+  (default 7 days, Kafka's default topic retention) after sealing, and the dedupe set
+  (``events``) keeps a row that long after it was recorded *and* as long as its label is
+  open or its sealed row is kept; then :meth:`Joiner.prune` deletes it. The horizon must be longer
+  than any redelivery window: the uncommitted tail replayed after a crash (seconds), a
+  label's whole life (``max_label_age_s`` + ``orphan_ttl_s``, validated), and a client
+  retrying from its buffer. As a second guard, a completion whose ``created_at`` and a
+  feedback event whose ``created_at`` are older than the horizon are *expired*: counted
+  (``completions_expired``, ``feedback_expired``) and ignored, because their dedupe rows
+  may be gone (a label sealed at the latest ``created_at + max_label_age_s`` keeps its
+  row until ``sealed_at + dedupe_retention_s``), so a replay of a pruned record can
+  never seal a label twice.
 """
 
 from __future__ import annotations
@@ -72,6 +84,8 @@ class JoinConfig:
             ``created_at`` is this old (default 3600).
         orphan_ttl_s: how long feedback waits for its completion before it is
             dead-lettered (default 600).
+        dedupe_retention_s: how long an event_id / sealed completion is remembered for
+            dedupe (default 7 days); must exceed ``max_label_age_s + orphan_ttl_s``.
     Policies:
         late_policy: feedback after its label was sealed: ``"deadletter"`` (default) or
             ``"drop"`` (counted in ``late`` either way).
@@ -83,12 +97,17 @@ class JoinConfig:
     orphan_ttl_s: float = 600.0
     late_policy: Literal["deadletter", "drop"] = "deadletter"
     shaping: RewardShaping = field(default_factory=RewardShaping)
+    dedupe_retention_s: float = 7 * 24 * 3600.0
 
     def __post_init__(self):
-        for name in ("seal_after_s", "max_label_age_s", "orphan_ttl_s"):
+        for name in ("seal_after_s", "max_label_age_s", "orphan_ttl_s", "dedupe_retention_s"):
             v = getattr(self, name)
             if not v > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {v}")
+        if not self.dedupe_retention_s > self.max_label_age_s + self.orphan_ttl_s:
+            raise ValueError(f"dedupe_retention_s: must exceed max_label_age_s + orphan_ttl_s = "
+                             f"{self.max_label_age_s + self.orphan_ttl_s:g} s (a redelivery within a "
+                             f"label's life must still dedupe), got {self.dedupe_retention_s:g}")
         if self.late_policy not in ("deadletter", "drop"):
             raise ValueError(f"late_policy: must be 'deadletter' or 'drop', got {self.late_policy!r}")
 
@@ -227,11 +246,15 @@ class Joiner:
 
     # -- events ---------------------------------------------------------------------------
     def on_completion(self, ev: CompletionEvent, raw: bytes | str | None = None, now: int | None = None) -> str:
-        """Fold a completion. Returns ``"new"``, ``"duplicate"`` or ``"sealed"`` (already
-        sealed: ignored, e.g. a replay after a crash)."""
+        """Fold a completion. Returns ``"new"``, ``"duplicate"``, ``"sealed"`` (already
+        sealed: ignored, e.g. a replay after a crash) or ``"expired"`` (``created_at`` older
+        than ``dedupe_retention_s``: ignored, see the module docstring)."""
         now = now_ms() if now is None else now
         cid = str(ev.completion_id)
         with self.store.transaction():
+            if ev.created_at < now - self.cfg.dedupe_retention_s * 1000:
+                self.store.bump("completions_expired")
+                return "expired"
             if self.store.is_sealed(cid):
                 self.store.bump("completions_after_seal")
                 return "sealed"
@@ -254,7 +277,8 @@ class Joiner:
 
         Returns ``(outcome, dead_letter)``: outcome is ``"folded"``, ``"duplicate"`` (this
         event_id was already folded, sealed or dead-lettered), ``"late"`` (its label is
-        sealed; a DeadLetter is returned when ``late_policy="deadletter"``), or
+        sealed; a DeadLetter is returned when ``late_policy="deadletter"``), ``"expired"``
+        (``created_at`` older than ``dedupe_retention_s``: counted, ignored) or
         ``"unsupported"`` (a kind the label does not use; DeadLetter returned). A returned dead
         letter is not yet recorded: publish it, then call :meth:`mark_dead` (a crash in
         between re-decides it on replay: dead letters are at-least-once, never lost).
@@ -263,21 +287,24 @@ class Joiner:
         cid, eid = str(ev.completion_id), str(ev.event_id)
         raw_s = _payload(raw) if raw is not None else ev.model_dump_json()
         with self.store.transaction():
-            if self.store.event_seen(eid):
+            seen, sealed, st = self.store.feedback_lookup(eid, cid)
+            if seen:
                 self.store.bump("feedback_duplicate")
                 return "duplicate", None
+            if ev.created_at < now - self.cfg.dedupe_retention_s * 1000:
+                self.store.bump("feedback_expired")
+                return "expired", None
             if ev.kind != "thumb":
                 self.store.bump("feedback_unsupported")
                 return "unsupported", dead_letter(topics.FEEDBACK, cid, "kind",
                                                   f"kind {ev.kind!r} is not used by the label yet", raw_s, now)
-            if self.store.is_sealed(cid):
+            if sealed:
                 self.store.bump("feedback_late")
                 if self.cfg.late_policy == "deadletter":
                     return "late", dead_letter(topics.FEEDBACK, cid, "completion_id",
                                                f"late: label of completion {cid} already sealed", raw_s, now)
-                self.store.mark_dead([eid])
+                self.store.mark_dead([eid], now)
                 return "late", None
-            st = self.store.get(cid)
             if st is None:
                 st = LabelState(completion_id=cid, first_seen_at=now)
             if eid in st.event_ids:  # also guarded by event_seen; kept for in-memory stores
@@ -293,7 +320,7 @@ class Joiner:
             st.first_vote_at = st.first_vote_at or now
             st.last_vote_at = now
             self.store.put(st, st.due_at(self.cfg))
-            self.store.add_event(eid, cid)
+            self.store.add_event(eid, cid, now)
             self.store.bump("feedback_folded")
         return "folded", None
 
@@ -352,16 +379,27 @@ class Joiner:
         return res
 
     def recover(self, shard_exists) -> dict[str, int]:
-        """After a restart: finish or undo the claims a dead worker left.
+        """Finish or undo the claims that dead workers left (at start, and periodically).
 
-        A state claimed for a shard that exists (``shard_exists(path) -> bool``) is marked
-        sealed (the sample is on disk; sealing again would count it twice); any other claim is
-        released, so the label is sealed again (shard never appeared) or the orphan
-        dead-lettered again (dead letters are at-least-once). Returns counts.
+        Only claims whose owner is dead (:meth:`ingest.state.StateStore.owner_alive`) are
+        touched; a live worker's claims (it may be writing that shard now) and this worker's
+        own are left alone (counted in ``live``). A dead owner's state claimed for a shard
+        that exists (``shard_exists(path) -> bool``) is marked sealed (the sample is on disk;
+        sealing again would count it twice); any other dead claim is released, so the label is
+        sealed again (its shard never appeared) or the orphan dead-lettered again (dead letters
+        are at-least-once). Returns ``{"sealed", "released", "live"}`` counts.
         """
-        out = {"sealed": 0, "released": 0}
+        out = {"sealed": 0, "released": 0, "live": 0}
+        alive: dict[str | None, bool] = {}
+        dead_owners = set()
         with self.store.transaction():
-            for cid, claim in self.store.claims():
+            for cid, claim, owner in self.store.claims():
+                if owner not in alive:
+                    alive[owner] = self.store.owner_alive(owner)
+                if alive[owner]:
+                    out["live"] += 1
+                    continue
+                dead_owners.add(owner)
                 if claim.startswith("shard:") and claim[6:] and shard_exists(claim[6:]):
                     self.store.mark_sealed(cid, now_ms(), claim[6:])
                     self.store.delete(cid)
@@ -369,7 +407,19 @@ class Joiner:
                 else:
                     self.store.unclaim(cid)
                     out["released"] += 1
+        for owner in dead_owners | set(self.store.dead_owners()):  # also those that held no claim
+            self.store.forget_owner(owner)
         return out
+
+    def prune(self, now: int | None = None) -> tuple[int, int]:
+        """Forget dedupe rows (``events``) and sealed rows older than ``dedupe_retention_s``
+        (see the module docstring for why that is safe). Returns ``(events, sealed)`` deleted."""
+        now = now_ms() if now is None else now
+        with self.store.transaction():
+            n = self.store.prune(now - int(self.cfg.dedupe_retention_s * 1000))
+            self.store.bump("pruned_events", n[0])
+            self.store.bump("pruned_sealed", n[1])
+        return n
 
     def commit_sealed(self, samples: list[RewardedSample], shard: str) -> None:
         """Mark ``samples`` sealed (state removed) once ``shard`` holding them is durable."""
@@ -382,7 +432,7 @@ class Joiner:
     def commit_dead(self, res: TickResult) -> None:
         """Mark the orphans of ``res`` dead-lettered once their dead letters are published."""
         with self.store.transaction():
-            self.store.mark_dead(res.dead_event_ids)
+            self.store.mark_dead(res.dead_event_ids, now_ms())
             for cid in res.orphan_ids:
                 self.store.delete(cid)
             self.store.bump("feedback_orphaned", len(res.dead_event_ids))

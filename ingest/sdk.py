@@ -62,7 +62,7 @@ def build_event(completion_id: Any, kind: str, value: Any, comment: str | None =
     Raises:
         ValueError: naming the argument (``completion_id`` not a UUID, unknown ``kind``,
             a thumb ``value`` other than ±1, a non-finite ``value``, ``comment`` over 4096
-            chars, empty ``user``).
+            chars, empty ``user`` or one over 256 chars).
     """
     try:
         cid = str(uuid.UUID(str(completion_id)))
@@ -76,8 +76,8 @@ def build_event(completion_id: Any, kind: str, value: Any, comment: str | None =
         raise ValueError(f"value: a thumb is +1 or -1, got {value!r}")
     if comment is not None and (not isinstance(comment, str) or len(comment) > 4096):
         raise ValueError("comment: must be a string of at most 4096 characters")
-    if user is not None and (not isinstance(user, str) or not user):
-        raise ValueError(f"user: must be a non-empty string, got {user!r}")
+    if user is not None and (not isinstance(user, str) or not user or len(user) > 256):
+        raise ValueError(f"user: must be a non-empty string of at most 256 characters, got {str(user)[:40]!r}")
     return {"completion_id": cid, "event_id": str(uuid.uuid4()), "kind": kind, "value": float(value),
             "comment": comment, "user": user}
 

@@ -199,7 +199,7 @@ def test_state_survives_reopen_and_recover(tmp_path):
     shard_a.write_bytes(b"x")  # a's shard was renamed into place; the worker dies before commit
     j.store.close()
     j2 = Joiner(StateStore(path), CFG)
-    assert j2.recover(lambda p: __import__("os").path.exists(p)) == {"sealed": 1, "released": 1}
+    assert j2.recover(lambda p: __import__("os").path.exists(p)) == {"sealed": 1, "released": 1, "live": 0}
     assert j2.on_completion(a, now=T0 + 11_000) == "sealed"
     (s,) = j2.tick(T0 + 11_000).samples  # b is sealed again, a is not
     assert s.completion_id == b.completion_id
@@ -235,3 +235,107 @@ def test_group_commit_batch_and_savepoints(tmp_path):
     st2 = StateStore(path)
     assert st2.open_count() == 2 and st2.counters().get("feedback_folded") is None
     assert st2.get(str(a.completion_id)).votes == {}
+
+
+_HOLDER = """
+import sys, time
+from ingest.join import Joiner, JoinConfig
+from ingest.state import StateStore
+j = Joiner(StateStore(sys.argv[1], owner="worker-a"), JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20))
+res = j.tick(int(sys.argv[2]), shard_for=lambda s: sys.argv[3])
+print(len(res.samples), flush=True)
+time.sleep(600)  # 'writing the shard' until killed
+"""
+
+
+def test_recover_leaves_a_live_workers_claims(tmp_path):
+    """Worker B starting next to live worker A (a real process holding claims) must not
+    release A's claims; once A is SIGKILLed, B finishes them (shard absent: sealed again)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "state.sqlite"
+    jb = Joiner(StateStore(path, owner="worker-b"), CFG)
+    c = completion()
+    jb.on_completion(c, now=T0)
+    jb.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    shard = tmp_path / "a.parquet"
+    a = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(T0 + 10_000), str(shard)],
+                         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    try:
+        assert a.stdout.readline().strip() == "1"  # A claimed the label
+        assert jb.store.claims()[0][2] == "worker-a"
+        assert jb.recover(os.path.exists) == {"sealed": 0, "released": 0, "live": 1}
+        assert jb.tick(T0 + 20_000).samples == []  # still A's: B does not seal it too
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait(10)
+    assert jb.recover(os.path.exists) == {"sealed": 0, "released": 1, "live": 0}
+    (s,) = jb.tick(T0 + 20_000).samples
+    assert s.completion_id == c.completion_id
+    owners = Path(str(path) + ".owners")
+    assert not (owners / "worker-a.lock").exists()  # dead owner collected
+    assert [f.name for f in owners.iterdir()] == ["worker-b.lock"]
+
+
+def test_prune_bounded_retention():
+    """Dedupe/sealed rows are forgotten after dedupe_retention_s; replays older than the
+    horizon are expired (counted, ignored), so a pruned label is never sealed twice."""
+    cfg = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20, dedupe_retention_s=1000)
+    j = Joiner(StateStore(), cfg)
+    c = completion(created_at=T0)
+    v = vote(c.completion_id, "u1", 1, created_at=T0)
+    j.on_completion(c, now=T0)
+    j.on_feedback(v, now=T0)
+    res = j.tick(T0 + 10_000)
+    j.commit_sealed(res.samples, "")
+    assert j.store.dedupe_sizes() == (1, 1)
+    assert j.prune(T0 + 10_000 + 999_999) == (0, 0)  # horizon not reached (sealed at T0+10 s)
+    assert j.on_feedback(v, now=T0 + 500_000)[0] == "duplicate"
+    assert j.prune(T0 + 10_001 + 1_000_000) == (1, 1)
+    assert j.store.dedupe_sizes() == (0, 0)
+    later = T0 + 2_000_000
+    assert j.on_completion(c, now=later) == "expired"  # a replay of the pruned completion
+    assert j.on_feedback(v, now=later) == ("expired", None)
+    assert j.tick(later + 100_000).samples == [] and j.store.open_count() == 0
+    cnt = j.store.counters()
+    assert (cnt["completions_expired"], cnt["feedback_expired"], cnt["pruned_events"]) == (1, 1, 1)
+    # fresh traffic inside the horizon still joins and dedupes
+    c2 = completion(created_at=later)
+    v2 = vote(c2.completion_id, "u1", -1, created_at=later)
+    j.on_completion(c2, now=later)
+    assert j.on_feedback(v2, now=later)[0] == "folded" and j.on_feedback(v2, now=later)[0] == "duplicate"
+    with pytest.raises(ValueError, match="dedupe_retention_s"):
+        JoinConfig(max_label_age_s=100, orphan_ttl_s=20, dedupe_retention_s=120)
+
+
+def test_old_layout_migrates_and_legacy_claims_recover(tmp_path):
+    """A state file written before claim owners/retention existed opens (columns added);
+    its ownerless claims count as a dead worker's and are released; its events are kept."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    c = completion()
+    st = Joiner(StateStore(":memory:"), CFG)
+    st.on_completion(c, now=T0)
+    st.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    row = st.store.db.execute("SELECT state, completion FROM labels").fetchone()
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL, completion TEXT, "
+        "due_at INTEGER NOT NULL, claim TEXT); CREATE TABLE events(event_id TEXT PRIMARY KEY, completion_id TEXT);"
+        "CREATE TABLE sealed(completion_id TEXT PRIMARY KEY, sealed_at INTEGER NOT NULL, shard TEXT);"
+        "CREATE TABLE counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL);")
+    old.execute("INSERT INTO labels VALUES(?,?,?,?,?)", (str(c.completion_id), row[0], row[1], T0, "shard:/nope"))
+    old.execute("INSERT INTO events VALUES('e-old', ?)", (str(c.completion_id),))
+    old.commit()
+    old.close()
+    j = Joiner(StateStore(path), CFG)
+    assert j.store.claims() == [(str(c.completion_id), "shard:/nope", None)]
+    assert j.recover(lambda p: False) == {"sealed": 0, "released": 1, "live": 0}
+    (s,) = j.tick(T0 + 10_000).samples
+    assert s.completion_id == c.completion_id
+    assert j.prune(T0 + 10**12) == (0, 0) and j.store.event_seen("e-old")  # no `at`: kept
