@@ -6,15 +6,15 @@ the difference between now and a baseline taken when the canary started):
 * requests per version: ``flywheel_version_requests_total{version}`` (completions served).
 * errors per version: ``flywheel_requests_total{version, status}`` with status >= 500, or
   ``flywheel_version_errors_total{version}``; then requests come from the same family.
-* p99 latency (ms): histogram ``flywheel_request_latency_seconds{version, le}`` (or
-  ``flywheel_version_latency_seconds``), quantile by linear interpolation inside the bucket
+* p99 latency (ms): histogram ``flywheel_version_latency_ms{version, le}`` (or
+  ``flywheel_request_latency_seconds`` / ``flywheel_version_latency_seconds``), quantile by linear interpolation inside the bucket
   (Prometheus ``histogram_quantile``) over the bucket counts observed since the baseline.
 * tokens/s: ``flywheel_decode_tokens_per_second{version}`` histogram mean (sum / count) since
-  the baseline.
+  the baseline, else ``flywheel_version_tokens_total{version}`` over the summed seconds of
+  ``flywheel_version_latency_ms{version}``.
 
 A family without a ``version`` label cannot tell the arms apart: that metric is SKIPPED with
-the reason naming what serving would have to export (serving's ``/metrics`` today labels only
-``flywheel_version_requests`` and ``flywheel_version_votes`` by version). Too few requests
+the reason naming what serving would have to export. Too few requests
 since the baseline leaves latency/tokens unmeasured (None -> SKIPPED) and error rate
 INCONCLUSIVE, as for any other metric.
 
@@ -36,7 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 REQUESTS = "flywheel_version_requests"
 HTTP_REQUESTS = "flywheel_requests"
 ERRORS = "flywheel_version_errors"
-LATENCY = ("flywheel_request_latency_seconds", "flywheel_version_latency_seconds")
+LATENCY = ("flywheel_version_latency_ms", "flywheel_request_latency_seconds", "flywheel_version_latency_seconds")
+VERSION_TOKENS = "flywheel_version_tokens"
+VERSION_LATENCY_MS = "flywheel_version_latency_ms"
 TOKENS_PER_S = "flywheel_decode_tokens_per_second"
 
 # Flat sample map: (sample name, sorted label items) -> value
@@ -140,8 +142,15 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
         buckets = [(float(dict(labels)["le"]), v) for (n, labels), v in d.items()
                    if n == lat + "_bucket" and dict(labels).get("version") == version]
         p99 = histogram_quantile(0.99, buckets)
-        fields["p99_ms"] = None if p99 is None else p99 * 1000.0
-    if not _has_version_label(d, TOKENS_PER_S + "_count"):
+        to_ms = 1.0 if lat.endswith("_ms") else 1000.0
+        fields["p99_ms"] = None if p99 is None else p99 * to_ms
+    if (not _has_version_label(d, TOKENS_PER_S + "_count") and _has_version_label(d, VERSION_TOKENS + "_total")
+            and _has_version_label(d, VERSION_LATENCY_MS + "_sum")):
+        # serving's per-version counters: generated tokens / summed end-to-end seconds
+        toks = _by_version(d, VERSION_TOKENS + "_total").get(version, 0.0)
+        secs = _by_version(d, VERSION_LATENCY_MS + "_sum").get(version, 0.0) / 1000.0
+        fields["tokens_per_s"] = toks / secs if secs > 0 else None
+    elif not _has_version_label(d, TOKENS_PER_S + "_count"):
         skipped["tokens_per_s"] = f"serving exports no per-version tokens/s ({TOKENS_PER_S} with a version label)"
     else:
         n = _by_version(d, TOKENS_PER_S + "_count").get(version, 0.0)

@@ -127,3 +127,29 @@ def test_unreachable_metrics_hold_as_error(env):
     write_votes(env.samples, "v000000", 6, 4, clock.t)
     st = controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
     assert st.last_outcome == "HOLD" and "HOLD (error)" in st.last_reason and "arm metrics" in st.last_reason
+
+
+def test_serving_per_version_families_give_error_rate_p99_and_tokens_per_s():
+    """The names serving/app.py exports: version_errors, version_latency_ms, version_tokens."""
+    from deploy.metrics import arm_metrics, delta, parse
+
+    def text(n_req, n_err, buckets, lat_sum_ms, toks):
+        lines = [f'flywheel_version_requests_total{{version="v1"}} {n_req}',
+                 f'flywheel_version_errors_total{{version="v1"}} {n_err}',
+                 f'flywheel_version_tokens_total{{version="v1"}} {toks}',
+                 f'flywheel_version_latency_ms_sum{{version="v1"}} {lat_sum_ms}',
+                 f'flywheel_version_latency_ms_count{{version="v1"}} {n_req}']
+        lines += [f'flywheel_version_latency_ms_bucket{{le="{le}",version="v1"}} {c}' for le, c in buckets]
+        return "\n".join(["# TYPE flywheel_version_requests counter", "# TYPE flywheel_version_errors counter",
+                          "# TYPE flywheel_version_tokens counter", "# TYPE flywheel_version_latency_ms histogram",
+                          *lines]) + "\n"
+
+    base = parse(text(10, 0, [("100.0", 10), ("1000.0", 10), ("+Inf", 10)], 500.0, 100))
+    # since the baseline: 100 requests, 2 errors; 50 in (0,100] ms, 50 in (100,1000] ms
+    now = parse(text(110, 2, [("100.0", 60), ("1000.0", 110), ("+Inf", 110)], 500.0 + 40_000.0, 100 + 8_000))
+    fields, skipped = arm_metrics(delta(now, base), "v1")
+    assert fields["requests"] == 100 and fields["errors"] == 2
+    # p99: rank 99 of 100 lies in (100, 1000] at (99 - 50) / 50 of the way -> 100 + 900 * 0.98
+    assert fields["p99_ms"] == pytest.approx(982.0)
+    assert fields["tokens_per_s"] == pytest.approx(8_000 / 40.0)  # tokens / summed seconds
+    assert "p99_latency" not in skipped and "tokens_per_s" not in skipped and "error_rate" not in skipped
