@@ -94,6 +94,7 @@ class Slots:
         self.stable: LoadedModel | None = None
         self.candidate: LoadedModel | None = None
         self.candidate_weight = 0.0
+        self.previous: LoadedModel | None = None  # stable before the last promote (instant rollback)
         self.last_swap_pause_ms: float | None = None
 
     # ------------------------------------------------------------------ loading
@@ -151,19 +152,29 @@ class Slots:
             with self._lock:
                 if self.candidate is None:
                     raise SlotError("promote: no candidate loaded")
+                # the old stable stays resident (verified when it was loaded) so that the
+                # usual rollback, to the version promoted just before, is a pointer flip
+                self.previous = self.stable
                 self.stable, self.candidate, self.candidate_weight = self.candidate, None, 0.0
             self.last_swap_pause_ms = (time.perf_counter() - t0) * 1000
             return self.status()
 
     def rollback(self, version: str | None = None) -> SlotsStatus:
         """``/admin/rollback``: drop the candidate; with ``version``, replace stable by it
-        (loaded and verified first; on error nothing changes)."""
+        (loaded and verified first; on error nothing changes). Rolling back to the version
+        that was stable before the last promote reuses its resident weights (instant)."""
         with self._admin_lock:
-            lm = self.load_version(version) if version else None
+            prev = self.previous
+            if version and prev is not None and prev.version == version:
+                lm = prev  # resident and verified at its own load: no reload needed
+            else:
+                lm = self.load_version(version) if version else None
             t0 = time.perf_counter()
             with self._lock:
                 self.candidate, self.candidate_weight = None, 0.0
                 if lm is not None:
+                    if lm is not self.stable:
+                        self.previous = self.stable
                     self.stable = lm
             if lm is not None:
                 self.last_swap_pause_ms = (time.perf_counter() - t0) * 1000

@@ -93,6 +93,7 @@ def test_bad_loads_are_409_and_change_nothing(env, tmp_path):
 
 def test_load_split_swap_under_load_rollback(env):
     store = env["store"]
+    st0 = _admin(env, "GET", "/admin/slots").json()
     st = _admin(env, "POST", "/admin/load", {"version": "v000001"}).json()
     assert st["candidate"]["version"] == "v000001"
     assert st["candidate"]["weights_digest"] == store.manifest("v000001").weights_digest
@@ -158,5 +159,7 @@ def test_load_split_swap_under_load_rollback(env):
     st = _admin(env, "POST", "/admin/rollback", {"version": "v000000"}).json()
     assert st["stable"]["version"] == "v000000"
     assert st["stable"]["weights_digest"] == store.manifest("v000000").weights_digest
+    # the version stable before the promote stayed resident: a pointer flip, not a reload
+    assert st["stable"]["loaded_at"] == st0["stable"]["loaded_at"] and st["last_swap_pause_ms"] < 50
     assert _complete(env, "after").headers["x-flywheel-model-version"] == "v000000"
     assert [m["id"] for m in httpx.get(env["url"] + "/v1/models").json()["data"]] == ["v000000"]
