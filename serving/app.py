@@ -2,9 +2,14 @@
 
 ``create_app`` wires an engine + weight slots + event log into a FastAPI app. Every
 completion produces exactly one ``CompletionEvent`` on ``flywheel.completions`` (key =
-completion id, also returned as the response ``id`` and header
-``x-flywheel-completion-id``); every accepted feedback one ``FeedbackEvent`` on
-``flywheel.feedback``. Raw user ids are hashed with the pod's salt before any event is
+completion id); every accepted feedback one ``FeedbackEvent`` on ``flywheel.feedback``.
+
+Completion ids with ``n`` choices: each choice is its own completion (own id, own event,
+own feedback target, seed + i when seeded). Choice ``i`` carries its id in the extra field
+``choices[i].completion_id`` (also on every streamed chunk's choice); the response ``id`` is
+choice 0's id, so ``n=1`` clients (and feedback on ``resp.id``) work unchanged; headers
+``x-flywheel-completion-id`` (choice 0) and ``x-flywheel-completion-ids`` (all, comma-separated,
+in choice order). Raw user ids are hashed with the pod's salt before any event is
 written and never leave the pod.
 """
 
@@ -40,6 +45,7 @@ log = logging.getLogger("flywheel.serving.app")
 
 USER_HEADER = "x-flywheel-user"
 CID_HEADER = "x-flywheel-completion-id"
+CIDS_HEADER = "x-flywheel-completion-ids"  # all n choices, comma-separated, in choice order
 VERSION_HEADER = "x-flywheel-model-version"
 
 
@@ -91,8 +97,19 @@ class _Metrics:
                                       buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.batch = Histogram("flywheel_batch_size", "requests per engine batch",
                                buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.version_requests = Counter("flywheel_version_requests", "completions by model version",
-                                        ["version"], registry=r)
+        self.version_requests = Counter("flywheel_version_requests", "completions routed to each model "
+                                        "version (one per choice, failed ones included)", ["version"], registry=r)
+        # per-version canary signals (deploy's analysis): errors = requests routed to the
+        # version that failed server-side (engine exception -> 500, queue full -> 429; client
+        # mistakes are rejected before routing and not counted); latency = end-to-end ms of each
+        # completion; tokens = generated (completion) tokens.
+        self.version_errors = Counter("flywheel_version_errors", "server-side failures by model version",
+                                      ["version"], registry=r)
+        self.version_latency = Histogram(
+            "flywheel_version_latency_ms", "end-to-end completion latency by model version (ms)", ["version"],
+            buckets=(10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000), registry=r)
+        self.version_tokens = Counter("flywheel_version_tokens", "generated tokens by model version",
+                                      ["version"], registry=r)
         self.version_votes = Counter("flywheel_version_votes", "thumb votes by model version",
                                      ["version", "vote"], registry=r)
         self.events_accepted = Counter("flywheel_events_accepted", "events accepted by the API", ["kind"],
@@ -298,7 +315,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         metrics.tokens.labels("prompt").inc(len(prompt))
         metrics.tokens.labels("completion").inc(len(res.completion_token_ids))
         metrics.batch.observe(res.batch_size)
-        metrics.version_requests.labels(res.version).inc()
+        metrics.version_latency.labels(res.version).observe(res.latency_ms)
+        metrics.version_tokens.labels(res.version).inc(len(res.completion_token_ids))
         dec_s = max(res.latency_ms - res.ttft_ms, 1e-3) / 1000
         if len(res.completion_token_ids) > 1:
             metrics.tokens_per_s.observe((len(res.completion_token_ids) - 1) / dec_s)
@@ -331,71 +349,101 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
 
     async def _serve(request: Request, body, endpoint: str, prompt: list[int], sp, top_logprobs: int,
                      chat: bool):
+        """Run ``n`` choices (each its own completion: id, GenRequest, CompletionEvent) on one
+        version and answer in the OpenAI shape, as JSON or SSE."""
         user_hash = _user_hash(request, body.user)
         lm = slots.pick(user_hash, version=body.model)
-        cid = uuid.uuid4()
+        n = body.n or 1
+        cids = [uuid.uuid4() for _ in range(n)]
+        # choice i samples with seed + i: n copies of one seeded draw would be surprising
+        sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i})
+               for i in range(n)]
         request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
         created_ms = now_ms()
         stops = body.stop_strings()
-        headers = {CID_HEADER: str(cid), VERSION_HEADER: lm.version}
+        headers = {CID_HEADER: str(cids[0]), CIDS_HEADER: ",".join(map(str, cids)), VERSION_HEADER: lm.version}
         stream = bool(body.stream)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue | None = asyncio.Queue() if stream else None
 
-        def on_token(t: int, lp: float) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, (t, lp))
+        greqs: list[GenRequest] = []
+        futs = []
+        # counted when routed, so errors <= requests per version (error rate = errors / requests)
+        metrics.version_requests.labels(lm.version).inc(n)
+        try:
+            for i in range(n):
+                def on_token(t: int, lp: float, i=i) -> None:
+                    loop.call_soon_threadsafe(q.put_nowait, (i, t, lp))
 
-        greq = GenRequest(prompt_token_ids=prompt, sampling=sp, model=lm, stop_token_ids=(engine.eos_id,),
-                          top_logprobs=top_logprobs, on_token=on_token if stream else None,
-                          stop_check=_stop_check(stops))
-        fut = engine.submit(greq)  # raises 429 here, before anything is logged
+                greqs.append(GenRequest(prompt_token_ids=prompt, sampling=sps[i], model=lm,
+                                        stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
+                                        on_token=on_token if stream else None, stop_check=_stop_check(stops)))
+                futs.append(engine.submit(greqs[-1]))  # raises 429 here, before anything is logged
+        except ServingValidationError as exc:
+            for g, f in zip(greqs, futs):  # all or nothing: never a partial set of choices
+                f.cancel()
+                engine.abort(g)
+            if exc.status == 429:
+                metrics.version_errors.labels(lm.version).inc(n)  # all n choices failed
+            raise
 
-        async def finish() -> GenResult:
+        async def finish(i: int) -> GenResult:
             # Runs to the end even if the client goes away: one completion, one event.
-            res = await asyncio.wrap_future(fut)
-            _emit_completion(cid, request_id, user_hash, prompt, sp, res, created_ms)
+            try:
+                res = await asyncio.wrap_future(futs[i])
+            except BaseException as exc:
+                metrics.version_errors.labels(lm.version).inc()
+                if q is not None:
+                    q.put_nowait((i, None, exc))
+                raise
+            _emit_completion(cids[i], request_id, user_hash, prompt, sps[i], res, created_ms)
             _observe(endpoint, prompt, res)
+            if q is not None:
+                q.put_nowait((i, None, res))  # after every token of choice i (same loop, FIFO)
             return res
 
-        task = asyncio.ensure_future(finish())
+        tasks = [asyncio.ensure_future(finish(i)) for i in range(n)]
         created = created_ms // 1000
         if not stream:
             try:
-                res = await asyncio.shield(task)
+                results = await asyncio.shield(asyncio.gather(*tasks))
             except asyncio.CancelledError:
-                engine.abort(greq)
+                for g in greqs:
+                    engine.abort(g)
                 raise
-            text = _text(res.completion_token_ids, stops)
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(res.completion_token_ids),
-                     "total_tokens": len(prompt) + len(res.completion_token_ids)}
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                          "finish_reason": _wire_finish(res.finish_reason),
-                          "logprobs": _chat_logprobs(res) if body.logprobs else None}
-                out = {"id": str(cid), "object": "chat.completion", "created": created, "model": res.version,
-                       "choices": [choice], "usage": usage}
-            else:
-                choice = {"index": 0, "text": text, "finish_reason": _wire_finish(res.finish_reason),
-                          "logprobs": _completion_logprobs(res) if body.logprobs is not None else None}
-                out = {"id": str(cid), "object": "text_completion", "created": created, "model": res.version,
-                       "choices": [choice], "usage": usage}
+            choices = []
+            for i, res in enumerate(results):
+                text = _text(res.completion_token_ids, stops)
+                if chat:
+                    choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                    "finish_reason": _wire_finish(res.finish_reason),
+                                    "logprobs": _chat_logprobs(res) if body.logprobs else None,
+                                    "completion_id": str(cids[i])})
+                else:
+                    choices.append({"index": i, "text": text, "finish_reason": _wire_finish(res.finish_reason),
+                                    "logprobs": _completion_logprobs(res) if body.logprobs is not None else None,
+                                    "completion_id": str(cids[i])})
+            n_out = sum(len(r.completion_token_ids) for r in results)
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out}
+            out = {"id": str(cids[0]), "object": "chat.completion" if chat else "text_completion",
+                   "created": created, "model": lm.version, "choices": choices, "usage": usage}
             return JSONResponse(out, headers=headers)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, finish_reason: str | None, first: bool = False,
-                  lp: dict | None = None) -> str:
+        def chunk(i: int, delta_text: str | None, finish_reason: str | None, first: bool = False) -> str:
             if chat:
                 delta: dict = {}
                 if first:
                     delta["role"] = "assistant"
                 if delta_text is not None:
                     delta["content"] = delta_text
-                ch = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
+                ch = {"index": i, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
             else:
-                ch = {"index": 0, "text": delta_text or "", "finish_reason": finish_reason, "logprobs": lp}
-            d = {"id": str(cid), "object": obj, "created": created, "model": lm.version, "choices": [ch]}
+                ch = {"index": i, "text": delta_text or "", "finish_reason": finish_reason, "logprobs": None}
+            ch["completion_id"] = str(cids[i])
+            d = {"id": str(cids[0]), "object": obj, "created": created, "model": lm.version, "choices": [ch]}
             if include_usage:
                 d["usage"] = None
             return f"data: {json.dumps(d)}\n\n"
@@ -403,41 +451,42 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         async def sse():
             try:
                 if chat:
-                    yield chunk("", None, first=True)
-                toks: list[int] = []
-                sent = ""
-                while True:
-                    get = asyncio.ensure_future(q.get())
-                    done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if get not in done:
-                        get.cancel()
-                        if q.empty():
-                            break
-                        item = q.get_nowait()
-                    else:
-                        item = get.result()
-                    toks.append(item[0])
-                    text = _text(toks, stops)
+                    for i in range(n):
+                        yield chunk(i, "", None, first=True)
+                toks: list[list[int]] = [[] for _ in range(n)]
+                sent = [""] * n
+                results: list[GenResult | None] = [None] * n
+                left = n
+                while left:
+                    i, t, x = await q.get()
+                    if t is None:  # choice i ended: x is its GenResult or its exception
+                        left -= 1
+                        if isinstance(x, BaseException):
+                            raise x
+                        results[i] = x
+                        text = _text(x.completion_token_ids, stops)
+                        if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                            yield chunk(i, text[len(sent[i]):], None)
+                        yield chunk(i, None if chat else "", _wire_finish(x.finish_reason))
+                        continue
+                    toks[i].append(t)
+                    text = _text(toks[i], stops)
                     if text.endswith("\ufffd"):
                         continue  # incomplete UTF-8 sequence: wait for the next token
-                    if len(text) > len(sent) and text.startswith(sent):
-                        delta, sent = text[len(sent):], text
-                        yield chunk(delta, None)
-                res = await task
-                text = _text(res.completion_token_ids, stops)
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield chunk(text[len(sent):], None)
-                yield chunk(None if chat else "", _wire_finish(res.finish_reason))
+                    if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                        delta, sent[i] = text[len(sent[i]):], text
+                        yield chunk(i, delta, None)
                 if include_usage:
-                    d = {"id": str(cid), "object": obj, "created": created, "model": res.version, "choices": [],
-                         "usage": {"prompt_tokens": len(prompt),
-                                   "completion_tokens": len(res.completion_token_ids),
-                                   "total_tokens": len(prompt) + len(res.completion_token_ids)}}
+                    n_out = sum(len(r.completion_token_ids) for r in results)
+                    d = {"id": str(cids[0]), "object": obj, "created": created, "model": lm.version,
+                         "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                                                  "total_tokens": len(prompt) + n_out}}
                     yield f"data: {json.dumps(d)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
-                if not task.done():
-                    engine.abort(greq)  # client went away: stop generating; the event is still logged
+                for g, task in zip(greqs, tasks):
+                    if not task.done():
+                        engine.abort(g)  # client went away: stop generating; the event is still logged
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
 

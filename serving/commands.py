@@ -65,7 +65,7 @@ class Pod:
 def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: int = 8,
               bootstrap: str | None = None, journal: Path | None = None, log_events: bool = True,
               api_keys: set[str] | None = None, admin_token: str | None = None,
-              threads: int | None = None) -> Pod:
+              threads: int | None = None, engine: str = "torch") -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -73,14 +73,28 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             no broker is configured: events wait in the journal).
         journal: event journal file (default ``$FLYWHEEL_HOME/serving/<pod>.journal``).
         log_events: False turns event logging off (benchmarks only).
+        engine: ``torch`` (:class:`serving.engine.TorchEngine`) or ``vllm``
+            (:class:`serving.engine_vllm.VLLMEngine`, imported only then; needs vLLM installed).
+
+    Raises:
+        ValueError: unknown ``engine``.
     """
     from schemas import settings
     from serving.app import create_app
-    from serving.engine import TorchEngine
     from serving.eventlog import EventLog
     from serving.slots import Slots
 
-    engine = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads)
+    if engine == "torch":
+        from serving.engine import TorchEngine
+
+        eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads)
+    elif engine == "vllm":
+        from serving.engine_vllm import VLLMEngine  # lazy: vLLM lives in its own venv
+
+        eng = VLLMEngine(store.base_dir, max_batch=max_batch)
+    else:
+        raise ValueError(f"engine: must be 'torch' or 'vllm', got {engine!r}")
+    engine = eng
     slots = Slots(engine, store, pod=pod)
     try:
         slots.start(version or default_version(store))
@@ -112,7 +126,8 @@ def register(app: typer.Typer) -> None:
                                                          "promoted, else v000000)."),
         pod: str = typer.Option(os.environ.get("HOSTNAME", "pod-0"), help="Pod name in every event."),
         max_batch: int = typer.Option(8, help="Requests per engine batch at most."),
-        engine: str = typer.Option("torch", help="Inference engine: torch (vllm: not in this build)."),
+        engine: str = typer.Option("torch", help="Inference engine: torch, or vllm (needs vLLM installed in "
+                                                 "this interpreter; see DESIGN §3)."),
         model_dir: Optional[Path] = typer.Option(None, help="Serve a plain HF checkpoint dir as v000000 "
                                                             "instead of a model store."),
         api_keys_file: Optional[Path] = typer.Option(None, help="Bearer keys for /v1/*, one per line "
@@ -125,14 +140,20 @@ def register(app: typer.Typer) -> None:
         from schemas import settings
         from serving.app import load_keys
 
-        if engine != "torch":
-            raise typer.BadParameter(f"engine {engine!r} is not available in this build (use torch)",
-                                     param_hint="--engine")
+        if engine not in ("torch", "vllm"):
+            raise typer.BadParameter(f"must be torch or vllm, got {engine!r}", param_hint="--engine")
+        if engine == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise typer.BadParameter("vllm is not installed in this interpreter (run flywheel from the "
+                                         "vLLM venv, DESIGN §3)", param_hint="--engine")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         st = open_store(store or settings.store_dir(), model_dir)
         p = build_pod(st, version, pod=pod, max_batch=max_batch,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
-                      admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads)
+                      admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
+                      engine=engine)
         typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown

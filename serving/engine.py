@@ -4,7 +4,7 @@ batching, KV cache, behavior logprobs and expert-route capture (:class:`TorchEng
 The engine knows nothing about HTTP, Kafka or the model store: it turns token ids into
 token ids plus the numbers the learner needs (behavior logprobs under the raw
 distribution, expert routes in vLLM's layout), on whichever :class:`LoadedModel` a request
-names. A vLLM engine (GPU) would implement the same interface and be imported lazily.
+names. :class:`serving.engine_vllm.VLLMEngine` implements the same interface (imported lazily).
 
 Numerics follow ``schemas.modelspec`` (DESIGN §4): fp32, eager attention and experts, left
 padding with ``position_ids = cumsum(mask) - 1``, so the learner's recompute lines up.

@@ -24,6 +24,9 @@ _UNSUPPORTED_NEUTRAL: dict[str, tuple] = {
 }
 
 
+MAX_N = 16  # choices per request at most
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -36,8 +39,10 @@ class _Base(BaseModel):
     temperature: float | None = Field(None, description="0..2; 0 greedy; default 1")
     top_p: float | None = Field(None, description="(0, 1]; default 1")
     top_k: int | None = Field(None, description="-1/0 off, else keep k most likely")
-    seed: int | None = None
-    n: int | None = Field(1, description="only 1 is supported")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1,
+                             description="int64; with n > 1, choice i is sampled with seed + i")
+    n: int | None = Field(1, description=f"choices, 1..{MAX_N}; each is its own completion (own "
+                                         "completion_id, event and feedback target)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -53,8 +58,8 @@ class _Base(BaseModel):
                     raise ServingValidationError(name, v, "is not supported by this server")
         if extras:
             log.info("ignoring unknown request fields: %s", sorted(extras))
-        if self.n not in (None, 1):
-            raise ServingValidationError("n", self.n, "only n=1 is supported")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ServingValidationError("n", self.n, f"must be in [1, {MAX_N}]")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ServingValidationError("stop", self.stop, "up to 4 non-empty strings")

@@ -175,7 +175,8 @@ def test_feedback_errors_name_the_field(pod, body, param, status):
 @pytest.mark.parametrize("extra,param,status", [
     ({"temperature": 5}, "temperature", 400),
     ({"top_p": 0}, "top_p", 400),
-    ({"n": 2}, "n", 400),
+    ({"n": 0}, "n", 400),
+    ({"n": 17}, "n", 400),
     ({"max_tokens": 0}, "max_tokens", 400),
     ({"logit_bias": {"5": 10}}, "logit_bias", 400),
     ({"messages": []}, "messages", 400),
@@ -296,3 +297,67 @@ def test_client_mistakes_are_400(pod, path, body, param):
         r = httpx.post(pod["url"] + path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_n_choices_are_separate_completions(pod, client):
+    kw = dict(model="m", prompt="the quick brown", max_tokens=6, temperature=1.0, seed=7)
+    raw = client.completions.with_raw_response.create(n=3, logprobs=0, **kw)
+    r = raw.parse()
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    cids = [c.completion_id for c in r.choices]  # extra field, kept by the openai client
+    assert len(set(cids)) == 3 and r.id == cids[0] == raw.headers["x-flywheel-completion-id"]
+    assert raw.headers["x-flywheel-completion-ids"] == ",".join(cids)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.token_logprobs) for c in r.choices)
+    for i, c in enumerate(r.choices):  # choice i == a single request seeded seed + i
+        assert client.completions.create(**{**kw, "seed": 7 + i}).choices[0].text == c.text
+    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 4, timeout_s=3, keys=set(cids))
+    evs = {str(e.completion_id): e for e in (CompletionEvent.from_bytes(x.value) for x in recs)}
+    assert len(recs) == 3 and set(evs) == set(cids)
+    for i, c in enumerate(r.choices):
+        assert evs[c.completion_id].sampling.seed == 7 + i
+        np.testing.assert_allclose(evs[c.completion_id].behavior_logprobs, c.logprobs.token_logprobs, atol=1e-6)
+    # feedback targets one choice
+    assert httpx.post(pod["url"] + "/v1/feedback", json={"completion_id": cids[2], "value": 1}).status_code == 200
+    # chat streaming, n=2: per-index text equals the non-streamed n=2 answer
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    ckw = dict(model="m", messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=2)
+    full = client.chat.completions.create(**ckw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ckw))
+    for i in range(2):
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert got == full.choices[i].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    by_index = {(c.choices[0].index, c.choices[0].completion_id) for c in chunks if c.choices}
+    assert len(by_index) == 2 and (0, chunks[0].id) in by_index  # one id per choice; id = choice 0's
+    assert {c.id for c in chunks} == {chunks[0].id}
+
+
+def test_per_version_canary_metrics(tiny_moe_dir):
+    """errors / latency / tokens per version, on a private engine with an injected fault."""
+    from serving.app import create_app
+    from serving.engine import TorchEngine
+    from serving.slots import Slots
+
+    eng = TorchEngine(tiny_moe_dir, max_batch=2, max_queue=1)
+    slots = Slots(eng, CheckpointStore(tiny_moe_dir))
+    slots.start("v000000")
+
+    def boom(*_a):
+        raise RuntimeError("injected fault")
+
+    h = slots.stable.model.register_forward_hook(boom)
+    srv = ServerThread(create_app(slots, None, pod="m", salt="x")).start()
+    body = {"model": "m", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+    try:
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=30).status_code == 500
+        h.remove()
+        ok = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()
+        m = httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.stop()
+        eng.close()
+    assert 'flywheel_version_errors_total{version="v000000"} 1.0' in m
+    assert 'flywheel_version_requests_total{version="v000000"} 2.0' in m  # failed one included
+    assert f'flywheel_version_tokens_total{{version="v000000"}} {float(ok["usage"]["completion_tokens"])}' in m
+    assert 'flywheel_version_latency_ms_count{version="v000000"} 1.0' in m
+    assert 'flywheel_version_latency_ms_bucket{le="+Inf",version="v000000"} 1.0' in m

@@ -54,3 +54,17 @@ def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, proc.stdout.read().decode()[-3000:]
+
+
+def test_serve_engine_flag_errors_name_the_flag(tmp_path):
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--engine", "tpu", "--model-dir", str(tmp_path)])
+    assert r.exit_code != 0 and "--engine" in r.output and "torch or vllm" in r.output
+    if importlib.util.find_spec("vllm") is None:  # the main venv: vLLM lives in its own
+        r = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--model-dir", str(tmp_path)])
+        assert r.exit_code != 0 and "--engine" in r.output and "vllm is not installed" in r.output

