@@ -320,6 +320,7 @@ class TorchEngine(Engine):
 
         lm: LoadedModel = items[0].req.model
         model = lm.model
+        t_batch = time.perf_counter()
         reqs = [it.req for it in items]
         B = len(reqs)
         self.batches_run += 1
@@ -411,7 +412,8 @@ class TorchEngine(Engine):
             results.append(GenResult(
                 completion_token_ids=toks[i], behavior_logprobs=lps[i], top_logprobs=tops[i],
                 expert_routes=rt, finish_reason=finish[i], ttft_ms=ttft[i],
-                latency_ms=(t_end[i] - items[i].t_submit) * 1000, version=lm.version, batch_size=B))
+                latency_ms=(t_end[i] - items[i].t_submit) * 1000, version=lm.version, batch_size=B,
+                queue_ms=max(0.0, (t_batch - items[i].t_submit) * 1000)))
         return results
 
 

@@ -76,6 +76,7 @@ class GenResult:
             top_k)``, or None for dense models.
         finish_reason: ``stop`` | ``length`` | ``abort``.
         ttft_ms / latency_ms: time from submit to the first token / to the end (ms).
+        queue_ms: time from submit until its batch started (ms), part of both above.
         version: the weights version that produced it.
         batch_size: requests in the batch it ran in.
     """
@@ -89,3 +90,4 @@ class GenResult:
     latency_ms: float
     version: str
     batch_size: int = 1
+    queue_ms: float = 0.0  # submit -> its batch started (ms); latency_ms - queue_ms = engine time

@@ -144,3 +144,19 @@ def test_abort_stops_generation(engine, base):
         assert len(r.completion_token_ids) == 3
     else:  # eos came first
         assert r.completion_token_ids[-1] == engine.eos_id and len(r.completion_token_ids) <= 3
+
+
+def test_queue_time_is_split_from_engine_time(engine, base):
+    """A request held in the queue while the engine is paused reports that wait as queue_ms;
+    latency_ms - queue_ms (what the canary compares per version) excludes it."""
+    import time
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.pause()
+    fut = engine.submit(GenRequest(prompt_token_ids=PROMPTS[0], sampling=sp, model=base))
+    time.sleep(0.5)
+    engine.resume()
+    r = fut.result(60)
+    assert r.queue_ms >= 450  # it waited at least the 0.5 s pause
+    assert r.queue_ms <= r.ttft_ms <= r.latency_ms
+    assert r.latency_ms - r.queue_ms < r.latency_ms - 400
