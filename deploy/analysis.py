@@ -89,7 +89,8 @@ class AnalysisConfig:
     Fields:
         min_votes: votes per arm before the thumbs-up test is run (default 20).
         alpha: one-sided significance level of "candidate worse" (default 0.05).
-        min_requests: requests per arm before the error rate is judged (default 20).
+        min_requests: requests per arm before the error rate, p99 latency and tokens/s are
+            judged (default 20; with request counts unknown, latency/tokens are judged as given).
         max_error_rate_increase: allowed absolute error-rate increase (default 0.02).
         max_p99_ratio: allowed candidate/stable p99 latency ratio (default 1.5).
         min_tokens_per_s_ratio: required candidate/stable tokens/s ratio (default 0.67).
@@ -215,10 +216,14 @@ def check_errors(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     return MetricResult("error_rate", Check.PASS, f"error rate {rc:.3f} vs {rs:.3f}", nums)
 
 
-def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: str) -> MetricResult:
+def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: str,
+                 n: tuple[int, int] | None = None, min_n: int = 0) -> MetricResult:
     nums = {"candidate": cv, "stable": sv, "limit_ratio": limit}
     if cv is None or sv is None:
         return MetricResult(name, Check.SKIPPED, f"{name} not measured", nums)
+    if n is not None and (n[0] or n[1]) and min(n) < min_n:  # a p99 of 6 requests is their max
+        return MetricResult(name, Check.INCONCLUSIVE, f"{name}: {n[0]} vs {n[1]} requests, need {min_n} "
+                            "per arm", nums)
     if any(isinstance(v, float) and math.isnan(v) for v in (cv, sv)):
         return MetricResult(name, Check.ERROR, f"{name} is NaN", nums)
     if sv == 0:
@@ -255,9 +260,11 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     results = [
         check_thumbs(candidate, stable, cfg),
         check_errors(candidate, stable, cfg),
-        _ratio_check("p99_latency", candidate.p99_ms, stable.p99_ms, cfg.max_p99_ratio, True, "ms"),
+        _ratio_check("p99_latency", candidate.p99_ms, stable.p99_ms, cfg.max_p99_ratio, True, "ms",
+                     (candidate.requests, stable.requests), cfg.min_requests),
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
-                     cfg.min_tokens_per_s_ratio, False, "tokens/s"),
+                     cfg.min_tokens_per_s_ratio, False, "tokens/s",
+                     (candidate.requests, stable.requests), cfg.min_requests),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.

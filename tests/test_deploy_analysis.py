@@ -114,3 +114,19 @@ def test_config_docstrings_name_every_field():
     for cls in (AnalysisConfig, ArmStats, ControllerConfig):
         for f in dataclasses.fields(cls):
             assert f"{f.name}" in cls.__doc__, f"{cls.__name__}.{f.name} is not documented"
+
+
+def test_latency_and_tokens_need_min_requests_per_arm():
+    """A p99 over 6 requests is their max: too few to roll back on."""
+    cfg = AnalysisConfig(min_votes=5, min_requests=20)
+    few_c = ArmStats(votes_up=10, votes_down=10, errors=0, requests=6, p99_ms=3000.0, tokens_per_s=2.0)
+    few_s = ArmStats(votes_up=10, votes_down=10, errors=0, requests=6, p99_ms=1000.0, tokens_per_s=8.0)
+    d = analyze(few_c, few_s, cfg)
+    lat = next(m for m in d.metrics if m.name == "p99_latency")
+    tps = next(m for m in d.metrics if m.name == "tokens_per_s")
+    assert lat.check == Check.INCONCLUSIVE and tps.check == Check.INCONCLUSIVE
+    assert d.outcome != Outcome.ROLLBACK
+    many_c = ArmStats(votes_up=10, votes_down=10, errors=0, requests=20, p99_ms=3000.0, tokens_per_s=8.0)
+    many_s = ArmStats(votes_up=10, votes_down=10, errors=0, requests=20, p99_ms=1000.0, tokens_per_s=8.0)
+    d = analyze(many_c, many_s, cfg)
+    assert d.outcome == Outcome.ROLLBACK and "ratio 3.00 > 1.5" in d.reason
