@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,20 +50,30 @@ def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_p
                           "--samples", str(tmp_path / "samples"), "--every-n", "4", "--every-h", "10",
                           "--poll-s", "0.3", "--steps", "1"],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True)
+    reader.start()
     try:
-        time.sleep(6)  # paused: 4 new samples >= every_n, yet no cycle
+        # wait until the daemon is up and says it is paused (imports take seconds on a busy box)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any("learn: paused by operator" in x for x in lines):
+            assert p.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # paused: 4 new samples >= every_n, yet no cycle across several polls
         assert p.poll() is None and ModelStore(tmp_path / "store").versions() == ["v000000"]
         r = run(app, ["resume", "--yes"])
         assert r.exit_code == 0 and "resumed by oncall-bob" in r.output
         assert not learner_pause_path().exists()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and ModelStore(tmp_path / "store").versions() == ["v000000"]:
-            assert p.poll() is None, p.stdout.read()[-3000:]
+            assert p.poll() is None, "".join(lines)[-3000:]
             time.sleep(0.5)
         assert ModelStore(tmp_path / "store").versions() == ["v000000", "v000001"]
     finally:
         p.kill()
-        out = p.communicate(timeout=10)[0]
+        p.wait(10)
+        reader.join(10)
+    out = "".join(lines)
     assert "learn: paused by operator" in out and "oncall-bob" in out and "learn: resumed" in out
     rows = [(d.decision, d.actor) for d in ledger.decisions(fw_home / "ledger.duckdb")]
     assert rows == [("PAUSE", "oncall-bob"), ("RESUME", "oncall-bob")]
