@@ -135,6 +135,9 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
     else:
         skipped["error_rate"] = (f"serving exports no per-version error count ({HTTP_REQUESTS}_total or "
                                  f"{ERRORS}_total with a version label)")
+    if "requests" not in fields and _has_version_label(d, REQUESTS + "_total"):
+        # request counts still gate latency/tokens (min_requests) even without an error family
+        fields["requests"] = int(_by_version(d, REQUESTS + "_total").get(version, 0.0))
     lat = next((n for n in LATENCY if _has_version_label(d, n + "_bucket")), None)
     if lat is None:
         skipped["p99_latency"] = f"serving exports no per-version latency histogram ({LATENCY[0]} with a version label)"
