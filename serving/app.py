@@ -544,8 +544,12 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         except ValidationError as exc:
             e = exc.errors()[0]
             msg = e["msg"].removeprefix("Value error, ")
-            field = ".".join(str(x) for x in e["loc"]) or msg.split(":")[0]
-            raise ServingValidationError(field, e.get("input"), msg) from None
+            field = ".".join(str(x) for x in e["loc"])
+            value = e.get("input")
+            if not field:  # a model-level check names its field as "field: reason"
+                field, _, msg = msg.partition(": ")
+                value = value.get(field) if isinstance(value, dict) else None  # never echo user_hash
+            raise ServingValidationError(field, value, msg) from None
         if event_log is not None:
             event_log.emit(topics.FEEDBACK, str(body.completion_id), ev.to_bytes())
         metrics.events_accepted.labels(body.kind).inc()

@@ -170,6 +170,7 @@ def test_feedback_errors_name_the_field(pod, body, param, status):
     assert r.status_code == status
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"]
+    assert "user_hash" not in err["message"] and f"{param}: {param}:" not in err["message"]
 
 
 @pytest.mark.parametrize("extra,param,status", [
