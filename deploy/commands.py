@@ -263,6 +263,8 @@ def register(app: typer.Typer) -> None:
                               "rollout": sd, "pending_intent": read_intent(intent_path()),
                               "learner": {"paused": learner_paused()},
                               "decisions": [asdict(d) for d in decs]}, indent=1))
+            if err:
+                raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
             return
         t = Table(title="serving")
         for c in ("slot", "version", "weight", "weights digest", "loaded at (UTC)"):
@@ -292,6 +294,8 @@ def register(app: typer.Typer) -> None:
             t.add_row(_ts(d.ts), d.version, d.stable or "", str(d.step), f"{d.weight:.0%}", d.decision,
                       d.actor, d.reason)
         console.print(t)
+        if err:
+            raise typer.Exit(1)
 
     @app.command("versions")
     def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:

@@ -36,8 +36,11 @@ def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_p
     rec = json.loads(learner_pause_path().read_text())
     assert learner_pause_path() == fw_home / "learner" / "paused"
     assert rec["actor"] == "oncall-bob" and rec["reason"] == "disk full on the learner box"
-    st = json.loads(run(app, ["status", "--json"]).output)
+    monkeypatch.setenv("FLYWHEEL_SERVING_URL", "http://127.0.0.1:9")  # nothing serves here
+    r = run(app, ["status", "--json"])
+    st = json.loads(r.output)
     assert st["learner"]["paused"]["actor"] == "oncall-bob"
+    assert r.exit_code == 1 and st["serving"] is None and st["serving_error"]  # serving down: exit 1
     assert "already paused by oncall-bob" in run(app, ["pause", "--yes"]).output
 
     store = ModelStore(tmp_path / "store")
