@@ -12,7 +12,8 @@ import typer
 
 
 def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and exit."),
-           store: Optional[Path] = typer.Option(None, help="Model store dir (default $FLYWHEEL_HOME/store)."),
+           store: Optional[str] = typer.Option(None, help="Model store dir or fsspec URL (default $FLYWHEEL_STORE, "
+                                               "else $FLYWHEEL_HOME/store)."),
            samples: Optional[Path] = typer.Option(None, help="RewardedSample Parquet root (default "
                                                   "$FLYWHEEL_HOME/data/samples)."),
            state: Optional[Path] = typer.Option(None, help="Learner state dir (default $FLYWHEEL_HOME/learner)."),
@@ -53,7 +54,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                             train_layers=train_layers, measure_free_max=measure_free_max)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    store = store or settings.store_dir()
+    store = store or os.environ.get("FLYWHEEL_STORE") or settings.store_dir()  # a URL stays a string
     samples = samples or settings.samples_dir()
     state = state or settings.home() / "learner"
     ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly

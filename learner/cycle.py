@@ -33,7 +33,8 @@ def open_store(store_root):
         return store_root
     from deploy.store import ModelStore
 
-    return ModelStore(Path(store_root))
+    # a URL (s3://, memory://, ...) stays a string: ModelStore opens it through fsspec
+    return ModelStore(store_root if isinstance(store_root, str) and "://" in store_root else Path(store_root))
 
 
 def load_state(state_dir: str | Path) -> dict:
