@@ -195,12 +195,14 @@ def test_loop_end_to_end(broker, fw_home, tiny_moe_dir, tmp_path):
         assert s["stable"]["weights_digest"] == v0.weights_digest
 
         ledger = Ledger(settings.ledger_path())
-        users = [f"canary-user-{i}" for i in range(8)]
+        # 16 users rotated through: the sticky split must give both arms votes (the controller
+        # never decides on an empty arm); 4 fixed users all land on one side 1 time in 8
+        users = [f"canary-user-{i}" for i in range(16)]
 
         def decided():
             if ledger.final_decision("v000001"):
                 return True
-            traffic(4, users)
+            traffic(4, rng.sample(users, 4))
             return False
 
         wait_for(decided, 300, "canary decision in the ledger", services)
