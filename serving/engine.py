@@ -83,13 +83,21 @@ class Engine(abc.ABC):
                      ) -> LoadedModel:
         """Build a fresh model with ``state`` off the request path and verify its hashes."""
 
-    @abc.abstractmethod
+    # Both engines batch from a queue guarded by ``self._cv`` (threading.Condition) whose
+    # worker(s) wait while ``self._paused``; pause/resume are the same for both.
+    _cv: threading.Condition
+    _paused: bool
+
     def pause(self) -> None:
         """Stop starting new batches (running ones finish)."""
+        with self._cv:
+            self._paused = True
 
-    @abc.abstractmethod
     def resume(self) -> None:
         """Undo :meth:`pause`."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
 
 
 @dataclass
@@ -253,15 +261,6 @@ class TorchEngine(Engine):
             raise RuntimeError("engine worker is not running")
         return {"engine": "torch", "queue_depth": self.queue_depth(), "paused": self._paused,
                 "batches_run": self.batches_run}
-
-    def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
 
     def close(self) -> None:
         """Stop the worker; waiting requests fail with RuntimeError."""

@@ -305,15 +305,6 @@ class VLLMEngine(Engine):
                 "batches_run": self.batches_run, "instances": len(self._instances),
                 "routes_missing": dict(self.routes_missing)}
 
-    def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
     def close(self) -> None:
         with self._cv:
             self._closed = True
