@@ -102,27 +102,27 @@ def attach(app, cfg) -> Joiner:
         mine = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned if tp.topic in (T.COMPLETIONS, T.FEEDBACK))
         log.warning("ingest assigned %s", json.dumps(mine))
 
-    async def fold_completion(ev) -> None:
-        raw = ev.message.value
-        parsed = parse_event(CompletionEvent, raw, T.COMPLETIONS, ev.message.key)
+    async def parse_or_dead_letter(ev, model, topic: str, counter: str):
+        """The validated event, or None after a malformed one went to the dead-letter topic."""
+        parsed = parse_event(model, ev.message.value, topic, ev.message.key)
         if isinstance(parsed, DeadLetter):
             await publish_dead(parsed)
             with store.transaction():
-                store.bump("deadletter_malformed_completion")
-            return
+                store.bump(counter)
+            return None
         store.begin_batch()
-        joiner.on_completion(parsed, raw)
+        return parsed
+
+    async def fold_completion(ev) -> None:
+        parsed = await parse_or_dead_letter(ev, CompletionEvent, T.COMPLETIONS, "deadletter_malformed_completion")
+        if parsed is not None:
+            joiner.on_completion(parsed, ev.message.value)
 
     async def fold_feedback(ev) -> None:
-        raw = ev.message.value
-        parsed = parse_event(FeedbackEvent, raw, T.FEEDBACK, ev.message.key)
-        if isinstance(parsed, DeadLetter):
-            await publish_dead(parsed)
-            with store.transaction():
-                store.bump("deadletter_malformed_feedback")
+        parsed = await parse_or_dead_letter(ev, FeedbackEvent, T.FEEDBACK, "deadletter_malformed_feedback")
+        if parsed is None:
             return
-        store.begin_batch()
-        _, dl = joiner.on_feedback(parsed, raw)
+        _, dl = joiner.on_feedback(parsed, ev.message.value)
         if dl is not None:
             store.flush()
             await publish_dead(dl)
