@@ -25,22 +25,12 @@ def wilson_interval(up: int, n: int, z: float = 1.959964) -> tuple[float, float]
 
 
 def samples_by_version(samples_dir: Path) -> dict[str, dict]:
-    """Per producing version: samples, votes up/down, from the Parquet shards (DuckDB)."""
-    import duckdb
+    """Per producing version: samples, votes up/down (ingest's ``votes_by_version`` view)."""
+    from ingest.catalog import query
 
-    files = list(Path(samples_dir).rglob("*.parquet"))
-    if not files:
-        return {}
-    con = duckdb.connect()
-    try:
-        rows = con.execute(
-            "SELECT model_version, count(*) AS samples, sum(votes_up) AS up, sum(votes_down) AS down "
-            "FROM read_parquet(?, hive_partitioning=true) GROUP BY 1 ORDER BY 1",
-            [str(Path(samples_dir) / "**" / "*.parquet")]).fetchall()
-    finally:
-        con.close()
-    return {r[0]: {"samples": int(r[1]), "votes_up": int(r[2] or 0), "votes_down": int(r[3] or 0)}
-            for r in rows}
+    rows = query("SELECT model_version, samples, votes_up, votes_down FROM votes_by_version", samples_dir)
+    return {r["model_version"]: {"samples": int(r["samples"]), "votes_up": int(r["votes_up"] or 0),
+                                 "votes_down": int(r["votes_down"] or 0)} for r in rows}
 
 
 def event_ids_in_samples(samples_dir: Path) -> list[str]:
