@@ -56,6 +56,10 @@ class ArmStats:
         errors, requests: failed and total requests (counts, >= 0, errors <= requests).
         p99_ms: 99th percentile request latency (ms), None if not measured.
         tokens_per_s: generation throughput (tokens/s), None if not measured.
+        latency_samples: completions behind ``p99_ms`` and ``tokens_per_s`` (count), None
+            if the source does not say. Requests routed before the canary's baseline but
+            finished after it are in the latency histogram and not in ``requests``, so the
+            minimum-sample gate of latency and tokens/s uses this count when it is given.
     """
 
     votes_up: int = 0
@@ -64,10 +68,13 @@ class ArmStats:
     requests: int = 0
     p99_ms: float | None = None
     tokens_per_s: float | None = None
+    latency_samples: int | None = None
 
     def __post_init__(self):
-        for f in ("votes_up", "votes_down", "errors", "requests"):
+        for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples"):
             v = getattr(self, f)
+            if f == "latency_samples" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{f}: must be an int >= 0, got {v!r}")
         if self.errors > self.requests:
@@ -90,7 +97,9 @@ class AnalysisConfig:
         min_votes: votes per arm before the thumbs-up test is run (default 20).
         alpha: one-sided significance level of "candidate worse" (default 0.05).
         min_requests: requests per arm before the error rate, p99 latency and tokens/s are
-            judged (default 20; with request counts unknown, latency/tokens are judged as given).
+            judged (default 20). Latency and tokens/s are gated on ``latency_samples`` when
+            the source gives it, else on ``requests``; only a source that counts neither
+            (both 0 and no ``latency_samples``) has latency/tokens judged as given.
         max_error_rate_increase: allowed absolute error-rate increase (default 0.02).
         max_p99_ratio: allowed candidate/stable p99 latency ratio (default 1.5).
         min_tokens_per_s_ratio: required candidate/stable tokens/s ratio (default 0.67).
@@ -221,8 +230,9 @@ def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: s
     nums = {"candidate": cv, "stable": sv, "limit_ratio": limit}
     if cv is None or sv is None:
         return MetricResult(name, Check.SKIPPED, f"{name} not measured", nums)
-    if n is not None and (n[0] or n[1]) and min(n) < min_n:  # a p99 of 6 requests is their max
-        return MetricResult(name, Check.INCONCLUSIVE, f"{name}: {n[0]} vs {n[1]} requests, need {min_n} "
+    if n is not None and min(n) < min_n:  # a p99 of 6 requests is their max
+        nums.update(candidate_n=n[0], stable_n=n[1])
+        return MetricResult(name, Check.INCONCLUSIVE, f"{name}: {n[0]} vs {n[1]} completions, need {min_n} "
                             "per arm", nums)
     if any(isinstance(v, float) and math.isnan(v) for v in (cv, sv)):
         return MetricResult(name, Check.ERROR, f"{name} is NaN", nums)
@@ -257,14 +267,19 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     if source_error:
         m = MetricResult("source", Check.ERROR, f"metrics unavailable: {source_error}")
         return Decision(Outcome.HOLD, f"HOLD (error): {m.reason}", [m], inconclusive=False, error=True)
+    if candidate.latency_samples is not None and stable.latency_samples is not None:
+        n_lat: tuple[int, int] | None = (candidate.latency_samples, stable.latency_samples)
+    elif candidate.requests or stable.requests:
+        n_lat = (candidate.requests, stable.requests)
+    else:
+        n_lat = None  # the source counts neither: judged as given
     results = [
         check_thumbs(candidate, stable, cfg),
         check_errors(candidate, stable, cfg),
         _ratio_check("p99_latency", candidate.p99_ms, stable.p99_ms, cfg.max_p99_ratio, True, "ms",
-                     (candidate.requests, stable.requests), cfg.min_requests),
+                     n_lat, cfg.min_requests),
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
-                     cfg.min_tokens_per_s_ratio, False, "tokens/s",
-                     (candidate.requests, stable.requests), cfg.min_requests),
+                     cfg.min_tokens_per_s_ratio, False, "tokens/s", n_lat, cfg.min_requests),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.

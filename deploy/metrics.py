@@ -116,7 +116,8 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
 
     Returns:
         ``(fields, skipped)``: ``fields`` for :class:`deploy.analysis.ArmStats` (``errors``,
-        ``requests``, ``p99_ms`` in ms, ``tokens_per_s``), and ``{metric: reason}`` for the
+        ``requests``, ``p99_ms`` in ms, ``tokens_per_s``, ``latency_samples``: the
+        histogram's observations since the baseline), and ``{metric: reason}`` for the
         metrics serving does not export per version.
     """
     fields: dict = {}
@@ -147,6 +148,9 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
         p99 = histogram_quantile(0.99, buckets)
         to_ms = 1.0 if lat.endswith("_ms") else 1000.0
         fields["p99_ms"] = None if p99 is None else p99 * to_ms
+        # completions observed since the baseline: includes requests routed before it and
+        # finished after it (not in the request counter's delta), so it gates p99 and tokens/s
+        fields["latency_samples"] = int(max((c for le, c in buckets if math.isinf(le)), default=0.0))
     if (not _has_version_label(d, TOKENS_PER_S + "_count") and _has_version_label(d, VERSION_TOKENS + "_total")
             and _has_version_label(d, VERSION_LATENCY_MS + "_sum")):
         # serving's per-version counters: generated tokens / summed end-to-end seconds

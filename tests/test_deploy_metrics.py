@@ -153,3 +153,40 @@ def test_serving_per_version_families_give_error_rate_p99_and_tokens_per_s():
     assert fields["p99_ms"] == pytest.approx(982.0)
     assert fields["tokens_per_s"] == pytest.approx(8_000 / 40.0)  # tokens / summed seconds
     assert "p99_latency" not in skipped and "tokens_per_s" not in skipped and "error_rate" not in skipped
+
+
+def test_requests_in_flight_at_the_baseline_gate_latency_by_observations():
+    """The quick demo's rollback of v000002: requests routed to the candidate before the
+    canary's baseline finished after it, so the request counter's delta was 0 while the
+    latency histogram held their (slow, contended) latencies. A p99 of 3 completions vs 1
+    must not roll back: the gate counts the histogram's observations since the baseline."""
+    from deploy.analysis import AnalysisConfig, ArmStats, Check, Outcome, analyze
+
+    r = CollectorRegistry()
+    req = Counter("flywheel_version_requests", "routed", ["version"], registry=r)
+    lat = Histogram("flywheel_version_latency_ms", "engine ms", ["version"],
+                    buckets=tuple(round(10 * 1.25 ** i, 1) for i in range(50)), registry=r)
+    tok = Counter("flywheel_version_tokens", "generated", ["version"], registry=r)
+    req.labels("v000002").inc(3)  # routed to the candidate, still running ...
+    req.labels("v000001").inc(1)
+    base = parse(generate_latest(r).decode())  # ... when the canary takes its baseline
+    for _ in range(3):
+        lat.labels("v000002").observe(24_000.0)
+        tok.labels("v000002").inc(64)
+    lat.labels("v000001").observe(10_000.0)
+    tok.labels("v000001").inc(64)
+    d = delta(parse(generate_latest(r).decode()), base)
+    c, _ = arm_metrics(d, "v000002")
+    s, _ = arm_metrics(d, "v000001")
+    assert (c["requests"], s["requests"]) == (0, 0)  # nothing routed since the baseline
+    assert (c["latency_samples"], s["latency_samples"]) == (3, 1)  # but 3 and 1 finished
+    assert c["tokens_per_s"] == pytest.approx(3 * 64 / 72.0)  # 192 tokens over 72 s
+    cfg = AnalysisConfig(min_votes=2, min_requests=20)
+    dec = analyze(ArmStats(**c), ArmStats(**s), cfg)
+    m = {x.name: x for x in dec.metrics}
+    assert m["p99_latency"].check == Check.INCONCLUSIVE and "3 vs 1 completions, need 20" in m["p99_latency"].reason
+    assert m["tokens_per_s"].check == Check.INCONCLUSIVE
+    assert dec.outcome == Outcome.HOLD
+    # with enough completions on both arms the same latencies do fail (ratio 2.4 > 1.5)
+    many = analyze(ArmStats(**{**c, "latency_samples": 20}), ArmStats(**{**s, "latency_samples": 20}), cfg)
+    assert next(x for x in many.metrics if x.name == "p99_latency").check == Check.FAIL
