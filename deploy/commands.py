@@ -32,6 +32,8 @@ from schemas import settings
 from schemas.manifest import version_number
 
 console = Console()
+if not console.is_terminal and "COLUMNS" not in os.environ:
+    console = Console(width=200)  # piped to a file or a pager: do not cut tables at 80 columns
 
 
 def rollout_status_path() -> Path:
