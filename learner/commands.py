@@ -22,6 +22,11 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            batch_size: int = typer.Option(8, help="Samples per step."),
            lr: float = typer.Option(1e-5, help="AdamW learning rate."),
            beta: float = typer.Option(0.1, help="KTO beta."),
+           desirable_weight: float = typer.Option(1.0, help="KTO lambda_D (weight of desirable samples)."),
+           undesirable_weight: float = typer.Option(1.0, help="KTO lambda_U (weight of undesirable samples)."),
+           balance_classes: bool = typer.Option(False, "--balance-classes",
+                                                help="Per cycle, raise the minority class's KTO weight so "
+                                                     "lambda_D*n_D = lambda_U*n_U."),
            objective: str = typer.Option("kto", help="kto | reinforce."),
            is_cap: float = typer.Option(2.0, help="Truncation of the importance ratio."),
            max_staleness: int = typer.Option(4, help="Drop samples more than this many versions old."),
@@ -47,6 +52,8 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
 
     try:
         cfg = LearnerConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta, objective=objective,
+                            desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                            balance_classes=balance_classes,
                             is_cap=is_cap, max_staleness=max_staleness, seed=seed, router_replay=not no_replay,
                             checkpoint_every=checkpoint_every, zero_stage=zero_stage,
                             holdout_frac=holdout_frac, max_regression=max_regression,

@@ -57,6 +57,11 @@ class LearnerConfig:
             (REINFORCE with leave-one-out baseline, Kool et al. 2019).
         beta: KTO β (> 0).
         desirable_weight, undesirable_weight: KTO λ_D, λ_U (> 0).
+        balance_classes: set λ_D, λ_U per cycle so that λ_D·n_D = λ_U·n_U (the minority
+            class's weight is raised; the other stays as given). The KTO paper (§4.2,
+            arXiv:2402.01306) recommends λ_D·n_D / (λ_U·n_U) in [1, 4/3]; product feedback
+            is mostly one class (a 10 % thumbs-up rate gives 9 undesirable per desirable),
+            and unbalanced KTO then mostly pushes sampled completions down.
         kl_coef: REINFORCE k3 KL penalty to the reference (>= 0).
 
     Off-policy correction:
@@ -103,6 +108,7 @@ class LearnerConfig:
     beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    balance_classes: bool = False
     kl_coef: float = 0.0
     is_cap: float = 2.0
     is_level: Literal["sequence", "token"] = "sequence"
@@ -434,7 +440,17 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
         return None, metrics
     with_routes = bool(L) and all(s.expert_routes is not None for s in kept)
     batch = build_batch(kept, pad_id, with_routes=with_routes)
-    metrics["data/n_desirable"] = int(batch.labels.sum())
+    metrics["data/n_desirable"] = n_des = int(batch.labels.sum())
+    n_und = batch.size - n_des
+    if cfg.balance_classes and n_des and n_und:
+        lam_d, lam_u = cfg.desirable_weight, cfg.undesirable_weight
+        if lam_d * n_des < lam_u * n_und:
+            lam_d = lam_u * n_und / n_des
+        else:
+            lam_u = lam_d * n_des / n_und
+        cfg = LearnerConfig(**{**cfg.__dict__, "desirable_weight": lam_d, "undesirable_weight": lam_u})
+    metrics["kto/desirable_weight"] = cfg.desirable_weight
+    metrics["kto/undesirable_weight"] = cfg.undesirable_weight
     metrics["data/n_completion_tokens"] = batch.n_completion_tokens
     staleness = [max(version_number(parent) - version_number(v), 0) for v in batch.versions]
     metrics["data/staleness_mean"] = sum(staleness) / len(staleness)

@@ -315,3 +315,26 @@ def _port() -> int:
     from learner.trainer import free_port
 
     return free_port()
+
+
+def test_balance_classes_weights_the_minority_class(tiny_moe_dir):
+    """KTO λ_D, λ_U with --balance-classes: 1 desirable vs 3 undesirable -> λ_D = 3, λ_U = 1
+    (λ_D·n_D = λ_U·n_U). At lr 0 the policy is the reference, so r = 0 and z0 = 0 and each
+    sample's loss is λ/2 (1 − σ(0) = 1/2): batch mean (3·1 + 1·3) / 2 / 4 = 0.75, vs
+    (1 + 3) / 2 / 4 = 0.5 unbalanced."""
+    from learner.trainer import train
+
+    losses = {}
+    for balance in (False, True):
+        model = load_model(tiny_moe_dir)
+        samples = [s.model_copy(update={"label": i == 0, "reward": 1.0 if i == 0 else -1.0})
+                   for i, s in enumerate(make_samples(model, 4, version="v000000", seed=9))]
+        cfg = LearnerConfig(steps=1, batch_size=4, lr=0.0, balance_classes=balance)
+        seen = []
+        _, met = train(model, samples, "v000000", cfg, model.config.pad_token_id,
+                       progress=lambda step, m: seen.append(m))
+        losses[balance] = seen[0]["kto/loss"]
+        assert seen[0]["is/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # padded batch of 4: ~1e-7
+        assert (met["kto/desirable_weight"], met["kto/undesirable_weight"]) == ((3.0, 1.0) if balance else (1.0, 1.0))
+    assert losses[False] == pytest.approx(0.5, abs=1e-6)
+    assert losses[True] == pytest.approx(0.75, abs=1e-6)
