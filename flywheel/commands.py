@@ -79,7 +79,47 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
         raise typer.Exit(1)
 
 
+def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Output directory."),
+               rounds: int = typer.Option(2, help="Learner cycles (versions evaluated = rounds + 1)."),
+               problems: int = typer.Option(40, help="The first N HumanEval problems."),
+               problem_ids: Optional[str] = typer.Option(None, help="Comma-separated HumanEval indices "
+                                                                    "(overrides --problems)."),
+               samples_per_problem: int = typer.Option(4, help="Completions per problem per round."),
+               max_tokens: int = typer.Option(160), temperature: float = typer.Option(0.8),
+               top_p: float = typer.Option(0.95), steps: int = typer.Option(8, help="Learner steps per cycle."),
+               batch_size: int = typer.Option(16), lr: float = typer.Option(2e-5),
+               train_layers: int = typer.Option(4, help="Train the last N decoder layers (0 = all)."),
+               beta: float = typer.Option(0.1, help="KTO beta."),
+               balance_classes: bool = typer.Option(True, help="KTO lambda_D*n_D = lambda_U*n_U per cycle."),
+               objective: str = typer.Option("kto", help="kto | reinforce."),
+               seed: int = typer.Option(0), max_batch: int = typer.Option(16, help="Engine batch size.")):
+    """Does the loop improve the model? Serve -> users vote (sandboxed tests) -> learn, for N
+    rounds; thumbs-up rate per version with 95 % intervals, plot and experiment.json."""
+    from flywheel.experiment import ExperimentConfig, run
+
+    try:
+        ids = [int(x) for x in problem_ids.split(",")] if problem_ids else None
+    except ValueError as exc:
+        raise typer.BadParameter(f"not a comma-separated list of integers: {problem_ids!r}",
+                                 param_hint="--problem-ids") from exc
+    try:
+        cfg = ExperimentConfig(out=out, rounds=rounds, problems=problems, problem_ids=ids,
+                               samples_per_problem=samples_per_problem, max_tokens=max_tokens,
+                               temperature=temperature, top_p=top_p, steps=steps, batch_size=batch_size, lr=lr,
+                               train_layers=train_layers, beta=beta, balance_classes=balance_classes,
+                               objective=objective, seed=seed, max_batch=max_batch)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    rep = run(cfg)
+    c = rep["comparison"]
+    typer.echo(f"experiment: {c['last']} - {c['first']} thumbs-up = {c['diff']:+.3f} (Newcombe 95% "
+               f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}], problem bootstrap "
+               f"[{c['cluster_bootstrap_ci95'][0]:+.3f}, {c['cluster_bootstrap_ci95'][1]:+.3f}], one-sided "
+               f"p={c['p_one_sided']:.4f}); {out}/experiment.json, {out}/learning_curve.png")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(broker_app, name="broker")
     app.add_typer(model_app, name="model")
     app.command("demo")(demo)
+    app.command("experiment")(experiment)

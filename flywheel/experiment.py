@@ -1,0 +1,311 @@
+"""Does the loop improve the model? Rounds of serve -> vote -> learn on the demo workload.
+
+Each round r serves every selected HumanEval problem ``samples_per_problem`` times with
+version v_r (the serving :class:`serving.engine.TorchEngine`: batched sampling, raw behavior
+logprobs, expert routes), lets the demo's users vote on each completion by running its
+code against the problem's unit tests in the sandbox (:func:`flywheel.users.run_tests`),
+writes the votes as RewardedSample Parquet shards (``ingest.writer``), and runs one real
+learner cycle on them (``flywheel learn --once --parent latest``: DeepSpeed, KTO, router
+replay, importance correction), which publishes v_{r+1} to the model store. The next round
+serves v_{r+1}, hash-verified from the store. A version's thumbs-up rate is the share of its
+completions that passed; the last version is compared with the first by
+
+* the Newcombe hybrid-score interval for the difference of two proportions (Newcombe 1998,
+  method 10; Wilson intervals per arm), which treats completions as independent; and
+* a cluster bootstrap over problems (completions of one problem are correlated), 2,000
+  resamples, percentile 95 % interval of the difference;
+
+and a one-sided pooled two-proportion z-test (the canary's test, :mod:`deploy.analysis`).
+
+What it leaves out on purpose: Kafka, the join and the canary (tested on their own, and in
+``flywheel demo``); here every completion gets exactly one vote, so the figure is the model's
+pass rate on the workload, not the noise of sparse feedback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ExperimentConfig:
+    """Knobs of one experiment; validated on construction (ValueError names the field).
+
+    Fields:
+        out: output directory (store, samples, logs, ``experiment.json``, the plot).
+        rounds: learner cycles; versions evaluated = rounds + 1 (>= 1).
+        problems: the first N HumanEval problems (1..164), or ``problem_ids``.
+        samples_per_problem: completions per problem per round (>= 1).
+        max_tokens, temperature, top_p: sampling, as the demo's users are served.
+        steps, batch_size, lr, train_layers, beta, balance_classes, objective: the learner
+            cycle (``flywheel learn`` flags of the same names).
+        seed: sampling seeds and learner seed.
+        max_batch: engine batch size (requests per batch).
+    """
+
+    out: Path
+    rounds: int = 2
+    problems: int = 40
+    problem_ids: list[int] | None = None
+    samples_per_problem: int = 4
+    max_tokens: int = 160
+    temperature: float = 0.8
+    top_p: float = 0.95
+    steps: int = 8
+    batch_size: int = 16
+    lr: float = 2e-5
+    train_layers: int = 4
+    beta: float = 0.1
+    balance_classes: bool = True
+    objective: str = "kto"
+    seed: int = 0
+    max_batch: int = 16
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+        checks = [("rounds", self.rounds >= 1, "must be >= 1"),
+                  ("problems", 1 <= self.problems <= 164, "must be in 1..164"),
+                  ("samples_per_problem", self.samples_per_problem >= 1, "must be >= 1"),
+                  ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+                  ("temperature", 0 < self.temperature <= 2, "must be in (0, 2] (sampling, not greedy)"),
+                  ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+                  ("steps", self.steps >= 1, "must be >= 1"), ("batch_size", self.batch_size >= 1, "must be >= 1"),
+                  ("lr", self.lr >= 0, "must be >= 0"), ("max_batch", self.max_batch >= 1, "must be >= 1"),
+                  ("objective", self.objective in ("kto", "reinforce"), "must be 'kto' or 'reinforce'")]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+        if self.problem_ids is not None and not all(0 <= i < 164 for i in self.problem_ids):
+            raise ValueError(f"problem_ids: each must be in 0..163, got {self.problem_ids!r}")
+
+
+# ------------------------------------------------------------------ statistics
+def wilson(up: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval (Wilson 1927); ``(0, 1)`` for n = 0."""
+    from flywheel.report import wilson_interval
+
+    return wilson_interval(up, n, z)
+
+
+def newcombe_diff(up1: int, n1: int, up2: int, n2: int) -> tuple[float, float, float]:
+    """``p2 - p1`` and its 95 % Newcombe hybrid-score interval (Newcombe 1998, method 10).
+
+    Returns ``(diff, lo, hi)``. Raises ValueError for n1 or n2 <= 0.
+    """
+    if n1 <= 0 or n2 <= 0:
+        raise ValueError(f"n1, n2: must be > 0, got {n1}, {n2}")
+    p1, p2 = up1 / n1, up2 / n2
+    l1, u1 = wilson(up1, n1)
+    l2, u2 = wilson(up2, n2)
+    d = p2 - p1
+    return d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+
+
+def one_sided_z(up1: int, n1: int, up2: int, n2: int) -> tuple[float, float]:
+    """Pooled two-proportion z-test of ``p2 > p1``: ``(z, one-sided p-value)``."""
+    p = (up1 + up2) / (n1 + n2)
+    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
+    if se == 0:
+        return 0.0, 0.5
+    z = (up2 / n2 - up1 / n1) / se
+    return z, 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def cluster_bootstrap_diff(first: dict[int, list[bool]], last: dict[int, list[bool]], n_boot: int = 2000,
+                           seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of ``rate(last) - rate(first)`` resampling problems (the
+    clusters) with replacement; both versions use the same resampled problems."""
+    rng = random.Random(seed)
+    ids = sorted(set(first) & set(last))
+    if not ids:
+        raise ValueError("first, last: no problem in common")
+    diffs = []
+    for _ in range(n_boot):
+        pick = [rng.choice(ids) for _ in ids]
+        a = [x for i in pick for x in first[i]]
+        b = [x for i in pick for x in last[i]]
+        diffs.append(sum(b) / len(b) - sum(a) / len(a))
+    diffs.sort()
+    return diffs[int(0.025 * n_boot)], diffs[int(0.975 * n_boot) - 1]
+
+
+# ------------------------------------------------------------------ the run
+def _samples_for(cfg: ExperimentConfig, version: str, problems: list[dict], results, passed: list[bool],
+                 prompts: list[list[int]], sampling) -> list:
+    from schemas.events import ExpertRoutes, RewardedSample, now_ms
+
+    out = []
+    for (pi, _j), res, ok, sp in zip(results["keys"], results["res"], passed, sampling):
+        t = now_ms()
+        out.append(RewardedSample(
+            completion_id=uuid.uuid4(), model_version=version, created_at=t, user_hash="experiment",
+            prompt_token_ids=prompts[pi], completion_token_ids=res.completion_token_ids,
+            behavior_logprobs=res.behavior_logprobs, sampling=sp,
+            expert_routes=ExpertRoutes.from_array(res.expert_routes) if res.expert_routes is not None else None,
+            finish_reason=res.finish_reason, reward=1.0 if ok else -1.0, label=ok, n_votes=1,
+            votes_up=int(ok), votes_down=int(not ok), event_ids=[str(uuid.uuid4())], sealed_at=t))
+    return out
+
+
+def run(cfg: ExperimentConfig, console=None) -> dict:
+    """Run the experiment; returns (and writes to ``out/experiment.json``) the report.
+
+    Raises:
+        RuntimeError: a learner cycle failed or published nothing (its log is named).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from deploy.store import ModelStore
+    from flywheel.users import build_messages, extract_code, load_problems, run_tests
+    from ingest.writer import partition_dir, write_shard
+    from schemas import settings
+    from schemas.events import SamplingParams
+    from serving.engine import TorchEngine
+    from serving.params import GenRequest
+
+    console = console or Console()
+    out = cfg.out
+    home = out / "home"
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    os.environ["FLYWHEEL_HOME"] = str(home)
+    store = ModelStore(settings.store_dir())
+    model_dir = settings.base_model_dir()
+    if not store.versions():
+        store.init_base(model_dir)
+    allp = load_problems()
+    ids = cfg.problem_ids if cfg.problem_ids is not None else list(range(cfg.problems))
+    problems = [allp[i] for i in ids]
+    engine = TorchEngine(model_dir, max_batch=cfg.max_batch, max_queue=10_000)
+    tok = engine.tokenizer
+    prompts = []
+    for p in problems:
+        enc = tok.apply_chat_template(build_messages(p), add_generation_prompt=True, tokenize=True)
+        prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+
+    versions: list[dict] = []
+    version = store.versions()[-1]
+    t_start = time.time()
+    try:
+        for r in range(cfg.rounds + 1):
+            if r == 0:
+                lm = engine.load_base(version)
+            else:
+                m = store.manifest(version)
+                lm = engine.load_weights(store.load(version), version,
+                                         expected_hashes={k: t.sha256 for k, t in m.tensors.items()})
+            keys = [(pi, j) for pi in range(len(problems)) for j in range(cfg.samples_per_problem)]
+            sampling = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                                       seed=cfg.seed * 1_000_003 + r * 10_007 + i) for i in range(len(keys))]
+            t0 = time.time()
+            with Progress(TextColumn(f"round {r} {version}: serve + vote"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), TextColumn("{task.fields[up]} up"), console=console) as bar:
+                task = bar.add_task("gen", total=len(keys), up=0)
+                futs = [engine.submit(GenRequest(prompt_token_ids=prompts[pi], sampling=sp, model=lm,
+                                                 stop_token_ids=(engine.eos_id,)))
+                        for (pi, _j), sp in zip(keys, sampling)]
+                res, passed = [], []
+                with ThreadPoolExecutor(2) as pool:
+                    votes = []
+                    for (pi, _j), f in zip(keys, futs):
+                        g = f.result()
+                        res.append(g)
+                        code = extract_code(tok.decode(g.completion_token_ids, skip_special_tokens=True))
+                        votes.append(pool.submit(lambda c=code, p=problems[pi]: bool(c) and run_tests(p, c)[0]))
+                    for v in votes:
+                        passed.append(bool(v.result()))
+                        bar.update(task, advance=1, up=sum(passed))
+            gen_s = time.time() - t0
+            by_problem: dict[int, list[bool]] = {}
+            for (pi, _j), ok in zip(keys, passed):
+                by_problem.setdefault(ids[pi], []).append(ok)
+            up, n = sum(passed), len(passed)
+            lo, hi = wilson(up, n)
+            versions.append({"version": version, "round": r, "thumbs_up": up, "n": n, "rate": up / n,
+                             "ci95": [lo, hi], "by_problem": by_problem, "serve_vote_s": gen_s,
+                             "completion_tokens": sum(len(g.completion_token_ids) for g in res)})
+            console.print(f"round {r}: {version} thumbs-up {up}/{n} = {up / n:.3f} "
+                          f"(95% CI {lo:.3f}-{hi:.3f}), {gen_s:.0f} s")
+            if r == cfg.rounds:
+                break
+            samples = _samples_for(cfg, version, problems, {"keys": keys, "res": res}, passed, prompts, sampling)
+            d = partition_dir(settings.samples_dir(), version, samples[0].sealed_at)
+            d.mkdir(parents=True, exist_ok=True)
+            write_shard(samples, d / f"part-experiment-{r}.parquet")
+            del lm
+            version = _learn(cfg, r, logs, store, console)
+            versions[-1]["learner"] = {k: v for k, v in store.manifest(version).metrics.items()
+                                       if k.split("/")[0] in ("kto", "pg", "data", "mismatch", "is", "perf")}
+    finally:
+        engine.close()
+
+    first, last = versions[0], versions[-1]
+    d, dlo, dhi = newcombe_diff(first["thumbs_up"], first["n"], last["thumbs_up"], last["n"])
+    z, pv = one_sided_z(first["thumbs_up"], first["n"], last["thumbs_up"], last["n"])
+    blo, bhi = cluster_bootstrap_diff(first["by_problem"], last["by_problem"], seed=cfg.seed)
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+              "versions": versions, "wall_s": time.time() - t_start,
+              "comparison": {"first": first["version"], "last": last["version"], "diff": d,
+                             "newcombe_ci95": [dlo, dhi], "cluster_bootstrap_ci95": [blo, bhi],
+                             "z": z, "p_one_sided": pv,
+                             "improved": dlo > 0 and blo > 0}}
+    (out / "experiment.json").write_text(json.dumps(report, indent=2, default=str))
+    write_plot(report, out / "learning_curve.png")
+    return report
+
+
+def _learn(cfg: ExperimentConfig, r: int, logs: Path, store, console) -> str:
+    before = set(store.versions())
+    args = [sys.executable, "-m", "flywheel.cli", "learn", "--once", "--parent", "latest",
+            "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
+            "--train-layers", str(cfg.train_layers), "--beta", str(cfg.beta), "--objective", cfg.objective,
+            "--seed", str(cfg.seed + r), "--measure-free-max", "2", "--min-samples", "1"]
+    if cfg.balance_classes:
+        args.append("--balance-classes")
+    console.print(f"round {r}: learner cycle ({cfg.objective}, {cfg.steps} steps x {cfg.batch_size}, lr {cfg.lr}, "
+                  f"last {cfg.train_layers} layers) ...")
+    t0 = time.time()
+    log = logs / f"learner-{r}.log"
+    with open(log, "ab") as f:
+        p = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    new = sorted(set(store.versions()) - before)
+    if p.returncode != 0 or not new:
+        raise RuntimeError(f"learner cycle {r} failed (exit {p.returncode}, published {new}); see {log}")
+    console.print(f"round {r}: published {new[-1]} in {time.time() - t0:.0f} s")
+    return new[-1]
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """Thumbs-up rate by version with 95 % Wilson intervals (line + error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vs = report["versions"]
+    xs = list(range(len(vs)))
+    rates = [v["rate"] for v in vs]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.3 * len(vs) + 2), 3.6))
+    ax.errorbar(xs, rates, yerr=[[v["rate"] - v["ci95"][0] for v in vs], [v["ci95"][1] - v["rate"] for v in vs]],
+                fmt="o-", capsize=5)
+    ax.set_xticks(xs, [f"{v['version']}\n{v['thumbs_up']}/{v['n']}" for v in vs], fontsize=8)
+    ax.set_ylabel("thumbs-up rate (95% Wilson CI)")
+    c = report["comparison"]
+    ax.set_title(f"learning on the demo workload: {c['last']} - {c['first']} = {c['diff']:+.3f} "
+                 f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}]", fontsize=9)
+    ax.set_ylim(0, max(0.5, max(v["ci95"][1] for v in vs) + 0.05))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

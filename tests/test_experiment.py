@@ -1,0 +1,76 @@
+"""``flywheel experiment``: the statistics against published / hand-computed values, and one
+real round (engine -> sandbox votes -> Parquet -> `flywheel learn` subprocess -> store ->
+hash-verified reload) on the tiny MoE."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import duckdb
+import pytest
+
+from flywheel.experiment import (ExperimentConfig, cluster_bootstrap_diff, newcombe_diff, one_sided_z, run)
+
+
+def test_newcombe_matches_the_paper():
+    # Newcombe (1998), Stat. Med. 17:873, Table II example (a): 56/70 vs 48/80,
+    # method 10 (hybrid score, no continuity correction): 0.0524 to 0.3339
+    d, lo, hi = newcombe_diff(48, 80, 56, 70)
+    assert d == pytest.approx(0.2)
+    assert (round(lo, 4), round(hi, 4)) == (0.0524, 0.3339)
+    with pytest.raises(ValueError, match="n1, n2"):
+        newcombe_diff(0, 0, 1, 2)
+
+
+def test_one_sided_z_by_hand():
+    # 10/100 vs 20/100: pooled p = 0.15, se = sqrt(0.15 * 0.85 * 0.02) = 0.0504975
+    z, p = one_sided_z(10, 100, 20, 100)
+    assert z == pytest.approx(0.1 / math.sqrt(0.15 * 0.85 * 0.02))
+    assert z == pytest.approx(1.9803, abs=1e-4)
+    assert p == pytest.approx(0.02383, abs=1e-4)  # 1 - Phi(1.9803)
+    assert one_sided_z(0, 10, 0, 10) == (0.0, 0.5)  # no variance: no evidence
+
+
+def test_cluster_bootstrap_by_construction():
+    first = {i: [False] * 4 for i in range(10)}
+    assert cluster_bootstrap_diff(first, {i: [True] * 4 for i in range(10)}) == (1.0, 1.0)
+    same = {i: [i % 2 == 0] * 4 for i in range(10)}
+    lo, hi = cluster_bootstrap_diff(same, same)
+    assert lo == hi == 0.0  # the same problems are resampled for both versions
+    with pytest.raises(ValueError, match="no problem in common"):
+        cluster_bootstrap_diff({1: [True]}, {2: [True]})
+
+
+def test_config_rejects_bad_values(tmp_path):
+    for kw, name in (({"rounds": 0}, "rounds"), ({"temperature": 0.0}, "temperature"),
+                     ({"problem_ids": [200]}, "problem_ids"), ({"objective": "dpo"}, "objective")):
+        with pytest.raises(ValueError, match=name):
+            ExperimentConfig(out=tmp_path, **kw)
+
+
+def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tiny_moe_dir))
+    monkeypatch.delenv("FLYWHEEL_STORE", raising=False)
+    monkeypatch.delenv("FLYWHEEL_SAMPLES", raising=False)
+    cfg = ExperimentConfig(out=tmp_path / "exp", rounds=1, problem_ids=[0, 23], samples_per_problem=3,
+                           max_tokens=6, steps=1, batch_size=4, lr=1e-3, train_layers=0, max_batch=8)
+    rep = run(cfg)
+    v0, v1 = rep["versions"]
+    assert (v0["version"], v1["version"]) == ("v000000", "v000001")
+    assert v0["n"] == v1["n"] == 6 and set(v0["by_problem"]) == {0, 23}
+    # what the learner trained on is exactly round 0's completions with their votes
+    con = duckdb.connect()
+    rows = con.execute("SELECT label, model_version, len(completion_token_ids) FROM read_parquet(?, "
+                       "hive_partitioning=true)", [str(tmp_path / "exp/home/data/samples/**/*.parquet")]).fetchall()
+    assert len(rows) == 6 and {r[1] for r in rows} == {"v000000"}
+    assert sum(r[0] for r in rows) == v0["thumbs_up"]
+    assert all(1 <= r[2] <= 6 for r in rows)
+    state = json.loads((tmp_path / "exp/home/learner/learner_state.json").read_text())
+    assert len(state["trained"]) == 6 and state["cycles"][0]["version"] == "v000001"
+    assert v0["learner"]["data/n_samples"] == 6
+    c = rep["comparison"]
+    assert (c["first"], c["last"]) == ("v000000", "v000001")
+    assert c["diff"] == pytest.approx(v1["rate"] - v0["rate"])
+    assert (tmp_path / "exp/learning_curve.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "exp/experiment.json").read_text())["comparison"]["first"] == "v000000"
