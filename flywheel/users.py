@@ -119,3 +119,46 @@ class UserBehaviour:
         if rng.random() < self.p_duplicate:
             events.append((t + rng.uniform(0.01, 0.3), eid, value))
         return VotePlan(events=events, final=value)
+
+
+def parse_problem_ids(spec: str) -> list[int]:
+    """``"120-163"`` / ``"0,5,7-9"`` -> sorted HumanEval indices.
+
+    Raises:
+        ValueError: not a list of indices or ranges in 0..163 (the bad part is named).
+    """
+    out: set[int] = set()
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            a, _, b = part.partition("-")
+            lo, hi = int(a), int(b or a)
+        except ValueError as exc:
+            raise ValueError(f"problem ids: {part!r} is not an index or a range like 120-163") from exc
+        if not 0 <= lo <= hi <= 163:
+            raise ValueError(f"problem ids: {part!r} must lie in 0..163 with start <= end")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise ValueError("problem ids: empty")
+    return sorted(out)
+
+
+def humaneval_gate(problem_ids: list[int], tokenizer) -> tuple[list[list[int]], "callable"]:
+    """Held-out prompts and a scorer for :func:`learner.gate.generation_evaluator` that judge
+    the way the simulated users do: the chat prompt users send, and pass = the reply's first
+    code block passes the problem's unit tests in the sandbox (:func:`run_tests`).
+
+    Returns:
+        ``(prompts, score)``: chat-template token ids per problem, ``score(i, completion_ids)``.
+    """
+    allp = load_problems()
+    problems = [allp[i] for i in problem_ids]
+    prompts = []
+    for p in problems:
+        enc = tokenizer.apply_chat_template(build_messages(p), add_generation_prompt=True, tokenize=True)
+        prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+
+    def score(i: int, completion_ids: list[int]) -> bool:
+        code = extract_code(tokenizer.decode(completion_ids, skip_special_tokens=True))
+        return bool(code) and run_tests(problems[i], code)[0]
+
+    return prompts, score

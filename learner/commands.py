@@ -35,6 +35,11 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            zero_stage: int = typer.Option(2, help="DeepSpeed ZeRO stage (1 or 2)."),
            holdout_frac: float = typer.Option(0.0, help="Eval gate: fraction of new samples held out (0 = off)."),
            max_regression: float = typer.Option(0.0, help="Eval gate: allowed score drop vs the parent."),
+           gate_problems: Optional[str] = typer.Option(
+               None, help="Eval gate on held-out HumanEval prompts scored as the demo's users score (code "
+                          "run against the tests in the sandbox), e.g. '120-163'; score = pass rate."),
+           gate_samples: int = typer.Option(2, help="Eval gate: completions per held-out prompt."),
+           gate_max_tokens: int = typer.Option(128, help="Eval gate: new tokens per completion."),
            train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
            measure_free_max: int = typer.Option(0, help="Samples that also get a replay-off forward "
                                                 "for route-flip figures (0 = all)."),
@@ -62,6 +67,26 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     store = store or os.environ.get("FLYWHEEL_STORE") or settings.store_dir()  # a URL stays a string
+    evaluate = None
+    if gate_problems:
+        from flywheel.users import humaneval_gate, parse_problem_ids
+        from learner.cycle import open_store
+        from learner.gate import generation_evaluator
+        from schemas.modelspec import load_tokenizer
+
+        try:
+            ids = parse_problem_ids(gate_problems)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--gate-problems") from exc
+        tok = load_tokenizer(open_store(store).base_dir)
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        eos = tok.eos_token_id if eos is None or eos == tok.unk_token_id else eos
+        prompts, score = humaneval_gate(ids, tok)
+        try:
+            evaluate = generation_evaluator(prompts, score, int(eos), max_tokens=gate_max_tokens,
+                                            samples_per_prompt=gate_samples, seed=seed)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     samples = samples or settings.samples_dir()
     state = state or settings.home() / "learner"
     ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly
@@ -69,7 +94,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
     def cycle() -> None:
         started_ms = int(time.time() * 1000)
         rank0 = int(os.environ.get("RANK", "0")) == 0
-        m = run_cycle(store, samples, state, cfg, parent=parent, show_progress=rank0)
+        m = run_cycle(store, samples, state, cfg, parent=parent, show_progress=rank0, evaluate=evaluate)
         if not rank0:
             return
         if m is None:

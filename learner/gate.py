@@ -4,8 +4,10 @@ The built-in score needs no generation: on held-out labelled samples (never trai
 ``score`` = mean per-token log π(y|x) of desirable completions − that of undesirable ones
 (free routing, as serving will run the candidate). A policy that learned from feedback
 raises it; one that learned the wrong direction lowers it. Any callable
-``evaluate(model) -> {"score": float, ...}`` (e.g. HumanEval pass rate scored the way the
-simulated users score) can replace it.
+``evaluate(model) -> {"score": float, ...}`` can replace it; :func:`generation_evaluator`
+is the one that scores held-out *prompts* the way users score: it samples completions from
+the model and passes each to a scorer (``flywheel learn --gate-problems`` wires the demo's
+users: run the code against the HumanEval tests in the sandbox); score = pass rate.
 """
 
 from __future__ import annotations
@@ -63,6 +65,49 @@ def preference_margin_evaluator(holdout: list[RewardedSample], pad_id: int, chun
         model.train(was)
         d, u = sums[True] / toks[True], sums[False] / toks[False]
         return {"score": d - u, "logp_desirable": d, "logp_undesirable": u, "n": len(holdout)}
+
+    return evaluate
+
+
+def generation_evaluator(prompts: list[list[int]], score: Callable[[int, list[int]], bool], eos_id: int,
+                         max_tokens: int = 128, samples_per_prompt: int = 2, temperature: float = 0.8,
+                         top_p: float = 0.95, seed: int = 0) -> Evaluator:
+    """``evaluate(model) -> {"score": pass rate in [0, 1], "passed", "n"}`` on held-out prompts.
+
+    For each prompt (token ids, unpadded), ``samples_per_prompt`` completions are sampled with
+    transformers ``generate`` (temperature, top_p, at most ``max_tokens`` new tokens, stop at
+    ``eos_id``; free routing, as serving will run the candidate) and ``score(prompt_index,
+    completion_ids) -> bool`` judges each. The RNG is re-seeded per prompt with ``seed`` +
+    index, so parent and candidate draw with the same random numbers (common random numbers:
+    the difference of their scores has less variance than two independent draws).
+
+    Raises:
+        ValueError: no prompts, or a bad sampling value (the parameter is named).
+    """
+    if not prompts:
+        raise ValueError("prompts: at least one held-out prompt is needed")
+    for name, ok in (("max_tokens", max_tokens >= 1), ("samples_per_prompt", samples_per_prompt >= 1),
+                     ("temperature", 0 < temperature <= 2), ("top_p", 0 < top_p <= 1)):
+        if not ok:
+            raise ValueError(f"{name}: out of range, got {locals()[name]!r}")
+
+    @torch.no_grad()
+    def evaluate(model) -> dict:
+        was = model.training
+        model.eval()
+        passed = n = 0
+        for i, p in enumerate(prompts):
+            torch.manual_seed(seed + i)
+            x = torch.tensor([p], dtype=torch.long)
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=temperature,
+                                 top_p=top_p, top_k=0, max_new_tokens=max_tokens,
+                                 num_return_sequences=samples_per_prompt, eos_token_id=eos_id, pad_token_id=eos_id)
+            for row in out[:, len(p):].tolist():
+                comp = row[:row.index(eos_id) + 1] if eos_id in row else row
+                passed += bool(score(i, comp))
+                n += 1
+        model.train(was)
+        return {"score": passed / n, "passed": passed, "n": n}
 
     return evaluate
 

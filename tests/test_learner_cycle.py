@@ -338,3 +338,39 @@ def test_balance_classes_weights_the_minority_class(tiny_moe_dir):
         assert (met["kto/desirable_weight"], met["kto/undesirable_weight"]) == ((3.0, 1.0) if balance else (1.0, 1.0))
     assert losses[False] == pytest.approx(0.5, abs=1e-6)
     assert losses[True] == pytest.approx(0.75, abs=1e-6)
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_generation_gate_scores_held_out_prompts_like_a_user(tiny_moe_dir, tmp_path):
+    """The gate samples completions on held-out prompts and lets a user judge them. Users who
+    like token 40 (the desirable samples repeat it): the trained candidate writes 40 more
+    often than the parent, so it is published with both pass rates in the manifest; users
+    who dislike token 40 see a regression and the candidate is not published."""
+    from learner.gate import generation_evaluator
+
+    model = load_model(tiny_moe_dir)
+    pattern = lambda i, C: [40 if i % 2 == 0 else 41] * C  # noqa: E731
+    samples = make_samples(model, 24, version="v000000", seed=11, completion=pattern)
+    held_out = [s.prompt_token_ids for s in make_samples(model, 4, version="v000000", seed=99)]
+    cfg = LearnerConfig(steps=8, batch_size=8, lr=1e-2, max_regression=0.0)
+    eos = model.config.eos_token_id
+    results = {}
+    for likes_40 in (True, False):
+        root = tmp_path / str(likes_40)
+        ModelStore(root / "store").init_base(tiny_moe_dir)
+        write_shard(root / "samples", samples, "v000000", "x")
+        ev = generation_evaluator(held_out, lambda i, comp, w=likes_40: (comp.count(40) >= len(comp) / 2) == w, eos,
+                                  max_tokens=6, samples_per_prompt=4, seed=3)
+        results[likes_40] = run_cycle(root / "store", root / "samples", root / "state", cfg, show_progress=False,
+                                   evaluate=ev)
+    good = results[True]
+    assert good is not None and good.eval["passed"] is True
+    assert good.eval["parent"]["n"] == good.eval["candidate"]["n"] == 16
+    assert good.eval["candidate"]["score"] > good.eval["parent"]["score"]
+    assert results[False] is None
+    assert ModelStore(tmp_path / "False" / "store").versions() == ["v000000"]
+    last = load_state(tmp_path / "False" / "state")["cycles"][-1]
+    assert last["rejected"].startswith("eval score")
+    assert last["eval"]["candidate"]["score"] < last["eval"]["parent"]["score"]
+    with pytest.raises(ValueError, match="prompts"):
+        generation_evaluator([], lambda i, c: True, eos)
