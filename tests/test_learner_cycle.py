@@ -102,11 +102,19 @@ def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
     write_shard(samples_dir, stale, "v000000", "d")
     r = subprocess.run([sys.executable, "-m", "flywheel.cli", "learn", "--once", "--store", str(tmp_path / "store"),
                         "--samples", str(samples_dir), "--state", str(tmp_path / "state"), "--steps", "2",
-                        "--lr", "1e-4", "--max-staleness", "0", "--parent", "latest"],
+                        "--lr", "1e-4", "--max-staleness", "0", "--parent", "latest",
+                        "--gate-problems", "0,23", "--gate-samples", "1", "--gate-max-tokens", "8"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "published v000002" in r.stdout
     m2 = store.manifest("v000002")
+    # the HumanEval gate ran on parent and candidate: 2 held-out prompts x 1 completion each
+    # (the tiny random model passes none: 0 >= 0 - max_regression, published)
+    assert m2.eval["parent"]["n"] == m2.eval["candidate"]["n"] == 2 and m2.eval["passed"] is True
+    bad = subprocess.run([sys.executable, "-m", "flywheel.cli", "learn", "--once", "--store", str(tmp_path / "store"),
+                          "--samples", str(samples_dir), "--state", str(tmp_path / "state"), "--gate-problems", "170"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--gate-problems" in bad.stderr and "0..163" in bad.stderr
     assert m2.parent == "v000001"
     assert m2.metrics["data/n_samples"] == 4 and m2.metrics["data/dropped_stale"] == 2
     assert m2.metrics["mismatch/max"] == 0.0
