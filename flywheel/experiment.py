@@ -227,6 +227,10 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
                     for v in votes:
                         passed.append(bool(v.result()))
                         bar.update(task, advance=1, up=sum(passed))
+                        if not console.is_terminal and len(passed) % max(len(keys) // 10, 1) == 0:
+                            # piped to a log: a status line every 10 % instead of the live bar
+                            console.print(f"round {r} {version}: {len(passed)}/{len(keys)} served and voted, "
+                                          f"{sum(passed)} up, {time.time() - t0:.0f} s")
             gen_s = time.time() - t0
             by_problem: dict[int, list[bool]] = {}
             for (pi, _j), ok in zip(keys, passed):
