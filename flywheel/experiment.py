@@ -224,13 +224,14 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
                         res.append(g)
                         code = extract_code(tok.decode(g.completion_token_ids, skip_special_tokens=True))
                         votes.append(pool.submit(lambda c=code, p=problems[pi]: bool(c) and run_tests(p, c)[0]))
-                    for v in votes:
-                        passed.append(bool(v.result()))
-                        bar.update(task, advance=1, up=sum(passed))
-                        if not console.is_terminal and len(passed) % max(len(keys) // 10, 1) == 0:
+                        done = [v.result() for v in votes if v.done()]
+                        bar.update(task, completed=len(res), up=sum(done))
+                        if not console.is_terminal and len(res) % max(len(keys) // 10, 1) == 0:
                             # piped to a log: a status line every 10 % instead of the live bar
-                            console.print(f"round {r} {version}: {len(passed)}/{len(keys)} served and voted, "
-                                          f"{sum(passed)} up, {time.time() - t0:.0f} s")
+                            console.print(f"round {r} {version}: {len(res)}/{len(keys)} served, "
+                                          f"{sum(done)} up so far, {time.time() - t0:.0f} s")
+                    passed = [bool(v.result()) for v in votes]
+                    bar.update(task, completed=len(res), up=sum(passed))
             gen_s = time.time() - t0
             by_problem: dict[int, list[bool]] = {}
             for (pi, _j), ok in zip(keys, passed):
