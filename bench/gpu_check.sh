@@ -10,6 +10,9 @@
 #   (b) raw logprobs (logprobs_mode="raw_logprobs") of vLLM's greedy completions vs our torch
 #       engine teacher-forcing the same tokens: fp32 mean |diff| <= 2e-3, max <= 5e-2 nats
 #       (kernel reduction order and TF32 differ; bf16: 3e-2 / 0.5).
+#   (d) learner-vs-serving mismatch (issue 5): the learner's layout (one left-padded batch)
+#       teacher-forcing vLLM's completions, without and with VLLM_BATCH_INVARIANT=1 on both
+#       sides (vLLM's batch-invariant kernels); reported, not a target.
 # Usage: bash bench/gpu_check.sh [MODEL_DIR]   env: VLLM_PYTHON (interpreter with vllm),
 #        REPO_PYTHON (repo venv python), DTYPE (float32|bfloat16), VLLM_VENV (created if needed).
 set -euo pipefail
@@ -51,4 +54,14 @@ PYTHONPATH=. timeout 240 "$VLLM_PYTHON" bench/gpu_check.py --side vllm --model-d
 echo "== torch engine side + comparison"
 PYTHONPATH=. timeout 120 "$REPO_PYTHON" bench/gpu_check.py --side torch --model-dir "$MODEL_DIR" \
   --out "$OUT/vllm.pkl" || die "targets missed (see RESULT lines above)"
+echo "== (d) learner-vs-serving mismatch without and with vLLM's batch-invariant mode (issue 5)"
+# default: vLLM as run above vs the learner's layout (one left-padded batch) in the vLLM interpreter;
+# batch-invariant: vLLM re-run with VLLM_BATCH_INVARIANT=1, learner with the same kernels.
+PYTHONPATH=. timeout 90 "$VLLM_PYTHON" bench/gpu_check.py --side learner --model-dir "$MODEL_DIR" \
+  --out "$OUT/vllm.pkl" || echo "learner-side default mismatch run failed (reported, not a target)"
+VLLM_BATCH_INVARIANT=1 PYTHONPATH=. timeout 150 "$VLLM_PYTHON" bench/gpu_check.py --side vllm --model-dir "$MODEL_DIR" \
+  --out "$OUT/vllm_bi.pkl" --dtype "$DTYPE" --skip-update --no-routes \
+  && PYTHONPATH=. timeout 90 "$VLLM_PYTHON" bench/gpu_check.py --side learner --batch-invariant \
+       --model-dir "$MODEL_DIR" --out "$OUT/vllm_bi.pkl" \
+  || echo "batch-invariant mismatch run failed (reported, not a target)"
 echo "RESULT gpu_check_wall_s=$(( $(date +%s) - T0 )) s target<=300"
