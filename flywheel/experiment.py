@@ -243,6 +243,7 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
                              "completion_tokens": sum(len(g.completion_token_ids) for g in res)})
             console.print(f"round {r}: {version} thumbs-up {up}/{n} = {up / n:.3f} "
                           f"(95% CI {lo:.3f}-{hi:.3f}), {gen_s:.0f} s")
+            (out / "experiment.partial.json").write_text(json.dumps({"versions": versions}, indent=2, default=str))
             if r == cfg.rounds:
                 break
             samples = _samples_for(cfg, version, problems, {"keys": keys, "res": res}, passed, prompts, sampling)
