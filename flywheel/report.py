@@ -80,6 +80,11 @@ def write_report(report: dict, out: Path) -> None:
     write_plot(report, out / "thumbs_up_by_version.png")
 
 
+def _clip(text: str, n: int) -> str:
+    """``text`` cut to ``n`` characters with a trailing ellipsis when cut (report.json keeps it whole)."""
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
 def print_report(report: dict, console=None) -> None:
     """Rich table of the report."""
     from rich.console import Console
@@ -98,7 +103,7 @@ def print_report(report: dict, console=None) -> None:
         t.add_row(v["version"], v.get("parent") or "-", str(v["samples"]),
                   f"{v['votes_up']}/{v['votes_down']}",
                   f"{v['thumbs_up_rate']:.3f} [{v['ci95'][0]:.2f},{v['ci95'][1]:.2f}]",
-                  v.get("decision") or "-", (v.get("reason") or "")[:120], mm,
+                  v.get("decision") or "-", _clip(v.get("reason") or "", 160), mm,
                   "-" if v.get("delta_ratio") is None else f"{v['delta_ratio']:.1f}x",
                   "-" if v.get("swap_pause_ms") is None else f"{v['swap_pause_ms']:.2f}")
     console.print(t)
