@@ -200,7 +200,7 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
     t_start = time.time()
     try:
         for r in range(cfg.rounds + 1):
-            if r == 0:
+            if version == "v000000":
                 lm = engine.load_base(version)
             else:
                 m = store.manifest(version)
