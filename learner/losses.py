@@ -16,20 +16,10 @@ from typing import Literal
 
 import torch
 
+# One definition of a token's logprob, shared with serving's aligned scoring pass.
+from schemas.modelspec import token_logprobs  # noqa: F401  (re-exported)
+
 ISLevel = Literal["sequence", "token"]
-
-
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """log π(y_t) of each target token.
-
-    Args:
-        logits: (B, T, V) any float dtype (computed in fp32).
-        target_ids: (B, T) int64.
-
-    Returns:
-        (B, T) float32.
-    """
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def sequence_logprobs(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -80,3 +80,43 @@ def left_pad(seqs: list[list[int]], pad_id: int):
 def position_ids(attention_mask):
     """``position_ids = cumsum(mask) - 1`` (clamped at 0 on padding), ``(B, T)`` int64."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(logits, target_ids):
+    """log π(y_t) of each target token: ``log_softmax(logits.float())`` gathered at the targets.
+
+    The one definition of "a token's logprob" that serving's aligned scoring pass and the
+    learner both use (same ops on the same shapes give the same bits).
+
+    Args:
+        logits: (B, T, V) any float dtype (computed in fp32).
+        target_ids: (B, T) int64.
+
+    Returns:
+        (B, T) float32.
+    """
+    import torch
+
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def teacher_forced_inputs(prompt_ids: list[int], completion_ids: list[int], pad_id: int = 0) -> dict:
+    """The learner's layout of ONE sample, unpadded (batch 1): the inputs of the forward that
+    scores ``completion_ids`` after ``prompt_ids``.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "position_ids"}`` each (1, P + C - 1) int64 (the
+        last completion token is never an input), and ``"target_ids"`` (1, P + C - 1) int64
+        = the next token at each position; the completion's logprobs are the last C columns.
+
+    Raises:
+        ValueError: empty prompt or completion.
+    """
+    import torch
+
+    if not prompt_ids or not completion_ids:
+        raise ValueError("prompt_ids, completion_ids: both must be non-empty")
+    full = list(prompt_ids) + list(completion_ids)
+    ids, mask = left_pad([full[:-1]], pad_id)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask),
+            "target_ids": torch.tensor([full[1:]], dtype=torch.long)}

@@ -65,7 +65,7 @@ class Pod:
 def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: int = 8,
               bootstrap: str | None = None, journal: Path | None = None, log_events: bool = True,
               api_keys: set[str] | None = None, admin_token: str | None = None,
-              threads: int | None = None, engine: str = "torch") -> Pod:
+              threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -75,9 +75,11 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
         log_events: False turns event logging off (benchmarks only).
         engine: ``torch`` (:class:`serving.engine.TorchEngine`) or ``vllm``
             (:class:`serving.engine_vllm.VLLMEngine`, imported only then; needs vLLM installed).
+        aligned_logprobs: torch engine only: log behavior logprobs and routes from the aligned
+            scoring pass (see :class:`serving.engine.TorchEngine`).
 
     Raises:
-        ValueError: unknown ``engine``.
+        ValueError: unknown ``engine``, or ``aligned_logprobs`` with vLLM.
     """
     from schemas import settings
     from serving.app import create_app
@@ -87,8 +89,10 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     if engine == "torch":
         from serving.engine import TorchEngine
 
-        eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads)
+        eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads, aligned_logprobs=aligned_logprobs)
     elif engine == "vllm":
+        if aligned_logprobs:
+            raise ValueError("aligned_logprobs: torch engine only (with vLLM on GPU use VLLM_BATCH_INVARIANT=1)")
         from serving.engine_vllm import VLLMEngine  # lazy: vLLM lives in its own venv
 
         eng = VLLMEngine(store.base_dir, max_batch=max_batch)
@@ -152,6 +156,11 @@ def register(app: typer.Typer) -> None:
         api_keys_file: Optional[Path] = typer.Option(None, help="Bearer keys for /v1/*, one per line "
                                                                 "(also env FLYWHEEL_API_KEYS, comma-separated)."),
         threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads (>= 1)."),
+        aligned_logprobs: bool = typer.Option(False, "--aligned-logprobs",
+                                              help="Torch engine: log behavior logprobs and routes from one "
+                                                   "batch-1 scoring forward in the learner's layout, so the "
+                                                   "learner's recompute matches them exactly (costs one "
+                                                   "prefill-sized forward per completion)."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
         import uvicorn
@@ -161,6 +170,9 @@ def register(app: typer.Typer) -> None:
 
         if engine not in ("torch", "vllm"):
             raise typer.BadParameter(f"must be torch or vllm, got {engine!r}", param_hint="--engine")
+        if aligned_logprobs and engine != "torch":
+            raise typer.BadParameter("torch engine only (vLLM on GPU: VLLM_BATCH_INVARIANT=1)",
+                                     param_hint="--aligned-logprobs")
         if engine == "vllm":
             import importlib.util
 
@@ -173,7 +185,7 @@ def register(app: typer.Typer) -> None:
         p = build_pod(st, version, pod=pod, max_batch=max_batch,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
-                      engine=engine)
+                      engine=engine, aligned_logprobs=aligned_logprobs)
         typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown

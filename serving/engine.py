@@ -127,16 +127,26 @@ class TorchEngine(Engine):
             run on it, the draw of sampled rows on CPU (per-request ``torch.Generator``), so
             seeded outputs do not depend on the device's RNG.
         threads: torch intra-op threads (None: torch's default).
+        aligned_logprobs: after generation, score each completion with one unpadded batch-1
+            forward in the learner's layout (:func:`schemas.modelspec.teacher_forced_inputs`,
+            :func:`schemas.modelspec.token_logprobs`) and log THOSE behavior logprobs and expert
+            routes. The learner's replayed forward of the sample is then the same computation
+            on the same shapes, so |log π_train − behavior logprob| is exactly 0 (fp32, CPU,
+            same thread count), where decode-time numbers differ by ~1e-6 (KV-cached decode
+            and batched prefill are other matmul shapes). Costs one prefill-sized forward per
+            completion. Tokens are still sampled from the decode-time distribution; the
+            rescored logprob differs from it by that ~1e-6 (docs/decisions.md D11).
     """
 
     def __init__(self, model_dir: str | Path, max_batch: int = 8, max_queue: int = 256, dtype=None,
-                 threads: int | None = None, device: str = "cpu"):
+                 threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False):
         import torch
 
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
+        self.aligned_logprobs = bool(aligned_logprobs)
         self.dtype = dtype or torch.float32
         if threads:
             torch.set_num_threads(threads)
@@ -215,6 +225,11 @@ class TorchEngine(Engine):
             r.register_forward_hook(hook)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         return lm
+
+    def _score_aligned(self, lm: LoadedModel, prompt: list[int], completion: list[int]):
+        """``(behavior logprobs (C,) float32 list, routes (P + C - 1, L, k) or None)`` of one
+        completion from the aligned scoring pass (see ``aligned_logprobs``)."""
+        return _score_aligned_impl(lm, prompt, completion, self.device)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenRequest) -> GenResult:
@@ -449,6 +464,14 @@ class TorchEngine(Engine):
             if n_layers:
                 routes[:, T0 + step] = torch.stack([b.view(B, top_k) for b in lm.route_buf], dim=1)  # (B, L, k)
         host_routes = routes.cpu().numpy() if n_layers else None  # one transfer for the batch
+        if self.aligned_logprobs:
+            for i, r in enumerate(reqs):
+                if toks[i] and finish[i] != "abort":
+                    t_a = time.perf_counter()
+                    lps[i], rescored = self._score_aligned(lm, r.prompt_token_ids, toks[i])
+                    if n_layers:  # the routes of the scoring pass go with its logprobs
+                        host_routes[i, T0 - plen[i]:T0 + len(toks[i]) - 1] = rescored
+                    t_end[i] += time.perf_counter() - t_a
         results = []
         for i, r in enumerate(reqs):
             if finish[i] is None:  # cannot happen: max_new bounds every request
@@ -465,6 +488,22 @@ class TorchEngine(Engine):
                 latency_ms=(t_end[i] - items[i].t_submit) * 1000, version=lm.version, batch_size=B,
                 queue_ms=max(0.0, (t_batch - items[i].t_submit) * 1000)))
         return results
+
+
+def _score_aligned_impl(lm: LoadedModel, prompt: list[int], completion: list[int], device):
+    import torch
+
+    from schemas.modelspec import teacher_forced_inputs, token_logprobs
+
+    x = {k: v.to(device) for k, v in teacher_forced_inputs(prompt, completion).items()}
+    out = lm.model(input_ids=x["input_ids"], attention_mask=x["attention_mask"], position_ids=x["position_ids"],
+                   use_cache=False)
+    lp = token_logprobs(out.logits, x["target_ids"])[0, -len(completion):]  # (C,)
+    routes = None
+    if lm.route_buf:
+        T = x["input_ids"].shape[1]
+        routes = torch.stack([b.view(T, -1) for b in lm.route_buf], dim=1).cpu().numpy()  # (P + C - 1, L, k)
+    return lp.cpu().tolist(), routes
 
 
 class _BatchFilter:
