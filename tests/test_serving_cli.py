@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 import openai
 
 from schemas import topics
@@ -95,3 +97,15 @@ def test_serve_port_errors_name_the_flag(tmp_path):
         r = CliRunner().invoke(app, ["serve", "--port", str(taken), "--model-dir", str(tmp_path)])
     out = _flat(r.output)
     assert r.exit_code == 2 and "--port" in out and f"cannot listen on 127.0.0.1:{taken}" in out, out
+
+
+def test_vllm_venv_names_the_failed_step(tmp_path):
+    from serving.vllm_env import ensure_vllm_venv
+
+    with pytest.raises(RuntimeError, match="create venv failed"):
+        ensure_vllm_venv(tmp_path / "v", python="/bin/false", log=lambda m: None)
+    repo_venv = Path(__file__).resolve().parents[1] / ".venv-vllm"
+    if repo_venv.exists():  # built by the README's test line: found, not rebuilt
+        said = []
+        assert ensure_vllm_venv(repo_venv, log=said.append) == repo_venv / "bin" / "python"
+        assert said == [f"vllm-venv: {repo_venv} already has vllm"]
