@@ -326,7 +326,8 @@ class Demo:
         args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
                     "--batch-size", str(self.cfg.learner_batch),
                     "--train-layers", str(self.cfg.learner_train_layers), "--measure-free-max", "2",
-                    "--seed", str(self.cfg.seed + cycle), "--min-samples", "1")
+                    "--seed", str(self.cfg.seed + cycle), "--min-samples", "1",
+                    "--balance-classes")  # few thumbs-up among many downs: KTO λ_D·n_D = λ_U·n_U
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
             r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)
         if r.returncode != 0:
