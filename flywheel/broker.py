@@ -39,6 +39,20 @@ def tansu_binary() -> Path:
     return b
 
 
+def validate(port: int | None, partitions: int) -> None:
+    """Check ``flywheel broker start`` arguments before anything starts.
+
+    Raises:
+        ValueError: ``port`` not None and outside 1..65535, or ``partitions`` < 1 (the
+            message names the argument, its value and the allowed range).
+    """
+    if port is not None and not (isinstance(port, int) and 1 <= port <= 65535):
+        raise ValueError(f"port: must be a TCP port in 1..65535 (or unset for a free one), got {port!r}")
+    if not (isinstance(partitions, int) and partitions >= 1):
+        raise ValueError(f"partitions: must be an integer >= 1 (every Flywheel topic gets this many), "
+                         f"got {partitions!r}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,8 +120,10 @@ def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_pat
         detach: start in a new session so it outlives the caller (``flywheel broker start``).
 
     Raises:
+        ValueError: bad ``port`` or ``partitions`` (:func:`validate`).
         RuntimeError: it did not start listening within 10 s.
     """
+    validate(port, partitions)
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -130,7 +146,11 @@ def start(port: int | None = None, partitions: int = DEFAULT_PARTITIONS) -> Brok
     """``flywheel broker start``: detached broker, address recorded in ``broker.json``.
 
     If one is already running (per ``broker.json``), returns it.
+
+    Raises:
+        ValueError: bad ``port`` or ``partitions`` (:func:`validate`), before anything starts.
     """
+    validate(port, partitions)
     running = status()
     if running is not None:
         return running

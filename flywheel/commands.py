@@ -18,6 +18,10 @@ def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (defaul
     """Start the embedded broker detached and create all topics."""
     from flywheel import broker
 
+    try:
+        broker.validate(port, partitions)
+    except ValueError as exc:  # a usage error, not a traceback
+        raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint=f"--{str(exc).split(':')[0]}") from exc
     b = broker.start(port, partitions)
     typer.echo(json.dumps({"bootstrap": b.bootstrap, "pid": b.pid}))
 

@@ -1,10 +1,10 @@
-"""The ingest faust app: configuration and the worker entry point.
+"""The ingest worker's configuration, Kafka client settings and entry point.
 
-``flywheel ingest`` (or ``python -m ingest``) builds the app with :func:`build_app` and
-runs a faust worker in this process. faust is the stream runtime (consumer group,
-partition assignment, agents, timer, producer); the join state is in
-``ingest.state.StateStore`` (why: see that module), not in a faust table, and
-``exactly_once`` is off (the embedded broker's InitProducerId fails, DESIGN §3).
+``flywheel ingest`` (or ``python -m ingest``) runs :func:`run_worker`: one member of the
+consumer group ``app_id`` (``ingest.worker``: an aiokafka batch loop plus a seal thread;
+faust was the runtime until D12 in ``docs/decisions.md``). The join state is in
+``ingest.state.StateStore`` (why: see that module); the producer is not transactional
+(the embedded broker's InitProducerId fails, DESIGN §3).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from schemas import settings
 from ingest.join import JoinConfig
 
 APP_ID = "flywheel-ingest"  # consumer group id; bump the suffix if the state layout changes
+METADATA_MAX_AGE_MS = 5000  # the consumer refreshes topic metadata at least this often (ms)
 SESSION_TIMEOUT_S = 6.0  # group joins take ~half the session timeout on Tansu (DESIGN §3)
 
 log = logging.getLogger("ingest")
@@ -30,13 +31,14 @@ class IngestConfig:
     Args:
         join: :class:`ingest.join.JoinConfig` (seal/orphan/age timings, policies, shaping).
         tick_s: how often the seal timer runs (s).
-        worker_port: faust web port (metrics/health); 0 disables the web server.
+        worker_port: HTTP port on 127.0.0.1 answering every request with the state's counters
+            as JSON (health/metrics); 0 disables it.
         bootstrap: Kafka ``host:port`` (default ``schemas.settings.bootstrap()``).
         samples_dir: shard root (default ``schemas.settings.samples_dir()``).
         state_path: the SQLite join state (default ``$FLYWHEEL_HOME/ingest/state.sqlite``).
         catalog: the DuckDB catalog (default ``schemas.settings.catalog_path()``).
-        app_id: faust app id = Kafka consumer group (default ``APP_ID``); workers with the
-            same id split the partitions and must share ``state_path``.
+        app_id: the Kafka consumer group (default ``APP_ID``); workers with the same id
+            split the partitions and must share ``state_path``.
     """
 
     join: JoinConfig = field(default_factory=JoinConfig)
@@ -61,38 +63,57 @@ class IngestConfig:
         self.catalog = Path(self.catalog or settings.catalog_path())
 
 
-def faust_settings(cfg: IngestConfig) -> dict:
-    """The faust App settings of an ingest worker (also used by ``bench/ingest.py``)."""
-    return dict(
-        broker=f"kafka://{cfg.bootstrap}", store="memory://", datadir=str(cfg.state_path.parent / "faust"),
-        broker_session_timeout=SESSION_TIMEOUT_S, broker_heartbeat_interval=1.0,
-        consumer_auto_offset_reset="earliest", topic_allow_declare=False,
-        processing_guarantee="at_least_once",
-        web_enabled=cfg.worker_port > 0, web_port=cfg.worker_port or 6066, web_bind="127.0.0.1",
-        key_serializer="raw", value_serializer="raw",
-        # fetch more per round trip: completions carry expert routes (~18 KB each)
-        consumer_max_fetch_size=16 * 1024 * 1024, broker_max_poll_records=2000,
-        stream_buffer_maxsize=8192)
+def consumer_settings(cfg: IngestConfig) -> dict:
+    """``AIOKafkaConsumer`` keyword arguments of an ingest worker (``bench/ingest.py`` reads
+    the raw consume rate with exactly these, minus the group).
 
-
-def build_app(cfg: IngestConfig):
-    """A faust App with the ingest agents and seal timer attached (see ``ingest.agents``).
-
-    Also opens the state store and runs :meth:`ingest.join.Joiner.recover` so that claims
-    left by a killed worker are finished or released before any event is read.
+    Offsets are committed by the worker after the batch's SQLite transaction (never
+    automatically); with no committed offset the group starts from the earliest record
+    (never ``latest``: end offsets are wrong on the embedded broker, DESIGN §3). The range
+    assignor gives partition p of both topics to the same member (they are co-partitioned
+    by completion_id, so a label's completion and votes usually meet in one worker).
     """
-    import faust
+    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-    from ingest import agents
+    return dict(
+        bootstrap_servers=cfg.bootstrap, group_id=cfg.app_id, client_id=cfg.app_id,
+        enable_auto_commit=False, auto_offset_reset="earliest",
+        session_timeout_ms=int(SESSION_TIMEOUT_S * 1000), heartbeat_interval_ms=1000,
+        partition_assignment_strategy=(RangePartitionAssignor,),
+        # topics are never auto-created (ingest.worker.no_topic_auto_creation): a group that
+        # rejoined before they were re-created (embedded broker restart) sees them, and
+        # rebalances, at the next metadata refresh (aiokafka's default: 5 min)
+        metadata_max_age_ms=METADATA_MAX_AGE_MS,
+        # fetch more per round trip: completions carry expert routes (~18 KiB each)
+        fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20)
 
-    app = faust.App(cfg.app_id, **faust_settings(cfg))
-    agents.attach(app, cfg)
-    return app
+
+def producer_settings(cfg: IngestConfig) -> dict:
+    """``AIOKafkaProducer`` keyword arguments (samples and dead letters; not idempotent:
+    the embedded broker's InitProducerId fails, DESIGN §3)."""
+    # a sample is ~19 KiB: with the default 16 KiB batches each one was its own produce request
+    return dict(bootstrap_servers=cfg.bootstrap, client_id=cfg.app_id, acks="all", linger_ms=5,
+                max_batch_size=1 << 20, max_request_size=16 << 20)
 
 
-def run_worker(cfg: IngestConfig, loglevel: str = "warn") -> None:
-    """Run the ingest worker in this process until SIGTERM/SIGINT."""
-    from faust.worker import Worker
+LOGLEVELS = {"crit": logging.CRITICAL, "error": logging.ERROR, "warn": logging.WARNING,
+             "info": logging.INFO, "debug": logging.DEBUG}
 
-    app = build_app(cfg)
-    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+
+def run_worker(cfg: IngestConfig, loglevel: str = "info") -> None:
+    """Run the ingest worker (``ingest.worker``) in this process until SIGTERM/SIGINT.
+
+    ``loglevel``: one of :data:`LOGLEVELS` for the ``ingest`` logger (assignment, recovery
+    and stats lines are INFO); the Kafka client logs at WARNING or above.
+
+    Raises:
+        ValueError: unknown ``loglevel``.
+    """
+    from ingest import worker
+
+    if loglevel not in LOGLEVELS:
+        raise ValueError(f"loglevel: must be one of {' | '.join(LOGLEVELS)}, got {loglevel!r}")
+    level = LOGLEVELS[loglevel]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiokafka").setLevel(max(level, logging.WARNING))
+    worker.run(cfg)

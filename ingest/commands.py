@@ -12,17 +12,21 @@ def ingest_cmd(
     max_label_age_s: float = typer.Option(3600.0, help="Seal (or drop, with no vote) completions this old (s)."),
     orphan_ttl_s: float = typer.Option(600.0, help="How long feedback waits for its completion (s)."),
     tick_s: float = typer.Option(1.0, help="Seal timer period (s)."),
-    worker_port: int = typer.Option(0, help="faust web port (0: no web server)."),
+    worker_port: int = typer.Option(0, help="HTTP port serving the counters as JSON (0: none)."),
     late_policy: str = typer.Option("deadletter", help="Feedback after sealing: deadletter | drop."),
     reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
     reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
-    loglevel: str = typer.Option("warn", help="crit | error | warn | info | debug."),
+    loglevel: str = typer.Option("info", help="crit | error | warn | info | debug."),
     app_id: str = typer.Option("flywheel-ingest", help="Consumer group; workers sharing it split the partitions."),
 ) -> None:
     """Run the ingest worker: join completions and feedback into RewardedSample shards."""
     from ingest.app import IngestConfig, run_worker
     from ingest.join import JoinConfig, RewardShaping
 
+    from ingest.app import LOGLEVELS
+
+    if loglevel not in LOGLEVELS:
+        raise typer.BadParameter(f"must be one of {' | '.join(LOGLEVELS)}, got {loglevel!r}", param_hint="--loglevel")
     try:
         cfg = IngestConfig(
             join=JoinConfig(seal_after_s=seal_after_s, max_label_age_s=max_label_age_s,

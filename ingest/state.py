@@ -1,13 +1,13 @@
 """The join's durable state: one SQLite file (WAL) the ingest worker controls.
 
-Why not a faust table: a faust table is rebuilt from its changelog topic at start, up to
-the highwater that ListOffsets(latest) reports, and the embedded broker under-reports
-that end offset after multi-record batches (DESIGN §3); recovery would silently stop
-early and lose votes. So faust stays the stream runtime (app, topics, agents, timer) and
-the join state lives here, written before the consumed event is acked. SQLite in WAL mode
-with ``synchronous=NORMAL`` survives a killed process (SIGKILL): a committed transaction
-is in the WAL in the OS page cache. It does not survive losing the host's disk; workers
-that share the partitions must share this file (one host), see ``ingest/agents.py``.
+Why not a stream processor's table (e.g. faust's): such a table is rebuilt from its
+changelog topic at start, up to the highwater that ListOffsets(latest) reports, and the
+embedded broker under-reports that end offset after multi-record batches (DESIGN §3);
+recovery would silently stop early and lose votes. So the join state lives here, committed
+before the consumed batch's offsets are (``ingest/worker.py``). SQLite in WAL mode with
+``synchronous=NORMAL`` survives a killed process (SIGKILL): a committed transaction is in
+the WAL in the OS page cache. It does not survive losing the host's disk; workers that
+share the partitions must share this file (one host), see ``ingest/worker.py``.
 
 Claim owners: several workers share the file, and each one claims the labels it seals. A
 claim records its ``owner`` (one id per :class:`StateStore`, i.e. per worker process). The
@@ -20,16 +20,35 @@ Retention: ``events`` rows carry ``at`` (ms, when recorded) and ``sealed`` rows 
 :meth:`StateStore.prune` deletes rows older than a horizon (``JoinConfig.dedupe_retention_s``).
 
 Tables:
-    labels(completion_id, state JSON, completion JSON, due_at ms, claim, owner): open
-        :class:`LabelState` s (the CompletionEvent kept apart: written once);
+    labels(completion_id, state JSON, due_at ms, claim, owner): open :class:`LabelState` s;
         ``claim`` is ``"shard:<path>"`` while its sample is being written, ``"dead:"``
         while an orphan's dead letters are published, else NULL; ``owner`` is the claiming
         worker's id.
+    completions(completion_id, seg, off, len, body): where the CompletionEvent JSON of an
+        open label is (the bytes as consumed, ~18 KiB with expert routes): ``len`` bytes at
+        ``off`` of body segment ``seg`` (see below), or inline in ``body`` (``:memory:``
+        stores, and files migrated from an earlier layout). Written once, read once at
+        sealing, deleted with the label.
     events(event_id, completion_id, at ms): every feedback event folded or dead-lettered
         within the retention horizon (the dedupe set; ``completion_id`` NULL for
         dead-lettered ones).
     sealed(completion_id, sealed_at ms, shard): labels already written.
     counters(name, value).
+
+Body segments: completion bodies are appended to ``<state>.bodies/<owner>.<n>.seg``, one
+open segment per worker (so workers never contend on it), rotated at ``SEGMENT_BYTES``. The
+bytes are flushed to the OS before the transaction that references them commits (the same
+SIGKILL guarantee as the WAL). A segment is deleted once no ``completions`` row references it
+and no live worker can add one: its owner's rotated segments, or any segment of a dead owner
+(:meth:`StateStore.collect_segments`). Why: an 18 KiB body inserted into SQLite and deleted at
+sealing was written three times (WAL, checkpoint, free pages) and cost ~60 us to insert and
+~30 us to delete per completion; an append is ~5 us and a deletion is one ``unlink`` per
+segment.
+
+Cost (measured, ``bench/RESULTS.md``): the batch methods (:meth:`StateStore.get_many`,
+:meth:`StateStore.put_many`, :meth:`StateStore.events_seen`, ...) read and write a whole
+consumer batch in a few statements; counters are added up in memory and written once per
+transaction.
 """
 
 from __future__ import annotations
@@ -52,8 +71,10 @@ def _now_ms() -> int:
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL,
-    completion TEXT, due_at INTEGER NOT NULL, claim TEXT, owner TEXT);
+    due_at INTEGER NOT NULL, claim TEXT, owner TEXT);
 CREATE INDEX IF NOT EXISTS labels_due ON labels(due_at);
+CREATE TABLE IF NOT EXISTS completions(completion_id TEXT PRIMARY KEY, seg TEXT, off INTEGER, len INTEGER,
+    body BLOB);
 CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at INTEGER);
 CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at INTEGER NOT NULL, shard TEXT);
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -64,7 +85,19 @@ _INDEXES = """
 CREATE INDEX IF NOT EXISTS labels_claim ON labels(claim) WHERE claim IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_at ON events(at);
 CREATE INDEX IF NOT EXISTS sealed_at ON sealed(sealed_at);
+CREATE INDEX IF NOT EXISTS completions_seg ON completions(seg) WHERE seg IS NOT NULL;
 """
+SEGMENT_BYTES = 64 << 20  # a worker's body segment is rotated past this size (bytes)
+_CHUNK = 500  # ids per ``IN (...)`` query (SQLite's variable limit is far above)
+
+
+def _chunks(xs: list, n: int = _CHUNK):
+    for i in range(0, len(xs), n):
+        yield xs[i:i + n]
+
+
+def _body(completion: bytes | str) -> bytes:
+    return completion.encode() if isinstance(completion, str) else bytes(completion)
 
 
 class StateStore:
@@ -101,6 +134,19 @@ class StateStore:
             for table, col, typ in _COLUMNS:
                 if col not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {typ}")
+            if "seg" not in {r[1] for r in self.db.execute("PRAGMA table_info(completions)")}:
+                # an interim layout kept bodies inline only (body NOT NULL): rebuild, bodies kept
+                self.db.execute("ALTER TABLE completions RENAME TO completions_inline")
+                for stmt in filter(str.strip, _SCHEMA.split(";")):
+                    self.db.execute(stmt)
+                self.db.execute("INSERT INTO completions(completion_id, body) SELECT completion_id, body "
+                                "FROM completions_inline")
+                self.db.execute("DROP TABLE completions_inline")
+            if "completion" in {r[1] for r in self.db.execute("PRAGMA table_info(labels)")}:
+                # layout before the completions table: move the bodies out of the label rows
+                self.db.execute("INSERT OR IGNORE INTO completions(completion_id, body) SELECT completion_id, "
+                                "CAST(completion AS BLOB) FROM labels WHERE completion IS NOT NULL")
+                self.db.execute("UPDATE labels SET completion=NULL WHERE completion IS NOT NULL")
             for stmt in filter(str.strip, _INDEXES.split(";")):
                 self.db.execute(stmt)
             self.db.execute("COMMIT")
@@ -111,6 +157,8 @@ class StateStore:
         self._lock = threading.RLock()
         self._batch, self._batch_n, self._batch_t = False, 0, 0.0
         self._pending: dict[str, int] = {}  # counter deltas of the open batch, written at flush
+        self._seg_fds: dict[str, int] = {}  # read handles of body segments
+        self._seg_n, self._seg_name, self._seg_file, self._seg_pos = 0, None, None, 0
 
     @property
     def owners_dir(self) -> Path:
@@ -121,6 +169,12 @@ class StateStore:
         """Flush, close the database and release this owner's lock."""
         self.flush()
         self.db.close()
+        if self._seg_file is not None:
+            self._seg_file.close()
+            self._seg_file = None
+        for fd in self._seg_fds.values():
+            os.close(fd)
+        self._seg_fds.clear()
         if self._owner_fd is not None:
             os.close(self._owner_fd)  # releases the flock
             (self.owners_dir / f"{self.owner}.lock").unlink(missing_ok=True)
@@ -159,8 +213,9 @@ class StateStore:
 
     @contextmanager
     def transaction(self):
-        """One atomic unit. Inside an open batch (:meth:`begin_batch`) it joins the batch
-        and becomes durable at the next :meth:`flush`."""
+        """One atomic unit (thread-safe: the whole unit holds the store's lock). Inside an
+        open batch (:meth:`begin_batch`) it joins the batch and becomes durable at the next
+        :meth:`flush`. Counter bumps inside it are written once, at its commit."""
         with self._lock:
             outer = self._depth == 0
             if outer:  # in a batch, a SAVEPOINT: a failing unit never undoes the batch
@@ -179,12 +234,21 @@ class StateStore:
                 raise
             self._depth -= 1
             if outer:
-                self.db.execute("RELEASE unit" if self._batch else "COMMIT")
+                if self._batch:
+                    self.db.execute("RELEASE unit")
+                else:
+                    try:
+                        self._write_counters()
+                        self.db.execute("COMMIT")
+                    except BaseException:
+                        self._pending = pending
+                        self.db.execute("ROLLBACK")
+                        raise
 
     def begin_batch(self) -> None:
         """Group the following transactions into one SQLite commit (group commit) until
         :meth:`flush`. The caller must flush before it acks-and-commits offsets past them
-        (``ingest.agents`` does it from faust's ``on_commit_initiated``)."""
+        (the worker instead makes each consumer batch one :meth:`transaction`)."""
         with self._lock:
             if not self._batch:
                 self.db.execute("BEGIN IMMEDIATE")
@@ -204,41 +268,139 @@ class StateStore:
         if self._batch and (self._batch_n >= max_events or time.monotonic() - self._batch_t >= max_age_s):
             self.flush()
 
+    # -- body segments --------------------------------------------------------------------
+    @property
+    def bodies_dir(self) -> Path:
+        """``<state>.bodies/``: the completion body segments."""
+        return Path(self.path + ".bodies")
+
+    def _append_bodies(self, bodies: list[bytes]) -> list[tuple[str, int, int]]:
+        """Append ``bodies`` to this owner's open segment and flush them to the OS; returns
+        ``(segment, offset, length)`` of each."""
+        if self._seg_file is None or self._seg_pos > SEGMENT_BYTES:
+            if self._seg_file is not None:
+                self._seg_file.close()
+            self.bodies_dir.mkdir(exist_ok=True)
+            self._seg_n += 1
+            self._seg_name = f"{self.owner}.{self._seg_n}.seg"
+            self._seg_file = open(self.bodies_dir / self._seg_name, "ab")
+            self._seg_pos = self._seg_file.tell()
+        out = []
+        for b in bodies:
+            self._seg_file.write(b)
+            out.append((self._seg_name, self._seg_pos, len(b)))
+            self._seg_pos += len(b)
+        self._seg_file.flush()  # in the OS before the referencing transaction commits
+        return out
+
+    def _body_at(self, cid: str, seg: str | None, off: int | None, n: int | None, body: bytes | None) -> bytes | None:
+        if body is not None or seg is None:
+            return body
+        fd = self._seg_fds.get(seg)
+        if fd is None:
+            fd = self._seg_fds[seg] = os.open(self.bodies_dir / seg, os.O_RDONLY)
+        data = os.pread(fd, n, off)
+        if len(data) != n:
+            raise RuntimeError(f"completion {cid}: body segment {seg} holds {len(data)} of {n} bytes at {off}")
+        return data
+
+    def collect_segments(self) -> int:
+        """Delete body segments that no row references and no live worker can reference
+        again (this owner's rotated ones; dead owners' ones). Returns how many."""
+        if self.path == ":memory:" or not self.bodies_dir.exists():
+            return 0
+        n, alive = 0, {}
+        with self._lock:  # no append, rotation or reference of ours between the query and the unlinks
+            used = {r[0] for r in self.db.execute("SELECT DISTINCT seg FROM completions WHERE seg IS NOT NULL")}
+            for f in self.bodies_dir.glob("*.seg"):
+                owner = f.name[:-4].rsplit(".", 1)[0]
+                if f.name in used or f.name == self._seg_name:
+                    continue
+                if owner not in alive:
+                    alive[owner] = owner != self.owner and self.owner_alive(owner)
+                if alive[owner]:
+                    continue  # a live peer may still reference it
+                fd = self._seg_fds.pop(f.name, None)
+                if fd is not None:
+                    os.close(fd)
+                f.unlink(missing_ok=True)
+                n += 1
+            for seg in [g for g in self._seg_fds if g not in used]:  # e.g. peers' deleted segments
+                os.close(self._seg_fds.pop(seg))
+        return n
+
     # -- labels ---------------------------------------------------------------------------
     def get(self, cid: str) -> LabelState | None:
-        row = self.db.execute("SELECT state, completion FROM labels WHERE completion_id=?", (cid,)).fetchone()
-        return LabelState.from_json(row[0], row[1]) if row else None
+        """The open state of ``cid`` with its completion bytes (None if not yet arrived)."""
+        row = self.db.execute("SELECT l.state, l.claim, c.seg, c.off, c.len, c.body FROM labels l LEFT JOIN "
+                              "completions c ON c.completion_id=l.completion_id WHERE l.completion_id=?",
+                              (cid,)).fetchone()
+        return LabelState.from_json(row[0], self._body_at(cid, *row[2:]), row[1]) if row else None
 
-    def feedback_lookup(self, eid: str, cid: str) -> tuple[bool, bool, LabelState | None]:
-        """One query for a feedback event: ``(event_id seen, completion sealed, open state)``.
-        The state's ``completion`` is not read (it is large): it is ``""`` when present, None
-        when not yet arrived; :meth:`put` keeps the stored one."""
-        row = self.db.execute(
-            "SELECT EXISTS(SELECT 1 FROM events WHERE event_id=?), EXISTS(SELECT 1 FROM sealed WHERE "
-            "completion_id=?), (SELECT state FROM labels WHERE completion_id=?), (SELECT completion IS NOT NULL "
-            "FROM labels WHERE completion_id=?)", (eid, cid, cid, cid)).fetchone()
-        st = LabelState.from_json(row[2], "" if row[3] else None) if row[2] is not None else None
-        return bool(row[0]), bool(row[1]), st
+    def get_many(self, cids) -> dict[str, LabelState]:
+        """Open states of ``cids`` (absent ones left out), each with its ``claim``; the large
+        completion is not read: ``completion`` is ``""`` when stored, None when not arrived
+        (:meth:`put_many` keeps the stored one)."""
+        out: dict[str, LabelState] = {}
+        for part in _chunks(list(set(cids))):
+            q = ",".join("?" * len(part))
+            for cid, state, has, claim in self.db.execute(
+                    f"SELECT l.completion_id, l.state, EXISTS(SELECT 1 FROM completions c WHERE "
+                    f"c.completion_id=l.completion_id), l.claim FROM labels l WHERE l.completion_id IN ({q})", part):
+                out[cid] = LabelState.from_json(state, "" if has else None, claim)
+        return out
 
     def put(self, st: LabelState, due_at: int) -> None:
-        """Upsert ``st``; the completion column is written only when it changes from NULL
-        (so a state from :meth:`feedback_lookup`, completion ``""``, keeps the stored one)."""
-        self.db.execute("INSERT INTO labels(completion_id, state, completion, due_at) VALUES(?,?,?,?) "
-                        "ON CONFLICT(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at, "
-                        "completion=coalesce(labels.completion, excluded.completion)",
-                        (st.completion_id, st.to_json(), st.completion, due_at))
+        """Upsert ``st`` (see :meth:`put_many`)."""
+        self.put_many([(st, due_at)])
+
+    def put_many(self, items: list[tuple[LabelState, int]]) -> None:
+        """Upsert ``(state, due_at ms)`` pairs. A state's completion (bytes or str) is stored
+        only if none is stored yet (first wins); ``""``/None store nothing."""
+        if not items:
+            return
+        self.db.executemany("INSERT INTO labels(completion_id, state, due_at) VALUES(?,?,?) ON CONFLICT"
+                            "(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at",
+                            [(st.completion_id, st.to_json(), due) for st, due in items])
+        new = [st for st, _ in items if st.completion]
+        if not new:
+            return
+        have = set()  # first wins: bodies already stored are not appended again
+        for part in _chunks([st.completion_id for st in new]):
+            have.update(r[0] for r in self.db.execute(
+                f"SELECT completion_id FROM completions WHERE completion_id IN ({','.join('?' * len(part))})", part))
+        new = [st for st in new if st.completion_id not in have and not have.add(st.completion_id)]
+        bodies = [_body(st.completion) for st in new]
+        if self.path == ":memory:":
+            rows = [(st.completion_id, None, None, None, b) for st, b in zip(new, bodies)]
+        else:
+            rows = [(st.completion_id, *loc, None) for st, loc in zip(new, self._append_bodies(bodies))]
+        self.db.executemany("INSERT INTO completions(completion_id, seg, off, len, body) VALUES(?,?,?,?,?)", rows)
 
     def delete(self, cid: str) -> None:
-        self.db.execute("DELETE FROM labels WHERE completion_id=?", (cid,))
+        """Remove the open state of ``cid`` and its completion."""
+        self.delete_many([cid])
+
+    def delete_many(self, cids: list[str]) -> None:
+        rows = [(c,) for c in cids]
+        self.db.executemany("DELETE FROM labels WHERE completion_id=?", rows)
+        self.db.executemany("DELETE FROM completions WHERE completion_id=?", rows)
 
     def due(self, now: int, limit: int) -> list[LabelState]:
-        rows = self.db.execute("SELECT state, completion FROM labels WHERE due_at<=? AND claim IS NULL "
-                               "ORDER BY due_at LIMIT ?", (now, limit)).fetchall()
-        return [LabelState.from_json(r[0], r[1]) for r in rows]
+        """Unclaimed states due by ``now`` (ms), earliest first, with their completion bytes."""
+        rows = self.db.execute("SELECT l.completion_id, l.state, c.seg, c.off, c.len, c.body FROM labels l LEFT "
+                               "JOIN completions c ON c.completion_id=l.completion_id WHERE l.due_at<=? AND "
+                               "l.claim IS NULL ORDER BY l.due_at LIMIT ?", (now, limit)).fetchall()
+        return [LabelState.from_json(r[1], self._body_at(r[0], *r[2:])) for r in rows]
 
     def claim(self, cid: str, claim: str) -> None:
         """Claim ``cid`` for this owner (``claim``: ``"shard:<path>"`` or ``"dead:"``)."""
-        self.db.execute("UPDATE labels SET claim=?, owner=? WHERE completion_id=?", (claim, self.owner, cid))
+        self.claim_many([(cid, claim)])
+
+    def claim_many(self, claims: list[tuple[str, str]]) -> None:
+        """Claim each ``(completion_id, claim)`` for this owner."""
+        self.db.executemany("UPDATE labels SET claim=?, owner=? WHERE completion_id=?",
+                            [(claim, self.owner, cid) for cid, claim in claims])
 
     def unclaim(self, cid: str) -> None:
         self.db.execute("UPDATE labels SET claim=NULL, owner=NULL WHERE completion_id=?", (cid,))
@@ -255,10 +417,22 @@ class StateStore:
     def event_seen(self, eid: str) -> bool:
         return self.db.execute("SELECT 1 FROM events WHERE event_id=?", (eid,)).fetchone() is not None
 
+    def events_seen(self, eids) -> set[str]:
+        """Those of ``eids`` already folded or dead-lettered."""
+        out: set[str] = set()
+        for part in _chunks(list(set(eids))):
+            out.update(r[0] for r in self.db.execute(
+                f"SELECT event_id FROM events WHERE event_id IN ({','.join('?' * len(part))})", part))
+        return out
+
     def add_event(self, eid: str, cid: str, at: int | None = None) -> None:
         """Record ``eid`` folded into ``cid`` at ``at`` ms (default now)."""
-        self.db.execute("INSERT OR IGNORE INTO events(event_id, completion_id, at) VALUES(?,?,?)",
-                        (eid, cid, _now_ms() if at is None else at))
+        self.add_events([(eid, cid, _now_ms() if at is None else at)])
+
+    def add_events(self, rows: list[tuple[str, str, int]]) -> None:
+        """Record ``(event_id, completion_id, at ms)`` rows as folded."""
+        if rows:
+            self.db.executemany("INSERT OR IGNORE INTO events(event_id, completion_id, at) VALUES(?,?,?)", rows)
 
     def mark_dead(self, eids: list[str], at: int | None = None) -> None:
         """Record ``eids`` dead-lettered at ``at`` ms (default now)."""
@@ -269,9 +443,20 @@ class StateStore:
     def is_sealed(self, cid: str) -> bool:
         return self.db.execute("SELECT 1 FROM sealed WHERE completion_id=?", (cid,)).fetchone() is not None
 
+    def sealed_among(self, cids) -> set[str]:
+        """Those of ``cids`` already sealed."""
+        out: set[str] = set()
+        for part in _chunks(list(set(cids))):
+            out.update(r[0] for r in self.db.execute(
+                f"SELECT completion_id FROM sealed WHERE completion_id IN ({','.join('?' * len(part))})", part))
+        return out
+
     def mark_sealed(self, cid: str, sealed_at: int, shard: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO sealed(completion_id, sealed_at, shard) VALUES(?,?,?)",
-                        (cid, sealed_at, shard))
+        self.mark_sealed_many([(cid, sealed_at, shard)])
+
+    def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
+        """Record ``(completion_id, sealed_at ms, shard path)`` rows as sealed."""
+        self.db.executemany("INSERT OR REPLACE INTO sealed(completion_id, sealed_at, shard) VALUES(?,?,?)", rows)
 
     def prune(self, before_ms: int) -> tuple[int, int]:
         """Delete ``sealed`` rows sealed before ``before_ms``, and ``events`` rows recorded
@@ -292,11 +477,11 @@ class StateStore:
 
     # -- counters -------------------------------------------------------------------------
     def bump(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to counter ``name`` (inside a batch: kept in memory, written at flush,
-        undone with a failing unit)."""
+        """Add ``n`` to counter ``name`` (inside a transaction or batch: kept in memory, written
+        at its commit or flush, undone with a failing unit)."""
         if not n:
             return
-        if self._batch:
+        if self._batch or self._depth:
             self._pending[name] = self._pending.get(name, 0) + n
         else:
             self.db.execute("INSERT INTO counters(name, value) VALUES(?,?) "
@@ -310,7 +495,8 @@ class StateStore:
 
     def counters(self) -> dict[str, int]:
         """Every counter (durable values plus the open batch's deltas)."""
-        out = dict(self.db.execute("SELECT name, value FROM counters").fetchall())
-        for k, v in self._pending.items():
-            out[k] = out.get(k, 0) + v
+        with self._lock:
+            out = dict(self.db.execute("SELECT name, value FROM counters").fetchall())
+            for k, v in self._pending.items():
+                out[k] = out.get(k, 0) + v
         return out

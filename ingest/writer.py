@@ -16,10 +16,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.arrow import samples_to_table
+from schemas.arrow import SAMPLE_SCHEMA, samples_to_table
 from schemas.events import DeadLetter, RewardedSample
 
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
+# dictionary-encode only the repetitive columns: trying it on the large unique ones (expert
+# routes, ~10 KiB of base64 each) made a shard ~5x slower to write (bench/RESULTS.md)
+DICTIONARY_COLUMNS = ["sampling", "finish_reason"]
+# expert_routes is already zstd inside (base64 text): compressing it again saved ~25 % of its
+# bytes for 2-3x the shard's write time; every other column is zstd
+COMPRESSION = {f.name: "none" if f.name == "expert_routes" else "zstd" for f in SAMPLE_SCHEMA}
+STATISTICS_COLUMNS = ["completion_id", "created_at", "reward", "label", "n_votes", "votes_up", "votes_down",
+                      "sealed_at"]  # min/max for filters; none on the token/route payloads
 
 
 def partition_dir(samples_dir: Path, model_version: str, sealed_at_ms: int) -> Path:
@@ -33,13 +41,14 @@ def partition_dir(samples_dir: Path, model_version: str, sealed_at_ms: int) -> P
 def shard_namer(samples_dir: Path):
     """A ``RewardedSample -> path`` function giving one new shard path per partition
     (model_version, date) per call of the namer's owner (one tick)."""
-    names: dict[Path, str] = {}
+    names: dict[tuple[str, int], str] = {}
 
     def shard_for(s: RewardedSample) -> str:
-        d = partition_dir(samples_dir, s.model_version, s.sealed_at)
-        if d not in names:
-            names[d] = str(d / f"part-{uuid.uuid4().hex}.parquet")
-        return names[d]
+        k = (s.model_version, s.sealed_at // 86_400_000)  # UTC day
+        if k not in names:
+            d = partition_dir(samples_dir, s.model_version, s.sealed_at)
+            names[k] = str(d / f"part-{uuid.uuid4().hex}.parquet")
+        return names[k]
 
     return shard_for
 
@@ -56,7 +65,8 @@ def write_shard(samples: list[RewardedSample], path: str | Path) -> Path:
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     table = samples_to_table(samples)
     with open(tmp, "wb") as f:
-        pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, compression="zstd")
+        pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, compression=COMPRESSION,
+                       use_dictionary=DICTIONARY_COLUMNS, write_statistics=STATISTICS_COLUMNS)
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)

@@ -57,3 +57,24 @@ def test_external_kafka_bootstrap_wins(tmp_path, broker):
     env = dict(os.environ, FLYWHEEL_HOME=str(tmp_path / "home"), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap)
     st = _cli(env, "status")
     assert st.returncode == 0 and json.loads(st.stdout) == {"bootstrap": broker.bootstrap, "external": True}
+
+
+def test_broker_start_refuses_bad_port_and_partitions(tmp_path):
+    """Bad arguments are usage errors naming the option (exit 2, no traceback), and nothing
+    is started; the library raises ValueError naming the argument."""
+    import pytest
+
+    from flywheel import broker
+
+    env = dict(os.environ, FLYWHEEL_HOME=str(tmp_path / "home"))
+    env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
+    for args, opt in ((["--partitions", "0"], "--partitions"), (["--port", "99999"], "--port"),
+                      (["--port", "0"], "--port"), (["--partitions", "-3"], "--partitions")):
+        r = _cli(env, "start", *args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert opt in r.stderr and "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert not (tmp_path / "home" / "broker.json").exists()
+    with pytest.raises(ValueError, match="partitions"):
+        broker.spawn(partitions=0)
+    with pytest.raises(ValueError, match="port"):
+        broker.spawn(port=70000)

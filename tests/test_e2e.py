@@ -1,6 +1,6 @@
 """The loop, end to end, with every real part as a real process.
 
-Real Tansu broker; `flywheel serve` on a real port; the faust ingest worker; a DeepSpeed
+Real Tansu broker; `flywheel serve` on a real port; the ingest worker; a DeepSpeed
 learner cycle (`flywheel learn --once`) on a tiny random MoE; the rollout controller;
 `flywheel rollback`. Asserts:
   * every feedback event accepted by the API is in exactly one sample;

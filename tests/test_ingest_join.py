@@ -214,7 +214,7 @@ def test_config_errors_name_the_field():
 
 def test_group_commit_batch_and_savepoints(tmp_path):
     """Batched state: a failing unit rolls back alone; an unflushed batch is lost on a kill
-    (its offsets were never committed: faust commits only after StateStore.flush)."""
+    (its offsets were never committed: they are committed only after the state's commit)."""
     path = tmp_path / "s.sqlite"
     st = StateStore(path)
     j = Joiner(st, CFG)
@@ -322,7 +322,7 @@ def test_old_layout_migrates_and_legacy_claims_recover(tmp_path):
     st = Joiner(StateStore(":memory:"), CFG)
     st.on_completion(c, now=T0)
     st.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
-    row = st.store.db.execute("SELECT state, completion FROM labels").fetchone()
+    row = (st.store.db.execute("SELECT state FROM labels").fetchone()[0], c.model_dump_json())
     old = sqlite3.connect(path)
     old.executescript(
         "CREATE TABLE labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL, completion TEXT, "
@@ -339,3 +339,141 @@ def test_old_layout_migrates_and_legacy_claims_recover(tmp_path):
     (s,) = j.tick(T0 + 10_000).samples
     assert s.completion_id == c.completion_id
     assert j.prune(T0 + 10**12) == (0, 0) and j.store.event_seen("e-old")  # no `at`: kept
+
+
+def test_batch_fold_matches_reference_join_and_one_by_one(tmp_path):
+    """Folding consumer batches (one transaction each, ``on_completions``/``on_feedbacks``)
+    gives the samples of the independent reference join and the same state, counters and
+    dedupe set as folding the same events one at a time."""
+    import random
+
+    from test_ingest_e2e import make_traffic, reference_join
+
+    comps, fb = make_traffic(40, seed=11)
+    fb += [fb[0], fb[3]]  # duplicates inside one batch too
+    events = [("c", c) for c in comps] + [("f", e) for e in fb]
+    random.Random(5).shuffle(events)  # votes may arrive before their completion (orphans that join)
+    one = Joiner(StateStore(tmp_path / "one.sqlite"), CFG)
+    many = Joiner(StateStore(tmp_path / "many.sqlite"), CFG)
+    for kind, ev in events:
+        (one.on_completion if kind == "c" else one.on_feedback)(ev, ev.to_bytes(), now=T0)
+    rng = random.Random(6)
+    i = 0
+    while i < len(events):
+        chunk = events[i:i + rng.randint(1, 60)]
+        i += len(chunk)
+        with many.store.transaction():  # completions first, as the worker folds a batch
+            many.on_completions([(e, e.to_bytes()) for k, e in chunk if k == "c"], now=T0)
+            many.on_feedbacks([(e, e.to_bytes()) for k, e in chunk if k == "f"], now=T0)
+
+    def snapshot(j):
+        db = j.store.db
+        labels = {cid: (json.loads(st)["votes"], sorted(json.loads(st)["event_ids"]))
+                  for cid, st in db.execute("SELECT completion_id, state FROM labels")}
+        return labels, {r[0] for r in db.execute("SELECT event_id FROM events")}, j.store.counters()
+
+    assert snapshot(one) == snapshot(many)
+    expected = reference_join(comps, fb)
+    got = {str(s.completion_id): (s.votes_up, s.votes_down, set(s.event_ids)) for s in many.tick(T0 + 10_000).samples}
+    assert got == expected
+    assert many.store.counters()["feedback_duplicate"] == sum(1 for _ in fb) - len({e.event_id for e in fb})
+
+
+def test_vote_for_a_label_being_sealed_is_late(j):
+    """The seal thread claims a label, then a vote arrives before the shard is committed:
+    the vote is late (dead letter), never folded into a state that is about to vanish."""
+    c = completion()
+    j.on_completion(c, now=T0)
+    first = vote(c.completion_id, "u1", 1)
+    j.on_feedback(first, now=T0)
+    res = j.tick(T0 + 10_000, shard_for=lambda s: "/x/part.parquet")  # claimed, shard being written
+    racing = vote(c.completion_id, "u2", -1)
+    outcome, dl = j.on_feedback(racing, now=T0 + 10_001)
+    assert outcome == "late" and dl.field == "completion_id" and dl.reason.startswith("late")
+    j.commit_sealed(res.samples, "/x/part.parquet")
+    (s,) = res.samples
+    assert s.event_ids == [str(first.event_id)] and (s.votes_up, s.votes_down) == (1, 0)
+    assert j.store.open_count() == 0
+
+
+def test_orphan_commit_dead_keeps_what_arrived_meanwhile(j):
+    """An orphan's votes are being dead-lettered (claimed) when its completion and a new vote
+    arrive: commit_dead removes only the dead-lettered vote; the label then joins normally."""
+    cid = uuid.uuid4()
+    old = vote(cid, "u1", 1)
+    j.on_feedback(old, now=T0)
+    res = j.tick(T0 + 20_000)  # orphan_ttl_s=20: claimed "dead:"
+    assert [d.reason.split(":")[0] for d in res.dead_letters] == ["orphan"]
+    assert j.on_completion(completion(cid), now=T0 + 20_001) == "new"
+    new = vote(cid, "u2", -1)
+    assert j.on_feedback(new, now=T0 + 20_002)[0] == "folded"
+    j.commit_dead(res, now=T0 + 20_003)
+    assert j.on_feedback(old, now=T0 + 20_004)[0] == "duplicate"  # dead-lettered: recorded
+    assert j.tick(T0 + 20_002 + 9_999).samples == []  # seal_after counts from the new vote
+    (s,) = j.tick(T0 + 20_002 + 10_000).samples
+    assert s.event_ids == [str(new.event_id)] and (s.votes_up, s.votes_down, s.label) == (0, 1, False)
+    assert j.store.counters()["feedback_orphaned"] == 1
+
+
+def test_null_record_value_is_a_dead_letter():
+    dl = parse_event(CompletionEvent, None, topics.COMPLETIONS, b"k")
+    assert isinstance(dl, DeadLetter) and dl.field == "value" and "null" in dl.reason
+
+
+def test_body_segments_are_read_back_and_collected(tmp_path, monkeypatch):
+    """Completion bodies live in per-worker segment files: a sealed sample carries the exact
+    bytes folded; a rotated segment with no open label is deleted, a live peer's segment and
+    the open segment are kept, a dead owner's unreferenced segment is deleted."""
+    from ingest import state as state_mod
+
+    monkeypatch.setattr(state_mod, "SEGMENT_BYTES", 1)  # rotate after every append
+    path = tmp_path / "state.sqlite"
+    j = Joiner(StateStore(path, owner="w1"), CFG)
+    peer = StateStore(path, owner="w2")  # a live peer (holds its owner lock)
+    cs = [completion() for _ in range(3)]
+    for c in cs:
+        j.on_completion(c, c.to_bytes(), now=T0)
+        j.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    segs = sorted(f.name for f in j.store.bodies_dir.iterdir())
+    assert segs == ["w1.1.seg", "w1.2.seg", "w1.3.seg"]
+    (j.store.bodies_dir / "w2.1.seg").write_bytes(b"x")  # the live peer's
+    (j.store.bodies_dir / "dead.1.seg").write_bytes(b"x")  # a killed worker's, unreferenced
+    assert j.store.collect_segments() == 1  # only dead.1.seg: every w1 segment is referenced
+    res = j.tick(T0 + 10_000)
+    assert sorted(s.completion_id for s in res.samples) == sorted(c.completion_id for c in cs)
+    by_id = {s.completion_id: s for s in res.samples}
+    for c in cs:  # the bytes read back are the bytes folded
+        assert by_id[c.completion_id].behavior_logprobs == c.behavior_logprobs
+    j.commit_sealed(res.samples, "")
+    assert j.store.collect_segments() == 2  # w1.1, w1.2 rotated and unreferenced; w1.3 is open
+    assert sorted(f.name for f in j.store.bodies_dir.iterdir()) == ["w1.3.seg", "w2.1.seg"]
+    peer.close()
+
+
+def test_interim_inline_body_layout_migrates(tmp_path):
+    """A state file whose completions table held the bodies inline (``body NOT NULL``, no
+    segment columns) opens: its bodies are kept and sealed; new bodies go to segments."""
+    import sqlite3
+
+    path = tmp_path / "interim.sqlite"
+    c = completion()
+    mem = Joiner(StateStore(":memory:"), CFG)
+    mem.on_completion(c, now=T0)
+    mem.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    state = mem.store.db.execute("SELECT state FROM labels").fetchone()[0]
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL, due_at INTEGER NOT NULL, "
+        "claim TEXT, owner TEXT); CREATE TABLE completions(completion_id TEXT PRIMARY KEY, body BLOB NOT NULL);")
+    db.execute("INSERT INTO labels VALUES(?,?,?,NULL,NULL)", (str(c.completion_id), state, T0 + 10_000))
+    db.execute("INSERT INTO completions VALUES(?,?)", (str(c.completion_id), c.to_bytes()))
+    db.commit()
+    db.close()
+    j = Joiner(StateStore(path), CFG)
+    c2 = completion()
+    j.on_completion(c2, c2.to_bytes(), now=T0)
+    j.on_feedback(vote(c2.completion_id, "u1", -1), now=T0)
+    got = {s.completion_id: s for s in j.tick(T0 + 10_000).samples}
+    assert set(got) == {c.completion_id, c2.completion_id}
+    assert got[c.completion_id].behavior_logprobs == c.behavior_logprobs and got[c2.completion_id].label is False
+    assert [f.name for f in j.store.bodies_dir.iterdir()] == [f"{j.store.owner}.1.seg"]

@@ -1,0 +1,405 @@
+"""The ingest worker: completions and feedback in, shards + samples + dead letters out.
+
+One process = one member of the consumer group ``IngestConfig.app_id`` (aiokafka), with
+two activities:
+
+* **the consumer loop** (event loop): ``getmany`` a batch of up to ``BATCH_MAX_RECORDS``
+  records over every assigned partition; in the fold thread (so that the client's next fetch
+  overlaps it) validate each record (malformed -> dead letter with field and reason) and
+  fold the whole batch into the SQLite join state in **one transaction** (``Joiner.on_completions`` / ``on_feedbacks``: a few
+  statements per batch), publish the batch's dead letters (delivery awaited) and record
+  them, then **commit the batch's offsets**;
+* **the seal thread** (one worker thread, every ``tick_s``): recover dead peers' claims,
+  claim due labels, build their RewardedSamples, write one Parquet shard per
+  (model_version, day) per round, mark them sealed, dead-letter orphans, write dead-letter
+  files and refresh the catalog. It shares the store (one SQLite connection, one lock held
+  per transaction); a claim transaction covers at most ``SEAL_CHUNK`` labels, so the
+  consumer never waits long for it. Only the Kafka sends of its results (samples, orphan
+  dead letters) run on the event loop.
+
+Why not faust (``docs/decisions.md`` D12): faust's per-message stream path capped a
+do-nothing agent at ~11k records per CPU-second on this machine, below the 25 %-of-raw
+target before any join work; a batch loop over the same aiokafka client has no such cap.
+
+Crash safety (no label lost, none counted twice; issue 4 item 3):
+
+1. The offsets of a batch are committed only after the SQLite transaction holding the
+   batch's effects has committed and its dead letters were delivered and recorded. So a
+   committed offset never covers an event whose effect is not durable; a killed worker
+   loses only batches whose offsets were not committed, and those are consumed again.
+   Nothing else is needed from the broker: no transactions, no idempotent producer.
+2. Replays are recognised: every event_id folded or dead-lettered is in the ``events``
+   table and every sealed completion in ``sealed`` (for ``JoinConfig.dedupe_retention_s``,
+   far longer than the uncommitted tail), so a replayed record folds nothing.
+3. The seal thread claims due labels with the path of the shard that will hold them and the
+   worker's owner id (one transaction), writes the shard atomically (temp + fsync +
+   rename), then marks them sealed. A vote that arrives for a claimed label is late (its
+   sample is decided). A worker killed between the rename and the mark is repaired by
+   :meth:`ingest.join.Joiner.recover` (at start, and every ``RECOVER_EVERY_S`` by the live
+   workers): the shard exists, so the labels are marked sealed, not sealed again; a shard
+   that never appeared releases its labels to be sealed again. Recovery touches only
+   claims of dead owners (an owner is alive while its process holds its ``flock``).
+4. Nothing depends on end offsets, lag, or changelog highwaters (wrong on the embedded
+   broker, DESIGN §3): the consumer starts from the group's committed offsets, else from
+   the earliest record, and the state's dedupe makes any overlap harmless.
+5. A restart of the memory-only embedded broker loses topics, data and committed offsets:
+   the heartbeat fails (unknown member), the worker rejoins the group, finds no committed
+   offset and reads the recreated topics from the beginning; commits made with the old
+   membership fail and are only logged (their records are consumed again, then deduped).
+   Open labels stay in the SQLite state and are sealed as usual. The worker never lets
+   its metadata requests auto-create a topic (:func:`no_topic_auto_creation`: the broker
+   would create it with its own partition count before ``ensure_topics`` runs), refreshes
+   metadata every 5 s to see the re-created topics, and retries publishes that fail
+   meanwhile. ``tests/test_ingest_scale.py`` checks it with three workers on one partition.
+
+Counters ``consumed_completions`` / ``consumed_feedback`` count deliveries (a replayed
+record counts again); they are how ``bench/ingest.py`` measures consumption.
+
+Samples on ``flywheel.samples`` and dead letters are at-least-once (a crash between the
+shard and the publish may miss the topic copy of a shard's samples; the shards are the
+source of truth the learner reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import json
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from schemas import topics as T
+from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, now_ms
+
+from ingest import catalog, writer
+from ingest.join import Joiner, TickResult, parse_event
+from ingest.state import StateStore
+
+log = logging.getLogger("ingest")
+
+BATCH_MAX_RECORDS = 2000  # records per getmany = one SQLite transaction = one offset commit
+POLL_TIMEOUT_MS = 200  # getmany waits at most this long for a first record (ms)
+SEAL_CHUNK = 256  # labels claimed per seal transaction (bounds the consumer's wait for the lock)
+SHARD_ROWS = writer.ROW_GROUP_ROWS  # at most this many samples per seal round (= per shard)
+RECOVER_EVERY_S = 5.0  # live workers finish/release dead workers' claims this often (s)
+CATALOG_EVERY_S = 60.0  # catalog views re-created at most this often once they see files (s)
+PRUNE_EVERY_S = 60.0  # dedupe/sealed rows older than dedupe_retention_s deleted this often (s)
+COLLECT_EVERY_S = 10.0  # body segments nobody references any more deleted this often (s)
+PUBLISH_BACKOFF_MAX_S = 5.0  # longest wait between two tries of a failed publish (s)
+STATS_EVERY_S = 5.0  # an "ingest stats" line (INFO) at most this often, when counters moved (s)
+
+
+def no_topic_auto_creation() -> None:
+    """Make this process's aiokafka clients ask for metadata with
+    ``allow_auto_topic_creation=False``.
+
+    aiokafka sends MetadataRequest v4+ with auto-creation on, and the embedded broker then
+    creates a missing topic with 4 partitions: after a broker restart a worker's metadata
+    refresh could win the race against ``ensure_topics`` and create completions/feedback
+    with the wrong partition count (seen as a flaky ``tests/test_ingest_scale.py``; DESIGN
+    §2: never rely on auto-creation). aiokafka has no setting for it, so its client module's
+    request class is wrapped; a missing topic is then "not found" and retried.
+    """
+    import functools
+
+    import aiokafka.client as client
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    if not isinstance(client.MetadataRequest, functools.partial):
+        client.MetadataRequest = functools.partial(MetadataRequest, allow_auto_topic_creation=False)
+
+
+class Worker:
+    """One ingest worker process (see the module docstring).
+
+    Args:
+        cfg: ``ingest.app.IngestConfig``.
+        consumer_settings / producer_settings: keyword arguments of ``AIOKafkaConsumer`` /
+            ``AIOKafkaProducer`` (default: ``ingest.app.consumer_settings(cfg)`` / ...).
+    """
+
+    def __init__(self, cfg, consumer_settings: dict | None = None, producer_settings: dict | None = None):
+        from ingest.app import consumer_settings as cs, producer_settings as ps
+
+        self.cfg = cfg
+        self.consumer_kw = consumer_settings or cs(cfg)
+        self.producer_kw = producer_settings or ps(cfg)
+        self.store = StateStore(cfg.state_path)
+        self.joiner = Joiner(self.store, cfg.join)
+        self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
+        # published dead letters for the next dead-letter file: appended on the event loop,
+        # drained by the seal thread (deque: thread-safe append/popleft)
+        self._dead_seen: collections.deque[DeadLetter] = collections.deque()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-seal")
+        # the fold runs off the event loop so that aiokafka's next fetch overlaps it
+        self._fold_pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-fold")
+        self._t = {"recover": time.monotonic(), "prune": 0.0, "stats": 0.0, "cat_at": 0.0, "collect": 0.0}
+        self._cat = {"samples": False, "dead": False}
+        self._last_stats: dict | None = None
+        self.producer = None
+        self.consumer = None
+        log.info("ingest owner %s", self.store.owner)
+        rec = self.joiner.recover(lambda p: Path(p).exists())
+        if rec["sealed"] or rec["released"]:
+            log.info("ingest recover: %s", rec)
+
+    # -- consumer loop ---------------------------------------------------------------------
+    def fold(self, batch: dict) -> tuple[list[DeadLetter], list[str], dict[str, int]]:
+        """Validate and fold one ``getmany`` batch (``{TopicPartition: [ConsumerRecord]}``)
+        in one transaction. Returns ``(dead letters to publish, their event_ids to record
+        once published, malformed counters to bump then)``."""
+        comps, fbs, dead = [], [], []
+        malformed = {"deadletter_malformed_completion": 0, "deadletter_malformed_feedback": 0}
+        n = {"consumed_completions": 0, "consumed_feedback": 0}
+        for tp, recs in batch.items():
+            is_c = tp.topic == T.COMPLETIONS
+            model, into = (CompletionEvent, comps) if is_c else (FeedbackEvent, fbs)
+            n["consumed_completions" if is_c else "consumed_feedback"] += len(recs)
+            for r in recs:
+                ev = parse_event(model, r.value, tp.topic, r.key)
+                if isinstance(ev, DeadLetter):
+                    dead.append(ev)
+                    malformed["deadletter_malformed_completion" if is_c else "deadletter_malformed_feedback"] += 1
+                else:
+                    into.append((ev, r.value))
+        now = now_ms()
+        with self.store.transaction():  # completions first: fewer votes wait as orphans
+            self.joiner.on_completions(comps, now)
+            outs = self.joiner.on_feedbacks(fbs, now)
+            for k, v in n.items():
+                self.store.bump(k, v)
+        eids = []
+        for (ev, _), (_, dl) in zip(fbs, outs):
+            if dl is not None:
+                dead.append(dl)
+                eids.append(str(ev.event_id))
+        return dead, eids, malformed
+
+    async def publish(self, topic: str, msgs: list[tuple[bytes | None, bytes]]) -> None:
+        """Send ``(key, value)`` messages and wait until every one is acknowledged.
+
+        A failed send (e.g. the embedded broker restarting: its topics are back only once
+        ``ensure_topics`` ran) is retried, all messages again, with backoff up to
+        ``PUBLISH_BACKOFF_MAX_S``, until it succeeds: samples and dead letters are
+        at-least-once, and a batch's offsets wait for its dead letters."""
+        from aiokafka.errors import KafkaError
+
+        delay = 0.1
+        while True:
+            try:
+                futs = [await self.producer.send(topic, key=k, value=v) for k, v in msgs]
+                if futs:
+                    await asyncio.gather(*futs)
+                return
+            except KafkaError as exc:
+                log.warning("ingest: publishing %d messages to %s failed (%s: %s); retrying in %.1f s",
+                            len(msgs), topic, type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, PUBLISH_BACKOFF_MAX_S)
+
+    async def publish_dead(self, dead: list[DeadLetter]) -> None:
+        await self.publish(T.DEADLETTER, [((d.key or "").encode(), d.to_bytes()) for d in dead])
+        self._dead_seen.extend(dead)
+
+    async def consume(self, stop: asyncio.Event) -> None:
+        """The consumer loop until ``stop`` is set (finishes the batch in hand first)."""
+        from aiokafka.errors import KafkaError
+
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            batch = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=BATCH_MAX_RECORDS)
+            batch = {tp: recs for tp, recs in batch.items() if recs}
+            if not batch:
+                continue
+            dead, eids, malformed = await loop.run_in_executor(self._fold_pool, self.fold, batch)
+            if dead:
+                await self.publish_dead(dead)  # delivered before the offsets move past them
+                with self.store.transaction():
+                    self.joiner.store.mark_dead(eids)
+                    for k, v in malformed.items():
+                        self.store.bump(k, v)
+            offsets = {tp: recs[-1].offset + 1 for tp, recs in batch.items()}
+            try:
+                await self.consumer.commit(offsets)
+            except (KafkaError, AssertionError) as exc:  # rebalanced / broker restarted: replayed, deduped
+                log.info("ingest: offset commit failed (%s: %s); the batch will be consumed again and deduped",
+                         type(exc).__name__, exc)
+
+    # -- seal thread -----------------------------------------------------------------------
+    def seal_round(self) -> tuple[list[tuple[bytes, bytes]], list[TickResult], bool]:
+        """In the seal thread: claim due labels ``SEAL_CHUNK`` at a time (one short
+        transaction each) until none is due or ``SHARD_ROWS`` samples are in hand, write one
+        shard per (model_version, day) and mark the samples sealed. Returns ``(sample
+        messages to publish, tick results holding orphans to dead-letter, whether more may be
+        due)``."""
+        shard_for = writer.shard_namer(self.cfg.samples_dir)  # one shard per partition per round
+        shards: dict[str, list] = {}
+        orphans: list[TickResult] = []
+        rows, more = 0, False
+        while True:
+            res = self.joiner.tick(now_ms(), shard_for, limit=SEAL_CHUNK)
+            for path, samples in res.shards.items():
+                shards.setdefault(path, []).extend(samples)
+            rows += len(res.samples)
+            if res.orphan_ids:
+                orphans.append(res)
+            if len(res.samples) + len(res.orphan_ids) + len(res.dropped) < SEAL_CHUNK:
+                break
+            if rows >= SHARD_ROWS:
+                more = True
+                break
+        msgs: list[tuple[bytes, bytes]] = []
+        for path, samples in shards.items():
+            try:
+                writer.write_shard(samples, path)
+            except Exception:
+                log.exception("ingest: shard %s failed; labels released, retried next tick", path)
+                self.joiner.release([str(s.completion_id) for s in samples])
+                continue
+            self.joiner.commit_sealed(samples, path)
+            msgs.extend((str(s.completion_id).encode(), s.to_bytes()) for s in samples)
+        return msgs, orphans, more
+
+    def housekeeping(self, wrote: int) -> None:
+        """In the seal thread: recovery, pruning, dead-letter files, catalog, stats line."""
+        t = self._t
+        if time.monotonic() - t["recover"] > RECOVER_EVERY_S:  # a dead peer's claims
+            t["recover"] = time.monotonic()
+            rec = self.joiner.recover(lambda p: Path(p).exists())
+            if rec["sealed"] or rec["released"]:
+                log.info("ingest recover: %s", rec)
+        if time.monotonic() - t["prune"] > PRUNE_EVERY_S:
+            t["prune"] = time.monotonic()
+            self.joiner.prune()
+        if time.monotonic() - t["collect"] > COLLECT_EVERY_S:
+            t["collect"] = time.monotonic()
+            self.store.collect_segments()
+        wrote_dead = False
+        dead = [self._dead_seen.popleft() for _ in range(len(self._dead_seen))]
+        if dead:
+            try:
+                writer.write_deadletters(dead, self.dead_dir)
+                wrote_dead = True
+            except Exception:
+                log.exception("ingest: dead-letter file failed; retried next tick")
+                self._dead_seen.extendleft(reversed(dead))
+        # the views read the Parquet globs at query time: a refresh is needed only when the
+        # first shard / dead-letter file appears (the view SQL changes), else now and then
+        if (wrote and not self._cat["samples"]) or (wrote_dead and not self._cat["dead"]) or (
+                (wrote or wrote_dead) and time.monotonic() - t["cat_at"] > CATALOG_EVERY_S):
+            try:
+                catalog.refresh_catalog(self.cfg.samples_dir, self.cfg.catalog)
+                self._cat["samples"] |= bool(wrote)
+                self._cat["dead"] |= wrote_dead
+                t["cat_at"] = time.monotonic()
+            except Exception as exc:  # the shards are the truth; the views are rebuilt next time
+                log.warning("ingest: catalog refresh failed: %s", exc)
+        if time.monotonic() - t["stats"] > STATS_EVERY_S:
+            c = self.stats()
+            if c != self._last_stats:
+                log.info("ingest stats %s", json.dumps(c, sort_keys=True))
+                self._last_stats = c
+            t["stats"] = time.monotonic()
+
+    def stats(self) -> dict[str, int]:
+        """The state's counters plus ``open_labels``."""
+        c = self.store.counters()
+        with self.store.transaction():
+            c["open_labels"] = self.store.open_count()
+        return c
+
+    async def seal_loop(self, stop: asyncio.Event) -> None:
+        """Every ``tick_s``: seal due labels in the seal thread; publish what it produced."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            wrote, more = 0, True
+            while more and not stop.is_set():
+                msgs, orphans, more = await loop.run_in_executor(self._pool, self.seal_round)
+                wrote += len(msgs)
+                await self.publish(T.SAMPLES, msgs)
+                for res in orphans:
+                    try:
+                        await self.publish_dead(res.dead_letters)
+                        await loop.run_in_executor(self._pool, self.joiner.commit_dead, res)
+                    except Exception:
+                        log.exception("ingest: orphan dead letters failed; retried next tick")
+                        await loop.run_in_executor(self._pool, self.joiner.release, res.orphan_ids)
+            await loop.run_in_executor(self._pool, self.housekeeping, wrote)
+
+    # -- health ----------------------------------------------------------------------------
+    async def _http(self, reader, writer_) -> None:
+        try:
+            await reader.readline()
+            body = json.dumps(self.stats(), sort_keys=True).encode()
+            writer_.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer_.drain()
+        finally:
+            writer_.close()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Join the group and run until ``stop`` is set (SIGTERM/SIGINT set it in
+        :func:`ingest.app.run_worker`); then commit, leave the group and close the store."""
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+        from aiokafka.abc import ConsumerRebalanceListener
+
+        stop = stop or asyncio.Event()
+        no_topic_auto_creation()
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                pass
+
+            def on_partitions_assigned(self, assigned):
+                mine = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
+                log.info("ingest assigned %s", json.dumps(mine))
+
+        self.producer = AIOKafkaProducer(**self.producer_kw)
+        self.consumer = AIOKafkaConsumer(**self.consumer_kw)
+        server = None
+        await self.producer.start()
+        try:
+            await self.consumer.start()
+            self.consumer.subscribe([T.COMPLETIONS, T.FEEDBACK], listener=_Listener())
+            if self.cfg.worker_port:
+                server = await asyncio.start_server(self._http, "127.0.0.1", self.cfg.worker_port)
+            tasks = [asyncio.create_task(self.consume(stop), name="ingest-consume"),
+                     asyncio.create_task(self.seal_loop(stop), name="ingest-seal")]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            stop.set()
+            await asyncio.gather(*tasks)  # re-raises a task's failure
+        finally:
+            stop.set()
+            if server is not None:
+                server.close()
+            await self.consumer.stop()
+            await self.producer.stop()
+            self._pool.shutdown(wait=True)
+            self._fold_pool.shutdown(wait=True)
+            self.store.close()
+
+
+def run(cfg) -> None:
+    """Run a :class:`Worker` for ``cfg`` in this process until SIGTERM/SIGINT."""
+
+    async def main():
+        # the startup objects (modules, clients) never die: keep them out of every collection,
+        # and collect less often (each batch allocates ~1k lists per 2k records)
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Worker(cfg).run(stop)
+
+    asyncio.run(main())
