@@ -96,7 +96,10 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
                beta: float = typer.Option(0.1, help="KTO beta."),
                balance_classes: bool = typer.Option(True, help="KTO lambda_D*n_D = lambda_U*n_U per cycle."),
                objective: str = typer.Option("kto", help="kto | reinforce."),
-               seed: int = typer.Option(0), max_batch: int = typer.Option(16, help="Engine batch size.")):
+               seed: int = typer.Option(0), max_batch: int = typer.Option(16, help="Engine batch size."),
+               eval_only: Optional[str] = typer.Option(
+                   None, help="No training: serve these comma-separated versions of OUT's store again "
+                              "(use a new --seed) and pool the votes with experiment.json.")):
     """Does the loop improve the model? Serve -> users vote (sandboxed tests) -> learn, for N
     rounds; thumbs-up rate per version with 95 % intervals, plot and experiment.json."""
     from flywheel.experiment import ExperimentConfig, run
@@ -114,8 +117,17 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
                                objective=objective, seed=seed, max_batch=max_batch)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    rep = run(cfg)
-    c = rep["comparison"]
+    if eval_only:
+        from flywheel.experiment import evaluate
+
+        try:
+            rep = evaluate(cfg, [v.strip() for v in eval_only.split(",") if v.strip()])
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--eval-only") from exc
+        c = rep["comparison_pooled"]
+    else:
+        rep = run(cfg)
+        c = rep["comparison"]
     typer.echo(f"experiment: {c['last']} - {c['first']} thumbs-up = {c['diff']:+.3f} (Newcombe 95% "
                f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}], problem bootstrap "
                f"[{c['cluster_bootstrap_ci95'][0]:+.3f}, {c['cluster_bootstrap_ci95'][1]:+.3f}], one-sided "

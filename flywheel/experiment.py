@@ -141,7 +141,7 @@ def cluster_bootstrap_diff(first: dict[int, list[bool]], last: dict[int, list[bo
 
 
 # ------------------------------------------------------------------ the run
-def _samples_for(cfg: ExperimentConfig, version: str, problems: list[dict], results, passed: list[bool],
+def _samples_for(cfg: ExperimentConfig, version: str, problems: list[dict], results: dict, passed: list[bool],
                  prompts: list[list[int]], sampling) -> list:
     from schemas.events import ExpertRoutes, RewardedSample, now_ms
 
@@ -158,6 +158,108 @@ def _samples_for(cfg: ExperimentConfig, version: str, problems: list[dict], resu
     return out
 
 
+class _Workload:
+    """The served problems, their chat prompts, and the engine (one per experiment run)."""
+
+    def __init__(self, cfg: ExperimentConfig, model_dir: Path):
+        from flywheel.users import build_messages, load_problems
+        from serving.engine import TorchEngine
+
+        allp = load_problems()
+        self.ids = cfg.problem_ids if cfg.problem_ids is not None else list(range(cfg.problems))
+        self.problems = [allp[i] for i in self.ids]
+        self.engine = TorchEngine(model_dir, max_batch=cfg.max_batch, max_queue=10_000)
+        tok = self.engine.tokenizer
+        self.prompts = []
+        for p in self.problems:
+            enc = tok.apply_chat_template(build_messages(p), add_generation_prompt=True, tokenize=True)
+            self.prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+
+    def load(self, store, version: str):
+        """``version`` from ``store`` into the engine, hash-verified (v000000: the base checkpoint)."""
+        if version == "v000000":
+            return self.engine.load_base(version)
+        m = store.manifest(version)
+        return self.engine.load_weights(store.load(version), version,
+                                        expected_hashes={k: t.sha256 for k, t in m.tensors.items()})
+
+    def serve_and_vote(self, cfg: ExperimentConfig, lm, label: str, seed_base: int, console) -> dict:
+        """Serve every problem ``samples_per_problem`` times with ``lm`` and let the users vote.
+
+        Returns ``{"version", "thumbs_up", "n", "rate", "ci95", "by_problem", "serve_vote_s",
+        "completion_tokens", "keys", "res", "passed", "sampling"}`` (the last four for training).
+        """
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from flywheel.users import extract_code, run_tests
+        from schemas.events import SamplingParams
+        from serving.params import GenRequest
+
+        eng, tok = self.engine, self.engine.tokenizer
+        keys = [(pi, j) for pi in range(len(self.problems)) for j in range(cfg.samples_per_problem)]
+        sampling = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                                   seed=seed_base + i) for i in range(len(keys))]
+        t0 = time.time()
+        with Progress(TextColumn(f"{label} {lm.version}: serve + vote"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("{task.fields[up]} up"), console=console) as bar:
+            task = bar.add_task("gen", total=len(keys), up=0)
+            futs = [eng.submit(GenRequest(prompt_token_ids=self.prompts[pi], sampling=sp, model=lm,
+                                          stop_token_ids=(eng.eos_id,)))
+                    for (pi, _j), sp in zip(keys, sampling)]
+            res = []
+            with ThreadPoolExecutor(2) as pool:
+                votes = []
+                for (pi, _j), f in zip(keys, futs):
+                    g = f.result()
+                    res.append(g)
+                    code = extract_code(tok.decode(g.completion_token_ids, skip_special_tokens=True))
+                    votes.append(pool.submit(lambda c=code, p=self.problems[pi]: bool(c) and run_tests(p, c)[0]))
+                    done = [v.result() for v in votes if v.done()]
+                    bar.update(task, completed=len(res), up=sum(done))
+                    if not console.is_terminal and len(res) % max(len(keys) // 10, 1) == 0:
+                        # piped to a log: a status line every 10 % instead of the live bar
+                        console.print(f"{label} {lm.version}: {len(res)}/{len(keys)} served, "
+                                      f"{sum(done)} up so far, {time.time() - t0:.0f} s")
+                passed = [bool(v.result()) for v in votes]
+                bar.update(task, completed=len(res), up=sum(passed))
+        by_problem: dict[int, list[bool]] = {}
+        for (pi, _j), ok in zip(keys, passed):
+            by_problem.setdefault(self.ids[pi], []).append(ok)
+        up, n = sum(passed), len(passed)
+        lo, hi = wilson(up, n)
+        console.print(f"{label}: {lm.version} thumbs-up {up}/{n} = {up / n:.3f} (95% CI {lo:.3f}-{hi:.3f}), "
+                      f"{time.time() - t0:.0f} s")
+        return {"version": lm.version, "thumbs_up": up, "n": n, "rate": up / n, "ci95": [lo, hi],
+                "by_problem": by_problem, "serve_vote_s": time.time() - t0,
+                "completion_tokens": sum(len(g.completion_token_ids) for g in res),
+                "keys": keys, "res": res, "passed": passed, "sampling": sampling}
+
+
+_PUBLIC = ("version", "thumbs_up", "n", "rate", "ci95", "by_problem", "serve_vote_s", "completion_tokens")
+
+
+def compare(first: dict, last: dict, seed: int = 0) -> dict:
+    """Last vs first version: difference, Newcombe and problem-bootstrap 95 % intervals, z-test."""
+    d, dlo, dhi = newcombe_diff(first["thumbs_up"], first["n"], last["thumbs_up"], last["n"])
+    z, pv = one_sided_z(first["thumbs_up"], first["n"], last["thumbs_up"], last["n"])
+    blo, bhi = cluster_bootstrap_diff(first["by_problem"], last["by_problem"], seed=seed)
+    return {"first": first["version"], "last": last["version"], "diff": d, "newcombe_ci95": [dlo, dhi],
+            "cluster_bootstrap_ci95": [blo, bhi], "z": z, "p_one_sided": pv, "improved": dlo > 0 and blo > 0}
+
+
+def _setup(cfg: ExperimentConfig):
+    from deploy.store import ModelStore
+    from schemas import settings
+
+    (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
+    os.environ["FLYWHEEL_HOME"] = str(cfg.out / "home")
+    store = ModelStore(settings.store_dir())
+    model_dir = settings.base_model_dir()
+    if not store.versions():
+        store.init_base(model_dir)
+    return store, model_dir
+
+
 def run(cfg: ExperimentConfig, console=None) -> dict:
     """Run the experiment; returns (and writes to ``out/experiment.json``) the report.
 
@@ -165,110 +267,90 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
         RuntimeError: a learner cycle failed or published nothing (its log is named).
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from deploy.store import ModelStore
-    from flywheel.users import build_messages, extract_code, load_problems, run_tests
     from ingest.writer import partition_dir, write_shard
     from schemas import settings
-    from schemas.events import SamplingParams
-    from serving.engine import TorchEngine
-    from serving.params import GenRequest
 
     console = console or Console()
     out = cfg.out
-    home = out / "home"
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    os.environ["FLYWHEEL_HOME"] = str(home)
-    store = ModelStore(settings.store_dir())
-    model_dir = settings.base_model_dir()
-    if not store.versions():
-        store.init_base(model_dir)
-    allp = load_problems()
-    ids = cfg.problem_ids if cfg.problem_ids is not None else list(range(cfg.problems))
-    problems = [allp[i] for i in ids]
-    engine = TorchEngine(model_dir, max_batch=cfg.max_batch, max_queue=10_000)
-    tok = engine.tokenizer
-    prompts = []
-    for p in problems:
-        enc = tok.apply_chat_template(build_messages(p), add_generation_prompt=True, tokenize=True)
-        prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
-
+    store, model_dir = _setup(cfg)
+    wl = _Workload(cfg, model_dir)
     versions: list[dict] = []
     version = store.versions()[-1]
     t_start = time.time()
     try:
         for r in range(cfg.rounds + 1):
-            if version == "v000000":
-                lm = engine.load_base(version)
-            else:
-                m = store.manifest(version)
-                lm = engine.load_weights(store.load(version), version,
-                                         expected_hashes={k: t.sha256 for k, t in m.tensors.items()})
-            keys = [(pi, j) for pi in range(len(problems)) for j in range(cfg.samples_per_problem)]
-            sampling = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                                       seed=cfg.seed * 1_000_003 + r * 10_007 + i) for i in range(len(keys))]
-            t0 = time.time()
-            with Progress(TextColumn(f"round {r} {version}: serve + vote"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), TextColumn("{task.fields[up]} up"), console=console) as bar:
-                task = bar.add_task("gen", total=len(keys), up=0)
-                futs = [engine.submit(GenRequest(prompt_token_ids=prompts[pi], sampling=sp, model=lm,
-                                                 stop_token_ids=(engine.eos_id,)))
-                        for (pi, _j), sp in zip(keys, sampling)]
-                res, passed = [], []
-                with ThreadPoolExecutor(2) as pool:
-                    votes = []
-                    for (pi, _j), f in zip(keys, futs):
-                        g = f.result()
-                        res.append(g)
-                        code = extract_code(tok.decode(g.completion_token_ids, skip_special_tokens=True))
-                        votes.append(pool.submit(lambda c=code, p=problems[pi]: bool(c) and run_tests(p, c)[0]))
-                        done = [v.result() for v in votes if v.done()]
-                        bar.update(task, completed=len(res), up=sum(done))
-                        if not console.is_terminal and len(res) % max(len(keys) // 10, 1) == 0:
-                            # piped to a log: a status line every 10 % instead of the live bar
-                            console.print(f"round {r} {version}: {len(res)}/{len(keys)} served, "
-                                          f"{sum(done)} up so far, {time.time() - t0:.0f} s")
-                    passed = [bool(v.result()) for v in votes]
-                    bar.update(task, completed=len(res), up=sum(passed))
-            gen_s = time.time() - t0
-            by_problem: dict[int, list[bool]] = {}
-            for (pi, _j), ok in zip(keys, passed):
-                by_problem.setdefault(ids[pi], []).append(ok)
-            up, n = sum(passed), len(passed)
-            lo, hi = wilson(up, n)
-            versions.append({"version": version, "round": r, "thumbs_up": up, "n": n, "rate": up / n,
-                             "ci95": [lo, hi], "by_problem": by_problem, "serve_vote_s": gen_s,
-                             "completion_tokens": sum(len(g.completion_token_ids) for g in res)})
-            console.print(f"round {r}: {version} thumbs-up {up}/{n} = {up / n:.3f} "
-                          f"(95% CI {lo:.3f}-{hi:.3f}), {gen_s:.0f} s")
+            lm = wl.load(store, version)
+            got = wl.serve_and_vote(cfg, lm, f"round {r}", cfg.seed * 1_000_003 + r * 10_007, console)
+            versions.append({**{k: got[k] for k in _PUBLIC}, "round": r})
             (out / "experiment.partial.json").write_text(json.dumps({"versions": versions}, indent=2, default=str))
             if r == cfg.rounds:
                 break
-            samples = _samples_for(cfg, version, problems, {"keys": keys, "res": res}, passed, prompts, sampling)
+            samples = _samples_for(cfg, version, wl.problems, got, got["passed"], wl.prompts, got["sampling"])
             d = partition_dir(settings.samples_dir(), version, samples[0].sealed_at)
             d.mkdir(parents=True, exist_ok=True)
             write_shard(samples, d / f"part-experiment-{r}.parquet")
-            del lm
-            version = _learn(cfg, r, logs, store, console)
+            del lm, got
+            version = _learn(cfg, r, out / "logs", store, console)
             versions[-1]["learner"] = {k: v for k, v in store.manifest(version).metrics.items()
                                        if k.split("/")[0] in ("kto", "pg", "data", "mismatch", "is", "perf")}
     finally:
-        engine.close()
+        wl.engine.close()
 
-    first, last = versions[0], versions[-1]
-    d, dlo, dhi = newcombe_diff(first["thumbs_up"], first["n"], last["thumbs_up"], last["n"])
-    z, pv = one_sided_z(first["thumbs_up"], first["n"], last["thumbs_up"], last["n"])
-    blo, bhi = cluster_bootstrap_diff(first["by_problem"], last["by_problem"], seed=cfg.seed)
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
               "versions": versions, "wall_s": time.time() - t_start,
-              "comparison": {"first": first["version"], "last": last["version"], "diff": d,
-                             "newcombe_ci95": [dlo, dhi], "cluster_bootstrap_ci95": [blo, bhi],
-                             "z": z, "p_one_sided": pv,
-                             "improved": dlo > 0 and blo > 0}}
+              "comparison": compare(versions[0], versions[-1], cfg.seed)}
     (out / "experiment.json").write_text(json.dumps(report, indent=2, default=str))
     write_plot(report, out / "learning_curve.png")
+    return report
+
+
+def evaluate(cfg: ExperimentConfig, versions: list[str], console=None) -> dict:
+    """More votes for already-trained ``versions`` of ``cfg.out``'s store (no training): each
+    is served ``samples_per_problem`` more times per problem with seeds from ``cfg.seed`` (use
+    a seed the experiment did not use, so the draws are new and independent). With
+    ``out/experiment.json`` present, the new votes are pooled with the experiment's votes for
+    the same version, and first vs last of ``versions`` is compared on the pooled counts.
+    Writes ``out/eval-seed<seed>.json`` and ``out/learning_curve_pooled.png``.
+
+    Raises:
+        ValueError: a version is not in the store.
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    store, model_dir = _setup(cfg)
+    missing = [v for v in versions if v not in store.versions()]
+    if missing:
+        raise ValueError(f"versions: {missing} not in the store at {cfg.out}/home/store")
+    prior = {}
+    if (cfg.out / "experiment.json").exists():
+        prior = {v["version"]: v for v in json.loads((cfg.out / "experiment.json").read_text())["versions"]}
+    wl = _Workload(cfg, model_dir)
+    rows = []
+    try:
+        for i, v in enumerate(versions):
+            got = wl.serve_and_vote(cfg, wl.load(store, v), f"eval {i}", cfg.seed * 1_000_003 + 7_919 * (i + 1),
+                                    console)
+            new = {k: got[k] for k in _PUBLIC}
+            pooled = dict(new)
+            if v in prior:
+                p = prior[v]
+                bp = {int(k): list(x) for k, x in p["by_problem"].items()}
+                for k, x in new["by_problem"].items():
+                    bp.setdefault(int(k), []).extend(x)
+                up, n = p["thumbs_up"] + new["thumbs_up"], p["n"] + new["n"]
+                pooled = {**new, "thumbs_up": up, "n": n, "rate": up / n, "ci95": list(wilson(up, n)),
+                          "by_problem": bp}
+            rows.append({"version": v, "new": new, "pooled": pooled})
+    finally:
+        wl.engine.close()
+    report = {"seed": cfg.seed, "versions": rows,
+              "comparison_new": compare(rows[0]["new"], rows[-1]["new"], cfg.seed),
+              "comparison_pooled": compare(rows[0]["pooled"], rows[-1]["pooled"], cfg.seed)}
+    (cfg.out / f"eval-seed{cfg.seed}.json").write_text(json.dumps(report, indent=2, default=str))
+    write_plot({"versions": [r["pooled"] for r in rows], "comparison": report["comparison_pooled"]},
+               cfg.out / "learning_curve_pooled.png")
     return report
 
 

@@ -10,7 +10,8 @@ import math
 import duckdb
 import pytest
 
-from flywheel.experiment import (ExperimentConfig, cluster_bootstrap_diff, newcombe_diff, one_sided_z, run)
+from flywheel.experiment import (ExperimentConfig, cluster_bootstrap_diff, evaluate, newcombe_diff, one_sided_z,
+                                 run)
 
 
 def test_newcombe_matches_the_paper():
@@ -74,3 +75,13 @@ def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
     assert c["diff"] == pytest.approx(v1["rate"] - v0["rate"])
     assert (tmp_path / "exp/learning_curve.png").stat().st_size > 1000
     assert json.loads((tmp_path / "exp/experiment.json").read_text())["comparison"]["first"] == "v000000"
+
+    # more votes for the same versions, new seeds, pooled with the experiment's
+    ev = evaluate(ExperimentConfig(**{**cfg.__dict__, "seed": 1}), ["v000000", "v000001"])
+    for row, old in zip(ev["versions"], (v0, v1)):
+        assert row["new"]["n"] == 6 and row["pooled"]["n"] == 12
+        assert row["pooled"]["thumbs_up"] == old["thumbs_up"] + row["new"]["thumbs_up"]
+        assert sum(len(x) for x in row["pooled"]["by_problem"].values()) == 12
+    assert (tmp_path / "exp/eval-seed1.json").exists() and (tmp_path / "exp/learning_curve_pooled.png").exists()
+    with pytest.raises(ValueError, match="not in the store"):
+        evaluate(cfg, ["v000009"])
