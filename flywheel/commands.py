@@ -68,7 +68,7 @@ def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (de
 
 
 def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
-         quick: bool = typer.Option(False, "--quick", help="Small run: <= 5 min on 2 cores."),
+         quick: bool = typer.Option(False, "--quick", help="Small run (8-14 min measured on 2 busy cores)."),
          cycles: int = typer.Option(2, min=1, help="Learner cycles (each canaried)."),
          prompts: Optional[int] = typer.Option(None, help="Requests per traffic phase."),
          max_tokens: Optional[int] = typer.Option(None, help="New tokens per completion."),
@@ -78,7 +78,12 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
 
     cfg = DemoConfig.for_mode(out, quick, cycles=cycles, prompts_per_phase=prompts,
                               max_tokens=max_tokens, seed=seed)
-    report = Demo(cfg).run()
+    try:
+        report = Demo(cfg).run()
+    except ValueError as exc:
+        if str(exc).startswith("out:"):
+            raise typer.BadParameter(str(exc)[5:], param_hint="--out") from exc
+        raise
     if report["events_lost"]:
         raise typer.Exit(1)
 
@@ -86,7 +91,7 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
 def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Output directory."),
                rounds: int = typer.Option(2, help="Learner cycles (versions evaluated = rounds + 1)."),
                problems: int = typer.Option(40, help="The first N HumanEval problems."),
-               problem_ids: Optional[str] = typer.Option(None, help="Comma-separated HumanEval indices "
+               problem_ids: Optional[str] = typer.Option(None, help="HumanEval indices, e.g. '0,5,20-39' "
                                                                     "(overrides --problems)."),
                samples_per_problem: int = typer.Option(4, help="Completions per problem per round."),
                max_tokens: int = typer.Option(160), temperature: float = typer.Option(0.8),
@@ -105,10 +110,11 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
     from flywheel.experiment import ExperimentConfig, run
 
     try:
-        ids = [int(x) for x in problem_ids.split(",")] if problem_ids else None
+        from flywheel.users import parse_problem_ids
+
+        ids = parse_problem_ids(problem_ids) if problem_ids else None
     except ValueError as exc:
-        raise typer.BadParameter(f"not a comma-separated list of integers: {problem_ids!r}",
-                                 param_hint="--problem-ids") from exc
+        raise typer.BadParameter(str(exc), param_hint="--problem-ids") from exc
     try:
         cfg = ExperimentConfig(out=out, rounds=rounds, problems=problems, problem_ids=ids,
                                samples_per_problem=samples_per_problem, max_tokens=max_tokens,

@@ -34,7 +34,8 @@ from flywheel.users import UserBehaviour, build_messages, extract_code, load_pro
 
 @dataclass
 class DemoConfig:
-    """Knobs of one demo run. ``quick`` sizes it for <= 5 min on 2 cores."""
+    """Knobs of one demo run. ``quick`` is the small sizing (measured 8-14 min on 2 busy
+    cores, 5 min was the aim: bench/RESULTS.md, Demo)."""
 
     out: Path
     quick: bool = False
@@ -101,6 +102,9 @@ class Proc:
         self._log.close()
 
 
+DEMO_MARKER = ".flywheel-demo"  # in <out>/home: made by a demo, so a later demo may replace it
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flywheel.cli", *args]
 
@@ -143,9 +147,13 @@ class Demo:
         cfg.out.mkdir(parents=True, exist_ok=True)
         self.home = (cfg.out / "home").absolute()
         if self.home.exists():
+            if not (self.home / DEMO_MARKER).exists():  # never delete what a demo did not make
+                raise ValueError(f"out: {self.home} exists and was not made by flywheel demo; "
+                                 "choose another --out or remove it yourself")
             import shutil
             shutil.rmtree(self.home)
         self.home.mkdir(parents=True)
+        (self.home / DEMO_MARKER).write_text("made by flywheel demo; the next run with this --out replaces it\n")
         os.environ["FLYWHEEL_HOME"] = str(self.home)
         self.logs = cfg.out / "logs"
         self.logs.mkdir(exist_ok=True)
@@ -412,6 +420,10 @@ class Demo:
 
     def run(self) -> dict:
         t0 = time.time()
+
+        def _term(signum, _frame):  # SIGTERM (timeout, kill): leave through the finally below,
+            raise SystemExit(128 + signum)  # which stops serving, ingest, controller and the broker
+        prev = signal.signal(signal.SIGTERM, _term) if threading.current_thread() is threading.main_thread() else None
         try:
             self.problems = load_problems(self.cfg.problems)
             self.setup()
@@ -431,5 +443,7 @@ class Demo:
         finally:
             for p in reversed(self.procs):
                 p.stop()
-            if self.broker is not None:
+            if getattr(self, "broker", None) is not None:  # setup may have failed before the broker
                 self.broker.stop()
+            if prev is not None:
+                signal.signal(signal.SIGTERM, prev)

@@ -66,7 +66,16 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                             train_layers=train_layers, measure_free_max=measure_free_max)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if parent not in ("stable", "latest"):
+        raise typer.BadParameter(f"must be 'stable' or 'latest', got {parent!r}", param_hint="--parent")
     store = store or os.environ.get("FLYWHEEL_STORE") or settings.store_dir()  # a URL stays a string
+    from learner.cycle import open_store as _open
+
+    if not _open(store).versions():
+        typer.echo(f"learn: the model store {store} has no version yet. Publish the base first: "
+                   "`flywheel serve` does it on first start (or deploy.store.ModelStore(...).init_base).",
+                   err=True)
+        raise typer.Exit(1)
     evaluate = None
     if gate_problems:
         from flywheel.users import humaneval_gate, parse_problem_ids

@@ -1,0 +1,47 @@
+"""`flywheel demo` as a user meets it: it never deletes a folder it did not make, and a
+SIGTERM (a timeout, an operator's kill) stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_out_home_not_made_by_a_demo_is_refused_and_kept(tmp_path):
+    keep = tmp_path / "out" / "home" / "notes.txt"
+    keep.parent.mkdir(parents=True)
+    keep.write_text("mine")
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", "demo", "--quick", "--out", str(tmp_path / "out")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr and "not made by flywheel demo" in r.stderr
+    assert keep.read_text() == "mine"
+
+
+def test_sigterm_stops_every_child(tiny_moe_dir, tmp_path):
+    env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_moe_dir), "PYTHONUNBUFFERED": "1"}
+    env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
+    p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "demo", "--quick", "--out", str(tmp_path / "d")],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = p.stdout.readline()
+        seen.append(line)
+        if "traffic" in line or not line:
+            break
+    kids = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+    assert kids, "".join(seen[-20:])
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=120)
+    time.sleep(1)
+    alive = [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [psutil.Process(k).cmdline()[:4] for k in alive]
