@@ -97,8 +97,8 @@ def _store() -> ModelStore:
     return ModelStore(raw if "://" in raw else settings.store_dir())
 
 
-def _admin(serving: str | None) -> ServingAdmin:
-    return ServingAdmin(serving or settings.serving_url(), os.environ.get("FLYWHEEL_ADMIN_TOKEN"))
+def _admin(serving: str | None, timeout_s: float = 120.0) -> ServingAdmin:
+    return ServingAdmin(serving or settings.serving_url(), os.environ.get("FLYWHEEL_ADMIN_TOKEN"), timeout_s=timeout_s)
 
 
 def _bootstrap() -> str | None:
@@ -249,11 +249,11 @@ def register(app: typer.Typer) -> None:
     @app.command("status")
     def status_cmd(serving: Optional[str] = typer.Option(None, help="serving base URL"),
                    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-                   last: int = typer.Option(10, help="decisions to show")) -> None:
+                   last: int = typer.Option(10, min=1, help="decisions to show")) -> None:
         """Serving slots and weights, canary phase and step, last decisions with their numbers."""
         slots, err = None, None
         try:
-            slots = _admin(serving).slots()
+            slots = _admin(serving, timeout_s=5.0).slots()  # a read: a wedged pod must not stall on-call
         except ServingAdminError as exc:
             err = str(exc)
         st = current_status(rollout_status_path(), settings.ledger_path())
