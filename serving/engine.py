@@ -62,17 +62,17 @@ class LoadedModel:
     route_buf: list = field(default_factory=list)  # per MoE layer: last indices (N, k)
 
 
+@dataclass
+class _Item:
+    """A queued request: the request, its future and when it was submitted (perf_counter s)."""
+
+    req: GenRequest
+    fut: concurrent.futures.Future
+    t_submit: float
+
+
 class Engine(abc.ABC):
     """What the HTTP layer needs from an engine (vLLM's EngineClient shape)."""
-
-    @abc.abstractmethod
-    async def generate(self, req: GenRequest) -> GenResult:
-        """Run one request (batched with concurrent ones); raises ServingValidationError
-        (429) when the queue is full."""
-
-    @abc.abstractmethod
-    def abort(self, req: GenRequest) -> None:
-        """Stop a running request; it returns with finish_reason ``abort``."""
 
     @abc.abstractmethod
     def check_health(self) -> dict:
@@ -83,10 +83,69 @@ class Engine(abc.ABC):
                      ) -> LoadedModel:
         """Build a fresh model with ``state`` off the request path and verify its hashes."""
 
-    # Both engines batch from a queue guarded by ``self._cv`` (threading.Condition) whose
-    # worker(s) wait while ``self._paused``; pause/resume are the same for both.
+    # Both engines batch from ``self._pending`` (a deque of :class:`_Item`) guarded by
+    # ``self._cv`` (threading.Condition), whose worker(s) wait while ``self._paused``; the
+    # queue's front end (submit, generate, abort, pause/resume, close's draining) is shared.
     _cv: threading.Condition
     _paused: bool
+    _closed: bool
+    _pending: "collections.deque[_Item]"
+    max_queue: int
+
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        """Queue ``req`` for the batching worker; the future resolves to a :class:`GenResult`.
+
+        Raises:
+            ServingValidationError: 429 when ``max_queue`` requests already wait; 400 for an
+                empty prompt or a missing model.
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if not req.prompt_token_ids:
+            raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
+        if req.model is None:
+            raise ServingValidationError("model", None, "no weights to run on")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if len(self._pending) >= self.max_queue:
+                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
+                                             status=429, code="queue_full")
+            self._pending.append(_Item(req, fut, time.perf_counter()))
+            self._cv.notify()
+        return fut
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        """Submit and await; see :meth:`submit`. Cancelling the await aborts the request."""
+        fut = self.submit(req)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.abort(req)
+            raise
+
+    def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
+        """Blocking :meth:`generate` for scripts and tests."""
+        return self.submit(req).result(timeout_s)
+
+    def abort(self, req: GenRequest) -> None:
+        """Mark ``req`` aborted; the engine ends it at its next step (or, for an engine that
+        cannot stop a running call, when that call returns)."""
+        req.cancelled.set()
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a batch."""
+        return len(self._pending)
+
+    def _stop_queue(self, workers: list[threading.Thread]) -> None:
+        """Close: wake and join ``workers``; requests still waiting fail with RuntimeError."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in workers:
+            t.join(timeout=30)
+        while self._pending:
+            self._pending.popleft().fut.set_exception(RuntimeError("engine closed"))
 
     def pause(self) -> None:
         """Stop starting new batches (running ones finish)."""
@@ -98,13 +157,6 @@ class Engine(abc.ABC):
         with self._cv:
             self._paused = False
             self._cv.notify_all()
-
-
-@dataclass
-class _Item:
-    req: GenRequest
-    fut: concurrent.futures.Future
-    t_submit: float
 
 
 class TorchEngine(Engine):
@@ -232,49 +284,6 @@ class TorchEngine(Engine):
         return _score_aligned_impl(lm, prompt, completion, self.device)
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, req: GenRequest) -> GenResult:
-        """Submit and await; see :meth:`submit`."""
-        fut = self.submit(req)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            self.abort(req)
-            raise
-
-    def submit(self, req: GenRequest) -> concurrent.futures.Future:
-        """Queue ``req`` for the batching worker; the future resolves to a :class:`GenResult`.
-
-        Raises:
-            ServingValidationError: 429 when ``max_queue`` requests already wait; 400 for an
-                empty prompt or a missing model.
-            RuntimeError: the engine is closed.
-        """
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        if not req.prompt_token_ids:
-            raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
-        if req.model is None:
-            raise ServingValidationError("model", None, "no weights to run on")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if len(self._pending) >= self.max_queue:
-                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
-                                             status=429, code="queue_full")
-            self._pending.append(_Item(req, fut, time.perf_counter()))
-            self._cv.notify()
-        return fut
-
-    def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
-        """Blocking :meth:`generate` for scripts and tests."""
-        return self.submit(req).result(timeout_s)
-
-    def abort(self, req: GenRequest) -> None:
-        req.cancelled.set()
-
-    def queue_depth(self) -> int:
-        """Requests waiting for a batch."""
-        return len(self._pending)
-
     def check_health(self) -> dict:
         if self._closed or not self._thread.is_alive():
             raise RuntimeError("engine worker is not running")
@@ -283,13 +292,7 @@ class TorchEngine(Engine):
 
     def close(self) -> None:
         """Stop the worker; waiting requests fail with RuntimeError."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-        while self._pending:
-            it = self._pending.popleft()
-            it.fut.set_exception(RuntimeError("engine closed"))
+        self._stop_queue([self._thread])
 
     # ------------------------------------------------------------------ worker
     def _take_batch(self) -> list[_Item] | None:

@@ -31,9 +31,7 @@ and is checked by ``bench/gpu_check.sh`` only for routes and logprobs.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import logging
 import os
 import re
@@ -47,7 +45,7 @@ import numpy as np
 from schemas.events import now_ms
 from schemas.manifest import digest_of_hashes, state_sha256
 from serving.engine import CHAT_STOP, Engine, LoadedModel, WeightsMismatchError
-from serving.params import GenRequest, GenResult, ServingValidationError
+from serving.params import GenRequest, GenResult
 
 log = logging.getLogger("flywheel.serving.engine_vllm")
 
@@ -363,47 +361,8 @@ class VLLMEngine(Engine):
         return lm
 
     # ------------------------------------------------------------------ requests
-    def submit(self, req: GenRequest) -> concurrent.futures.Future:
-        """Queue ``req``; the future resolves to a :class:`GenResult`.
-
-        Raises:
-            ServingValidationError: 429 when ``max_queue`` requests wait; 400 for an empty
-                prompt or no model.
-            RuntimeError: the engine is closed.
-        """
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        if not req.prompt_token_ids:
-            raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
-        if req.model is None:
-            raise ServingValidationError("model", None, "no weights to run on")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if len(self._pending) >= self.max_queue:
-                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
-                                             status=429, code="queue_full")
-            self._pending.append((req, fut, time.perf_counter()))
-            self._cv.notify()
-        return fut
-
-    async def generate(self, req: GenRequest) -> GenResult:
-        fut = self.submit(req)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            self.abort(req)
-            raise
-
-    def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
-        """Blocking :meth:`generate` for scripts and tests."""
-        return self.submit(req).result(timeout_s)
-
-    def abort(self, req: GenRequest) -> None:
-        """Mark aborted; a request already inside a vLLM call runs to its end (offline API)."""
-        req.cancelled.set()
-
-    def queue_depth(self) -> int:
-        return len(self._pending)
+    # submit / generate / generate_sync / abort / queue_depth: Engine's. A request already
+    # inside a vLLM call runs to its end when aborted (offline API).
 
     def check_health(self) -> dict:
         if self._closed:
@@ -413,14 +372,8 @@ class VLLMEngine(Engine):
                 "routes_missing": dict(self.routes_missing), "reload_repairs": dict(self.reload_repairs)}
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join(timeout=30)
-        while self._pending:
-            _r, fut, _t = self._pending.popleft()
-            fut.set_exception(RuntimeError("engine closed"))
+        """Stop the workers; waiting requests fail with RuntimeError."""
+        self._stop_queue(self._threads)
 
     # ------------------------------------------------------------------ worker
     def _take(self):
@@ -430,7 +383,7 @@ class VLLMEngine(Engine):
             if self._closed:
                 return None
             first = self._pending.popleft()
-            inst = first[0].model.model
+            inst = first.req.model.model
             if not inst.lock.acquire(blocking=False):  # another worker runs this instance
                 self._pending.appendleft(first)
                 self._cv.wait(0.01)
@@ -438,7 +391,7 @@ class VLLMEngine(Engine):
             batch, rest = [first], collections.deque()
             while self._pending:
                 it = self._pending.popleft()
-                (batch if len(batch) < self.max_batch and it[0].model is first[0].model else rest).append(it)
+                (batch if len(batch) < self.max_batch and it.req.model is first.req.model else rest).append(it)
             self._pending.extendleft(reversed(rest))
             return batch
 
@@ -452,18 +405,18 @@ class VLLMEngine(Engine):
             del batch  # hold no request (so no LoadedModel) between batches: frees slots' instances
 
     def _serve_batch(self, batch: list) -> None:
-        inst = batch[0][0].model.model
+        inst = batch[0].req.model.model
         try:
-            live = [it for it in batch if it[1].set_running_or_notify_cancel()]
+            live = [it for it in batch if it.fut.set_running_or_notify_cancel()]
             if live:
-                results = self._run(inst, [it[0] for it in live], [it[2] for it in live])
+                results = self._run(inst, [it.req for it in live], [it.t_submit for it in live])
                 for it, r in zip(live, results):
-                    it[1].set_result(r)
+                    it.fut.set_result(r)
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
             log.exception("vLLM batch failed")
             for it in batch:
-                if not it[1].done():
-                    it[1].set_exception(exc)
+                if not it.fut.done():
+                    it.fut.set_exception(exc)
         finally:
             inst.lock.release()
 
