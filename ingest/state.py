@@ -417,13 +417,17 @@ class StateStore:
     def event_seen(self, eid: str) -> bool:
         return self.db.execute("SELECT 1 FROM events WHERE event_id=?", (eid,)).fetchone() is not None
 
+    def _present(self, table: str, column: str, keys) -> set[str]:
+        """Those of ``keys`` that have a row in ``table`` (looked up by ``column``, chunked)."""
+        out: set[str] = set()
+        for part in _chunks(list(set(keys))):
+            out.update(r[0] for r in self.db.execute(
+                f"SELECT {column} FROM {table} WHERE {column} IN ({','.join('?' * len(part))})", part))
+        return out
+
     def events_seen(self, eids) -> set[str]:
         """Those of ``eids`` already folded or dead-lettered."""
-        out: set[str] = set()
-        for part in _chunks(list(set(eids))):
-            out.update(r[0] for r in self.db.execute(
-                f"SELECT event_id FROM events WHERE event_id IN ({','.join('?' * len(part))})", part))
-        return out
+        return self._present("events", "event_id", eids)
 
     def add_event(self, eid: str, cid: str, at: int | None = None) -> None:
         """Record ``eid`` folded into ``cid`` at ``at`` ms (default now)."""
@@ -445,11 +449,7 @@ class StateStore:
 
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
-        out: set[str] = set()
-        for part in _chunks(list(set(cids))):
-            out.update(r[0] for r in self.db.execute(
-                f"SELECT completion_id FROM sealed WHERE completion_id IN ({','.join('?' * len(part))})", part))
-        return out
+        return self._present("sealed", "completion_id", cids)
 
     def mark_sealed(self, cid: str, sealed_at: int, shard: str) -> None:
         self.mark_sealed_many([(cid, sealed_at, shard)])
