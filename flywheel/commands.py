@@ -63,7 +63,10 @@ def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (de
 
     if top_k > experts:
         raise typer.BadParameter(f"top_k={top_k} exceeds experts={experts}", param_hint="--top-k")
-    d = init_model(out or settings.base_model_dir(), num_experts=experts, top_k=top_k, force=force)
+    try:
+        d = init_model(out or settings.base_model_dir(), num_experts=experts, top_k=top_k, force=force)
+    except ValueError as exc:  # a directory that is not ours: refused, never deleted
+        raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="--out") from exc
     typer.echo(str(d))
 
 
@@ -83,7 +86,8 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
     except ValueError as exc:
         if str(exc).startswith("out:"):
             raise typer.BadParameter(str(exc)[5:], param_hint="--out") from exc
-        raise
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     if report["events_lost"]:
         raise typer.Exit(1)
 

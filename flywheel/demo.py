@@ -170,7 +170,11 @@ class Demo:
         os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"] = self.bootstrap
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        model_dir = init_model(settings.base_model_dir(), log=self.log)
+        model_dir = settings.base_model_dir()
+        if (model_dir / "config.json").exists() and not (model_dir / "flywheel_model.json").exists():
+            self.log(f"using the checkpoint at {model_dir} as given (FLYWHEEL_MODEL_DIR)")
+        else:
+            model_dir = init_model(model_dir, log=self.log)
         from deploy.store import ModelStore
         self.store = ModelStore(settings.store_dir())
         self.store.init_base(model_dir)

@@ -129,11 +129,22 @@ def init_model(out_dir: Path, num_experts: int = 4, top_k: int = 2, force: bool 
                log=print) -> Path:
     """Convert + upcycle the packaged model into ``out_dir`` (cached: skipped if present).
 
+    A directory this function wrote carries ``flywheel_model.json``; only such a directory is
+    ever replaced (when the expert count or top-k differ, or with ``force``). A non-empty
+    directory without it is someone's own files, a checkpoint or otherwise, and is never deleted.
+
     Returns:
         ``out_dir``, a Hugging Face checkpoint directory (safetensors).
+
+    Raises:
+        ValueError: ``out_dir`` exists, is not empty and was not written by ``init_model``.
     """
     out_dir = Path(out_dir)
     marker = out_dir / "flywheel_model.json"
+    if out_dir.exists() and not marker.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"model dir: {out_dir} is not empty and was not written by 'flywheel model init'; "
+                         "it is left as it is. Choose another directory (--out or FLYWHEEL_MODEL_DIR) "
+                         "or remove it yourself")
     if marker.exists() and not force:
         info = json.loads(marker.read_text())
         if info.get("num_experts") == num_experts and info.get("top_k") == top_k:

@@ -26,7 +26,20 @@ def test_out_home_not_made_by_a_demo_is_refused_and_kept(tmp_path):
     assert keep.read_text() == "mine"
 
 
+def test_model_init_refuses_a_directory_it_did_not_write(tmp_path):
+    keep = tmp_path / "mine" / "config.json"
+    keep.parent.mkdir()
+    keep.write_text('{"hidden_size": 64}')
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", "model", "init", "--out", str(keep.parent)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr and "not written by" in r.stderr, r.stderr
+    assert keep.read_text() == '{"hidden_size": 64}'
+
+
 def test_sigterm_stops_every_child(tiny_moe_dir, tmp_path):
+    import json
+
+    cfg_before = (tiny_moe_dir / "config.json").read_text()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_moe_dir), "PYTHONUNBUFFERED": "1"}
     env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
     p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "demo", "--quick", "--out", str(tmp_path / "d")],
@@ -45,3 +58,7 @@ def test_sigterm_stops_every_child(tiny_moe_dir, tmp_path):
     time.sleep(1)
     alive = [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [psutil.Process(k).cmdline()[:4] for k in alive]
+    # the demo used the given checkpoint as is: a model dir it did not write is never replaced
+    assert (tiny_moe_dir / "config.json").read_text() == cfg_before
+    assert json.loads(cfg_before)["hidden_size"] == 64
+    assert any("as given" in line for line in seen), "".join(seen[-20:])
