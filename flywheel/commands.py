@@ -105,6 +105,7 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
                beta: float = typer.Option(0.1, help="KTO beta."),
                balance_classes: bool = typer.Option(True, help="KTO lambda_D*n_D = lambda_U*n_U per cycle."),
                objective: str = typer.Option("kto", help="kto | reinforce."),
+               baseline: str = typer.Option("batch", help="REINFORCE baseline: batch | prompt (per-prompt LOO)."),
                seed: int = typer.Option(0), max_batch: int = typer.Option(16, help="Engine batch size."),
                eval_only: Optional[str] = typer.Option(
                    None, help="No training: serve these comma-separated versions of OUT's store again "
@@ -124,7 +125,7 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
                                samples_per_problem=samples_per_problem, max_tokens=max_tokens,
                                temperature=temperature, top_p=top_p, steps=steps, batch_size=batch_size, lr=lr,
                                train_layers=train_layers, beta=beta, balance_classes=balance_classes,
-                               objective=objective, seed=seed, max_batch=max_batch)
+                               objective=objective, baseline=baseline, seed=seed, max_batch=max_batch)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if eval_only:

@@ -47,7 +47,7 @@ class ExperimentConfig:
         problems: the first N HumanEval problems (1..164), or ``problem_ids``.
         samples_per_problem: completions per problem per round (>= 1).
         max_tokens, temperature, top_p: sampling, as the demo's users are served.
-        steps, batch_size, lr, train_layers, beta, balance_classes, objective: the learner
+        steps, batch_size, lr, train_layers, beta, balance_classes, objective, baseline: the learner
             cycle (``flywheel learn`` flags of the same names).
         seed: sampling seeds and learner seed.
         max_batch: engine batch size (requests per batch).
@@ -68,6 +68,7 @@ class ExperimentConfig:
     beta: float = 0.1
     balance_classes: bool = True
     objective: str = "kto"
+    baseline: str = "batch"
     seed: int = 0
     max_batch: int = 16
     extra: dict = field(default_factory=dict)
@@ -82,7 +83,8 @@ class ExperimentConfig:
                   ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
                   ("steps", self.steps >= 1, "must be >= 1"), ("batch_size", self.batch_size >= 1, "must be >= 1"),
                   ("lr", self.lr >= 0, "must be >= 0"), ("max_batch", self.max_batch >= 1, "must be >= 1"),
-                  ("objective", self.objective in ("kto", "reinforce"), "must be 'kto' or 'reinforce'")]
+                  ("objective", self.objective in ("kto", "reinforce"), "must be 'kto' or 'reinforce'"),
+                  ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'")]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
@@ -359,6 +361,7 @@ def _learn(cfg: ExperimentConfig, r: int, logs: Path, store, console) -> str:
     args = [sys.executable, "-m", "flywheel.cli", "learn", "--once", "--parent", "latest",
             "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
             "--train-layers", str(cfg.train_layers), "--beta", str(cfg.beta), "--objective", cfg.objective,
+            "--baseline", cfg.baseline,
             "--seed", str(cfg.seed + r), "--measure-free-max", "2", "--min-samples", "1"]
     if cfg.balance_classes:
         args.append("--balance-classes")

@@ -53,6 +53,8 @@ class LearnerBatch:
         completion_ids: B completion ids (str).
         ref_logprobs: (B, T) float32 log π_ref(y_t) filled by the trainer from the frozen
             reference (the parent policy), kept apart from ``behavior_logprobs``.
+        baselines: (B,) float32 REINFORCE baseline b_i computed over the whole cycle (e.g.
+            per-prompt leave-one-out), or None: the step then uses the batch's own LOO mean.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +69,7 @@ class LearnerBatch:
     versions: list[str]
     completion_ids: list[str]
     ref_logprobs: torch.Tensor | None = None
+    baselines: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -88,7 +91,7 @@ class LearnerBatch:
             position_ids=cut(self.position_ids), target_ids=cut(self.target_ids),
             completion_mask=cut(self.completion_mask), behavior_logprobs=cut(self.behavior_logprobs),
             routes=cut(self.routes), labels=self.labels, rewards=self.rewards, versions=self.versions,
-            completion_ids=self.completion_ids, ref_logprobs=cut(self.ref_logprobs))
+            completion_ids=self.completion_ids, ref_logprobs=cut(self.ref_logprobs), baselines=self.baselines)
 
     def select(self, idx: list[int]) -> "LearnerBatch":
         """Sub-batch of rows ``idx`` (padding columns kept; still left padded)."""
@@ -100,7 +103,7 @@ class LearnerBatch:
             completion_mask=pick(self.completion_mask), behavior_logprobs=pick(self.behavior_logprobs),
             routes=pick(self.routes), labels=pick(self.labels), rewards=pick(self.rewards),
             versions=[self.versions[i] for i in idx], completion_ids=[self.completion_ids[i] for i in idx],
-            ref_logprobs=pick(self.ref_logprobs))
+            ref_logprobs=pick(self.ref_logprobs), baselines=pick(self.baselines))
 
 
 def check_sample(s: RewardedSample, num_layers: int, top_k: int, num_experts: int,

@@ -28,6 +28,8 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                                                 help="Per cycle, raise the minority class's KTO weight so "
                                                      "lambda_D*n_D = lambda_U*n_U."),
            objective: str = typer.Option("kto", help="kto | reinforce."),
+           baseline: str = typer.Option("batch", help="REINFORCE baseline: 'batch' (LOO over the step's batch) "
+                                        "or 'prompt' (LOO over the other completions of the same prompt)."),
            is_cap: float = typer.Option(2.0, help="Truncation of the importance ratio."),
            max_staleness: int = typer.Option(4, help="Drop samples more than this many versions old."),
            seed: int = typer.Option(0, help="RNG seed."),
@@ -57,6 +59,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
 
     try:
         cfg = LearnerConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta, objective=objective,
+                            baseline=baseline,
                             desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
                             balance_classes=balance_classes,
                             is_cap=is_cap, max_staleness=max_staleness, seed=seed, router_replay=not no_replay,

@@ -106,6 +106,41 @@ def loo_baseline(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards.sum() - rewards) / (B - 1)
 
 
+def group_loo_baseline(rewards: torch.Tensor, groups: list) -> torch.Tensor:
+    """Per-prompt leave-one-out baseline (RLOO, Ahmadian et al. 2024, arXiv:2402.14740 §3.2).
+
+    b_i = (Σ_{j ∈ g(i)} r_j − r_i) / (|g(i)| − 1): the mean reward of the *other* completions of
+    the same prompt, so A_i = r_i − b_i is zero for every completion of a prompt whose
+    completions all got the same reward (nothing to learn there) and the policy gradient
+    only moves probability between completions of one prompt. A prompt with a single
+    completion has no other; it falls back to the leave-one-out mean over all B rows
+    (:func:`loo_baseline`), which is 0 for B = 1.
+
+    Args:
+        rewards: (B,) float.
+        groups: B hashable group keys (e.g. the prompt's token ids as a tuple).
+
+    Returns:
+        (B,) float, same dtype as ``rewards``.
+
+    Raises:
+        ValueError: ``len(groups) != B``.
+    """
+    B = rewards.shape[0]
+    if len(groups) != B:
+        raise ValueError(f"groups: {len(groups)} keys for {B} rewards")
+    out = loo_baseline(rewards).clone()
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    for idx in members.values():
+        if len(idx) > 1:
+            ix = torch.as_tensor(idx, dtype=torch.long)
+            r = rewards[ix]
+            out[ix] = (r.sum() - r) / (len(idx) - 1)
+    return out
+
+
 def reinforce_loss(token_logps: torch.Tensor, behavior_logps: torch.Tensor, ref_logps: torch.Tensor,
                    mask: torch.Tensor, rewards: torch.Tensor, baseline: torch.Tensor, cap: float = 2.0,
                    level: ISLevel = "token", kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:

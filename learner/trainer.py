@@ -34,7 +34,7 @@ from schemas.events import RewardedSample
 from schemas.manifest import version_number
 from schemas.modelspec import moe_routers, moe_top_k
 from learner.batch import LearnerBatch, build_batch, filter_samples
-from learner.losses import (kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
+from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs)
 from learner.replay import capture_routes, router_replay, stack_routes
 
@@ -63,6 +63,11 @@ class LearnerConfig:
             is mostly one class (a 10 % thumbs-up rate gives 9 undesirable per desirable),
             and unbalanced KTO then mostly pushes sampled completions down.
         kl_coef: REINFORCE k3 KL penalty to the reference (>= 0).
+        baseline: REINFORCE baseline. ``"batch"``: leave-one-out mean of the step's batch
+            (Kool et al. 2019). ``"prompt"``: leave-one-out mean of the other completions of
+            the same prompt in the whole cycle (RLOO, arXiv:2402.14740), so prompts whose
+            completions all got the same vote contribute no gradient; a prompt seen once
+            falls back to the cycle's LOO mean.
 
     Off-policy correction:
         is_cap: truncation of the importance ratio exp(log πθ − log μ) (> 0).
@@ -110,6 +115,7 @@ class LearnerConfig:
     undesirable_weight: float = 1.0
     balance_classes: bool = False
     kl_coef: float = 0.0
+    baseline: Literal["batch", "prompt"] = "batch"
     is_cap: float = 2.0
     is_level: Literal["sequence", "token"] = "sequence"
     max_staleness: int = 4
@@ -134,6 +140,7 @@ class LearnerConfig:
             ("desirable_weight", self.desirable_weight > 0, "must be > 0"),
             ("undesirable_weight", self.undesirable_weight > 0, "must be > 0"),
             ("kl_coef", self.kl_coef >= 0, "must be >= 0"), ("is_cap", self.is_cap > 0, "must be > 0"),
+            ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'"),
             ("is_level", self.is_level in ("sequence", "token"), "must be 'sequence' or 'token'"),
             ("is_level", not (self.objective == "kto" and self.is_level == "token"),
              "KTO's loss is per sequence: use 'sequence'"),
@@ -346,8 +353,9 @@ def step_loss(model, b: LearnerBatch, cfg: LearnerConfig) -> tuple[torch.Tensor,
                "is/ratio_mean": float(ratio.mean()), "is/ratio_max": float(ratio.max()),
                "is/truncated_frac": float((ratio > cfg.is_cap).float().mean())}
     else:
+        base = b.baselines if b.baselines is not None else loo_baseline(b.rewards)
         loss, met = reinforce_loss(tok, b.behavior_logprobs, b.ref_logprobs, m, b.rewards,
-                                   loo_baseline(b.rewards), cfg.is_cap, cfg.is_level, cfg.kl_coef)
+                                   base, cfg.is_cap, cfg.is_level, cfg.kl_coef)
         met["pg/loss"] = float(loss.detach())
     kl = kl_to_reference(tok, b.ref_logprobs, m)
     met["kl/k1"], met["kl/k3"] = kl["k1"], kl["k3"]
@@ -449,6 +457,16 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
         else:
             lam_u = lam_d * n_des / n_und
         cfg = LearnerConfig(**{**cfg.__dict__, "desirable_weight": lam_d, "undesirable_weight": lam_u})
+    if cfg.objective == "reinforce" and cfg.baseline == "prompt":
+        groups = [tuple(s.prompt_token_ids) for s in kept]
+        batch.baselines = group_loo_baseline(batch.rewards, groups)
+        adv = batch.rewards - batch.baselines
+        sizes: dict = {}
+        for g in groups:
+            sizes[g] = sizes.get(g, 0) + 1
+        metrics["pg/prompts"] = len(sizes)
+        metrics["pg/prompts_repeated"] = sum(1 for n in sizes.values() if n > 1)
+        metrics["pg/zero_advantage_frac"] = float((adv == 0).float().mean())
     metrics["kto/desirable_weight"] = cfg.desirable_weight
     metrics["kto/undesirable_weight"] = cfg.undesirable_weight
     metrics["data/n_completion_tokens"] = batch.n_completion_tokens

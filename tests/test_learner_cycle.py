@@ -175,6 +175,33 @@ def test_reinforce_zero1_free_routing(tiny_moe_dir):
     assert met2["data/dropped_routes_missing"] == 1 and met2["data/n_samples"] == 5
 
 
+def test_reinforce_prompt_baseline_learns_nothing_from_prompts_with_one_verdict(tiny_moe_dir):
+    """Per-prompt LOO (RLOO): two prompts, three completions each, every completion of a prompt
+    with the same vote -> every advantage is 0 and (no KL term) the weights are bit-identical;
+    the batch baseline on the same data moves them."""
+    import uuid
+
+    from learner.trainer import train
+
+    model = load_model(tiny_moe_dir)
+    a, b = make_samples(model, 2, seed=11)
+    samples = [s.model_copy(update={"completion_id": uuid.uuid4(), "reward": r, "label": r > 0})
+               for s, r in ((a, 1.0), (a, 1.0), (a, 1.0), (b, -1.0), (b, -1.0), (b, -1.0))]
+    before = _state(model)
+    cfg = LearnerConfig(objective="reinforce", baseline="prompt", steps=2, batch_size=6, lr=1e-2)
+    state, met = train(model, samples, "v000000", cfg, model.config.pad_token_id)
+    assert met["pg/prompts"] == 2 and met["pg/prompts_repeated"] == 2
+    assert met["pg/zero_advantage_frac"] == 1.0 and met["pg/adv_mean"] == 0.0
+    assert all(torch.equal(state[k], before[k]) for k in before)
+    model2 = load_model(tiny_moe_dir)
+    state2, met2 = train(model2, samples, "v000000", LearnerConfig(objective="reinforce", steps=2, batch_size=6,
+                                                                    lr=1e-2), model2.config.pad_token_id)
+    assert "pg/prompts" not in met2
+    assert any(not torch.equal(state2[k], before[k]) for k in before)
+    with pytest.raises(ValueError, match="baseline"):
+        LearnerConfig(baseline="group")
+
+
 @pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
 def test_sigkill_mid_cycle_resumes_to_same_hashes(tiny_moe_dir, tmp_path):
     """Issue 5: a learner killed with SIGKILL mid-cycle resumes from its DeepSpeed checkpoint

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.losses import (kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
+from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs)
 
 
@@ -94,6 +94,18 @@ def test_kl_to_reference_by_hand():
 def test_loo_baseline():
     assert loo_baseline(torch.tensor([1.0, 0.0, 0.0, 1.0])).tolist() == pytest.approx([1 / 3, 2 / 3, 2 / 3, 1 / 3])
     assert loo_baseline(torch.tensor([5.0])).tolist() == [0.0]
+
+
+def test_group_loo_baseline_by_hand():
+    r = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 0.5])
+    b = group_loo_baseline(r, ["a", "a", "a", "b", "b", "c"])
+    # a: others' mean -> (-1-1)/2, (1-1)/2, (1-1)/2; b: 1, -1; c alone: LOO over all six,
+    # (sum - 0.5) / 5 with sum = -0.5 -> -0.2
+    assert b.tolist() == pytest.approx([-1.0, 0.0, 0.0, 1.0, -1.0, -0.2])
+    same = torch.tensor([-1.0, -1.0, -1.0])
+    assert (same - group_loo_baseline(same, [7, 7, 7])).tolist() == [0.0, 0.0, 0.0]  # nothing to learn
+    with pytest.raises(ValueError, match="groups"):
+        group_loo_baseline(r, ["a"])
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
