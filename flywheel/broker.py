@@ -43,11 +43,18 @@ def validate(port: int | None, partitions: int) -> None:
     """Check ``flywheel broker start`` arguments before anything starts.
 
     Raises:
-        ValueError: ``port`` not None and outside 1..65535, or ``partitions`` < 1 (the
-            message names the argument, its value and the allowed range).
+        ValueError: ``port`` not None and outside 1..65535 or already in use, or
+            ``partitions`` < 1 (the message names the argument, its value and the reason).
     """
     if port is not None and not (isinstance(port, int) and 1 <= port <= 65535):
         raise ValueError(f"port: must be a TCP port in 1..65535 (or unset for a free one), got {port!r}")
+    if port is not None:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise ValueError(f"port: {port} is not free on 127.0.0.1 ({exc.strerror}); choose another "
+                                 "or leave it unset for a free one") from exc
     if not (isinstance(partitions, int) and partitions >= 1):
         raise ValueError(f"partitions: must be an integer >= 1 (every Flywheel topic gets this many), "
                          f"got {partitions!r}")

@@ -73,8 +73,8 @@ def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (de
 def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
          quick: bool = typer.Option(False, "--quick", help="Small run (8-14 min measured on 2 busy cores)."),
          cycles: int = typer.Option(2, min=1, help="Learner cycles (each canaried)."),
-         prompts: Optional[int] = typer.Option(None, help="Requests per traffic phase."),
-         max_tokens: Optional[int] = typer.Option(None, help="New tokens per completion."),
+         prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
+         max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per completion."),
          seed: int = typer.Option(0)):
     """Run the whole loop on HumanEval traffic from simulated users and write a report."""
     from flywheel.demo import Demo, DemoConfig

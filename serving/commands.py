@@ -43,7 +43,11 @@ def open_store(store_dir: Path, model_dir: Path | None = None):
 
     store = ModelStore(store_dir)
     if not list(store.versions()):
-        store.init_base(settings.base_model_dir())
+        base = settings.base_model_dir()
+        if not (base / "config.json").exists():
+            raise FileNotFoundError(f"model: the store {store_dir} has no version and {base} holds no checkpoint; "
+                                    "run 'flywheel model init' first (or pass --model-dir DIR)")
+        store.init_base(base)
     return store
 
 
@@ -193,7 +197,10 @@ def register(app: typer.Typer) -> None:
                                          "vLLM venv, DESIGN §3)", param_hint="--engine")
         check_listen(host, port)  # fail before the (slow) model load, naming the flag
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        st = open_store(store or settings.store_dir(), model_dir)
+        try:
+            st = open_store(store or settings.store_dir(), model_dir)
+        except FileNotFoundError as exc:  # no model yet: say what to run, not a traceback
+            raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="--model-dir") from exc
         p = build_pod(st, version, pod=pod, max_batch=max_batch,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,

@@ -73,6 +73,15 @@ def test_broker_start_refuses_bad_port_and_partitions(tmp_path):
         r = _cli(env, "start", *args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert opt in r.stderr and "Traceback" not in r.stderr + r.stdout, r.stderr
+    import socket
+
+    with socket.socket() as s:  # a port that is taken: refused at once, not after a 30 s wait
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        r = _cli(env, "start", "--port", str(taken))
+    assert r.returncode == 2 and "--port" in r.stderr and "not free" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
     assert not (tmp_path / "home" / "broker.json").exists()
     with pytest.raises(ValueError, match="partitions"):
         broker.spawn(partitions=0)

@@ -99,6 +99,19 @@ def test_serve_port_errors_name_the_flag(tmp_path):
     assert r.exit_code == 2 and "--port" in out and f"cannot listen on 127.0.0.1:{taken}" in out, out
 
 
+def test_serve_without_a_model_says_to_run_model_init(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flywheel.broker import free_port
+    from flywheel.cli import app
+
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path / "no-model"))
+    r = CliRunner().invoke(app, ["serve", "--port", str(free_port()), "--store", str(tmp_path / "store")])
+    out = _flat(r.output)
+    assert r.exit_code == 2 and "flywheel model init" in out and "--model-dir" in out, out
+    assert "Traceback" not in r.output
+
+
 def test_vllm_venv_names_the_failed_step(tmp_path):
     from serving.vllm_env import ensure_vllm_venv
 
