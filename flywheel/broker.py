@@ -50,6 +50,9 @@ def validate(port: int | None, partitions: int) -> None:
         raise ValueError(f"port: must be a TCP port in 1..65535 (or unset for a free one), got {port!r}")
     if port is not None:
         with socket.socket() as s:
+            # as a listening server binds: a port whose old connections sit in TIME_WAIT (a broker
+            # restarted on its own port) is free; one with a live listener is not
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError as exc:
