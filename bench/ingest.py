@@ -11,9 +11,10 @@ One run, one embedded Tansu broker (``--partitions``, default 2), one data set:
    ``getmany`` batches of the worker's size, no processing. Measured first and last; the
    ratios use the larger (stricter) of the two.
 3. **Joined, 1 worker**: ``python -m ingest`` (a real worker process, its own consumer
-   group) consumes the same records, validates them, folds them into the SQLite join
-   state, commits offsets, and seals labels (``--seal-after-s``) into Parquet shards +
-   ``flywheel.samples`` while it consumes. Rate = records between the first counter
+   group) consumes the same records, validates them (feedback in full; a completion's head,
+   its body being validated once, at sealing: ``ingest.join.parse_completion``), folds them
+   into the SQLite join state, commits offsets, and seals labels (``--seal-after-s``) into
+   Parquet shards + ``flywheel.samples``. Rate = records between the first counter
    reading at >= 10 % and the first at >= 90 % of the records consumed, over the time
    between those readings (the worker's ``consumed_*`` counters, committed once per batch,
    polled from its state file every 20 ms: no end offsets, DESIGN §3).

@@ -5,12 +5,14 @@ two activities:
 
 * **the consumer loop** (event loop): ``getmany`` a batch of up to ``BATCH_MAX_RECORDS``
   records over every assigned partition; in the fold thread (so that the client's next fetch
-  overlaps it) validate each record (malformed -> dead letter with field and reason) and
+  overlaps it) validate each record (malformed -> dead letter with field and reason; of a
+  completion only the head the join needs, ``ingest.join.parse_completion``: its body is
+  validated once, when it is sealed, and dead-lettered with its votes if malformed) and
   fold the whole batch into the SQLite join state in **one transaction** (``Joiner.on_completions`` / ``on_feedbacks``: a few
   statements per batch), publish the batch's dead letters (delivery awaited) and record
   them, then **commit the batch's offsets**;
 * **the seal thread** (one worker thread, every ``tick_s``): recover dead peers' claims,
-  claim due labels, build their RewardedSamples, write one Parquet shard per
+  claim due labels, validate their completions and build their RewardedSamples, write one Parquet shard per
   (model_version, day) per round, mark them sealed, dead-letter orphans, write dead-letter
   files and refresh the catalog. It shares the store (one SQLite connection, one lock held
   per transaction); a claim transaction covers at most ``SEAL_CHUNK`` labels, so the
@@ -73,10 +75,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from schemas import topics as T
-from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, now_ms
+from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
 from ingest import catalog, writer
-from ingest.join import Joiner, TickResult, parse_event
+from ingest.join import Joiner, TickResult, parse_completion, parse_event
 from ingest.state import StateStore
 
 log = logging.getLogger("ingest")
@@ -157,10 +159,12 @@ class Worker:
         n = {"consumed_completions": 0, "consumed_feedback": 0}
         for tp, recs in batch.items():
             is_c = tp.topic == T.COMPLETIONS
-            model, into = (CompletionEvent, comps) if is_c else (FeedbackEvent, fbs)
+            into = comps if is_c else fbs
             n["consumed_completions" if is_c else "consumed_feedback"] += len(recs)
             for r in recs:
-                ev = parse_event(model, r.value, tp.topic, r.key)
+                # a completion: its head only (the body is validated once, at sealing)
+                ev = parse_completion(r.value, tp.topic, r.key) if is_c else parse_event(
+                    FeedbackEvent, r.value, tp.topic, r.key)
                 if isinstance(ev, DeadLetter):
                     dead.append(ev)
                     malformed["deadletter_malformed_completion" if is_c else "deadletter_malformed_feedback"] += 1
@@ -245,9 +249,9 @@ class Worker:
             for path, samples in res.shards.items():
                 shards.setdefault(path, []).extend(samples)
             rows += len(res.samples)
-            if res.orphan_ids:
+            if res.orphan_ids or res.bad_ids:
                 orphans.append(res)
-            if len(res.samples) + len(res.orphan_ids) + len(res.dropped) < SEAL_CHUNK:
+            if len(res.samples) + len(res.orphan_ids) + len(res.bad_ids) + len(res.dropped) < SEAL_CHUNK:
                 break
             if rows >= SHARD_ROWS:
                 more = True
@@ -331,7 +335,7 @@ class Worker:
                         await loop.run_in_executor(self._pool, self.joiner.commit_dead, res)
                     except Exception:
                         log.exception("ingest: orphan dead letters failed; retried next tick")
-                        await loop.run_in_executor(self._pool, self.joiner.release, res.orphan_ids)
+                        await loop.run_in_executor(self._pool, self.joiner.release, res.orphan_ids + res.bad_ids)
             await loop.run_in_executor(self._pool, self.housekeeping, wrote)
 
     # -- health ----------------------------------------------------------------------------

@@ -170,12 +170,22 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
     first = {c.completion_id for c in comps[: len(comps) // 2]}
     fb1 = [e for e in fb if e.completion_id in first]
     fb2 = [e for e in fb if e.completion_id not in first]
-    if crash:
-        produce(broker.bootstrap, comps, fb1)
-    else:
-        produce(broker.bootstrap, comps, fb, bad)
+    def last_assignment(path):
+        lines = [ln for ln in path.read_text().splitlines() if "ingest assigned" in ln] if path.exists() else []
+        return set(json.loads(lines[-1].split("ingest assigned", 1)[1])) if lines else set()
+
+    def split():
+        a1, a2 = last_assignment(log), last_assignment(tmp_path / "worker2.log")
+        return bool(a1 and a2 and not a1 & a2 and len(a1 | a2) == 12)
+
+    if workers == 1:
+        produce(broker.bootstrap, comps, fb1 if crash else fb, () if crash else bad)
     proc = start_worker(env, log)
     extra = [start_worker(env, tmp_path / "worker2.log") for _ in range(workers - 1)]
+    if workers > 1:  # both workers hold their share of the partitions before the traffic comes,
+        # so that each folds part of it (a worker that starts late would find the work done)
+        wait_for(split, 120, "two workers splitting the 12 partitions", proc, log)
+        produce(broker.bootstrap, comps, fb, bad)
     try:
         if crash:
             # kill mid-stream: once the first shard exists (some labels sealed, others open)
@@ -195,13 +205,8 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
         dead = read_dead(broker.bootstrap)
         reasons = sorted(d.field for d in dead)
         assert reasons.count("value") >= 1 and "schema_version" in reasons and "event_id" in reasons
-        if workers > 1:  # the two workers split the partitions (last assignment of each)
-            def last_assignment(path):
-                lines = [ln for ln in path.read_text().splitlines() if "ingest assigned" in ln]
-                return set(json.loads(lines[-1].split("ingest assigned", 1)[1]))
-
-            a1, a2 = last_assignment(log), last_assignment(tmp_path / "worker2.log")
-            assert a1 and a2 and not a1 & a2 and len(a1 | a2) == 12, (a1, a2)
+        if workers > 1:  # the two workers still split the partitions (last assignment of each)
+            assert split(), (last_assignment(log), last_assignment(tmp_path / "worker2.log"))
         if not crash and workers == 1:  # orphans and late votes, through the real worker
             sealed = got[0]
             late = FeedbackEvent(event_id=uuid.uuid4(), completion_id=sealed.completion_id, user_hash="latecomer",
@@ -209,20 +214,34 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
             orphans = [FeedbackEvent(event_id=uuid.uuid4(), completion_id=uuid.uuid4(), user_hash="u", value=-1,
                                      created_at=now_ms()) for _ in range(2)]
             replay = next(e for e in fb if str(e.event_id) in sealed.event_ids)  # already in a sample
-            produce(broker.bootstrap, [], [late, replay] + orphans)
+            # a completion whose head is fine but whose body is not (validated at sealing), voted on
+            broken = _completion(uuid.uuid4(), "v0000")
+            broken_raw = broken.to_bytes().replace(b'"behavior_logprobs":[-0.1,', b'"behavior_logprobs":[')
+            broken_vote = FeedbackEvent(event_id=uuid.uuid4(), completion_id=broken.completion_id, user_hash="u",
+                                        value=1, created_at=now_ms())
+            from kafka import KafkaProducer
+            kp = KafkaProducer(bootstrap_servers=broker.bootstrap)
+            kp.send(topics.COMPLETIONS, key=str(broken.completion_id).encode(), value=broken_raw)
+            kp.flush()
+            kp.close()
+            produce(broker.bootstrap, [], [late, replay, broken_vote] + orphans)
 
             def dead_feedback():
                 return [d for d in read_dead(broker.bootstrap) if d.field == "completion_id"]
 
-            wait_for(lambda: len(dead_feedback()) >= 3, 60, "orphan + late dead letters", proc, log)
+            wait_for(lambda: len(dead_feedback()) >= 4, 60, "orphan + late + malformed dead letters", proc, log)
             time.sleep(2)
             dl = dead_feedback()
-            by_eid = {str(FeedbackEvent.from_bytes(d.payload).event_id): d.reason for d in dl}
-            assert len(dl) == 3 and by_eid[str(late.event_id)].startswith("late")
+            by_eid = {json.loads(d.payload)["event_id"]: d.reason for d in dl}
+            assert len(dl) == 4 and by_eid[str(late.event_id)].startswith("late")
             assert all(by_eid[str(o.event_id)].startswith("orphan") for o in orphans)
+            assert by_eid[str(broken_vote.event_id)].startswith("malformed completion")
+            (dc,) = [d for d in read_dead(broker.bootstrap) if d.source_topic == topics.COMPLETIONS]
+            assert dc.key == str(broken.completion_id) and "behavior_logprobs: 2 values for 3" in dc.reason
+            assert dc.payload == broken_raw.decode()
             # every accepted event: in exactly one sample or one dead letter, never both
             in_samples = {e for s in read_samples_now(samples_dir) for e in s.event_ids}
-            accepted = {str(e.event_id) for e in fb + [late] + orphans}
+            accepted = {str(e.event_id) for e in fb + [late, broken_vote] + orphans}
             assert in_samples | set(by_eid) == accepted and not in_samples & set(by_eid)
             assert len(read_samples_now(samples_dir)) == len(got)  # the replayed vote changed nothing
             from ingest.catalog import query
