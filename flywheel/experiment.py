@@ -311,8 +311,9 @@ def evaluate(cfg: ExperimentConfig, versions: list[str], console=None) -> dict:
     """More votes for already-trained ``versions`` of ``cfg.out``'s store (no training): each
     is served ``samples_per_problem`` more times per problem with seeds from ``cfg.seed`` (use
     a seed the experiment did not use, so the draws are new and independent). With
-    ``out/experiment.json`` present, the new votes are pooled with the experiment's votes for
-    the same version, and first vs last of ``versions`` is compared on the pooled counts.
+    ``out/experiment.json`` present and the same problems served, the new votes are pooled with
+    the experiment's votes for the same version, and first vs last of ``versions`` is compared
+    on the pooled counts (other problems: not pooled, the pooled figures equal the new ones).
     Writes ``out/eval-seed<seed>.json`` and ``out/learning_curve_pooled.png``.
 
     Raises:
@@ -327,7 +328,14 @@ def evaluate(cfg: ExperimentConfig, versions: list[str], console=None) -> dict:
         raise ValueError(f"versions: {missing} not in the store at {cfg.out}/home/store")
     prior = {}
     if (cfg.out / "experiment.json").exists():
-        prior = {v["version"]: v for v in json.loads((cfg.out / "experiment.json").read_text())["versions"]}
+        exp = json.loads((cfg.out / "experiment.json").read_text())
+        ec = exp.get("config", {})
+        served = ec.get("problem_ids") or list(range(ec.get("problems", 0)))
+        mine = cfg.problem_ids if cfg.problem_ids is not None else list(range(cfg.problems))
+        if sorted(served) == sorted(mine):
+            prior = {v["version"]: v for v in exp["versions"]}
+        else:  # votes on other problems are another workload: never pooled
+            console.print(f"eval: not pooled with experiment.json (it served problems {served}, this run {mine})")
     wl = _Workload(cfg, model_dir)
     rows = []
     try:

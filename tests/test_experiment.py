@@ -83,5 +83,9 @@ def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
         assert row["pooled"]["thumbs_up"] == old["thumbs_up"] + row["new"]["thumbs_up"]
         assert sum(len(x) for x in row["pooled"]["by_problem"].values()) == 12
     assert (tmp_path / "exp/eval-seed1.json").exists() and (tmp_path / "exp/learning_curve_pooled.png").exists()
+    # other problems (a held-out check) are another workload: never pooled with the experiment's
+    held = evaluate(ExperimentConfig(**{**cfg.__dict__, "seed": 2, "problem_ids": [5]}), ["v000000", "v000001"])
+    for row in held["versions"]:
+        assert row["new"]["n"] == row["pooled"]["n"] == 3 and set(row["pooled"]["by_problem"]) == {5}
     with pytest.raises(ValueError, match="not in the store"):
         evaluate(cfg, ["v000009"])
