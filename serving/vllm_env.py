@@ -30,7 +30,8 @@ def ensure_vllm_venv(path: Path, package: str = VLLM_PACKAGE, python: str = sys.
         RuntimeError: venv creation, the install or ``import vllm`` failed (the step is named,
             with the tail of its output).
     """
-    py = Path(path) / "bin" / "python"
+    path = Path(path).absolute()  # the steps run with cwd="/": a relative path would point there
+    py = path / "bin" / "python"
 
     def run(step: str, args: list[str]) -> None:
         log(f"vllm-venv: {step} ...")

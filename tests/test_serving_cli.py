@@ -112,7 +112,7 @@ def test_serve_without_a_model_says_to_run_model_init(tmp_path, monkeypatch):
     assert "Traceback" not in r.output
 
 
-def test_vllm_venv_names_the_failed_step(tmp_path):
+def test_vllm_venv_names_the_failed_step(tmp_path, monkeypatch):
     from serving.vllm_env import ensure_vllm_venv
 
     with pytest.raises(RuntimeError, match="create venv failed"):
@@ -122,3 +122,6 @@ def test_vllm_venv_names_the_failed_step(tmp_path):
         said = []
         assert ensure_vllm_venv(repo_venv, log=said.append) == repo_venv / "bin" / "python"
         assert said == [f"vllm-venv: {repo_venv} already has vllm"]
+        # as `flywheel vllm-venv` calls it: a path relative to the repo
+        monkeypatch.chdir(repo_venv.parent)
+        assert ensure_vllm_venv(Path(".venv-vllm"), log=said.append) == repo_venv / "bin" / "python"
