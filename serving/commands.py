@@ -27,11 +27,11 @@ def default_version(store) -> str:
     return best or "v000000"
 
 
-def open_store(store_dir: Path, model_dir: Path | None = None):
+def open_store(store_dir: Path | str, model_dir: Path | None = None):
     """The model store to serve from.
 
     With ``model_dir``: a one-version :class:`serving.slots.CheckpointStore` over it.
-    Else ``deploy.store.ModelStore(store_dir)``, initialised from the base model
+    Else ``deploy.store.ModelStore(store_dir)`` (a dir, or an fsspec URL string), initialised from the base model
     (``schemas.settings.base_model_dir()``) only if it has no versions yet.
     """
     from serving.slots import CheckpointStore
@@ -122,6 +122,19 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     return Pod(app=app, engine=engine, slots=slots, event_log=ev)
 
 
+def is_loopback(host: str) -> bool:
+    """True if every address ``host`` resolves to is a loopback one (127.0.0.0/8, ::1);
+    False for 0.0.0.0, a LAN address, or a name that does not resolve."""
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
 def check_listen(host: str, port: int) -> None:
     """Raise ``typer.BadParameter`` naming ``--host``/``--port`` if ``host:port`` cannot be
     bound now (address in use, no such interface, privileged port)."""
@@ -160,7 +173,8 @@ def register(app: typer.Typer) -> None:
     def serve(
         host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
         port: int = typer.Option(8000, min=1, max=65535, help="TCP port (1-65535)."),
-        store: Optional[Path] = typer.Option(None, help="Model store dir (default: $FLYWHEEL_HOME/store)."),
+        store: Optional[str] = typer.Option(None, help="Model store: a dir or an fsspec URL such as s3://bucket/fw "
+                                                      "(default: $FLYWHEEL_STORE, else $FLYWHEEL_HOME/store)."),
         version: Optional[str] = typer.Option(None, help="Version to serve as stable (default: latest "
                                                          "promoted, else v000000)."),
         pod: str = typer.Option(os.environ.get("HOSTNAME", "pod-0"), help="Pod name in every event."),
@@ -169,8 +183,9 @@ def register(app: typer.Typer) -> None:
                                                  "this interpreter; see DESIGN §3)."),
         model_dir: Optional[Path] = typer.Option(None, help="Serve a plain HF checkpoint dir as v000000 "
                                                             "instead of a model store."),
-        api_keys_file: Optional[Path] = typer.Option(None, help="Bearer keys for /v1/*, one per line "
-                                                                "(also env FLYWHEEL_API_KEYS, comma-separated)."),
+        api_keys_file: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, readable=True,
+                                                     help="Bearer keys for /v1/*, one per line "
+                                                          "(also env FLYWHEEL_API_KEYS, comma-separated)."),
         threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads (>= 1)."),
         aligned_logprobs: bool = typer.Option(False, "--aligned-logprobs",
                                               help="Torch engine: log behavior logprobs and routes from one "
@@ -196,11 +211,24 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter("vllm is not installed in this interpreter (run flywheel from the "
                                          "vLLM venv, DESIGN §3)", param_hint="--engine")
         check_listen(host, port)  # fail before the (slow) model load, naming the flag
+        if not os.environ.get("FLYWHEEL_ADMIN_TOKEN") and not is_loopback(host):
+            raise typer.BadParameter(f"{host} is reachable from other machines and /admin/* (load, promote, "
+                                     "roll back) would have no auth: set FLYWHEEL_ADMIN_TOKEN", param_hint="--host")
+        if model_dir is not None and not (model_dir / "config.json").is_file():
+            raise typer.BadParameter(f"{model_dir} holds no Hugging Face checkpoint (no config.json)",
+                                     param_hint="--model-dir")
+        if store is None:
+            env_store = os.environ.get("FLYWHEEL_STORE", "")
+            store = env_store if "://" in env_store else str(settings.store_dir())  # a URL stays a string
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
-            st = open_store(store or settings.store_dir(), model_dir)
+            st = open_store(store if "://" in store else Path(store), model_dir)
         except FileNotFoundError as exc:  # no model yet: say what to run, not a traceback
-            raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="--model-dir") from exc
+            raise typer.BadParameter(str(exc).split(": ", 1)[1],
+                                     param_hint="FLYWHEEL_MODEL_DIR or --model-dir") from exc
+        if version is not None and version not in st.versions():
+            raise typer.BadParameter(f"{version!r} is not in the store (it has {', '.join(st.versions())})",
+                                     param_hint="--version")
         p = build_pod(st, version, pod=pod, max_batch=max_batch,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,

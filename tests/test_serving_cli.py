@@ -112,6 +112,32 @@ def test_serve_without_a_model_says_to_run_model_init(tmp_path, monkeypatch):
     assert "Traceback" not in r.output
 
 
+def test_serve_bad_setups_are_usage_errors(tmp_path, tiny_moe_dir, monkeypatch):
+    """Each mistake names its flag (exit 2, no traceback) before any model load; a store URL in
+    FLYWHEEL_STORE is opened as the URL, not as a local directory named after it."""
+    from typer.testing import CliRunner
+
+    from deploy.store import ModelStore
+    from flywheel.broker import free_port
+    from flywheel.cli import app
+
+    monkeypatch.delenv("FLYWHEEL_ADMIN_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    url = "memory://serve-cli-test/store"
+    ModelStore(url).init_base(tiny_moe_dir)
+    monkeypatch.setenv("FLYWHEEL_STORE", url)
+    (tmp_path / "empty").mkdir()
+    cases = [(["--host", "0.0.0.0"], "--host", "set FLYWHEEL_ADMIN_TOKEN"),
+             (["--model-dir", str(tmp_path / "empty")], "--model-dir", "no config.json"),
+             (["--api-keys-file", str(tmp_path / "nope.txt")], "--api-keys-file", "does not exist"),
+             (["--version", "v000099"], "--version", "it has v000000")]
+    for args, flag, why in cases:
+        r = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
+        out = _flat(r.output)
+        assert r.exit_code == 2 and flag in out and why in out and "Traceback" not in r.output, (args, out)
+    assert not (tmp_path / "memory:").exists()  # the URL was not taken for a local path
+
+
 def test_vllm_venv_names_the_failed_step(tmp_path, monkeypatch):
     from serving.vllm_env import ensure_vllm_venv
 
