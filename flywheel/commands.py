@@ -134,10 +134,17 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
         try:
             rep = evaluate(cfg, [v.strip() for v in eval_only.split(",") if v.strip()])
         except ValueError as exc:
+            if str(exc).startswith("model dir:"):
+                raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="FLYWHEEL_MODEL_DIR") from exc
             raise typer.BadParameter(str(exc), param_hint="--eval-only") from exc
         c = rep["comparison_pooled"]
     else:
-        rep = run(cfg)
+        try:
+            rep = run(cfg)
+        except ValueError as exc:
+            if not str(exc).startswith("model dir:"):
+                raise
+            raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="FLYWHEEL_MODEL_DIR") from exc
         c = rep["comparison"]
     typer.echo(f"experiment: {c['last']} - {c['first']} thumbs-up = {c['diff']:+.3f} (Newcombe 95% "
                f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}], problem bootstrap "

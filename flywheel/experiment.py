@@ -84,7 +84,9 @@ class ExperimentConfig:
                   ("steps", self.steps >= 1, "must be >= 1"), ("batch_size", self.batch_size >= 1, "must be >= 1"),
                   ("lr", self.lr >= 0, "must be >= 0"), ("max_batch", self.max_batch >= 1, "must be >= 1"),
                   ("objective", self.objective in ("kto", "reinforce"), "must be 'kto' or 'reinforce'"),
-                  ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'")]
+                  ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'"),
+                  ("baseline", self.objective == "reinforce" or self.baseline == "batch",
+                   "is REINFORCE's baseline: use it with objective 'reinforce'")]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
@@ -258,6 +260,9 @@ def _setup(cfg: ExperimentConfig):
     store = ModelStore(settings.store_dir())
     model_dir = settings.base_model_dir()
     if not store.versions():
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"model dir: {model_dir} holds no checkpoint; run 'flywheel model init' first "
+                             "(or set FLYWHEEL_MODEL_DIR)")
         store.init_base(model_dir)
     return store, model_dir
 

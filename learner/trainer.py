@@ -141,6 +141,8 @@ class LearnerConfig:
             ("undesirable_weight", self.undesirable_weight > 0, "must be > 0"),
             ("kl_coef", self.kl_coef >= 0, "must be >= 0"), ("is_cap", self.is_cap > 0, "must be > 0"),
             ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'"),
+            ("baseline", self.objective == "reinforce" or self.baseline == "batch",
+             "is REINFORCE's baseline: use it with objective 'reinforce'"),
             ("is_level", self.is_level in ("sequence", "token"), "must be 'sequence' or 'token'"),
             ("is_level", not (self.objective == "kto" and self.is_level == "token"),
              "KTO's loss is per sequence: use 'sequence'"),

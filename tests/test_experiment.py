@@ -45,9 +45,20 @@ def test_cluster_bootstrap_by_construction():
 
 def test_config_rejects_bad_values(tmp_path):
     for kw, name in (({"rounds": 0}, "rounds"), ({"temperature": 0.0}, "temperature"),
-                     ({"problem_ids": [200]}, "problem_ids"), ({"objective": "dpo"}, "objective")):
+                     ({"problem_ids": [200]}, "problem_ids"), ({"objective": "dpo"}, "objective"),
+                     ({"baseline": "prompt"}, "baseline")):  # the prompt baseline is REINFORCE's
         with pytest.raises(ValueError, match=name):
             ExperimentConfig(out=tmp_path, **kw)
+
+
+def test_no_model_built_says_to_run_model_init(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path / "no-model"))
+    r = CliRunner().invoke(app, ["experiment", "--out", str(tmp_path / "exp"), "--rounds", "1"])
+    assert r.exit_code == 2 and "flywheel model init" in r.output and "Traceback" not in r.output, r.output
 
 
 def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):

@@ -200,6 +200,8 @@ def test_reinforce_prompt_baseline_learns_nothing_from_prompts_with_one_verdict(
     assert any(not torch.equal(state2[k], before[k]) for k in before)
     with pytest.raises(ValueError, match="baseline"):
         LearnerConfig(baseline="group")
+    with pytest.raises(ValueError, match="baseline"):  # KTO has no baseline: never silently ignored
+        LearnerConfig(objective="kto", baseline="prompt")
 
 
 @pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
