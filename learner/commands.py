@@ -40,8 +40,8 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            gate_problems: Optional[str] = typer.Option(
                None, help="Eval gate on held-out HumanEval prompts scored as the demo's users score (code "
                           "run against the tests in the sandbox), e.g. '120-163'; score = pass rate."),
-           gate_samples: int = typer.Option(2, help="Eval gate: completions per held-out prompt."),
-           gate_max_tokens: int = typer.Option(128, help="Eval gate: new tokens per completion."),
+           gate_samples: int = typer.Option(2, min=1, help="Eval gate: completions per held-out prompt."),
+           gate_max_tokens: int = typer.Option(128, min=1, help="Eval gate: new tokens per completion."),
            train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
            measure_free_max: int = typer.Option(0, help="Samples that also get a replay-off forward "
                                                 "for route-flip figures (0 = all)."),
