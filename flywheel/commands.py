@@ -149,7 +149,8 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
     typer.echo(f"experiment: {c['last']} - {c['first']} thumbs-up = {c['diff']:+.3f} (Newcombe 95% "
                f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}], problem bootstrap "
                f"[{c['cluster_bootstrap_ci95'][0]:+.3f}, {c['cluster_bootstrap_ci95'][1]:+.3f}], one-sided "
-               f"p={c['p_one_sided']:.4f}); {out}/experiment.json, {out}/learning_curve.png")
+               f"p={c['p_one_sided']:.4f}); " + (f"{out}/eval-seed{seed}.json, {out}/learning_curve_pooled.png"
+                                                  if eval_only else f"{out}/experiment.json, {out}/learning_curve.png"))
 
 
 def register(app: typer.Typer) -> None:
