@@ -152,18 +152,29 @@ def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_pat
     return b
 
 
-def start(port: int | None = None, partitions: int = DEFAULT_PARTITIONS) -> BrokerProcess:
+def start(port: int | None = None, partitions: int | None = None) -> BrokerProcess:
     """``flywheel broker start``: detached broker, address recorded in ``broker.json``.
 
-    If one is already running (per ``broker.json``), returns it.
+    If one is already running (per ``broker.json``), returns it, unless ``port`` or
+    ``partitions`` were given and differ from the running broker's (None: any; a new broker
+    gets :data:`DEFAULT_PARTITIONS`).
 
     Raises:
-        ValueError: bad ``port`` or ``partitions`` (:func:`validate`), before anything starts.
+        ValueError: bad ``port`` or ``partitions`` (:func:`validate`), or a running broker with
+            other settings (the message names the argument and says to stop it first).
     """
-    validate(port, partitions)
     running = status()
     if running is not None:
+        info = json.loads(settings.broker_state_file().read_text())
+        if port is not None and port != running.port:
+            raise ValueError(f"port: a broker is already running on port {running.port}; "
+                             "stop it first (flywheel broker stop)")
+        if partitions is not None and partitions != info.get("partitions"):
+            raise ValueError(f"partitions: the running broker's topics have {info.get('partitions')} partitions; "
+                             "stop it first (flywheel broker stop)")
         return running
+    partitions = DEFAULT_PARTITIONS if partitions is None else partitions
+    validate(port, partitions)
     b = spawn(port, partitions, log_path=settings.home() / "broker.log", detach=True)
     settings.broker_state_file().write_text(json.dumps(
         {"pid": b.pid, "port": b.port, "bootstrap": b.bootstrap, "partitions": partitions,

@@ -14,15 +14,15 @@ model_app = typer.Typer(help="The default model.", no_args_is_help=True)
 
 @broker_app.command("start")
 def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (default: a free one)."),
-                 partitions: int = typer.Option(6, help="Partitions of every Flywheel topic.")):
-    """Start the embedded broker detached and create all topics."""
+                 partitions: Optional[int] = typer.Option(None, help="Partitions of every Flywheel topic "
+                                                                     "(default 6).")):
+    """Start the embedded broker detached and create all topics (a running one is returned)."""
     from flywheel import broker
 
     try:
-        broker.validate(port, partitions)
+        b = broker.start(port, partitions)
     except ValueError as exc:  # a usage error, not a traceback
         raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint=f"--{str(exc).split(':')[0]}") from exc
-    b = broker.start(port, partitions)
     typer.echo(json.dumps({"bootstrap": b.bootstrap, "pid": b.pid}))
 
 

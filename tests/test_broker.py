@@ -30,6 +30,13 @@ def test_broker_cli_lifecycle_and_explicit_topics(tmp_path):
         assert st.returncode == 0 and json.loads(st.stdout)["bootstrap"] == info["bootstrap"]
         # starting again returns the running broker, not a second one
         assert json.loads(_cli(env, "start").stdout.strip().splitlines()[-1])["pid"] == info["pid"]
+        again = _cli(env, "start", "--port", str(info["bootstrap"].rsplit(":", 1)[1]), "--partitions", "3")
+        assert json.loads(again.stdout.strip().splitlines()[-1])["pid"] == info["pid"], again.stderr
+        # ... but other settings are refused, not silently ignored
+        for args, opt in ((["--partitions", "8"], "--partitions"), (["--port", "1"], "--port")):
+            r = _cli(env, "start", *args)
+            flat = " ".join(r.stderr.replace("│", " ").split())  # rich wraps the error box
+            assert r.returncode == 2 and opt in flat and "stop it first" in flat, r.stderr
         admin = KafkaAdminClient(bootstrap_servers=info["bootstrap"])
         try:
             meta = {(m.get("topic") or m.get("name")): len(m["partitions"])
