@@ -66,7 +66,8 @@ def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (de
     try:
         d = init_model(out or settings.base_model_dir(), num_experts=experts, top_k=top_k, force=force)
     except ValueError as exc:  # a directory that is not ours: refused, never deleted
-        raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="--out") from exc
+        raise typer.BadParameter(str(exc).split(": ", 1)[1],
+                                 param_hint="--out" if out else "FLYWHEEL_MODEL_DIR") from exc
     typer.echo(str(d))
 
 
