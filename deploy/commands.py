@@ -155,10 +155,8 @@ def register(app: typer.Typer) -> None:
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Canary VERSION at the next reconcile (also one the controller skipped or rolled back)."""
         store = _store()
-        try:
-            store.manifest(version)
-        except (KeyError, ValueError) as exc:
-            _fail(f"version: {exc}")
+        if version not in store.versions():
+            _fail(f"version: {version!r} is not in the store (it has {', '.join(store.versions()) or 'none'})")
         _confirm(f"start a canary of {version}", yes)
         write_intent(intent_path(), "start", _actor(), version)
         console.print(f"recorded: start canary of {version}; the controller acts at its next reconcile")

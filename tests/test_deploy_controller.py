@@ -489,8 +489,10 @@ def test_canary_abort_and_start_are_recorded_intents(env):
     assert (last.decision, last.actor) == ("ABORT", "oncall-alice")
     # an aborted version is not restarted by the controller, but an operator can start it
     assert controller(env, clock).reconcile().phase == RolloutPhase.ABORTED
-    r = run(app, ["canary", "start", "v000007", "--yes"])
-    assert r.exit_code == 2 and "v000007" in r.output
+    for bad in ("v000007", "garbage"):
+        r = run(app, ["canary", "start", bad, "--yes"])
+        out = " ".join(r.output.split())
+        assert r.exit_code == 2 and f"version: '{bad}' is not in the store (it has v000000, v000001)" in out, out
     assert run(app, ["canary", "start", "v000001", "--yes"]).exit_code == 0
     st = controller(env, clock).reconcile()
     assert st.phase == RolloutPhase.CANARY and st.candidate == "v000001" and "started by oncall-alice" in st.last_reason
