@@ -91,10 +91,8 @@ def _actor() -> str:
 
 
 def _store() -> ModelStore:
-    """The model store: ``$FLYWHEEL_STORE`` as given when it is an fsspec URL
-    (``s3://...``, ``memory://...``), else ``schemas.settings.store_dir()``."""
-    raw = os.environ.get("FLYWHEEL_STORE", "")
-    return ModelStore(raw if "://" in raw else settings.store_dir())
+    """The model store at ``schemas.settings.store_dir()`` (a directory or an fsspec URL)."""
+    return ModelStore(settings.store_dir())
 
 
 def _admin(serving: str | None, timeout_s: float = 120.0) -> ServingAdmin:

@@ -71,10 +71,11 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         raise typer.BadParameter(str(exc)) from exc
     if parent not in ("stable", "latest"):
         raise typer.BadParameter(f"must be 'stable' or 'latest', got {parent!r}", param_hint="--parent")
-    store = store or os.environ.get("FLYWHEEL_STORE") or settings.store_dir()  # a URL stays a string
-    from learner.cycle import open_store as _open
+    from learner.cycle import open_store
 
-    if not _open(store).versions():
+    store = store or settings.store_dir()  # a directory or an fsspec URL
+    st = open_store(store)
+    if not st.versions():
         typer.echo(f"learn: the model store {store} has no version yet. Publish the base first: "
                    "`flywheel serve` does it on first start (or deploy.store.ModelStore(...).init_base).",
                    err=True)
@@ -82,7 +83,6 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
     evaluate = None
     if gate_problems:
         from flywheel.users import humaneval_gate, parse_problem_ids
-        from learner.cycle import open_store
         from learner.gate import generation_evaluator
         from schemas.modelspec import load_tokenizer
 
@@ -90,7 +90,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
             ids = parse_problem_ids(gate_problems)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--gate-problems") from exc
-        tok = load_tokenizer(open_store(store).base_dir)
+        tok = load_tokenizer(st.base_dir)
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         eos = tok.eos_token_id if eos is None or eos == tok.unk_token_id else eos
         prompts, score = humaneval_gate(ids, tok)

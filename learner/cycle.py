@@ -33,8 +33,7 @@ def open_store(store_root):
         return store_root
     from deploy.store import ModelStore
 
-    # a URL (s3://, memory://, ...) stays a string: ModelStore opens it through fsspec
-    return ModelStore(store_root if isinstance(store_root, str) and "://" in store_root else Path(store_root))
+    return ModelStore(store_root)  # a directory, or a URL (s3://, memory://, ...) opened through fsspec
 
 
 def load_state(state_dir: str | Path) -> dict:

@@ -42,9 +42,12 @@ def bootstrap() -> str:
         "no Kafka broker: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel broker start`")
 
 
-def store_dir() -> Path:
-    """The model store (versions, manifests, snapshots, deltas)."""
-    return Path(os.environ.get("FLYWHEEL_STORE", home() / "store"))
+def store_dir() -> Path | str:
+    """The model store (versions, manifests, snapshots, deltas): ``$FLYWHEEL_STORE`` as given
+    when it is an fsspec URL (``s3://bucket/fw``, ``memory://fw``; ``deploy.store.ModelStore``
+    opens it), else a local directory (``$FLYWHEEL_STORE`` or ``$FLYWHEEL_HOME/store``)."""
+    raw = os.environ.get("FLYWHEEL_STORE", "")
+    return raw if "://" in raw else Path(raw or home() / "store")
 
 
 def samples_dir() -> Path:

@@ -217,12 +217,9 @@ def register(app: typer.Typer) -> None:
         if model_dir is not None and not (model_dir / "config.json").is_file():
             raise typer.BadParameter(f"{model_dir} holds no Hugging Face checkpoint (no config.json)",
                                      param_hint="--model-dir")
-        if store is None:
-            env_store = os.environ.get("FLYWHEEL_STORE", "")
-            store = env_store if "://" in env_store else str(settings.store_dir())  # a URL stays a string
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
-            st = open_store(store if "://" in store else Path(store), model_dir)
+            st = open_store(store or settings.store_dir(), model_dir)
         except FileNotFoundError as exc:  # no model yet: say what to run, not a traceback
             raise typer.BadParameter(str(exc).split(": ", 1)[1],
                                      param_hint="FLYWHEEL_MODEL_DIR or --model-dir") from exc
