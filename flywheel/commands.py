@@ -129,24 +129,21 @@ def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Outpu
                                objective=objective, baseline=baseline, seed=seed, max_batch=max_batch)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if eval_only:
-        from flywheel.experiment import evaluate
+    from flywheel.experiment import evaluate
 
-        try:
+    try:
+        if eval_only:
             rep = evaluate(cfg, [v.strip() for v in eval_only.split(",") if v.strip()])
-        except ValueError as exc:
-            if str(exc).startswith("model dir:"):
-                raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="FLYWHEEL_MODEL_DIR") from exc
-            raise typer.BadParameter(str(exc), param_hint="--eval-only") from exc
-        c = rep["comparison_pooled"]
-    else:
-        try:
+            c = rep["comparison_pooled"]
+        else:
             rep = run(cfg)
-        except ValueError as exc:
-            if not str(exc).startswith("model dir:"):
-                raise
+            c = rep["comparison"]
+    except ValueError as exc:
+        if str(exc).startswith("model dir:"):
             raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="FLYWHEEL_MODEL_DIR") from exc
-        c = rep["comparison"]
+        if eval_only:
+            raise typer.BadParameter(str(exc), param_hint="--eval-only") from exc
+        raise
     typer.echo(f"experiment: {c['last']} - {c['first']} thumbs-up = {c['diff']:+.3f} (Newcombe 95% "
                f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}], problem bootstrap "
                f"[{c['cluster_bootstrap_ci95'][0]:+.3f}, {c['cluster_bootstrap_ci95'][1]:+.3f}], one-sided "

@@ -81,15 +81,15 @@ class ExperimentConfig:
                   ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
                   ("temperature", 0 < self.temperature <= 2, "must be in (0, 2] (sampling, not greedy)"),
                   ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-                  ("steps", self.steps >= 1, "must be >= 1"), ("batch_size", self.batch_size >= 1, "must be >= 1"),
-                  ("lr", self.lr >= 0, "must be >= 0"), ("max_batch", self.max_batch >= 1, "must be >= 1"),
-                  ("objective", self.objective in ("kto", "reinforce"), "must be 'kto' or 'reinforce'"),
-                  ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'"),
-                  ("baseline", self.objective == "reinforce" or self.baseline == "batch",
-                   "is REINFORCE's baseline: use it with objective 'reinforce'")]
+                  ("max_batch", self.max_batch >= 1, "must be >= 1")]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+        from learner.trainer import LearnerConfig  # the learner's own rules for the learner's fields
+
+        LearnerConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, beta=self.beta,
+                      train_layers=self.train_layers, balance_classes=self.balance_classes,
+                      objective=self.objective, baseline=self.baseline)
         if self.problem_ids is not None and not all(0 <= i < 164 for i in self.problem_ids):
             raise ValueError(f"problem_ids: each must be in 0..163, got {self.problem_ids!r}")
 
