@@ -38,7 +38,8 @@ Semantics (issue 4 item 2):
   label's whole life (``max_label_age_s`` + ``orphan_ttl_s``, validated), and a client
   retrying from its buffer. As a second guard, a completion whose ``created_at`` and a
   feedback event whose ``created_at`` are older than the horizon are *expired*: counted
-  (``completions_expired``, ``feedback_expired``) and ignored, because their dedupe rows
+  (``completions_expired``, ``feedback_expired``) and not folded (an expired vote is
+  dead-lettered with field ``created_at``, so it is still accounted for), because their dedupe rows
   may be gone (a label sealed at the latest ``created_at + max_label_age_s`` keeps its
   row until ``sealed_at + dedupe_retention_s``), so a replay of a pruned record can
   never seal a label twice.
@@ -56,7 +57,7 @@ import pydantic
 import pydantic_core
 
 from schemas import topics
-from schemas.events import SCHEMA_VERSION, CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample, now_ms
+from schemas.events import MIN_EVENT_TIME_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample, now_ms
 
 
 @dataclass(frozen=True)
@@ -249,19 +250,26 @@ def parse_event(model: type[CompletionEvent] | type[FeedbackEvent], raw: bytes |
     """
     if raw is None:
         return dead_letter(source_topic, key, "value", "null record value (tombstone)", b"")
+    try:
+        return _parse_event(model, raw, source_topic, key)
+    except Exception as exc:  # noqa: BLE001 - any byte sequence must end as a dead letter, never stop the join
+        return dead_letter(source_topic, key, "value", f"unparseable record: {type(exc).__name__}: {str(exc)[:200]}", raw)
+
+
+def _parse_event(model, raw: bytes | str, source_topic: str, key: bytes | str | None):
     try:  # fast path: pydantic-core parses and validates in one pass (= model_validate_json)
         return model.__pydantic_validator__.validate_json(raw)
     except (pydantic.ValidationError, ValueError):
         pass
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return dead_letter(source_topic, key, "value", f"bad JSON: {exc}", raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return dead_letter(source_topic, key, "value", f"bad JSON: {type(exc).__name__}: {str(exc)[:200]}", raw)
     if not isinstance(obj, dict):
         return dead_letter(source_topic, key, "value", f"expected a JSON object, got {type(obj).__name__}", raw)
     if "schema_version" in obj and obj["schema_version"] != SCHEMA_VERSION:
         return dead_letter(source_topic, key, "schema_version",
-                           f"unknown schema_version {obj['schema_version']!r} (this worker reads {SCHEMA_VERSION})", raw)
+                           f"unknown schema_version {repr(obj['schema_version'])[:40]} (this worker reads {SCHEMA_VERSION})", raw)
     try:
         return model.model_validate(obj)
     except pydantic.ValidationError as exc:
@@ -277,7 +285,7 @@ class CompletionHead(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="ignore")
     schema_version: Literal[1] = SCHEMA_VERSION
     completion_id: uuid.UUID
-    created_at: int = pydantic.Field(ge=0)
+    created_at: int = pydantic.Field(ge=MIN_EVENT_TIME_MS)
     model_version: str = pydantic.Field(min_length=1)
 
 
@@ -303,7 +311,7 @@ def parse_completion(raw: bytes | str, source_topic: str = topics.COMPLETIONS, k
         if i > 0:
             try:
                 return _HEAD_VALIDATOR.validate_json(raw[:i] + b"}")  # = CompletionHead.model_validate_json
-            except (pydantic.ValidationError, ValueError):
+            except Exception:  # noqa: BLE001 - decided by parse_event below, which never raises
                 pass  # decided by the full validation below (dead letter with field + reason)
     return parse_event(CompletionEvent, raw, source_topic, key)
 
@@ -389,7 +397,7 @@ class Joiner:
         ``"duplicate"`` (this event_id was already folded, sealed or dead-lettered, or
         decided earlier in ``items``), ``"late"`` (its label is sealed or being sealed; a
         DeadLetter is returned when ``late_policy="deadletter"``), ``"expired"``
-        (``created_at`` older than ``dedupe_retention_s``: counted, ignored) or
+        (``created_at`` older than ``dedupe_retention_s``: counted, DeadLetter returned) or
         ``"unsupported"`` (a kind the label does not use; DeadLetter returned). A returned
         dead letter is not yet recorded: publish it, then call :meth:`mark_dead` (a crash in
         between re-decides it on replay: dead letters are at-least-once, never lost).
@@ -412,11 +420,14 @@ class Joiner:
                     n["feedback_duplicate"] += 1
                     out.append(("duplicate", None))
                     continue
+                seen.add(eid)  # decided here: a later copy in ``items`` is a duplicate
                 if ev.created_at < horizon:
                     n["feedback_expired"] += 1
-                    out.append(("expired", None))
-                    continue
-                seen.add(eid)  # decided here: a later copy in ``items`` is a duplicate
+                    out.append(("expired", dead_letter(
+                        topics.FEEDBACK, cid, "created_at",
+                        f"expired: created_at {ev.created_at} ms is older than the dedupe horizon "
+                        f"(dedupe_retention_s={self.cfg.dedupe_retention_s})", _raw_text(raw, ev), now)))
+                    continue  # decided here: a later copy in ``items`` is a duplicate
                 if ev.kind != "thumb":
                     n["feedback_unsupported"] += 1
                     out.append(("unsupported", dead_letter(topics.FEEDBACK, cid, "kind",

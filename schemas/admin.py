@@ -20,22 +20,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class LoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    version: str
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    version: str = Field(min_length=1)
 
 
 class WeightRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     candidate_weight: float = Field(ge=0.0, le=1.0)
 
 
 class RollbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    version: str | None = None
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    version: str | None = Field(None, min_length=1)  # None: back to the stable; "" is refused
 
 
 class SlotInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     version: str
     weights_digest: str  # schemas.manifest.digest_of_hashes of the loaded tensors
     loaded_at: int  # ms
@@ -43,7 +43,7 @@ class SlotInfo(BaseModel):
 
 
 class SlotsStatus(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     pod: str
     stable: SlotInfo
     candidate: SlotInfo | None = None

@@ -30,8 +30,25 @@ def hash_user(user_id: str, salt: str) -> str:
     return hashlib.sha256(f"{salt}:{user_id}".encode()).hexdigest()[:32]
 
 
+# Event times are ms since the epoch (UTC). A value below this bound (2001-09-09T01:46:40Z)
+# is refused: it is almost surely seconds, and a vote stamped in seconds would look 55 years
+# old to the join (issue 11, defect 2).
+MIN_EVENT_TIME_MS = 10**12
+
+
+def _check_ms(name: str, v: int) -> int:
+    if v < MIN_EVENT_TIME_MS:
+        unit = "seconds" if 10**9 <= v < 10**11 else "not milliseconds"
+        raise ValueError(f"{name}: {v} is before 2001-09-09 in ms since the epoch (looks like {unit}); "
+                         f"event times are milliseconds since the epoch, UTC")
+    return v
+
+
 class _Event(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    """Base of every Kafka event: unknown fields and non-finite floats (NaN, +-Infinity) are
+    refused at validation, so neither reaches a sample or an importance ratio."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
     def to_bytes(self) -> bytes:
         """JSON encoding used on Kafka."""
@@ -132,6 +149,11 @@ class CompletionEvent(_Event):
     ttft_ms: float = Field(ge=0)
     latency_ms: float = Field(ge=0)
 
+    @field_validator("created_at")
+    @classmethod
+    def _created_at_ms(cls, v: int) -> int:
+        return _check_ms("created_at", v)
+
     @model_validator(mode="after")
     def _check_lengths(self):
         if len(self.behavior_logprobs) != len(self.completion_token_ids):
@@ -164,6 +186,11 @@ class FeedbackEvent(_Event):
     value: float
     comment: str | None = Field(None, max_length=4096)
     created_at: int = Field(ge=0)
+
+    @field_validator("created_at")
+    @classmethod
+    def _created_at_ms(cls, v: int) -> int:
+        return _check_ms("created_at", v)
 
     @model_validator(mode="after")
     def _check_value(self):

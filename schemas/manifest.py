@@ -9,9 +9,10 @@ publishes, the store checks them after reconstruction, serving checks them after
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 VersionKind = Literal["snapshot", "delta"]
 
@@ -67,15 +68,32 @@ def digest_of_hashes(hashes: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def _non_finite_path(obj: Any, path: str = "") -> str | None:
+    """Dotted path of the first NaN/Infinity float inside nested dicts/lists, else None."""
+    if isinstance(obj, float):
+        return path or "value" if not math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, x in items:
+        bad = _non_finite_path(x, f"{path}.{k}" if path else str(k))
+        if bad is not None:
+            return bad
+    return None
+
+
 class TensorMeta(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     dtype: str
     shape: list[int]
     sha256: str
 
 
 class StatusChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     status: str  # published | rejected | canary | promoted | rolled_back | ...
     at: int  # ms since epoch
     reason: str = ""
@@ -84,7 +102,7 @@ class StatusChange(BaseModel):
 class VersionManifest(BaseModel):
     """What the store knows about one version."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     version: str
     parent: str | None
     created_at: int
@@ -95,6 +113,14 @@ class VersionManifest(BaseModel):
     status_history: list[StatusChange] = Field(default_factory=list)
     size_bytes: int = 0  # bytes on disk of this version's payload
     snapshot_bytes: int = 0  # bytes a full snapshot of these weights takes
+
+    @field_validator("metrics", "eval")
+    @classmethod
+    def _finite(cls, v: dict[str, Any], info) -> dict[str, Any]:
+        bad = _non_finite_path(v)
+        if bad is not None:
+            raise ValueError(f"{info.field_name}.{bad}: non-finite number (NaN or Infinity) in a manifest")
+        return v
 
     @property
     def weights_digest(self) -> str:

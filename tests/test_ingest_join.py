@@ -283,7 +283,8 @@ def test_recover_leaves_a_live_workers_claims(tmp_path):
 
 def test_prune_bounded_retention():
     """Dedupe/sealed rows are forgotten after dedupe_retention_s; replays older than the
-    horizon are expired (counted, ignored), so a pruned label is never sealed twice."""
+    horizon are expired (counted, never folded), so a pruned label is never sealed twice; an
+    expired vote is dead-lettered (field created_at), so no accepted vote vanishes."""
     cfg = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20, dedupe_retention_s=1000)
     j = Joiner(StateStore(), cfg)
     c = completion(created_at=T0)
@@ -299,7 +300,8 @@ def test_prune_bounded_retention():
     assert j.store.dedupe_sizes() == (0, 0)
     later = T0 + 2_000_000
     assert j.on_completion(c, now=later) == "expired"  # a replay of the pruned completion
-    assert j.on_feedback(v, now=later) == ("expired", None)
+    outcome, dl = j.on_feedback(v, now=later)
+    assert outcome == "expired" and dl.field == "created_at" and "expired" in dl.reason
     assert j.tick(later + 100_000).samples == [] and j.store.open_count() == 0
     cnt = j.store.counters()
     assert (cnt["completions_expired"], cnt["feedback_expired"], cnt["pruned_events"]) == (1, 1, 1)
