@@ -148,6 +148,9 @@ class CompletionEvent(_Event):
     finish_reason: Literal["stop", "length", "abort"]
     ttft_ms: float = Field(ge=0)
     latency_ms: float = Field(ge=0)
+    # ``eval`` completions are held out: their feedback is measured, never trained on
+    # (chosen by serving with schemas.split.choose_split). Last field: the join reads the head.
+    split: Literal["train", "eval"] = "train"
 
     @field_validator("created_at")
     @classmethod
@@ -168,14 +171,25 @@ class CompletionEvent(_Event):
         return self
 
 
-FeedbackKind = Literal["thumb", "edit", "regenerate", "copy"]
+FeedbackKind = Literal["thumb", "score", "edit", "regenerate", "copy"]
+
+SCORE_NAME_PATTERN = r"^[A-Za-z0-9_.:/-]{1,64}$"
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 class FeedbackEvent(_Event):
     """One user signal about a completion (key: completion_id).
 
     ``event_id`` is set by the client and is the idempotency key: the same event
-    delivered twice counts once. For ``kind="thumb"``, ``value`` is +1 (up) or -1 (down).
+    delivered twice counts once. For ``kind="thumb"``, ``value`` is +1 (up) or -1 (down);
+    for ``kind="score"``, ``value`` is any finite number and ``name`` says what it scores
+    (e.g. ``helpfulness``); ``name`` is refused on other kinds. ``metadata``: at most 16
+    string -> string pairs (keys 1-64 chars, values at most 512 chars).
+
+    ``name`` and ``metadata`` are optional and left out of the JSON when unset, so an event
+    that uses neither encodes exactly as before they existed.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -186,17 +200,42 @@ class FeedbackEvent(_Event):
     value: float
     comment: str | None = Field(None, max_length=4096)
     created_at: int = Field(ge=0)
+    name: str | None = Field(None, pattern=SCORE_NAME_PATTERN)
+    metadata: dict[str, str] | None = None
 
     @field_validator("created_at")
     @classmethod
     def _created_at_ms(cls, v: int) -> int:
         return _check_ms("created_at", v)
 
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(v)}")
+        for k, x in v.items():
+            if not 1 <= len(k) <= MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"key {k[:80]!r}: 1 to {MAX_METADATA_KEY_CHARS} characters")
+            if len(x) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"value of {k!r}: at most {MAX_METADATA_VALUE_CHARS} characters, got {len(x)}")
+        return v
+
     @model_validator(mode="after")
     def _check_value(self):
         if self.kind == "thumb" and self.value not in (1.0, -1.0):
             raise ValueError(f"value: a thumb is +1 or -1, got {self.value}")
+        if self.kind == "score" and self.name is None:
+            raise ValueError("name: a score needs a name (what it scores, e.g. 'helpfulness')")
+        if self.kind != "score" and self.name is not None:
+            raise ValueError(f"name: only a score has a name, not a {self.kind}")
         return self
+
+    def to_bytes(self) -> bytes:
+        """JSON encoding used on Kafka (``name`` and ``metadata`` omitted when unset)."""
+        unset = {f for f in ("name", "metadata") if getattr(self, f) is None}
+        return self.model_dump_json(exclude=unset or None).encode()
 
 
 class RewardedSample(_Event):
