@@ -9,6 +9,8 @@ is local); see :class:`ModelStore` for what is atomic where. Layout under ``root
                                sha256 of the stored payload bytes, parent tensor sha256
         payload.bin            concatenated entries (zstd frames)
         manifest.json          schemas.manifest.VersionManifest; written last
+    stable.json                the stable record: which version every pod serves at start
+                               (version, at, actor, reason, and the history of changes)
 
 Encoding of one tensor (delta mode ``xor``): the raw bit pattern (bytes, C order) of the new
 tensor XOR the parent's, byte-plane shuffled (all byte 0s, then all byte 1s, ...), zstd
@@ -25,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -42,8 +45,13 @@ import zstandard
 from schemas.manifest import (StatusChange, TensorMeta, VersionManifest, tensor_sha256,
                               version_name, version_number)
 
+log = logging.getLogger(__name__)
+
 ZSTD_LEVEL = 3
 INDEX_FORMAT = 1
+STABLE_FILE = "stable.json"
+STABLE_HISTORY_MAX = 200  # changes kept in the stable record (the ledger keeps them all)
+BAD_STATUSES = frozenset({"rejected", "rolled_back", "failed", "aborted"})
 
 
 class CorruptVersionError(ValueError):
@@ -237,7 +245,8 @@ class ModelStore:
             (self.root / "versions").mkdir(parents=True, exist_ok=True)
         else:
             self.fs.makedirs(self._p("versions"), exist_ok=True)
-        self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        # version -> (identity at load time, reconstructed state); see _identity
+        self._cache: OrderedDict[str, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._write_lock = threading.Lock()
 
@@ -255,6 +264,19 @@ class ModelStore:
         if self.fs is None:
             return self.root.joinpath(*parts).exists()
         return self.fs.exists(self._p(*parts))
+
+    def _file_id(self, *parts: str) -> tuple:
+        """What tells one content of a file from another without reading it: (size, mtime
+        in ns, inode) locally; (size, ETag or mtime) on fsspec. ``("missing",)`` if absent."""
+        try:
+            if self.fs is None:
+                st = self.root.joinpath(*parts).stat()
+                return (st.st_size, st.st_mtime_ns, st.st_ino)
+            info = self.fs.info(self._p(*parts))
+        except FileNotFoundError:
+            return ("missing",)
+        return (info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime")
+                                      or info.get("LastModified") or info.get("last_modified") or ""))
 
     def _put_atomic(self, data: bytes, *parts: str) -> None:
         """Replace one file: local temp + ``os.replace``; fsspec one ``pipe`` (one PUT)."""
@@ -360,7 +382,9 @@ class ModelStore:
                     if f.is_file():
                         self.fs.pipe_file(self._p("base", f.name), f.read_bytes())
             state = load_model(model_dir).state_dict()
-            return self._write(v0, None, state, None, {}, {}, "promoted", "base model")
+            m = self._write(v0, None, state, None, {}, {}, "promoted", "base model")
+            self._write_stable(v0, "init_base", "base model")
+            return m
 
     def publish(self, state: dict[str, torch.Tensor], parent: str, metrics: dict | None = None,
                 eval: dict | None = None) -> VersionManifest:
@@ -404,14 +428,100 @@ class ModelStore:
             self.fs.pipe_file(self._p("versions", version, "manifest.json"), manifest)
         return m
 
-    def set_status(self, version: str, status: str, reason: str = "") -> VersionManifest:
+    def set_status(self, version: str, status: str, reason: str = "", actor: str = "") -> VersionManifest:
         """Append ``status`` (published|canary|promoted|rolled_back|rejected|...) to the
-        version's status history (atomic rewrite of its manifest)."""
+        version's status history (atomic rewrite of its manifest).
+
+        ``promoted`` means "is now stable": it also moves the stable record
+        (:meth:`stable`) to ``version``, with ``actor`` and ``reason``.
+        """
         with self._lock():
             m = self.manifest(version)
             m.status_history.append(StatusChange(status=status, at=_now_ms(), reason=reason))
             self._put_atomic(m.model_dump_json(indent=1).encode(), "versions", version, "manifest.json")
+            if status == "promoted":
+                self._write_stable(version, actor, reason)
             return m
+
+    # -- the stable record --------------------------------------------------------------
+    def _write_stable(self, version: str, actor: str, reason: str) -> dict:
+        """Replace ``stable.json`` (caller holds the write lock)."""
+        rec = self.stable_record() or {"history": []}
+        change = {"version": version, "at": _now_ms(), "actor": actor, "reason": reason}
+        history = (rec.get("history") or [])[-(STABLE_HISTORY_MAX - 1):] + [change]
+        rec = {**change, "history": history}
+        self._put_atomic(json.dumps(rec, indent=1).encode(), STABLE_FILE)
+        return rec
+
+    def set_stable(self, version: str, actor: str = "", reason: str = "") -> dict:
+        """Make ``version`` the stable record without a status change (e.g. a store written
+        before the record existed). Returns the record. KeyError if not in the store."""
+        with self._lock():
+            self.manifest(version)
+            return self._write_stable(version, actor, reason)
+
+    def stable_record(self) -> dict | None:
+        """The stable record (``{"version", "at" (ms), "actor", "reason", "history": [...]}``,
+        history oldest first), or None if it was never written or is unreadable."""
+        try:
+            rec = json.loads(self._read(STABLE_FILE))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("stable record %s unreadable (%s): ignored", STABLE_FILE, exc)
+            return None
+        return rec if isinstance(rec, dict) and isinstance(rec.get("version"), str) else None
+
+    def stable(self) -> str | None:
+        """The version every pod serves at start: the stable record's version.
+
+        The record moves only when a version becomes stable (promote by the controller or
+        an operator, ``rollback``, ``rollback --to``; all of them are in the ledger too), so
+        a restart never undoes an operator's action. A store without a record (written
+        before it existed) falls back to the version most recently marked ``promoted`` that
+        is still ``promoted``. None on an empty store.
+        """
+        rec = self.stable_record()
+        vs = self.versions()
+        if rec is not None:
+            if rec["version"] in vs:
+                return rec["version"]
+            log.warning("stable record names %s, which is not in the store: falling back to status "
+                        "history", rec["version"])
+        best, best_at = None, -1
+        for v in vs:
+            try:
+                hist = self.manifest(v).status_history
+            except Exception:  # noqa: BLE001 - an unreadable manifest is not a candidate
+                continue
+            if hist and hist[-1].status == "promoted" and hist[-1].at >= best_at:
+                best, best_at = v, hist[-1].at
+        return best
+
+    def previous_stable(self, stable: str) -> str | None:
+        """The version that was stable before ``stable`` (newest first in the stable
+        record's history, skipping ``stable`` itself and versions rolled back, failed,
+        rejected or aborted since); without a history, the newest older version still
+        ``promoted``. None if there is none."""
+        def ok(v: str) -> bool:
+            try:
+                h = self.manifest(v).status_history
+            except KeyError:
+                return False
+            return not (h and h[-1].status in BAD_STATUSES)
+
+        rec = self.stable_record()
+        if rec and rec.get("history"):
+            for ch in reversed(rec["history"]):
+                if ch["version"] != stable and ok(ch["version"]):
+                    return ch["version"]
+            return None
+        for v in reversed(self.versions()):
+            if version_number(v) < version_number(stable):
+                h = self.manifest(v).status_history
+                if h and h[-1].status == "promoted":
+                    return v
+        return None
 
     # -- reads --------------------------------------------------------------------------
     def load(self, version: str) -> dict[str, torch.Tensor]:
@@ -427,12 +537,33 @@ class ModelStore:
         state = self._load_cached(version)
         return {k: v.clone() for k, v in state.items()}
 
-    def _load_cached(self, version: str) -> dict[str, torch.Tensor]:
+    def _identity(self, version: str, m: VersionManifest) -> tuple:
+        """What the reconstructed tensors of ``version`` depend on: the manifest's weights
+        digest, kind and parent, and the identity of ``index.json`` and ``payload.bin``
+        (:meth:`_file_id`). A status change (a manifest rewrite) does not change it."""
+        return (m.weights_digest, m.kind, m.parent, self._file_id("versions", version, "index.json"),
+                self._file_id("versions", version, "payload.bin"))
+
+    def invalidate(self, version: str, why: str = "") -> bool:
+        """Named step: drop ``version`` from the in-memory cache (True if it was cached).
+        :meth:`load` calls it when the version's files or manifest digest changed under the
+        same id, so new files are never checked against stale tensors."""
         with self._cache_lock:
-            if version in self._cache:
-                self._cache.move_to_end(version)
-                return self._cache[version]
+            hit = self._cache.pop(version, None) is not None
+        if hit:
+            log.info("store cache: %s dropped%s", version, f" ({why})" if why else "")
+        return hit
+
+    def _load_cached(self, version: str) -> dict[str, torch.Tensor]:
         m = self.manifest(version)
+        ident = self._identity(version, m)
+        with self._cache_lock:
+            hit = self._cache.get(version)
+            if hit is not None and hit[0] == ident:
+                self._cache.move_to_end(version)
+                return hit[1]
+        if hit is not None:
+            self.invalidate(version, f"files changed under the same id: identity {hit[0]} -> {ident}")
         try:
             index = json.loads(self._read("versions", version, "index.json"))
             payload = self._read("versions", version, "payload.bin")
@@ -455,7 +586,7 @@ class ModelStore:
                                       f"extra {sorted(set(state) - set(m.tensors))[:3]}")
         # every tensor's sha256 was checked against the manifest inside decode_state
         with self._cache_lock:
-            self._cache[version] = state
+            self._cache[version] = (ident, state)
             self._cache.move_to_end(version)
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)

@@ -40,6 +40,10 @@ class SlotInfo(BaseModel):
     weights_digest: str  # schemas.manifest.digest_of_hashes of the loaded tensors
     loaded_at: int  # ms
     load_ms: float = 0.0
+    # the store's manifest digest for this version now, and whether the served weights still
+    # equal it (False: the version's files changed under the same id; None: manifest unreadable)
+    manifest_digest: str | None = None
+    digest_ok: bool | None = None
 
 
 class SlotsStatus(BaseModel):

@@ -15,16 +15,12 @@ log = logging.getLogger("flywheel.serving")
 
 
 def default_version(store) -> str:
-    """Latest version whose status history ends in ``promoted``; else ``v000000``."""
-    best = None
-    for v in store.versions():
-        try:
-            hist = store.manifest(v).status_history
-        except Exception:  # noqa: BLE001 - an unreadable manifest is not a candidate
-            continue
-        if hist and hist[-1].status == "promoted":
-            best = v if best is None or v > best else best
-    return best or "v000000"
+    """The version a pod serves at start: the store's stable record (``store.stable()``,
+    moved by every promote and rollback, so a restart never undoes an operator's action);
+    ``v000000`` when the store has none (or is a one-version :class:`CheckpointStore`)."""
+    stable = getattr(store, "stable", None)
+    v = stable() if callable(stable) else None
+    return v or "v000000"
 
 
 def open_store(store_dir: Path | str, model_dir: Path | None = None):
@@ -175,8 +171,8 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(8000, min=1, max=65535, help="TCP port (1-65535)."),
         store: Optional[str] = typer.Option(None, help="Model store: a dir or an fsspec URL such as s3://bucket/fw "
                                                       "(default: $FLYWHEEL_STORE, else $FLYWHEEL_HOME/store)."),
-        version: Optional[str] = typer.Option(None, help="Version to serve as stable (default: latest "
-                                                         "promoted, else v000000)."),
+        version: Optional[str] = typer.Option(None, help="Version to serve as stable (default: the "
+                                                         "store's stable record, else v000000)."),
         pod: str = typer.Option(os.environ.get("HOSTNAME", "pod-0"), help="Pod name in every event."),
         max_batch: int = typer.Option(8, min=1, help="Requests per engine batch at most (>= 1)."),
         engine: str = typer.Option("torch", help="Inference engine: torch, or vllm (needs vLLM installed in "

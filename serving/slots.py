@@ -165,8 +165,8 @@ class Slots:
         that was stable before the last promote reuses its resident weights (instant)."""
         with self._admin_lock:
             prev = self.previous
-            if version and prev is not None and prev.version == version:
-                lm = prev  # resident and verified at its own load: no reload needed
+            if version and prev is not None and prev.version == version and self._digest_ok(prev):
+                lm = prev  # resident, verified at its own load, still what the store holds
             else:
                 lm = self.load_version(version) if version else None
             t0 = time.perf_counter()
@@ -199,14 +199,29 @@ class Slots:
         with self._lock:
             return [lm.version for lm in (self.stable, self.candidate) if lm is not None]
 
-    def status(self) -> SlotsStatus:
+    def _manifest_digest(self, version: str) -> str | None:
+        """The store's manifest digest of ``version`` now (None if unreadable)."""
+        try:
+            return self.store.manifest(version).weights_digest
+        except Exception:  # noqa: BLE001 - reported as digest_ok=None, never fails a status read
+            return None
+
+    def _digest_ok(self, lm: LoadedModel) -> bool:
+        return self._manifest_digest(lm.version) == lm.weights_digest
+
+    def status(self, check_digests: bool = True) -> SlotsStatus:
+        """Slots, weight and, with ``check_digests`` (one manifest read per slot: the admin
+        API's answers, not the request path), whether each served digest still equals the
+        store's manifest (``digest_ok``; False when the version's files changed under the
+        same id)."""
         with self._lock:
-            s, c = self.stable, self.candidate
-            return SlotsStatus(pod=self.pod, stable=_info(s), candidate=_info(c) if c else None,
-                               candidate_weight=self.candidate_weight,
-                               last_swap_pause_ms=self.last_swap_pause_ms)
+            s, c, w, pause = self.stable, self.candidate, self.candidate_weight, self.last_swap_pause_ms
+        return SlotsStatus(pod=self.pod, stable=self._info(s, check_digests),
+                           candidate=self._info(c, check_digests) if c else None,
+                           candidate_weight=w, last_swap_pause_ms=pause)
 
-
-def _info(lm: LoadedModel) -> SlotInfo:
-    return SlotInfo(version=lm.version, weights_digest=lm.weights_digest, loaded_at=lm.loaded_at,
-                    load_ms=lm.load_ms)
+    def _info(self, lm: LoadedModel, check_digest: bool) -> SlotInfo:
+        md = self._manifest_digest(lm.version) if check_digest else None
+        return SlotInfo(version=lm.version, weights_digest=lm.weights_digest, loaded_at=lm.loaded_at,
+                        load_ms=lm.load_ms, manifest_digest=md,
+                        digest_ok=None if md is None else md == lm.weights_digest)
