@@ -378,6 +378,7 @@ class RolloutController:
             if st.phase.is_terminal():
                 return st  # keep the last outcome visible until there is new work
             return RolloutStatus(phase=RolloutPhase.IDLE, stable=stable)
+        prev = st
         now = self.clock()
         st = RolloutStatus(phase=RolloutPhase.CANARY, candidate=cand, stable=stable, step=0,
                            canary_started_ms=now, step_started_ms=now)
@@ -389,17 +390,7 @@ class RolloutController:
                 a.load(cand)
             self._each("set_weight", self.config.steps[0])
         except ServingAdminError as exc:
-            st.phase, st.weight = RolloutPhase.FAILED, 0.0
-            st.last_outcome = "FAILED"
-            st.last_reason = f"serving pod {exc.url.rsplit('/admin', 1)[0]} could not load {cand}: {exc.reason}"
-            self.store.set_status(cand, "failed", st.last_reason)
-            for a in self.admins:  # abort everywhere: no pod keeps the candidate
-                try:
-                    a.rollback()
-                except ServingAdminError:
-                    pass
-            self._record(st, "FAILED", st.last_reason, {"http_status": exc.status, "pod": exc.url})
-            return st
+            return self._load_failed(prev, st, cand, exc)
         st.weight = self.config.steps[0]
         st.last_outcome, st.last_reason = "START", f"canary of {cand} against {stable} at {st.weight:.0%}"
         if actor != "controller":
@@ -408,6 +399,33 @@ class RolloutController:
         if hasattr(self.arm_metrics, "mark"):
             self.arm_metrics.mark(st)  # serving counters are measured from here
         self._record(st, "START", st.last_reason, {"steps": list(self.config.steps)}, actor=actor)
+        return st
+
+    def _load_failed(self, prev: RolloutStatus, st: RolloutStatus, cand: str,
+                     exc: ServingAdminError) -> RolloutStatus:
+        """A pod failed while the canary of ``cand`` was being set up: drop the candidate on
+        every other pod (the failing pod too when it answered; a pod that timed out is not
+        called again, so a wedged pod costs one timeout). A refused load (4xx: bad bytes,
+        hashes or parent) marks ``cand`` failed for good; a transport failure (timeout,
+        unreachable, 5xx) does not: the next reconcile retries it. Recorded as FAILED with
+        the failure kind, once per distinct reason."""
+        st.phase, st.weight, st.last_outcome = RolloutPhase.FAILED, 0.0, "FAILED"
+        if exc.transport:
+            st.last_reason = (f"serving pod {exc.pod} failed while loading {cand} ({exc.kind}: {exc}); "
+                              f"transport failure: {cand} is not marked failed and is retried at the next "
+                              "reconcile")
+        else:
+            st.last_reason = f"serving pod {exc.pod} could not load {cand}: {exc.reason}"
+            self.store.set_status(cand, "failed", st.last_reason)
+        for a in self.admins:  # abort everywhere: no pod keeps the candidate
+            if exc.transport and a.base_url == exc.pod:
+                continue
+            try:
+                a.rollback()
+            except ServingAdminError as e2:
+                log.warning("clean-up rollback of %s on %s failed: %s", cand, a.base_url, e2)
+        if not (prev.phase == RolloutPhase.FAILED and prev.candidate == cand and prev.last_reason == st.last_reason):
+            self._record(st, "FAILED", st.last_reason, exc.numbers())
         return st
 
     def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None, dict[str, str]]:

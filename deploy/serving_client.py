@@ -1,19 +1,100 @@
-"""Client of serving's admin API (contract: ``schemas/admin.py``)."""
+"""Client of serving's admin API (contract: ``schemas/admin.py``).
+
+Every call to a pod is bounded by one timeout (seconds): the ``timeout_s`` given, else
+``$FLYWHEEL_SERVING_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`; the deploy CLI sets it with
+``--serving-timeout-s``. A failure says which it was (:attr:`ServingAdminError.kind`):
+the pod did not answer in time, could not be reached, answered 5xx (all three *transport*
+failures: nothing is known about the version), or refused the request (4xx, e.g. 409 when
+the version's bytes or hashes are wrong: a *bad artifact*).
+"""
 
 from __future__ import annotations
+
+import math
+import os
 
 import httpx
 
 from schemas.admin import LoadRequest, RollbackRequest, SlotsStatus, WeightRequest
 
+TIMEOUT_ENV = "FLYWHEEL_SERVING_TIMEOUT_S"
+TIMEOUT_FLAG = "--serving-timeout-s"
+DEFAULT_TIMEOUT_S = 120.0  # a load reconstructs and hash-verifies the whole model
+CONNECT_TIMEOUT_S = 5.0  # at most this for the TCP connect, whatever the timeout
+
+KINDS = ("timeout", "unreachable", "server", "refused")
+
+
+def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
+    """``$FLYWHEEL_SERVING_TIMEOUT_S`` as seconds, or ``default`` when unset or empty.
+
+    Raises:
+        ValueError: the variable is not a finite number > 0 (the message names it).
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return default
+    return check_timeout(raw, TIMEOUT_ENV)
+
+
+def check_timeout(value, name: str = "timeout_s") -> float:
+    """``value`` as a finite number of seconds > 0; ValueError naming ``name`` otherwise."""
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}") from None
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+    return t
+
 
 class ServingAdminError(RuntimeError):
-    """The admin API answered non-2xx (``status`` is the HTTP code, ``reason`` the
-    server's message) or could not be reached (``status`` = 0)."""
+    """A call to a pod's admin API failed.
 
-    def __init__(self, url: str, status: int, reason: str):
-        self.url, self.status, self.reason = url, status, reason
-        super().__init__(f"serving admin {url}: HTTP {status}: {reason}")
+    Attributes:
+        url: the URL called.
+        status: HTTP status, 0 when no answer came.
+        reason: the server's message, or what went wrong on the way.
+        kind: ``timeout`` (no answer within ``timeout_s``), ``unreachable`` (connection
+            refused, DNS, reset), ``server`` (HTTP 5xx), ``refused`` (HTTP 4xx: the pod
+            answered and said no, e.g. 409 for a corrupt version).
+        timeout_s: the timeout the call ran under (s).
+    """
+
+    def __init__(self, url: str, status: int, reason: str, kind: str | None = None,
+                 timeout_s: float | None = None):
+        if kind is None:
+            kind = "unreachable" if status == 0 else "server" if status >= 500 else "refused"
+        if kind not in KINDS:
+            raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+        self.url, self.status, self.reason, self.kind, self.timeout_s = url, status, reason, kind, timeout_s
+        if kind == "timeout":
+            msg = (f"serving admin {url}: no answer within {timeout_s:g} s (timeout set by {TIMEOUT_FLAG} "
+                   f"or {TIMEOUT_ENV}): {reason}")
+        elif status == 0:
+            msg = f"serving admin {url}: unreachable: {reason}"
+        else:
+            msg = f"serving admin {url}: HTTP {status}: {reason}"
+        super().__init__(msg)
+
+    @property
+    def transport(self) -> bool:
+        """True when the pod did not give an answer about the request (timeout, unreachable,
+        5xx): the version asked for may be perfectly good; retry, do not mark it failed."""
+        return self.kind != "refused"
+
+    @property
+    def pod(self) -> str:
+        """The pod's base URL (``url`` without the ``/admin/...`` or ``/metrics`` path)."""
+        for cut in ("/admin", "/metrics"):
+            if cut in self.url:
+                return self.url.rsplit(cut, 1)[0]
+        return self.url
+
+    def numbers(self) -> dict:
+        """The failure as ledger numbers (pod, url, http_status, failure kind, transport, timeout_s)."""
+        return {"pod": self.pod, "url": self.url, "http_status": self.status, "failure": self.kind,
+                "transport": self.transport, "timeout_s": self.timeout_s}
 
 
 class ServingAdmin:
@@ -22,21 +103,34 @@ class ServingAdmin:
     Args:
         base_url: serving base URL, e.g. ``http://127.0.0.1:8000``.
         admin_token: sent as ``Authorization: Bearer``; None sends no header.
-        timeout_s: per-request timeout (s); loads reconstruct and verify weights, so the
-            default is generous.
+        timeout_s: bound on each call (s): no answer within it raises
+            :class:`ServingAdminError` with ``kind="timeout"``. None:
+            :func:`timeout_from_env` (``$FLYWHEEL_SERVING_TIMEOUT_S``, default 120 s; loads
+            reconstruct and verify whole models). Connecting takes at most
+            ``min(timeout_s, 5)`` s.
+
+    Raises:
+        ValueError: ``timeout_s`` (or the environment variable) is not a number > 0.
     """
 
-    def __init__(self, base_url: str, admin_token: str | None = None, timeout_s: float = 120.0):
+    def __init__(self, base_url: str, admin_token: str | None = None, timeout_s: float | None = None):
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_from_env() if timeout_s is None else check_timeout(timeout_s)
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        timeout = httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, CONNECT_TIMEOUT_S))
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
-    def _call(self, method: str, path: str, body=None) -> SlotsStatus:
+    def _request(self, method: str, path: str, body=None) -> httpx.Response:
         url = self.base_url + path
         try:
-            r = self._client.request(method, path, json=body.model_dump() if body is not None else None)
+            return self._client.request(method, path, json=body.model_dump() if body is not None else None)
+        except httpx.TimeoutException as exc:
+            raise ServingAdminError(url, 0, f"{type(exc).__name__}", "timeout", self.timeout_s) from exc
         except httpx.HTTPError as exc:
-            raise ServingAdminError(url, 0, f"unreachable: {exc}") from exc
+            raise ServingAdminError(url, 0, f"{type(exc).__name__}: {exc}", "unreachable", self.timeout_s) from exc
+
+    def _call(self, method: str, path: str, body=None) -> SlotsStatus:
+        r = self._request(method, path, body)
         if not r.is_success:
             try:
                 j = r.json()
@@ -45,8 +139,8 @@ class ServingAdmin:
                     err = j.get("error")
                     reason = j.get("detail") or (err.get("message") if isinstance(err, dict) else err) or j
             except ValueError:
-                reason = r.text
-            raise ServingAdminError(url, r.status_code, str(reason))
+                reason = r.text[:500]
+            raise ServingAdminError(self.base_url + path, r.status_code, str(reason), timeout_s=self.timeout_s)
         return SlotsStatus.model_validate(r.json())
 
     def slots(self) -> SlotsStatus:
@@ -73,12 +167,9 @@ class ServingAdmin:
 
     def metrics_text(self) -> str:
         """Serving's Prometheus ``/metrics`` text."""
-        try:
-            r = self._client.get("/metrics")
-        except httpx.HTTPError as exc:
-            raise ServingAdminError(self.base_url + "/metrics", 0, f"unreachable: {exc}") from exc
+        r = self._request("GET", "/metrics")
         if not r.is_success:
-            raise ServingAdminError(self.base_url + "/metrics", r.status_code, r.text[:200])
+            raise ServingAdminError(self.base_url + "/metrics", r.status_code, r.text[:200], timeout_s=self.timeout_s)
         return r.text
 
     def close(self) -> None:
