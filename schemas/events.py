@@ -246,7 +246,8 @@ class RewardedSample(_Event):
     shaped scalar (see ``ingest`` reward config). ``event_ids`` are all distinct feedback
     events folded into the label, including votes a user later replaced (so every accepted
     event is in exactly one sample); ``votes_up``/``votes_down``/``n_votes`` count each
-    user's last vote only.
+    user's last vote only. ``split`` is copied from the completion: ``eval`` samples measure
+    every version on prompts no version learned from, and the learner refuses them.
     """
 
     completion_id: uuid.UUID
@@ -266,6 +267,7 @@ class RewardedSample(_Event):
     votes_down: int = Field(ge=0)
     event_ids: list[str]
     sealed_at: int
+    split: Literal["train", "eval"] = "train"
 
     @field_validator("event_ids")
     @classmethod
