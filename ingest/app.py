@@ -31,8 +31,8 @@ class IngestConfig:
     Args:
         join: :class:`ingest.join.JoinConfig` (seal/orphan/age timings, policies, shaping).
         tick_s: how often the seal timer runs (s).
-        worker_port: HTTP port on 127.0.0.1 answering every request with the state's counters
-            as JSON (health/metrics); 0 disables it.
+        worker_port: HTTP port on 127.0.0.1: ``GET /metrics`` in the Prometheus text format
+            (``ingest.metrics``), any other path the state's counters as JSON; 0 disables it.
         bootstrap: Kafka ``host:port`` (default ``schemas.settings.bootstrap()``).
         samples_dir: shard root (default ``schemas.settings.samples_dir()``).
         state_path: the SQLite join state (default ``$FLYWHEEL_HOME/ingest/state.sqlite``).

@@ -12,7 +12,8 @@ def ingest_cmd(
     max_label_age_s: float = typer.Option(3600.0, help="Seal (or drop, with no vote) completions this old (s)."),
     orphan_ttl_s: float = typer.Option(600.0, help="How long feedback waits for its completion (s)."),
     tick_s: float = typer.Option(1.0, help="Seal timer period (s)."),
-    worker_port: int = typer.Option(0, help="HTTP port serving the counters as JSON (0: none)."),
+    worker_port: int = typer.Option(0, help="HTTP port on 127.0.0.1: GET /metrics in the Prometheus text format, other paths the "
+                                     "counters as JSON (0: none)."),
     late_policy: str = typer.Option("deadletter", help="Feedback after sealing: deadletter | drop."),
     reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
     reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),

@@ -79,6 +79,7 @@ from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
 from ingest import catalog, writer
 from ingest.join import Joiner, TickResult, parse_completion, parse_event
+from ingest.metrics import IngestMetrics, serve_http
 from ingest.state import StateStore
 
 log = logging.getLogger("ingest")
@@ -132,6 +133,7 @@ class Worker:
         self.producer_kw = producer_settings or ps(cfg)
         self.store = StateStore(cfg.state_path)
         self.joiner = Joiner(self.store, cfg.join)
+        self.metrics = IngestMetrics()  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
         # published dead letters for the next dead-letter file: appended on the event loop,
         # drained by the seal thread (deque: thread-safe append/popleft)
@@ -172,10 +174,11 @@ class Worker:
                     into.append((ev, r.value))
         now = now_ms()
         with self.store.transaction():  # completions first: fewer votes wait as orphans
-            self.joiner.on_completions(comps, now)
+            outc = self.joiner.on_completions(comps, now)
             outs = self.joiner.on_feedbacks(fbs, now)
             for k, v in n.items():
                 self.store.bump(k, v)
+        self.metrics.folded(batch, outc, outs)
         eids = []
         for (ev, _), (_, dl) in zip(fbs, outs):
             if dl is not None:
@@ -208,6 +211,7 @@ class Worker:
     async def publish_dead(self, dead: list[DeadLetter]) -> None:
         await self.publish(T.DEADLETTER, [((d.key or "").encode(), d.to_bytes()) for d in dead])
         self._dead_seen.extend(dead)
+        self.metrics.dead_letters(dead)
 
     async def consume(self, stop: asyncio.Event) -> None:
         """The consumer loop until ``stop`` is set (finishes the batch in hand first)."""
@@ -240,6 +244,7 @@ class Worker:
         shard per (model_version, day) and mark the samples sealed. Returns ``(sample
         messages to publish, tick results holding orphans to dead-letter, whether more may be
         due)``."""
+        t0 = time.perf_counter()
         shard_for = writer.shard_namer(self.cfg.samples_dir)  # one shard per partition per round
         shards: dict[str, list] = {}
         orphans: list[TickResult] = []
@@ -265,7 +270,9 @@ class Worker:
                 self.joiner.release([str(s.completion_id) for s in samples])
                 continue
             self.joiner.commit_sealed(samples, path)
+            self.metrics.sealed(samples)
             msgs.extend((str(s.completion_id).encode(), s.to_bytes()) for s in samples)
+        self.metrics.seal_round.observe(time.perf_counter() - t0)
         return msgs, orphans, more
 
     def housekeeping(self, wrote: int) -> None:
@@ -302,6 +309,7 @@ class Worker:
                 t["cat_at"] = time.monotonic()
             except Exception as exc:  # the shards are the truth; the views are rebuilt next time
                 log.warning("ingest: catalog refresh failed: %s", exc)
+        self.metrics.observe_state(self.store)
         if time.monotonic() - t["stats"] > STATS_EVERY_S:
             c = self.stats()
             if c != self._last_stats:
@@ -340,14 +348,8 @@ class Worker:
 
     # -- health ----------------------------------------------------------------------------
     async def _http(self, reader, writer_) -> None:
-        try:
-            await reader.readline()
-            body = json.dumps(self.stats(), sort_keys=True).encode()
-            writer_.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            await writer_.drain()
-        finally:
-            writer_.close()
+        """``GET /metrics``: Prometheus text (:mod:`ingest.metrics`); other paths: ``stats()`` JSON."""
+        await serve_http(reader, writer_, self.metrics, self.consumer, self.stats)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
