@@ -6,13 +6,21 @@ Environment:
         When unset, the embedded broker started by ``flywheel broker start`` is used
         (its address is read from ``$FLYWHEEL_HOME/broker.json``).
     FLYWHEEL_SERVING_URL: base URL of the serving pod (default ``http://127.0.0.1:8000``).
+    FLYWHEEL_KAFKA_*: security, topic prefix and topic settings of the Kafka cluster
+        (:class:`KafkaSettings`); every Kafka client Flywheel runs takes its connection
+        keywords from :func:`kafka_client_config`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from functools import lru_cache
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def home() -> Path:
@@ -77,3 +85,157 @@ def base_model_dir() -> Path:
     """
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flywheel"
     return Path(os.environ.get("FLYWHEEL_MODEL_DIR", cache / "models" / "smollm2-135m-moe"))
+
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+class KafkaSettings(BaseSettings):
+    """How Flywheel talks to Kafka, read from ``FLYWHEEL_KAFKA_<FIELD>`` environment variables.
+
+    Connection:
+        bootstrap: ``host:port[,host:port]``; unset = the embedded broker (:func:`bootstrap`).
+        security_protocol: ``PLAINTEXT`` | ``SSL`` | ``SASL_PLAINTEXT`` | ``SASL_SSL``
+            (Kafka's ``security.protocol``).
+        sasl_mechanism: ``PLAIN`` | ``SCRAM-SHA-256`` | ``SCRAM-SHA-512``; required with SASL_*.
+        sasl_username: SASL user; required with SASL_*.
+        sasl_password / sasl_password_file: the SASL password, given inline or as a file whose
+            content (trailing newline stripped) is the password (a Kubernetes Secret mounted as
+            a file); exactly one of them with SASL_*.
+        ssl_cafile: PEM CA bundle that signed the brokers' certificates (default: the system's).
+        ssl_certfile / ssl_keyfile: client certificate and key (PEM) for mutual TLS.
+        ssl_check_hostname: verify that the broker's certificate names its host (default on).
+
+    Topics (``flywheel topics create|check``; ``schemas.topics``):
+        topic_prefix: prepended to every topic name (``team-a.`` gives ``team-a.flywheel.completions``).
+        partitions: partitions of every Flywheel topic (>= 1).
+        replication_factor: replicas of every topic (>= 1; 3 on a production cluster).
+        retention_ms: per-topic ``retention.ms`` overrides keyed by the topic's short name
+            (``completions``, ``feedback``, ``samples``, ``deadletter``, ``deployments``), JSON
+            in the environment: ``FLYWHEEL_KAFKA_RETENTION_MS='{"completions": 86400000}'``;
+            -1 keeps records forever.
+        max_message_bytes: ``max.message.bytes`` of every topic and the producers'
+            ``max_request_size`` (bytes, >= 1024).
+
+    Raises:
+        pydantic.ValidationError: an unknown protocol or mechanism, SASL without user or
+            password, both or neither of password and password file, a TLS file that does not
+            exist; the message names the ``FLYWHEEL_KAFKA_*`` field.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_KAFKA_", extra="ignore")
+
+    bootstrap: str | None = None
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    sasl_password_file: Path | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_check_hostname: bool = True
+    topic_prefix: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", max_length=200)
+    partitions: int = Field(6, ge=1)
+    replication_factor: int = Field(1, ge=1)
+    retention_ms: dict[str, int] = Field(default_factory=dict)
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+
+    @field_validator("sasl_password_file", "ssl_cafile", "ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _file_exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"{v} is not a readable file")
+        return v
+
+    @field_validator("retention_ms")
+    @classmethod
+    def _retention(cls, v: dict[str, int]) -> dict[str, int]:
+        from schemas.topics import SPECS
+
+        for name, ms in v.items():
+            if name not in SPECS:
+                raise ValueError(f"unknown topic {name!r}; topics are {', '.join(SPECS)}")
+            if ms < -1 or ms == 0:
+                raise ValueError(f"{name}: retention.ms must be -1 (forever) or > 0, got {ms}")
+        return v
+
+    @model_validator(mode="after")
+    def _sasl_complete(self):
+        if self.security_protocol.startswith("SASL_"):
+            missing = [f"FLYWHEEL_KAFKA_{n.upper()}" for n in ("sasl_mechanism", "sasl_username")
+                       if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"security_protocol={self.security_protocol} needs {' and '.join(missing)}")
+            if (self.sasl_password is None) == (self.sasl_password_file is None):
+                raise ValueError("sasl_password: set exactly one of FLYWHEEL_KAFKA_SASL_PASSWORD and "
+                                 "FLYWHEEL_KAFKA_SASL_PASSWORD_FILE")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile: a client certificate needs its key (FLYWHEEL_KAFKA_SSL_CERTFILE "
+                             "and FLYWHEEL_KAFKA_SSL_KEYFILE go together)")
+        return self
+
+    def password(self) -> str | None:
+        """The SASL password (from the file when one is given), or None without SASL."""
+        if self.sasl_password_file is not None:
+            return self.sasl_password_file.read_text().rstrip("\r\n")
+        return self.sasl_password.get_secret_value() if self.sasl_password is not None else None
+
+
+def _kafka_env() -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("FLYWHEEL_KAFKA_")))
+
+
+@lru_cache(maxsize=8)
+def _kafka_settings_for(env: tuple[tuple[str, str], ...]) -> KafkaSettings:
+    return KafkaSettings()
+
+
+def kafka_settings() -> KafkaSettings:
+    """The current :class:`KafkaSettings` (re-read whenever a ``FLYWHEEL_KAFKA_*`` variable changes)."""
+    return _kafka_settings_for(_kafka_env())
+
+
+KafkaLibrary = Literal["kafka-python", "aiokafka"]
+
+
+def kafka_client_config(bootstrap_servers: str | None = None, library: KafkaLibrary = "kafka-python",
+                        settings: KafkaSettings | None = None) -> dict:
+    """Connection keywords for a Kafka client: bootstrap, ``security_protocol``, SASL and TLS.
+
+    Every producer, consumer and admin client Flywheel constructs starts from this dict, so one
+    set of ``FLYWHEEL_KAFKA_*`` variables secures them all. Callers add their own tuning
+    keywords (acks, linger, group); this dict never contains those.
+
+    Args:
+        bootstrap_servers: the cluster (default :func:`bootstrap`).
+        library: ``kafka-python`` (``KafkaProducer``, ``KafkaConsumer``, ``KafkaAdminClient``:
+            TLS as ``ssl_cafile``/``ssl_certfile``/``ssl_keyfile``) or ``aiokafka``
+            (``AIOKafkaProducer``/``AIOKafkaConsumer``: TLS as one ``ssl_context``).
+        settings: default :func:`kafka_settings`.
+
+    Raises:
+        ValueError: unknown ``library``.
+        RuntimeError: no bootstrap given, configured or running (:func:`bootstrap`).
+    """
+    s = settings or kafka_settings()
+    if library not in ("kafka-python", "aiokafka"):
+        raise ValueError(f"library: kafka-python or aiokafka, got {library!r}")
+    kw: dict = {"bootstrap_servers": bootstrap_servers or bootstrap(),
+                "security_protocol": s.security_protocol}
+    if s.security_protocol.startswith("SASL_"):
+        kw.update(sasl_mechanism=s.sasl_mechanism, sasl_plain_username=s.sasl_username,
+                  sasl_plain_password=s.password())
+    if s.security_protocol in ("SSL", "SASL_SSL"):
+        files = {"cafile": s.ssl_cafile, "certfile": s.ssl_certfile, "keyfile": s.ssl_keyfile}
+        files = {k: str(v) for k, v in files.items() if v is not None}
+        if library == "aiokafka":
+            from aiokafka.helpers import create_ssl_context
+
+            ctx = create_ssl_context(**files)
+            ctx.check_hostname = s.ssl_check_hostname
+            kw["ssl_context"] = ctx
+        else:
+            kw.update({f"ssl_{k}": v for k, v in files.items()}, ssl_check_hostname=s.ssl_check_hostname)
+    return kw
