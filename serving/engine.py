@@ -1,5 +1,6 @@
-"""Inference engines: one interface (:class:`Engine`), a torch implementation with dynamic
-batching, KV cache, behavior logprobs and expert-route capture (:class:`TorchEngine`).
+"""Inference engines: one async protocol (:class:`Engine`, vLLM's ``EngineClient`` shape), a
+torch implementation with continuous batching, KV cache, behavior logprobs and expert-route
+capture (:class:`TorchEngine`, its running batch in :mod:`serving.torch_batch`).
 
 The engine knows nothing about HTTP, Kafka or the model store: it turns token ids into
 token ids plus the numbers the learner needs (behavior logprobs under the raw
@@ -21,14 +22,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import Any, AsyncIterator
 
 from schemas.events import now_ms
 from schemas.manifest import digest_of_hashes, state_sha256
-from schemas.modelspec import left_pad, load_model, load_tokenizer, moe_routers, moe_top_k, position_ids
-from serving.params import GenRequest, GenResult, ServingValidationError
+from schemas.modelspec import load_model, load_tokenizer, moe_routers
+from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 
 log = logging.getLogger("flywheel.serving.engine")
 
@@ -37,6 +36,25 @@ CHAT_STOP = "<|im_end|>"
 
 class WeightsMismatchError(ValueError):
     """Loaded weights do not have the expected per-tensor sha256 (names listed)."""
+
+
+def build_model(model_dir: str | Path, state: dict, dtype=None):
+    """The model of ``model_dir``'s config (``schemas.modelspec.load_model``) holding ``state``.
+
+    Raises:
+        WeightsMismatchError: ``state`` has tensors the model does not, or lacks tensors
+            that are not aliases (tied weights) of ones it has.
+    """
+    model = load_model(model_dir, dtype=dtype)
+    res = model.load_state_dict(state, strict=False)
+    if res.unexpected_keys:
+        raise WeightsMismatchError(f"weights: unexpected tensors {sorted(res.unexpected_keys)[:5]}")
+    sd = model.state_dict()
+    ptr_of_loaded = {sd[k].data_ptr() for k in state if k in sd}
+    missing = [k for k in res.missing_keys if sd[k].data_ptr() not in ptr_of_loaded]
+    if missing:
+        raise WeightsMismatchError(f"weights: tensors missing from the version: {sorted(missing)[:5]}")
+    return model
 
 
 @dataclass
@@ -71,8 +89,46 @@ class _Item:
     t_submit: float
 
 
+def check_request(req: GenRequest) -> None:
+    """Refuse a request no engine can run (400 naming the field)."""
+    if not req.prompt_token_ids:
+        raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
+    if req.model is None:
+        raise ServingValidationError("model", None, "no weights to run on")
+
+
 class Engine(abc.ABC):
-    """What the HTTP layer needs from an engine (vLLM's EngineClient shape)."""
+    """The async engine protocol the HTTP layer uses, modelled on vLLM's ``EngineClient``
+    (``vllm/engine/protocol.py``): :meth:`generate` streams per-step outputs, :meth:`abort`
+    ends a request by id, :meth:`check_health`, :meth:`load_weights`, :meth:`pause` /
+    :meth:`resume`.
+
+    Implementations provide :meth:`submit` (thread-safe: queue a request, get a
+    ``concurrent.futures.Future`` of its :class:`GenResult`; every new token goes to
+    ``req.emit_step`` before the future resolves); :meth:`generate`, :meth:`generate_sync`
+    are built on it. Attributes every engine has: ``tokenizer``, ``eos_id``, ``pad_id``,
+    ``max_positions`` (context length in tokens, or None).
+    """
+
+    tokenizer: Any
+    eos_id: int
+    max_positions: int | None
+
+    @abc.abstractmethod
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        """Queue ``req``; the future resolves to its :class:`GenResult`.
+
+        Raises:
+            ServingValidationError: 429 when the queue is full; 400 for an empty prompt, a
+                missing model or a parameter the engine cannot honour.
+            RuntimeError: the engine is closed.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request: "str | GenRequest") -> None:
+        """End a request (by ``request_id`` or the request itself) at its next step: it
+        leaves the running batch, frees its KV cache, and resolves with finish reason
+        ``abort`` and the tokens made so far. Unknown or finished ids are ignored."""
 
     @abc.abstractmethod
     def check_health(self) -> dict:
@@ -81,104 +137,106 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, state: dict, version: str, expected_hashes: dict[str, str] | None = None
                      ) -> LoadedModel:
-        """Build a fresh model with ``state`` off the request path and verify its hashes."""
+        """Build servable weights from ``state`` off the request path and verify their hashes."""
 
-    # Both engines batch from ``self._pending`` (a deque of :class:`_Item`) guarded by
-    # ``self._cv`` (threading.Condition), whose worker(s) wait while ``self._paused``; the
-    # queue's front end (submit, generate, abort, pause/resume, close's draining) is shared.
-    _cv: threading.Condition
-    _paused: bool
-    _closed: bool
-    _pending: "collections.deque[_Item]"
-    max_queue: int
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Admit no new request (running ones go on to their end)."""
 
-    def submit(self, req: GenRequest) -> concurrent.futures.Future:
-        """Queue ``req`` for the batching worker; the future resolves to a :class:`GenResult`.
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop; waiting and running requests fail with RuntimeError."""
+
+    def queue_depth(self) -> int:
+        """Requests waiting to join a running batch."""
+        return 0
+
+    def num_running(self) -> int:
+        """Requests in a running batch."""
+        return 0
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[StepOutput]:
+        """Run ``req``, yielding one :class:`StepOutput` per engine step with its new tokens
+        and raw logprobs; the last one has ``finished=True`` and the whole ``result``
+        (routes, finish reason, timings). Leaving the iteration early (the consumer is
+        cancelled, e.g. its HTTP client went away, or ``aclose()``) aborts the request, so
+        it leaves the batch at the engine's next step.
 
         Raises:
-            ServingValidationError: 429 when ``max_queue`` requests already wait; 400 for an
-                empty prompt or a missing model.
-            RuntimeError: the engine is closed.
+            ServingValidationError, RuntimeError: as :meth:`submit` (before the first output);
+            the engine's error if the request fails.
         """
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        if not req.prompt_token_ids:
-            raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
-        if req.model is None:
-            raise ServingValidationError("model", None, "no weights to run on")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if len(self._pending) >= self.max_queue:
-                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
-                                             status=429, code="queue_full")
-            self._pending.append(_Item(req, fut, time.perf_counter()))
-            self._cv.notify()
-        return fut
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        prev = req.on_step
 
-    async def generate(self, req: GenRequest) -> GenResult:
-        """Submit and await; see :meth:`submit`. Cancelling the await aborts the request."""
+        def on_step(out: StepOutput) -> None:
+            if prev is not None:
+                prev(out)
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+        req.on_step = on_step
+        fut = self.submit(req)
+        fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(q.put_nowait, None))
+        try:
+            while True:
+                out = await q.get()
+                if out is not None:
+                    yield out
+                    continue
+                res = fut.result()  # the engine's exception, if it failed
+                yield StepOutput(request_id=req.request_id, token_ids=[], logprobs=[], finished=True, result=res)
+                return
+        finally:
+            if not fut.done():
+                self.abort(req.request_id)
+
+    async def generate_result(self, req: GenRequest) -> GenResult:
+        """Await the whole :class:`GenResult`; cancelling the await aborts the request."""
         fut = self.submit(req)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            self.abort(req)
+            self.abort(req.request_id)
             raise
 
     def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
-        """Blocking :meth:`generate` for scripts and tests."""
+        """Blocking run of ``req`` for scripts and tests."""
         return self.submit(req).result(timeout_s)
-
-    def abort(self, req: GenRequest) -> None:
-        """Mark ``req`` aborted; the engine ends it at its next step (or, for an engine that
-        cannot stop a running call, when that call returns)."""
-        req.cancelled.set()
-
-    def queue_depth(self) -> int:
-        """Requests waiting for a batch."""
-        return len(self._pending)
-
-    def _stop_queue(self, workers: list[threading.Thread]) -> None:
-        """Close: wake and join ``workers``; requests still waiting fail with RuntimeError."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for t in workers:
-            t.join(timeout=30)
-        while self._pending:
-            self._pending.popleft().fut.set_exception(RuntimeError("engine closed"))
-
-    def pause(self) -> None:
-        """Stop starting new batches (running ones finish)."""
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        """Undo :meth:`pause`."""
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
 
 
 class TorchEngine(Engine):
-    """Dynamic-batching torch engine (CPU or GPU) for HF causal LMs, MoE or dense.
+    """Torch engine (CPU or GPU) for HF causal LMs, MoE or dense, with iteration-level
+    (continuous) batching.
 
-    A worker thread takes every waiting request on the same weights (up to ``max_batch``)
-    and runs them as one batch: left-padded prefill, then one token per step with the KV
-    cache (``past_key_values``), per-request sampling (temperature, top_p, top_k, seed via a
-    per-request ``torch.Generator``; filtering batched across rows), until eos/stop or
-    ``max_tokens``. Behavior logprobs: one ``log_softmax`` + gather per step over the raw
-    logits; expert routes accumulate in one preallocated uint8 tensor per batch, copied to
-    the host once at the end.
+    A worker thread keeps one :class:`serving.torch_batch.RunningBatch` per LoadedModel
+    being served. Every iteration it admits waiting requests (FIFO, up to ``max_batch``
+    running in all) into the batch of their weights (prefilled together, left-padded, then
+    merged into the running KV cache), and runs one step of every running batch: sample one
+    token per row from the raw logits (temperature, top_p, top_k, seed via a per-request CPU
+    ``torch.Generator``: the same tokens alone or in any batch), then one KV-cached decode
+    forward. Finished rows leave the batch at once, so a new request waits at most one step
+    to join, never for the longest request in the batch. Behavior logprobs are the raw
+    ``log_softmax`` of the logits (temperature 1, unfiltered); expert routes
+    ``(P + C - 1, L, k)`` are copied to the host after every forward.
 
     Args:
         model_dir: HF checkpoint dir (config + tokenizer; base weights).
-        max_batch: requests per batch at most.
-        max_queue: waiting requests at most; beyond it ``generate`` raises a 429 error.
+        max_batch: requests running at once at most (all weights together).
+        max_queue: waiting requests at most; beyond it ``submit`` raises a 429 error.
         dtype: torch dtype of the weights (default float32).
         device: torch device of the weights (``cpu``, ``cuda``); greedy picks and logprobs
             run on it, the draw of sampled rows on CPU (per-request ``torch.Generator``), so
             seeded outputs do not depend on the device's RNG.
         threads: torch intra-op threads (None: torch's default).
+        scheduler: ``continuous`` (requests join and leave the running batch at every step
+            boundary) or ``static`` (a batch is formed from the waiting requests when none
+            runs on those weights, and takes nobody new until its last row ends: the
+            pre-continuous behaviour, kept for the serving benchmark).
         aligned_logprobs: after generation, score each completion with one unpadded batch-1
             forward in the learner's layout (:func:`schemas.modelspec.teacher_forced_inputs`,
             :func:`schemas.modelspec.token_logprobs`) and log THOSE behavior logprobs and expert
@@ -188,16 +246,23 @@ class TorchEngine(Engine):
             and batched prefill are other matmul shapes). Costs one prefill-sized forward per
             completion. Tokens are still sampled from the decode-time distribution; the
             rescored logprob differs from it by that ~1e-6 (docs/decisions.md D11).
+
+    Raises:
+        ValueError: unknown ``scheduler``.
     """
 
     def __init__(self, model_dir: str | Path, max_batch: int = 8, max_queue: int = 256, dtype=None,
-                 threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False):
+                 threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False,
+                 scheduler: str = "continuous"):
         import torch
 
+        if scheduler not in ("continuous", "static"):
+            raise ValueError(f"scheduler: must be 'continuous' or 'static', got {scheduler!r}")
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
+        self.scheduler = scheduler
         self.aligned_logprobs = bool(aligned_logprobs)
         self.dtype = dtype or torch.float32
         if threads:
@@ -209,14 +274,17 @@ class TorchEngine(Engine):
             eos = self.tokenizer.eos_token_id
         self.eos_id = int(eos)
         self._pending: collections.deque[_Item] = collections.deque()
+        self._live: dict[str, GenRequest] = {}  # request_id -> request, queued or running
+        self._running: dict[int, Any] = {}  # id(LoadedModel) -> RunningBatch
         self._cv = threading.Condition()
         self._paused = False
         self._closed = False
-        self.batches_run = 0
-        self.last_batch_size = 0
+        self.batches_run = 0  # prefill groups admitted
+        self.steps_run = 0  # decode steps (one per running batch per iteration)
+        self.last_batch_size = 0  # rows running after the last iteration
+        self.max_positions = None
         self._thread = threading.Thread(target=self._worker, name="flywheel-engine", daemon=True)
         self._thread.start()
-        self.max_positions = None
 
     # ------------------------------------------------------------------ weights
     def load_base(self, version: str = "v000000") -> LoadedModel:
@@ -240,15 +308,8 @@ class TorchEngine(Engine):
             WeightsMismatchError: missing/unexpected tensors or a hash differs.
         """
         t0 = time.perf_counter()
-        model = load_model(self.model_dir, dtype=self.dtype).to(self.device)
-        res = model.load_state_dict(state, strict=False)
-        if res.unexpected_keys:
-            raise WeightsMismatchError(f"weights: unexpected tensors {sorted(res.unexpected_keys)[:5]}")
+        model = build_model(self.model_dir, state, dtype=self.dtype).to(self.device)
         sd = model.state_dict()
-        ptr_of_loaded = {sd[k].data_ptr() for k in state if k in sd}
-        missing = [k for k in res.missing_keys if sd[k].data_ptr() not in ptr_of_loaded]
-        if missing:
-            raise WeightsMismatchError(f"weights: tensors missing from the version: {sorted(missing)[:5]}")
         lm = self._wrap(model, version, t0)
         if expected_hashes is not None:
             bad = [k for k, h in expected_hashes.items() if lm.hashes.get(k) != h]
@@ -284,213 +345,163 @@ class TorchEngine(Engine):
         return _score_aligned_impl(lm, prompt, completion, self.device)
 
     # ------------------------------------------------------------------ requests
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        """Queue ``req`` for the worker; see :meth:`Engine.submit`. The torch engine refuses
+        ``req.structured`` (structured outputs are a vLLM engine feature)."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        check_request(req)
+        if req.structured is not None:
+            raise ServingValidationError("response_format", req.structured, "structured outputs need the vLLM "
+                                         "engine (flywheel serve --engine vllm); this pod runs the torch engine")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if len(self._pending) >= self.max_queue:
+                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
+                                             status=429, code="queue_full")
+            if req.request_id in self._live:
+                raise ServingValidationError("request_id", req.request_id, "is already running on this engine")
+            self._live[req.request_id] = req
+            self._pending.append(_Item(req, fut, time.perf_counter()))
+            self._cv.notify()
+        fut.add_done_callback(lambda _f, rid=req.request_id: self._live.pop(rid, None))
+        return fut
+
+    def abort(self, request: "str | GenRequest") -> None:
+        req = request if isinstance(request, GenRequest) else self._live.get(request)
+        if req is not None:
+            req.cancelled.set()
+            with self._cv:
+                self._cv.notify()
+
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def num_running(self) -> int:
+        return sum(len(r.seqs) for r in list(self._running.values()))
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
     def check_health(self) -> dict:
         if self._closed or not self._thread.is_alive():
             raise RuntimeError("engine worker is not running")
-        return {"engine": "torch", "queue_depth": self.queue_depth(), "paused": self._paused,
-                "batches_run": self.batches_run}
+        return {"engine": "torch", "scheduler": self.scheduler, "queue_depth": self.queue_depth(),
+                "running": self.num_running(), "paused": self._paused, "batches_run": self.batches_run,
+                "steps_run": self.steps_run}
 
     def close(self) -> None:
-        """Stop the worker; waiting requests fail with RuntimeError."""
-        self._stop_queue([self._thread])
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        while self._pending:
+            it = self._pending.popleft()
+            if not it.fut.done():
+                it.fut.set_exception(RuntimeError("engine closed"))
 
     # ------------------------------------------------------------------ worker
-    def _take_batch(self) -> list[_Item] | None:
+    def _admit(self) -> list[_Item] | None:
+        """Wait for work; take the waiting requests that may join now (None: closed).
+
+        Continuous: any waiting request while fewer than ``max_batch`` run. Static: only
+        requests whose weights have no running batch (they form a new one together).
+        """
         with self._cv:
-            while not self._closed and (self._paused or not self._pending):
+            while not self._closed and not self._running and (self._paused or not self._pending):
                 self._cv.wait(0.5)
             if self._closed:
                 return None
-            first = self._pending.popleft()
-            batch, rest = [first], collections.deque()
+            if self._paused or not self._pending:
+                return []
+            room = self.max_batch - self.num_running()
+            out: list[_Item] = []
+            rest: collections.deque[_Item] = collections.deque()
             while self._pending:
                 it = self._pending.popleft()
-                if len(batch) < self.max_batch and it.req.model is first.req.model:
-                    batch.append(it)
+                if it.req.cancelled.is_set() or (
+                        room > 0 and (self.scheduler == "continuous" or id(it.req.model) not in self._running)):
+                    out.append(it)
+                    room -= 0 if it.req.cancelled.is_set() else 1
                 else:
                     rest.append(it)
-            self._pending.extendleft(reversed(rest))
-            return batch
+            self._pending = rest
+            return out
 
     def _worker(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if batch is None:
-                return
-            live = [it for it in batch if it.fut.set_running_or_notify_cancel()]
-            if not live:
-                continue
-            try:
-                results = self._run_batch(live)
-                for it, r in zip(live, results):
-                    it.fut.set_result(r)
-            except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep serving
-                log.exception("batch of %d failed", len(live))
-                for it in live:
-                    if not it.fut.done():
-                        it.fut.set_exception(exc)
-
-    def _run_batch(self, items: list[_Item]) -> list[GenResult]:
         import torch
 
         with torch.inference_mode():
-            return self._run_batch_inner(items)
-
-    def _run_batch_inner(self, items: list[_Item]) -> list[GenResult]:
-        """One batch: left-padded prefill, then one KV-cached decode step per token.
-
-        Per step, the whole batch is handled with a few batched tensor ops on the model's
-        device: one ``log_softmax`` over the raw logits ``(B, V)`` and one gather for the
-        behavior logprobs, one ``argmax`` for greedy rows, batched temperature/top-k/top-p
-        for sampled rows (only the final draw is per request, with its own CPU
-        ``torch.Generator``, so a seed reproduces whatever the batch), one copy of the step's
-        expert routes into a preallocated ``(B, T0 + max_new - 1, L, k)`` uint8 buffer, and one
-        device -> host transfer of ``(B,)`` tokens and logprobs. The python loop that remains
-        is the per-request stop/stream bookkeeping over the still-active rows.
-        """
-        import torch
-
-        lm: LoadedModel = items[0].req.model
-        model = lm.model
-        t_batch = time.perf_counter()
-        reqs = [it.req for it in items]
-        B = len(reqs)
-        self.batches_run += 1
-        self.last_batch_size = B
-        dev = self.device
-        n_layers = len(lm.routers)
-        top_k = moe_top_k(model) if n_layers else 0
-        wide = int(getattr(model.config, "num_local_experts", 0) or 0) > 256
-        route_dtype = np.uint16 if wide else np.uint8
-        plen = [len(r.prompt_token_ids) for r in reqs]
-        max_new = max(r.sampling.max_tokens for r in reqs)
-        eos, max_pos = self.eos_id, self.max_positions
-
-        # sampled rows (temperature > 0): per-request generator, batched filtering params
-        samp = [i for i, r in enumerate(reqs) if r.sampling.temperature != 0]
-        gens = []
-        for i in samp:
-            g = torch.Generator()
-            seed = reqs[i].sampling.seed
-            g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-            gens.append(g)
-        samp_filter = None
-        if samp:
-            samp_ix = torch.tensor(samp, dtype=torch.long, device=dev)
-            samp_filter = _BatchFilter([reqs[i].sampling for i in samp])
-        want_top = [i for i, r in enumerate(reqs) if r.top_logprobs]
-        top_n = max((reqs[i].top_logprobs for i in want_top), default=0)
-
-        ids, mask0 = left_pad([r.prompt_token_ids for r in reqs], self.pad_id)  # (B, T0) int64
-        T0 = ids.shape[1]
-        W = T0 + max_new  # widest sequence the batch can reach
-        mask = torch.ones((B, W), dtype=torch.long, device=dev)  # (B, W); prompt part from mask0
-        mask[:, :T0] = mask0.to(dev)
-        routes = None
-        if n_layers:  # (B, T0 + max_new - 1, L, k): every fed token's expert selection
-            routes = torch.empty((B, W - 1, n_layers, top_k), dtype=torch.int32 if wide else torch.uint8,
-                                 device=dev)
-        out = model(input_ids=ids.to(dev), attention_mask=mask[:, :T0], position_ids=position_ids(mask0).to(dev),
-                    use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        if n_layers:
-            routes[:, :T0] = torch.stack([b.view(B, T0, top_k) for b in lm.route_buf], dim=2)
-        pos = torch.tensor(plen, dtype=torch.long, device=dev).unsqueeze(1)  # (B, 1) next position
-        pad_col = torch.full((B, 1), self.pad_id, dtype=torch.long, device=dev)
-
-        toks: list[list[int]] = [[] for _ in range(B)]
-        lps: list[list[float]] = [[] for _ in range(B)]
-        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
-        finish: list[str | None] = [None] * B
-        ttft = [0.0] * B
-        t_end = [0.0] * B
-        active = list(range(B))
-        alive = torch.ones((B, 1), dtype=torch.bool, device=dev)  # rows still generating
-        for step in range(max_new):
-            logits = out.logits[:, -1, :].float()  # (B, V) raw logits
-            logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution (temperature 1)
-            tok = torch.argmax(logits, dim=-1)  # (B,) greedy choice
-            if samp:
-                picked = samp_filter.sample(logits.index_select(0, samp_ix).cpu(), gens)  # (S,) CPU
-                tok = tok.index_copy(0, samp_ix, picked.to(dev))
-            lp = logp.gather(1, tok.unsqueeze(1)).squeeze(1)  # (B,) behavior logprobs
-            host = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one device sync
-            tok_l, lp_l = host
-            if want_top:
-                tv, ti = torch.topk(logp.index_select(0, torch.tensor(want_top, device=dev)),
-                                    min(top_n, logp.shape[-1]))
-                tv, ti = tv.tolist(), ti.tolist()
-                for j, i in enumerate(want_top):
-                    if finish[i] is None:
-                        k = reqs[i].top_logprobs
-                        tops[i].append(list(zip(ti[j][:k], tv[j][:k])))
-            now = time.perf_counter()
-            ended = []
-            for i in active:
-                r = reqs[i]
-                t = int(tok_l[i])
-                lpi = lp_l[i]
-                toks[i].append(t)
-                lps[i].append(lpi)
-                if step == 0:
-                    ttft[i] = (now - items[i].t_submit) * 1000
-                if r.on_token is not None:
-                    try:
-                        r.on_token(t, lpi)
-                    except Exception:  # noqa: BLE001 - a broken stream must not break the batch
-                        log.exception("on_token callback failed")
-                n = len(toks[i])
-                if t == eos or t in r.stop_token_ids:
-                    finish[i] = "stop"
-                elif r.stop_check is not None and r.stop_check(toks[i]):
-                    finish[i] = "stop"
-                elif n >= r.sampling.max_tokens:
-                    finish[i] = "length"
-                elif r.cancelled.is_set():
-                    finish[i] = "abort"
-                elif max_pos and plen[i] + n >= max_pos:
-                    finish[i] = "length"
-                if finish[i] is not None:
-                    t_end[i] = time.perf_counter()
-                    ended.append(i)
-            if ended:
-                active = [i for i in active if finish[i] is None]
-                if not active:
+            while True:
+                items = self._admit()
+                if items is None:
                     break
-                alive[ended] = False
-            next_tok = torch.where(alive, tok.unsqueeze(1), pad_col)  # (B, 1); finished rows get pad
-            L = T0 + step + 1
-            out = model(input_ids=next_tok, attention_mask=mask[:, :L], position_ids=pos, past_key_values=cache,
-                        use_cache=True)
-            cache = out.past_key_values
-            pos = pos + 1
-            if n_layers:
-                routes[:, T0 + step] = torch.stack([b.view(B, top_k) for b in lm.route_buf], dim=1)  # (B, L, k)
-        host_routes = routes.cpu().numpy() if n_layers else None  # one transfer for the batch
-        if self.aligned_logprobs:
-            for i, r in enumerate(reqs):
-                if toks[i] and finish[i] != "abort":
-                    t_a = time.perf_counter()
-                    lps[i], rescored = self._score_aligned(lm, r.prompt_token_ids, toks[i])
-                    if n_layers:  # the routes of the scoring pass go with its logprobs
-                        host_routes[i, T0 - plen[i]:T0 + len(toks[i]) - 1] = rescored
-                    t_end[i] += time.perf_counter() - t_a
-        results = []
-        for i, r in enumerate(reqs):
-            if finish[i] is None:  # cannot happen: max_new bounds every request
-                finish[i] = "length"
-                t_end[i] = time.perf_counter()
-            rt = None
-            if n_layers:
-                # prompt rows (left-padded) + one row per fed completion token (all but the last)
-                rt = host_routes[i, T0 - plen[i]:T0 + len(toks[i]) - 1].astype(route_dtype)  # (P + C - 1, L, k)
-                assert rt.shape[0] == plen[i] + len(toks[i]) - 1, rt.shape
-            results.append(GenResult(
-                completion_token_ids=toks[i], behavior_logprobs=lps[i], top_logprobs=tops[i],
-                expert_routes=rt, finish_reason=finish[i], ttft_ms=ttft[i],
-                latency_ms=(t_end[i] - items[i].t_submit) * 1000, version=lm.version, batch_size=B,
-                queue_ms=max(0.0, (t_batch - items[i].t_submit) * 1000)))
-        return results
+                if items:
+                    self._start(items)
+                for key, run in list(self._running.items()):
+                    self._step(key, run)
+                self.last_batch_size = self.num_running()
+        for run in self._running.values():
+            for s in run.seqs:
+                if not s.item.fut.done():
+                    s.item.fut.set_exception(RuntimeError("engine closed"))
+        self._running.clear()
+
+    def _start(self, items: list[_Item]) -> None:
+        """Prefill admitted requests into the running batch of their weights."""
+        from serving.torch_batch import RunningBatch
+
+        groups: dict[int, list[_Item]] = {}
+        for it in items:
+            if not it.fut.set_running_or_notify_cancel():
+                continue
+            if it.req.cancelled.is_set():  # aborted while waiting: no token made
+                it.fut.set_result(GenResult(
+                    completion_token_ids=[], behavior_logprobs=[], top_logprobs=[], expert_routes=None,
+                    finish_reason="abort", ttft_ms=0.0, latency_ms=(time.perf_counter() - it.t_submit) * 1000,
+                    version=it.req.model.version, batch_size=0))
+                continue
+            groups.setdefault(id(it.req.model), []).append(it)
+        now = time.perf_counter()
+        for key, group in groups.items():
+            run = self._running.get(key) or RunningBatch(group[0].req.model, self)
+            try:
+                run.join(group, now)
+            except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+                log.exception("prefill of %d requests failed", len(group))
+                for it in group:
+                    it.fut.set_exception(exc)
+                continue
+            self._running[key] = run
+            self.batches_run += 1
+
+    def _step(self, key: int, run) -> None:
+        """One step of ``run``; resolve the rows that finished; drop the batch when empty."""
+        try:
+            done = run.step()
+            self.steps_run += 1
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
+            log.exception("step of a batch of %d failed", len(run.seqs))
+            for s in run.seqs:
+                if not s.item.fut.done():
+                    s.item.fut.set_exception(exc)
+            run.seqs = []
+            done = []
+        for s in done:
+            try:
+                s.item.fut.set_result(run.result(s))
+            except Exception as exc:  # noqa: BLE001 - e.g. the aligned scoring pass failed
+                log.exception("finishing request %s failed", s.req.request_id)
+                s.item.fut.set_exception(exc)
+        if not run.seqs:
+            self._running.pop(key, None)
+
 
 
 def _score_aligned_impl(lm: LoadedModel, prompt: list[int], completion: list[int], device):

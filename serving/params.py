@@ -8,11 +8,15 @@ top-p/top-k), whatever the request's sampling parameters.
 
 from __future__ import annotations
 
+import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from schemas.events import SamplingParams
+
+log = logging.getLogger("flywheel.serving.params")
 
 
 class ServingValidationError(ValueError):
@@ -49,8 +53,15 @@ class GenRequest:
             kept in the completion (it was sampled and has a behavior logprob).
         top_logprobs: also return the k most likely tokens (raw logprobs) per step; 0 = off.
         on_token: called from the engine thread with ``(token_id, logprob)`` per sampled token.
+        on_step: called from the engine thread with each :class:`StepOutput` (new tokens of
+            one engine step), before the request's result resolves.
         stop_check: called from the engine thread with the completion ids so far; True stops
             (finish_reason ``stop``), used for stop strings.
+        request_id: the engine's id of this request (``abort(request_id)``); unique per engine.
+        cancelled: set by ``abort``; the engine ends the request at its next step.
+        structured: vLLM engine only: ``{"json": schema}`` / ``{"regex": ...}`` etc. passed
+            to vLLM's structured outputs (``StructuredOutputsParams``); the torch engine
+            refuses a request that sets it.
     """
 
     prompt_token_ids: list[int]
@@ -61,6 +72,47 @@ class GenRequest:
     on_token: Callable[[int, float], None] | None = None
     stop_check: Callable[[list[int]], bool] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    on_step: Callable[["StepOutput"], None] | None = None
+    request_id: str = field(default_factory=lambda: f"gen-{uuid.uuid4().hex}")
+    structured: dict | None = None
+
+    def emit_step(self, out: "StepOutput") -> None:
+        """Deliver one step's tokens to ``on_token`` (per token) and ``on_step``; a failing
+        callback is logged and never breaks the engine's batch."""
+        try:
+            if self.on_token is not None:
+                for t, lp in zip(out.token_ids, out.logprobs):
+                    self.on_token(t, lp)
+            if self.on_step is not None:
+                self.on_step(out)
+        except Exception:  # noqa: BLE001 - a broken stream must not break the batch
+            log.exception("stream callback of %s failed", self.request_id)
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request (vLLM's ``RequestOutput`` with
+    ``RequestOutputKind.DELTA``): the new tokens since the previous output.
+
+    Attributes:
+        request_id: :attr:`GenRequest.request_id`.
+        token_ids: new token ids (usually one; vLLM may coalesce several; [] on a final
+            output that adds no token, e.g. an abort between steps).
+        logprobs: raw behavior logprob of each new token (float, nats; temperature 1,
+            unfiltered), same length as ``token_ids``.
+        top_logprobs: per new token ``[(token_id, logprob), ...]`` (k most likely, raw) when
+            the request asked for them, else [].
+        finished: True on the request's last output.
+        result: on the last output, the whole :class:`GenResult` (expert routes, finish
+            reason, timings); None before.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list = field(default_factory=list)
+    finished: bool = False
+    result: "GenResult | None" = None
 
 
 @dataclass

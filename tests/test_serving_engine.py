@@ -243,3 +243,229 @@ def test_mixed_batch_rows_finish_at_different_steps(engine, base, tiny_moe_dir):
             assert [t[0][0] for t in r.top_logprobs] == r.completion_token_ids
         alone = engine.generate_sync(GenRequest(prompt_token_ids=p, sampling=sp, model=base), 60)
         assert alone.batch_size == 1 and alone.completion_token_ids == r.completion_token_ids
+
+
+# ---------------------------------------------------------------- continuous batching
+# Tolerance for behavior logprobs vs a batch-1 recompute (one unpadded full forward of
+# prompt + completion, fresh model): 1e-4 nats absolute. Both are fp32 on CPU; the engine's
+# numbers come from batched left-padded prefill + KV-cached decode whose width changes as rows
+# join and leave, i.e. the same sums in other orders (~1e-6 observed); expert routes are
+# compared bitwise.
+
+
+def _no_eos(engine):
+    """Context: eos never ends a request (every request makes exactly max_tokens tokens)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        saved, engine.eos_id = engine.eos_id, -1
+        try:
+            yield
+        finally:
+            engine.eos_id = saved
+    return cm()
+
+
+def _check_against_reference(model_dir, prompt, r, state=None):
+    ref_lp, ref_routes = _reference(model_dir, prompt, r.completion_token_ids) if state is None else \
+        _reference_state(model_dir, state, prompt, r.completion_token_ids)
+    assert r.expert_routes.shape == (len(prompt) + len(r.completion_token_ids) - 1, 2, 2)
+    np.testing.assert_array_equal(r.expert_routes.astype(np.int64), ref_routes.astype(np.int64))
+    np.testing.assert_allclose(r.behavior_logprobs, ref_lp, atol=1e-4, rtol=0)
+
+
+def test_request_joins_running_batch_and_leaves_first(engine, base, tiny_moe_dir):
+    """A short request submitted while a long one runs joins it at a step boundary (both see a
+    batch of 2) and finishes while the long one is still running; each row's numbers equal a
+    batch-1 recompute and each seeded row's tokens equal the request run alone."""
+    long_sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=5)
+    short_sp = SamplingParams(temperature=0.7, top_k=30, max_tokens=4, seed=6)
+    long_p, short_p = PROMPTS[0], PROMPTS[2]
+    box = {}
+
+    def on_step(out):
+        if len(box.setdefault("long", [])) == 0 and "short" not in box:
+            box["short"] = engine.submit(GenRequest(prompt_token_ids=short_p, sampling=short_sp, model=base))
+        box["long"].append(out.token_ids[0])
+        if "short" in box and box["short"].done() and "long_at_short_end" not in box:
+            box["long_at_short_end"] = len(box["long"])
+
+    with _no_eos(engine):
+        long_r = engine.generate_sync(GenRequest(prompt_token_ids=long_p, sampling=long_sp, model=base,
+                                                 on_step=on_step), 60)
+        short_r = box["short"].result(60)
+        assert long_r.batch_size == 2 and short_r.batch_size == 2
+        assert len(short_r.completion_token_ids) == 4 and len(long_r.completion_token_ids) == 40
+        assert box["long_at_short_end"] < 40  # the short one left while the long one ran on
+        for p, sp, r in ((long_p, long_sp, long_r), (short_p, short_sp, short_r)):
+            _check_against_reference(tiny_moe_dir, p, r)
+            alone = engine.generate_sync(GenRequest(prompt_token_ids=p, sampling=sp, model=base), 60)
+            assert alone.batch_size == 1 and alone.completion_token_ids == r.completion_token_ids
+
+
+def test_64_concurrent_requests_complete_routes(tiny_moe_dir):
+    """64 requests (prompt 1..12 tokens, max_tokens 1..16, greedy and seeded sampled) through
+    max_batch 8: rows join and leave at nearly every step. Every result has the complete
+    routes (P + C - 1 rows) equal to a full forward bitwise, logprobs within 1e-4, and a
+    sample of seeded requests equals the same request alone."""
+    e = TorchEngine(tiny_moe_dir, max_batch=8)
+    try:
+        lm = e.load_base()
+        reqs = []
+        for i in range(64):
+            p = [(11 * i + 3 * j) % 200 + 10 for j in range(1 + i % 12)]
+            sp = (SamplingParams(temperature=0.0, max_tokens=1 + i % 16) if i % 3 == 0 else
+                  SamplingParams(temperature=1.0, top_p=0.95, max_tokens=1 + (7 * i) % 16, seed=1000 + i))
+            reqs.append((p, sp))
+        with _no_eos(e):
+            futs = [e.submit(GenRequest(prompt_token_ids=p, sampling=sp, model=lm)) for p, sp in reqs]
+            res = [f.result(120) for f in futs]
+            assert max(r.batch_size for r in res) == 8 and e.batches_run > 8  # joined in many groups
+            for (p, sp), r in zip(reqs, res):
+                assert len(r.completion_token_ids) == sp.max_tokens and r.finish_reason == "length"
+                _check_against_reference(tiny_moe_dir, p, r)
+            for p, sp in reqs[1::9]:
+                alone = e.generate_sync(GenRequest(prompt_token_ids=p, sampling=sp, model=lm), 60)
+                assert alone.completion_token_ids == res[reqs.index((p, sp))].completion_token_ids
+        assert e.num_running() == 0 and e.queue_depth() == 0
+    finally:
+        e.close()
+
+
+def _reference_state(model_dir, state, prompt, completion):
+    model = load_model(model_dir)
+    model.load_state_dict(state)
+    caught = []
+    hs = [r.register_forward_hook(lambda m, i, o: caught.append(o[2].clone())) for r in moe_routers(model)]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion[:-1]])).logits[0].float()
+    for h in hs:
+        h.remove()
+    logp = torch.log_softmax(logits, -1)
+    return ([float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(completion)],
+            torch.stack(caught, dim=1).numpy())
+
+
+def test_two_versions_run_interleaved_without_mixing(engine, base, tiny_moe_dir):
+    """Requests on two versions run at the same time (one running batch each, stepped in
+    turn); each completion's routes and logprobs equal a recompute on its own weights."""
+    g = torch.Generator().manual_seed(9)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) if "experts" in k or "gate" in k else v
+             for k, v in base.model.state_dict().items()}
+    v1 = engine.load_weights(state, "v000001")
+    sp = SamplingParams(temperature=0.0, max_tokens=10)
+    with _no_eos(engine):
+        engine.pause()
+        futs = [(lm, p, engine.submit(GenRequest(prompt_token_ids=p, sampling=sp, model=lm)))
+                for p in PROMPTS for lm in (base, v1)]
+        engine.resume()
+        res = [(lm, p, f.result(60)) for lm, p, f in futs]
+    assert {r.version for _, _, r in res} == {"v000000", "v000001"}
+    for lm, p, r in res:
+        assert r.version == lm.version
+        _check_against_reference(tiny_moe_dir, p, r, state=None if lm is base else state)
+    assert any(a.completion_token_ids != b.completion_token_ids for (_, _, a), (_, _, b) in zip(res[::2], res[1::2]))
+
+
+def test_abort_by_id_frees_the_row_within_one_step(engine, base):
+    """abort(request_id) on a running request: it resolves with finish_reason abort at most one
+    token after the call and leaves the running batch; a queued request aborted before it ran
+    resolves with no token."""
+    sp = SamplingParams(temperature=0.0, max_tokens=400)
+    seen, at_abort = [], []
+    req = GenRequest(prompt_token_ids=[5, 6], sampling=sp, model=base)
+
+    def on_step(out):
+        seen.extend(out.token_ids)
+        if len(seen) == 5:
+            at_abort.append(len(seen))
+            engine.abort(req.request_id)
+
+    req.on_step = on_step
+    with _no_eos(engine):
+        r = engine.generate_sync(req, 60)
+    assert r.finish_reason == "abort" and len(r.completion_token_ids) - at_abort[0] <= 1
+    assert engine.num_running() == 0
+    engine.pause()
+    try:
+        q = GenRequest(prompt_token_ids=[5, 6], sampling=sp, model=base)
+        fut = engine.submit(q)
+        engine.abort(q.request_id)
+    finally:
+        engine.resume()
+    r2 = fut.result(30)
+    assert r2.finish_reason == "abort" and r2.completion_token_ids == [] and r2.expert_routes is None
+
+
+def test_generate_streams_steps_and_aborts_when_left(engine, base):
+    """Engine.generate: one StepOutput per token whose ids/logprobs are the final result's; the
+    last carries the result. Leaving the iteration early aborts the request."""
+    import asyncio
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def full():
+        outs = [o async for o in engine.generate(GenRequest(prompt_token_ids=PROMPTS[1], sampling=sp, model=base))]
+        return outs
+
+    async def partial():
+        req = GenRequest(prompt_token_ids=PROMPTS[1], sampling=SamplingParams(temperature=0.0, max_tokens=300),
+                         model=base)
+        agen = engine.generate(req)
+        got = [await agen.__anext__() for _ in range(3)]
+        await agen.aclose()  # the consumer leaves
+        return req, got
+
+    with _no_eos(engine):
+        outs = asyncio.run(full())
+        assert [o.finished for o in outs] == [False] * 6 + [True]
+        res = outs[-1].result
+        assert [o.token_ids[0] for o in outs[:-1]] == res.completion_token_ids
+        assert [o.logprobs[0] for o in outs[:-1]] == res.behavior_logprobs
+        req, got = asyncio.run(partial())
+        assert len(got) == 3 and req.cancelled.is_set()
+        import time
+
+        deadline = time.monotonic() + 10
+        while engine.num_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_running() == 0
+
+
+def test_static_scheduler_makes_a_new_request_wait(tiny_moe_dir, base):
+    """scheduler='static': a request submitted while a batch runs waits for the batch's last
+    row (its queue time covers the long request's remaining steps); continuous: it joins."""
+    waits = {}
+    for sched in ("static", "continuous"):
+        e = TorchEngine(tiny_moe_dir, max_batch=8, scheduler=sched)
+        try:
+            lm = e.load_base()
+            box = {}
+
+            def on_step(out, e=e, lm=lm, box=box):
+                if "f" not in box:
+                    box["f"] = e.submit(GenRequest(prompt_token_ids=[9, 10], model=lm,
+                                                   sampling=SamplingParams(temperature=0, max_tokens=2)))
+
+            with _no_eos(e):
+                long_r = e.generate_sync(GenRequest(prompt_token_ids=[5, 6], model=lm, on_step=on_step,
+                                                    sampling=SamplingParams(temperature=0, max_tokens=30)), 60)
+                short = box["f"].result(60)
+            waits[sched] = (short.queue_ms, long_r.latency_ms, short.batch_size)
+        finally:
+            e.close()
+    assert waits["static"][2] == 1 and waits["continuous"][2] == 2
+    assert waits["static"][0] > 0.5 * waits["static"][1]  # waited for most of the long request
+    assert waits["continuous"][0] < 0.5 * waits["continuous"][1]
+
+
+def test_unknown_scheduler_and_structured_outputs_refused(tiny_moe_dir, engine, base):
+    from serving.params import ServingValidationError
+
+    with pytest.raises(ValueError, match="scheduler"):
+        TorchEngine(tiny_moe_dir, scheduler="fifo")
+    with pytest.raises(ServingValidationError) as ei:
+        engine.submit(GenRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1), model=base,
+                                 structured={"json": {"type": "object"}}))
+    assert ei.value.status == 400 and "vLLM engine" in str(ei.value)

@@ -1,0 +1,310 @@
+"""The torch engine's running batch: iteration-level (continuous) batching on one set of weights.
+
+A :class:`RunningBatch` holds the sequences generating on one :class:`serving.engine.LoadedModel`,
+their KV cache (HF ``DynamicCache``, ``(B, heads, W, head_dim)`` per layer), the attention mask
+``(B, W)``, each row's next position ``(B, 1)`` and the logits of each row's next token
+``(B, V)``. Layout invariants (DESIGN §4, ``schemas.modelspec``):
+
+- left padding: a row's real tokens end at the right edge; its padding columns are 0 in the
+  mask and zeros in the cache, so they add exactly 0 to attention;
+- positions are per row, ``cumsum(mask) - 1`` at prefill and ``+1`` per step, so they never
+  depend on the padding that other rows bring;
+- ``mask.shape[1] == cache length`` between steps.
+
+Requests join at a step boundary (:meth:`RunningBatch.join`: their prompts are prefilled as
+one left-padded batch and the two caches are left-padded to one width and concatenated) and
+leave at one (finished rows are dropped with ``index_select`` and columns that are padding
+in every remaining row are cut). One :meth:`RunningBatch.step` samples one token for every
+row from the stored logits, does the per-request bookkeeping and runs one KV-cached decode
+forward for the rows still running. The cache belongs to the batch and the batch to one
+LoadedModel, so a KV cache never holds two versions' keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from serving.params import GenRequest, GenResult, StepOutput
+
+log = logging.getLogger("flywheel.serving.engine")
+
+
+@dataclass
+class Seq:
+    """One request inside a running batch.
+
+    Attributes:
+        item: the queue entry (request, future, submit time).
+        routes: ``(P + max_tokens - 1, L, k)`` uint8/uint16 host buffer of expert routes
+            (row ``j`` = the ``j``-th fed token), or None for a dense model.
+        gen: CPU ``torch.Generator`` for sampled requests (seeded: the same draws in any batch).
+        t_admit: perf_counter s when it joined the batch.
+        max_rows: most rows its running batch had while it ran.
+    """
+
+    item: Any
+    plen: int
+    routes: Any = None
+    gen: Any = None
+    t_admit: float = 0.0
+    toks: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    tops: list = field(default_factory=list)
+    ttft_ms: float = 0.0
+    finish: str | None = None
+    max_rows: int = 0
+
+    @property
+    def req(self) -> GenRequest:
+        return self.item.req
+
+
+def _left_pad_cols(x, width: int, dim: int):
+    """Pad ``x`` with zeros on the left of ``dim`` up to ``width``."""
+    import torch
+
+    n = width - x.shape[dim]
+    if n <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim=dim)
+
+
+class RunningBatch:
+    """The sequences running on one LoadedModel (see module docstring).
+
+    Args:
+        lm: the weights (:class:`serving.engine.LoadedModel`).
+        engine: the owning :class:`serving.engine.TorchEngine` (pad/eos ids, device,
+            max positions, aligned scoring).
+    """
+
+    def __init__(self, lm, engine):
+        self.lm = lm
+        self.eng = engine
+        self.seqs: list[Seq] = []
+        self.cache = None
+        self.mask = None  # (B, W) int64
+        self.pos = None  # (B, 1) int64
+        self.logits = None  # (B, V) float32
+        self._filter_key: tuple | None = None
+        self._filter = None
+        model = lm.model
+        self.n_layers = len(lm.routers)
+        from schemas.modelspec import moe_top_k
+
+        self.top_k = moe_top_k(model) if self.n_layers else 0
+        wide = int(getattr(model.config, "num_local_experts", 0) or 0) > 256
+        self.route_dtype = np.uint16 if wide else np.uint8
+
+    # ------------------------------------------------------------------ membership
+    def join(self, items: list, now: float) -> None:
+        """Prefill ``items`` (queue entries on this batch's weights) as one left-padded batch
+        and add them to the running rows."""
+        import torch
+
+        from schemas.modelspec import left_pad, position_ids
+
+        eng, lm = self.eng, self.lm
+        dev = eng.device
+        seqs = []
+        for it in items:
+            r = it.req
+            s = Seq(item=it, plen=len(r.prompt_token_ids), t_admit=now)
+            if r.sampling.temperature != 0:
+                s.gen = torch.Generator()
+                seed = r.sampling.seed
+                s.gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+            if self.n_layers:
+                s.routes = np.zeros((s.plen + r.sampling.max_tokens - 1, self.n_layers, self.top_k),
+                                    dtype=self.route_dtype)
+            seqs.append(s)
+        ids, mask0 = left_pad([s.req.prompt_token_ids for s in seqs], eng.pad_id)  # (Bn, Tn) int64
+        Bn, Tn = ids.shape
+        out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=position_ids(mask0).to(dev),
+                       use_cache=True, logits_to_keep=1)
+        if self.n_layers:  # (Bn, Tn, L, k): every prompt token's expert selection
+            pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.route_buf], dim=2).cpu().numpy()
+            for j, s in enumerate(seqs):
+                s.routes[:s.plen] = pr[j, Tn - s.plen:]
+        pos = torch.tensor([[s.plen] for s in seqs], dtype=torch.long, device=dev)  # (Bn, 1)
+        logits = out.logits[:, -1, :].float()  # (Bn, V)
+        if not self.seqs:
+            self.cache, self.mask, self.pos, self.logits = out.past_key_values, mask0.to(dev), pos, logits
+        else:
+            self._concat(out.past_key_values, mask0.to(dev), pos, logits)
+        self.seqs += seqs
+
+    def _concat(self, cache, mask, pos, logits) -> None:
+        """Append prefilled rows: both caches and masks left-padded to one width, then stacked."""
+        import torch
+
+        W = max(self.mask.shape[1], mask.shape[1])
+        for mine, new in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad_cols(mine.keys, W, 2), _left_pad_cols(new.keys, W, 2)], dim=0)
+            mine.values = torch.cat([_left_pad_cols(mine.values, W, 2), _left_pad_cols(new.values, W, 2)], dim=0)
+        self.mask = torch.cat([_left_pad_cols(self.mask, W, 1), _left_pad_cols(mask, W, 1)], dim=0)
+        self.pos = torch.cat([self.pos, pos], dim=0)
+        self.logits = torch.cat([self.logits, logits], dim=0)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (in order); cut the columns that are padding in every kept row."""
+        import torch
+
+        self.seqs = [self.seqs[i] for i in keep]
+        if not keep:
+            self.cache = self.mask = self.pos = self.logits = None
+            return
+        ix = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        mask = self.mask.index_select(0, ix)
+        c0 = int(torch.nonzero(mask.any(dim=0))[0, 0])  # first column any kept row uses
+        self.mask = mask[:, c0:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, ix)[:, :, c0:]
+            layer.values = layer.values.index_select(0, ix)[:, :, c0:]
+        self.pos = self.pos.index_select(0, ix)
+        self.logits = self.logits.index_select(0, ix)
+
+    # ------------------------------------------------------------------ one step
+    def _sampler(self):
+        """(row indices of sampled rows, their :class:`serving.engine._BatchFilter`), rebuilt
+        only when the set of sampled rows changes."""
+        from serving.engine import _BatchFilter
+
+        rows = [i for i, s in enumerate(self.seqs) if s.gen is not None]
+        key = tuple(id(self.seqs[i]) for i in rows)
+        if key != self._filter_key:
+            self._filter_key = key
+            self._filter = _BatchFilter([self.seqs[i].req.sampling for i in rows]) if rows else None
+        return rows, self._filter
+
+    def step(self) -> list[Seq]:
+        """Sample one token per row, finish rows, run one decode forward for the rest.
+
+        Per step on the model's device: one ``log_softmax`` over the raw logits ``(B, V)``,
+        one ``argmax`` for greedy rows, batched temperature/top-k/top-p for sampled rows
+        (the draw per request with its own CPU generator), one gather of the behavior
+        logprobs, one device -> host transfer of ``(B,)`` tokens and logprobs, and after the
+        forward one transfer of the step's routes ``(B, L, k)``.
+
+        Returns:
+            the rows that finished at this step (already out of the batch).
+        """
+        import torch
+
+        eng = self.eng
+        dev = eng.device
+        # rows aborted since the last step leave without sampling another token
+        pre = [i for i, s in enumerate(self.seqs) if s.req.cancelled.is_set()]
+        done: list[Seq] = []
+        if pre:
+            for i in pre:
+                self.seqs[i].finish = "abort"
+                done.append(self.seqs[i])
+            self._keep([i for i in range(len(self.seqs)) if self.seqs[i].finish is None])
+            if not self.seqs:
+                return done
+        B = len(self.seqs)
+        logits = self.logits
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution (temperature 1)
+        tok = torch.argmax(logits, dim=-1)  # (B,) greedy choice
+        samp, filt = self._sampler()
+        if samp:
+            ix = torch.tensor(samp, dtype=torch.long, device=dev)
+            picked = filt.sample(logits.index_select(0, ix).cpu(), [self.seqs[i].gen for i in samp])  # (S,)
+            tok = tok.index_copy(0, ix, picked.to(dev))
+        lp = logp.gather(1, tok.unsqueeze(1)).squeeze(1)  # (B,) behavior logprobs
+        tok_l, lp_l = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one device sync
+        tops = self._top_logprobs(logp)
+        now = time.perf_counter()
+        for i, s in enumerate(self.seqs):
+            s.max_rows = max(s.max_rows, B)
+            self._advance(s, int(tok_l[i]), lp_l[i], tops.get(i, []), now)
+            if s.finish is not None:
+                done.append(s)
+        keep = [i for i, s in enumerate(self.seqs) if s.finish is None]
+        if len(keep) < B:
+            self._keep(keep)
+            tok = tok.index_select(0, torch.tensor(keep, dtype=torch.long, device=dev))
+        if self.seqs:
+            self._decode(tok)
+        return done
+
+    def _top_logprobs(self, logp) -> dict[int, list[tuple[int, float]]]:
+        """``{row: [(token, raw logprob), ...]}`` for rows that asked for top logprobs."""
+        import torch
+
+        want = [i for i, s in enumerate(self.seqs) if s.req.top_logprobs]
+        if not want:
+            return {}
+        n = max(self.seqs[i].req.top_logprobs for i in want)
+        tv, ti = torch.topk(logp.index_select(0, torch.tensor(want, device=logp.device)), min(n, logp.shape[-1]))
+        tv, ti = tv.tolist(), ti.tolist()
+        return {i: list(zip(ti[j], tv[j]))[:self.seqs[i].req.top_logprobs] for j, i in enumerate(want)}
+
+    def _advance(self, s: Seq, t: int, lp: float, tops: list, now: float) -> None:
+        """Append one sampled token to ``s``, stream it, and decide whether ``s`` is done."""
+        r = s.req
+        s.toks.append(t)
+        s.lps.append(lp)
+        if r.top_logprobs:
+            s.tops.append(tops)
+        if len(s.toks) == 1:
+            s.ttft_ms = (now - s.item.t_submit) * 1000
+        r.emit_step(StepOutput(request_id=r.request_id, token_ids=[t], logprobs=[lp],
+                               top_logprobs=[tops] if r.top_logprobs else []))
+        n = len(s.toks)
+        max_pos = self.eng.max_positions
+        if t == self.eng.eos_id or t in r.stop_token_ids:
+            s.finish = "stop"
+        elif r.stop_check is not None and r.stop_check(s.toks):
+            s.finish = "stop"
+        elif n >= r.sampling.max_tokens:
+            s.finish = "length"
+        elif r.cancelled.is_set():
+            s.finish = "abort"
+        elif max_pos and s.plen + n >= max_pos:
+            s.finish = "length"
+
+    def _decode(self, tok) -> None:
+        """One KV-cached forward of each running row's last token ``tok`` ``(B,)``."""
+        import torch
+
+        B = len(self.seqs)
+        self.mask = torch.cat([self.mask, torch.ones((B, 1), dtype=self.mask.dtype, device=self.mask.device)], 1)
+        out = self.lm.model(input_ids=tok.unsqueeze(1), attention_mask=self.mask, position_ids=self.pos,
+                            past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.pos = self.pos + 1
+        self.logits = out.logits[:, -1, :].float()
+        if self.n_layers:  # (B, L, k): routes of the tokens just fed
+            rt = torch.stack([b.view(B, self.top_k) for b in self.lm.route_buf], dim=1).cpu().numpy()
+            for j, s in enumerate(self.seqs):
+                s.routes[s.plen + len(s.toks) - 1] = rt[j]
+
+    # ------------------------------------------------------------------ results
+    def result(self, s: Seq) -> GenResult:
+        """The :class:`GenResult` of a finished row (aligned rescoring applied if enabled)."""
+        eng, lm = self.eng, self.lm
+        t_end = time.perf_counter()
+        n = len(s.toks)
+        rt = s.routes[:s.plen + n - 1] if s.routes is not None and n else None
+        lps = s.lps
+        if eng.aligned_logprobs and n and s.finish != "abort":
+            lps, rescored = eng._score_aligned(lm, s.req.prompt_token_ids, s.toks)
+            if rt is not None:  # the routes of the scoring pass go with its logprobs
+                rt = rescored.astype(self.route_dtype)
+            t_end = time.perf_counter()
+        if rt is not None:
+            assert rt.shape[0] == s.plen + n - 1, rt.shape
+        t_submit = s.item.t_submit
+        return GenResult(completion_token_ids=s.toks, behavior_logprobs=lps, top_logprobs=s.tops,
+                         expert_routes=rt, finish_reason=s.finish, ttft_ms=s.ttft_ms,
+                         latency_ms=(t_end - t_submit) * 1000, version=lm.version, batch_size=max(s.max_rows, 1),
+                         queue_ms=max(0.0, (s.t_admit - t_submit) * 1000))
