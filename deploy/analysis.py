@@ -1,24 +1,31 @@
-"""Canary analysis: pure functions that compare a candidate version with the stable one.
+"""Canary analysis: a pure function of the evidence and the persisted failure counts.
 
-Metrics, each judged on its own into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
+Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
 
-* thumbs-up rate: one-sided two-proportion z-test (pooled standard error) of
-  H1 "candidate's thumbs-up rate is lower than stable's". FAIL when p < ``alpha``;
-  INCONCLUSIVE while either arm has fewer than ``min_votes`` votes; PASS otherwise
-  ("not significantly worse"). z = (p_c - p_s) / sqrt(p(1-p)(1/n_c + 1/n_s)),
-  p = (up_c + up_s) / (n_c + n_s), p-value = Phi(z) = 0.5 * erfc(-z / sqrt 2).
-* error rate: FAIL when the candidate's error rate exceeds stable's by more than
-  ``max_error_rate_increase`` (absolute), needs ``min_requests`` requests per arm.
-* p99 latency (ms): FAIL when candidate p99 > stable p99 * ``max_p99_ratio``.
-* tokens/s: FAIL when candidate < stable * ``min_tokens_per_s_ratio``.
+* **thumbs-up rate** (the quality signal): a sequential test that stays valid when looked at
+  after every vote. The always-valid (1 - ``alpha``) interval ``[lo, hi]`` of
+  ``rate(candidate) - rate(stable)`` is the two-sample mSPRT of Johari, Pekelis and Walsh
+  (2017) with a normal mixture of standard deviation ``tau`` (default: the margin
+  ``delta``), :func:`deploy.stats.msprt_interval`. FAIL (the candidate is surely worse)
+  when ``hi < 0``; PASS (not worse than ``delta``: non-inferiority) when ``lo > -delta``;
+  else INCONCLUSIVE (keep collecting until the step's deadline). INCONCLUSIVE too while an
+  arm has fewer than ``min_votes`` votes (burn-in of the normal approximation). FAIL takes
+  precedence over PASS. Error rates by simulation, controller's polling included:
+  ``bench/canary.py``.
+* **operational** (error rate, p99 latency, tokens/s) and **reward-hacking guards** (mean
+  completion length, share of replies with no answer, share cut at ``max_tokens``): each
+  check compares candidate with stable; a failed check FAILs the metric only after
+  ``failure_limit`` failed checks in a row (Flagger's ``threshold``, Argo Rollouts'
+  ``failureLimit``). Before that it is INCONCLUSIVE ("failed check k of N"). A passing
+  check resets the count. The counts are input and output of :func:`analyze`, persisted by
+  the controller.
 
-Latency and tokens/s are SKIPPED when not measured (None). ERROR means the data could not
-be read or is invalid (NaN, source failure): it is kept apart from INCONCLUSIVE (too little
-data) so that an outage of the metrics source is never mistaken for "wait for more votes".
-
-Combination is worst-wins: FAIL > ERROR > INCONCLUSIVE > PASS/SKIPPED. FAIL -> ROLLBACK;
-ERROR or INCONCLUSIVE -> HOLD; all PASS/SKIPPED -> PROMOTE. With empty data the thumbs-up
-metric is INCONCLUSIVE, so the decision can never be PROMOTE or ROLLBACK on empty data.
+ERROR means the data could not be read or is invalid (NaN, source failure): kept apart
+from INCONCLUSIVE (too little data) so an outage of the metrics source is never mistaken
+for "wait for more votes". Combination is worst-wins: FAIL > ERROR > INCONCLUSIVE >
+PASS/SKIPPED. FAIL -> ROLLBACK; ERROR or INCONCLUSIVE -> HOLD; all PASS/SKIPPED ->
+PROMOTE (advance). With empty data the thumbs-up metric is INCONCLUSIVE, so the decision
+is never PROMOTE or ROLLBACK on empty data.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+
+from deploy.stats import msprt_interval, normal_cdf, two_proportion_z, wilson_interval  # noqa: F401 (re-exported)
+
+OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
+GUARDS = ("completion_length", "no_answer", "truncated")
 
 
 class Outcome(str, Enum):
@@ -60,6 +72,10 @@ class ArmStats:
             if the source does not say. Requests routed before the canary's baseline but
             finished after it are in the latency histogram and not in ``requests``, so the
             minimum-sample gate of latency and tokens/s uses this count when it is given.
+        completions: completions behind the guard figures (count, >= 0; 0: guards not measured).
+        completion_tokens: their completion tokens in all (count).
+        no_answer: those with no answer (empty reply, or none the workload can parse) (count).
+        truncated: those cut at ``max_tokens`` (``finish_reason == "length"``) (count).
     """
 
     votes_up: int = 0
@@ -69,9 +85,14 @@ class ArmStats:
     p99_ms: float | None = None
     tokens_per_s: float | None = None
     latency_samples: int | None = None
+    completions: int = 0
+    completion_tokens: int = 0
+    no_answer: int = 0
+    truncated: int = 0
 
     def __post_init__(self):
-        for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples"):
+        for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
+                  "completion_tokens", "no_answer", "truncated"):
             v = getattr(self, f)
             if f == "latency_samples" and v is None:
                 continue
@@ -79,6 +100,9 @@ class ArmStats:
                 raise ValueError(f"{f}: must be an int >= 0, got {v!r}")
         if self.errors > self.requests:
             raise ValueError(f"errors: {self.errors} > requests {self.requests}")
+        for f in ("no_answer", "truncated"):
+            if getattr(self, f) > self.completions:
+                raise ValueError(f"{f}: {getattr(self, f)} > completions {self.completions}")
         for f in ("p99_ms", "tokens_per_s"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
@@ -93,32 +117,61 @@ class ArmStats:
 class AnalysisConfig:
     """Thresholds of the canary analysis.
 
-    Fields:
-        min_votes: votes per arm before the thumbs-up test is run (default 20).
-        alpha: one-sided significance level of "candidate worse" (default 0.05).
-        min_requests: requests per arm before the error rate, p99 latency and tokens/s are
-            judged (default 20). Latency and tokens/s are gated on ``latency_samples`` when
-            the source gives it, else on ``requests``; only a source that counts neither
-            (both 0 and no ``latency_samples``) has latency/tokens judged as given.
+    Quality (thumbs-up, sequential test):
+        min_votes: votes per arm before the test decides (burn-in, default 10).
+        alpha: error level of the always-valid interval (default 0.05).
+        delta: non-inferiority margin in rate units (default 0.1): PASS when the interval's
+            lower bound of rate(candidate) - rate(stable) is above ``-delta``.
+        tau: mixing standard deviation of the mSPRT (default None = ``delta``).
+
+    Operational (error rate, p99 latency, tokens/s):
+        min_requests: requests per arm before these are judged (default 20). Latency and
+            tokens/s are gated on ``latency_samples`` when the source gives it, else on
+            ``requests``; only a source that counts neither has them judged as given.
         max_error_rate_increase: allowed absolute error-rate increase (default 0.02).
         max_p99_ratio: allowed candidate/stable p99 latency ratio (default 1.5).
         min_tokens_per_s_ratio: required candidate/stable tokens/s ratio (default 0.67).
+        failure_limit: failed checks in a row before an operational metric or a guard
+            fails the step (default 3; Flagger's threshold, Argo's failureLimit).
+
+    Reward-hacking guards (from the candidate's and stable's completions):
+        min_guard_completions: completions per arm before the guards are judged (default 20).
+        max_length_ratio: allowed candidate/stable mean completion length (default 1.5).
+        max_no_answer_increase: allowed absolute increase of the share of replies with no
+            answer (default 0.15).
+        max_truncated_increase: allowed absolute increase of the share cut at max_tokens
+            (default 0.15).
     """
 
-    min_votes: int = 20
+    min_votes: int = 10
     alpha: float = 0.05
+    delta: float = 0.1
+    tau: float | None = None
     min_requests: int = 20
     max_error_rate_increase: float = 0.02
     max_p99_ratio: float = 1.5
     min_tokens_per_s_ratio: float = 0.67
+    failure_limit: int = 3
+    min_guard_completions: int = 20
+    max_length_ratio: float = 1.5
+    max_no_answer_increase: float = 0.15
+    max_truncated_increase: float = 0.15
 
     def __post_init__(self):
-        if self.min_votes < 1:
-            raise ValueError(f"min_votes: must be >= 1, got {self.min_votes}")
+        for f in ("min_votes", "min_requests", "failure_limit", "min_guard_completions"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"{f}: must be an int >= 1, got {getattr(self, f)!r}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha: must be in (0, 1), got {self.alpha}")
-        if self.min_requests < 1:
-            raise ValueError(f"min_requests: must be >= 1, got {self.min_requests}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta: must be in (0, 1) (rate units), got {self.delta}")
+        if self.tau is not None and not self.tau > 0:
+            raise ValueError(f"tau: must be > 0 or None (= delta), got {self.tau}")
+        for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
+                  "max_no_answer_increase", "max_truncated_increase"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
 
 
 @dataclass
@@ -131,13 +184,20 @@ class MetricResult:
 
 @dataclass
 class Decision:
-    """Outcome of one analysis with the per-metric results and a human reason."""
+    """Outcome of one analysis with the per-metric results and a human reason.
+
+    ``failed_checks`` is the updated count of failed checks in a row per operational metric
+    and guard (persist it and pass it to the next :func:`analyze`). ``decided_by`` names what
+    decided a PROMOTE or ROLLBACK: ``sequential_test``, ``operational`` or ``guard``
+    (``error`` for an ERROR hold; None for an inconclusive hold)."""
 
     outcome: Outcome
     reason: str
     metrics: list[MetricResult]
     inconclusive: bool  # HOLD because of too little data (not an error)
     error: bool  # HOLD because some metric could not be evaluated
+    failed_checks: dict[str, int] = field(default_factory=dict)
+    decided_by: str | None = None
 
     def numbers(self) -> dict:
         """JSON-ready numbers of every metric (for the ledger)."""
@@ -151,46 +211,13 @@ class Decision:
         return d
 
 
-def normal_cdf(x: float) -> float:
-    """Standard normal CDF Phi(x)."""
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-
-def two_proportion_z(up_c: int, n_c: int, up_s: int, n_s: int) -> tuple[float, float]:
-    """One-sided pooled two-proportion z-test of H1: rate_c < rate_s.
-
-    Returns:
-        ``(z, p_value)``; z = 0, p = 0.5 when the pooled rate is 0 or 1 (no variance).
-
-    Raises:
-        ValueError: an arm has n = 0 or up > n.
-    """
-    if n_c <= 0 or n_s <= 0:
-        raise ValueError(f"n: both arms need votes, got n_c={n_c}, n_s={n_s}")
-    if not (0 <= up_c <= n_c and 0 <= up_s <= n_s):
-        raise ValueError(f"up: must be within [0, n], got {up_c}/{n_c}, {up_s}/{n_s}")
-    p = (up_c + up_s) / (n_c + n_s)
-    se = math.sqrt(p * (1 - p) * (1 / n_c + 1 / n_s))
-    if se == 0:
-        return 0.0, 0.5
-    z = (up_c / n_c - up_s / n_s) / se
-    return z, normal_cdf(z)
-
-
-def wilson_interval(up: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """Wilson score interval of a proportion (95 % by default); (0, 1) when n = 0."""
-    if n == 0:
-        return 0.0, 1.0
-    ph = up / n
-    den = 1 + z * z / n
-    c = (ph + z * z / (2 * n)) / den
-    h = z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / den
-    return max(0.0, c - h), min(1.0, c + h)
-
-
 def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
+    """The sequential thumbs-up test (module docstring): PASS when the always-valid lower
+    bound of rate_c - rate_s is above ``-delta``, FAIL when its upper bound is below 0."""
+    tau = cfg.tau if cfg.tau is not None else cfg.delta
     nums = {"candidate_up": c.votes_up, "candidate_votes": c.votes, "stable_up": s.votes_up,
-            "stable_votes": s.votes, "min_votes": cfg.min_votes, "alpha": cfg.alpha}
+            "stable_votes": s.votes, "min_votes": cfg.min_votes, "alpha": cfg.alpha, "delta": cfg.delta,
+            "tau": tau, "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture"}
     if c.votes:
         nums["candidate_rate"] = c.votes_up / c.votes
     if s.votes:
@@ -199,15 +226,18 @@ def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
         return MetricResult("thumbs_up", Check.INCONCLUSIVE,
                             f"too few votes: candidate {c.votes}, stable {s.votes}, need {cfg.min_votes} per arm",
                             nums)
-    z, pv = two_proportion_z(c.votes_up, c.votes, s.votes_up, s.votes)
-    nums.update(z=z, p_value=pv)
-    rates = f"{nums['candidate_rate']:.3f} vs {nums['stable_rate']:.3f}"
-    if pv < cfg.alpha:
-        return MetricResult("thumbs_up", Check.FAIL,
-                            f"thumbs-up {rates}: candidate worse (z={z:.2f}, one-sided p={pv:.4f} < {cfg.alpha})",
-                            nums)
-    return MetricResult("thumbs_up", Check.PASS,
-                        f"thumbs-up {rates}: not worse (z={z:.2f}, one-sided p={pv:.4f})", nums)
+    d, lo, hi = msprt_interval(c.votes_up, c.votes, s.votes_up, s.votes, cfg.alpha, tau)
+    nums.update(diff=d, ci_lo=lo, ci_hi=hi)
+    what = (f"thumbs-up {nums['candidate_rate']:.3f} ({c.votes_up}/{c.votes}) vs {nums['stable_rate']:.3f} "
+            f"({s.votes_up}/{s.votes}): diff {d:+.3f}, always-valid {1 - cfg.alpha:.0%} interval "
+            f"[{lo:+.3f}, {hi:+.3f}]")
+    if hi < 0:
+        return MetricResult("thumbs_up", Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
+    if lo > -cfg.delta:
+        return MetricResult("thumbs_up", Check.PASS, f"{what}: not worse than the margin (lower bound > "
+                            f"-{cfg.delta:g})", nums)
+    return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:g}, "
+                        "upper bound >= 0)", nums)
 
 
 def check_errors(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
@@ -234,8 +264,8 @@ def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: s
         nums.update(candidate_n=n[0], stable_n=n[1])
         return MetricResult(name, Check.INCONCLUSIVE, f"{name}: {n[0]} vs {n[1]} completions, need {min_n} "
                             "per arm", nums)
-    if any(isinstance(v, float) and math.isnan(v) for v in (cv, sv)):
-        return MetricResult(name, Check.ERROR, f"{name} is NaN", nums)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in (cv, sv)):
+        return MetricResult(name, Check.ERROR, f"{name} is not a finite number ({cv} vs {sv})", nums)
     if sv == 0:
         return MetricResult(name, Check.INCONCLUSIVE, f"{name}: stable is 0 {unit}", nums)
     r = cv / sv
@@ -247,9 +277,47 @@ def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: s
     return MetricResult(name, Check.PASS, f"{name} {cv:.1f} vs {sv:.1f} {unit}: ratio {r:.2f}", nums)
 
 
+def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[MetricResult]:
+    """Reward-hacking guards: the candidate's replies must not drift from stable's in length,
+    in the share with no answer, or in the share cut at ``max_tokens`` (module docstring)."""
+    n = (c.completions, s.completions)
+    if c.completions == 0 and s.completions == 0:
+        return [MetricResult(g, Check.SKIPPED, f"{g} not measured") for g in GUARDS]
+    if min(n) < cfg.min_guard_completions:
+        why = f"{n[0]} vs {n[1]} completions, need {cfg.min_guard_completions} per arm"
+        return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "stable_n": n[1]})
+                for g in GUARDS]
+    out = [_ratio_check("completion_length", c.completion_tokens / c.completions,
+                        s.completion_tokens / s.completions, cfg.max_length_ratio, True, "tokens")]
+    for g, limit in (("no_answer", cfg.max_no_answer_increase), ("truncated", cfg.max_truncated_increase)):
+        rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
+        nums = {"candidate_share": rc, "stable_share": rs, "max_increase": limit, "candidate_n": n[0], "stable_n": n[1]}
+        label = "replies with no answer" if g == "no_answer" else "replies cut at max_tokens"
+        if rc - rs > limit:
+            out.append(MetricResult(g, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f}: +{rc - rs:.2f} > {limit}", nums))
+        else:
+            out.append(MetricResult(g, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f}", nums))
+    return out
+
+
+def _apply_failure_limit(m: MetricResult, counts: dict[str, int], limit: int) -> MetricResult:
+    """Flagger/Argo semantics: FAIL only at the ``limit``-th failed check in a row."""
+    if m.check == Check.FAIL:
+        counts[m.name] = counts.get(m.name, 0) + 1
+        m.numbers["failed_checks"] = counts[m.name]
+        if counts[m.name] < limit:
+            return MetricResult(m.name, Check.INCONCLUSIVE,
+                                f"{m.reason} (failed check {counts[m.name]} of {limit} in a row)", m.numbers)
+        m.reason = f"{m.reason} ({counts[m.name]} failed checks in a row, limit {limit})"
+    elif m.check == Check.PASS:
+        counts[m.name] = 0
+    return m
+
+
 def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = None,
-            source_error: str | None = None, skipped: dict[str, str] | None = None) -> Decision:
-    """Compare ``candidate`` with ``stable``; worst metric wins.
+            source_error: str | None = None, skipped: dict[str, str] | None = None,
+            failed_checks: dict[str, int] | None = None) -> Decision:
+    """Compare ``candidate`` with ``stable``; worst metric wins. Pure: same inputs, same output.
 
     Args:
         candidate, stable: observed stats of each arm during the canary.
@@ -257,16 +325,21 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
         source_error: set when the metrics could not be read (e.g. Parquet unreadable):
             the decision is HOLD with ``error=True``.
         skipped: ``{metric: reason}`` for metrics the source does not provide
-            (``error_rate``, ``p99_latency``, ``tokens_per_s``): SKIPPED with that reason.
-            ``thumbs_up`` cannot be skipped (ValueError).
+            (``error_rate``, ``p99_latency``, ``tokens_per_s`` or a guard): SKIPPED with that
+            reason. ``thumbs_up`` cannot be skipped (ValueError).
+        failed_checks: failed checks in a row so far per operational metric and guard (the
+            previous decision's ``failed_checks``; not modified).
 
     Returns:
-        :class:`Decision` with per-metric numbers and a one-line reason.
+        :class:`Decision` with per-metric numbers, a one-line reason, the updated
+        ``failed_checks`` and ``decided_by``.
     """
     cfg = cfg or AnalysisConfig()
+    counts = dict(failed_checks or {})
     if source_error:
         m = MetricResult("source", Check.ERROR, f"metrics unavailable: {source_error}")
-        return Decision(Outcome.HOLD, f"HOLD (error): {m.reason}", [m], inconclusive=False, error=True)
+        return Decision(Outcome.HOLD, f"HOLD (error): {m.reason}", [m], inconclusive=False, error=True,
+                        failed_checks=counts, decided_by="error")
     if candidate.latency_samples is not None and stable.latency_samples is not None:
         n_lat: tuple[int, int] | None = (candidate.latency_samples, stable.latency_samples)
     elif candidate.requests or stable.requests:
@@ -280,30 +353,34 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
                      n_lat, cfg.min_requests),
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
                      cfg.min_tokens_per_s_ratio, False, "tokens/s", n_lat, cfg.min_requests),
+        *check_guards(candidate, stable, cfg),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.
     if candidate.requests == 0 and stable.requests == 0 and results[1].check == Check.INCONCLUSIVE:
         results[1] = MetricResult("error_rate", Check.SKIPPED, "error rate not measured", results[1].numbers)
+    names = [m.name for m in results]
     for name, why in (skipped or {}).items():
-        idx = [m.name for m in results].index(name) if name in [m.name for m in results] else -1
-        if idx <= 0:
-            raise ValueError(f"skipped: {name!r} is not a skippable metric "
-                             f"(error_rate, p99_latency, tokens_per_s)")
-        results[idx] = MetricResult(name, Check.SKIPPED, f"{name} skipped: {why}", {"skipped": why})
+        if name not in names[1:]:
+            raise ValueError(f"skipped: {name!r} is not a skippable metric ({', '.join(names[1:])})")
+        results[names.index(name)] = MetricResult(name, Check.SKIPPED, f"{name} skipped: {why}", {"skipped": why})
+    results = [results[0]] + [_apply_failure_limit(m, counts, cfg.failure_limit) for m in results[1:]]
     worst = max(results, key=lambda m: _SEVERITY[m.check])
     sev = _SEVERITY[worst.check]
     bad = [m for m in results if _SEVERITY[m.check] == sev]
+    decided_by = None
     if worst.check == Check.FAIL:
         outcome, tag = Outcome.ROLLBACK, "ROLLBACK"
+        first = bad[0].name
+        decided_by = "sequential_test" if first == "thumbs_up" else "guard" if first in GUARDS else "operational"
     elif worst.check == Check.ERROR:
-        outcome, tag = Outcome.HOLD, "HOLD (error)"
+        outcome, tag, decided_by = Outcome.HOLD, "HOLD (error)", "error"
     elif worst.check == Check.INCONCLUSIVE:
         outcome, tag = Outcome.HOLD, "HOLD (inconclusive)"
     else:
-        outcome, tag = Outcome.PROMOTE, "PROMOTE"
+        outcome, tag, decided_by = Outcome.PROMOTE, "PROMOTE", "sequential_test"
         bad = [m for m in results if m.check == Check.PASS]
     reason = f"{tag}: " + "; ".join(m.reason for m in bad)
     return Decision(outcome, reason, results,
                     inconclusive=worst.check == Check.INCONCLUSIVE,
-                    error=worst.check == Check.ERROR)
+                    error=worst.check == Check.ERROR, failed_checks=counts, decided_by=decided_by)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from deploy.analysis import (AnalysisConfig, ArmStats, Check, Outcome, analyze, two_proportion_z,
-                             wilson_interval)
+from deploy.analysis import AnalysisConfig, ArmStats, Check, Outcome, analyze
+from deploy.stats import msprt_interval, newcombe_interval, two_proportion_z, wilson_interval
 
 
 def test_two_proportion_z_matches_hand_computation():
@@ -31,27 +31,56 @@ def test_wilson_interval_hand_values():
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
-CFG = AnalysisConfig(min_votes=20, alpha=0.05, min_requests=20)
+def test_msprt_interval_matches_hand_computation():
+    # 40/200 vs 90/200, alpha 0.05, tau 0.1 (deploy.stats.msprt_interval docstring):
+    # q_c = 40.5/201 = 0.201493, q_s = 90.5/201 = 0.450249
+    # V = 0.201493*0.798507/200 + 0.450249*0.549751/200 = 0.0020421
+    # h = sqrt(2 V (V + .01)/.01 * ln(sqrt((V + .01)/V)/.05)) = 0.13819; d = -0.25
+    d, lo, hi = msprt_interval(40, 200, 90, 200, alpha=0.05, tau=0.1)
+    assert d == pytest.approx(-0.25)
+    assert lo == pytest.approx(-0.38819, abs=1e-5) and hi == pytest.approx(-0.11181, abs=1e-5)
+    # symmetric when the arms are equal; wider at a smaller n (45/100: h = 0.22920)
+    assert msprt_interval(45, 100, 45, 100) == pytest.approx((0.0, -0.22920, 0.22920), abs=1e-5)
+    with pytest.raises(ValueError, match="both arms need votes"):
+        msprt_interval(0, 0, 1, 2)
+    with pytest.raises(ValueError, match="tau"):
+        msprt_interval(1, 2, 1, 2, tau=0)
+
+
+def test_newcombe_interval_hand_values():
+    # 18/100 -> 36/100: Wilson (0.11700, 0.26668) and (0.27271, 0.45762) (z = 1.96)
+    # lo = 0.18 - sqrt((0.36 - 0.27271)^2 + (0.26668 - 0.18)^2) = 0.18 - 0.12302 = 0.05698
+    # hi = 0.18 + sqrt((0.45762 - 0.36)^2 + (0.18 - 0.11700)^2) = 0.18 + 0.11611 = 0.29611
+    d, lo, hi = newcombe_interval(18, 100, 36, 100)
+    assert d == pytest.approx(0.18) and lo == pytest.approx(0.05698, abs=2e-4) and hi == pytest.approx(0.29611, abs=2e-4)
+
+
+# delta 0.2 so that equal rates at 200 votes per arm pass (lower bound -0.153 > -0.2)
+CFG = AnalysisConfig(min_votes=20, alpha=0.05, delta=0.2, tau=0.1, min_requests=20, failure_limit=1)
 
 # (name, candidate, stable, source_error, outcome, inconclusive, error, worst metric)
 TABLE = [
     ("empty data holds", ArmStats(), ArmStats(), None, Outcome.HOLD, True, False, "thumbs_up"),
     ("too few candidate votes", ArmStats(5, 4), ArmStats(50, 50), None, Outcome.HOLD, True, False, "thumbs_up"),
-    ("clearly worse rolls back", ArmStats(30, 70), ArmStats(45, 55), None, Outcome.ROLLBACK, False, False, "thumbs_up"),
-    ("equal promotes", ArmStats(45, 55), ArmStats(45, 55), None, Outcome.PROMOTE, False, False, None),
-    ("better promotes", ArmStats(60, 40), ArmStats(45, 55), None, Outcome.PROMOTE, False, False, None),
-    # 38/100 vs 45/100: z = -0.07/sqrt(.415*.585*.02) = -1.0046, p = 0.1576 > 0.05: not worse
-    ("slightly worse, not significant", ArmStats(38, 62), ArmStats(45, 55), None, Outcome.PROMOTE, False, False, None),
-    ("latency fails, worst wins", ArmStats(45, 55, p99_ms=900.0), ArmStats(45, 55, p99_ms=400.0), None,
+    # [-0.388, -0.112]: upper bound < 0
+    ("surely worse rolls back", ArmStats(40, 160), ArmStats(90, 110), None, Outcome.ROLLBACK, False, False,
+     "thumbs_up"),
+    # [-0.153, +0.153]: lower bound > -delta
+    ("equal promotes", ArmStats(90, 110), ArmStats(90, 110), None, Outcome.PROMOTE, False, False, None),
+    ("better promotes", ArmStats(110, 90), ArmStats(90, 110), None, Outcome.PROMOTE, False, False, None),
+    # 30/100 vs 45/100: [-0.369, +0.069] is undecided (a repeated z-test rolled this back: p = 0.014)
+    ("worse but not surely: keep collecting", ArmStats(30, 70), ArmStats(45, 55), None, Outcome.HOLD, True, False,
+     "thumbs_up"),
+    ("latency fails, worst wins", ArmStats(90, 110, p99_ms=900.0), ArmStats(90, 110, p99_ms=400.0), None,
      Outcome.ROLLBACK, False, False, "p99_latency"),
-    ("throughput fails", ArmStats(45, 55, tokens_per_s=5.0), ArmStats(45, 55, tokens_per_s=17.0), None,
+    ("throughput fails", ArmStats(90, 110, tokens_per_s=5.0), ArmStats(90, 110, tokens_per_s=17.0), None,
      Outcome.ROLLBACK, False, False, "tokens_per_s"),
-    ("error rate fails", ArmStats(45, 55, errors=10, requests=100), ArmStats(45, 55, errors=1, requests=100), None,
+    ("error rate fails", ArmStats(90, 110, errors=10, requests=100), ArmStats(90, 110, errors=1, requests=100), None,
      Outcome.ROLLBACK, False, False, "error_rate"),
-    ("error rate within bound", ArmStats(45, 55, errors=2, requests=100), ArmStats(45, 55, errors=1, requests=100),
+    ("error rate within bound", ArmStats(90, 110, errors=2, requests=100), ArmStats(90, 110, errors=1, requests=100),
      None, Outcome.PROMOTE, False, False, None),
-    ("NaN latency is an error, not inconclusive", ArmStats(45, 55, p99_ms=float("nan")), ArmStats(45, 55, p99_ms=1.0),
-     None, Outcome.HOLD, False, True, "p99_latency"),
+    ("NaN latency is an error, not inconclusive", ArmStats(90, 110, p99_ms=float("nan")),
+     ArmStats(90, 110, p99_ms=1.0), None, Outcome.HOLD, False, True, "p99_latency"),
     ("source failure holds as error", ArmStats(), ArmStats(), "parquet unreadable", Outcome.HOLD, False, True, "source"),
     ("error beats inconclusive", ArmStats(1, 0, p99_ms=float("nan")), ArmStats(1, 0, p99_ms=1.0), None,
      Outcome.HOLD, False, True, "p99_latency"),
@@ -69,21 +98,51 @@ def test_analysis_table(name, cand, stable, err, outcome, inconclusive, error, w
         assert worst in {m.name for m in d.metrics if m.check in (Check.FAIL, Check.ERROR, Check.INCONCLUSIVE)}
 
 
-def test_rollback_reason_carries_the_numbers():
-    d = analyze(ArmStats(30, 70), ArmStats(45, 55), CFG)
+def test_rollback_reason_carries_the_interval():
+    d = analyze(ArmStats(40, 160), ArmStats(90, 110), CFG)
     n = d.numbers()["thumbs_up"]
-    assert n["check"] == "FAIL"
-    assert n["z"] == pytest.approx(-0.15 / math.sqrt(0.375 * 0.625 * 0.02))
-    assert n["candidate_rate"] == 0.30 and n["stable_rate"] == 0.45
-    assert "z=-2.19" in d.reason and "p=0.0142" in d.reason
+    assert n["check"] == "FAIL" and d.decided_by == "sequential_test"
+    assert n["ci_lo"] == pytest.approx(-0.38819, abs=1e-5) and n["ci_hi"] == pytest.approx(-0.11181, abs=1e-5)
+    assert n["candidate_rate"] == 0.20 and n["stable_rate"] == 0.45
+    assert "[-0.388, -0.112]" in d.reason and "surely worse" in d.reason
 
 
-def test_slightly_worse_p_value_by_hand():
-    d = analyze(ArmStats(38, 62), ArmStats(45, 55), CFG)
-    n = d.numbers()["thumbs_up"]
-    # pooled 83/200 = 0.415; z = -0.07 / sqrt(0.415*0.585*0.02) = -1.00457; Phi(-1.00457) = 0.15756
-    assert n["z"] == pytest.approx(-1.00457, abs=1e-4)
-    assert n["p_value"] == pytest.approx(0.15756, abs=2e-4)
+def test_operational_failure_needs_failure_limit_checks_in_a_row():
+    cfg = AnalysisConfig(min_votes=20, delta=0.2, tau=0.1, failure_limit=3)
+    bad_c, bad_s = ArmStats(90, 110, p99_ms=900.0), ArmStats(90, 110, p99_ms=400.0)
+    ok_c = ArmStats(90, 110, p99_ms=410.0)
+    counts: dict = {}
+    for k in (1, 2):
+        d = analyze(bad_c, bad_s, cfg, failed_checks=counts)
+        assert d.outcome == Outcome.HOLD and f"failed check {k} of 3 in a row" in d.reason, d.reason
+        counts = d.failed_checks
+    d = analyze(ok_c, bad_s, cfg, failed_checks=counts)  # a passing check resets the count
+    assert d.outcome == Outcome.PROMOTE and d.failed_checks["p99_latency"] == 0
+    counts = d.failed_checks
+    for _ in range(2):
+        counts = analyze(bad_c, bad_s, cfg, failed_checks=counts).failed_checks
+    d = analyze(bad_c, bad_s, cfg, failed_checks=counts)
+    assert d.outcome == Outcome.ROLLBACK and d.decided_by == "operational" and "3 failed checks in a row" in d.reason
+    assert counts == {"p99_latency": 2}  # the input is not modified
+
+
+def test_guards_fail_a_candidate_that_games_length():
+    """A candidate that pads its replies (a shortcut to a naive reward) fails the length
+    guard even while its thumbs-up rate looks fine."""
+    cfg = AnalysisConfig(min_votes=20, delta=0.2, tau=0.1, failure_limit=1, min_guard_completions=20)
+    stable = ArmStats(90, 110, completions=200, completion_tokens=200 * 40, no_answer=20, truncated=10)
+    long = ArmStats(110, 90, completions=200, completion_tokens=200 * 120, no_answer=20, truncated=150)
+    d = analyze(long, stable, cfg)
+    assert d.outcome == Outcome.ROLLBACK and d.decided_by == "guard"
+    checks = {m.name: m.check for m in d.metrics}
+    assert checks["completion_length"] == Check.FAIL and checks["truncated"] == Check.FAIL
+    assert "ratio 3.00 > 1.5" in d.reason and "0.75 vs 0.05" in d.reason
+    empty = ArmStats(110, 90, completions=200, completion_tokens=200 * 2, no_answer=120, truncated=0)
+    d = analyze(empty, stable, cfg)
+    assert d.outcome == Outcome.ROLLBACK and {m.name: m.check for m in d.metrics}["no_answer"] == Check.FAIL
+    few = ArmStats(110, 90, completions=5, completion_tokens=5 * 400, no_answer=5, truncated=5)
+    d = analyze(few, stable, cfg)
+    assert d.outcome == Outcome.HOLD and d.inconclusive  # too few completions to judge a guard
 
 
 def test_never_decides_on_empty_data_whatever_the_threshold():
@@ -104,6 +163,10 @@ def test_bad_config_names_the_field():
         AnalysisConfig(alpha=1.5)
     with pytest.raises(ValueError, match="min_votes"):
         AnalysisConfig(min_votes=0)
+    with pytest.raises(ValueError, match="delta"):
+        AnalysisConfig(delta=float("nan"))
+    with pytest.raises(ValueError, match="max_p99_ratio"):
+        AnalysisConfig(max_p99_ratio=float("inf"))
 
 
 def test_config_docstrings_name_every_field():
@@ -128,5 +191,5 @@ def test_latency_and_tokens_need_min_requests_per_arm():
     assert d.outcome != Outcome.ROLLBACK
     many_c = ArmStats(votes_up=10, votes_down=10, errors=0, requests=20, p99_ms=3000.0, tokens_per_s=8.0)
     many_s = ArmStats(votes_up=10, votes_down=10, errors=0, requests=20, p99_ms=1000.0, tokens_per_s=8.0)
-    d = analyze(many_c, many_s, cfg)
+    d = analyze(many_c, many_s, AnalysisConfig(min_votes=5, min_requests=20, failure_limit=1))
     assert d.outcome == Outcome.ROLLBACK and "ratio 3.00 > 1.5" in d.reason

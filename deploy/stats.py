@@ -1,0 +1,178 @@
+"""Statistics of thumbs-up rates: intervals, tests, and the canary's always-valid interval.
+
+The one home of these formulas: the canary analysis (:mod:`deploy.analysis`), the demo's
+report and the learning experiment import them from here. Pure functions on counts, no I/O.
+
+* :func:`wilson_interval` - score interval of one proportion (Wilson 1927).
+* :func:`newcombe_interval` - interval of a difference of two independent proportions from
+  two Wilson intervals (Newcombe 1998, method 10).
+* :func:`two_proportion_z` - fixed-horizon one-sided pooled z-test (valid at ONE look only).
+* :func:`msprt_interval` - always-valid interval of a difference of two proportions (mSPRT,
+  Johari, Pekelis and Walsh 2017), valid when looked at after every vote.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+Z95 = 1.959963984540054  # Phi^-1(0.975)
+
+
+def normal_cdf(x: float) -> float:
+    """Standard normal CDF Phi(x)."""
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def _check_counts(up: int, n: int, name: str) -> None:
+    if n < 0 or not 0 <= up <= max(n, 0):
+        raise ValueError(f"{name}: need 0 <= up <= n, got up={up}, n={n}")
+
+
+def wilson_interval(up: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``up / n`` (95 % by default).
+
+    Returns:
+        ``(lo, hi)`` in [0, 1]; ``(0, 1)`` when ``n == 0``.
+
+    Raises:
+        ValueError: ``up`` outside [0, n].
+    """
+    _check_counts(up, n, "wilson_interval")
+    if n == 0:
+        return 0.0, 1.0
+    ph = up / n
+    den = 1 + z * z / n
+    c = (ph + z * z / (2 * n)) / den
+    h = z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / den
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def newcombe_interval(up1: int, n1: int, up2: int, n2: int, z: float = Z95) -> tuple[float, float, float]:
+    """Difference ``p2 - p1`` of two independent proportions with Newcombe's hybrid score
+    interval (Newcombe 1998, Stat. Med. 17:873, method 10; 95 % by default).
+
+    Returns:
+        ``(diff, lo, hi)``.
+
+    Raises:
+        ValueError: an arm has ``n == 0`` or ``up`` outside [0, n].
+    """
+    if n1 <= 0 or n2 <= 0:
+        raise ValueError(f"newcombe_interval: both arms need n > 0, got n1={n1}, n2={n2}")
+    p1, p2 = up1 / n1, up2 / n2
+    l1, u1 = wilson_interval(up1, n1, z)
+    l2, u2 = wilson_interval(up2, n2, z)
+    d = p2 - p1
+    return d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+
+
+def two_proportion_z(up_c: int, n_c: int, up_s: int, n_s: int) -> tuple[float, float]:
+    """One-sided pooled two-proportion z-test of H1: rate_c < rate_s, at ONE fixed horizon.
+
+    ``z = (p_c - p_s) / sqrt(p (1 - p) (1/n_c + 1/n_s))`` with the pooled ``p``; p-value
+    ``Phi(z)``. Repeating it at every look inflates its false-positive rate far above alpha
+    (``bench/canary.py``); the canary uses :func:`msprt_interval` instead.
+
+    Returns:
+        ``(z, p_value)``; ``(0, 0.5)`` when the pooled rate is 0 or 1 (no variance).
+
+    Raises:
+        ValueError: an arm has ``n == 0`` or ``up`` outside [0, n].
+    """
+    if n_c <= 0 or n_s <= 0:
+        raise ValueError(f"n: both arms need votes, got n_c={n_c}, n_s={n_s}")
+    if not (0 <= up_c <= n_c and 0 <= up_s <= n_s):
+        raise ValueError(f"up: must be within [0, n], got {up_c}/{n_c}, {up_s}/{n_s}")
+    z = float(pooled_z(np.float64(up_c), np.float64(n_c), np.float64(up_s), np.float64(n_s)))
+    return z, normal_cdf(z)
+
+
+def pooled_z(up_c, n_c, up_s, n_s):
+    """The pooled two-proportion z statistic on arrays (or scalars) of counts, 0 where the
+    pooled rate is 0 or 1; the core of :func:`two_proportion_z`, unchecked (n > 0)."""
+    p = (up_c + up_s) / (n_c + n_s)
+    se = np.sqrt(p * (1 - p) * (1 / n_c + 1 / n_s))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(se > 0, (up_c / n_c - up_s / n_s) / np.where(se > 0, se, 1.0), 0.0)
+
+
+def msprt_halfwidth(var: float, alpha: float, tau: float) -> float:
+    """Half-width of the always-valid interval of a normal mean with estimator variance
+    ``var`` under the normal-mixture mSPRT with mixing N(0, tau^2).
+
+    The mixture likelihood ratio of H0: theta = theta0 after data with estimate ``x`` is
+    ``L = sqrt(V / (V + tau^2)) * exp(tau^2 (x - theta0)^2 / (2 V (V + tau^2)))``
+    (Johari, Pekelis, Walsh 2017, "Always valid inference", eq. 11 / Robbins 1970). By Ville's
+    inequality ``P(sup_n L_n >= 1/alpha) <= alpha`` under H0, so the set of theta0 with
+    ``L < 1/alpha`` is a confidence sequence:
+    ``|x - theta0| < sqrt(2 V (V + tau^2) / tau^2 * log(sqrt((V + tau^2) / V) / alpha))``.
+
+    Args:
+        var: variance of the estimator (> 0).
+        alpha: error level in (0, 1).
+        tau: mixing standard deviation (> 0), the effect size the test is tuned to.
+
+    Returns:
+        The half-width (same units as the estimate).
+
+    Raises:
+        ValueError: ``var <= 0``, ``alpha`` outside (0, 1) or ``tau <= 0``.
+    """
+    if not var > 0:
+        raise ValueError(f"var: must be > 0, got {var}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha: must be in (0, 1), got {alpha}")
+    if not tau > 0:
+        raise ValueError(f"tau: must be > 0, got {tau}")
+    t2 = tau * tau
+    return math.sqrt(2 * var * (var + t2) / t2 * math.log(math.sqrt((var + t2) / var) / alpha))
+
+
+def msprt_interval(up_c: int, n_c: int, up_s: int, n_s: int, alpha: float = 0.05,
+                   tau: float = 0.1) -> tuple[float, float, float]:
+    """Always-valid (1 - alpha) interval of ``rate_c - rate_s`` (candidate minus stable).
+
+    Method: the two-sample mSPRT of Johari, Pekelis and Walsh (2017) as Optimizely's Stats
+    Engine runs it: the difference of the two observed rates is treated as a normal mean
+    with variance ``V = q_c (1 - q_c) / n_c + q_s (1 - q_s) / n_s`` and the normal-mixture
+    boundary of :func:`msprt_halfwidth` is applied. The rates inside ``V`` are shrunk
+    toward 1/2 by one pseudo-vote per arm, ``q = (up + 0.5) / (n + 1)``, so that an arm
+    with all-up or all-down votes does not report zero variance. The guarantee is
+    asymptotic (normal approximation of the rates); its error rates at the vote counts a
+    canary sees are measured by simulation in ``bench/canary.py``.
+
+    Args:
+        up_c, n_c: candidate's thumbs-up votes and all its votes (counts).
+        up_s, n_s: the same for the stable version.
+        alpha: error level in (0, 1): the interval covers the true difference at every
+            look simultaneously with probability >= 1 - alpha (asymptotically).
+        tau: mixing standard deviation (> 0), the difference the test is tuned to detect
+            fastest (rate units; the canary uses its non-inferiority margin).
+
+    Returns:
+        ``(diff, lo, hi)`` with ``diff = up_c / n_c - up_s / n_s``, clipped to [-1, 1].
+
+    Raises:
+        ValueError: an arm has ``n == 0``, ``up`` outside [0, n], or bad ``alpha``/``tau``.
+    """
+    if n_c <= 0 or n_s <= 0:
+        raise ValueError(f"msprt_interval: both arms need votes, got n_c={n_c}, n_s={n_s}")
+    _check_counts(up_c, n_c, "candidate")
+    _check_counts(up_s, n_s, "stable")
+    msprt_halfwidth(0.25, alpha, tau)  # validates alpha and tau
+    d, lo, hi = msprt_bounds(np.float64(up_c), np.float64(n_c), np.float64(up_s), np.float64(n_s), alpha, tau)
+    return float(d), float(lo), float(hi)
+
+
+def msprt_bounds(up_c, n_c, up_s, n_s, alpha: float, tau: float):
+    """:func:`msprt_interval` on arrays (or scalars) of counts, unchecked (n > 0): the one
+    implementation of the formula, used by the analysis and, vectorised over thousands of
+    simulated canaries, by ``bench/canary.py``. Returns ``(diff, lo, hi)`` arrays (float64)."""
+    qc, qs = (up_c + 0.5) / (n_c + 1), (up_s + 0.5) / (n_s + 1)
+    var = qc * (1 - qc) / n_c + qs * (1 - qs) / n_s
+    t2 = tau * tau
+    h = np.sqrt(2 * var * (var + t2) / t2 * np.log(np.sqrt((var + t2) / var) / alpha))
+    d = up_c / n_c - up_s / n_s
+    return d, np.maximum(-1.0, d - h), np.minimum(1.0, d + h)
