@@ -103,7 +103,9 @@ def make_events(n: int, args, seed: int = 0) -> tuple[list[tuple[bytes, bytes]],
 def produce(bootstrap: str, comps, fb) -> None:
     from kafka import KafkaProducer
 
-    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20, max_request_size=16 << 20)
+    from schemas.settings import kafka_client_config
+
+    p = KafkaProducer(**kafka_client_config(bootstrap), linger_ms=20, batch_size=1 << 20, max_request_size=16 << 20)
     for k, v in comps:
         p.send(topics.COMPLETIONS, key=k, value=v)
     for k, v in fb:

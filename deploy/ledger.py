@@ -95,7 +95,9 @@ def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 10.0) -> None
     """Send one decision to ``flywheel.deployments`` (key = version, value = JSON)."""
     from kafka import KafkaProducer
 
-    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    from schemas.settings import kafka_client_config
+
+    p = KafkaProducer(**kafka_client_config(bootstrap), acks="all", linger_ms=0)
     try:
         p.send(DEPLOYMENTS, key=entry.version.encode(),
                value=json.dumps(asdict(entry), default=str).encode()).get(timeout=timeout_s)

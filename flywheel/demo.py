@@ -309,7 +309,9 @@ class Demo:
         from schemas.topics import DEADLETTER
 
         ids: set[str] = set()
-        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False,
+        from schemas.settings import kafka_client_config
+
+        c = KafkaConsumer(**kafka_client_config(self.bootstrap), enable_auto_commit=False,
                           consumer_timeout_ms=1500, group_id=None)
         try:
             parts = c.partitions_for_topic(DEADLETTER) or set()

@@ -76,7 +76,7 @@ def consumer_settings(cfg: IngestConfig) -> dict:
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
     return dict(
-        bootstrap_servers=cfg.bootstrap, group_id=cfg.app_id, client_id=cfg.app_id,
+        **settings.kafka_client_config(cfg.bootstrap, "aiokafka"), group_id=cfg.app_id, client_id=cfg.app_id,
         enable_auto_commit=False, auto_offset_reset="earliest",
         session_timeout_ms=int(SESSION_TIMEOUT_S * 1000), heartbeat_interval_ms=1000,
         partition_assignment_strategy=(RangePartitionAssignor,),
@@ -92,8 +92,8 @@ def producer_settings(cfg: IngestConfig) -> dict:
     """``AIOKafkaProducer`` keyword arguments (samples and dead letters; not idempotent:
     the embedded broker's InitProducerId fails, DESIGN §3)."""
     # a sample is ~19 KiB: with the default 16 KiB batches each one was its own produce request
-    return dict(bootstrap_servers=cfg.bootstrap, client_id=cfg.app_id, acks="all", linger_ms=5,
-                max_batch_size=1 << 20, max_request_size=16 << 20)
+    return dict(**settings.kafka_client_config(cfg.bootstrap, "aiokafka"), client_id=cfg.app_id, acks="all",
+                linger_ms=5, max_batch_size=1 << 20, max_request_size=settings.kafka_settings().max_message_bytes)
 
 
 LOGLEVELS = {"crit": logging.CRITICAL, "error": logging.ERROR, "warn": logging.WARNING,

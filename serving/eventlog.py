@@ -199,8 +199,10 @@ class EventLog:
         if self._producer is None:
             from kafka import KafkaProducer
 
+            from schemas.settings import kafka_client_config
+
             self._producer = KafkaProducer(
-                bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all",
+                **kafka_client_config(self.bootstrap), client_id=self.client_id, acks="all",
                 linger_ms=5, max_block_ms=2000, bootstrap_timeout_ms=2000, request_timeout_ms=int(self.send_timeout_s * 1000),
                 retries=0, reconnect_backoff_max_ms=1000, max_request_size=self.max_request_bytes)
         return self._producer
