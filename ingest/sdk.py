@@ -1,68 +1,110 @@
-"""Feedback SDK: how a product reports thumbs and other signals about a completion.
+"""Feedback SDK: how a product reports thumbs, scores and other signals about a completion.
 
-Two transports:
+The caller's thread never waits on the network. ``thumbs_up`` / ``thumbs_down`` / ``score`` /
+``record`` validate their arguments, put the event on a bounded in-memory queue and return
+its ``event_id``; one background thread sends the queue in batches. The only wait a caller
+can see is ``enqueue_timeout_s`` (default 20 ms) when the queue is full.
 
-* HTTP (default): ``POST {base_url}/v1/feedback`` with JSON
-  ``{"completion_id", "event_id", "kind", "value", "comment", "user"}`` (serving hashes
-  ``user`` and produces the FeedbackEvent).
+Transports:
+
+* HTTP (default): ``POST {base_url}/v1/feedback/batch`` with ``{"events": [...]}`` (at
+  most 100 per request), the wire contract of ``docs/sdk.md`` "HTTP API"; a server without
+  the batch route (404/405) is sent one ``POST /v1/feedback`` per event instead.
 * Direct to Kafka (``kafka_bootstrap=...``): a :class:`schemas.events.FeedbackEvent` on
   ``flywheel.feedback`` keyed by completion_id; ``user`` is hashed here with ``user_salt``.
 
-Every event gets a client-set ``event_id`` (UUID4), the idempotency key: a retried POST
-that did reach the server counts once in the join. Timeouts, transport errors and 5xx are
-retried with exponential backoff and full jitter; an event that still fails is kept in a
-bounded local buffer and sent by :meth:`FeedbackClient.flush` (also run at interpreter
-exit). 4xx answers are not retried: :class:`FeedbackRejected`. Bad arguments raise
-``ValueError`` naming the argument before anything is sent.
+What happens to an event (every case is counted in :meth:`FeedbackClient.stats` and none is
+silent):
 
-Example::
+* **queued**: the call returned its ``event_id``; the event is sent in order, retried on
+  timeouts, connection errors, 429 and 5xx with exponential backoff and full jitter, with
+  the same ``event_id`` (the idempotency key), until it is delivered or the client shuts
+  down.
+* **dropped on overflow**: the queue held ``queue_size`` events for ``enqueue_timeout_s``;
+  the call returns ``None`` (``on_full="drop"``, counted ``dropped_full``, logged) or raises
+  :class:`QueueFull` (``on_full="raise"``). Such an event was never accepted.
+* **rejected**: the server refused it (4xx, or a batch result with a 4xx status): counted
+  ``rejected``, logged with the reason, kept in :attr:`FeedbackClient.rejected` (last
+  ``keep_rejected``) and passed to ``on_error``. Never retried.
+* **unsent at shutdown**: :meth:`FeedbackClient.shutdown` tries to deliver for up to its
+  timeout and *returns* what is still unsent (counted ``unsent_at_shutdown``, logged).
+  Interpreter exit runs ``shutdown(atexit_timeout_s)`` and logs the ids it could not send.
 
-    fb = FeedbackClient("http://127.0.0.1:8000", api_key="sk-...")
-    fb.thumbs_up(completion_id, user="alice")
-    fb.record(completion_id, "thumb", -1, comment="wrong answer", user="alice")
-    fb.flush()
+Bad arguments raise ``ValueError`` naming the argument, in the caller's thread, before
+anything is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
+import logging
 import math
 import random
+import re
 import threading
 import time
 import uuid
-from collections import deque
-from typing import Any
+from typing import Any, Callable, Literal
 
 import httpx
+from pydantic import ValidationError
 
 from schemas import topics
 from schemas.events import FeedbackEvent, hash_user, now_ms
 
-KINDS = ("thumb", "edit", "regenerate", "copy")
+log = logging.getLogger("flywheel.sdk")
+
+KINDS = ("thumb", "score", "edit", "regenerate", "copy")
+MAX_BATCH = 100  # the batch endpoint's limit (docs/sdk.md, HTTP API)
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,64}$")
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-class FeedbackRejected(Exception):
-    """The endpoint refused the event (HTTP 4xx); not retried. ``status`` and ``body`` set."""
-
-    def __init__(self, status: int, body: str):
-        super().__init__(f"feedback rejected: HTTP {status}: {body[:300]}")
-        self.status, self.body = status, body
+class QueueFull(Exception):
+    """The queue held ``queue_size`` unsent events for ``enqueue_timeout_s``; the new event
+    was not accepted (raised with ``on_full="raise"``)."""
 
 
-class BufferFull(Exception):
-    """The local buffer holds ``buffer_size`` unsent events; the new one was not accepted."""
+class ClientClosed(RuntimeError):
+    """The client was shut down; it accepts no more events."""
+
+
+def _check_metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata: must be an object of string -> string, got {type(metadata).__name__}")
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(metadata)}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not 1 <= len(k) <= MAX_METADATA_KEY:
+            raise ValueError(f"metadata: keys are strings of 1-{MAX_METADATA_KEY} chars, got {str(k)[:80]!r}")
+        if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE:
+            raise ValueError(f"metadata: value of {k!r} must be a string of at most "
+                             f"{MAX_METADATA_VALUE} chars, got {type(v).__name__}")
+    return dict(metadata)
 
 
 def build_event(completion_id: Any, kind: str, value: Any, comment: str | None = None,
-                user: str | None = None) -> dict:
-    """Validate arguments and return the wire payload (with a fresh ``event_id``).
+                user: str | None = None, *, event_id: Any = None, name: str | None = None,
+                metadata: dict[str, str] | None = None) -> dict:
+    """Validate arguments and return the wire payload of one event (the body of
+    ``POST /v1/feedback``; ``name`` and ``metadata`` only when set).
+
+    Args:
+        completion_id: the completion's id (UUID or its string).
+        kind: ``thumb`` | ``score`` | ``edit`` | ``regenerate`` | ``copy``.
+        value: finite number, not a bool; +1 / -1 for a thumb.
+        comment: at most 4096 chars. user: 1-256 chars (hashed by serving).
+        event_id: the idempotency key (UUID); a fresh UUID4 when None.
+        name: the score's name (required for, and only allowed with, ``kind="score"``):
+            1-64 chars of ``A-Za-z0-9_.:/-``.
+        metadata: at most 16 string keys (1-64 chars) -> string values (<= 512 chars).
 
     Raises:
-        ValueError: naming the argument (``completion_id`` not a UUID, unknown ``kind``,
-            a thumb ``value`` other than ±1, a non-finite ``value``, ``comment`` over 4096
-            chars, empty ``user`` or one over 256 chars).
+        ValueError: the message starts with the argument's name.
     """
     try:
         cid = str(uuid.UUID(str(completion_id)))
@@ -74,238 +116,480 @@ def build_event(completion_id: Any, kind: str, value: Any, comment: str | None =
         raise ValueError(f"value: must be a finite number, got {value!r}")
     if kind == "thumb" and value not in (1, -1):
         raise ValueError(f"value: a thumb is +1 or -1, got {value!r}")
+    if kind == "score" and (not isinstance(name, str) or not NAME_RE.match(name)):
+        raise ValueError(f"name: a score needs a name of 1-64 chars of A-Za-z0-9_.:/-, got {name!r}")
+    if kind != "score" and name is not None:
+        raise ValueError(f"name: only a score has a name (kind is {kind!r})")
     if comment is not None and (not isinstance(comment, str) or len(comment) > 4096):
         raise ValueError("comment: must be a string of at most 4096 characters")
     if user is not None and (not isinstance(user, str) or not user or len(user) > 256):
         raise ValueError(f"user: must be a non-empty string of at most 256 characters, got {str(user)[:40]!r}")
-    return {"completion_id": cid, "event_id": str(uuid.uuid4()), "kind": kind, "value": float(value),
-            "comment": comment, "user": user}
+    if event_id is None:
+        eid = str(uuid.uuid4())
+    else:
+        try:
+            eid = str(uuid.UUID(str(event_id)))
+        except ValueError:
+            raise ValueError(f"event_id: not a UUID: {event_id!r}") from None
+    p = {"completion_id": cid, "event_id": eid, "kind": kind, "value": float(value), "comment": comment,
+         "user": user}
+    if name is not None:
+        p["name"] = name
+    md = _check_metadata(metadata)
+    if md is not None:
+        p["metadata"] = md
+    return p
 
 
-class _Base:
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout_s: float = 5.0,
-                 max_retries: int = 4, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
-                 buffer_size: int = 10_000, kafka_bootstrap: str | None = None, user_salt: str | None = None):
+class _Retry(Exception):
+    """A transport failure worth retrying (timeout, connection, 429, 5xx, producer error)."""
+
+    def __init__(self, reason: str, after_s: float | None = None):
+        super().__init__(reason)
+        self.after_s = after_s
+
+
+class _Split(Exception):
+    """The request was too large (413): send the batch in smaller pieces."""
+
+
+class _HttpTransport:
+    """Sends a batch over HTTP (the contract of docs/sdk.md, "HTTP API").
+
+    ``send`` returns ``(resend, rejected)``: indexes of events to send again after a backoff
+    (5xx / 429 results, events with no result) and ``[(index, reason)]`` of refused events;
+    every other event was accepted. Raises :class:`_Retry` when nothing is known to have
+    arrived, :class:`_Split` on 413."""
+
+    def __init__(self, base_url: str, token: str | None, timeout_s: float):
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers["User-Agent"] = "flywheel-sdk/1"
+        self.http = httpx.Client(timeout=timeout_s, headers=headers)
+        self.batch_route = True  # False after a 404/405 from /v1/feedback/batch
+
+    def send(self, batch: list[dict]) -> tuple[list[int], list[tuple[int, str]]]:
+        if self.batch_route and len(batch) > 1:
+            r = self._post("/v1/feedback/batch", {"events": batch})
+            if r.status_code in (404, 405):
+                self.batch_route = False
+                log.info("feedback: %s has no batch route (HTTP %d); sending one event per request",
+                         self.base_url, r.status_code)
+            elif r.status_code == 200:
+                return self._batch_results(r, len(batch))
+            elif r.status_code == 413:
+                raise _Split()
+            else:
+                return [], [(i, f"HTTP {r.status_code}: {r.text[:300]}") for i in range(len(batch))]
+        rejected = []  # one event per request, in order; a retryable failure stops there
+        for i, p in enumerate(batch):
+            try:
+                r = self._post("/v1/feedback", p)
+            except _Retry:
+                if i == 0:
+                    raise
+                return list(range(i, len(batch))), rejected
+            if r.status_code != 200:
+                rejected.append((i, f"HTTP {r.status_code}: {r.text[:300]}"))
+        return [], rejected
+
+    def _post(self, path: str, body) -> httpx.Response:
+        try:
+            r = self.http.post(self.base_url + path, json=body)
+        except httpx.HTTPError as exc:  # timeouts, refused or reset connections
+            raise _Retry(f"{type(exc).__name__}: {exc}") from None
+        if r.status_code == 429 or r.status_code >= 500:
+            after = r.headers.get("retry-after", "")
+            raise _Retry(f"HTTP {r.status_code}: {r.text[:200]}",
+                         float(after) if after.replace(".", "", 1).isdigit() else None)
+        return r
+
+    @staticmethod
+    def _batch_results(r: httpx.Response, n: int) -> tuple[list[int], list[tuple[int, str]]]:
+        try:
+            results = r.json()["results"]
+        except (ValueError, KeyError, TypeError):
+            return [], []  # a 200 without per-event results: the batch was accepted
+        seen, resend, rejected = set(), [], []
+        for res in results:
+            i, status = res.get("index"), int(res.get("status", 200))
+            if not isinstance(i, int) or not 0 <= i < n:
+                continue
+            seen.add(i)
+            if status >= 500 or status == 429:
+                resend.append(i)
+            elif status >= 400:
+                err = res.get("error") or {}
+                rejected.append((i, f"HTTP {status}: {err.get('param')}: {err.get('message')}"))
+        resend += [i for i in range(n) if i not in seen]  # no result: not known to be published
+        return sorted(resend), rejected
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class _KafkaTransport:
+    """Sends a batch of FeedbackEvent bytes to ``flywheel.feedback`` (acks=all)."""
+
+    def __init__(self, bootstrap: str, timeout_s: float):
+        self.bootstrap, self.timeout_s = bootstrap, timeout_s
+        self.producer = None
+
+    def send(self, batch: list[dict]) -> tuple[list[int], list[tuple[int, str]]]:
+        try:
+            if self.producer is None:
+                from kafka import KafkaProducer
+
+                from schemas.settings import kafka_client_config
+
+                self.producer = KafkaProducer(**kafka_client_config(self.bootstrap), acks="all",
+                                              request_timeout_ms=int(self.timeout_s * 1000))
+            futs = [self.producer.send(topics.FEEDBACK, key=p["completion_id"].encode(), value=p["_bytes"])
+                    for p in batch]
+            self.producer.flush(timeout=self.timeout_s)
+            for f in futs:
+                f.get(timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any producer error: resend (event_id dedupes)
+            raise _Retry(f"{type(exc).__name__}: {exc}") from None
+        return [], []
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close(timeout=self.timeout_s)
+
+
+class FeedbackClient:
+    """Non-blocking feedback client (thread-safe; one per process is enough).
+
+    Args:
+        base_url: serving's base URL, e.g. ``http://127.0.0.1:8000`` (HTTP mode).
+        api_key: an API key or a feedback-only key (``FLYWHEEL_FEEDBACK_KEYS``: it may post
+            feedback and nothing else, so a browser may hold one), sent as
+            ``Authorization: Bearer``. ``feedback_key`` is the same argument by its other name.
+        kafka_bootstrap / user_salt: direct-to-Kafka mode instead of HTTP.
+        timeout_s: per-request timeout of the background sender (s).
+        queue_size: most events waiting to be sent; beyond it, ``on_full``.
+        enqueue_timeout_s: the longest a call waits for room in a full queue (s).
+        on_full: ``"drop"`` (the call returns None, counted and logged) or ``"raise"``
+            (:class:`QueueFull`).
+        batch_size: most events per request (1-100). linger_s: after the first event, how
+            long the sender waits for more before it sends a partial batch (s).
+        backoff_s / max_backoff_s: retry backoff base and cap (s), full jitter.
+        atexit_timeout_s: how long interpreter exit waits for the queue to drain (s).
+        keep_rejected: how many rejected events :attr:`rejected` keeps (oldest leave first;
+            all are counted and logged).
+        on_error: called as ``on_error(payload, reason)`` in the sender thread for every
+            rejected event.
+
+    Raises:
+        ValueError: a bad argument, named first in the message.
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 feedback_key: str | None = None, kafka_bootstrap: str | None = None,
+                 user_salt: str | None = None, timeout_s: float = 5.0, queue_size: int = 10_000,
+                 enqueue_timeout_s: float = 0.02, on_full: Literal["drop", "raise"] = "drop",
+                 batch_size: int = MAX_BATCH, linger_s: float = 0.01, backoff_s: float = 0.2,
+                 max_backoff_s: float = 5.0, atexit_timeout_s: float = 2.0, keep_rejected: int = 1000,
+                 on_error: Callable[[dict, str], None] | None = None):
         if base_url is None and kafka_bootstrap is None:
             raise ValueError("base_url: required unless kafka_bootstrap is given")
         if kafka_bootstrap is not None and not user_salt:
             raise ValueError("user_salt: required in Kafka mode (users are hashed before they leave)")
+        if api_key and feedback_key:
+            raise ValueError("feedback_key: give api_key or feedback_key, not both (both are the Bearer key)")
         for name, v in (("timeout_s", timeout_s), ("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
             if not v > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {v}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
-        if buffer_size < 1:
-            raise ValueError(f"buffer_size: must be >= 1, got {buffer_size}")
+        for name, v in (("enqueue_timeout_s", enqueue_timeout_s), ("linger_s", linger_s),
+                        ("atexit_timeout_s", atexit_timeout_s)):
+            if not v >= 0:
+                raise ValueError(f"{name}: must be >= 0 seconds, got {v}")
+        if queue_size < 1:
+            raise ValueError(f"queue_size: must be >= 1, got {queue_size}")
+        if not 1 <= batch_size <= MAX_BATCH:
+            raise ValueError(f"batch_size: must be 1-{MAX_BATCH}, got {batch_size}")
+        if on_full not in ("drop", "raise"):
+            raise ValueError(f"on_full: 'drop' or 'raise', got {on_full!r}")
         self.base_url = base_url.rstrip("/") if base_url else None
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout_s, self.max_retries = timeout_s, max_retries
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.buffer: deque[dict] = deque()
-        self.buffer_size = buffer_size
         self.kafka_bootstrap, self.user_salt = kafka_bootstrap, user_salt
-        self.sent = 0
-
-    def _delay(self, attempt: int) -> float:
-        """Full-jitter exponential backoff (s): uniform(0, min(max, base * 2**attempt))."""
-        return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
-
-    def _to_event(self, p: dict) -> FeedbackEvent:
-        return FeedbackEvent(event_id=p["event_id"], completion_id=p["completion_id"],
-                             user_hash=hash_user(p["user"] or "anonymous", self.user_salt), kind=p["kind"],
-                             value=p["value"], comment=p["comment"], created_at=now_ms())
-
-    def _keep(self, payload: dict) -> None:
-        if len(self.buffer) >= self.buffer_size:
-            raise BufferFull(f"feedback buffer full ({self.buffer_size} unsent events); event "
-                             f"{payload['event_id']} not accepted")
-        self.buffer.append(payload)
-
-    @staticmethod
-    def _retryable(exc: Exception) -> bool:
-        return isinstance(exc, (httpx.TimeoutException, httpx.TransportError)) or (
-            isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500)
-
-
-class FeedbackClient(_Base):
-    """Synchronous feedback client (thread-safe).
-
-    Args:
-        base_url: serving's base URL, e.g. ``http://127.0.0.1:8000`` (HTTP mode).
-        api_key: sent as ``Authorization: Bearer``.
-        timeout_s: per-request timeout (s). max_retries: retries after the first try.
-        backoff_s / max_backoff_s: backoff base and cap (s), full jitter.
-        buffer_size: most unsent events kept locally; beyond it :class:`BufferFull`.
-        kafka_bootstrap / user_salt: direct-to-Kafka mode instead of HTTP.
-
-    Each method returns the ``event_id`` (str). An event whose retries are exhausted is
-    buffered (returned id still valid); :meth:`flush` resends the buffer.
-    """
-
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, **kw):
-        super().__init__(base_url, api_key, **kw)
-        self._lock = threading.RLock()
-        self._http = httpx.Client(timeout=self.timeout_s, headers=self.headers) if self.base_url else None
-        self._producer = None
+        self.queue_size, self.enqueue_timeout_s, self.on_full = queue_size, enqueue_timeout_s, on_full
+        self.batch_size, self.linger_s = batch_size, linger_s
+        self.backoff_s, self.max_backoff_s, self.atexit_timeout_s = backoff_s, max_backoff_s, atexit_timeout_s
+        self.on_error = on_error
+        self.rejected: collections.deque[tuple[dict, str]] = collections.deque(maxlen=keep_rejected)
+        self._transport = (_HttpTransport(self.base_url, api_key or feedback_key, timeout_s) if self.base_url
+                           else _KafkaTransport(kafka_bootstrap, timeout_s))
+        self._queue: collections.deque[dict] = collections.deque()
+        self._inflight: list[dict] = []
+        self._cond = threading.Condition()
+        self._wake = threading.Event()  # cuts a backoff sleep short (flush, shutdown)
+        self._closed = False  # no new events
+        self._stop_at: float | None = None  # monotonic deadline for the sender
+        self._counts = collections.Counter()
+        self._last_drop_log = 0.0
+        self._thread = threading.Thread(target=self._run, name="flywheel-feedback-sender", daemon=True)
+        self._thread.start()
         atexit.register(self._atexit)
 
-    def thumbs_up(self, completion_id, user: str | None = None, comment: str | None = None) -> str:
-        """+1 on ``completion_id``."""
-        return self.record(completion_id, "thumb", 1, comment=comment, user=user)
+    # ------------------------------------------------------------------ caller side
+    def thumbs_up(self, completion_id, user: str | None = None, comment: str | None = None, *,
+                  event_id=None, metadata: dict[str, str] | None = None) -> str | None:
+        """+1 on ``completion_id``; returns the event_id (None if dropped on overflow)."""
+        return self.record(completion_id, "thumb", 1, comment=comment, user=user, event_id=event_id,
+                           metadata=metadata)
 
-    def thumbs_down(self, completion_id, user: str | None = None, comment: str | None = None) -> str:
-        """-1 on ``completion_id``."""
-        return self.record(completion_id, "thumb", -1, comment=comment, user=user)
+    def thumbs_down(self, completion_id, user: str | None = None, comment: str | None = None, *,
+                    event_id=None, metadata: dict[str, str] | None = None) -> str | None:
+        """-1 on ``completion_id``; returns the event_id (None if dropped on overflow)."""
+        return self.record(completion_id, "thumb", -1, comment=comment, user=user, event_id=event_id,
+                           metadata=metadata)
+
+    def score(self, completion_id, name: str, value: float, comment: str | None = None,
+              user: str | None = None, *, event_id=None, metadata: dict[str, str] | None = None) -> str | None:
+        """A named numeric score (kind ``score``), e.g. ``score(cid, "helpfulness", 0.8)``.
+        Scores are carried to the join; only thumbs feed the label today."""
+        return self.record(completion_id, "score", value, comment=comment, user=user, event_id=event_id,
+                           name=name, metadata=metadata)
 
     def record(self, completion_id, kind: str, value: float, comment: str | None = None,
-               user: str | None = None) -> str:
-        """Send one signal of ``kind`` (thumb | edit | regenerate | copy) with ``value``.
+               user: str | None = None, *, event_id=None, name: str | None = None,
+               metadata: dict[str, str] | None = None) -> str | None:
+        """Queue one signal (see :func:`build_event` for the arguments); returns its
+        ``event_id``, or None when the queue stayed full for ``enqueue_timeout_s`` and
+        ``on_full="drop"``.
 
-        Raises ``ValueError`` (bad argument, nothing sent), :class:`FeedbackRejected` (4xx),
-        :class:`BufferFull`.
+        Raises:
+            ValueError: a bad argument (nothing queued). QueueFull: ``on_full="raise"``.
+            ClientClosed: after :meth:`shutdown`.
         """
-        payload = build_event(completion_id, kind, value, comment, user)
-        with self._lock:
-            if self.buffer:  # keep order: earlier unsent events first
-                self.flush()
-            if self.buffer:
-                self._keep(payload)
-                return payload["event_id"]
-            if not self._send(payload):
-                self._keep(payload)
+        payload = build_event(completion_id, kind, value, comment, user, event_id=event_id, name=name,
+                              metadata=metadata)
+        if self.kafka_bootstrap is not None:
+            payload["_bytes"] = self._to_event(payload).to_bytes()
+        with self._cond:
+            if self._closed:
+                raise ClientClosed("feedback client is shut down; it accepts no more events")
+            if len(self._queue) >= self.queue_size and not self._cond.wait_for(
+                    lambda: len(self._queue) < self.queue_size or self._closed, self.enqueue_timeout_s):
+                return self._overflow(payload)
+            if self._closed:
+                raise ClientClosed("feedback client is shut down; it accepts no more events")
+            self._queue.append(payload)
+            self._counts["accepted"] += 1
+            self._cond.notify_all()
         return payload["event_id"]
 
-    def _send(self, payload: dict) -> bool:
-        for attempt in range(self.max_retries + 1):
-            try:
-                if self._http is not None:
-                    r = self._http.post(f"{self.base_url}/v1/feedback", json=payload)
-                    if 400 <= r.status_code < 500:
-                        raise FeedbackRejected(r.status_code, r.text)
-                    r.raise_for_status()
-                else:
-                    self._kafka_send(payload)
-                self.sent += 1
-                return True
-            except FeedbackRejected:
-                raise
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if not (self._retryable(exc) or self._http is None):
-                    raise
-                if attempt == self.max_retries:
-                    return False
-                time.sleep(self._delay(attempt))
-        return False
+    def _overflow(self, payload: dict) -> None:
+        self._counts["dropped_full"] += 1
+        now = time.monotonic()
+        if now - self._last_drop_log > 10:  # one line per 10 s, with the running total
+            self._last_drop_log = now
+            log.warning("feedback queue full (%d events waiting, last error: %s): event %s not accepted; "
+                        "%d dropped so far", self.queue_size, self._counts.get("last_error", "none"),
+                        payload["event_id"], self._counts["dropped_full"])
+        if self.on_full == "raise":
+            raise QueueFull(f"feedback queue full ({self.queue_size} unsent events); "
+                            f"event {payload['event_id']} not accepted")
+        return None
 
-    def _kafka_send(self, payload: dict) -> None:
-        if self._producer is None:
-            from kafka import KafkaProducer
+    def _to_event(self, p: dict) -> FeedbackEvent:
+        extra = {k: p[k] for k in ("name", "metadata") if k in p}
+        try:
+            return FeedbackEvent(event_id=p["event_id"], completion_id=p["completion_id"],
+                                 user_hash=hash_user(p["user"] or "anonymous", self.user_salt), kind=p["kind"],
+                                 value=p["value"], comment=p["comment"], created_at=now_ms(), **extra)
+        except ValidationError as exc:  # name the field, as build_event does
+            e = exc.errors()[0]
+            field = ".".join(str(x) for x in e["loc"]) or "event"
+            raise ValueError(f"{field}: {e['msg']} (FeedbackEvent)") from None
 
-            self._producer = KafkaProducer(bootstrap_servers=self.kafka_bootstrap, acks="all")
-        ev = self._to_event(payload)
-        self._producer.send(topics.FEEDBACK, key=str(ev.completion_id).encode(),
-                            value=ev.to_bytes()).get(timeout=self.timeout_s)
+    def stats(self) -> dict[str, int]:
+        """Counters: ``accepted`` (queued), ``sent``, ``rejected``, ``dropped_full``,
+        ``retries``, ``unsent_at_shutdown``, and ``pending`` (queued + in flight now)."""
+        with self._cond:
+            out = {k: int(self._counts.get(k, 0)) for k in
+                   ("accepted", "sent", "rejected", "dropped_full", "retries", "unsent_at_shutdown")}
+            out["pending"] = len(self._queue) + len(self._inflight)
+        return out
 
-    def flush(self) -> int:
-        """Resend buffered events in order; returns how many were sent (stops at the first
-        that still fails)."""
-        n = 0
-        with self._lock:
-            while self.buffer:
-                if not self._send(self.buffer[0]):
-                    break
-                self.buffer.popleft()
-                n += 1
-        return n
+    @property
+    def last_error(self) -> str | None:
+        """The last transport error the sender saw (None before any)."""
+        return self._counts.get("last_error")
+
+    def flush(self, timeout_s: float = 10.0) -> int:
+        """Wait until every event queued before this call is sent or rejected, at most
+        ``timeout_s``; a sender sleeping between retries tries again at once. Returns the
+        number of events still pending (0: all delivered)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            target = self._counts["accepted"]
+            self._wake.set()
+            while (self._counts["sent"] + self._counts["rejected"] < target
+                   and time.monotonic() < deadline and self._thread.is_alive()):
+                self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            return len(self._queue) + len(self._inflight)
+
+    def shutdown(self, timeout_s: float = 5.0) -> list[dict]:
+        """Stop accepting events, deliver what is queued for at most ``timeout_s``, stop
+        the sender. Returns the payloads still unsent (in order; empty when all went),
+        which are also counted ``unsent_at_shutdown`` and logged. Idempotent."""
+        atexit.unregister(self._atexit)
+        with self._cond:
+            if self._stop_at is None:
+                self._closed = True
+                self._stop_at = time.monotonic() + timeout_s
+                self._cond.notify_all()
+        self._wake.set()
+        self._thread.join(max(0.0, self._stop_at - time.monotonic()) + 0.05)
+        with self._cond:
+            unsent = [{k: v for k, v in p.items() if k != "_bytes"} for p in self._inflight + list(self._queue)]
+            if unsent and not self._counts["unsent_at_shutdown"]:
+                self._counts["unsent_at_shutdown"] = len(unsent)
+                log.warning("feedback client shut down with %d unsent events (last error: %s): %s",
+                            len(unsent), self.last_error, ", ".join(p["event_id"] for p in unsent[:20]))
+        if not self._thread.is_alive():
+            self._transport.close()
+        return unsent
+
+    close = shutdown
+
+    def __enter__(self) -> "FeedbackClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _atexit(self) -> None:
         try:
-            if self.buffer:
-                self.flush()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+            unsent = self.shutdown(self.atexit_timeout_s)
+            if unsent:
+                log.error("feedback: %d events unsent at interpreter exit: %s", len(unsent),
+                          [p["event_id"] for p in unsent])
+        except Exception:  # noqa: BLE001 - exit must go on
+            log.exception("feedback: shutdown at exit failed")
 
-    def close(self) -> None:
-        """Flush, then close the HTTP client / Kafka producer."""
-        self._atexit()
-        atexit.unregister(self._atexit)
-        if self._http is not None:
-            self._http.close()
-        if self._producer is not None:
-            self._producer.close()
+    # ------------------------------------------------------------------ sender thread
+    def _stopping(self) -> bool:
+        return self._stop_at is not None and time.monotonic() >= self._stop_at
+
+    def _take(self) -> bool:
+        """Move the next batch into ``_inflight``; False when closed and nothing is left."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._closed)
+            if not self._queue:
+                return False
+            if len(self._queue) < self.batch_size and self.linger_s > 0 and not self._closed:
+                self._cond.wait_for(lambda: len(self._queue) >= self.batch_size or self._closed, self.linger_s)
+            n = min(self.batch_size, len(self._queue))
+            self._inflight = [self._queue.popleft() for _ in range(n)]
+            self._cond.notify_all()  # room in the queue
+            return True
+
+    def _run(self) -> None:
+        while not self._stopping() and self._take():
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Send ``_inflight`` until every event in it is sent or rejected, or the stop
+        deadline passes (then the rest stays in ``_inflight`` for :meth:`shutdown`)."""
+        attempt, part = 0, len(self._inflight)
+        while self._inflight:
+            chunk = self._inflight[:part]
+            after = None
+            try:
+                resend, rejected = self._transport.send(chunk)
+            except _Split:
+                part = max(1, len(chunk) // 2)
+                continue
+            except _Retry as exc:
+                resend, rejected, after = list(range(len(chunk))), [], exc.after_s
+                with self._cond:
+                    self._counts["last_error"] = str(exc)
+            self._settle(chunk, set(resend), rejected)
+            part = len(self._inflight)
+            if not resend:
+                attempt = 0
+                continue
+            with self._cond:
+                self._counts["retries"] += 1
+            if self._stopping():
+                return
+            delay = after if after is not None else random.uniform(
+                0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+            attempt += 1
+            if self._stop_at is not None:
+                delay = min(delay, max(0.0, self._stop_at - time.monotonic()))
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def _settle(self, chunk: list[dict], resend: set[int], rejected: list[tuple[int, str]]) -> None:
+        rej = dict(rejected)
+        keep = [p for i, p in enumerate(chunk) if i in resend]
+        for i, reason in rejected:
+            p = {k: v for k, v in chunk[i].items() if k != "_bytes"}
+            self.rejected.append((p, reason))
+            log.error("feedback event %s rejected, not retried: %s", p["event_id"], reason)
+            if self.on_error is not None:
+                try:
+                    self.on_error(p, reason)
+                except Exception:  # noqa: BLE001 - the caller's callback must not stop the sender
+                    log.exception("feedback on_error callback failed")
+        with self._cond:
+            self._counts["sent"] += len(chunk) - len(keep) - len(rej)
+            self._counts["rejected"] += len(rej)
+            self._inflight = keep + self._inflight[len(chunk):]
+            self._cond.notify_all()
 
 
-class AsyncFeedbackClient(_Base):
-    """asyncio twin of :class:`FeedbackClient` (same arguments and errors; coroutines).
+class AsyncFeedbackClient:
+    """asyncio face of :class:`FeedbackClient` (same arguments; the sender is the same
+    background thread, so no coroutine ever waits on the network).
 
-    Call ``await client.aclose()`` to flush and close (no atexit hook: the loop is gone).
+    ``thumbs_up`` / ``thumbs_down`` / ``score`` / ``record`` are coroutines that return at once
+    (at most ``enqueue_timeout_s`` on a full queue, waited in a worker thread); ``await
+    flush()`` and ``await aclose()`` wait in a worker thread. Call ``await aclose()`` before
+    the loop ends.
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, **kw):
-        super().__init__(base_url, api_key, **kw)
-        self._lock = asyncio.Lock()
-        self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers) if self.base_url else None
-        self._sync = None  # Kafka mode reuses the sync producer in a thread
+        self._c = FeedbackClient(base_url, api_key, **kw)
 
-    async def thumbs_up(self, completion_id, user: str | None = None, comment: str | None = None) -> str:
-        return await self.record(completion_id, "thumb", 1, comment=comment, user=user)
+    @property
+    def rejected(self):
+        return self._c.rejected
 
-    async def thumbs_down(self, completion_id, user: str | None = None, comment: str | None = None) -> str:
-        return await self.record(completion_id, "thumb", -1, comment=comment, user=user)
+    def stats(self) -> dict[str, int]:
+        return self._c.stats()
+
+    async def _call(self, fn, *a, **kw):
+        if self._c.stats()["pending"] < self._c.queue_size or self._c.enqueue_timeout_s == 0:
+            return fn(*a, **kw)  # room (or no wait allowed): nothing to wait for
+        return await asyncio.to_thread(fn, *a, **kw)
+
+    async def thumbs_up(self, completion_id, user: str | None = None, comment: str | None = None, **kw):
+        return await self._call(self._c.thumbs_up, completion_id, user, comment, **kw)
+
+    async def thumbs_down(self, completion_id, user: str | None = None, comment: str | None = None, **kw):
+        return await self._call(self._c.thumbs_down, completion_id, user, comment, **kw)
+
+    async def score(self, completion_id, name: str, value: float, comment: str | None = None,
+                    user: str | None = None, **kw):
+        return await self._call(self._c.score, completion_id, name, value, comment, user, **kw)
 
     async def record(self, completion_id, kind: str, value: float, comment: str | None = None,
-                     user: str | None = None) -> str:
-        payload = build_event(completion_id, kind, value, comment, user)
-        async with self._lock:
-            if self.buffer:
-                await self._flush_locked()
-            if self.buffer or not await self._send(payload):
-                self._keep(payload)
-        return payload["event_id"]
+                     user: str | None = None, **kw):
+        return await self._call(self._c.record, completion_id, kind, value, comment, user, **kw)
 
-    async def _send(self, payload: dict) -> bool:
-        for attempt in range(self.max_retries + 1):
-            try:
-                if self._http is not None:
-                    r = await self._http.post(f"{self.base_url}/v1/feedback", json=payload)
-                    if 400 <= r.status_code < 500:
-                        raise FeedbackRejected(r.status_code, r.text)
-                    r.raise_for_status()
-                else:
-                    if self._sync is None:
-                        self._sync = FeedbackClient(kafka_bootstrap=self.kafka_bootstrap, user_salt=self.user_salt,
-                                                    timeout_s=self.timeout_s, max_retries=0)
-                    await asyncio.to_thread(self._sync._kafka_send, payload)
-                self.sent += 1
-                return True
-            except FeedbackRejected:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                if not (self._retryable(exc) or self._http is None):
-                    raise
-                if attempt == self.max_retries:
-                    return False
-                await asyncio.sleep(self._delay(attempt))
-        return False
+    async def flush(self, timeout_s: float = 10.0) -> int:
+        """See :meth:`FeedbackClient.flush`."""
+        return await asyncio.to_thread(self._c.flush, timeout_s)
 
-    async def _flush_locked(self) -> int:
-        n = 0
-        while self.buffer:
-            if not await self._send(self.buffer[0]):
-                break
-            self.buffer.popleft()
-            n += 1
-        return n
+    async def aclose(self, timeout_s: float = 5.0) -> list[dict]:
+        """See :meth:`FeedbackClient.shutdown`."""
+        return await asyncio.to_thread(self._c.shutdown, timeout_s)
 
-    async def flush(self) -> int:
-        """Resend buffered events in order; returns how many were sent."""
-        async with self._lock:
-            return await self._flush_locked()
 
-    async def aclose(self) -> None:
-        """Flush, then close."""
-        await self.flush()
-        if self._http is not None:
-            await self._http.aclose()
-        if self._sync is not None:
-            self._sync.close()
+__all__ = ["AsyncFeedbackClient", "ClientClosed", "FeedbackClient", "QueueFull",
+           "build_event", "KINDS", "MAX_BATCH"]

@@ -1,5 +1,6 @@
-"""Feedback SDK against a small real FastAPI/uvicorn server that records what it gets and
-fails on demand; Kafka mode against the real broker."""
+"""Feedback SDK against small real servers on ports: a FastAPI/uvicorn recorder that speaks
+the HTTP API of docs/sdk.md and fails on demand, a TCP server that accepts connections and
+never answers; Kafka mode against the real broker."""
 
 from __future__ import annotations
 
@@ -14,39 +15,25 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ingest.sdk import AsyncFeedbackClient, FeedbackClient, FeedbackRejected, BufferFull
+from ingest.sdk import AsyncFeedbackClient, ClientClosed, FeedbackClient, QueueFull, build_event
 from schemas import topics
 from schemas.events import FeedbackEvent, hash_user
 
 
 class Recorder:
     def __init__(self):
-        self.received: list[dict] = []
-        self.attempts = 0
-        self.fail_next = 0  # answer 503 to this many requests
+        self.received: list[dict] = []  # accepted events, in arrival order
+        self.requests: list[tuple[str, int]] = []  # (path, events in the request)
+        self.fail_next = 0  # answer this status to this many requests
         self.status_on_fail = 503
         self.sleep_next = 0  # sleep 1 s on this many requests (client timeout)
+        self.item_status: dict[str, int] = {}  # event_id -> status to answer in a batch (once)
+        self.batch_route = True
+        self.max_batch_events = 100  # more than this: 413
         self.auth: list[str | None] = []
 
 
-@pytest.fixture()
-def server():
-    rec = Recorder()
-    app = FastAPI()
-
-    @app.post("/v1/feedback")
-    async def feedback(req: Request):
-        rec.attempts += 1
-        rec.auth.append(req.headers.get("authorization"))
-        if rec.sleep_next:
-            rec.sleep_next -= 1
-            await asyncio.sleep(1.0)
-        if rec.fail_next:
-            rec.fail_next -= 1
-            return JSONResponse({"error": "down"}, status_code=rec.status_on_fail)
-        rec.received.append(await req.json())
-        return {"accepted": True}
-
+def _serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -55,77 +42,281 @@ def server():
     th.start()
     deadline = time.monotonic() + 10
     while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", rec
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", srv, th
+
+
+@pytest.fixture()
+def server():
+    rec = Recorder()
+    app = FastAPI()
+
+    async def gate(req: Request, path: str, n: int):
+        rec.requests.append((path, n))
+        rec.auth.append(req.headers.get("authorization"))
+        if rec.sleep_next:
+            rec.sleep_next -= 1
+            await asyncio.sleep(1.0)
+        if rec.fail_next:
+            rec.fail_next -= 1
+            return JSONResponse({"error": {"message": "down", "param": None}}, status_code=rec.status_on_fail)
+        return None
+
+    @app.post("/v1/feedback")
+    async def one(req: Request):
+        body = await req.json()
+        if (r := await gate(req, "one", 1)) is not None:
+            return r
+        st = rec.item_status.pop(body["event_id"], 200)
+        if st != 200:
+            return JSONResponse({"error": {"message": "no", "param": "value"}}, status_code=st)
+        rec.received.append(body)
+        return {"event_id": body["event_id"], "accepted": True, "duplicate": False}
+
+    @app.post("/v1/feedback/batch")
+    async def batch(req: Request):
+        if not rec.batch_route:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        events = (await req.json())["events"]
+        if (r := await gate(req, "batch", len(events))) is not None:
+            return r
+        if len(events) > rec.max_batch_events:
+            return JSONResponse({"error": {"message": "too large", "param": "events"}}, status_code=413)
+        results = []
+        for i, ev in enumerate(events):
+            st = rec.item_status.pop(ev["event_id"], 200)
+            if st == 200:
+                rec.received.append(ev)
+                results.append({"index": i, "status": 200, "event_id": ev["event_id"], "accepted": True})
+            else:
+                results.append({"index": i, "status": st, "accepted": False,
+                                "error": {"message": "refused", "param": "value"}})
+        return {"accepted": sum(r["status"] == 200 for r in results), "results": results}
+
+    url, srv, th = _serve(app)
+    yield url, rec
     srv.should_exit = True
     th.join(5)
 
 
-def test_payload_and_event_ids(server):
+@pytest.fixture()
+def hung_server():
+    """Accepts TCP connections and never answers (reads and discards)."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    conns, stop = [], threading.Event()
+
+    def loop():
+        ls.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                c, _ = ls.accept()
+                conns.append(c)
+            except OSError:
+                continue
+
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{ls.getsockname()[1]}", conns
+    stop.set()
+    th.join(2)
+    for c in conns:
+        c.close()
+    ls.close()
+
+
+def test_payload_event_ids_metadata_score_and_order(server):
     url, rec = server
-    fb = FeedbackClient(url, api_key="k1", backoff_s=0.01)
+    fb = FeedbackClient(url, api_key="k1", linger_s=0.2)
     cid = uuid.uuid4()
-    e1 = fb.thumbs_up(cid, user="alice")
+    mine = uuid.uuid4()
+    e1 = fb.thumbs_up(cid, user="alice", event_id=mine, metadata={"surface": "chat"})
     e2 = fb.thumbs_down(str(cid), user="bob", comment="wrong")
-    e3 = fb.record(cid, "copy", 1)
-    fb.close()
-    assert [r["event_id"] for r in rec.received] == [e1, e2, e3]
-    assert len({e1, e2, e3}) == 3 and all(uuid.UUID(e).version == 4 for e in (e1, e2, e3))
-    assert rec.received[1] == {"completion_id": str(cid), "event_id": e2, "kind": "thumb", "value": -1.0,
-                               "comment": "wrong", "user": "bob"}
-    assert rec.auth == ["Bearer k1"] * 3
+    e3 = fb.score(cid, "helpfulness", 0.25, metadata={"rater": "r1"})
+    e4 = fb.record(cid, "copy", 1)
+    assert fb.flush() == 0
+    assert fb.shutdown() == []
+    assert e1 == str(mine)  # the caller's id is the event's id
+    assert [r["event_id"] for r in rec.received] == [e1, e2, e3, e4]
+    assert len({e1, e2, e3, e4}) == 4 and all(uuid.UUID(e).version == 4 for e in (e2, e3, e4))
+    assert rec.received[0] == {"completion_id": str(cid), "event_id": e1, "kind": "thumb", "value": 1.0,
+                               "comment": None, "user": "alice", "metadata": {"surface": "chat"}}
+    assert rec.received[2] == {"completion_id": str(cid), "event_id": e3, "kind": "score", "value": 0.25,
+                               "comment": None, "user": None, "name": "helpfulness", "metadata": {"rater": "r1"}}
+    assert rec.requests == [("batch", 4)]  # one batch (linger 0.2 s collected all four)
+    assert rec.auth == ["Bearer k1"]
+    assert fb.stats() == {"accepted": 4, "sent": 4, "rejected": 0, "dropped_full": 0, "retries": 0,
+                          "unsent_at_shutdown": 0, "pending": 0}
+
+
+def test_feedback_key_is_the_bearer(server):
+    url, rec = server
+    fb = FeedbackClient(url, feedback_key="fb-only")
+    fb.thumbs_up(uuid.uuid4())
+    assert fb.shutdown() == [] and rec.auth == ["Bearer fb-only"]
+    with pytest.raises(ValueError, match="^feedback_key:"):
+        FeedbackClient(url, api_key="a", feedback_key="b")
+
+
+def test_hung_endpoint_never_blocks_the_caller(hung_server):
+    """The issue's case: a server that accepts connections and never answers. With default
+    settings every call returns well under 100 ms; a full queue costs enqueue_timeout_s at
+    most; every accepted event comes back from shutdown, none is lost."""
+    url, _ = hung_server
+    fb = FeedbackClient(url)  # defaults: timeout_s=5, enqueue_timeout_s=0.02
+    t0 = time.perf_counter()
+    first = fb.thumbs_up(uuid.uuid4())
+    t_first = time.perf_counter() - t0
+    second = fb.thumbs_down(uuid.uuid4())
+    assert t_first < 0.1 and first and second
+    assert fb.shutdown(timeout_s=0.2) and fb.stats()["unsent_at_shutdown"] == 2
+
+    fb = FeedbackClient(url, queue_size=5, enqueue_timeout_s=0.03, timeout_s=30)
+    times, ids = [], []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        ids.append(fb.thumbs_up(uuid.uuid4()))
+        times.append(time.perf_counter() - t0)
+    assert max(times) < 0.03 + 0.05, max(times)  # bounded by enqueue_timeout_s (+ scheduling slack)
+    accepted = [e for e in ids if e is not None]
+    st = fb.stats()
+    assert st["accepted"] == len(accepted) and st["dropped_full"] == 40 - len(accepted) > 0
+    t0 = time.perf_counter()
+    unsent = fb.shutdown(timeout_s=0.3)
+    assert time.perf_counter() - t0 < 0.3 + 0.3  # shutdown is bounded too
+    assert [p["event_id"] for p in unsent] == accepted  # every accepted event returned, in order
+    assert fb.stats()["unsent_at_shutdown"] == len(accepted)
+    with pytest.raises(ClientClosed):
+        fb.thumbs_up(uuid.uuid4())
+
+
+def test_overflow_raise_policy(hung_server):
+    url, _ = hung_server
+    fb = FeedbackClient(url, queue_size=1, enqueue_timeout_s=0.0, on_full="raise", linger_s=0)
+    with pytest.raises(QueueFull):
+        for _ in range(5):
+            fb.thumbs_up(uuid.uuid4())
+    assert fb.stats()["dropped_full"] == 1
+    fb.shutdown(timeout_s=0.1)
 
 
 def test_retries_5xx_and_timeouts_with_same_event_id(server):
     url, rec = server
-    fb = FeedbackClient(url, backoff_s=0.01, timeout_s=0.3, max_retries=4)
-    rec.fail_next, rec.sleep_next = 2, 1  # timeout, then 503 x 2 (503s on retries)
+    fb = FeedbackClient(url, backoff_s=0.01, timeout_s=0.3)
+    rec.sleep_next, rec.fail_next = 1, 2  # a timeout, then 503 x 2
     eid = fb.thumbs_up(uuid.uuid4())
-    assert rec.attempts == 4 and [r["event_id"] for r in rec.received] == [eid]
-    fb.close()
+    assert fb.flush(timeout_s=10) == 0
+    assert len(rec.requests) == 4 and [r["event_id"] for r in rec.received] == [eid]
+    assert fb.stats()["retries"] == 3 and "503" in fb.last_error
+    fb.shutdown()
 
 
-def test_buffer_while_down_then_flush(server):
+def test_down_then_up_keeps_order(server):
     url, rec = server
-    fb = FeedbackClient(url, backoff_s=0.001, max_retries=1, buffer_size=3)
+    fb = FeedbackClient(url, backoff_s=0.01, max_backoff_s=0.05, linger_s=0)
     rec.fail_next = 10**6
-    ids = [fb.thumbs_up(uuid.uuid4()) for _ in range(3)]
-    assert len(fb.buffer) == 3 and rec.received == []
-    with pytest.raises(BufferFull):
-        fb.thumbs_up(uuid.uuid4())
+    ids = [fb.thumbs_up(uuid.uuid4()) for _ in range(30)]
+    time.sleep(0.3)
+    assert rec.received == [] and fb.stats()["pending"] == 30 and fb.stats()["retries"] >= 2
     rec.fail_next = 0
-    assert fb.flush() == 3 and not fb.buffer
-    later = fb.thumbs_down(uuid.uuid4())
-    assert [r["event_id"] for r in rec.received] == ids + [later]  # order kept
-    fb.close()
+    assert fb.flush(timeout_s=10) == 0
+    assert [r["event_id"] for r in rec.received] == ids  # order kept across retries and batches
+    fb.shutdown()
 
 
-def test_4xx_not_retried(server):
+def test_batch_results_reject_one_and_resend_5xx(server):
     url, rec = server
-    rec.fail_next, rec.status_on_fail = 1, 422
+    errors = []
+    fb = FeedbackClient(url, backoff_s=0.01, linger_s=0.2, on_error=lambda p, why: errors.append((p, why)))
+    cids = [uuid.uuid4() for _ in range(5)]
+    ids = [str(uuid.uuid4()) for _ in range(5)]
+    rec.item_status = {ids[1]: 409, ids[3]: 503}
+    for c, e in zip(cids, ids):
+        fb.thumbs_up(c, event_id=e)
+    assert fb.flush() == 0
+    assert [r["event_id"] for r in rec.received] == [ids[0], ids[2], ids[4], ids[3]]  # 503 resent
+    assert [p["event_id"] for p, _ in fb.rejected] == [ids[1]] and "409" in fb.rejected[0][1]
+    assert [p["event_id"] for p, _ in errors] == [ids[1]]
+    st = fb.stats()
+    assert (st["accepted"], st["sent"], st["rejected"]) == (5, 4, 1)
+    fb.shutdown()
+
+
+def test_4xx_on_one_event_route_not_retried(server):
+    url, rec = server
+    rec.fail_next, rec.status_on_fail = 1, 401
     fb = FeedbackClient(url, backoff_s=0.001)
-    with pytest.raises(FeedbackRejected) as ei:
-        fb.thumbs_up(uuid.uuid4())
-    assert ei.value.status == 422 and rec.attempts == 1 and not fb.buffer
-    fb.close()
+    eid = fb.thumbs_up(uuid.uuid4())
+    assert fb.flush() == 0 and len(rec.requests) == 1
+    assert fb.rejected[0][0]["event_id"] == eid and "401" in fb.rejected[0][1]
+    assert fb.stats()["rejected"] == 1
+    fb.shutdown()
 
 
-@pytest.mark.parametrize("args,name", [
-    (("not-a-uuid", "thumb", 1), "completion_id"),
-    ((uuid.uuid4(), "like", 1), "kind"),
-    ((uuid.uuid4(), "thumb", 0.5), "value"),
-    ((uuid.uuid4(), "thumb", True), "value"),
-    ((uuid.uuid4(), "edit", float("nan")), "value"),
+def test_no_batch_route_falls_back_to_one_per_request(server):
+    url, rec = server
+    rec.batch_route = False
+    fb = FeedbackClient(url, linger_s=0.2)
+    ids = [fb.thumbs_up(uuid.uuid4()) for _ in range(3)]
+    assert fb.flush() == 0
+    assert [r["event_id"] for r in rec.received] == ids and [p for p, _ in rec.requests] == ["one"] * 3
+    fb.shutdown()
+
+
+def test_413_splits_the_batch(server):
+    url, rec = server
+    rec.max_batch_events = 3
+    fb = FeedbackClient(url, linger_s=0.3)
+    ids = [fb.thumbs_up(uuid.uuid4()) for _ in range(10)]
+    assert fb.flush() == 0
+    assert [r["event_id"] for r in rec.received] == ids and fb.stats()["rejected"] == 0
+    assert max(n for p, n in rec.requests if p == "batch") > 1  # still batched, in pieces
+    fb.shutdown()
+
+
+@pytest.mark.parametrize("args,kw,name", [
+    (("not-a-uuid", "thumb", 1), {}, "completion_id"),
+    ((uuid.uuid4(), "like", 1), {}, "kind"),
+    ((uuid.uuid4(), "thumb", 0.5), {}, "value"),
+    ((uuid.uuid4(), "thumb", True), {}, "value"),
+    ((uuid.uuid4(), "edit", float("nan")), {}, "value"),
+    ((uuid.uuid4(), "thumb", 1), {"event_id": "nope"}, "event_id"),
+    ((uuid.uuid4(), "score", 0.5), {}, "name"),
+    ((uuid.uuid4(), "score", 0.5), {"name": "has space"}, "name"),
+    ((uuid.uuid4(), "thumb", 1), {"name": "x"}, "name"),
+    ((uuid.uuid4(), "thumb", 1), {"metadata": {"k": 1}}, "metadata"),
+    ((uuid.uuid4(), "thumb", 1), {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ((uuid.uuid4(), "thumb", 1), {"metadata": {"k": "v" * 513}}, "metadata"),
+    ((uuid.uuid4(), "thumb", 1), {"metadata": ["a"]}, "metadata"),
 ])
-def test_bad_arguments_raise_before_sending(server, args, name):
+def test_bad_arguments_raise_before_queueing(server, args, kw, name):
     url, rec = server
     fb = FeedbackClient(url)
     with pytest.raises(ValueError, match=f"^{name}:"):
-        fb.record(*args)
+        fb.record(*args, **kw)
     with pytest.raises(ValueError, match="^comment:"):
         fb.thumbs_up(uuid.uuid4(), comment="x" * 5000)
-    assert rec.attempts == 0
-    fb.close()
+    assert fb.shutdown() == [] and rec.requests == [] and fb.stats()["accepted"] == 0
+
+
+def test_constructor_arguments_named():
+    for kw, name in [({}, "base_url"), ({"kafka_bootstrap": "x:1"}, "user_salt"),
+                     ({"base_url": "http://x", "batch_size": 101}, "batch_size"),
+                     ({"base_url": "http://x", "queue_size": 0}, "queue_size"),
+                     ({"base_url": "http://x", "on_full": "block"}, "on_full"),
+                     ({"base_url": "http://x", "enqueue_timeout_s": -1}, "enqueue_timeout_s"),
+                     ({"base_url": "http://x", "timeout_s": 0}, "timeout_s")]:
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            FeedbackClient(**kw)
+
+
+def test_build_event_matches_the_server_event_schema():
+    """What the SDK builds is a valid FeedbackEvent (the serving side's contract)."""
+    p = build_event(uuid.uuid4(), "score", 3, name="stars", metadata={"a": "b"}, comment="ok")
+    ev = FeedbackEvent(user_hash="h", created_at=1_700_000_000_000,
+                       **{k: v for k, v in p.items() if k != "user"})
+    assert ev.name == "stars" and ev.metadata == {"a": "b"} and ev.value == 3.0
 
 
 def test_async_client(server):
@@ -135,14 +326,15 @@ def test_async_client(server):
         fb = AsyncFeedbackClient(url, backoff_s=0.01)
         rec.fail_next = 2
         a = await fb.thumbs_up(uuid.uuid4(), user="u")
-        b = await fb.record(uuid.uuid4(), "thumb", -1)
+        b = await fb.score(uuid.uuid4(), "stars", 4)
         with pytest.raises(ValueError, match="^kind:"):
             await fb.record(uuid.uuid4(), "nope", 1)
-        await fb.aclose()
+        assert await fb.flush() == 0
+        assert await fb.aclose() == []
         return a, b
 
     a, b = asyncio.run(go())
-    assert [r["event_id"] for r in rec.received] == [a, b] and rec.attempts == 4
+    assert [r["event_id"] for r in rec.received] == [a, b]
 
 
 @pytest.mark.timeout(60)
@@ -152,17 +344,17 @@ def test_kafka_mode(broker):
     fb = FeedbackClient(kafka_bootstrap=broker.bootstrap, user_salt="salt")
     cid = uuid.uuid4()
     eid = fb.thumbs_down(cid, user="carol", comment="meh")
-    fb.close()
+    sid = fb.score(cid, "helpfulness", 0.5, metadata={"k": "v"})
+    assert fb.flush(timeout_s=30) == 0 and fb.shutdown() == []
     c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000)
     msgs = list(c)
     c.close()
-    (m,) = msgs
-    ev = FeedbackEvent.from_bytes(m.value)
-    assert m.key == str(cid).encode() and str(ev.event_id) == eid and ev.value == -1.0
-    assert ev.user_hash == hash_user("carol", "salt") and ev.comment == "meh"
-    with pytest.raises(ValueError, match="^user_salt:"):
-        FeedbackClient(kafka_bootstrap=broker.bootstrap)
+    evs = sorted((FeedbackEvent.from_bytes(m.value) for m in msgs), key=lambda e: e.kind, reverse=True)
+    assert all(m.key == str(cid).encode() for m in msgs)
+    assert [str(e.event_id) for e in evs] == [eid, sid]
+    assert evs[0].value == -1.0 and evs[0].user_hash == hash_user("carol", "salt") and evs[0].comment == "meh"
+    assert (evs[1].name, evs[1].metadata, evs[1].value) == ("helpfulness", {"k": "v"}, 0.5)
 
 
 @pytest.mark.timeout(90)
@@ -183,7 +375,7 @@ def test_doc_examples_run(server, broker, monkeypatch):
     assert len(blocks) == 5
     for code in blocks:
         exec(compile(code, "docs/sdk.md", "exec"), {"__name__": "doc"})
-    assert len(rec.received) == 4  # 2 sync + 2 async
+    assert len(rec.received) == 5  # 3 sync + 2 async
     c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000)
     (m,) = list(c)
