@@ -256,16 +256,20 @@ class RolloutController:
             (baseline in ``metrics_baseline.json`` next to ``status_path``); metrics serving
             does not export per version are SKIPPED with the reason in the ledger. An
             exception counts as ERROR (HOLD). Pass ``False`` for thumbs-up only.
+        discover: ``f() -> [ServingAdmin]`` asked for the current pods before every
+            reconcile step (a headless Service's DNS answer: :class:`deploy.discovery.PodDiscovery`);
+            ``admin`` may then be empty. A failed lookup raises ServingAdminError (HOLD).
     """
 
     def __init__(self, store: ModelStore, admin: ServingAdmin, samples_dir: Path, ledger_path: Path,
                  status_path: Path, config: ControllerConfig | None = None,
                  bootstrap: str | None = None, clock=None, intent_path: Path | None = None,
-                 arm_metrics=None):
+                 arm_metrics=None, discover=None):
         self.admins: list[ServingAdmin] = list(admin) if isinstance(admin, (list, tuple)) else [admin]
-        if not self.admins:
+        self.discover = discover  # () -> [ServingAdmin]: the pods now (deploy.discovery.PodDiscovery)
+        if not self.admins and discover is None:
             raise ValueError("admin: at least one serving pod is needed")
-        self.store, self.admin = store, self.admins[0]
+        self.store, self.admin = store, (self.admins[0] if self.admins else None)
         self.samples_dir, self.ledger_path, self.status_path = Path(samples_dir), Path(ledger_path), Path(status_path)
         self.config = config or ControllerConfig()
         self.bootstrap = bootstrap
@@ -317,12 +321,22 @@ class RolloutController:
                 pauses.append(s.last_swap_pause_ms)
         return pauses
 
+    def _refresh_pods(self) -> None:
+        """Take the pod set from ``discover`` (in place: every holder of ``admins`` sees it)."""
+        if self.discover is None:
+            return
+        self.admins[:] = self.discover()
+        self.admin = self.admins[0]
+        if hasattr(self.arm_metrics, "admins"):
+            self.arm_metrics.admins = list(self.admins)
+
     def reconcile(self) -> RolloutStatus:
         """One step acting on the stored phase; returns the new status (also persisted).
 
         Raises:
             ServingAdminError: serving unreachable while reading slots (nothing changed).
         """
+        self._refresh_pods()
         st = self.status
         intent = read_intent(self.intent_path)
         if intent is not None:  # consumed now; _abort re-records it if serving failed
