@@ -2,7 +2,9 @@
 pause/resume (learner), runbook.
 
 Every action that changes traffic asks for confirmation unless ``--yes`` and is recorded in
-the ledger with who ran it (``$USER``).
+the ledger whether it succeeded or failed (decision ``X`` or ``X_FAILED``), with who ran it
+(``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``) and why (``--reason``). Every call to
+a pod is bounded by ``--serving-timeout-s`` (else ``$FLYWHEEL_SERVING_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from rich.table import Table
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
-from deploy.controller import (INCONCLUSIVE_POLICIES, ControllerConfig, RolloutController, RolloutPhase,
+from deploy.controller import (DEADLINE_OUTCOMES, ControllerConfig, RolloutController, RolloutPhase,
                                RolloutStatus, current_status, read_intent, write_intent)
 from deploy.runbook import RUNBOOK
-from deploy.serving_client import ServingAdmin, ServingAdminError
+from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdmin, ServingAdminError,
+                                   check_timeout, timeout_from_env)
 from deploy.store import ModelStore
 from schemas import settings
-from schemas.manifest import version_number
 
 console = Console()
 if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -86,8 +88,13 @@ def resume_learner(actor: str) -> dict | None:
     return prev
 
 
-def _actor() -> str:
-    return os.environ.get("USER") or getpass.getuser() or "unknown"
+STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
+
+
+def _actor(actor: str | None = None) -> str:
+    """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``."""
+    return (actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
+            or "unknown")
 
 
 def _store() -> ModelStore:
@@ -95,8 +102,71 @@ def _store() -> ModelStore:
     return ModelStore(settings.store_dir())
 
 
-def _admin(serving: str | None, timeout_s: float = 120.0) -> ServingAdmin:
+def _timeout(flag: float | None, default: float = DEFAULT_TIMEOUT_S) -> float:
+    """``--serving-timeout-s``, else ``$FLYWHEEL_SERVING_TIMEOUT_S``, else ``default``; a
+    bad value is a usage error naming the flag or the variable."""
+    try:
+        return check_timeout(flag, "--serving-timeout-s") if flag is not None else timeout_from_env(default)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _admin(serving: str | None, timeout_s: float) -> ServingAdmin:
     return ServingAdmin(serving or settings.serving_url(), os.environ.get("FLYWHEEL_ADMIN_TOKEN"), timeout_s=timeout_s)
+
+
+def _record_action(decision: str, version: str | None, stable: str | None, reason: str, actor: str,
+                   numbers: dict | None = None) -> None:
+    """One ledger row for an operator action (step -1, weight 0). A ledger that cannot be
+    written is reported, never hides the action's own outcome."""
+    try:
+        ledger.record(settings.ledger_path(), ledger.LedgerEntry(
+            version=version or "", stable=stable, step=-1, weight=0.0, decision=decision, reason=reason,
+            numbers=numbers or {}, actor=actor), _bootstrap())
+    except Exception as exc:  # noqa: BLE001 - the operator must still see what happened
+        console.print(f"[red]could not record {decision} in the ledger {settings.ledger_path()}:[/red] {exc}")
+
+
+def _action_failed(decision: str, what: str, version: str | None, stable: str | None, actor: str,
+                   why: str, msg: str, exc: ServingAdminError | None = None, t0: float | None = None) -> None:
+    """Record ``<decision>_FAILED`` (who, why, the error, the pod and failure kind), then
+    exit 2 with ``msg``."""
+    numbers = {"why": why, "error": msg}
+    if exc is not None:
+        numbers.update(exc.numbers())
+    if t0 is not None:
+        numbers["elapsed_s"] = time.monotonic() - t0
+    reason = f"{what} by {actor} failed: {msg}" + (f" (why: {why})" if why else "")
+    _record_action(f"{decision}_FAILED", version, stable, reason, actor, numbers)
+    _fail(msg)
+
+
+def _because(reason: str, why: str) -> str:
+    return reason + (f": {why}" if why else "")
+
+
+def status_warnings(slots, stable_record: dict | None) -> list[str]:
+    """What `flywheel status` flags for the on-call engineer: a slot whose served digest
+    differs from the store's manifest (``digest_ok`` False: the version's files changed
+    under the same id), and a served stable that is not the store's stable record (a
+    restarted pod would serve the record's version)."""
+    out: list[str] = []
+    if slots is None:
+        return out
+    for name, si in (("stable", slots.stable), ("candidate", slots.candidate)):
+        if si is not None and si.digest_ok is False:
+            fix = (f"`flywheel rollback --to {si.version} --yes` reloads it from the store" if name == "stable"
+                   else f"`flywheel rollback --yes` drops it, then `flywheel canary start {si.version} --yes`")
+            out.append(f"pod {slots.pod}: {name} {si.version} serves weights digest {si.weights_digest[:12]} but the "
+                       f"store's manifest now says {(si.manifest_digest or '')[:12]} (files changed under the same "
+                       f"id): {fix}")
+    if stable_record and stable_record.get("version") != slots.stable.version:
+        rv = stable_record["version"]
+        out.append(f"pod {slots.pod} serves {slots.stable.version} as stable but the store's stable record says {rv} "
+                   f"(set by {stable_record.get('actor') or '?'} at {_ts(stable_record.get('at') or 0)} UTC): a "
+                   f"restarted pod would serve {rv}; to keep {slots.stable.version}, "
+                   f"`flywheel rollback --to {slots.stable.version} --yes`")
+    return out
 
 
 def _bootstrap() -> str | None:
@@ -128,17 +198,23 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _last_status(store: ModelStore, v: str) -> str:
-    h = store.manifest(v).status_history
-    return h[-1].status if h else ""
-
-
 def previous_promoted(store: ModelStore, stable: str) -> str | None:
-    """Newest version older than ``stable`` whose latest status is ``promoted``."""
-    for v in reversed(store.versions()):
-        if version_number(v) < version_number(stable) and _last_status(store, v) == "promoted":
-            return v
-    return None
+    """The version that was stable before ``stable`` (:meth:`ModelStore.previous_stable`)."""
+    return store.previous_stable(stable)
+
+
+def _actor_opt():
+    return typer.Option(None, "--actor", help="who does this, recorded in the ledger (default $FLYWHEEL_ACTOR, "
+                                              "else $USER)")
+
+
+def _reason_opt():
+    return typer.Option("", "--reason", help="why, recorded in the ledger")
+
+
+def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
+    return typer.Option(None, "--serving-timeout-s",
+                        help=f"bound on each call to a pod (s; default ${TIMEOUT_ENV}, else {default_s:g})")
 
 
 def register(app: typer.Typer) -> None:
@@ -150,28 +226,41 @@ def register(app: typer.Typer) -> None:
 
     @canary.command("start")
     def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
+                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Canary VERSION at the next reconcile (also one the controller skipped or rolled back)."""
+        who = _actor(actor)
         store = _store()
         if version not in store.versions():
-            _fail(f"version: {version!r} is not in the store (it has {', '.join(store.versions()) or 'none'})")
+            _action_failed("MANUAL_CANARY_START", f"canary start of {version}", version, None, who, reason,
+                           f"version: {version!r} is not in the store (it has "
+                           f"{', '.join(store.versions()) or 'none'})")
         _confirm(f"start a canary of {version}", yes)
-        write_intent(intent_path(), "start", _actor(), version)
+        write_intent(intent_path(), "start", who, version)
+        _record_action("MANUAL_CANARY_START", version, None,
+                       _because(f"canary start of {version} requested by {who}", reason), who, {"why": reason})
         console.print(f"recorded: start canary of {version}; the controller acts at its next reconcile")
 
     @canary.command("abort")
-    def canary_abort(yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
+    def canary_abort(actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Abort the canary in progress: the controller drops the candidate (all traffic to stable)."""
+        who = _actor(actor)
         st = current_status(rollout_status_path(), settings.ledger_path())
         if st.phase != RolloutPhase.CANARY:
-            _fail(f"no canary in progress (phase {st.phase.value}); to drop a loaded candidate use "
-                  "`flywheel rollback`")
+            _action_failed("MANUAL_CANARY_ABORT", "canary abort", st.candidate, st.stable, who, reason,
+                           f"no canary in progress (phase {st.phase.value}); to drop a loaded candidate use "
+                           "`flywheel rollback`")
         _confirm(f"abort the canary of {st.candidate} at {st.weight:.0%}", yes)
-        write_intent(intent_path(), "abort", _actor())
+        write_intent(intent_path(), "abort", who)
+        _record_action("MANUAL_CANARY_ABORT", st.candidate, st.stable,
+                       _because(f"abort of the canary of {st.candidate} requested by {who}", reason), who,
+                       {"why": reason, "step": st.step, "weight": st.weight})
         console.print(f"recorded: abort canary of {st.candidate}; the controller acts at its next reconcile")
 
     @app.command("pause")
     def pause_cmd(reason: str = typer.Option("", help="why (shown in status and the ledger)"),
+                  actor: Optional[str] = _actor_opt(),
                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Pause the learner: its daemon publishes nothing new until `flywheel resume` (a cycle
         already running finishes)."""
@@ -180,19 +269,20 @@ def register(app: typer.Typer) -> None:
             console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
             return
         _confirm("pause the learner", yes)
-        pause_learner(_actor(), reason)
-        console.print(f"learner paused by {_actor()} (flag {learner_pause_path()})")
+        pause_learner(_actor(actor), reason)
+        console.print(f"learner paused by {_actor(actor)} (flag {learner_pause_path()})")
 
     @app.command("resume")
-    def resume_cmd(yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
+    def resume_cmd(actor: Optional[str] = _actor_opt(),
+                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Resume the learner after `flywheel pause`."""
         cur = learner_paused()
         if not cur:
             console.print("learner is not paused")
             return
         _confirm(f"resume the learner (paused by {cur['actor']})", yes)
-        resume_learner(_actor())
-        console.print(f"learner resumed by {_actor()}")
+        resume_learner(_actor(actor))
+        console.print(f"learner resumed by {_actor(actor)}")
 
     @app.command("runbook")
     def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
@@ -213,23 +303,30 @@ def register(app: typer.Typer) -> None:
             None, help="serving base URL, repeat for several pods (default $FLYWHEEL_SERVING_URL)"),
         once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, then exit"),
         steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated"),
-        min_votes: int = typer.Option(20, help="votes per arm before the thumbs-up test runs"),
-        max_wait_s: Optional[float] = typer.Option(None, help="fixed budget per step (s), then --inconclusive-policy"),
-        inconclusive_policy: str = typer.Option(
-            "hold", "--inconclusive-policy", "--inconclusive",
-            help=f"what an inconclusive step does after --max-wait-s: one of {INCONCLUSIVE_POLICIES}"),
-        deadline_s: float = typer.Option(3600.0, help="a step still inconclusive after this rolls back (s)"),
+        min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
+        delta: float = typer.Option(0.1, help="non-inferiority margin (rate units): advance when the always-valid "
+                                    "lower bound of rate(candidate) - rate(stable) is above -delta"),
+        alpha: float = typer.Option(0.05, help="error level of the always-valid interval"),
+        failure_limit: int = typer.Option(3, help="failed checks in a row before an operational metric or a "
+                                          "reward-hacking guard fails the step"),
+        min_votes_per_step: Optional[int] = typer.Option(None, help="new candidate votes a step needs before "
+                                                         "it advances (default: --min-votes)"),
+        deadline_s: float = typer.Option(3600.0, help="a step still undecided after this takes --deadline-outcome (s)"),
+        deadline_outcome: str = typer.Option("rollback", help=f"one of {DEADLINE_OUTCOMES}"),
         poll_s: float = typer.Option(5.0, help="seconds between reconcile steps"),
+        serving_timeout_s: Optional[float] = _timeout_opt(),
     ) -> None:
         """Canary each newly published version: load, step traffic, analyze, promote or roll back."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         try:
-            cfg = ControllerConfig(steps=_parse_steps(steps), step_deadline_s=deadline_s, max_wait_s=max_wait_s,
-                                   inconclusive_policy=inconclusive_policy,
-                                   analysis=AnalysisConfig(min_votes=min_votes))
+            cfg = ControllerConfig(steps=_parse_steps(steps), step_deadline_s=deadline_s,
+                                   deadline_outcome=deadline_outcome, min_votes_per_step=min_votes_per_step,
+                                   analysis=AnalysisConfig(min_votes=min_votes, delta=delta, alpha=alpha,
+                                                           failure_limit=failure_limit))
         except ValueError as exc:
             _fail(str(exc))
-        admins = [_admin(u) for u in serving] if serving else [_admin(None)]
+        timeout_s = _timeout(serving_timeout_s)
+        admins = [_admin(u, timeout_s) for u in serving] if serving else [_admin(None, timeout_s)]
         ctl = RolloutController(_store(), admins, settings.samples_dir(),
                                 settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap())
         if once:
@@ -245,19 +342,27 @@ def register(app: typer.Typer) -> None:
     @app.command("status")
     def status_cmd(serving: Optional[str] = typer.Option(None, help="serving base URL"),
                    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-                   last: int = typer.Option(10, min=1, help="decisions to show")) -> None:
-        """Serving slots and weights, canary phase and step, last decisions with their numbers."""
+                   last: int = typer.Option(10, min=1, help="decisions to show"),
+                   serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
+        """Serving slots and weights (and whether each served digest equals the store's
+        manifest), the store's stable record, canary phase and step, last decisions."""
         slots, err = None, None
         try:
-            slots = _admin(serving, timeout_s=5.0).slots()  # a read: a wedged pod must not stall on-call
+            slots = _admin(serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S)).slots()
         except ServingAdminError as exc:
             err = str(exc)
+        try:
+            stable_rec = _store().stable_record()
+        except Exception as exc:  # noqa: BLE001 - status must show what it can
+            stable_rec, err = None, err or f"model store unreadable: {exc}"
+        warnings = status_warnings(slots, stable_rec)
         st = current_status(rollout_status_path(), settings.ledger_path())
         decs = ledger.decisions(settings.ledger_path(), limit=last)
         if as_json:
             sd = asdict(st)
             sd["phase"] = st.phase.value
             print(json.dumps({"serving": slots.model_dump() if slots else None, "serving_error": err,
+                              "stable_record": stable_rec, "warnings": warnings,
                               "rollout": sd, "pending_intent": read_intent(intent_path()),
                               "learner": {"paused": learner_paused()},
                               "decisions": [asdict(d) for d in decs]}, indent=1))
@@ -265,17 +370,24 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
             return
         t = Table(title="serving")
-        for c in ("slot", "version", "weight", "weights digest", "loaded at (UTC)"):
+        for c in ("slot", "version", "weight", "weights digest", "digest = manifest", "loaded at (UTC)"):
             t.add_column(c, no_wrap=True)
+        ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
         if slots:
             t.add_row("stable", slots.stable.version, f"{1 - slots.candidate_weight:.0%}",
-                      slots.stable.weights_digest[:12], _ts(slots.stable.loaded_at))
+                      slots.stable.weights_digest[:12], ok[slots.stable.digest_ok], _ts(slots.stable.loaded_at))
             if slots.candidate:
                 t.add_row("candidate", slots.candidate.version, f"{slots.candidate_weight:.0%}",
-                          slots.candidate.weights_digest[:12], _ts(slots.candidate.loaded_at))
+                          slots.candidate.weights_digest[:12], ok[slots.candidate.digest_ok],
+                          _ts(slots.candidate.loaded_at))
         console.print(t)
         if err:
             console.print(f"[red]serving unreachable:[/red] {err}")
+        if stable_rec:
+            console.print(f"store stable record: {stable_rec['version']} (set by {stable_rec.get('actor') or '?'} "
+                          f"at {_ts(stable_rec.get('at') or 0)} UTC; what a restarted pod serves)")
+        for w in warnings:
+            console.print(f"[red]warning:[/red] {w}")
         console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
                       f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
         lp = learner_paused()
@@ -299,10 +411,11 @@ def register(app: typer.Typer) -> None:
     def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
         """Versions in the model store: parent, kind, size, delta ratio, status."""
         store = _store()
+        stable = store.stable()
         rows = []
         for v in store.versions():
             m = store.manifest(v)
-            rows.append({"version": v, "parent": m.parent, "kind": m.kind, "created_at": m.created_at,
+            rows.append({"version": v, "stable": v == stable, "parent": m.parent, "kind": m.kind, "created_at": m.created_at,
                          "size_bytes": m.size_bytes, "snapshot_bytes": m.snapshot_bytes,
                          "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.size_bytes else None,
                          "status": m.status_history[-1].status if m.status_history else "",
@@ -311,96 +424,110 @@ def register(app: typer.Typer) -> None:
             print(json.dumps(rows, indent=1, default=str))
             return
         t = Table(title=f"model store {store.root}")
-        for c in ("version", "parent", "kind", "size", "snapshot/size", "status", "digest", "created (UTC)"):
+        for c in ("version", "stable", "parent", "kind", "size", "snapshot/size", "status", "digest",
+                  "created (UTC)"):
             t.add_column(c, no_wrap=True)
         for r in rows:
-            t.add_row(r["version"], r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
+            t.add_row(r["version"], "*" if r["stable"] else "", r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
                       f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"], r["digest"][:12],
                       _ts(r["created_at"]))
         console.print(t)
 
     @app.command("promote")
     def promote_cmd(serving: Optional[str] = typer.Option(None, help="serving base URL"),
+                    actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                    serving_timeout_s: Optional[float] = _timeout_opt(),
                     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Promote the loaded candidate to stable now (hot swap)."""
-        admin = _admin(serving)
+        """Promote the loaded candidate to stable now (hot swap); it becomes the store's
+        stable record (what a restarted pod serves)."""
+        who, t0 = _actor(actor), time.monotonic()
+        admin = _admin(serving, _timeout(serving_timeout_s))
         try:
             slots = admin.slots()
         except ServingAdminError as exc:
-            _fail(str(exc))
+            _action_failed("MANUAL_PROMOTE", "manual promote", None, None, who, reason, str(exc), exc, t0)
+        stable = slots.stable.version
         if slots.candidate is None:
-            _fail("no candidate is loaded: nothing to promote")
-        cand, stable = slots.candidate.version, slots.stable.version
+            _action_failed("MANUAL_PROMOTE", "manual promote", None, stable, who, reason,
+                           "no candidate is loaded: nothing to promote")
+        cand = slots.candidate.version
         _confirm(f"promote {cand} (replacing {stable})", yes)
+        t0 = time.monotonic()
         try:
-            admin.promote()
+            after = admin.promote()
         except ServingAdminError as exc:
-            _fail(str(exc))
-        store = _store()
-        reason = f"manual promote by {_actor()}"
-        store.set_status(cand, "promoted", reason)
-        _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", reason)
-        ledger.record(settings.ledger_path(), ledger.LedgerEntry(
-            version=cand, stable=stable, step=-1, weight=0.0, decision="MANUAL_PROMOTE", reason=reason,
-            actor=_actor()), _bootstrap())
+            _action_failed("MANUAL_PROMOTE", f"manual promote of {cand}", cand, stable, who, reason, str(exc), exc, t0)
+        why = _because(f"manual promote by {who}", reason)
+        _store().set_status(cand, "promoted", why, actor=who)
+        _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", why)
+        _record_action("MANUAL_PROMOTE", cand, stable, why, who,
+                       {"why": reason, "elapsed_s": time.monotonic() - t0, "digest": after.stable.weights_digest})
         console.print(f"promoted {cand}")
 
     @app.command("rollback")
     def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to restore as stable"),
                      serving: Optional[str] = typer.Option(None, help="serving base URL"),
+                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                     serving_timeout_s: Optional[float] = _timeout_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Drop the candidate if one is loaded; otherwise (or with --to) restore stable to the
-        previous promoted version."""
-        admin = _admin(serving)
+        version stable before it (or VERSION), which becomes the store's stable record.
+        `--to` the version already stable reloads it from the store (verified)."""
+        who, t0 = _actor(actor), time.monotonic()
+        admin = _admin(serving, _timeout(serving_timeout_s))
         store = _store()
         try:
             slots = admin.slots()
         except ServingAdminError as exc:
-            _fail(str(exc))
+            _action_failed("MANUAL_ROLLBACK", "manual rollback", to, None, who, reason, str(exc), exc, t0)
         stable = slots.stable.version
-        actor = _actor()
-        t0 = time.monotonic()
         if to is None and slots.candidate is not None:
-            cand = slots.candidate.version
-            _confirm(f"drop candidate {cand} (stable {stable} keeps all traffic)", yes)
-            try:
-                admin.rollback()
-            except ServingAdminError as exc:
-                _fail(str(exc))
-            reason = f"manual rollback of candidate by {actor}"
-            store.set_status(cand, "rolled_back", reason)
-            _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", reason)
-            ledger.record(settings.ledger_path(), ledger.LedgerEntry(
-                version=cand, stable=stable, step=-1, weight=0.0, decision="MANUAL_ROLLBACK", reason=reason,
-                numbers={"elapsed_s": time.monotonic() - t0}, actor=actor), _bootstrap())
-            console.print(f"dropped candidate {cand}; stable is {stable}")
+            _drop_candidate(admin, store, slots, who, reason, yes)
             return
         if to is None:
-            to = previous_promoted(store, stable)
+            to = store.previous_stable(stable)
             if to is None:
-                _fail(f"no promoted version older than stable {stable} to roll back to")
+                _action_failed("MANUAL_ROLLBACK", "manual rollback", None, stable, who, reason,
+                               f"no earlier stable version than {stable} to roll back to (see `flywheel versions`)")
         try:
             store.manifest(to)
         except (KeyError, ValueError) as exc:
-            _fail(f"--to: {exc}")
+            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, stable, who, reason, f"--to: {exc}")
         _confirm(f"replace stable {stable} by {to}", yes)
+        t0 = time.monotonic()
         try:
             after = admin.rollback(to)
         except ServingAdminError as exc:
-            _fail(str(exc))
+            _action_failed("MANUAL_ROLLBACK", f"manual rollback of stable {stable} to {to}", to, stable, who,
+                           reason, str(exc), exc, t0)
         elapsed = time.monotonic() - t0
-        reason = f"manual rollback of stable {stable} to {to} by {actor}"
+        why = _because(f"manual rollback of stable {stable} to {to} by {who}", reason)
         if to != stable:
-            store.set_status(stable, "rolled_back", reason)
-        store.set_status(to, "promoted", reason)
+            store.set_status(stable, "rolled_back", why)
+        store.set_status(to, "promoted", why, actor=who)
         if slots.candidate is not None:
-            store.set_status(slots.candidate.version, "rolled_back", reason)
-            _end_rollout(slots.candidate.version, RolloutPhase.ABORTED, "ROLLBACK", reason)
-        ledger.record(settings.ledger_path(), ledger.LedgerEntry(
-            version=to, stable=stable, step=-1, weight=0.0, decision="MANUAL_ROLLBACK", reason=reason,
-            numbers={"elapsed_s": elapsed, "from": stable, "digest": after.stable.weights_digest},
-            actor=actor), _bootstrap())
+            store.set_status(slots.candidate.version, "rolled_back", why)
+            _end_rollout(slots.candidate.version, RolloutPhase.ABORTED, "ROLLBACK", why)
+        _record_action("MANUAL_ROLLBACK", to, stable, why, who,
+                       {"why": reason, "elapsed_s": elapsed, "from": stable, "digest": after.stable.weights_digest})
         console.print(f"stable is now {after.stable.version} ({elapsed:.2f} s)")
+
+
+def _drop_candidate(admin: ServingAdmin, store: ModelStore, slots, who: str, reason: str, yes: bool) -> None:
+    """`flywheel rollback` with a candidate loaded: drop it; stable keeps all traffic."""
+    cand, stable = slots.candidate.version, slots.stable.version
+    _confirm(f"drop candidate {cand} (stable {stable} keeps all traffic)", yes)
+    t0 = time.monotonic()
+    try:
+        admin.rollback()
+    except ServingAdminError as exc:
+        _action_failed("MANUAL_ROLLBACK", f"manual rollback of candidate {cand}", cand, stable, who, reason,
+                       str(exc), exc, t0)
+    why = _because(f"manual rollback of candidate by {who}", reason)
+    store.set_status(cand, "rolled_back", why)
+    _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", why)
+    _record_action("MANUAL_ROLLBACK", cand, stable, why, who, {"why": reason, "elapsed_s": time.monotonic() - t0})
+    console.print(f"dropped candidate {cand}; stable is {stable}")
 
 
 def _end_rollout(version: str, phase: RolloutPhase, outcome: str, reason: str) -> None:
