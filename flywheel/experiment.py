@@ -275,7 +275,7 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
     """
     from rich.console import Console
 
-    from ingest.writer import partition_dir, write_shard
+    from ingest.writer import shard_path, write_shard
     from schemas import settings
 
     console = console or Console()
@@ -294,9 +294,8 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
             if r == cfg.rounds:
                 break
             samples = _samples_for(cfg, version, wl.problems, got, got["passed"], wl.prompts, got["sampling"])
-            d = partition_dir(settings.samples_dir(), version, samples[0].sealed_at)
-            d.mkdir(parents=True, exist_ok=True)
-            write_shard(samples, d / f"part-experiment-{r}.parquet")
+            write_shard(samples, shard_path(settings.samples_dir(), min(s.sealed_at for s in samples),
+                                            f"experiment-{r}"))
             del lm, got
             version = _learn(cfg, r, out / "logs", store, console)
             versions[-1]["learner"] = {k: v for k, v in store.manifest(version).metrics.items()

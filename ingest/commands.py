@@ -1,4 +1,4 @@
-"""CLI of the ingest package: ``flywheel ingest`` and ``flywheel data stats``."""
+"""CLI of the ingest package: ``flywheel ingest``, ``flywheel data stats`` and ``flywheel data migrate``."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def ingest_cmd(
 
 @data_app.command("stats")
 def stats_cmd() -> None:
-    """Print the catalog views: votes by version, label balance, dead letters by reason."""
+    """Print the catalog views: votes by version and by split, label balance, dead letters by reason."""
     from rich.console import Console
     from rich.table import Table
 
@@ -51,7 +51,7 @@ def stats_cmd() -> None:
     catalog.refresh_catalog()
     con = Console()
     con.print(f"samples: {settings.samples_dir()}  catalog: {settings.catalog_path()}")
-    for view in ("votes_by_version", "label_balance", "deadletters_by_reason"):
+    for view in ("votes_by_version", "votes_by_split", "label_balance", "deadletters_by_reason"):
         rows = catalog.query(f"SELECT * FROM {view}")
         t = Table(title=view)
         cols = list(rows[0].keys()) if rows else ["(no samples)"]
@@ -62,7 +62,25 @@ def stats_cmd() -> None:
         con.print(t)
 
 
+@data_app.command("migrate")
+def migrate_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be converted; write nothing.")
+                ) -> None:
+    """Rewrite format-1 sample shards (model_version=<v>/date=<d>/, JSON columns) into the
+    format-2 layout (date=<d>/hour=<h>/, typed columns); once, crash-safe, idempotent."""
+    from ingest import catalog
+    from ingest.migrate import migrate
+    from schemas import settings
+
+    sd = settings.samples_dir()
+    n = migrate(sd, dry_run=dry_run)
+    verb = "would convert" if dry_run else "converted"
+    typer.echo(f"data migrate: {verb} {n['shards']} shards ({n['samples']} samples) under {sd}"
+               + (f"; {n['already']} already had their new copy" if n["already"] else ""))
+    if not dry_run:
+        catalog.refresh_catalog()
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``ingest`` and ``data stats`` to the ``flywheel`` CLI."""
+    """Add ``ingest``, ``data stats`` and ``data migrate`` to the ``flywheel`` CLI."""
     app.command("ingest")(ingest_cmd)
     app.add_typer(data_app, name="data")

@@ -1,7 +1,9 @@
-"""Parquet shards of RewardedSamples (layout: ``schemas.arrow``).
+"""Parquet shards of RewardedSamples (format and columns: ``schemas.arrow``).
 
-``<samples_dir>/model_version=<v>/date=<YYYY-MM-DD>/part-<uuid>.parquet``; ``date`` is the
-UTC day of ``sealed_at``. Each shard is written to a hidden temp file in the same
+``<samples_dir>/date=<YYYY-MM-DD>/hour=<HH>/part-<sealed_ms>-<uuid>.parquet``: the UTC day and
+hour of the shard's first ``sealed_at``, and that ``sealed_at`` (ms, 13 digits) in the name,
+so a reader finds the shards sealed after a watermark by listing the newest partitions only
+(``ingest.catalog.find_shards``). Each shard is written to a hidden temp file in the same
 directory, fsynced, renamed (atomic on POSIX) and the directory fsynced, so a reader never
 sees a partial file and a shard that exists is complete and durable.
 """
@@ -10,60 +12,89 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import uuid
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.arrow import SAMPLE_SCHEMA, samples_to_table
+from schemas.arrow import samples_to_table
 from schemas.events import DeadLetter, RewardedSample
 
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
-# dictionary-encode only the repetitive columns: trying it on the large unique ones (expert
-# routes, ~10 KiB of base64 each) made a shard ~5x slower to write (bench/RESULTS.md)
-DICTIONARY_COLUMNS = ["sampling", "finish_reason"]
-# expert_routes is already zstd inside (base64 text): compressing it again saved ~25 % of its
-# bytes for 2-3x the shard's write time; every other column is zstd
-COMPRESSION = {f.name: "none" if f.name == "expert_routes" else "zstd" for f in SAMPLE_SCHEMA}
-STATISTICS_COLUMNS = ["completion_id", "created_at", "reward", "label", "n_votes", "votes_up", "votes_down",
-                      "sealed_at"]  # min/max for filters; none on the token/route payloads
+HOUR_MS = 3_600_000
+# dictionary-encode only the repetitive columns: on the large unique ones (routes, token
+# lists) it slows the write and saves nothing
+DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype"]
+COMPRESSION = "zstd"  # routes are raw bytes now (format 2), so every column compresses
+STATISTICS_COLUMNS = ["completion_id", "model_version", "split", "created_at", "sealed_at", "reward", "label",
+                      "n_votes", "votes_up", "votes_down"]  # min/max for filters; none on the payloads
+SHARD_NAME = re.compile(r"^part-(\d{13})-[0-9a-zA-Z_-]+\.parquet$")
 
 
-def partition_dir(samples_dir: Path, model_version: str, sealed_at_ms: int) -> Path:
-    """``samples_dir/model_version=<v>/date=<YYYY-MM-DD>`` (UTC day of ``sealed_at_ms``)."""
-    if not model_version or "/" in model_version or model_version.startswith("."):
-        raise ValueError(f"model_version: {model_version!r} cannot be a directory name")
-    day = dt.datetime.fromtimestamp(sealed_at_ms / 1000, tz=dt.timezone.utc).strftime("%Y-%m-%d")
-    return Path(samples_dir) / f"model_version={model_version}" / f"date={day}"
+def partition_dir(samples_dir: Path, sealed_at_ms: int) -> Path:
+    """``samples_dir/date=<YYYY-MM-DD>/hour=<HH>`` (UTC day and hour of ``sealed_at_ms``).
+
+    Raises:
+        ValueError: ``sealed_at_ms`` is negative or beyond year 9999."""
+    if not 0 <= int(sealed_at_ms) < 253_402_300_800_000:
+        raise ValueError(f"sealed_at: {sealed_at_ms} ms is not a time between 1970 and 9999")
+    t = dt.datetime.fromtimestamp(int(sealed_at_ms) / 1000, tz=dt.timezone.utc)
+    return Path(samples_dir) / f"date={t:%Y-%m-%d}" / f"hour={t:%H}"
+
+
+def shard_path(samples_dir: Path, sealed_at_ms: int, tag: str | None = None) -> Path:
+    """A new shard path for samples first sealed at ``sealed_at_ms``:
+    ``partition_dir(...)/part-<sealed_at_ms:013d>-<tag or a uuid4 hex>.parquet``.
+
+    Raises:
+        ValueError: ``tag`` has characters other than letters, digits, ``_`` and ``-``."""
+    tag = tag or uuid.uuid4().hex
+    p = partition_dir(samples_dir, sealed_at_ms) / f"part-{int(sealed_at_ms):013d}-{tag}.parquet"
+    if not SHARD_NAME.match(p.name):
+        raise ValueError(f"tag: {tag!r} must be letters, digits, '_' or '-'")
+    return p
+
+
+def shard_time(path: str | Path) -> int | None:
+    """The ``sealed_ms`` in a shard's file name (a lower bound of its rows' ``sealed_at``),
+    or None when the name does not follow :func:`shard_path`."""
+    m = SHARD_NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def shard_namer(samples_dir: Path):
-    """A ``RewardedSample -> path`` function giving one new shard path per partition
-    (model_version, date) per call of the namer's owner (one tick)."""
-    names: dict[tuple[str, int], str] = {}
+    """A ``RewardedSample -> path`` function giving one new shard path per hour partition
+    per call of the namer's owner (one tick); the first sample named in a partition gives
+    the name's time, so callers name samples in ``sealed_at`` order."""
+    names: dict[int, str] = {}
 
     def shard_for(s: RewardedSample) -> str:
-        k = (s.model_version, s.sealed_at // 86_400_000)  # UTC day
+        k = s.sealed_at // HOUR_MS
         if k not in names:
-            d = partition_dir(samples_dir, s.model_version, s.sealed_at)
-            names[k] = str(d / f"part-{uuid.uuid4().hex}.parquet")
+            names[k] = str(shard_path(samples_dir, s.sealed_at))
         return names[k]
 
     return shard_for
 
 
 def write_shard(samples: list[RewardedSample], path: str | Path) -> Path:
-    """Write ``samples`` (all one model_version and day) to ``path`` atomically.
+    """Write ``samples`` (in :data:`schemas.arrow.SAMPLE_SCHEMA`) to ``path`` atomically.
 
     Returns the path. Raises ``ValueError`` on an empty list.
     """
     if not samples:
         raise ValueError("samples: empty, nothing to write")
+    return write_table(samples_to_table(samples), path)
+
+
+def write_table(table: pa.Table, path: str | Path) -> Path:
+    """Write a :data:`schemas.arrow.SAMPLE_SCHEMA` table to ``path`` atomically (temp file,
+    fsync, rename, directory fsync) with the shard's Parquet settings. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    table = samples_to_table(samples)
     with open(tmp, "wb") as f:
         pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, compression=COMPRESSION,
                        use_dictionary=DICTIONARY_COLUMNS, write_statistics=STATISTICS_COLUMNS)

@@ -1,27 +1,84 @@
 """Arrow schema of the RewardedSample Parquet shards written by ``ingest`` and read by
-``learner`` (through the DuckDB catalog).
+``learner`` (through ``ingest.catalog``) and by analysts with plain DuckDB or pyarrow.
 
-Layout on disk: ``<samples_dir>/model_version=<v>/date=<YYYY-MM-DD>/part-<uuid>.parquet``
-(hive partitioning), each file written to a temp name and renamed (atomic).
+Layout on disk (``ingest.writer``)::
+
+    <samples_dir>/date=<YYYY-MM-DD>/hour=<HH>/part-<sealed_ms, 13 digits>-<uuid>.parquet
+
+``date``/``hour`` are the UTC day and hour of the shard's first ``sealed_at`` and
+``sealed_ms`` is that ``sealed_at`` in ms: every row of the shard has ``sealed_at >=
+sealed_ms`` (a file-level watermark that the learner reads from the name alone). Every
+field of a sample is a column of the file, so one file read alone loses nothing.
+
+Columns (:data:`SAMPLE_SCHEMA`, format :data:`FORMAT_VERSION`, in the file's key-value
+metadata under ``flywheel.samples.format``):
+
+==========================  =============================  ==================================
+column                      Arrow type                     meaning
+==========================  =============================  ==================================
+completion_id               string                         UUID of the completion
+model_version               string (dictionary)            version that produced it (behavior)
+split                       string (dictionary)            ``train`` or ``eval`` (never trained)
+created_at                  timestamp[ms, tz=UTC]          completion served
+sealed_at                   timestamp[ms, tz=UTC]          label sealed
+user_hash                   string                         salted user hash
+prompt_token_ids            list<int32>                    P tokens
+completion_token_ids        list<int32>                    C tokens
+behavior_logprobs           list<float32>                  C raw logprobs (temperature 1)
+sampling                    struct<temperature: double,    the request's sampling params
+                            top_p: double, top_k: int32,   (``schemas.events.SamplingParams``)
+                            max_tokens: int32, seed:
+                            int64, logprobs_kind: string>
+expert_routes               binary (null for dense)        C-order bytes of the routes array,
+                                                           little endian, dtype below
+expert_routes_shape         list<int32> (3 values)         (P + C - 1, moe_layers, top_k)
+expert_routes_dtype         string                         ``uint8`` or ``uint16``
+finish_reason               string (dictionary)            stop | length | abort
+reward                      float32                        shaped reward
+label                       bool                           desirable (KTO)
+n_votes, votes_up,          int32                          each user's last vote counted
+votes_down
+event_ids                   list<string>                   every feedback event folded in
+==========================  =============================  ==================================
+
+Routes in numpy: ``np.frombuffer(row["expert_routes"], row["expert_routes_dtype"])
+.reshape(row["expert_routes_shape"])``. Format 1 (the earlier layout: JSON strings for
+sampling and routes, integer-ms times, ``model_version`` only in the directory name) is
+converted by :func:`upgrade_v1_table` (``flywheel data migrate``).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from schemas.events import RewardedSample
+from schemas.events import ExpertRoutes, RewardedSample, SamplingParams
+
+FORMAT_VERSION = 2
+FORMAT_KEY = b"flywheel.samples.format"
+TIMESTAMP = pa.timestamp("ms", tz="UTC")
+SAMPLING_TYPE = pa.struct([
+    ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()),
+    ("max_tokens", pa.int32()), ("seed", pa.int64()), ("logprobs_kind", pa.string())])
 
 SAMPLE_SCHEMA = pa.schema([
     ("completion_id", pa.string()),
-    ("created_at", pa.int64()),  # ms
+    ("model_version", pa.string()),
+    ("split", pa.string()),
+    ("created_at", TIMESTAMP),
+    ("sealed_at", TIMESTAMP),
     ("user_hash", pa.string()),
     ("prompt_token_ids", pa.list_(pa.int32())),
     ("completion_token_ids", pa.list_(pa.int32())),
     ("behavior_logprobs", pa.list_(pa.float32())),
-    ("sampling", pa.string()),  # SamplingParams JSON
-    ("expert_routes", pa.string()),  # ExpertRoutes JSON or null
+    ("sampling", SAMPLING_TYPE),
+    ("expert_routes", pa.binary()),
+    ("expert_routes_shape", pa.list_(pa.int32())),
+    ("expert_routes_dtype", pa.string()),
     ("finish_reason", pa.string()),
     ("reward", pa.float32()),
     ("label", pa.bool_()),
@@ -29,23 +86,37 @@ SAMPLE_SCHEMA = pa.schema([
     ("votes_up", pa.int32()),
     ("votes_down", pa.int32()),
     ("event_ids", pa.list_(pa.string())),
-    ("sealed_at", pa.int64()),  # ms
-])
-# partition columns (directory names): model_version, date
+], metadata={FORMAT_KEY: str(FORMAT_VERSION).encode()})
+
+_SAMPLING_FIELDS = [f.name for f in SAMPLING_TYPE]
+
+
+def _routes_raw(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None, str | None]:
+    if r is None:
+        return None, None, None
+    arr = r.to_array()  # validates the payload against its shape
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(), [int(x) for x in r.shape], r.dtype
 
 
 def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
-    """RewardedSamples -> Arrow table with :data:`SAMPLE_SCHEMA` (partition columns excluded)."""
+    """RewardedSamples -> Arrow table with :data:`SAMPLE_SCHEMA` (times as UTC timestamps,
+    routes as raw bytes with their shape and dtype)."""
     cols: dict[str, list] = {f.name: [] for f in SAMPLE_SCHEMA}
     for s in samples:
+        raw, shape, dtype = _routes_raw(s.expert_routes)
         cols["completion_id"].append(str(s.completion_id))
+        cols["model_version"].append(s.model_version)
+        cols["split"].append(s.split)
         cols["created_at"].append(s.created_at)
+        cols["sealed_at"].append(s.sealed_at)
         cols["user_hash"].append(s.user_hash)
         cols["prompt_token_ids"].append(s.prompt_token_ids)
         cols["completion_token_ids"].append(s.completion_token_ids)
         cols["behavior_logprobs"].append(s.behavior_logprobs)
-        cols["sampling"].append(s.sampling.model_dump_json())
-        cols["expert_routes"].append(s.expert_routes.model_dump_json() if s.expert_routes else None)
+        cols["sampling"].append({k: getattr(s.sampling, k) for k in _SAMPLING_FIELDS})
+        cols["expert_routes"].append(raw)
+        cols["expert_routes_shape"].append(shape)
+        cols["expert_routes_dtype"].append(dtype)
         cols["finish_reason"].append(s.finish_reason)
         cols["reward"].append(s.reward)
         cols["label"].append(s.label)
@@ -53,22 +124,105 @@ def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
         cols["votes_up"].append(s.votes_up)
         cols["votes_down"].append(s.votes_down)
         cols["event_ids"].append(s.event_ids)
-        cols["sealed_at"].append(s.sealed_at)
     return pa.table(cols, schema=SAMPLE_SCHEMA)
 
 
-def row_to_sample(row: dict) -> RewardedSample:
-    """One row (as from ``Table.to_pylist()`` or DuckDB ``fetchall`` dicts) -> RewardedSample."""
-    from schemas.events import ExpertRoutes, SamplingParams
+def _ms(v) -> int:
+    if isinstance(v, dt.datetime):
+        return int(v.timestamp() * 1000) if v.tzinfo else int(v.replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
+    return int(v)
 
+
+def routes_from_raw(raw: bytes | None, shape, dtype: str | None) -> ExpertRoutes | None:
+    """The :class:`ExpertRoutes` of a row's ``expert_routes`` bytes (None when null).
+
+    Raises:
+        ValueError: ``expert_routes``: the bytes do not fill ``shape`` in ``dtype``.
+    """
+    if raw is None:
+        return None
+    shape = tuple(int(x) for x in shape)
+    dtype = dtype or "uint8"
+    arr = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+    if len(shape) != 3 or arr.size != int(np.prod(shape)):
+        raise ValueError(f"expert_routes: {arr.size} values of {dtype}, shape {shape} needs "
+                         f"{int(np.prod(shape)) if len(shape) == 3 else '3 dims'}")
+    return ExpertRoutes.from_array(arr.reshape(shape).astype(dtype))
+
+
+def row_to_sample(row: dict) -> RewardedSample:
+    """One row of a format-2 table (``Table.to_pylist()`` or DuckDB dicts: times may be
+    datetimes or integer ms) -> RewardedSample.
+
+    Raises:
+        pydantic.ValidationError / ValueError: the row is not a valid sample (names the field).
+    """
     return RewardedSample(
         completion_id=row["completion_id"], model_version=row["model_version"],
-        created_at=row["created_at"], user_hash=row["user_hash"],
+        split=row.get("split") or "train",
+        created_at=_ms(row["created_at"]), user_hash=row["user_hash"],
         prompt_token_ids=list(row["prompt_token_ids"]),
         completion_token_ids=list(row["completion_token_ids"]),
         behavior_logprobs=list(row["behavior_logprobs"]),
-        sampling=SamplingParams.model_validate(json.loads(row["sampling"])),
-        expert_routes=ExpertRoutes.model_validate_json(row["expert_routes"]) if row["expert_routes"] else None,
+        sampling=SamplingParams.model_validate(row["sampling"]),
+        expert_routes=routes_from_raw(row["expert_routes"], row["expert_routes_shape"], row["expert_routes_dtype"]),
         finish_reason=row["finish_reason"], reward=row["reward"], label=row["label"],
         n_votes=row["n_votes"], votes_up=row["votes_up"], votes_down=row["votes_down"],
-        event_ids=list(row["event_ids"]), sealed_at=row["sealed_at"])
+        event_ids=list(row["event_ids"]), sealed_at=_ms(row["sealed_at"]))
+
+
+def table_to_samples(table: pa.Table) -> list[RewardedSample]:
+    """A format-2 table (extra columns such as hive ``date``/``hour`` ignored) ->
+    RewardedSamples, in row order."""
+    for name in ("created_at", "sealed_at"):
+        if pa.types.is_timestamp(table.schema.field(name).type):
+            i = table.schema.get_field_index(name)
+            ms = pc.cast(table.column(name), pa.timestamp("ms", tz="UTC"))  # DuckDB hands back us
+            table = table.set_column(i, name, pc.cast(ms, pa.int64()))
+    return [row_to_sample(r) for r in table.to_pylist()]
+
+
+def format_version(schema: pa.Schema) -> int:
+    """The shard format of ``schema``: 2 with :data:`FORMAT_KEY` or a ``sampling`` struct,
+    1 when ``sampling`` is a JSON string (the earlier layout)."""
+    meta = schema.metadata or {}
+    if FORMAT_KEY in meta:
+        return int(meta[FORMAT_KEY])
+    return 1 if schema.field("sampling").type == pa.string() else FORMAT_VERSION
+
+
+def upgrade_v1_table(table: pa.Table, model_version: str) -> pa.Table:
+    """A format-1 shard's table (JSON ``sampling``/``expert_routes`` strings, integer-ms
+    times, ``model_version`` only in the directory name) -> :data:`SAMPLE_SCHEMA`; the split
+    of format-1 samples is ``train`` (the split did not exist).
+
+    Raises:
+        ValueError: a row's JSON does not decode (names the column and completion_id).
+    """
+    n = table.num_rows
+    ids = table.column("completion_id").to_pylist()
+    sampling, raw, shapes, dtypes = [], [], [], []
+    for cid, s, r in zip(ids, table.column("sampling").to_pylist(), table.column("expert_routes").to_pylist()):
+        try:
+            sp = SamplingParams.model_validate(json.loads(s))
+            er = ExpertRoutes.model_validate_json(r) if r else None
+        except ValueError as exc:
+            raise ValueError(f"sampling/expert_routes: row {cid} does not decode: {exc}") from exc
+        sampling.append({k: getattr(sp, k) for k in _SAMPLING_FIELDS})
+        b, sh, d = _routes_raw(er)
+        raw.append(b)
+        shapes.append(sh)
+        dtypes.append(d)
+    cols = {
+        "completion_id": table.column("completion_id"),
+        "model_version": pa.array([model_version] * n, pa.string()),
+        "split": pa.array(["train"] * n, pa.string()),
+        "created_at": pc.cast(table.column("created_at"), pa.int64()).cast(TIMESTAMP),
+        "sealed_at": pc.cast(table.column("sealed_at"), pa.int64()).cast(TIMESTAMP),
+        "sampling": pa.array(sampling, SAMPLING_TYPE),
+        "expert_routes": pa.array(raw, pa.binary()),
+        "expert_routes_shape": pa.array(shapes, pa.list_(pa.int32())),
+        "expert_routes_dtype": pa.array(dtypes, pa.string()),
+    }
+    return pa.table({f.name: cols[f.name] if f.name in cols else table.column(f.name).cast(f.type)
+                     for f in SAMPLE_SCHEMA}, schema=SAMPLE_SCHEMA)
