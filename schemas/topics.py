@@ -182,8 +182,9 @@ def mismatches(want: list[TopicPlan], have: dict[str, dict]) -> list[str]:
             out.append(f"{t.name}: missing (run `flywheel topics create`)")
             continue
         if h["partitions"] != t.partitions:
+            why = "; completions and feedback must be co-partitioned" if t.short in ("completions", "feedback") else ""
             out.append(f"{t.name}: {h['partitions']} partitions, expected {t.partitions} "
-                       "(FLYWHEEL_KAFKA_PARTITIONS; completions and feedback must be co-partitioned)")
+                       f"(FLYWHEEL_KAFKA_PARTITIONS{why})")
         if h["replication_factor"] != t.replication_factor:
             out.append(f"{t.name}: replication factor {h['replication_factor']}, expected "
                        f"{t.replication_factor} (FLYWHEEL_KAFKA_REPLICATION_FACTOR)")
