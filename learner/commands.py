@@ -51,6 +51,8 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            every_h: float = typer.Option(1.0, help="Daemon: run a cycle at least every this many hours."),
            every_n: int = typer.Option(64, help="Daemon: run a cycle once this many new samples are sealed."),
            poll_s: float = typer.Option(10.0, help="Daemon: seconds between checks for new samples."),
+           metrics_port: int = typer.Option(0, min=0, max=65535, help="Serve Prometheus /metrics on this port "
+                                            "(0 = off; rank 0 only)."),
            ) -> None:
     """Train on new sealed samples (KTO + router replay, DeepSpeed) and publish a version."""
     from schemas import settings
@@ -102,13 +104,24 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
     samples = samples or settings.samples_dir()
     state = state or settings.home() / "learner"
     ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly
+    from learner.metrics import LearnerMetrics, cycle_outcome
+
+    lm = LearnerMetrics()
+    if metrics_port and int(os.environ.get("RANK", "0")) == 0:
+        lm.serve(metrics_port)
 
     def cycle() -> None:
         started_ms = int(time.time() * 1000)
         rank0 = int(os.environ.get("RANK", "0")) == 0
-        m = run_cycle(store, samples, state, cfg, parent=parent, show_progress=rank0, evaluate=evaluate)
+        t0 = time.monotonic()
+        try:
+            m = run_cycle(store, samples, state, cfg, parent=parent, show_progress=rank0, evaluate=evaluate)
+        except Exception:
+            lm.cycle_done("failed", {}, time.monotonic() - t0)
+            raise
         if not rank0:
             return
+        lm.cycle_done(*cycle_outcome(m, load_state(state), started_ms), time.monotonic() - t0)
         if m is None:
             cycles = load_state(state)["cycles"]
             if cycles and cycles[-1].get("rejected") and cycles[-1]["at"] >= started_ms:
@@ -130,6 +143,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
     while True:  # daemon: every_h hours or every_n new samples, whichever first
         # Operator pause (`flywheel pause` / `flywheel resume`): checked before each cycle; a
         # cycle already running finishes. The flag file holds JSON {actor, at, reason}.
+        lm.paused.set(paused_flag.exists())
         if paused_flag.exists():
             if not was_paused:
                 typer.echo(f"learn: paused by operator ({paused_flag.read_text().strip()}); waiting")
@@ -140,6 +154,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
             typer.echo("learn: resumed")
             was_paused = False
         n_new = len(read_samples(samples, exclude=set(load_state(state)["trained"])))
+        lm.samples_waiting.set(n_new)
         if n_new >= max(every_n, min_samples) or (time.monotonic() - last >= every_h * 3600 and n_new >= min_samples):
             cycle()
             last = time.monotonic()
