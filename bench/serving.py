@@ -149,7 +149,7 @@ def run(model_dir: Path, quick: bool = False, tp_kw: dict | None = None) -> dict
     off_app = create_app(pod.slots, None, pod="bench-off", salt="x")
     on_srv, off_srv = ServerThread(pod.app).start(), ServerThread(off_app).start()
     try:
-        body = {"model": "m", "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": "flywheel", "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0}
         with httpx.Client(timeout=300) as c:
             _latency_ms(c, on_srv.url + "/v1/completions", body, 2)  # warm up
             _latency_ms(c, off_srv.url + "/v1/completions", body, 2)

@@ -1,15 +1,25 @@
-"""OpenAI wire models for the endpoints serving exposes (requests accept unknown extras,
-which are logged and ignored; known OpenAI parameters we do not support are rejected)."""
+"""Wire models for the endpoints serving exposes: OpenAI requests (unknown extras are logged
+and ignored; known OpenAI parameters we do not support are rejected) and feedback.
+
+Every request model refuses, before any field is validated and naming the field by its
+dotted path: a lone UTF-16 surrogate in any string (``"\\ud800"`` is valid JSON but not
+Unicode; error type ``lone_surrogate``) and NaN / Infinity in any number (``non_finite``).
+A boolean is never taken for a number (``true`` is not 1).
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
-from schemas.events import SamplingParams
+from schemas.events import (
+    MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, SCORE_NAME_PATTERN, SamplingParams,
+)
 from serving.params import ServingValidationError
 
 log = logging.getLogger("flywheel.serving.protocol")
@@ -25,6 +35,72 @@ _UNSUPPORTED_NEUTRAL: dict[str, tuple] = {
 
 
 MAX_N = 16  # choices per request at most
+MAX_FEEDBACK_BATCH = 100  # events per POST /v1/feedback/batch at most
+
+
+def find_bad_value(obj: Any, path: str = "") -> tuple[str, str, str] | None:
+    """The first lone surrogate or non-finite float in a decoded JSON value, depth first.
+
+    Returns:
+        ``(path, kind, description)`` with ``path`` dotted (``messages.0.content``; ``""``
+        for the value itself), ``kind`` ``lone_surrogate`` or ``non_finite``; None if clean.
+    """
+    stack = [(path, obj)]
+    while stack:
+        p, x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return p, "lone_surrogate", f"U+{ord(x[exc.start]):04X} at character {exc.start}"
+        elif isinstance(x, float):
+            if not math.isfinite(x):
+                return p, "non_finite", repr(x)
+        elif isinstance(x, dict):
+            for k in reversed(list(x)):
+                kp = f"{p}.{k}" if p else str(k)
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return (p or "body"), "lone_surrogate", "in a key"
+                stack.append((kp, x[k]))
+        elif isinstance(x, list):
+            for i in reversed(range(len(x))):
+                stack.append((f"{p}.{i}" if p else str(i), x[i]))
+    return None
+
+
+def _no_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not a boolean")
+    return v
+
+
+Num = Annotated[float, BeforeValidator(_no_bool)]
+Int = Annotated[int, BeforeValidator(_no_bool)]
+
+
+class WireModel(BaseModel):
+    """Base of every request body: refuses lone surrogates and non-finite numbers anywhere in
+    the body (extras included), raising pydantic errors of type ``lone_surrogate`` /
+    ``non_finite`` whose ``ctx["field"]`` is the dotted path (the HTTP layer names it)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clean_unicode_and_numbers(cls, data: Any) -> Any:
+        bad = find_bad_value(data)
+        if bad is not None:
+            field, kind, what = bad
+            field = field or "body"
+            if kind == "lone_surrogate":
+                raise PydanticCustomError("lone_surrogate", "{field}: contains a lone UTF-16 surrogate "
+                                          "({what}), which is not valid Unicode", {"field": field, "what": what})
+            raise PydanticCustomError("non_finite", "{field}: must be a finite number, got {what}",
+                                      {"field": field, "what": what})
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -32,21 +108,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Base(WireModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str = Field(..., description="a served version id, or any name (sticky split)")
-    temperature: float | None = Field(None, description="0..2; 0 greedy; default 1")
-    top_p: float | None = Field(None, description="(0, 1]; default 1")
-    top_k: int | None = Field(None, description="-1/0 off, else keep k most likely")
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1,
+    model: str = Field(..., description="the served model name (sticky split between stable and candidate) "
+                                        "or a served version id; anything else is 404 model_not_found")
+    temperature: Num | None = Field(None, description="0..2; 0 greedy; default 1")
+    top_p: Num | None = Field(None, description="(0, 1]; default 1")
+    top_k: Int | None = Field(None, description="-1/0 off, else keep k most likely")
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1,
                              description="int64; with n > 1, choice i is sampled with seed + i")
-    n: int | None = Field(1, description=f"choices, 1..{MAX_N}; each is its own completion (own "
+    n: Int | None = Field(1, description=f"choices, 1..{MAX_N}; each is its own completion (own "
                                          "completion_id, event and feedback target)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(
+        None, max_length=MAX_METADATA_KEYS,
+        description='OpenAI request metadata (str -> str); {"flywheel_split": "train"|"eval"} picks the '
+                    "completion's split (else a stable hash of the prompt with the pod's eval share)")
 
     def check_supported(self) -> None:
         """Raise ServingValidationError for unsupported parameters; log ignored extras."""
@@ -105,31 +186,42 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Base):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(_Base):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1, description="default 16")
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: Int | None = Field(None, ge=1, description="default 16")
+    logprobs: Int | None = Field(None, ge=0, le=20)
 
 
-class FeedbackRequest(BaseModel):
-    """``POST /v1/feedback`` body. ``value``: +1 / -1 for thumbs."""
+class FeedbackRequest(WireModel):
+    """``POST /v1/feedback`` body (docs/sdk.md, "HTTP API").
 
-    model_config = ConfigDict(extra="forbid")
+    ``value``: a finite number, never a boolean; +1 / -1 for ``thumb``. ``name``: what a
+    ``score`` scores (required for ``score``, refused on other kinds). ``metadata``: at most
+    16 str -> str pairs. ``event_id``: the idempotency key (made by serving when absent).
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     completion_id: uuid.UUID
-    value: float
+    value: Num
     event_id: uuid.UUID | None = None
-    kind: Literal["thumb", "edit", "regenerate", "copy"] = "thumb"
+    kind: Literal["thumb", "score", "edit", "regenerate", "copy"] = "thumb"
+    name: str | None = Field(None, pattern=SCORE_NAME_PATTERN)
+    metadata: dict[Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+                   Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]] | None = Field(
+        None, max_length=MAX_METADATA_KEYS)
     comment: str | None = Field(None, max_length=4096)
     user: str | None = Field(None, max_length=256)
 
 
-def error_body(message: str, param: str | None, type_: str = "invalid_request_error",
-               code: str | None = None) -> dict:
-    """The OpenAI error shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+class FeedbackBatchRequest(BaseModel):
+    """``POST /v1/feedback/batch`` body: 1 to 100 events, each a :class:`FeedbackRequest`
+    body, checked one by one (a bad event never refuses the others)."""
+
+    model_config = ConfigDict(extra="forbid")
+    events: list[dict[str, Any]] = Field(..., min_length=1, max_length=MAX_FEEDBACK_BATCH)

@@ -66,7 +66,7 @@ def test_rollout_across_two_real_pods(tmp_path, tiny_moe_dir, fw_home, broker_en
         for a, (_, srv) in zip(admins, pods):
             s = a.slots()
             assert s.stable.version == "v000001" and s.stable.weights_digest == m1.weights_digest
-            r = httpx.post(srv.url + "/v1/completions", json={"model": "x", "prompt": [5, 6, 7], "max_tokens": 2},
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "flywheel", "prompt": [5, 6, 7], "max_tokens": 2},
                            timeout=60)
             assert r.status_code == 200 and r.headers["x-flywheel-model-version"] == "v000001"
 

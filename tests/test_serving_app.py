@@ -68,7 +68,7 @@ def client(pod):
 def test_chat_completion_logs_one_event(pod, client):
     msgs = [{"role": "user", "content": "def add(a, b):"}]
     raw = client.chat.completions.with_raw_response.create(
-        model="anything", messages=msgs, max_tokens=8, temperature=0.7, seed=11, logprobs=True,
+        model="flywheel", messages=msgs, max_tokens=8, temperature=0.7, seed=11, logprobs=True,
         top_logprobs=3, user="alice")
     resp = raw.parse()
     cid = resp.id
@@ -107,8 +107,8 @@ def test_completions_seeded_and_streaming_equal(pod, client):
     assert all(len(d) <= 2 for d in a.choices[0].logprobs.top_logprobs)
     # chat streaming with usage == the same request without streaming (greedy)
     msgs = [{"role": "user", "content": "Complete this Python function."}]
-    full = client.chat.completions.create(model="x", messages=msgs, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model="x", messages=msgs, max_tokens=12, temperature=0,
+    full = client.chat.completions.create(model="flywheel", messages=msgs, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="flywheel", messages=msgs, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -122,7 +122,7 @@ def test_async_client_concurrent_requests_batch(pod):
 
     async def go():
         return await asyncio.gather(*[aclient.completions.create(
-            model="m", prompt=f"def add(a, b): {i}", max_tokens=6, temperature=0) for i in range(8)])
+            model="flywheel", prompt=f"def add(a, b): {i}", max_tokens=6, temperature=0) for i in range(8)])
 
     res = asyncio.run(go())
     ids = {r.id for r in res}
@@ -141,11 +141,11 @@ def test_async_client_concurrent_requests_batch(pod):
 
 
 def test_feedback_publishes_event(pod, client):
-    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    r = client.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     eid = str(uuid.uuid4())
     out = httpx.post(pod["url"] + "/v1/feedback", json={"completion_id": r.id, "value": -1, "event_id": eid,
                                                         "comment": "wrong", "user": "bob"}).json()
-    assert out == {"event_id": eid, "accepted": True}
+    assert out == {"event_id": eid, "accepted": True, "duplicate": False}
     out2 = httpx.post(pod["url"] + "/v1/feedback", json={"completion_id": r.id, "value": 1},
                       headers={"x-flywheel-user": "carol"}).json()
     uuid.UUID(out2["event_id"])
@@ -184,7 +184,7 @@ def test_feedback_errors_name_the_field(pod, body, param, status):
     ({"messages": [{"role": "user", "content": "x " * 2000}]}, "messages", 413),
 ])
 def test_chat_errors_openai_shape(pod, extra, param, status):
-    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body = {"model": "flywheel", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     body.update(extra)
     r = httpx.post(pod["url"] + "/v1/chat/completions", json=body)
     assert r.status_code == status, r.text
@@ -194,18 +194,24 @@ def test_chat_errors_openai_shape(pod, extra, param, status):
 
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], temperature=3)
+        client.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": "hi"}], temperature=3)
     assert ei.value.body["param"] == "temperature"
 
 
 def test_models_health_metrics(pod, client):
-    assert [m.id for m in client.models.list().data] == ["v000000"]
+    assert [m.id for m in client.models.list().data] == ["flywheel", "v000000"]
     h = httpx.get(pod["url"] + "/healthz").json()
     assert h["ok"] and h["stable"] == "v000000" and h["kafka_up"] is True
     m = httpx.get(pod["url"] + "/metrics").text
-    for name in ("flywheel_request_latency_seconds_bucket", "flywheel_ttft_seconds_bucket",
-                 "flywheel_tokens_total", "flywheel_version_requests_total", "flywheel_eventlog_events_total",
-                 "flywheel_engine_queue_depth"):
+    for name in ('flywheel_e2e_request_latency_seconds_bucket{le="0.01",model_name="flywheel",version="v000000"}',
+                 'flywheel_time_to_first_token_seconds_count{model_name="flywheel",version="v000000"}',
+                 'flywheel_generation_tokens_total{model_name="flywheel",version="v000000"}',
+                 'flywheel_prompt_tokens_total{model_name="flywheel",version="v000000"}',
+                 'flywheel_request_success_total{finished_reason="length",model_name="flywheel",version="v000000"}',
+                 'flywheel_num_requests_running{model_name="flywheel"}',
+                 'flywheel_num_requests_waiting{model_name="flywheel"} 0.0',
+                 "flywheel_version_requests_total", "flywheel_eventlog_events_total",
+                 "process_resident_memory_bytes", "process_cpu_seconds_total", "flywheel_swap_pause_seconds"):
         assert name in m, name
     assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="400"}' in m
     assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="413"} 1.0' in m
@@ -219,7 +225,7 @@ def test_64_concurrent_requests_all_have_complete_routes(pod):
 
     async def go():
         return await asyncio.gather(*[aclient.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "fox " * (1 + i % 7)}], max_tokens=1 + i % 5,
+            model="flywheel", messages=[{"role": "user", "content": "fox " * (1 + i % 7)}], max_tokens=1 + i % 5,
             temperature=1.0, seed=i) for i in range(64)])
 
     res = asyncio.run(go())
@@ -242,21 +248,22 @@ def test_api_keys(pod):
     app = create_app(pod["pod"].slots, None, pod="keys", salt="x", api_keys={"k1", "k2"})
     srv = ServerThread(app).start()
     try:
-        body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+        body = {"model": "flywheel", "prompt": "hello", "max_tokens": 2}
         r = httpx.post(srv.url + "/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
         assert httpx.post(srv.url + "/v1/completions", json=body,
-                          headers={"Authorization": "Bearer k3"}).status_code == 403
+                          headers={"Authorization": "Bearer k3"}).status_code == 401  # OpenAI: wrong key is 401
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k2", max_retries=0)
         assert c.completions.create(**body).usage.completion_tokens >= 1
-        with pytest.raises(openai.PermissionDeniedError):
+        with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
     finally:
         srv.stop()
 
 
 def test_stop_string(pod, client):
-    kw = dict(model="m", prompt="the quick brown", max_tokens=12, temperature=0)
+    kw = dict(model="flywheel", prompt="the quick brown", max_tokens=12, temperature=0)
     full = client.completions.create(**kw).choices[0].text
     if len(full) < 6:
         pytest.skip("greedy output too short to cut")
@@ -266,7 +273,7 @@ def test_stop_string(pod, client):
 
 
 def test_stream_disconnect_still_logs_exactly_one_event(pod):
-    body = {"model": "m", "prompt": "hello", "max_tokens": 400, "temperature": 1.0, "seed": 3, "stream": True}
+    body = {"model": "flywheel", "prompt": "hello", "max_tokens": 400, "temperature": 1.0, "seed": 3, "stream": True}
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", pod["url"] + "/v1/completions", json=body) as r:
             cid = r.headers["x-flywheel-completion-id"]
@@ -281,15 +288,15 @@ def test_stream_disconnect_still_logs_exactly_one_event(pod):
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", b"{not json", None),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
      "max_tokens"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs"),
-    ("/v1/completions", {"model": "m", "prompt": [99999]}, "prompt"),
-    ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "top_k": -5}, "top_k"),
+    ("/v1/completions", {"model": "flywheel", "prompt": [99999]}, "prompt"),
+    ("/v1/completions", {"model": "flywheel", "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": "flywheel", "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "flywheel", "prompt": "hi", "top_k": -5}, "top_k"),
 ])
 def test_client_mistakes_are_400(pod, path, body, param):
     if isinstance(body, bytes):
@@ -301,7 +308,7 @@ def test_client_mistakes_are_400(pod, path, body, param):
 
 
 def test_n_choices_are_separate_completions(pod, client):
-    kw = dict(model="m", prompt="the quick brown", max_tokens=6, temperature=1.0, seed=7)
+    kw = dict(model="flywheel", prompt="the quick brown", max_tokens=6, temperature=1.0, seed=7)
     raw = client.completions.with_raw_response.create(n=3, logprobs=0, **kw)
     r = raw.parse()
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -321,7 +328,7 @@ def test_n_choices_are_separate_completions(pod, client):
     assert httpx.post(pod["url"] + "/v1/feedback", json={"completion_id": cids[2], "value": 1}).status_code == 200
     # chat streaming, n=2: per-index text equals the non-streamed n=2 answer
     msgs = [{"role": "user", "content": "def add(a, b):"}]
-    ckw = dict(model="m", messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=2)
+    ckw = dict(model="flywheel", messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=2)
     full = client.chat.completions.create(**ckw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ckw))
     for i in range(2):
@@ -348,7 +355,7 @@ def test_per_version_canary_metrics(tiny_moe_dir):
 
     h = slots.stable.model.register_forward_hook(boom)
     srv = ServerThread(create_app(slots, None, pod="m", salt="x")).start()
-    body = {"model": "m", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+    body = {"model": "flywheel", "prompt": "hello", "max_tokens": 3, "temperature": 0}
     try:
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=30).status_code == 500
         h.remove()
@@ -360,5 +367,5 @@ def test_per_version_canary_metrics(tiny_moe_dir):
     assert 'flywheel_version_errors_total{version="v000000"} 1.0' in m
     assert 'flywheel_version_requests_total{version="v000000"} 2.0' in m  # failed one included
     assert f'flywheel_version_tokens_total{{version="v000000"}} {float(ok["usage"]["completion_tokens"])}' in m
-    assert 'flywheel_version_latency_ms_count{version="v000000"} 1.0' in m
-    assert 'flywheel_version_latency_ms_bucket{le="+Inf",version="v000000"} 1.0' in m
+    assert 'flywheel_version_latency_seconds_count{version="v000000"} 1.0' in m
+    assert 'flywheel_version_latency_seconds_bucket{le="+Inf",version="v000000"} 1.0' in m

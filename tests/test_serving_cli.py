@@ -43,7 +43,7 @@ def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
             raise AssertionError("flywheel serve did not become healthy in 90 s")
         assert (store / "versions" / "v000000" / "manifest.json").exists()  # init_base on empty store
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+        r = c.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
         assert r.model == "v000000"
         recs = [x for x in consume(broker.bootstrap, topics.COMPLETIONS, 1) if x.key == r.id.encode()]
         assert len(recs) == 1 and CompletionEvent.from_bytes(recs[0].value).pod == "cli-pod"

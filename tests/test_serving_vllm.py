@@ -204,7 +204,7 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
         deadline = time.monotonic() + 600
         while True:
             try:
-                assert [m.id for m in client.models.list().data] == ["v000000"]
+                assert [m.id for m in client.models.list().data] == ["flywheel", "v000000"]
                 break
             except openai.APIConnectionError:
                 assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]

@@ -1,0 +1,56 @@
+"""One ``CompletionEvent`` per served completion, on ``flywheel.completions`` (key =
+completion id), and a bounded memory of which version served each recent completion (so a
+thumb vote can be counted per version in ``flywheel_version_votes_total``)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+
+from schemas import topics
+from schemas.events import CompletionEvent, ExpertRoutes, SamplingParams
+from serving.params import GenResult
+
+RECENT_COMPLETIONS = 100_000  # completion ids remembered for per-version vote counts
+
+
+class CompletionLogger:
+    """Builds, validates and emits completion events.
+
+    Args:
+        event_log: a :class:`serving.eventlog.EventLog`, or None (logging off: benchmarks).
+        pod: the pod name written into every event.
+        on_emit: called with ``"completion"`` after each event (metrics).
+    """
+
+    def __init__(self, event_log, pod: str, on_emit=None):
+        self.event_log = event_log
+        self.pod = pod
+        self.on_emit = on_emit
+        self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def emit(self, cid: uuid.UUID, request_id: str, user_hash: str, prompt: list[int], sp: SamplingParams,
+             res: GenResult, created_ms: int, split: str) -> None:
+        """Log choice ``cid``'s completion (``split``: ``train`` or ``eval``)."""
+        routes = ExpertRoutes.from_array(res.expert_routes) if res.expert_routes is not None else None
+        ev = CompletionEvent(
+            completion_id=cid, request_id=request_id, created_at=created_ms, model_version=res.version,
+            pod=self.pod, user_hash=user_hash, prompt_token_ids=prompt,
+            completion_token_ids=res.completion_token_ids, behavior_logprobs=res.behavior_logprobs,
+            sampling=sp, expert_routes=routes, finish_reason=res.finish_reason, ttft_ms=res.ttft_ms,
+            latency_ms=res.latency_ms, split=split)
+        if self.event_log is not None:
+            self.event_log.emit(topics.COMPLETIONS, str(cid), ev.to_bytes())
+        if self.on_emit is not None:
+            self.on_emit("completion")
+        with self._lock:
+            self._recent[str(cid)] = res.version
+            while len(self._recent) > RECENT_COMPLETIONS:
+                self._recent.popitem(last=False)
+
+    def version_of(self, cid: str) -> str:
+        """The version that served ``cid`` (``unknown`` if not among the recent ones)."""
+        with self._lock:
+            return self._recent.get(cid, "unknown")

@@ -1,0 +1,96 @@
+"""From an OpenAI request to what the engine runs: prompt token ids, new-token budget,
+stop-string checks, and back from token ids to text. Knows the tokenizer and the model's
+context length, nothing about HTTP or events."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from serving.params import ServingValidationError
+from serving.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class PromptBuilder:
+    """Tokenization rules of one pod.
+
+    Args:
+        tokenizer: the served model's Hugging Face tokenizer (with a chat template).
+        max_positions: the model's context length in tokens (None: unbounded).
+        max_prompt_tokens: longer prompts are refused with 413 (tokens).
+    """
+
+    def __init__(self, tokenizer, max_positions: int | None, max_prompt_tokens: int = 8192):
+        self.tok = tokenizer
+        self.max_positions = max_positions or 10**9
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template applied to ``messages`` with the generation prompt (``developer``
+        is sent as ``system``)."""
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                for i, m in enumerate(body.messages)]
+        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
+        """``prompt`` as token ids: a string (tokenized, no special tokens), token ids (each
+        in ``[0, vocab)``), or a one-element list of either."""
+        p = body.prompt
+        if isinstance(p, list):
+            if not p:
+                raise ServingValidationError("prompt", p, "must not be empty")
+            if isinstance(p[0], (str, list)):
+                if len(p) != 1:
+                    raise ServingValidationError("prompt", f"{len(p)} prompts", "only one prompt per request")
+                p = p[0]
+        if isinstance(p, str):
+            ids = self.tok(p, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ServingValidationError("prompt", body.prompt, "must not be empty")
+            return list(ids)
+        vocab = len(self.tok)
+        bad = [t for t in p if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
+        if bad:
+            raise ServingValidationError("prompt", bad[:5], f"token ids must be in [0, {vocab})")
+        return list(p)
+
+    def check_len(self, field: str, ids: list[int]) -> None:
+        """413 ``context_length_exceeded`` naming ``field`` when the prompt leaves no room."""
+        limit = min(self.max_prompt_tokens, self.max_positions - 1)
+        if len(ids) > limit:
+            raise ServingValidationError(field, f"{len(ids)} tokens", f"prompt is longer than {limit} tokens",
+                                         status=413, code="context_length_exceeded")
+
+    def budget(self, field: str, prompt: list[int], asked: int | None, default: int) -> int:
+        """New-token budget: an explicit value must fit the context; a default is clamped."""
+        room = self.max_positions - len(prompt)
+        if asked is None:
+            return max(1, min(default, room))
+        if asked > room:
+            raise ServingValidationError(field, asked, f"prompt ({len(prompt)} tokens) + {field} exceeds the "
+                                         f"model context ({self.max_positions} tokens)",
+                                         code="context_length_exceeded")
+        return asked
+
+    def stop_check(self, stops: list[str]) -> Callable[[list[int]], bool] | None:
+        """A check for the engine: True once the decoded tail holds a stop string."""
+        if not stops:
+            return None
+        tok = self.tok
+
+        def check(toks: list[int]) -> bool:
+            text = tok.decode(toks[-64:], skip_special_tokens=True)
+            return any(s in text for s in stops)
+        return check
+
+    def text(self, ids: list[int], stops: list[str]) -> str:
+        """Decoded completion, cut before the first stop string."""
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+    def token_str(self, t: int) -> str:
+        """One token's text (for logprobs)."""
+        return self.tok.decode([t])

@@ -1,0 +1,112 @@
+"""The logic of ``POST /v1/feedback`` and ``POST /v1/feedback/batch`` (docs/sdk.md, "HTTP API").
+
+Each accepted event becomes one ``FeedbackEvent`` on ``flywheel.feedback`` (key =
+completion id). ``event_id`` is the idempotency key: the pod remembers the content of its
+last 100,000 event ids, so a retried event (same id, same content) is answered
+``duplicate: true`` and not published again, and the same id with other content is refused
+409 ``event_id_conflict``. Across pods, the join counts an ``event_id`` once.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import threading
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas import topics
+from schemas.events import FeedbackEvent, hash_user, now_ms
+from serving.http.completion_log import CompletionLogger
+from serving.http.errors import error_body, pydantic_error_param, validation_error_body
+from serving.http.metrics import ServingMetrics
+from serving.params import ServingValidationError
+from serving.protocol import FeedbackRequest
+
+RECENT_EVENT_IDS = 100_000
+
+
+class FeedbackServing:
+    """Feedback intake of one pod.
+
+    Args:
+        event_log: a :class:`serving.eventlog.EventLog`, or None (logging off).
+        completions_log: tells which version served a completion (vote metrics).
+        metrics: the pod's metrics.
+        salt: user-id salt.
+    """
+
+    def __init__(self, event_log, completions_log: CompletionLogger, metrics: ServingMetrics, salt: str):
+        self.event_log = event_log
+        self.completions_log = completions_log
+        self.metrics = metrics
+        self.salt = salt
+        self._seen: collections.OrderedDict[str, str] = collections.OrderedDict()  # event_id -> content digest
+        self._lock = threading.Lock()
+
+    def accept(self, body: FeedbackRequest, user_header: str | None) -> dict:
+        """Publish one event; ``{"event_id", "accepted": True, "duplicate"}``.
+
+        Raises:
+            ServingValidationError: 400 naming the field (the event contract refused it), 409
+                ``event_id_conflict`` (this id was posted with other content).
+        """
+        event_id = body.event_id or uuid.uuid4()
+        uh = hash_user(body.user or user_header or "anonymous", self.salt)
+        try:
+            ev = FeedbackEvent(event_id=event_id, completion_id=body.completion_id, user_hash=uh, kind=body.kind,
+                               value=body.value, comment=body.comment, created_at=now_ms(), name=body.name,
+                               metadata=body.metadata)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            param, msg = pydantic_error_param(e)
+            value = e.get("input")
+            if isinstance(value, dict):  # a model-level check: never echo user_hash
+                value = value.get(param)
+            raise ServingValidationError(param or "body", value, msg.split(": ", 1)[-1]) from None
+        content = ev.model_dump(mode="json", exclude={"event_id", "created_at"})
+        digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+        key = str(event_id)
+        with self._lock:  # held across the emit: one of two concurrent posts of an id publishes
+            seen = self._seen.get(key)
+            if seen is not None:
+                if seen != digest:
+                    raise ServingValidationError("event_id", key, "was already posted with other content",
+                                                 status=409, code="event_id_conflict")
+                return {"event_id": key, "accepted": True, "duplicate": True}
+            if self.event_log is not None:
+                self.event_log.emit(topics.FEEDBACK, str(body.completion_id), ev.to_bytes())
+            self._seen[key] = digest  # only once published: a failed emit can be retried
+            while len(self._seen) > RECENT_EVENT_IDS:
+                self._seen.popitem(last=False)
+        self.metrics.events_accepted.labels(body.kind).inc()
+        if body.kind == "thumb":
+            v = self.completions_log.version_of(str(body.completion_id))
+            self.metrics.version_votes.labels(v, "up" if body.value > 0 else "down").inc()
+        return {"event_id": key, "accepted": True, "duplicate": False}
+
+    def accept_batch(self, events: list[dict[str, Any]], user_header: str | None) -> dict:
+        """Check and publish each event on its own, in order; per-event results.
+
+        Returns:
+            ``{"accepted": int, "rejected": int, "results": [{"index", "status", ...}]}``
+            where ``status`` is what ``POST /v1/feedback`` answers for that event.
+        """
+        results = []
+        for i, raw in enumerate(events):
+            try:
+                try:
+                    body = FeedbackRequest.model_validate(raw)
+                except ValidationError as exc:
+                    param, msg = pydantic_error_param(exc.errors()[0])
+                    results.append({"index": i, "status": 400, "accepted": False, "error": error_body(msg, param)["error"]})
+                    continue
+                results.append({"index": i, "status": 200, **self.accept(body, user_header)})
+            except ServingValidationError as exc:
+                results.append({"index": i, "status": exc.status, "accepted": False,
+                                "error": validation_error_body(exc)["error"]})
+        ok = sum(r["accepted"] for r in results)
+        return {"accepted": ok, "rejected": len(results) - ok, "results": results}

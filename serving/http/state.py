@@ -1,0 +1,41 @@
+"""What the routes reach through ``request.app.state.flywheel``: one object per app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from serving.http.completion_log import CompletionLogger
+from serving.http.metrics import ServingMetrics
+from serving.http.serving_feedback import FeedbackServing
+from serving.http.serving_openai import OpenAIServing
+from serving.slots import Slots
+
+
+@dataclass
+class ServingState:
+    """The pod's parts the HTTP layer uses.
+
+    Attributes:
+        pod: the pod's name.
+        slots: stable/candidate weights over the engine.
+        event_log: the event log, or None (logging off).
+        metrics: the Prometheus registry and its updates.
+        completions_log: completion events and the completion -> version memory.
+        openai: inference endpoints' logic.
+        feedback: feedback endpoints' logic.
+    """
+
+    pod: str
+    slots: Slots
+    event_log: object
+    metrics: ServingMetrics
+    completions_log: CompletionLogger
+    openai: OpenAIServing
+    feedback: FeedbackServing
+
+
+def get_state(request: Request) -> ServingState:
+    """FastAPI dependency: the app's :class:`ServingState`."""
+    return request.app.state.flywheel
