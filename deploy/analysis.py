@@ -135,7 +135,7 @@ class AnalysisConfig:
             fails the step (default 3; Flagger's threshold, Argo's failureLimit).
 
     Reward-hacking guards (from the candidate's and stable's completions):
-        min_guard_completions: completions per arm before the guards are judged (default 20).
+        min_guard_completions: completions per arm before the guards are judged (default 10).
         max_length_ratio: allowed candidate/stable mean completion length (default 1.5).
         max_no_answer_increase: allowed absolute increase of the share of replies with no
             answer (default 0.15).
@@ -152,7 +152,7 @@ class AnalysisConfig:
     max_p99_ratio: float = 1.5
     min_tokens_per_s_ratio: float = 0.67
     failure_limit: int = 3
-    min_guard_completions: int = 20
+    min_guard_completions: int = 10
     max_length_ratio: float = 1.5
     max_no_answer_increase: float = 0.15
     max_truncated_increase: float = 0.15

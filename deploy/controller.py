@@ -28,7 +28,8 @@ from pathlib import Path
 import duckdb
 
 from deploy import ledger
-from deploy.analysis import AnalysisConfig, ArmStats, Check, Outcome, analyze
+from deploy.analysis import AnalysisConfig, ArmStats
+from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, decide_step
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import ModelStore
 from schemas.manifest import version_number
@@ -36,7 +37,6 @@ from schemas.manifest import version_number
 log = logging.getLogger(__name__)
 
 DEFAULT_STEPS = (0.05, 0.25, 0.5, 1.0)
-INCONCLUSIVE_POLICIES = ("hold", "promote_if_not_worse")
 
 
 class RolloutPhase(str, Enum):
@@ -68,6 +68,8 @@ class RolloutStatus:
     last_outcome: str = ""
     last_reason: str = ""
     updated_ms: int = 0
+    failed_checks: dict = field(default_factory=dict)  # failed checks in a row per metric (analysis)
+    decided_by: str | None = None  # what decided the terminal action (deploy.decide)
 
     @classmethod
     def load(cls, path: Path) -> "RolloutStatus":
@@ -95,11 +97,9 @@ class ControllerConfig:
 
     Fields:
         steps: candidate traffic shares, increasing, in (0, 1]; the last must be 1.0.
-        step_deadline_s: a step still inconclusive after this long rolls back (s).
-        max_wait_s: fixed-budget mode: after this long an inconclusive step is decided by
-            ``inconclusive_policy`` (None = off) (s).
-        inconclusive_policy: ``hold`` (keep waiting until the deadline) or
-            ``promote_if_not_worse`` (advance when no metric failed or errored).
+        step_deadline_s: a step still undecided after this long takes ``deadline_outcome`` (s).
+        deadline_outcome: ``rollback`` (default, production) or ``promote``; a step whose
+            data could not be judged (ERROR) rolls back either way.
         analysis: thresholds, incl. ``min_votes`` per arm (counted since the canary started).
         min_votes_per_step: new candidate votes needed within a step before it may advance
             (None = ``analysis.min_votes``); a failing analysis rolls back regardless.
@@ -107,8 +107,7 @@ class ControllerConfig:
 
     steps: tuple[float, ...] = DEFAULT_STEPS
     step_deadline_s: float = 3600.0
-    max_wait_s: float | None = None
-    inconclusive_policy: str = "hold"
+    deadline_outcome: str = "rollback"
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
     min_votes_per_step: int | None = None
 
@@ -128,11 +127,13 @@ class ControllerConfig:
             raise ValueError(f"steps: the last step must be 1.0, got {self.steps[-1]}")
         if self.step_deadline_s <= 0:
             raise ValueError(f"step_deadline_s: must be > 0, got {self.step_deadline_s}")
-        if self.max_wait_s is not None and self.max_wait_s <= 0:
-            raise ValueError(f"max_wait_s: must be > 0, got {self.max_wait_s}")
-        if self.inconclusive_policy not in INCONCLUSIVE_POLICIES:
-            raise ValueError(f"inconclusive_policy: must be one of {INCONCLUSIVE_POLICIES}, "
-                             f"got {self.inconclusive_policy!r}")
+        if self.deadline_outcome not in DEADLINE_OUTCOMES:
+            raise ValueError(f"deadline_outcome: must be one of {DEADLINE_OUTCOMES}, got {self.deadline_outcome!r}")
+
+    def step_policy(self) -> StepPolicy:
+        """The part of this policy :func:`deploy.decide.decide_step` reads."""
+        return StepPolicy(self.steps, self.step_deadline_s, self.deadline_outcome, self.min_votes_per_step,
+                          self.analysis)
 
 
 _END_PHASE = {"PROMOTE": RolloutPhase.PROMOTED, "ROLLBACK": RolloutPhase.ROLLED_BACK,
@@ -169,6 +170,13 @@ def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | Non
             st.stable = e.version  # the version the operator made stable
         if d != "RELOAD" and (e.version == st.candidate or d.startswith("MANUAL_")):
             st.last_outcome, st.last_reason = d, e.reason
+            nums = e.numbers or {}
+            if d == "START":
+                st.failed_checks, st.decided_by = {}, None
+            elif isinstance(nums.get("failed_checks"), dict):
+                st.failed_checks = dict(nums["failed_checks"])
+            if nums.get("decided_by"):
+                st.decided_by = nums["decided_by"]
     return st
 
 
@@ -190,6 +198,17 @@ def current_status(status_path: Path, ledger_path: Path) -> RolloutStatus:
     return cached if st is None else st
 
 
+def _samples_source(con, samples_dir: Path) -> tuple[str, str, bool]:
+    """``(FROM clause, created_at in ms expression, has split column)`` over the sample
+    shards: ``created_at`` is a UTC timestamp in current shards and integer ms in older ones."""
+    glob = str(Path(samples_dir) / "**" / "*.parquet").replace("'", "''")
+    src = f"read_parquet('{glob}', hive_partitioning=true, hive_types_autocast=false, union_by_name=true)"
+    cols = {c[0]: str(c[1]) for c in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+    t = cols.get("created_at", "BIGINT").upper()
+    created = "epoch_ms(created_at)" if t.startswith("TIMESTAMP") else "created_at"
+    return src, created, "split" in cols
+
+
 def vote_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, tuple[int, int, int]]:
     """``{model_version: (votes_up, votes_down, samples)}`` of samples created at or after
     ``since_ms`` (ms), read from the hive-partitioned Parquet shards with DuckDB.
@@ -197,16 +216,62 @@ def vote_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, tuple[int, in
     samples_dir = Path(samples_dir)
     if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
         return {}
-    glob = str(samples_dir / "**" / "*.parquet").replace("'", "''")
     con = duckdb.connect()
     try:
+        src, created, _ = _samples_source(con, samples_dir)
         rows = con.execute(
             f"SELECT CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_down), count(*) "
-            f"FROM read_parquet('{glob}', hive_partitioning=true, hive_types_autocast=false) "
-            f"WHERE created_at >= ? GROUP BY 1", [int(since_ms)]).fetchall()
+            f"FROM {src} WHERE {created} >= ? GROUP BY 1", [int(since_ms)]).fetchall()
     finally:
         con.close()
     return {r[0]: (int(r[1] or 0), int(r[2] or 0), int(r[3])) for r in rows}
+
+
+EMPTY_REPLY_TOKENS = 2  # a reply of at most this many tokens counts as "no answer" for the guard
+
+
+def guard_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, dict[str, int]]:
+    """Reward-hacking guard figures per version of samples created at or after ``since_ms``
+    (ms): ``{model_version: {completions, completion_tokens, no_answer, truncated}}`` with
+    ``no_answer`` = replies of at most ``EMPTY_REPLY_TOKENS`` tokens and ``truncated`` =
+    ``finish_reason == 'length'`` (cut at max_tokens). Returns ``{}`` without shards."""
+    samples_dir = Path(samples_dir)
+    if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
+        return {}
+    con = duckdb.connect()
+    try:
+        src, created, _ = _samples_source(con, samples_dir)
+        rows = con.execute(
+            f"SELECT CAST(model_version AS VARCHAR), count(*), sum(len(completion_token_ids)), "
+            f"sum(CAST(len(completion_token_ids) <= {EMPTY_REPLY_TOKENS} AS INTEGER)), "
+            f"sum(CAST(finish_reason = 'length' AS INTEGER)) FROM {src} WHERE {created} >= ? GROUP BY 1",
+            [int(since_ms)]).fetchall()
+    finally:
+        con.close()
+    return {r[0]: {"completions": int(r[1]), "completion_tokens": int(r[2] or 0), "no_answer": int(r[3] or 0),
+                   "truncated": int(r[4] or 0)} for r in rows}
+
+
+def vote_counts_by_split(samples_dir: Path, since_ms: int = 0) -> dict[str, dict[str, tuple[int, int]]]:
+    """``{split: {model_version: (votes_up, votes)}}`` of samples created at or after
+    ``since_ms`` (ms); shards written before samples had a ``split`` count as ``train``.
+    Returns ``{}`` when there are no shards yet."""
+    samples_dir = Path(samples_dir)
+    if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
+        return {}
+    con = duckdb.connect()
+    try:
+        src, created, has_split = _samples_source(con, samples_dir)
+        split = "coalesce(CAST(split AS VARCHAR), 'train')" if has_split else "'train'"
+        rows = con.execute(
+            f"SELECT {split}, CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_up + votes_down) "
+            f"FROM {src} WHERE {created} >= ? GROUP BY 1, 2", [int(since_ms)]).fetchall()
+    finally:
+        con.close()
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for sp, v, up, n in rows:
+        out.setdefault(sp, {})[v] = (int(up or 0), int(n or 0))
+    return out
 
 
 def write_intent(path: Path, action: str, actor: str, version: str | None = None) -> dict:
@@ -448,23 +513,27 @@ class RolloutController:
         try:
             counts = vote_counts(self.samples_dir, st.canary_started_ms)
             step_counts = vote_counts(self.samples_dir, st.step_started_ms)
+            guards = guard_counts(self.samples_dir, st.canary_started_ms)
         except (duckdb.Error, OSError) as exc:
             return ArmStats(), ArmStats(), 0, f"sample shards unreadable: {exc}", {}
         cu, cd, _ = counts.get(st.candidate, (0, 0, 0))
         su, sd, _ = counts.get(st.stable, (0, 0, 0))
         su_step, sd_step, _ = step_counts.get(st.candidate, (0, 0, 0))
+        gc, gs = guards.get(st.candidate, {}), guards.get(st.stable, {})
+        extra_c, extra_s, skipped = {}, {}, {}
         if self.arm_metrics is not None:
             try:
                 got = self.arm_metrics(st)
                 extra_c, extra_s = got[0], got[1]
                 skipped = dict(got[2]) if len(got) > 2 else {}
-                c = ArmStats(votes_up=cu, votes_down=cd, **extra_c)
-                s = ArmStats(votes_up=su, votes_down=sd, **extra_s)
             except Exception as exc:  # noqa: BLE001 - any failure of the source is an ERROR
                 return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}", {}
-            return c, s, su_step + sd_step, None, skipped
-        return (ArmStats(votes_up=cu, votes_down=cd), ArmStats(votes_up=su, votes_down=sd),
-                su_step + sd_step, None, {})
+        try:
+            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c)
+            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s)
+        except (TypeError, ValueError) as exc:
+            return ArmStats(), ArmStats(), 0, f"bad evidence: {exc}", {}
+        return c, s, su_step + sd_step, None, skipped
 
     def _ensure_loaded(self, st: RolloutStatus) -> None:
         """Re-load the candidate on a pod that lost it (e.g. restarted) and restore the weight;
@@ -478,63 +547,49 @@ class RolloutController:
             self._record(st, "RELOAD", f"pod {a.base_url} had lost candidate {st.candidate}: re-loaded at "
                          f"{st.weight:.0%}", {"pod": a.base_url})
 
+    def evidence(self, st: RolloutStatus) -> Evidence:
+        """Everything :func:`deploy.decide.decide_step` judges, read since the canary started."""
+        c, s, step_votes, err, skipped = self.arm_stats(st)
+        by_split: dict = {}
+        if err is None:
+            try:
+                for split, counts in vote_counts_by_split(self.samples_dir, st.canary_started_ms).items():
+                    by_split[split] = {"candidate": list(counts.get(st.candidate, (0, 0))),
+                                       "stable": list(counts.get(st.stable, (0, 0)))}
+            except (duckdb.Error, OSError) as exc:
+                log.warning("votes by split unreadable: %s", exc)
+        return Evidence(c, s, step_votes, err, skipped, by_split)
+
     def _canary_step(self, st: RolloutStatus) -> RolloutStatus:
-        cfg = self.config
+        """Decide (pure, :func:`deploy.decide.decide_step`), then apply the effects."""
         self._ensure_loaded(st)
-        cand_stats, stable_stats, step_votes, err, skipped = self.arm_stats(st)
-        d = analyze(cand_stats, stable_stats, cfg.analysis, source_error=err, skipped=skipped)
         now = self.clock()
-        waited_s = (now - st.step_started_ms) / 1000.0
-        numbers = {**d.numbers(), "waited_s": waited_s, "step": st.step, "weight": st.weight,
-                   "step_candidate_votes": step_votes, "min_votes_per_step": cfg.min_votes_per_step}
-        outcome, reason = d.outcome, d.reason
-        if outcome == Outcome.PROMOTE and step_votes < cfg.min_votes_per_step:
-            outcome = Outcome.HOLD
-            reason = (f"HOLD (inconclusive): {step_votes} new candidate votes at step {st.step} "
-                      f"({st.weight:.0%}), need {cfg.min_votes_per_step}; analysis so far: {d.reason}")
-        if outcome == Outcome.HOLD:
-            if waited_s >= cfg.step_deadline_s:
-                outcome = Outcome.ROLLBACK
-                reason = f"step deadline {cfg.step_deadline_s:.0f}s exceeded after {waited_s:.0f}s; {reason}"
-            elif cfg.max_wait_s is not None and waited_s >= cfg.max_wait_s:
-                thumbs_ok = all(m.check not in (Check.FAIL, Check.ERROR) for m in d.metrics) and err is None
-                # never promote on empty data: both arms, and this step, must have votes
-                has_data = (cand_stats.votes_up + cand_stats.votes_down > 0
-                            and stable_stats.votes_up + stable_stats.votes_down > 0 and step_votes > 0)
-                if cfg.inconclusive_policy == "promote_if_not_worse" and thumbs_ok and not has_data:
-                    reason = (f"fixed budget: max_wait_s={cfg.max_wait_s:.0f}s reached, but an arm or this "
-                              f"step has no votes: holding (never decide on empty data); {reason}")
-                elif cfg.inconclusive_policy == "promote_if_not_worse" and thumbs_ok:
-                    outcome = Outcome.PROMOTE
-                    reason = (f"fixed budget: max_wait_s={cfg.max_wait_s:.0f}s reached, inconclusive, "
-                              f"policy promote_if_not_worse (no metric failed); {reason}")
-                else:
-                    reason = (f"fixed budget: max_wait_s={cfg.max_wait_s:.0f}s reached, policy "
-                              f"{cfg.inconclusive_policy}: holding; {reason}")
-        if outcome == Outcome.HOLD:
-            if st.last_outcome != "HOLD" or st.last_reason != reason:
-                st.last_outcome, st.last_reason = "HOLD", reason
-                self._record(st, "HOLD", reason, numbers)
+        d = decide_step(st.step, st.step_started_ms, st.failed_checks, self.evidence(st), self.config.step_policy(),
+                        now)
+        st.failed_checks = d.failed_checks
+        numbers = d.numbers
+        if d.action == StepAction.HOLD:
+            if st.last_outcome != "HOLD" or st.last_reason != d.reason:
+                st.last_outcome, st.last_reason = "HOLD", d.reason
+                self._record(st, "HOLD", d.reason, numbers)
             return st
-        if outcome == Outcome.ROLLBACK:
+        if d.action == StepAction.ROLLBACK:
             try:
                 self._each("rollback")
             except ServingAdminError as exc:
                 st.last_outcome, st.last_reason = "HOLD", f"rollback requested but serving failed: {exc}"
                 self._record(st, "HOLD", st.last_reason, numbers)
                 return st
-            st.phase, st.weight = RolloutPhase.ROLLED_BACK, 0.0
-            st.last_outcome, st.last_reason = "ROLLBACK", reason
-            self.store.set_status(st.candidate, "rolled_back", reason)
-            self._record(st, "ROLLBACK", reason, numbers)
+            st.phase, st.weight, st.decided_by = RolloutPhase.ROLLED_BACK, 0.0, d.decided_by
+            st.last_outcome, st.last_reason = "ROLLBACK", d.reason
+            self.store.set_status(st.candidate, "rolled_back", d.reason)
+            self._record(st, "ROLLBACK", d.reason, numbers)
             return st
-        # PROMOTE at this step: advance, or promote at the last one
         try:
-            if st.step + 1 < len(cfg.steps):
-                w = cfg.steps[st.step + 1]
-                self._each("set_weight", w)
-                st.step, st.weight, st.step_started_ms = st.step + 1, w, now
-                st.last_outcome, st.last_reason = "ADVANCE", f"to {w:.0%}: {reason}"
+            if d.action == StepAction.ADVANCE:
+                self._each("set_weight", d.weight)
+                st.step, st.weight, st.step_started_ms = st.step + 1, d.weight, now
+                st.last_outcome, st.last_reason = "ADVANCE", d.reason
                 self._record(st, "ADVANCE", st.last_reason, numbers)
                 return st
             pauses = self._promote_all(st.candidate)
@@ -544,10 +599,10 @@ class RolloutController:
             st.last_outcome, st.last_reason = "HOLD", f"serving refused: {exc}"
             self._record(st, "HOLD", st.last_reason, numbers)
             return st
-        st.phase, st.weight = RolloutPhase.PROMOTED, 0.0
-        st.last_outcome, st.last_reason = "PROMOTE", reason
-        self.store.set_status(st.candidate, "promoted", reason)
-        self._record(st, "PROMOTE", reason, numbers)
+        st.phase, st.weight, st.decided_by = RolloutPhase.PROMOTED, 0.0, d.decided_by
+        st.last_outcome, st.last_reason = "PROMOTE", d.reason
+        self.store.set_status(st.candidate, "promoted", d.reason)
+        self._record(st, "PROMOTE", d.reason, numbers)
         st.stable = st.candidate
         return st
 

@@ -183,7 +183,9 @@ class Clock:
 
 def controller(env, clock, **cfg) -> RolloutController:
     """A fresh controller object each time: state lives only in the persisted record."""
-    analysis = AnalysisConfig(min_votes=cfg.pop("min_votes", 20))
+    # a wide margin (0.5, tau 0.3) so that the few votes a test writes can pass the sequential test
+    analysis = AnalysisConfig(min_votes=cfg.pop("min_votes", 20), delta=cfg.pop("delta", 0.5), tau=0.3,
+                              failure_limit=cfg.pop("failure_limit", 1))
     return RolloutController(env.store, env.admin, env.samples, env.ledger, env.status,
                              ControllerConfig(analysis=analysis, **cfg), bootstrap=env.broker.bootstrap,
                              clock=clock)
@@ -259,9 +261,13 @@ def test_worse_candidate_is_rolled_back(env):
     controller(env, clock).reconcile()
     write_votes(env.samples, "v000001", 8, 32, clock.t + 1)  # 0.20
     write_votes(env.samples, "v000000", 20, 20, clock.t + 1)  # 0.50
+    st = controller(env, clock).reconcile()  # interval [-0.609, +0.009]: not surely worse yet
+    assert st.phase == RolloutPhase.CANARY and st.last_outcome == "HOLD" and "undecided" in st.last_reason
+    write_votes(env.samples, "v000001", 0, 8, clock.t + 1)  # 8/48 vs ...
+    write_votes(env.samples, "v000000", 8, 0, clock.t + 1)  # ... 28/48: upper bound < 0
     st = controller(env, clock).reconcile()
     assert st.phase == RolloutPhase.ROLLED_BACK and st.last_outcome == "ROLLBACK"
-    assert "candidate worse" in st.last_reason
+    assert "candidate surely worse" in st.last_reason and st.decided_by == "sequential_test"
     s = env.admin.slots()
     assert s.candidate is None and s.stable.version == "v000000"
     assert env.store.manifest("v000001").status_history[-1].status == "rolled_back"
@@ -291,39 +297,38 @@ def test_corrupt_candidate_fails_to_load_and_slots_stay(env):
     assert ei.value.status == 409 and "checksum" in ei.value.reason
 
 
-def test_fixed_budget_and_deadline(env):
+def test_deadline_outcome_rollback_by_default_and_promote_when_configured(env):
     publish_v(env.store, "v000000")
     clock = Clock()
-    kw = dict(steps=(0.5, 1.0), max_wait_s=60, step_deadline_s=600)
+    kw = dict(steps=(0.5, 1.0), step_deadline_s=600, delta=0.1)
     controller(env, clock, **kw).reconcile()
-    write_votes(env.samples, "v000001", 3, 2, clock.t + 1)  # too few for the test
-    write_votes(env.samples, "v000000", 2, 3, clock.t + 1)
-    clock.t += 61_000
-    st = controller(env, clock, **kw).reconcile()  # policy hold: recorded as such
-    assert st.last_outcome == "HOLD" and "fixed budget" in st.last_reason and "policy hold" in st.last_reason
-    st = controller(env, clock, inconclusive_policy="promote_if_not_worse", **kw).reconcile()
-    assert st.last_outcome == "ADVANCE" and "promote_if_not_worse" in st.last_reason and st.weight == 1.0
-    clock.t += 601_000  # step 1 stays inconclusive past its deadline: rolled back
+    write_votes(env.samples, "v000001", 12, 13, clock.t + 1)  # 25 votes per arm: undecided at delta 0.1
+    write_votes(env.samples, "v000000", 11, 14, clock.t + 1)
+    clock.t += 599_000
     st = controller(env, clock, **kw).reconcile()
-    assert st.phase == RolloutPhase.ROLLED_BACK and "deadline" in st.last_reason
+    assert st.last_outcome == "HOLD" and "undecided" in st.last_reason
+    clock.t += 2_000
+    st = controller(env, clock, deadline_outcome="promote", **kw).reconcile()
+    assert st.last_outcome == "ADVANCE" and "deadline outcome promote" in st.last_reason and st.weight == 1.0
+    last = ledger.decisions(env.ledger)[-1]
+    assert last.numbers["decided_by"] == "deadline"
+    clock.t += 601_000  # step 1 stays undecided past its deadline: the default rolls back
+    st = controller(env, clock, **kw).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and "deadline outcome rollback" in st.last_reason
+    assert st.decided_by == "deadline" and env.admin.slots().candidate is None
+
+
+def test_deadline_never_promotes_on_empty_data(env):
+    """deadline_outcome=promote still needs min_votes on both arms; else the step rolls back."""
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    kw = dict(steps=(0.5, 1.0), step_deadline_s=60, deadline_outcome="promote")
+    controller(env, clock, **kw).reconcile()
+    write_votes(env.samples, "v000001", 30, 0, clock.t + 1)  # candidate only: stable arm empty
+    clock.t += 61_000
+    st = controller(env, clock, **kw).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and "too few votes" in st.last_reason, st.last_reason
     assert env.admin.slots().candidate is None
-
-
-def test_fixed_budget_never_promotes_on_empty_data(env):
-    """promote_if_not_worse after max_wait_s still needs votes on both arms and this step."""
-    publish_v(env.store, "v000000")
-    clock = Clock()
-    kw = dict(steps=(0.5, 1.0), max_wait_s=60, step_deadline_s=600, inconclusive_policy="promote_if_not_worse")
-    controller(env, clock, **kw).reconcile()
-    clock.t += 61_000
-    st = controller(env, clock, **kw).reconcile()  # no votes at all
-    assert st.last_outcome == "HOLD" and "no votes" in st.last_reason and st.weight == 0.5
-    write_votes(env.samples, "v000001", 1, 0, clock.t + 1)  # candidate only: stable arm still empty
-    st = controller(env, clock, **kw).reconcile()
-    assert st.last_outcome == "HOLD" and "no votes" in st.last_reason and st.weight == 0.5
-    write_votes(env.samples, "v000000", 0, 1, clock.t + 1)
-    st = controller(env, clock, **kw).reconcile()
-    assert st.last_outcome == "ADVANCE" and st.weight == 1.0
 
 
 def test_vote_counts_by_version_since(env):
@@ -406,7 +411,8 @@ def test_two_pods_promote_to_the_same_hashes(env, tmp_path):
     try:
         clock = Clock()
         ctl = lambda: RolloutController(env.store, [env.admin, pod2], env.samples, env.ledger, env.status,
-                                        ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(min_votes=5)),
+                                        ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(
+                                            min_votes=5, delta=0.9, tau=0.3, min_guard_completions=5)),
                                         clock=clock)
         st = ctl().reconcile()
         assert st.phase == RolloutPhase.CANARY
@@ -509,22 +515,22 @@ def test_controller_processes_resume_from_the_persisted_phase(env):
     publish_v(env.store, "v000000")
     cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
            "register(app); app()", "controller", "--once", "--steps", "0.5,1", "--min-votes", "5",
-           "--max-wait-s", "1", "--inconclusive", "promote_if_not_worse"]
+           "--deadline-s", "1", "--deadline-outcome", "promote"]
     envv = dict(os.environ)
     r1 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
     assert r1.returncode == 0, r1.stderr
     assert "phase=canary" in r1.stdout and "step=0" in r1.stdout
-    time.sleep(1.2)  # past max_wait_s: the inconclusive step advances by policy
+    time.sleep(1.2)  # past the step deadline: the undecided step advances by the configured outcome
     now = int(time.time() * 1000)
-    write_votes(env.samples, "v000001", 2, 1, now)  # some votes on both arms, too few to test
-    write_votes(env.samples, "v000000", 1, 1, now)
+    write_votes(env.samples, "v000001", 3, 2, now)  # min_votes on both arms, undecided at delta 0.1
+    write_votes(env.samples, "v000000", 2, 3, now)
     r2 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 0, r2.stderr
     assert "step=1" in r2.stdout and "weight=1.0" in r2.stdout
     decs = [d.decision for d in ledger.decisions(env.ledger)]
     assert decs.count("START") == 1 and "ADVANCE" in decs
     adv = [d for d in ledger.decisions(env.ledger) if d.decision == "ADVANCE"]
-    assert len(adv) == 1 and "fixed budget" in adv[0].reason and "promote_if_not_worse" in adv[0].reason
+    assert len(adv) == 1 and "deadline outcome promote" in adv[0].reason
 
 
 def test_latency_metric_rolls_back_and_a_broken_source_holds(env):
@@ -533,8 +539,8 @@ def test_latency_metric_rolls_back_and_a_broken_source_holds(env):
 
     def ctl(fn):
         return RolloutController(env.store, env.admin, env.samples, env.ledger, env.status,
-                                 ControllerConfig(analysis=AnalysisConfig(min_votes=5)), clock=clock,
-                                 arm_metrics=fn)
+                                 ControllerConfig(analysis=AnalysisConfig(min_votes=5, failure_limit=1)),
+                                 clock=clock, arm_metrics=fn)
 
     ctl(None).reconcile()
     write_votes(env.samples, "v000001", 6, 4, clock.t)
@@ -572,7 +578,8 @@ def test_sigkilled_controller_resumes_from_the_ledger_at_the_same_step(env):
 
     publish_v(env.store, "v000000")
     cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
-           "register(app); app()", "controller", "--steps", "0.5,1", "--min-votes", "5", "--poll-s", "0.3"]
+           "register(app); app()", "controller", "--steps", "0.5,1", "--min-votes", "5", "--delta", "0.9",
+           "--poll-s", "0.3"]
 
     def start():
         return subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -180,8 +180,8 @@ def test_loop_end_to_end(broker, fw_home, tiny_moe_dir, tmp_path):
         assert "mismatch/max" in v1.metrics
 
         controller = Service("controller", cli(
-            "controller", "--serving", url, "--steps", "0.5,1.0", "--min-votes", "2", "--max-wait-s", "20",
-            "--inconclusive-policy", "promote_if_not_worse", "--poll-s", "0.5"), env, logs)
+            "controller", "--serving", url, "--steps", "0.5,1.0", "--min-votes", "2", "--deadline-s", "20",
+            "--deadline-outcome", "promote", "--poll-s", "0.5"), env, logs)
         services.append(controller)
 
         def slots():

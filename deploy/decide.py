@@ -1,0 +1,149 @@
+"""One canary step's decision: a pure function of the persisted rollout state and the evidence.
+
+:func:`decide_step` is the reconcile rule of Flagger's scheduler: it reads the stored phase
+(step, step start, failed-check counts), the evidence (each arm's votes, operational figures
+and guard figures) and the clock, and returns what to do. It performs nothing: the
+controller (:mod:`deploy.controller`) applies the effects (serving weights, loads, ledger
+rows) and persists the new state. It knows nothing of pods, files or Kafka.
+
+Actions: HOLD (keep collecting), ADVANCE (next traffic step), PROMOTE (the candidate
+becomes stable), ROLLBACK (drop the candidate). ``decided_by`` says what decided a
+terminal action: ``sequential_test`` (the thumbs-up test of :mod:`deploy.analysis`),
+``operational`` (error rate, p99 latency, tokens/s), ``guard`` (reward-hacking guards),
+``deadline`` (the step deadline's configured outcome), ``error`` (the data could not be
+judged until the deadline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from deploy.analysis import AnalysisConfig, ArmStats, Outcome, analyze
+
+DEADLINE_OUTCOMES = ("rollback", "promote")
+
+
+class StepAction(str, Enum):
+    """What one reconcile step does to a running canary."""
+
+    HOLD = "HOLD"  # keep the weight, collect more evidence
+    ADVANCE = "ADVANCE"  # move to the next traffic step
+    PROMOTE = "PROMOTE"  # the candidate becomes stable (terminal)
+    ROLLBACK = "ROLLBACK"  # drop the candidate (terminal)
+
+
+@dataclass
+class Evidence:
+    """What the controller observed for one step, since the canary started.
+
+    Fields:
+        candidate, stable: each arm's :class:`deploy.analysis.ArmStats`.
+        step_votes: candidate votes since the current step started (count).
+        source_error: why the evidence could not be read (None: it could).
+        skipped: ``{metric: reason}`` for metrics the sources do not provide.
+        by_split: per-split figures for the ledger and the report, e.g.
+            ``{"eval": {"candidate": [up, n], "stable": [up, n]}, "train": {...}}``.
+    """
+
+    candidate: ArmStats
+    stable: ArmStats
+    step_votes: int = 0
+    source_error: str | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+    by_split: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepPolicy:
+    """The parts of the rollout policy one step needs (see ``ControllerConfig``).
+
+    Fields:
+        steps: candidate traffic shares, increasing; the last is 1.0.
+        step_deadline_s: a step still undecided after this long takes ``deadline_outcome`` (s).
+        deadline_outcome: ``rollback`` (production default) or ``promote``.
+        min_votes_per_step: new candidate votes a step needs before it may advance (count).
+        analysis: thresholds of :func:`deploy.analysis.analyze`.
+    """
+
+    steps: tuple[float, ...]
+    step_deadline_s: float
+    deadline_outcome: str
+    min_votes_per_step: int
+    analysis: AnalysisConfig
+
+
+@dataclass
+class StepDecision:
+    """The decision of :func:`decide_step`.
+
+    Fields:
+        action: :class:`StepAction`.
+        reason: one human line, with the numbers that decided.
+        numbers: JSON-ready figures for the ledger (per metric, the interval, the step).
+        failed_checks: updated failed-checks-in-a-row per operational metric and guard.
+        decided_by: what decided (module docstring); None for a HOLD.
+        weight: the candidate's traffic share after the action (0 when terminal).
+    """
+
+    action: StepAction
+    reason: str
+    numbers: dict
+    failed_checks: dict[str, int]
+    decided_by: str | None
+    weight: float
+
+
+def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], ev: Evidence,
+                policy: StepPolicy, now_ms: int) -> StepDecision:
+    """Decide one reconcile step of a canary at traffic step ``step`` (index into
+    ``policy.steps``) that started at ``step_started_ms`` (ms).
+
+    Rules: the analysis (:func:`deploy.analysis.analyze`) decides ROLLBACK at once; its
+    PROMOTE advances only once the step has ``min_votes_per_step`` new candidate votes, and
+    at the last step promotes; an undecided step past ``step_deadline_s`` takes
+    ``deadline_outcome`` (a step whose data could not be judged, or with fewer than
+    ``min_votes`` votes on an arm, rolls back: never promoted on empty data).
+
+    Returns:
+        :class:`StepDecision`. Pure: same inputs, same decision.
+    """
+    d = analyze(ev.candidate, ev.stable, policy.analysis, source_error=ev.source_error, skipped=ev.skipped,
+                failed_checks=failed_checks)
+    waited_s = (now_ms - step_started_ms) / 1000.0
+    weight = policy.steps[step]
+    numbers = {**d.numbers(), "waited_s": waited_s, "step": step, "weight": weight,
+               "step_candidate_votes": ev.step_votes, "min_votes_per_step": policy.min_votes_per_step,
+               "failed_checks": d.failed_checks, "by_split": ev.by_split}
+
+    def out(action: StepAction, reason: str, by: str | None, w: float) -> StepDecision:
+        numbers["decided_by"] = by
+        return StepDecision(action, reason, numbers, d.failed_checks, by, w)
+
+    if d.outcome == Outcome.ROLLBACK:
+        return out(StepAction.ROLLBACK, d.reason, d.decided_by, 0.0)
+    if d.outcome == Outcome.PROMOTE and ev.step_votes >= policy.min_votes_per_step:
+        if step + 1 < len(policy.steps):
+            nxt = policy.steps[step + 1]
+            return out(StepAction.ADVANCE, f"to {nxt:.0%}: {d.reason}", d.decided_by, nxt)
+        return out(StepAction.PROMOTE, d.reason, d.decided_by, 0.0)
+    reason = d.reason
+    if d.outcome == Outcome.PROMOTE:
+        reason = (f"HOLD (inconclusive): {ev.step_votes} new candidate votes at step {step} ({weight:.0%}), "
+                  f"need {policy.min_votes_per_step}; analysis so far: {d.reason}")
+    if waited_s < policy.step_deadline_s:
+        return out(StepAction.HOLD, reason, None, weight)
+    why = f"step deadline {policy.step_deadline_s:.0f}s reached after {waited_s:.0f}s undecided"
+    if d.error:
+        return out(StepAction.ROLLBACK, f"{why}, data not judgeable: rolled back; {reason}", "error", 0.0)
+    too_few = min(ev.candidate.votes, ev.stable.votes) < policy.analysis.min_votes
+    if policy.deadline_outcome == "promote" and too_few:
+        return out(StepAction.ROLLBACK, f"{why}, deadline outcome promote but too few votes to promote "
+                   f"(candidate {ev.candidate.votes}, stable {ev.stable.votes}, need {policy.analysis.min_votes} "
+                   f"per arm): rolled back; {reason}", "deadline", 0.0)
+    if policy.deadline_outcome == "promote":
+        if step + 1 < len(policy.steps):
+            nxt = policy.steps[step + 1]
+            return out(StepAction.ADVANCE, f"{why}, deadline outcome promote: to {nxt:.0%}; {reason}", "deadline", nxt)
+        return out(StepAction.PROMOTE, f"{why}, deadline outcome promote; {reason}", "deadline", 0.0)
+    return out(StepAction.ROLLBACK, f"{why}, deadline outcome rollback; {reason}", "deadline", 0.0)
