@@ -27,6 +27,7 @@ from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.controller import (DEADLINE_OUTCOMES, ControllerConfig, RolloutController, RolloutPhase,
                                RolloutStatus, current_status, read_intent, write_intent)
+from deploy.discovery import PodDiscovery
 from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdmin, ServingAdminError,
                                    check_timeout, timeout_from_env)
@@ -300,7 +301,8 @@ def register(app: typer.Typer) -> None:
     @app.command("controller")
     def controller_cmd(
         serving: Optional[list[str]] = typer.Option(
-            None, help="serving base URL, repeat for several pods (default $FLYWHEEL_SERVING_URL)"),
+            None, help="serving base URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
+                       "(asked again before each step); repeat for several (default $FLYWHEEL_SERVING_URL)"),
         once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, then exit"),
         steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated"),
         min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
@@ -326,9 +328,17 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             _fail(str(exc))
         timeout_s = _timeout(serving_timeout_s)
-        admins = [_admin(u, timeout_s) for u in serving] if serving else [_admin(None, timeout_s)]
+        pods = PodDiscovery(serving or [settings.serving_url()], lambda u: _admin(u, timeout_s))
+        try:
+            admins = pods()
+        except ValueError as exc:
+            _fail(str(exc))
+        except ServingAdminError as exc:  # no ready pod yet: the controller asks again each step
+            logging.getLogger(__name__).warning("%s", exc)
+            admins = []
         ctl = RolloutController(_store(), admins, settings.samples_dir(),
-                                settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap())
+                                settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap(),
+                                discover=pods if pods.dynamic else None)
         if once:
             try:
                 st = ctl.run_once()
