@@ -6,12 +6,12 @@ the difference between now and a baseline taken when the canary started):
 * requests per version: ``flywheel_version_requests_total{version}`` (completions served).
 * errors per version: ``flywheel_requests_total{version, status}`` with status >= 500, or
   ``flywheel_version_errors_total{version}``; then requests come from the same family.
-* p99 latency (ms): histogram ``flywheel_version_latency_ms{version, le}`` (or
-  ``flywheel_request_latency_seconds`` / ``flywheel_version_latency_seconds``), quantile by linear interpolation inside the bucket
+* p99 latency (reported in ms): histogram ``flywheel_version_latency_seconds{version, le}``
+  (engine time; a pod of an older release exports ``flywheel_version_latency_ms``), quantile by linear interpolation inside the bucket
   (Prometheus ``histogram_quantile``) over the bucket counts observed since the baseline.
 * tokens/s: ``flywheel_decode_tokens_per_second{version}`` histogram mean (sum / count) since
   the baseline, else ``flywheel_version_tokens_total{version}`` over the summed seconds of
-  ``flywheel_version_latency_ms{version}``.
+  ``flywheel_version_latency_seconds{version}`` (or ``_ms``).
 
 A family without a ``version`` label cannot tell the arms apart: that metric is SKIPPED with
 the reason naming what serving would have to export. Too few requests
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -36,9 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 REQUESTS = "flywheel_version_requests"
 HTTP_REQUESTS = "flywheel_requests"
 ERRORS = "flywheel_version_errors"
-LATENCY = ("flywheel_version_latency_ms", "flywheel_request_latency_seconds", "flywheel_version_latency_seconds")
+LATENCY = ("flywheel_version_latency_seconds", "flywheel_version_latency_ms")  # seconds; ms from older pods
 VERSION_TOKENS = "flywheel_version_tokens"
-VERSION_LATENCY_MS = "flywheel_version_latency_ms"
 TOKENS_PER_S = "flywheel_decode_tokens_per_second"
 
 # Flat sample map: (sample name, sorted label items) -> value
@@ -151,11 +151,12 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
         # completions observed since the baseline: includes requests routed before it and
         # finished after it (not in the request counter's delta), so it gates p99 and tokens/s
         fields["latency_samples"] = int(max((c for le, c in buckets if math.isinf(le)), default=0.0))
+    lat_sum = next((n for n in LATENCY if _has_version_label(d, n + "_sum")), None)
     if (not _has_version_label(d, TOKENS_PER_S + "_count") and _has_version_label(d, VERSION_TOKENS + "_total")
-            and _has_version_label(d, VERSION_LATENCY_MS + "_sum")):
-        # serving's per-version counters: generated tokens / summed end-to-end seconds
+            and lat_sum is not None):
+        # serving's per-version counters: generated tokens / summed engine seconds
         toks = _by_version(d, VERSION_TOKENS + "_total").get(version, 0.0)
-        secs = _by_version(d, VERSION_LATENCY_MS + "_sum").get(version, 0.0) / 1000.0
+        secs = _by_version(d, lat_sum + "_sum").get(version, 0.0) / (1000.0 if lat_sum.endswith("_ms") else 1.0)
         fields["tokens_per_s"] = toks / secs if secs > 0 else None
     elif not _has_version_label(d, TOKENS_PER_S + "_count"):
         skipped["tokens_per_s"] = f"serving exports no per-version tokens/s ({TOKENS_PER_S} with a version label)"
@@ -216,3 +217,250 @@ class ServingMetricsSource:
         c, skipped = arm_metrics(d, st.candidate)
         s, _ = arm_metrics(d, st.stable)
         return c, s, skipped
+
+
+# -- the same figures from a Prometheus server (PromQL) ---------------------------------------
+
+class PrometheusQueryError(RuntimeError):
+    """A PromQL query failed: Prometheus unreachable, or it answered an error (the message
+    names the query and Prometheus's ``errorType: error``)."""
+
+
+class PrometheusMetricsSource:
+    """``arm_metrics`` callable that asks a Prometheus server instead of scraping the pods
+    (the ``prometheus`` metric provider, as Flagger's and Argo Rollouts' are).
+
+    Per version, over the window from the canary's start to now (``[Ns]``, N whole seconds):
+
+    * requests / errors: ``sum by (version) (increase(flywheel_version_requests_total[N]))``
+      and the same of ``flywheel_version_errors_total`` (rounded to whole requests);
+    * p99 (ms): ``histogram_quantile(0.99, sum by (version, le) (increase(LAT_bucket[N])))``
+      with ``LAT`` = ``flywheel_version_latency_seconds`` (or ``flywheel_version_latency_ms``);
+      ``latency_samples`` from ``increase(LAT_count[N])``;
+    * tokens/s: ``increase(flywheel_version_tokens_total[N]) / increase(LAT_sum[N])``.
+
+    ``increase`` handles counter resets (a restarted pod) and extrapolates to the window's
+    ends, so counts are approximate (ratios, the error rate and the quantile are not biased by
+    it); it counts from a series' first sample, so a version's series must exist before its
+    first request (serving exports ``flywheel_version_errors_total`` at 0 on first routing).
+    No baseline file is needed: the window starts at ``st.canary_started_ms``.
+
+    Args:
+        url: Prometheus base URL (``http://prometheus:9090``).
+        selector: extra label matchers for every series, e.g. ``job="flywheel-serving"``
+            (PromQL syntax, without braces; empty: every series of these names).
+        timeout_s: per query (s).
+        clock: returns now in ms since epoch (the window's end).
+
+    Raises (from ``__call__``):
+        PrometheusQueryError: a query failed (the controller records ERROR and holds).
+    """
+
+    def __init__(self, url: str, selector: str = "", timeout_s: float = 10.0, clock=None):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url: must start with http:// or https://, got {url!r}")
+        if "{" in selector or "}" in selector:
+            raise ValueError(f"selector: label matchers without braces, e.g. job=\"flywheel-serving\"; got {selector!r}")
+        self.url = url.rstrip("/")
+        self.selector = selector.strip()
+        self.timeout_s = timeout_s
+        self.clock = clock or (lambda: int(time.time() * 1000))
+
+    def query(self, promql: str) -> list[tuple[dict, float]]:
+        """Run an instant query; returns ``[(labels, value)]`` of the vector result (NaN
+        values included)."""
+        import httpx
+
+        try:
+            r = httpx.get(self.url + "/api/v1/query", params={"query": promql}, timeout=self.timeout_s)
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise PrometheusQueryError(f"{self.url}: {type(exc).__name__}: {exc} (query {promql})") from exc
+        if body.get("status") != "success":
+            raise PrometheusQueryError(f"{self.url}: {body.get('errorType')}: {body.get('error')} (query {promql})")
+        data = body["data"]
+        if data.get("resultType") != "vector":
+            raise PrometheusQueryError(f"{self.url}: expected a vector, got {data.get('resultType')} (query {promql})")
+        return [(res["metric"], float(res["value"][1])) for res in data["result"]]
+
+    def _sel(self, name: str) -> str:
+        return f"{name}{{{self.selector}}}" if self.selector else name
+
+    def _by_version(self, promql: str) -> dict[str, float]:
+        return {lab.get("version", ""): v for lab, v in self.query(promql) if "version" in lab}
+
+    def window(self, st) -> str:
+        """The PromQL range of the canary ``st`` so far, e.g. ``[125s]``."""
+        return f"[{max(math.ceil((self.clock() - st.canary_started_ms) / 1000.0), 1)}s]"
+
+    def mark(self, st) -> None:
+        """Nothing to do: the window starts at the canary's start."""
+
+    def arm_fields(self, st) -> tuple[dict[str, dict], dict[str, str]]:
+        """``({version: ArmStats fields}, {metric: skip reason})`` for both arms of ``st``."""
+        w = self.window(st)
+        inc = lambda name: f"sum by (version) (increase({self._sel(name)}{w}))"  # noqa: E731
+        req = self._by_version(inc(REQUESTS + "_total"))
+        err = self._by_version(inc(ERRORS + "_total"))
+        lat, p99, n_lat, lat_s = None, {}, {}, {}
+        for name in LATENCY:
+            n_lat = self._by_version(inc(name + "_count"))
+            if n_lat:
+                lat = name
+                p99 = self._by_version(f"histogram_quantile(0.99, sum by (version, le) "
+                                       f"(increase({self._sel(name + '_bucket')}{w})))")
+                lat_s = self._by_version(inc(name + "_sum"))
+                break
+        toks = self._by_version(inc(VERSION_TOKENS + "_total")) if lat else {}
+        skipped: dict[str, str] = {}
+        if lat is None:
+            skipped["p99_latency"] = (f"Prometheus has no per-version latency histogram ({LATENCY[0]} or "
+                                      f"{LATENCY[1]}) with {self.selector or 'any labels'} in the last {w}")
+            skipped["tokens_per_s"] = skipped["p99_latency"]
+        to_ms = 1.0 if lat and lat.endswith("_ms") else 1000.0
+        out: dict[str, dict] = {}
+        for v in (st.candidate, st.stable):
+            n = int(round(req.get(v, 0.0)))
+            f: dict = {"requests": n, "errors": min(int(round(err.get(v, 0.0))), n)}
+            if lat:
+                q = p99.get(v)
+                f["p99_ms"] = q * to_ms if q is not None and math.isfinite(q) else None
+                f["latency_samples"] = int(round(n_lat.get(v, 0.0)))
+                secs = lat_s.get(v, 0.0) * to_ms / 1000.0
+                f["tokens_per_s"] = toks.get(v, 0.0) / secs if secs > 0 else None
+            out[v] = f
+        return out, skipped
+
+    def __call__(self, st) -> tuple[dict, dict, dict[str, str]]:
+        fields, skipped = self.arm_fields(st)
+        return fields[st.candidate], fields[st.stable], skipped
+
+
+def metric_provider(kind: str, admins=None, baseline_path: Path | None = None, prometheus_url: str | None = None,
+                    selector: str = ""):
+    """The controller's canary metric provider by name.
+
+    ``scrape`` (the embedded default): :class:`ServingMetricsSource` over ``admins`` with its
+    baseline in ``baseline_path``; ``prometheus``: :class:`PrometheusMetricsSource` on
+    ``prometheus_url`` with ``selector``.
+
+    Raises:
+        ValueError: unknown ``kind``, or ``prometheus`` without a URL (names the field).
+    """
+    if kind == "scrape":
+        return ServingMetricsSource(admins or [], baseline_path)
+    if kind == "prometheus":
+        if not prometheus_url:
+            raise ValueError("prometheus_url: required by the prometheus metric provider")
+        return PrometheusMetricsSource(prometheus_url, selector)
+    raise ValueError(f"metrics provider: must be 'scrape' or 'prometheus', got {kind!r}")
+
+
+# -- what the controller itself exports ---------------------------------------------------------
+
+DECISIONS = ("START", "ADVANCE", "HOLD", "PROMOTE", "ROLLBACK", "FAILED", "ABORT", "RELOAD")
+
+
+class ControllerMetrics:
+    """The rollout controller's own Prometheus metrics (``flywheel controller --metrics-port``).
+
+    * ``flywheel_canary_phase{phase}``: 1 for the current :class:`deploy.controller.RolloutPhase`.
+    * ``flywheel_canary_step`` (index, -1 without a canary), ``flywheel_canary_weight`` (0..1),
+      ``flywheel_canary_info{candidate, stable}`` (1), ``flywheel_canary_started_timestamp_seconds``,
+      ``flywheel_canary_step_started_timestamp_seconds`` (unix s),
+      ``flywheel_canary_step_deadline_seconds`` (the policy's step deadline).
+    * From the last analysis (the ledger row's numbers), per ``arm`` (``candidate``, ``stable``):
+      ``flywheel_canary_votes{arm, vote}``, ``flywheel_canary_thumbs_up_rate{arm}``,
+      ``flywheel_canary_error_rate{arm}``, ``flywheel_canary_p99_latency_seconds{arm}``,
+      ``flywheel_canary_tokens_per_second{arm}``; ``flywheel_canary_thumbs_up_diff_bound{bound}``
+      (the always-valid interval of rate(candidate) - rate(stable), ``lower``/``upper``);
+      ``flywheel_canary_check{metric, check}``: 1 for each metric's current check.
+    * ``flywheel_controller_decisions_total{decision}`` (:data:`DECISIONS` and the manual ones),
+      ``flywheel_controller_reconcile_errors_total``,
+      ``flywheel_controller_last_reconcile_timestamp_seconds`` (last step that succeeded).
+    """
+
+    def __init__(self, config=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = r = CollectorRegistry()
+        self.phase = Gauge("flywheel_canary_phase", "1 for the rollout's current phase", ["phase"], registry=r)
+        self.step = Gauge("flywheel_canary_step", "canary step index (-1: no canary)", registry=r)
+        self.weight = Gauge("flywheel_canary_weight", "candidate's traffic share (0..1)", registry=r)
+        self.info = Gauge("flywheel_canary_info", "candidate and stable version of the rollout", ["candidate", "stable"],
+                          registry=r)
+        self.started = Gauge("flywheel_canary_started_timestamp_seconds", "canary start (unix s)", registry=r)
+        self.step_started = Gauge("flywheel_canary_step_started_timestamp_seconds", "current step's start (unix s)",
+                                  registry=r)
+        self.deadline = Gauge("flywheel_canary_step_deadline_seconds", "an undecided step rolls back after this (s)",
+                              registry=r)
+        self.votes = Gauge("flywheel_canary_votes", "thumb votes since the canary started", ["arm", "vote"], registry=r)
+        self.thumbs = Gauge("flywheel_canary_thumbs_up_rate", "thumbs-up share of the votes", ["arm"], registry=r)
+        self.diff_bound = Gauge("flywheel_canary_thumbs_up_diff_bound", "always-valid interval of the thumbs-up "
+                                "difference candidate - stable", ["bound"], registry=r)
+        self.errors = Gauge("flywheel_canary_error_rate", "server-side error share of requests", ["arm"], registry=r)
+        self.p99 = Gauge("flywheel_canary_p99_latency_seconds", "p99 engine latency", ["arm"], registry=r)
+        self.tps = Gauge("flywheel_canary_tokens_per_second", "generated tokens per engine second", ["arm"], registry=r)
+        self.check = Gauge("flywheel_canary_check", "1 for each analysis metric's current check", ["metric", "check"],
+                           registry=r)
+        self.decisions = Counter("flywheel_controller_decisions", "ledger decisions by outcome", ["decision"],
+                                 registry=r)
+        for d in DECISIONS:
+            self.decisions.labels(d)
+        self.errors_total = Counter("flywheel_controller_reconcile_errors", "reconcile steps that raised", registry=r)
+        self.last_ok = Gauge("flywheel_controller_last_reconcile_timestamp_seconds", "last reconcile step that "
+                             "succeeded (unix s)", registry=r)
+        if config is not None:
+            self.deadline.set(config.step_deadline_s)
+        self.step.set(-1)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (prometheus_client)."""
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def status(self, st) -> None:
+        """The persisted status ``st`` after a successful reconcile step."""
+        for p in type(st.phase):
+            self.phase.labels(p.value).set(1.0 if p == st.phase else 0.0)
+        in_canary = st.phase.value == "canary"
+        self.step.set(st.step if in_canary else -1)
+        self.weight.set(st.weight if in_canary else 0.0)
+        self.info.clear()
+        if st.candidate:
+            self.info.labels(st.candidate, st.stable or "").set(1)
+        self.started.set(st.canary_started_ms / 1000.0)
+        self.step_started.set(st.step_started_ms / 1000.0)
+        self.last_ok.set(time.time())
+
+    def reconcile_failed(self) -> None:
+        self.errors_total.inc()
+
+    def decision(self, decision: str, st, numbers: dict) -> None:
+        """One ledger decision and its analysis ``numbers`` (``Decision.numbers()`` plus the
+        controller's fields; metrics absent from it keep their last value)."""
+        self.decisions.labels(decision).inc()
+        checks = {k: v["check"] for k, v in numbers.items() if isinstance(v, dict) and "check" in v}
+        if checks:
+            self.check.clear()
+            for metric, chk in checks.items():
+                self.check.labels(metric, chk).set(1)
+        t = numbers.get("thumbs_up") or {}
+        for arm in ("candidate", "stable"):
+            if f"{arm}_votes" in t:
+                up = t.get(f"{arm}_up", 0)
+                self.votes.labels(arm, "up").set(up)
+                self.votes.labels(arm, "down").set(t[f"{arm}_votes"] - up)
+            _set(self.thumbs.labels(arm), t.get(f"{arm}_rate"))
+            _set(self.errors.labels(arm), (numbers.get("error_rate") or {}).get(f"{arm}_rate"))
+            p99_ms = (numbers.get("p99_latency") or {}).get(arm)
+            _set(self.p99.labels(arm), None if p99_ms is None else p99_ms / 1000.0)
+            _set(self.tps.labels(arm), (numbers.get("tokens_per_s") or {}).get(arm))
+        _set(self.diff_bound.labels("lower"), t.get("ci_lo"))
+        _set(self.diff_bound.labels("upper"), t.get("ci_hi"))
+
+
+def _set(gauge, v) -> None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        gauge.set(v)

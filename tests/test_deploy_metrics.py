@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from deploy import ledger
 from deploy.controller import RolloutPhase
 from deploy.metrics import arm_metrics, delta, histogram_quantile, merge, parse
+from serving.http.metrics import VERSION_LAT_BUCKETS
 from tests.test_deploy_controller import Clock, controller, env, publish_v, write_votes  # noqa: F401
 
 LAT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # serving's buckets
@@ -23,7 +24,7 @@ class PerVersionServing:
         self.r = r = CollectorRegistry()
         v = ["version"] if per_version else []
         self.requests = Counter("flywheel_requests", "HTTP requests", ["endpoint", "status", *v], registry=r)
-        self.latency = Histogram("flywheel_request_latency_seconds", "latency", ["endpoint", *v],
+        self.latency = Histogram("flywheel_version_latency_seconds", "engine latency", v,
                                  buckets=LAT_BUCKETS, registry=r)
         self.tps = Histogram("flywheel_decode_tokens_per_second", "tokens/s", v,
                              buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
@@ -35,7 +36,7 @@ class PerVersionServing:
             lab = {"version": version} if self.per_version else {}
             self.requests.labels(endpoint="/v1/chat/completions", status=status, **lab).inc()
             if status == "200":
-                self.latency.labels(endpoint="/v1/chat/completions", **lab).observe(latency_s)
+                (self.latency.labels(**lab) if lab else self.latency).observe(latency_s)
                 (self.tps.labels(**lab) if lab else self.tps).observe(tokens_per_s)
                 self.version_requests.labels(version).inc()
 
@@ -130,7 +131,7 @@ def test_unreachable_metrics_hold_as_error(env):
 
 
 def test_serving_per_version_families_give_error_rate_p99_and_tokens_per_s():
-    """The names serving/app.py exports: version_errors, version_latency_ms, version_tokens."""
+    """A pod of an older release: version_errors, version_latency_ms (ms), version_tokens."""
     from deploy.metrics import arm_metrics, delta, parse
 
     def text(n_req, n_err, buckets, lat_sum_ms, toks):
@@ -164,16 +165,16 @@ def test_requests_in_flight_at_the_baseline_gate_latency_by_observations():
 
     r = CollectorRegistry()
     req = Counter("flywheel_version_requests", "routed", ["version"], registry=r)
-    lat = Histogram("flywheel_version_latency_ms", "engine ms", ["version"],
-                    buckets=tuple(round(10 * 1.25 ** i, 1) for i in range(50)), registry=r)
+    lat = Histogram("flywheel_version_latency_seconds", "engine s", ["version"],
+                    buckets=VERSION_LAT_BUCKETS, registry=r)  # serving's family
     tok = Counter("flywheel_version_tokens", "generated", ["version"], registry=r)
     req.labels("v000002").inc(3)  # routed to the candidate, still running ...
     req.labels("v000001").inc(1)
     base = parse(generate_latest(r).decode())  # ... when the canary takes its baseline
     for _ in range(3):
-        lat.labels("v000002").observe(24_000.0)
+        lat.labels("v000002").observe(24.0)
         tok.labels("v000002").inc(64)
-    lat.labels("v000001").observe(10_000.0)
+    lat.labels("v000001").observe(10.0)
     tok.labels("v000001").inc(64)
     d = delta(parse(generate_latest(r).decode()), base)
     c, _ = arm_metrics(d, "v000002")
