@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -82,12 +83,21 @@ def quiet_third_party(verbose: bool) -> None:
 
 
 @app.callback()
-def _root(verbose: bool = typer.Option(False, "-v", "--verbose",
+def _root(ctx: typer.Context,
+          verbose: bool = typer.Option(False, "-v", "--verbose",
                                        help="Show INFO logs of kafka-python, aiokafka and httpx."),
           _version: Optional[bool] = typer.Option(None, "--version", callback=_version_callback, is_eager=True,
-                                                  help="Print the version and exit.")) -> None:
+                                                  help="Print the version and exit."),
+          config: Optional[Path] = typer.Option(
+              None, "--config", envvar="FLYWHEEL_CONFIG", dir_okay=False,
+              help="flywheel.toml: paths, [kafka] and one table of options per command (schemas/config.py); "
+                   "a flag or an environment variable overrides it.")) -> None:
     """Flywheel: keep a production MoE model learning from its users."""
     quiet_third_party(verbose)
+    if config is not None and not ctx.resilient_parsing:
+        from schemas.config import configure_cli
+
+        configure_cli(ctx, config)
 
 
 def _command_name(info) -> str:
