@@ -54,7 +54,8 @@ class DemoConfig:
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
     canary_min_votes: int = 6
-    canary_max_wait_s: float = 120.0
+    canary_delta: float = 0.2  # non-inferiority margin of the sequential test (rate units)
+    canary_max_wait_s: float = 120.0  # the step deadline (s); an undecided step is rolled back
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
 
@@ -67,6 +68,16 @@ class DemoConfig:
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
+
+
+def _canary_interval(decision: dict | None) -> dict | None:
+    """The sequential test's always-valid interval of rate(candidate) - rate(stable) at the
+    final decision (from the ledger row's numbers), or None."""
+    t = ((decision or {}).get("numbers") or {}).get("thumbs_up") or {}
+    if "ci_lo" not in t:
+        return None
+    return {"diff": t["diff"], "lo": t["ci_lo"], "hi": t["ci_hi"], "alpha": t.get("alpha"), "delta": t.get("delta"),
+            "candidate": [t["candidate_up"], t["candidate_votes"]], "stable": [t["stable_up"], t["stable_votes"]]}
 
 
 class Proc:
@@ -187,8 +198,8 @@ class Demo:
                                                  "--orphan-ttl-s", "120"), env)
         self.controller = self._start("controller", _cli(
             "controller", "--serving", self.url, "--steps", cfg.canary_steps,
-            "--min-votes", str(cfg.canary_min_votes), "--max-wait-s", str(cfg.canary_max_wait_s),
-            "--inconclusive", "promote_if_not_worse", "--poll-s", "1"), env)
+            "--min-votes", str(cfg.canary_min_votes), "--delta", str(cfg.canary_delta),
+            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "1"), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
 
@@ -373,8 +384,13 @@ class Demo:
         while time.monotonic() < deadline:
             decision = ledger.final_decision(version)
             if decision is not None:
-                self.log(f"controller decided [bold]{decision['decision']}[/bold] for {version}: "
-                         f"{decision['reason']}")
+                by = (decision.get("numbers") or {}).get("decided_by")
+                if by == "deadline":
+                    self.log(f"[yellow]canary of {version} was INCONCLUSIVE: the sequential test did not decide "
+                             f"before the step deadline, so it was {decision['decision']} by the deadline "
+                             f"policy, not promoted[/yellow]")
+                self.log(f"controller decided [bold]{decision['decision']}[/bold] for {version} "
+                         f"(decided by {by}): {decision['reason']}")
                 return decision
             self._check_alive()
             self.traffic(f"canary {version} #{n}", max(self.cfg.concurrency, self.cfg.prompts_per_phase // 2))
@@ -404,6 +420,8 @@ class Demo:
                 "mismatch_mean": metrics.get("mismatch/mean"), "mismatch_max": metrics.get("mismatch/max"),
                 "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.kind == "delta" and m.size_bytes else None,
                 "swap_pause_ms": (d or {}).get("numbers", {}).get("swap_pause_ms") if d else None,
+                "decided_by": (d.get("numbers") or {}).get("decided_by") if d else None,
+                "canary_interval": _canary_interval(d),
                 "train_samples": metrics.get("samples"),
             })
         ids = rep.event_ids_in_samples(self.samples_dir)

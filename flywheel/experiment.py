@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from deploy.stats import newcombe_interval, two_proportion_z, wilson_interval
+
 
 @dataclass
 class ExperimentConfig:
@@ -96,34 +98,21 @@ class ExperimentConfig:
 
 # ------------------------------------------------------------------ statistics
 def wilson(up: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval (Wilson 1927); ``(0, 1)`` for n = 0."""
-    from flywheel.report import wilson_interval
-
+    """Wilson score interval (Wilson 1927): :func:`deploy.stats.wilson_interval`."""
     return wilson_interval(up, n, z)
 
 
 def newcombe_diff(up1: int, n1: int, up2: int, n2: int) -> tuple[float, float, float]:
-    """``p2 - p1`` and its 95 % Newcombe hybrid-score interval (Newcombe 1998, method 10).
-
-    Returns ``(diff, lo, hi)``. Raises ValueError for n1 or n2 <= 0.
-    """
-    if n1 <= 0 or n2 <= 0:
-        raise ValueError(f"n1, n2: must be > 0, got {n1}, {n2}")
-    p1, p2 = up1 / n1, up2 / n2
-    l1, u1 = wilson(up1, n1)
-    l2, u2 = wilson(up2, n2)
-    d = p2 - p1
-    return d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+    """``p2 - p1`` and its 95 % Newcombe interval: :func:`deploy.stats.newcombe_interval`."""
+    return newcombe_interval(up1, n1, up2, n2)
 
 
 def one_sided_z(up1: int, n1: int, up2: int, n2: int) -> tuple[float, float]:
-    """Pooled two-proportion z-test of ``p2 > p1``: ``(z, one-sided p-value)``."""
-    p = (up1 + up2) / (n1 + n2)
-    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
-    if se == 0:
-        return 0.0, 0.5
-    z = (up2 / n2 - up1 / n1) / se
-    return z, 0.5 * math.erfc(z / math.sqrt(2))
+    """Pooled two-proportion z-test of ``p2 > p1``: ``(z, one-sided p-value)`` with
+    ``z = (p2 - p1) / se`` (:func:`deploy.stats.two_proportion_z` tests H1 p1 < p2 as
+    ``z' = (p1 - p2) / se = -z`` with the same p-value ``Phi(z')``)."""
+    z, pv = two_proportion_z(up1, n1, up2, n2)
+    return -z, pv
 
 
 def cluster_bootstrap_diff(first: dict[int, list[bool]], last: dict[int, list[bool]], n_boot: int = 2000,

@@ -10,19 +10,7 @@ import math
 from pathlib import Path
 
 
-def wilson_interval(up: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (Wilson 1927), 95 % by default.
-
-    Returns ``(lo, hi)``; ``(0.0, 1.0)`` when ``n == 0``.
-    """
-    if n <= 0:
-        return (0.0, 1.0)
-    p = up / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
+from deploy.stats import wilson_interval  # noqa: E402,F401 (the one implementation; re-exported)
 
 def samples_by_version(samples_dir: Path) -> dict[str, dict]:
     """Per producing version: samples, votes up/down (ingest's ``votes_by_version`` view)."""

@@ -20,7 +20,7 @@ def test_newcombe_matches_the_paper():
     d, lo, hi = newcombe_diff(48, 80, 56, 70)
     assert d == pytest.approx(0.2)
     assert (round(lo, 4), round(hi, 4)) == (0.0524, 0.3339)
-    with pytest.raises(ValueError, match="n1, n2"):
+    with pytest.raises(ValueError, match="both arms need n > 0"):
         newcombe_diff(0, 0, 1, 2)
 
 
