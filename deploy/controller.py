@@ -345,6 +345,9 @@ class RolloutController:
 
             arm_metrics = ServingMetricsSource(self.admins, self.status_path.with_name("metrics_baseline.json"))
         self.arm_metrics = arm_metrics or None
+        from deploy.metrics import ControllerMetrics
+
+        self.exported = ControllerMetrics(self.config)  # Prometheus (flywheel controller --metrics-port)
 
     @property
     def status(self) -> RolloutStatus:
@@ -358,6 +361,7 @@ class RolloutController:
             decision=decision, reason=reason, numbers=numbers or {}, actor=actor,
             ts=self.clock()), self.bootstrap)
         log.info("%s %s: %s", decision, version or st.candidate, reason)
+        self.exported.decision(decision, st, numbers or {})
 
     def next_candidate(self, stable: str) -> str | None:
         """Newest published version newer than ``stable`` that was never rejected, rolled
@@ -418,6 +422,7 @@ class RolloutController:
                 write_intent(self.intent_path, intent["action"], intent["actor"], intent.get("version"))
             raise
         st.save(self.status_path)
+        self.exported.status(st)
         return st
 
     def _abort(self, st: RolloutStatus, intent: dict) -> RolloutStatus:
@@ -624,7 +629,9 @@ class RolloutController:
             try:
                 self.reconcile()
             except ServingAdminError as exc:
+                self.exported.reconcile_failed()
                 log.warning("reconcile: %s", exc)
             except Exception:  # noqa: BLE001 - the controller must outlive one bad step
+                self.exported.reconcile_failed()
                 log.exception("reconcile failed")
             time.sleep(poll_s)

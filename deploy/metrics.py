@@ -1,4 +1,12 @@
-"""Per-version serving metrics for the canary analysis, read from serving's ``/metrics``.
+"""Canary metrics: per-version serving figures for the analysis, and the controller's own exports.
+
+Two metric providers give the analysis the same fields (``errors``, ``requests``, ``p99_ms``,
+``tokens_per_s``, ``latency_samples`` per version), chosen by :func:`metric_provider`:
+``scrape`` (:class:`ServingMetricsSource`, the embedded default: the controller reads every
+pod's ``/metrics`` itself) and ``prometheus`` (:class:`PrometheusMetricsSource`: PromQL on the
+team's Prometheus). :class:`ControllerMetrics` is what ``flywheel controller`` exports.
+
+The ``scrape`` provider, from serving's ``/metrics``:
 
 What is read (Prometheus text, summed over pods; counters are cumulative, so each figure is
 the difference between now and a baseline taken when the canary started):

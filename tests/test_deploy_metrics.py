@@ -83,8 +83,8 @@ def test_current_serving_shape_skips_with_reasons_and_thumbs_decide(env):
     s.serve("v000000", 30, 0.2)
     s.serve("v000001", 30, 3.0)  # slow, but serving cannot say which version was slow
     env.app.state.metrics_text = s.text()
-    write_votes(env.samples, "v000001", 6, 4, clock.t)
-    write_votes(env.samples, "v000000", 6, 4, clock.t)
+    write_votes(env.samples, "v000001", 30, 10, clock.t)
+    write_votes(env.samples, "v000000", 30, 10, clock.t)
     clock.t += 1000
     st = controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
     assert st.last_outcome == "ADVANCE", st.last_reason
@@ -182,7 +182,7 @@ def test_requests_in_flight_at_the_baseline_gate_latency_by_observations():
     assert (c["requests"], s["requests"]) == (0, 0)  # nothing routed since the baseline
     assert (c["latency_samples"], s["latency_samples"]) == (3, 1)  # but 3 and 1 finished
     assert c["tokens_per_s"] == pytest.approx(3 * 64 / 72.0)  # 192 tokens over 72 s
-    cfg = AnalysisConfig(min_votes=2, min_requests=20)
+    cfg = AnalysisConfig(min_votes=2, min_requests=20, failure_limit=1)
     dec = analyze(ArmStats(**c), ArmStats(**s), cfg)
     m = {x.name: x for x in dec.metrics}
     assert m["p99_latency"].check == Check.INCONCLUSIVE and "3 vs 1 completions, need 20" in m["p99_latency"].reason
