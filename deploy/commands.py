@@ -317,6 +317,14 @@ def register(app: typer.Typer) -> None:
         deadline_outcome: str = typer.Option("rollback", help=f"one of {DEADLINE_OUTCOMES}"),
         poll_s: float = typer.Option(5.0, help="seconds between reconcile steps"),
         serving_timeout_s: Optional[float] = _timeout_opt(),
+        metrics_port: int = typer.Option(0, min=0, max=65535, help="serve the controller's Prometheus /metrics "
+                                         "on this port (0 = off)"),
+        metrics_provider: str = typer.Option("scrape", help="canary metrics from 'scrape' (every pod's /metrics, "
+                                             "the default) or 'prometheus' (PromQL on --prometheus-url)"),
+        prometheus_url: Optional[str] = typer.Option(None, envvar="FLYWHEEL_PROMETHEUS_URL",
+                                                     help="Prometheus base URL for --metrics-provider prometheus"),
+        prometheus_selector: str = typer.Option("", help="label matchers added to every PromQL series, e.g. "
+                                                "job=\"flywheel-serving\""),
     ) -> None:
         """Canary each newly published version: load, step traffic, analyze, promote or roll back."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -336,9 +344,20 @@ def register(app: typer.Typer) -> None:
         except ServingAdminError as exc:  # no ready pod yet: the controller asks again each step
             logging.getLogger(__name__).warning("%s", exc)
             admins = []
+        arm_metrics = None  # the controller's default: the scrape provider over the pods
+        if metrics_provider != "scrape":
+            from deploy.metrics import metric_provider
+
+            try:
+                arm_metrics = metric_provider(metrics_provider, prometheus_url=prometheus_url,
+                                              selector=prometheus_selector)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--metrics-provider/--prometheus-url") from exc
         ctl = RolloutController(_store(), admins, settings.samples_dir(),
                                 settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap(),
-                                discover=pods if pods.dynamic else None)
+                                discover=pods if pods.dynamic else None, arm_metrics=arm_metrics)
+        if metrics_port:
+            ctl.exported.serve(metrics_port)
         if once:
             try:
                 st = ctl.run_once()
