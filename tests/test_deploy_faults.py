@@ -1,0 +1,265 @@
+"""A wedged or failing pod (issue 11, defect 5): every call to a pod is bounded by one
+configurable timeout named in the error; a wedged pod costs one timeout per action; every
+traffic action is in the ledger whether it succeeded or failed, with who and why; a
+transport failure (timeout, refused connection, 5xx) never marks a version failed.
+
+The pods are real HTTP servers on their own ports: the admin app of
+``test_deploy_controller`` (a real model store behind it) with a fault switch per path that
+either never answers or answers 500, and a bare TCP server that accepts and never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import Counter
+
+import pytest
+import typer
+import uvicorn
+from fastapi.responses import JSONResponse
+from typer.testing import CliRunner
+
+from deploy import ledger
+from deploy.commands import register
+from deploy.serving_client import TIMEOUT_ENV, ServingAdmin, ServingAdminError, timeout_from_env
+from deploy.store import ModelStore
+from flywheel.broker import free_port
+from tests.test_deploy_controller import TOKEN, make_admin_app, publish_v
+
+T = 1.0  # the timeout these tests run under (s)
+
+
+class FaultyPod:
+    """A real admin server whose paths can be made to hang (never answer) or answer 500."""
+
+    def __init__(self, store: ModelStore):
+        self.app = make_admin_app(store)
+        self.faults: dict[str, str] = {}
+        self.calls: Counter = Counter()
+        self.release = threading.Event()
+
+        @self.app.middleware("http")
+        async def inject(request, call_next):
+            path = request.url.path
+            self.calls[path] += 1
+            fault = self.faults.get(path) or self.faults.get("*")
+            if fault == "hang":
+                while not self.release.is_set():
+                    await asyncio.sleep(0.05)
+                return JSONResponse({"detail": "released"}, status_code=503)
+            if fault == "500":
+                return JSONResponse({"error": {"message": "internal error: OutOfMemoryError"}}, status_code=500)
+            return await call_next(request)
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.release.set()
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class SilentTCP:
+    """Accepts connections, reads, never answers."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture()
+def env(tmp_path, tiny_moe_dir, fw_home, monkeypatch):
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    publish_v(store, "v000000")
+    pods = [FaultyPod(store), FaultyPod(ModelStore(store.root))]
+    monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    monkeypatch.setenv("FLYWHEEL_STORE", str(store.root))
+    monkeypatch.setenv("FLYWHEEL_SAMPLES", str(tmp_path / "samples"))
+    monkeypatch.setenv("FLYWHEEL_SERVING_URL", pods[0].url)
+    monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("USER", "oncall-erin")
+    ns = type("Env", (), {})()
+    ns.store, ns.pods, ns.ledger = store, pods, fw_home / "ledger.duckdb"
+    app = typer.Typer()
+    register(app)
+
+    def cli(*args):
+        t0 = time.monotonic()
+        r = CliRunner().invoke(app, list(args))
+        return r, time.monotonic() - t0, " ".join(r.output.split())
+
+    ns.cli = cli
+    yield ns
+    for p in pods:
+        p.stop()
+
+
+def _last(env):
+    return ledger.decisions(env.ledger)[-1]
+
+
+def test_client_timeout_is_bounded_configurable_and_named(monkeypatch):
+    silent = SilentTCP()
+    try:
+        for timeout_s, how in ((T, "arg"), (0.5, "env")):
+            if how == "env":
+                monkeypatch.setenv(TIMEOUT_ENV, str(timeout_s))
+                admin = ServingAdmin(silent.url)
+            else:
+                admin = ServingAdmin(silent.url, timeout_s=timeout_s)
+            assert admin.timeout_s == timeout_s
+            t0 = time.monotonic()
+            with pytest.raises(ServingAdminError) as ei:
+                admin.slots()
+            took = time.monotonic() - t0
+            assert timeout_s <= took < timeout_s + 0.9, took
+            e = ei.value
+            assert (e.kind, e.status, e.transport, e.timeout_s) == ("timeout", 0, True, timeout_s)
+            assert f"no answer within {timeout_s:g} s" in str(e)
+            assert "--serving-timeout-s" in str(e) and TIMEOUT_ENV in str(e)
+            admin.close()
+    finally:
+        silent.close()
+    refused = ServingAdmin(f"http://127.0.0.1:{free_port()}", timeout_s=T)
+    with pytest.raises(ServingAdminError) as ei:
+        refused.slots()
+    assert (ei.value.kind, ei.value.transport) == ("unreachable", True)
+    for bad in ("0", "-3", "nan", "inf", "soon"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=TIMEOUT_ENV):
+            timeout_from_env()
+    monkeypatch.delenv(TIMEOUT_ENV)
+    assert timeout_from_env() == 120.0
+
+
+def test_500_is_a_server_failure_and_409_a_refusal(env):
+    pod = env.pods[0]
+    admin = ServingAdmin(pod.url, TOKEN, timeout_s=T)
+    pod.faults["/admin/load"] = "500"
+    with pytest.raises(ServingAdminError) as ei:
+        admin.load("v000001")
+    assert (ei.value.status, ei.value.kind, ei.value.transport) == (500, "server", True)
+    assert "OutOfMemoryError" in str(ei.value)
+    pod.faults.clear()
+    with pytest.raises(ServingAdminError) as ei:
+        admin.load("v000009")  # not in the store: the pod answered and refused
+    assert (ei.value.status, ei.value.kind, ei.value.transport) == (404, "refused", False)
+    admin.close()
+
+
+@pytest.mark.parametrize("fault", ["hang", "500"])
+def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(env, fault):
+    """Pod 2's /admin/load never answers (or answers 500): one timeout in all, no clean-up
+    call to pod 2, pod 1 (which had loaded it) drops the candidate, the version is not
+    marked failed, and the next reconcile, with the pod healthy, starts the canary."""
+    healthy, bad = env.pods
+    bad.faults["/admin/load"] = fault
+    r, took, out = env.cli("controller", "--once", "--serving", healthy.url, "--serving", bad.url,
+                           "--serving-timeout-s", str(T), "--steps", "0.5,1")
+    assert r.exit_code == 0, r.output
+    assert "phase=failed" in out and "is not marked failed" in out, out
+    assert took < 2 * T + 1.5, took  # one timeout; a clean-up call to the same pod would add another
+    assert bad.calls["/admin/load"] == 1 and bad.calls["/admin/rollback"] == 0
+    assert healthy.calls["/admin/load"] == 1 and healthy.calls["/admin/rollback"] == 1
+    assert env.store.manifest("v000001").status_history[-1].status == "published"
+    last = _last(env)
+    assert (last.decision, last.version) == ("FAILED", "v000001")
+    assert last.numbers["failure"] == {"hang": "timeout", "500": "server"}[fault]
+    assert last.numbers["transport"] is True and last.numbers["pod"] == bad.url and last.numbers["timeout_s"] == T
+    if fault == "hang":
+        assert f"no answer within {T:g} s" in last.reason and TIMEOUT_ENV in last.reason
+    else:
+        assert "HTTP 500" in last.reason
+    # the same failure again is not recorded twice
+    env.cli("controller", "--once", "--serving", healthy.url, "--serving", bad.url, "--serving-timeout-s", str(T))
+    assert [d.decision for d in ledger.decisions(env.ledger)] == ["FAILED"]
+    bad.faults.clear()
+    bad.release.set()
+    r, _, out = env.cli("controller", "--once", "--serving", healthy.url, "--serving", bad.url,
+                        "--serving-timeout-s", str(T), "--steps", "0.5,1")
+    assert r.exit_code == 0 and "phase=canary" in out, out
+    assert ServingAdmin(bad.url, TOKEN).slots().candidate.version == "v000001"
+
+
+def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, monkeypatch):
+    pod = env.pods[0]
+    # rollback --to on a pod whose /admin/rollback never answers: one timeout, named
+    pod.faults["/admin/rollback"] = "hang"
+    r, took, out = env.cli("rollback", "--to", "v000000", "--yes", "--serving-timeout-s", str(T),
+                           "--actor", "frank", "--reason", "v1 breaks JSON mode")
+    assert r.exit_code == 2 and f"no answer within {T:g} s" in out and "--serving-timeout-s" in out, out
+    assert took < 2 * T + 1.5, took
+    last = _last(env)
+    assert (last.decision, last.version, last.actor) == ("MANUAL_ROLLBACK_FAILED", "v000000", "frank")
+    assert "v1 breaks JSON mode" in last.reason and last.numbers["why"] == "v1 breaks JSON mode"
+    assert (last.numbers["failure"], last.numbers["transport"], last.numbers["timeout_s"]) == ("timeout", True, T)
+    # a pod that answers nothing at all: the first read times out, once; the timeout from the env
+    pod.faults["*"] = "hang"
+    pod.calls.clear()
+    monkeypatch.setenv(TIMEOUT_ENV, str(T))
+    r, took, out = env.cli("rollback", "--yes")
+    assert r.exit_code == 2 and TIMEOUT_ENV in out and took < 2 * T + 1.5, (took, out)
+    assert pod.calls["/admin/slots"] == 1 and _last(env).decision == "MANUAL_ROLLBACK_FAILED"
+    assert _last(env).actor == "oncall-erin"  # $USER when no --actor
+    r, took, out = env.cli("status", "--json")  # status: the same bound, exit 1, serving_error named
+    assert r.exit_code == 1 and took < 2 * T + 3 and TIMEOUT_ENV in out
+    # promote on a pod that answers 500: recorded with the HTTP status; stable record unchanged
+    pod.faults.clear()
+    pod.release.set()
+    monkeypatch.delenv(TIMEOUT_ENV)
+    ServingAdmin(pod.url, TOKEN).load("v000001")
+    pod.faults["/admin/promote"] = "500"
+    r, _, out = env.cli("promote", "--yes", "--reason", "looks good")
+    assert r.exit_code == 2 and "HTTP 500" in out
+    last = _last(env)
+    assert (last.decision, last.version, last.numbers["http_status"], last.numbers["failure"]) == (
+        "MANUAL_PROMOTE_FAILED", "v000001", 500, "server")
+    assert env.store.stable() == "v000000"
+    assert env.store.manifest("v000001").status_history[-1].status == "published"
+    pod.faults.clear()
+    r, _, out = env.cli("promote", "--yes", "--reason", "looks good")
+    assert r.exit_code == 0 and env.store.stable() == "v000001"
+    last = _last(env)
+    assert (last.decision, last.actor, last.numbers["why"]) == ("MANUAL_PROMOTE", "oncall-erin", "looks good")
+    # refused before any call: recorded as failed too, with the reason
+    r, _, out = env.cli("promote", "--yes")
+    assert r.exit_code == 2 and _last(env).decision == "MANUAL_PROMOTE_FAILED" and "no candidate" in _last(env).reason
+    r, _, out = env.cli("canary", "start", "v000042", "--yes", "--actor", "gina")
+    assert r.exit_code == 2 and (_last(env).decision, _last(env).actor) == ("MANUAL_CANARY_START_FAILED", "gina")
+    r, _, out = env.cli("canary", "abort", "--yes")
+    assert r.exit_code == 2 and _last(env).decision == "MANUAL_CANARY_ABORT_FAILED"
+    r, _, out = env.cli("canary", "start", "v000001", "--yes", "--reason", "retry after fix")
+    assert r.exit_code == 0 and _last(env).decision == "MANUAL_CANARY_START"
+    assert _last(env).numbers["why"] == "retry after fix"
+    r, _, out = env.cli("rollback", "--yes", "--serving-timeout-s", "0")
+    assert r.exit_code == 2 and "--serving-timeout-s" in out
