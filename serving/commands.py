@@ -57,6 +57,9 @@ class Pod:
     event_log: object
 
     def close(self) -> None:
+        st = getattr(getattr(self.app, "state", None), "flywheel", None)
+        if st is not None:
+            st.completions_log.close()  # events still being built go to the event log first
         if self.event_log is not None:
             self.event_log.close()
         self.engine.close()

@@ -34,7 +34,7 @@ from serving.http.completion_log import CompletionLogger
 from serving.http.errors import json_response
 from serving.http.metrics import ServingMetrics
 from serving.http.prompts import PromptBuilder
-from serving.params import GenRequest, GenResult, ServingValidationError
+from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.slots import Slots
 
@@ -187,12 +187,12 @@ class OpenAIServing:
         metrics.version_errors.labels(lm.version)  # export 0 errors, not "no data", for this version
         try:
             for i in range(n):
-                def on_token(t: int, lp: float, i=i) -> None:
-                    loop.call_soon_threadsafe(q.put_nowait, (i, t, lp))
+                def on_step(out: StepOutput, i=i) -> None:
+                    loop.call_soon_threadsafe(q.put_nowait, (i, out, None))
 
                 greqs.append(GenRequest(prompt_token_ids=prompt, sampling=sps[i], model=lm,
                                         stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
-                                        on_token=on_token if stream else None,
+                                        on_step=on_step if stream else None,
                                         stop_check=self.prompts.stop_check(stops)))
                 futs.append(engine.submit(greqs[-1]))  # raises 429 here, before anything is logged
         except ServingValidationError as exc:
@@ -215,7 +215,7 @@ class OpenAIServing:
                 raise
             finally:
                 self.inflight -= 1
-            self.log.emit(cids[i], request_id, uh, prompt, sps[i], res, created_ms, split)
+            self.log.submit(cids[i], request_id, uh, prompt, sps[i], res, created_ms, split)  # built off the loop
             metrics.observe(res, len(prompt))
             if q is not None:
                 q.put_nowait((i, None, res))  # after every token of choice i (same loop, FIFO)
@@ -244,9 +244,24 @@ class OpenAIServing:
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        want_lp = bool(body.logprobs) if chat else body.logprobs is not None
+        lp_toks: list[list[tuple[int, float, list]]] = [[] for _ in range(n)]  # not yet sent, per choice
+        lp_off = [0] * n  # text offset of choice i's next token (completions' text_offset)
+
+        def take_logprobs(i: int) -> dict | None:
+            """The streamed chunk's ``logprobs``: the tokens since choice i's previous chunk."""
+            if not want_lp or not lp_toks[i]:
+                return None
+            steps, lp_toks[i] = lp_toks[i], []
+            if chat:
+                return wire.chat_logprobs_of(steps, self.prompts.token_str)
+            out, lp_off[i] = wire.completion_logprobs_of(steps, self.prompts.token_str, lp_off[i])
+            return out
+
         def chunk(i: int, delta_text: str | None, finish_reason: str | None, first: bool = False) -> str:
             return wire.sse(wire.chunk(rid, created, lm.version, i, str(cids[i]), delta_text, finish_reason,
-                                       chat=chat, first=first, include_usage=include_usage))
+                                       chat=chat, first=first, include_usage=include_usage,
+                                       logprobs=None if first else take_logprobs(i)))
 
         async def sse():
             try:
@@ -258,8 +273,8 @@ class OpenAIServing:
                 results: list[GenResult | None] = [None] * n
                 left = n
                 while left:
-                    i, t, x = await q.get()
-                    if t is None:  # choice i ended: x is its GenResult or its exception
+                    i, step, x = await q.get()
+                    if step is None:  # choice i ended: x is its GenResult or its exception
                         left -= 1
                         if isinstance(x, BaseException):
                             yield wire.sse({"error": {"message": f"internal error: {type(x).__name__}",
@@ -272,7 +287,10 @@ class OpenAIServing:
                             yield chunk(i, text[len(sent[i]):], None)
                         yield chunk(i, None if chat else "", wire.wire_finish(x.finish_reason))
                         continue
-                    toks[i].append(t)
+                    toks[i] += step.token_ids
+                    if want_lp:
+                        tops = step.top_logprobs or [[] for _ in step.token_ids]
+                        lp_toks[i] += zip(step.token_ids, step.logprobs, tops)
                     text = self.prompts.text(toks[i], stops)
                     if text.endswith("\ufffd"):
                         continue  # incomplete UTF-8 sequence: wait for the next token

@@ -19,28 +19,45 @@ def wire_finish(fr: str) -> str:
     return "stop" if fr == "abort" else fr
 
 
-def chat_logprobs(res: GenResult, tokstr: TokenStr) -> dict:
-    """``choices[i].logprobs`` of a chat completion (raw behavior logprobs)."""
+def _steps(res: GenResult) -> list[tuple[int, float, list]]:
+    tops = res.top_logprobs or [[] for _ in res.completion_token_ids]
+    return list(zip(res.completion_token_ids, res.behavior_logprobs, tops))
+
+
+def chat_logprobs_of(steps: list[tuple[int, float, list]], tokstr: TokenStr) -> dict:
+    """Chat ``logprobs`` of tokens ``[(token id, raw logprob, [(top id, logprob), ...]), ...]``
+    (a whole completion, or one streamed chunk's tokens)."""
     content = []
-    for j, (t, lp) in enumerate(zip(res.completion_token_ids, res.behavior_logprobs)):
+    for t, lp, top in steps:
         s = tokstr(t)
-        tops = [{"token": tokstr(a), "logprob": b, "bytes": list(tokstr(a).encode())}
-                for a, b in (res.top_logprobs[j] if res.top_logprobs else [])]
+        tops = [{"token": tokstr(a), "logprob": b, "bytes": list(tokstr(a).encode())} for a, b in top]
         content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": tops})
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(res: GenResult, tokstr: TokenStr) -> dict:
-    """``choices[i].logprobs`` of a text completion (raw behavior logprobs)."""
-    tokens, offs, off = [], [], 0
-    for t in res.completion_token_ids:
+def completion_logprobs_of(steps: list[tuple[int, float, list]], tokstr: TokenStr, offset: int = 0
+                           ) -> tuple[dict, int]:
+    """Text-completion ``logprobs`` of ``steps`` (as :func:`chat_logprobs_of`) whose first
+    token starts at text offset ``offset``; returns it and the offset after the last token."""
+    tokens, offs, off = [], [], offset
+    for t, _lp, _top in steps:
         s = tokstr(t)
         tokens.append(s)
         offs.append(off)
         off += len(s)
-    tops = [{tokstr(a): b for a, b in step} for step in res.top_logprobs] if res.top_logprobs else None
-    return {"tokens": tokens, "token_logprobs": list(res.behavior_logprobs), "top_logprobs": tops,
-            "text_offset": offs}
+    tops = [{tokstr(a): b for a, b in top} for _t, _lp, top in steps] if any(top for *_x, top in steps) else None
+    return {"tokens": tokens, "token_logprobs": [lp for _t, lp, _top in steps], "top_logprobs": tops,
+            "text_offset": offs}, off
+
+
+def chat_logprobs(res: GenResult, tokstr: TokenStr) -> dict:
+    """``choices[i].logprobs`` of a chat completion (raw behavior logprobs)."""
+    return chat_logprobs_of(_steps(res), tokstr)
+
+
+def completion_logprobs(res: GenResult, tokstr: TokenStr) -> dict:
+    """``choices[i].logprobs`` of a text completion (raw behavior logprobs)."""
+    return completion_logprobs_of(_steps(res), tokstr)[0]
 
 
 def usage(prompt_len: int, results: list[GenResult]) -> dict:
@@ -65,18 +82,20 @@ def response(rid: str, created: int, model: str, choices: list[dict], usage_: di
 
 
 def chunk(rid: str, created: int, model: str, i: int, cid: str, delta_text: str | None,
-          finish_reason: str | None, *, chat: bool, first: bool = False, include_usage: bool = False) -> dict:
+          finish_reason: str | None, *, chat: bool, first: bool = False, include_usage: bool = False,
+          logprobs: dict | None = None) -> dict:
     """One streamed chunk for choice ``i``: a text delta and/or its finish reason; the first
-    chat chunk of a choice carries ``role``."""
+    chat chunk of a choice carries ``role``; ``logprobs`` (when the request asked for them)
+    covers the tokens since the choice's previous chunk."""
     if chat:
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if delta_text is not None:
             delta["content"] = delta_text
-        ch = {"index": i, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        ch = {"index": i, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
     else:
-        ch = {"index": i, "text": delta_text or "", "finish_reason": finish_reason, "logprobs": None}
+        ch = {"index": i, "text": delta_text or "", "finish_reason": finish_reason, "logprobs": logprobs}
     ch["completion_id"] = cid
     d = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
          "model": model, "choices": [ch]}
