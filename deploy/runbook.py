@@ -27,8 +27,31 @@ RUNBOOK: list[tuple[str, str, str]] = [
      "`flywheel status --json`: decisions[-1].numbers has both arms' values and the limit ratio",
      "look at serving logs for the candidate; republish from the learner when fixed"),
     ("Controller reports FAILED: serving could not load the candidate",
-     "the reason names the pod and the tensor: corrupt/truncated delta or wrong parent in the model store",
+     "the reason names the pod and the tensor (ledger numbers.failure = refused): corrupt/truncated delta or "
+     "wrong parent in the model store; failure = timeout / unreachable / server is a sick pod instead (next rows)",
      "nothing to undo (slots unchanged); republish from the learner; `flywheel versions` shows it as failed"),
+    ("A command or the controller fails with 'no answer within N s' (wedged pod)",
+     "the error and the ledger row name the pod and the timeout (`flywheel status --json`: decisions[].numbers "
+     "failure=timeout, pod, timeout_s); `flywheel status` exits 1 with serving_error; the version is NOT marked "
+     "failed and no second call went to that pod",
+     "restart or replace the pod (it starts on the store's stable record), then redo the action; the controller "
+     "retries the load by itself; big models may need `flywheel controller --serving-timeout-s 300` "
+     "(or FLYWHEEL_SERVING_TIMEOUT_S)"),
+    ("A command or the controller fails with 'HTTP 500' from a pod",
+     "the pod's logs (the message names the error type: out of memory, disk); the ledger row has "
+     "failure=server and http_status; a transport failure, so the version is not marked failed",
+     "fix or restart the pod, then redo the command (`flywheel promote --yes`, `flywheel rollback --yes`); "
+     "the controller retries by itself"),
+    ("A pod serves another version after a restart than before (a rollback looks undone)",
+     "`flywheel status`: the 'store stable record' line (what a restarted pod serves) and a warning when the "
+     "pod's stable differs from it; `flywheel versions` marks the record's version with *",
+     "`flywheel rollback --to vNNNNNN --yes --reason '...'` moves the pod and the record together, so the next "
+     "restart keeps it; never promote by hand on /admin (the record would not move)"),
+    ("`flywheel status` shows 'digest = manifest: NO' or warns 'files changed under the same id'",
+     "someone rewrote a published version's files (versions are immutable: republish under a new id); "
+     "`flywheel versions` digest vs the served weights digest",
+     "stable: `flywheel rollback --to vNNNNNN --yes` reloads it from the store (verified); candidate: "
+     "`flywheel rollback --yes`, then `flywheel canary start vNNNNNN --yes`"),
     ("Controller process died mid-canary",
      "`flywheel status`: the last ledger decisions (step, weight); serving keeps the current weights meanwhile",
      "restart `flywheel controller`: it resumes from the ledger at the same step (the status file is only a cache)"),
