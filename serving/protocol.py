@@ -224,4 +224,4 @@ class FeedbackBatchRequest(BaseModel):
     body, checked one by one (a bad event never refuses the others)."""
 
     model_config = ConfigDict(extra="forbid")
-    events: list[dict[str, Any]] = Field(..., min_length=1, max_length=MAX_FEEDBACK_BATCH)
+    events: list[Any] = Field(..., min_length=1, max_length=MAX_FEEDBACK_BATCH)

@@ -88,7 +88,7 @@ class FeedbackServing:
             self.metrics.version_votes.labels(v, "up" if body.value > 0 else "down").inc()
         return {"event_id": key, "accepted": True, "duplicate": False}
 
-    def accept_batch(self, events: list[dict[str, Any]], user_header: str | None) -> dict:
+    def accept_batch(self, events: list[Any], user_header: str | None) -> dict:
         """Check and publish each event on its own, in order; per-event results.
 
         Returns:
