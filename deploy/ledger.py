@@ -2,7 +2,12 @@
 
 The DuckDB file (``schemas.settings.ledger_path()`` by default; callers pass the path) is
 the source of truth; each call opens a short-lived connection and retries while another
-process holds the file lock. Each recorded decision is also published to the topic
+process holds the file lock. Operator actions that change traffic are rows too, failed ones
+included (``MANUAL_PROMOTE``, ``MANUAL_ROLLBACK``, ``MANUAL_CANARY_START``,
+``MANUAL_CANARY_ABORT``, each also with the suffix ``_FAILED``; ``actor`` is who, and
+``numbers`` holds ``why``, the error, the pod and the failure kind). Which version is stable
+is kept in the model store's stable record (``deploy.store.ModelStore.stable``), moved by
+the same actions, because pods read it at start. Each recorded decision is also published to the topic
 ``flywheel.deployments`` (key = version) when a bootstrap address is given.
 """
 
@@ -27,7 +32,8 @@ CREATE TABLE IF NOT EXISTS decisions (
     stable VARCHAR,       -- stable version at the time (the candidate's baseline)
     step INTEGER,         -- canary step index, -1 outside a canary
     weight DOUBLE,        -- candidate traffic share after the decision (0..1)
-    decision VARCHAR,     -- START | ADVANCE | HOLD | PROMOTE | ROLLBACK | FAILED | ABORT | MANUAL_*
+    decision VARCHAR,     -- START | ADVANCE | HOLD | PROMOTE | ROLLBACK | FAILED | ABORT | RELOAD | PAUSE |
+                          -- RESUME | MANUAL_* (operator actions; MANUAL_*_FAILED when one failed)
     reason VARCHAR,
     numbers VARCHAR,      -- JSON
     actor VARCHAR         -- 'controller' or the user who ran a CLI command
