@@ -10,6 +10,7 @@ faust was the runtime until D12 in ``docs/decisions.md``). The join state is in
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,10 +36,14 @@ class IngestConfig:
             (``ingest.metrics``), any other path the state's counters as JSON; 0 disables it.
         bootstrap: Kafka ``host:port`` (default ``schemas.settings.bootstrap()``).
         samples_dir: shard root (default ``schemas.settings.samples_dir()``).
-        state_path: the SQLite join state (default ``$FLYWHEEL_HOME/ingest/state.sqlite``).
+        state_path: the join state: a SQLite file, shared by the workers of one host (default
+            ``$FLYWHEEL_INGEST_STATE``, else ``$FLYWHEEL_HOME/ingest/state.sqlite``), or a
+            ``postgresql://`` URL: state scoped to partitions, workers on any host
+            (``ingest.state_pg``; ``docs/decisions.md``, "Ingest state on several hosts").
         catalog: the DuckDB catalog (default ``schemas.settings.catalog_path()``).
         app_id: the Kafka consumer group (default ``APP_ID``); workers with the same id
-            split the partitions and must share ``state_path``.
+            split the partitions and must share ``state_path`` (the same file on one host,
+            or the same database).
     """
 
     join: JoinConfig = field(default_factory=JoinConfig)
@@ -46,7 +51,7 @@ class IngestConfig:
     worker_port: int = 0
     bootstrap: str | None = None
     samples_dir: Path | None = None
-    state_path: Path | None = None
+    state_path: Path | str | None = None
     catalog: Path | None = None
     app_id: str = APP_ID
 
@@ -59,7 +64,9 @@ class IngestConfig:
             raise ValueError(f"worker_port: must be 0..65535, got {self.worker_port}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
-        self.state_path = Path(self.state_path or settings.home() / "ingest" / "state.sqlite")
+        state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or
+                    settings.home() / "ingest" / "state.sqlite")
+        self.state_path = state if state.startswith(("postgresql://", "postgres://")) else Path(state)
         self.catalog = Path(self.catalog or settings.catalog_path())
 
 

@@ -19,6 +19,9 @@ def ingest_cmd(
     reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
     loglevel: str = typer.Option("info", help="crit | error | warn | info | debug."),
     app_id: str = typer.Option("flywheel-ingest", help="Consumer group; workers sharing it split the partitions."),
+    state: str = typer.Option("", help="Join state: a SQLite file shared by one host's workers (default "
+                              "$FLYWHEEL_INGEST_STATE, else $FLYWHEEL_HOME/ingest/state.sqlite) or a postgresql:// "
+                              "URL (workers on several hosts)."),
 ) -> None:
     """Run the ingest worker: join completions and feedback into RewardedSample shards."""
     from ingest.app import IngestConfig, run_worker
@@ -33,7 +36,7 @@ def ingest_cmd(
             join=JoinConfig(seal_after_s=seal_after_s, max_label_age_s=max_label_age_s,
                             orphan_ttl_s=orphan_ttl_s, late_policy=late_policy,
                             shaping=RewardShaping(up=reward_up, down=reward_down)),
-            tick_s=tick_s, worker_port=worker_port, app_id=app_id)
+            tick_s=tick_s, worker_port=worker_port, app_id=app_id, state_path=state or None)
     except (ValueError, RuntimeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_worker(cfg, loglevel=loglevel)

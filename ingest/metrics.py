@@ -165,7 +165,9 @@ class IngestMetrics:
             events, sealed = store.dedupe_sizes()
         self.dedupe_rows.labels("events").set(events)
         self.dedupe_rows.labels("sealed").set(sealed)
-        if store.path != ":memory:":
+        if hasattr(store, "size_bytes"):  # PostgreSQL (ingest.state_pg): the schema's tables
+            self.state_bytes.set(store.size_bytes())
+        elif store.path != ":memory:":
             size = sum(os.path.getsize(p) for p in (store.path, store.path + "-wal") if os.path.exists(p))
             self.state_bytes.set(size + _dir_bytes(store.bodies_dir))
 

@@ -7,7 +7,9 @@ recovery would silently stop early and lose votes. So the join state lives here,
 before the consumed batch's offsets are (``ingest/worker.py``). SQLite in WAL mode with
 ``synchronous=NORMAL`` survives a killed process (SIGKILL): a committed transaction is in
 the WAL in the OS page cache. It does not survive losing the host's disk; workers that
-share the partitions must share this file (one host), see ``ingest/worker.py``.
+share the partitions must share this file (one host), see ``ingest/worker.py``. Workers on
+several hosts use the PostgreSQL store instead (``ingest.state_pg``, chosen by
+:func:`open_store`; ``docs/decisions.md``, "Ingest state on several hosts").
 
 Claim owners: several workers share the file, and each one claims the labels it seals. A
 claim records its ``owner`` (one id per :class:`StateStore`, i.e. per worker process). The
@@ -116,6 +118,8 @@ class StateStore:
     commits, or rolls back on an exception).
     """
 
+    scoped = False  # one file shared by the host's workers: a label is found from any partition
+
     def __init__(self, path: str | Path = ":memory:", owner: str | None = None):
         self.path = str(path)
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -167,6 +171,26 @@ class StateStore:
         self._pending: dict[str, int] = {}  # counter deltas of the open batch, written at flush
         self._seg_fds: dict[str, int] = {}  # read handles of body segments
         self._seg_n, self._seg_name, self._seg_file, self._seg_pos = 0, None, None, 0
+        self._parts: list[int] = []
+
+    # -- partitions (one shared file: every worker sees every label) ------------------------
+    def assign(self, parts, n: int) -> dict[int, int]:
+        """Record Kafka's assignment to this worker. The state is one file shared by the
+        host's workers, so labels are not scoped to it (``ingest.state_pg`` is). Returns
+        ``{part: 0}``."""
+        self._parts = sorted(set(parts))
+        return {p: 0 for p in self._parts}
+
+    def revoke(self) -> None:
+        """Forget the assignment (nothing else: the file is shared)."""
+        self._parts = []
+
+    def owned(self) -> list[int]:
+        """The partitions of the last :meth:`assign`."""
+        return list(self._parts)
+
+    def fence(self, parts) -> None:
+        """No-op: the host's workers share this file and its one writer lock serialises them."""
 
     @property
     def owners_dir(self) -> Path:
@@ -516,3 +540,15 @@ class StateStore:
             for k, v in self._pending.items():
                 out[k] = out.get(k, 0) + v
         return out
+
+
+def open_store(spec: str | Path, app_id: str = "flywheel-ingest", owner: str | None = None):
+    """The join state named by ``spec``: a ``postgresql://`` (or ``postgres://``) URL opens
+    :class:`ingest.state_pg.PgStateStore` (workers on several hosts; tables in the schema of
+    consumer group ``app_id``), anything else is the SQLite file of :class:`StateStore`
+    (every worker on one host; the zero-setup default)."""
+    if str(spec).startswith(("postgresql://", "postgres://")):
+        from ingest.state_pg import PgStateStore, schema_name
+
+        return PgStateStore(str(spec), schema=schema_name(app_id), owner=owner)
+    return StateStore(spec, owner=owner)

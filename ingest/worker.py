@@ -80,7 +80,9 @@ from schemas.events import DeadLetter, FeedbackEvent, now_ms
 from ingest import catalog, writer
 from ingest.join import Joiner, TickResult, parse_completion, parse_event
 from ingest.metrics import IngestMetrics, serve_http
-from ingest.state import StateStore
+from ingest.partition import SOURCE_HEADER, home_partitions, rekeyed_topic
+from ingest.state import open_store
+from ingest.state_pg import Fenced
 
 log = logging.getLogger("ingest")
 
@@ -94,6 +96,7 @@ PRUNE_EVERY_S = 60.0  # dedupe/sealed rows older than dedupe_retention_s deleted
 COLLECT_EVERY_S = 10.0  # body segments nobody references any more deleted this often (s)
 PUBLISH_BACKOFF_MAX_S = 5.0  # longest wait between two tries of a failed publish (s)
 STATS_EVERY_S = 5.0  # an "ingest stats" line (INFO) at most this often, when counters moved (s)
+REKEYED_CHECK_S = 10.0  # a partition-scoped worker re-creates the internal topic when missing this often (s)
 
 
 def no_topic_auto_creation() -> None:
@@ -116,6 +119,14 @@ def no_topic_auto_creation() -> None:
         client.MetadataRequest = functools.partial(MetadataRequest, allow_auto_topic_creation=False)
 
 
+def _source_topic(record) -> str:
+    """The source topic of a record of the internal topic (its header; feedback if absent)."""
+    for k, v in record.headers or ():
+        if k == SOURCE_HEADER and v:
+            return v.decode()
+    return T.FEEDBACK
+
+
 class Worker:
     """One ingest worker process (see the module docstring).
 
@@ -131,7 +142,12 @@ class Worker:
         self.cfg = cfg
         self.consumer_kw = consumer_settings or cs(cfg)
         self.producer_kw = producer_settings or ps(cfg)
-        self.store = StateStore(cfg.state_path)
+        self.store = open_store(cfg.state_path, cfg.app_id)
+        # a partition-scoped store (PostgreSQL) folds a label only in its home partition: records
+        # found elsewhere are forwarded there through the internal topic (ingest.partition)
+        self.scoped = bool(getattr(self.store, "scoped", False))
+        self.rekeyed = rekeyed_topic()
+        self._n: int | None = None  # partitions of the consumed topics (from the assignment)
         self.joiner = Joiner(self.store, cfg.join)
         self.metrics = IngestMetrics()  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
@@ -141,7 +157,8 @@ class Worker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-seal")
         # the fold runs off the event loop so that aiokafka's next fetch overlaps it
         self._fold_pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-fold")
-        self._t = {"recover": time.monotonic(), "prune": 0.0, "stats": 0.0, "cat_at": 0.0, "collect": 0.0}
+        self._t = {"recover": time.monotonic(), "prune": 0.0, "stats": 0.0, "cat_at": 0.0, "collect": 0.0,
+                   "rekeyed": time.monotonic()}
         self._cat = {"samples": False, "dead": False}
         self._last_stats: dict | None = None
         self.producer = None
@@ -152,28 +169,40 @@ class Worker:
             log.info("ingest recover: %s", rec)
 
     # -- consumer loop ---------------------------------------------------------------------
-    def fold(self, batch: dict) -> tuple[list[DeadLetter], list[str], dict[str, int]]:
+    def fold(self, batch: dict) -> tuple[list[DeadLetter], list[str], dict[str, int], list]:
         """Validate and fold one ``getmany`` batch (``{TopicPartition: [ConsumerRecord]}``)
         in one transaction. Returns ``(dead letters to publish, their event_ids to record
-        once published, malformed counters to bump then)``."""
+        once published, malformed counters to bump then, records to forward)``.
+
+        A partition-scoped store folds only events whose home partition
+        (``ingest.partition``) is the one they were consumed from; the others are returned as
+        ``(home partition, key, value, source topic)`` to forward through the internal topic
+        (their offsets are committed once the forward is acknowledged).
+
+        Raises:
+            ingest.state_pg.Fenced: another worker took over one of the batch's partitions.
+        """
         comps, fbs, dead = [], [], []
         malformed = {"deadletter_malformed_completion": 0, "deadletter_malformed_feedback": 0}
-        n = {"consumed_completions": 0, "consumed_feedback": 0}
+        n = {"consumed_completions": 0, "consumed_feedback": 0, "forwarded_completions": 0, "forwarded_feedback": 0}
         for tp, recs in batch.items():
-            is_c = tp.topic == T.COMPLETIONS
-            into = comps if is_c else fbs
-            n["consumed_completions" if is_c else "consumed_feedback"] += len(recs)
             for r in recs:
+                src = _source_topic(r) if tp.topic == self.rekeyed else tp.topic
+                is_c = src == T.COMPLETIONS
+                n["consumed_completions" if is_c else "consumed_feedback"] += 1
                 # a completion: its head only (the body is validated once, at sealing)
-                ev = parse_completion(r.value, tp.topic, r.key) if is_c else parse_event(
-                    FeedbackEvent, r.value, tp.topic, r.key)
+                ev = parse_completion(r.value, src, r.key) if is_c else parse_event(FeedbackEvent, r.value, src, r.key)
                 if isinstance(ev, DeadLetter):
                     dead.append(ev)
                     malformed["deadletter_malformed_completion" if is_c else "deadletter_malformed_feedback"] += 1
                 else:
-                    into.append((ev, r.value))
+                    (comps if is_c else fbs).append((ev, r.value, tp))
+        forward: list[tuple[int, bytes, bytes, str]] = []
+        comps = self._route(comps, T.COMPLETIONS, forward, n)
+        fbs = self._route(fbs, T.FEEDBACK, forward, n)
         now = now_ms()
         with self.store.transaction():  # completions first: fewer votes wait as orphans
+            self.store.fence({tp.partition for tp in batch})
             outc = self.joiner.on_completions(comps, now)
             outs = self.joiner.on_feedbacks(fbs, now)
             for k, v in n.items():
@@ -184,10 +213,41 @@ class Worker:
             if dl is not None:
                 dead.append(dl)
                 eids.append(str(ev.event_id))
-        return dead, eids, malformed
+        return dead, eids, malformed, forward
 
-    async def publish(self, topic: str, msgs: list[tuple[bytes | None, bytes]]) -> None:
-        """Send ``(key, value)`` messages and wait until every one is acknowledged.
+    def _route(self, items: list, src: str, forward: list, n: dict[str, int]) -> list:
+        """``(event, raw)`` of the ``(event, raw, TopicPartition)`` items to fold here; those
+        outside their home partition (partition-scoped store only) are appended to ``forward``
+        as ``(home, key, raw, src)`` and counted in ``forwarded_*``."""
+        if not (self.scoped and self._n) or not items:
+            return [(ev, raw) for ev, raw, _ in items]
+        homes = home_partitions([str(ev.completion_id) for ev, _, _ in items], self._n)
+        here = []
+        for (ev, raw, tp), h in zip(items, homes):
+            if h == tp.partition:  # (a forwarded record is home: it was sent to partition h)
+                here.append((ev, raw))
+            else:
+                forward.append((h, str(ev.completion_id).encode(), raw, src))
+                n["forwarded_completions" if src == T.COMPLETIONS else "forwarded_feedback"] += 1
+        return here
+
+    def assigned(self, assigned) -> None:
+        """Kafka assigned ``assigned`` (TopicPartitions) to this worker: the store takes
+        ownership of their partitions (``ingest.state_pg.PgStateStore.assign``), and dead
+        owners' claims in them are recovered at the next housekeeping."""
+        parts = self.consumer.partitions_for_topic(T.COMPLETIONS) if self.consumer is not None else None
+        if not parts:
+            return
+        self._n = len(parts)
+        epochs = self.store.assign({tp.partition for tp in assigned}, self._n)
+        if self.scoped:
+            log.info("ingest owns partitions %s", json.dumps(epochs, sort_keys=True))
+        self._t["recover"] = 0.0
+
+    async def publish(self, topic: str, msgs: list[tuple], on_retry=None) -> None:
+        """Send ``(key, value)`` or ``(key, value, partition, headers)`` messages and wait
+        until every one is acknowledged (``on_retry``: a blocking callable run in a thread
+        before each retry).
 
         A failed send (e.g. the embedded broker restarting: its topics are back only once
         ``ensure_topics`` ran) is retried, all messages again, with backoff up to
@@ -198,7 +258,8 @@ class Worker:
         delay = 0.1
         while True:
             try:
-                futs = [await self.producer.send(topic, key=k, value=v) for k, v in msgs]
+                futs = [await self.producer.send(topic, key=m[0], value=m[1], partition=m[2] if len(m) > 2 else None,
+                                                 headers=m[3] if len(m) > 3 else None) for m in msgs]
                 if futs:
                     await asyncio.gather(*futs)
                 return
@@ -207,6 +268,48 @@ class Worker:
                             len(msgs), topic, type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, PUBLISH_BACKOFF_MAX_S)
+                if on_retry is not None:
+                    try:
+                        await asyncio.get_running_loop().run_in_executor(None, on_retry)
+                    except Exception as exc:  # noqa: BLE001 - retried with the publish
+                        log.warning("ingest: %s failed before a retry: %s", getattr(on_retry, "__name__", on_retry), exc)
+
+    async def forward(self, fwd: list[tuple[int, bytes, bytes, str]]) -> None:
+        """Send records found outside their home partition to that partition of the internal
+        topic, their source topic in a header; returns once every one is acknowledged."""
+        await self.publish(self.rekeyed, [(k, v, p, [(SOURCE_HEADER, src.encode())]) for p, k, v, src in fwd],
+                           on_retry=self.ensure_rekeyed)
+
+    def ensure_rekeyed(self) -> int | None:
+        """Create the internal topic (``ingest.partition.rekeyed_topic``) with the completions
+        topic's partition count if it is missing (at start, and again after a memory-only
+        broker lost it). Returns that count, None while completions does not exist."""
+        from kafka.admin import NewTopic
+        from kafka.errors import TopicAlreadyExistsError
+
+        from schemas import settings as S
+        from schemas import topics as topics_mod
+
+        admin = topics_mod.admin_client(self.cfg.bootstrap, timeout_s=10.0)
+        try:
+            have = topics_mod.describe(admin, [T.COMPLETIONS, self.rekeyed])
+            if T.COMPLETIONS not in have:
+                return None
+            n = have[T.COMPLETIONS]["partitions"]
+            if self.rekeyed not in have:
+                rf = S.kafka_settings().replication_factor
+                try:
+                    admin.create_topics([NewTopic(self.rekeyed, n, rf)])
+                    log.info("ingest: created %s with %d partitions", self.rekeyed, n)
+                except TopicAlreadyExistsError:
+                    pass
+            elif have[self.rekeyed]["partitions"] != n:
+                log.error("ingest: %s has %d partitions, %s has %d: forwarded records would miss their home "
+                          "partition; delete it (it holds only records in transit)", self.rekeyed,
+                          have[self.rekeyed]["partitions"], T.COMPLETIONS, n)
+            return n
+        finally:
+            admin.close()
 
     async def publish_dead(self, dead: list[DeadLetter]) -> None:
         await self.publish(T.DEADLETTER, [((d.key or "").encode(), d.to_bytes()) for d in dead])
@@ -223,7 +326,16 @@ class Worker:
             batch = {tp: recs for tp, recs in batch.items() if recs}
             if not batch:
                 continue
-            dead, eids, malformed = await loop.run_in_executor(self._fold_pool, self.fold, batch)
+            try:
+                dead, eids, malformed, fwd = await loop.run_in_executor(self._fold_pool, self.fold, batch)
+            except Fenced as exc:  # the new owner consumes it from the committed offsets
+                log.warning("ingest: batch not folded: %s", exc)
+                for tp, recs in batch.items():
+                    if tp in self.consumer.assignment():
+                        self.consumer.seek(tp, recs[0].offset)
+                continue
+            if fwd:
+                await self.forward(fwd)  # acknowledged before the offsets move past them
             if dead:
                 await self.publish_dead(dead)  # delivered before the offsets move past them
                 with self.store.transaction():
@@ -332,6 +444,13 @@ class Worker:
                 await asyncio.wait_for(stop.wait(), self.cfg.tick_s)
             except asyncio.TimeoutError:
                 pass
+            if self.scoped and time.monotonic() - self._t["rekeyed"] > REKEYED_CHECK_S:
+                self._t["rekeyed"] = time.monotonic()
+                try:
+                    if self.rekeyed not in await self.consumer.topics():
+                        await loop.run_in_executor(None, self.ensure_rekeyed)
+                except Exception as exc:  # noqa: BLE001 - the broker is restarting: next time
+                    log.info("ingest: checking %s failed: %s", self.rekeyed, exc)
             wrote, more = 0, True
             while more and not stop.is_set():
                 msgs, orphans, more = await loop.run_in_executor(self._pool, self.seal_round)
@@ -360,14 +479,19 @@ class Worker:
 
         stop = stop or asyncio.Event()
         no_topic_auto_creation()
+        worker = self
+        loop = asyncio.get_running_loop()
+        if self.scoped:
+            await loop.run_in_executor(None, self.ensure_rekeyed)
 
         class _Listener(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked):
-                pass
+                worker.store.revoke()
 
             def on_partitions_assigned(self, assigned):
                 mine = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
                 log.info("ingest assigned %s", json.dumps(mine))
+                worker.assigned(assigned)
 
         self.producer = AIOKafkaProducer(**self.producer_kw)
         self.consumer = AIOKafkaConsumer(**self.consumer_kw)
@@ -375,7 +499,8 @@ class Worker:
         await self.producer.start()
         try:
             await self.consumer.start()
-            self.consumer.subscribe([T.COMPLETIONS, T.FEEDBACK], listener=_Listener())
+            self.consumer.subscribe([T.COMPLETIONS, T.FEEDBACK] + ([self.rekeyed] if self.scoped else []),
+                                    listener=_Listener())
             if self.cfg.worker_port:
                 server = await asyncio.start_server(self._http, "127.0.0.1", self.cfg.worker_port)
             tasks = [asyncio.create_task(self.consume(stop), name="ingest-consume"),

@@ -251,6 +251,7 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
         # the catalog file has the views
         import duckdb
         con = duckdb.connect(str(fw_home / "catalog.duckdb"), read_only=True)
+        con.execute("SET file_search_path = ?", [str(fw_home)])  # the views' globs are relative to the catalog
         rows = con.execute("SELECT sum(samples), sum(votes_up), sum(votes_down) FROM votes_by_version").fetchone()
         con.close()
         assert rows == (len(got), sum(u for u, _, _ in expected.values()), sum(d for _, d, _ in expected.values()))

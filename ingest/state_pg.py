@@ -1,0 +1,417 @@
+"""The join state in PostgreSQL, scoped to Kafka partitions: ingest workers on several hosts.
+
+:class:`PgStateStore` has the interface of :class:`ingest.state.StateStore` (the SQLite
+default for one host), so :class:`ingest.join.Joiner` and the worker use either. Why a
+shared database and not a compacted changelog topic per partition (the Kafka Streams
+model): ``docs/decisions.md``, "Ingest state on several hosts". In short: a changelog lives
+in the broker, and the embedded broker is memory-only, so a broker restart would lose the
+open labels with the topics, while the database outlives it; and a changelog restore
+replays every open completion body (~18 KiB each) on each rebalance, up to an end the
+embedded broker misreports, where a database hands the new owner the rows at once.
+
+Scoping. Every label row carries ``part``, its home partition
+(``ingest.partition.home_partition(completion_id, n)``). A worker folds only records of the
+partitions Kafka assigned to it, and the worker forwards any record found outside its home
+partition there first (``ingest.worker``), so a label's rows are written by the owner of its
+partition only. :meth:`assign` takes ownership of the assigned partitions in the table
+``partitions(part, owner, epoch)``: the epoch of a partition taken over from another worker is
+incremented. Each fold transaction calls :meth:`fence`, which locks its partitions' rows
+(``FOR SHARE``) and raises :class:`Fenced` unless this store still holds them at its epoch.
+A worker that lost a partition while it was stopped (GC pause, network) can therefore not
+fold into it after the new owner took over: the takeover's ``UPDATE`` waits for any fold in
+progress, and every later fold of the old owner is refused. Sealing selects due labels of
+owned partitions only, ``FOR UPDATE SKIP LOCKED``, and claims them in the same transaction.
+
+Recovery. A worker holds a session-level advisory lock on its owner id for its whole life;
+PostgreSQL drops it when the worker's connection closes, SIGKILL included. So
+:meth:`owner_alive` is the same test as the SQLite store's ``flock``: the new owner of a
+partition finishes (the shard exists) or releases (it does not) the claims of dead owners
+only (:meth:`ingest.join.Joiner.recover`). Open labels, their completion bodies (``bytea``),
+the dedupe set and the sealed set are rows, so another host continues from exactly the
+state the dead worker committed; the worker commits a batch's offsets only after the
+transaction holding its effects, as with SQLite.
+
+Counters are rows per owner (``counters(owner, name, value)``), summed when read, so that
+workers never update the same row (a shared counter row would serialise every commit).
+
+Tables live in the PostgreSQL schema named after the consumer group (``schema``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+from ingest.join import LabelState
+from ingest.partition import home_partitions
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS labels(completion_id TEXT PRIMARY KEY, part INT NOT NULL, state TEXT NOT NULL,
+    due_at BIGINT NOT NULL, claim TEXT, owner TEXT);
+CREATE INDEX IF NOT EXISTS labels_due ON labels(part, due_at) WHERE claim IS NULL;
+CREATE INDEX IF NOT EXISTS labels_claim ON labels(part) WHERE claim IS NOT NULL;
+CREATE TABLE IF NOT EXISTS completions(completion_id TEXT PRIMARY KEY, body BYTEA NOT NULL);
+CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at BIGINT);
+CREATE INDEX IF NOT EXISTS events_at ON events(at);
+CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at BIGINT NOT NULL, shard TEXT);
+CREATE INDEX IF NOT EXISTS sealed_at ON sealed(sealed_at);
+CREATE TABLE IF NOT EXISTS counters(owner TEXT NOT NULL, name TEXT NOT NULL, value BIGINT NOT NULL,
+    PRIMARY KEY(owner, name));
+CREATE TABLE IF NOT EXISTS partitions(part INT PRIMARY KEY, owner TEXT, epoch BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS owners(owner TEXT PRIMARY KEY, lock_key BIGINT NOT NULL, host TEXT, started_at BIGINT);
+"""
+_DDL_LOCK = 0x666C7977  # advisory lock serialising schema creation by workers starting together
+
+
+class Fenced(RuntimeError):
+    """This worker no longer owns a partition it is writing (another worker took it over)."""
+
+
+def _lock_key(owner: str) -> int:
+    return int.from_bytes(hashlib.sha1(owner.encode()).digest()[:8], "big", signed=True)
+
+
+def schema_name(app_id: str) -> str:
+    """The PostgreSQL schema of consumer group ``app_id`` (lower case, ``[a-z0-9_]``)."""
+    return "ingest_" + re.sub(r"[^a-z0-9_]", "_", app_id.lower())
+
+
+class PgStateStore:
+    """Join state in PostgreSQL (see the module docstring).
+
+    Args:
+        url: libpq connection URL, ``postgresql://user@host:port/db``.
+        schema: the PostgreSQL schema holding the tables (default: :func:`schema_name` of
+            ``flywheel-ingest``); created if missing.
+        owner: this worker's owner id (default ``<host>-<pid>-<random>``).
+
+    All mutators run inside :meth:`transaction` (re-entrant, thread-safe; the outermost one
+    commits, or rolls back on an exception). Label methods see only the partitions given to
+    :meth:`assign` where they select by time (:meth:`due`, :meth:`claims`).
+
+    Raises:
+        psycopg.OperationalError: the database cannot be reached.
+    """
+
+    scoped = True  # labels belong to partitions: the worker forwards records to their home partition
+
+    def __init__(self, url: str, schema: str | None = None, owner: str | None = None):
+        import psycopg
+        from psycopg import sql
+
+        self.path = url  # for messages; never a file
+        self.schema = schema or schema_name("flywheel-ingest")
+        self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.db = psycopg.connect(url, autocommit=True, application_name=f"flywheel-ingest {self.owner}")
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._pending: dict[str, int] = {}
+        self._epochs: dict[int, int] = {}  # partition -> the epoch this store took it at
+        self._n: int | None = None  # partitions of the consumed topics
+        with self.db.transaction():
+            self.db.execute("SELECT pg_advisory_xact_lock(%s)", (_DDL_LOCK,))
+            self.db.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema)))
+            self.db.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+            for stmt in filter(str.strip, _SCHEMA.split(";")):
+                self.db.execute(stmt)
+        self.db.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+        key = _lock_key(self.owner)
+        if not self.db.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+            raise RuntimeError(f"owner: {self.owner!r} is already held by a live worker")
+        self.db.execute("INSERT INTO owners(owner, lock_key, host, started_at) VALUES(%s,%s,%s,%s) "
+                        "ON CONFLICT(owner) DO NOTHING", (self.owner, key, socket.gethostname(), _now_ms()))
+
+    def close(self) -> None:
+        """Close the connection (drops this owner's advisory lock)."""
+        with self._lock:
+            if not self.db.closed:
+                self.db.execute("DELETE FROM owners WHERE owner=%s", (self.owner,))
+                self.db.execute("SELECT pg_advisory_unlock_all()")  # now, not when the backend exits
+                self.db.close()
+
+    def flush(self) -> None:
+        """Nothing to do: every :meth:`transaction` commits."""
+
+    # -- transactions ----------------------------------------------------------------------
+    @contextmanager
+    def transaction(self):
+        """One atomic unit holding the store's lock; counter bumps are written at its commit."""
+        with self._lock:
+            outer = self._depth == 0
+            if outer:
+                self.db.execute("BEGIN")
+                pending = dict(self._pending)
+            self._depth += 1
+            try:
+                yield
+            except BaseException:
+                self._depth -= 1
+                if outer:
+                    self._pending = pending
+                    self.db.execute("ROLLBACK")
+                raise
+            self._depth -= 1
+            if outer:
+                try:
+                    self._write_counters()
+                    self.db.execute("COMMIT")
+                except BaseException:
+                    self._pending = pending
+                    if not self.db.closed:
+                        self.db.execute("ROLLBACK")
+                    raise
+
+    def _many(self, q: str, rows: list) -> None:
+        if rows:
+            with self.db.cursor() as cur:
+                cur.executemany(q, rows)
+
+    # -- partitions ------------------------------------------------------------------------
+    def assign(self, parts, n: int) -> dict[int, int]:
+        """Take ownership of partitions ``parts`` of ``n`` (Kafka's assignment to this worker):
+        a partition held by another owner gets the next epoch, one held by this store keeps
+        its own. Waits for a fold of the previous owner in progress. Returns ``{part: epoch}``."""
+        if n < 1:
+            raise ValueError(f"n: partition count must be >= 1, got {n}")
+        epochs: dict[int, int] = {}
+        with self.transaction():
+            for p in sorted(set(parts)):
+                epochs[p] = self.db.execute(
+                    "INSERT INTO partitions(part, owner, epoch) VALUES(%s,%s,1) ON CONFLICT(part) DO UPDATE SET "
+                    "owner=excluded.owner, epoch=CASE WHEN partitions.owner=excluded.owner THEN partitions.epoch "
+                    "ELSE partitions.epoch+1 END RETURNING epoch", (p, self.owner)).fetchone()[0]
+        self._n, self._epochs = n, epochs
+        return dict(epochs)
+
+    def revoke(self) -> None:
+        """Forget the assignment (Kafka revoked it): nothing is sealed until :meth:`assign`."""
+        self._epochs = {}
+
+    def owned(self) -> list[int]:
+        """The partitions this store holds (since the last :meth:`assign`)."""
+        return sorted(self._epochs)
+
+    def fence(self, parts) -> None:
+        """Inside a transaction: lock the rows of ``parts`` (shared) and check that this store
+        still owns each at its epoch.
+
+        Raises:
+            Fenced: a partition not assigned to this store, or taken over by another owner.
+        """
+        parts = sorted(set(parts))
+        if not parts:
+            return
+        rows = self.db.execute("SELECT part, owner, epoch FROM partitions WHERE part = ANY(%s) ORDER BY part "
+                               "FOR SHARE", (parts,)).fetchall()
+        have = {p: (o, e) for p, o, e in rows}
+        for p in parts:
+            if p not in self._epochs or have.get(p) != (self.owner, self._epochs[p]):
+                raise Fenced(f"partition {p}: owned by {have.get(p, (None, 0))[0]} at epoch "
+                             f"{have.get(p, (None, 0))[1]}, not by {self.owner} at epoch {self._epochs.get(p)}")
+
+    def _parts(self, cids: list[str]) -> list[int]:
+        if self._n is None:
+            raise RuntimeError("partitions: assign() was not called (the partition count is unknown)")
+        return home_partitions(cids, self._n)
+
+    # -- owners ----------------------------------------------------------------------------
+    def owner_alive(self, owner: str | None) -> bool:
+        """Whether the worker ``owner`` still runs: its connection holds its advisory lock."""
+        if owner == self.owner:
+            return True
+        if not owner:
+            return False
+        key = _lock_key(owner)
+        if self.db.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+            self.db.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            return False
+        return True
+
+    def dead_owners(self) -> list[str]:
+        """Registered owners whose worker is gone."""
+        return [o for (o,) in self.db.execute("SELECT owner FROM owners").fetchall() if not self.owner_alive(o)]
+
+    def forget_owner(self, owner: str) -> None:
+        """Unregister a dead owner (its claims were finished or released)."""
+        if owner and owner != self.owner:
+            self.db.execute("DELETE FROM owners WHERE owner=%s", (owner,))
+
+    def size_bytes(self) -> int:
+        """Bytes of the schema's tables and indexes (TOAST included)."""
+        with self._lock:
+            return int(self.db.execute(
+                "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'", (self.schema,)).fetchone()[0])
+
+    def collect_segments(self) -> int:
+        """Nothing to collect: bodies are rows. Returns 0."""
+        return 0
+
+    # -- labels ----------------------------------------------------------------------------
+    def get(self, cid: str) -> LabelState | None:
+        """The open state of ``cid`` with its completion bytes (None if absent); row locked."""
+        row = self.db.execute("SELECT l.state, l.claim, c.body FROM labels l LEFT JOIN completions c "
+                              "USING (completion_id) WHERE l.completion_id=%s FOR UPDATE OF l", (cid,)).fetchone()
+        return LabelState.from_json(row[0], row[2], row[1]) if row else None
+
+    def get_many(self, cids) -> dict[str, LabelState]:
+        """Open states of ``cids`` (rows locked); ``completion`` is ``""`` when stored, None
+        when not arrived (the body is not read)."""
+        rows = self.db.execute(
+            "SELECT l.completion_id, l.state, EXISTS(SELECT 1 FROM completions c WHERE "
+            "c.completion_id=l.completion_id), l.claim FROM labels l WHERE l.completion_id = ANY(%s) "
+            "FOR UPDATE OF l", (list(set(cids)),)).fetchall()
+        return {cid: LabelState.from_json(state, "" if has else None, claim) for cid, state, has, claim in rows}
+
+    def put(self, st: LabelState, due_at: int) -> None:
+        self.put_many([(st, due_at)])
+
+    def put_many(self, items: list[tuple[LabelState, int]]) -> None:
+        """Upsert ``(state, due_at ms)`` pairs in their home partitions; a completion body is
+        stored only if none is (first wins).
+
+        Raises:
+            Fenced: a label whose home partition this store does not own."""
+        if not items:
+            return
+        parts = self._parts([st.completion_id for st, _ in items])
+        foreign = sorted(set(parts) - set(self._epochs))
+        if foreign:  # the worker forwards such records to their home partition first
+            raise Fenced(f"partitions {foreign}: labels there belong to their owner, not to {self.owner}")
+        self._many("INSERT INTO labels(completion_id, part, state, due_at) VALUES(%s,%s,%s,%s) ON CONFLICT"
+                   "(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at",
+                   [(st.completion_id, p, st.to_json(), due) for (st, due), p in zip(items, parts)])
+        bodies = [(st.completion_id, st.completion.encode() if isinstance(st.completion, str) else bytes(st.completion))
+                  for st, _ in items if st.completion]
+        self._many("INSERT INTO completions(completion_id, body) VALUES(%s,%s) ON CONFLICT DO NOTHING", bodies)
+
+    def delete(self, cid: str) -> None:
+        self.delete_many([cid])
+
+    def delete_many(self, cids: list[str]) -> None:
+        """Remove the open states of ``cids`` and their completions."""
+        if cids:
+            self.db.execute("DELETE FROM labels WHERE completion_id = ANY(%s)", (list(cids),))
+            self.db.execute("DELETE FROM completions WHERE completion_id = ANY(%s)", (list(cids),))
+
+    def due(self, now: int, limit: int) -> list[LabelState]:
+        """Unclaimed states of owned partitions due by ``now`` (ms), earliest first, with their
+        completion bytes; locked (``SKIP LOCKED``) until the transaction ends."""
+        if not self._epochs:
+            return []
+        rows = self.db.execute(
+            "SELECT l.completion_id, l.state, c.body FROM labels l LEFT JOIN completions c USING (completion_id) "
+            "WHERE l.part = ANY(%s) AND l.claim IS NULL AND l.due_at <= %s ORDER BY l.due_at LIMIT %s "
+            "FOR UPDATE OF l SKIP LOCKED", (self.owned(), now, limit)).fetchall()
+        return [LabelState.from_json(state, body) for _, state, body in rows]
+
+    def claim(self, cid: str, claim: str) -> None:
+        self.claim_many([(cid, claim)])
+
+    def claim_many(self, claims: list[tuple[str, str]]) -> None:
+        """Claim each ``(completion_id, claim)`` for this owner."""
+        self._many("UPDATE labels SET claim=%s, owner=%s WHERE completion_id=%s",
+                   [(claim, self.owner, cid) for cid, claim in claims])
+
+    def unclaim(self, cid: str) -> None:
+        self.db.execute("UPDATE labels SET claim=NULL, owner=NULL WHERE completion_id=%s", (cid,))
+
+    def claims(self) -> list[tuple[str, str, str | None]]:
+        """Open claims in owned partitions as ``(completion_id, claim, owner)`` (rows locked)."""
+        if not self._epochs:
+            return []
+        return [tuple(r) for r in self.db.execute(
+            "SELECT completion_id, claim, owner FROM labels WHERE claim IS NOT NULL AND part = ANY(%s) "
+            "ORDER BY completion_id FOR UPDATE", (self.owned(),)).fetchall()]
+
+    def open_count(self) -> int:
+        """Open labels in every partition."""
+        return self.db.execute("SELECT count(*) FROM labels").fetchone()[0]
+
+    # -- dedupe and sealed -----------------------------------------------------------------
+    def event_seen(self, eid: str) -> bool:
+        return bool(self.events_seen([eid]))
+
+    def events_seen(self, eids) -> set[str]:
+        """Those of ``eids`` already folded or dead-lettered."""
+        return {r[0] for r in self.db.execute("SELECT event_id FROM events WHERE event_id = ANY(%s)",
+                                              (list(set(eids)),))}
+
+    def add_event(self, eid: str, cid: str, at: int | None = None) -> None:
+        self.add_events([(eid, cid, _now_ms() if at is None else at)])
+
+    def add_events(self, rows: list[tuple[str, str, int]]) -> None:
+        """Record ``(event_id, completion_id, at ms)`` rows as folded."""
+        self._many("INSERT INTO events(event_id, completion_id, at) VALUES(%s,%s,%s) ON CONFLICT DO NOTHING", rows)
+
+    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
+        """Record ``eids`` dead-lettered at ``at`` ms (default now)."""
+        at = _now_ms() if at is None else at
+        self._many("INSERT INTO events(event_id, completion_id, at) VALUES(%s, NULL, %s) ON CONFLICT DO NOTHING",
+                   [(e, at) for e in eids])
+
+    def is_sealed(self, cid: str) -> bool:
+        return bool(self.sealed_among([cid]))
+
+    def sealed_among(self, cids) -> set[str]:
+        """Those of ``cids`` already sealed."""
+        return {r[0] for r in self.db.execute("SELECT completion_id FROM sealed WHERE completion_id = ANY(%s)",
+                                              (list(set(cids)),))}
+
+    def mark_sealed(self, cid: str, sealed_at: int, shard: str) -> None:
+        self.mark_sealed_many([(cid, sealed_at, shard)])
+
+    def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
+        """Record ``(completion_id, sealed_at ms, shard path)`` rows as sealed."""
+        self._many("INSERT INTO sealed(completion_id, sealed_at, shard) VALUES(%s,%s,%s) ON CONFLICT(completion_id) "
+                   "DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard", rows)
+
+    def prune(self, before_ms: int) -> tuple[int, int]:
+        """As :meth:`ingest.state.StateStore.prune`. Returns ``(events_deleted, sealed_deleted)``."""
+        ne = self.db.execute(
+            "DELETE FROM events WHERE at < %s AND NOT EXISTS (SELECT 1 FROM labels l WHERE "
+            "l.completion_id = events.completion_id) AND NOT EXISTS (SELECT 1 FROM sealed s WHERE "
+            "s.completion_id = events.completion_id AND s.sealed_at >= %s)", (before_ms, before_ms)).rowcount
+        ns = self.db.execute("DELETE FROM sealed WHERE sealed_at < %s", (before_ms,)).rowcount
+        return ne, ns
+
+    def dedupe_sizes(self) -> tuple[int, int]:
+        """``(rows in events, rows in sealed)``."""
+        return (self.db.execute("SELECT count(*) FROM events").fetchone()[0],
+                self.db.execute("SELECT count(*) FROM sealed").fetchone()[0])
+
+    # -- counters --------------------------------------------------------------------------
+    def bump(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (written at the enclosing transaction's commit)."""
+        if not n:
+            return
+        with self._lock:
+            self._pending[name] = self._pending.get(name, 0) + n
+            if not self._depth:
+                self._write_counters()
+
+    def _write_counters(self) -> None:
+        if self._pending:
+            self._many("INSERT INTO counters(owner, name, value) VALUES(%s,%s,%s) ON CONFLICT(owner, name) "
+                       "DO UPDATE SET value=counters.value+excluded.value",
+                       [(self.owner, k, v) for k, v in self._pending.items()])
+            self._pending = {}
+
+    def counters(self) -> dict[str, int]:
+        """Every counter summed over all workers (plus this store's uncommitted deltas)."""
+        with self._lock:
+            out = {k: int(v) for k, v in self.db.execute("SELECT name, sum(value) FROM counters GROUP BY name")}
+            for k, v in self._pending.items():
+                out[k] = out.get(k, 0) + v
+        return out

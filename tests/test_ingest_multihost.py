@@ -1,0 +1,267 @@
+"""Ingest workers on separate hosts (issue 12 item 1): PostgreSQL join state scoped to
+partitions, no file shared between workers, takeover after SIGKILL and a broker restart.
+
+Each worker has its own ``FLYWHEEL_HOME`` (standing in for its own host: its own catalog, no
+SQLite file, no body segments); the join state is a real PostgreSQL server started by the
+test (``ingest.pglocal``); the Parquet shards go to one shared directory standing in for
+object storage (``FLYWHEEL_SAMPLES``). The expected samples are an independent reference
+join of what the test produced (``test_ingest_e2e.reference_join``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from schemas import topics
+from test_ingest_e2e import ROOT, check, make_traffic, produce, reference_join, start_worker, stop, wait_for
+
+pytestmark = pytest.mark.skipif(not any(Path("/usr/lib/postgresql").glob("*/bin/postgres")),
+                                reason="PostgreSQL not installed (apt-get install -y postgresql)")
+
+
+@pytest.fixture()
+def pg():
+    """A throwaway PostgreSQL server (initdb + postgres on a free port)."""
+    from ingest import pglocal
+
+    srv = pglocal.start()
+    yield srv
+    srv.stop()
+
+
+def test_home_partitions_equal_kafka_pythons_murmur2():
+    """The vectorised hash gives kafka-python's DefaultPartitioner partition for UUID keys
+    and for keys of other lengths."""
+    import random
+
+    from kafka.partitioner.default import murmur2
+
+    from ingest.partition import home_partitions
+
+    rng = random.Random(0)
+    keys = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(3000)] + ["", "a", "x" * 37]
+    for n in (1, 2, 3, 6, 7):
+        assert home_partitions(keys, n) == [(murmur2(k.encode()) & 0x7FFFFFFF) % n for k in keys]
+
+
+def test_pg_store_fences_a_worker_whose_partition_was_taken_over(pg):
+    """Ownership moves with an epoch: the old owner's folds are refused after the takeover,
+    a dead owner is told apart from a live one by its advisory lock."""
+    from ingest.state_pg import Fenced, PgStateStore
+
+    a, b = PgStateStore(pg.url, owner="host-a"), PgStateStore(pg.url, owner="host-b")
+    assert a.assign([0, 1], 2) == {0: 1, 1: 1}
+    with a.transaction():
+        a.fence([0, 1])
+    assert b.assign([1], 2) == {1: 2}  # taken over: next epoch
+    with pytest.raises(Fenced, match="partition 1: owned by host-b at epoch 2"):
+        with a.transaction():
+            a.fence([1])
+    assert a.assign([0, 1], 2) == {0: 1, 1: 3}  # kept 0 at its epoch, took 1 back
+    assert b.owner_alive("host-a") and not b.owner_alive("host-c")
+    a.close()
+    assert not b.owner_alive("host-a")
+    with pytest.raises(RuntimeError, match="already held by a live worker"):
+        PgStateStore(pg.url, owner="host-b")
+    b.close()
+
+
+def test_pg_store_join_semantics_and_recovery_of_a_dead_owners_claims(pg, tmp_path):
+    """The Joiner on the PostgreSQL store: dedupe, last vote wins, seal, late vote; a killed
+    owner's claim is finished (its shard exists) or released (it does not) by the partition's
+    next owner, and a live owner's claim is left alone."""
+    from ingest.join import JoinConfig, Joiner
+    from ingest.partition import home_partition
+    from ingest.state_pg import PgStateStore
+    from test_ingest_join import T0, completion, vote
+
+    cfg = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20)
+    a = Joiner(PgStateStore(pg.url, owner="host-a"), cfg)
+    a.store.assign([0, 1], 2)
+    cs = [completion() for _ in range(6)]
+    a.on_completions([(c, None) for c in cs], now=T0)
+    v1 = vote(cs[0].completion_id, "u1", 1, created_at=T0)
+    flip = vote(cs[0].completion_id, "u1", -1, created_at=T0 + 5)
+    assert [o for o, _ in a.on_feedbacks([(v1, None), (v1, None), (flip, None)], now=T0 + 1)] == \
+        ["folded", "duplicate", "folded"]
+    a.on_feedbacks([(vote(c.completion_id, "u2", 1), None) for c in cs[1:]], now=T0 + 1)
+    res = a.tick(T0 + 1 + 10_000, shard_for=lambda s: str(tmp_path / f"{s.completion_id}.parquet"), limit=2)
+    assert len(res.samples) == 2  # claimed, shard not written yet
+    done, lost = res.samples
+    (tmp_path / f"{done.completion_id}.parquet").write_bytes(b"written")  # killed after the shard, before the mark
+    b = Joiner(PgStateStore(pg.url, owner="host-b"), cfg)
+    b.store.assign([0, 1], 2)  # takes both partitions over (next epoch)
+    assert b.recover(lambda p: Path(p).exists()) == {"sealed": 0, "released": 0, "live": 2}  # a still runs
+    a.store.close()  # killed: its connection (and advisory lock) is gone
+    assert b.recover(lambda p: Path(p).exists()) == {"sealed": 1, "released": 1, "live": 0}
+    assert b.store.sealed_among([str(done.completion_id), str(lost.completion_id)]) == {str(done.completion_id)}
+    rest = b.tick(T0 + 1 + 10_000, shard_for=lambda s: "x")
+    assert sorted(str(s.completion_id) for s in rest.samples) == sorted(
+        str(c.completion_id) for c in cs if str(c.completion_id) != str(done.completion_id))
+    b.commit_sealed(rest.samples, "x")
+    s0 = {str(s.completion_id): s for s in res.samples + rest.samples}[str(cs[0].completion_id)]
+    assert (s0.votes_up, s0.votes_down, sorted(s0.event_ids)) == (0, 1, sorted([str(v1.event_id), str(flip.event_id)]))
+    late = b.on_feedbacks([(vote(cs[1].completion_id, "u9", 1), None)], now=T0 + 20_000)
+    assert late[0][0] == "late" and b.store.open_count() == 0
+    assert {home_partition(str(c.completion_id), 2) for c in cs} <= {0, 1}
+    b.store.close()
+
+
+def _env(home: Path, bootstrap: str, pg_url: str, shared: Path) -> dict:
+    return dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT),
+                FLYWHEEL_INGEST_STATE=pg_url, FLYWHEEL_SAMPLES=str(shared))
+
+
+def _owned(log: Path) -> set[int]:
+    """The partitions a worker owns according to its last ``ingest owns partitions`` line."""
+    lines = [ln for ln in log.read_text().splitlines() if "ingest owns partitions" in ln] if log.exists() else []
+    return {int(p) for p in json.loads(lines[-1].split("ingest owns partitions", 1)[1])} if lines else set()
+
+
+def _pg_rows(url: str, q: str, args=()) -> list[tuple]:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("SET search_path TO ingest_flywheel_ingest")
+        return c.execute(q, args).fetchall()
+
+
+def _all_in_state(url: str, comps, fb) -> bool:
+    """Every produced completion is open or sealed and every feedback event recorded."""
+    try:
+        cids = {r[0] for r in _pg_rows(url, "SELECT completion_id FROM labels UNION SELECT completion_id FROM sealed")}
+        eids = {r[0] for r in _pg_rows(url, "SELECT event_id FROM events")}
+    except Exception:  # noqa: BLE001 - tables not created yet
+        return False
+    return {str(c.completion_id) for c in comps} <= cids and {str(e.event_id) for e in fb} <= eids
+
+
+def _samples(shared: Path) -> int:
+    from ingest.catalog import read_samples
+
+    return len(read_samples(shared)) if any(shared.glob("**/*.parquet")) else 0
+
+
+def _split_traffic(comps, fb):
+    """Votes of the first half of the completions, and of the second half (produced after the
+    kill: their labels are open, without votes, in the killed worker's partitions)."""
+    first = {c.completion_id for c in comps[: len(comps) // 2]}
+    return [e for e in fb if e.completion_id in first], [e for e in fb if e.completion_id not in first]
+
+
+@pytest.mark.timeout(150)
+def test_two_hosts_sigkill_takeover_equals_reference_join(pg, broker, tmp_path):
+    shared = tmp_path / "objectstore" / "samples"
+    homes = [tmp_path / "host1", tmp_path / "host2"]
+    logs = [tmp_path / "w1.log", tmp_path / "w2.log"]
+    comps, fb = make_traffic(80, seed=21)
+    fb1, fb2 = _split_traffic(comps, fb)
+    expected = reference_join(comps, fb)
+    procs = [start_worker(_env(h, broker.bootstrap, pg.url, shared), lg) for h, lg in zip(homes, logs)]
+    try:
+        wait_for(lambda: _owned(logs[0]) and _owned(logs[1]) and not _owned(logs[0]) & _owned(logs[1])
+                 and len(_owned(logs[0]) | _owned(logs[1])) == 6, 90, "two hosts splitting 6 partitions",
+                 procs[0], logs[0])
+        parts1 = sorted(_owned(logs[0]))
+        produce(broker.bootstrap, comps, fb1)
+        wait_for(lambda: any(shared.glob("**/*.parquet")) and _all_in_state(pg.url, comps, fb1), 60,
+                 "first shard, phase 1 folded", procs[0], logs[0])
+        stop(procs[0], signal.SIGKILL)  # mid-stream: its partitions hold open labels
+        open_there = _pg_rows(pg.url, "SELECT count(*) FROM labels WHERE part = ANY(%s)", (parts1,))[0][0]
+        assert open_there > 0, "the killed worker held no open label: nothing to take over"
+        assert not list(homes[0].glob("**/*.sqlite")) and not list(homes[0].glob("**/*.seg"))
+        produce(broker.bootstrap, [], fb2)
+        wait_for(lambda: _owned(logs[1]) == set(range(6)), 60, "host 2 owning every partition", procs[1], logs[1])
+        wait_for(lambda: _samples(shared) >= len(expected), 60, f"{len(expected)} samples", procs[1], logs[1])
+        time.sleep(3)  # nothing more may appear (a label sealed twice would)
+        check(shared, expected)
+        assert procs[1].poll() is None
+    finally:
+        for p in procs:
+            stop(p)
+
+
+@pytest.mark.timeout(170)
+def test_three_hosts_sigkill_and_broker_restart_equal_reference_join(pg, tmp_path):
+    """Three hosts on three partitions; after phase 1 one host is SIGKILLed and the
+    memory-only broker restarts (topics, data and offsets gone); phase 2's votes still meet
+    the killed host's open labels, kept in PostgreSQL."""
+    from flywheel.broker import free_port, spawn
+
+    port = free_port()
+    b = spawn(port, partitions=3)
+    shared = tmp_path / "objectstore" / "samples"
+    logs = [tmp_path / f"w{i}.log" for i in range(3)]
+    comps1, fb1 = make_traffic(45, seed=31)
+    comps2, fb2 = make_traffic(30, seed=32)
+    fb1a, fb1b = _split_traffic(comps1, fb1)  # votes of comps1's second half come after the restart
+    procs = [start_worker(_env(tmp_path / f"host{i}", b.bootstrap, pg.url, shared), lg) for i, lg in enumerate(logs)]
+    try:
+        wait_for(lambda: all(len(_owned(lg)) == 1 for lg in logs) and len(set().union(*map(_owned, logs))) == 3,
+                 90, "three hosts owning one partition each", procs[0], logs[0])
+        produce(b.bootstrap, comps1, fb1a)
+        wait_for(lambda: _all_in_state(pg.url, comps1, fb1a), 60, "phase 1 folded", procs[0], logs[0])
+        stop(procs[0], signal.SIGKILL)
+        b.stop()  # memory-only: topics, data and committed offsets are gone
+        b = spawn(port, partitions=3)
+        produce(b.bootstrap, comps2, fb1b + fb2)
+        expected = reference_join(comps1 + comps2, fb1a + fb1b + fb2)
+        wait_for(lambda: _owned(logs[1]) | _owned(logs[2]) == {0, 1, 2}, 60, "the live hosts owning all partitions",
+                 procs[1], logs[1])
+        wait_for(lambda: _samples(shared) >= len(expected), 90, f"{len(expected)} samples", procs[1], logs[1])
+        time.sleep(3)
+        check(shared, expected)
+        assert procs[1].poll() is None and procs[2].poll() is None
+    finally:
+        for p in procs:
+            stop(p)
+        b.stop()
+
+
+@pytest.mark.timeout(150)
+def test_votes_from_a_librdkafka_producer_meet_their_completion(pg, broker, tmp_path):
+    """Issue 11 defect 8: feedback produced by confluent-kafka with its default partitioner
+    (librdkafka's consistent_random, CRC32 of the key) lands in other partitions than
+    kafka-python's murmur2 puts its completion in; with two hosts each vote still meets its
+    completion (forwarded to its home partition), and no vote is an orphan."""
+    confluent_kafka = pytest.importorskip("confluent_kafka")
+    from kafka.partitioner.default import murmur2
+
+    from test_ingest_e2e import read_dead
+
+    shared = tmp_path / "objectstore" / "samples"
+    logs = [tmp_path / "w1.log", tmp_path / "w2.log"]
+    comps, fb = make_traffic(60, seed=41)
+    expected = reference_join(comps, fb)
+    procs = [start_worker(_env(tmp_path / f"host{i}", broker.bootstrap, pg.url, shared), lg)
+             for i, lg in enumerate(logs)]
+    try:
+        wait_for(lambda: len(_owned(logs[0]) | _owned(logs[1])) == 6 and not _owned(logs[0]) & _owned(logs[1]),
+                 90, "two hosts splitting 6 partitions", procs[0], logs[0])
+        produce(broker.bootstrap, comps, [])  # serving's client: kafka-python, murmur2
+        p = confluent_kafka.Producer({"bootstrap.servers": broker.bootstrap})  # default partitioner
+        landed: list[tuple[str, int]] = []
+        for e in fb:
+            p.produce(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes(),
+                      on_delivery=lambda err, m: landed.append((m.key().decode(), m.partition())) if err is None else None)
+        assert p.flush(30) == 0 and len(landed) == len(fb)
+        del p
+        moved = sum(part != (murmur2(k.encode()) & 0x7FFFFFFF) % 6 for k, part in landed)
+        assert moved > len(fb) // 2, f"only {moved} of {len(fb)} votes landed outside the completion's partition"
+        wait_for(lambda: _samples(shared) >= len(expected), 60, f"{len(expected)} samples", procs[0], logs[0])
+        time.sleep(3)
+        check(shared, expected)
+        assert not [d for d in read_dead(broker.bootstrap) if "orphan" in d.reason]
+        fwd = dict(_pg_rows(pg.url, "SELECT name, sum(value) FROM counters WHERE name IN "
+                            "('forwarded_feedback', 'forwarded_completions') GROUP BY name"))
+        assert fwd.get("forwarded_feedback", 0) >= moved and not fwd.get("forwarded_completions")
+    finally:
+        for p_ in procs:
+            stop(p_)
