@@ -68,7 +68,8 @@ class Pod:
 def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: int = 8,
               bootstrap: str | None = None, journal: Path | None = None, log_events: bool = True,
               api_keys: set[str] | None = None, admin_token: str | None = None,
-              threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False) -> Pod:
+              threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False,
+              device: str = "cpu", scheduler: str = "continuous", engine_options: dict | None = None) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -80,6 +81,11 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             (:class:`serving.engine_vllm.VLLMEngine`, imported only then; needs vLLM installed).
         aligned_logprobs: torch engine only: log behavior logprobs and routes from the aligned
             scoring pass (see :class:`serving.engine.TorchEngine`).
+        device: torch engine only: the torch device of the weights (``cpu``, ``cuda``, ``cuda:1``).
+        scheduler: torch engine only: ``continuous`` or ``static`` (benchmarks).
+        engine_options: vLLM engine only: :class:`serving.engine_vllm.VLLMEngine` keyword
+            arguments (``max_model_len``, ``tensor_parallel_size``, ``dtype``,
+            ``gpu_memory_utilization``, ``quantization``; None values are left out).
 
     Raises:
         ValueError: unknown ``engine``, or ``aligned_logprobs`` with vLLM.
@@ -92,13 +98,15 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     if engine == "torch":
         from serving.engine import TorchEngine
 
-        eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads, aligned_logprobs=aligned_logprobs)
+        eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads, aligned_logprobs=aligned_logprobs,
+                          device=device, scheduler=scheduler)
     elif engine == "vllm":
         if aligned_logprobs:
             raise ValueError("aligned_logprobs: torch engine only (with vLLM on GPU use VLLM_BATCH_INVARIANT=1)")
         from serving.engine_vllm import VLLMEngine  # lazy: vLLM lives in its own venv
 
-        eng = VLLMEngine(store.base_dir, max_batch=max_batch)
+        eng = VLLMEngine(store.base_dir, max_batch=max_batch,
+                         **{k: v for k, v in (engine_options or {}).items() if v is not None})
     else:
         raise ValueError(f"engine: must be 'torch' or 'vllm', got {engine!r}")
     engine = eng
@@ -191,6 +199,16 @@ def register(app: typer.Typer) -> None:
                                                    "batch-1 scoring forward in the learner's layout, so the "
                                                    "learner's recompute matches them exactly (costs one "
                                                    "prefill-sized forward per completion)."),
+        device: str = typer.Option("cpu", help="Torch engine: device of the weights (cpu, cuda, cuda:N)."),
+        max_model_len: Optional[int] = typer.Option(None, min=1, help="vLLM engine: context length in tokens "
+                                                                      "(default the model's)."),
+        tensor_parallel_size: Optional[int] = typer.Option(None, min=1, help="vLLM engine: GPUs per instance."),
+        dtype: Optional[str] = typer.Option(None, help="vLLM engine: weight dtype (float32, bfloat16, float16, "
+                                                       "auto; default float32)."),
+        gpu_memory_utilization: Optional[float] = typer.Option(
+            None, min=0.01, max=1.0, help="vLLM engine: share of GPU memory per instance (CPU build: of host "
+                                         "memory for the KV cache); default 0.9 / 3 on GPU, 0.05 on CPU."),
+        quantization: Optional[str] = typer.Option(None, help="vLLM engine: quantization method (e.g. fp8)."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
         import uvicorn
@@ -203,6 +221,21 @@ def register(app: typer.Typer) -> None:
         if aligned_logprobs and engine != "torch":
             raise typer.BadParameter("torch engine only (vLLM on GPU: VLLM_BATCH_INVARIANT=1)",
                                      param_hint="--aligned-logprobs")
+        vllm_opts = {"max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
+                     "gpu_memory_utilization": gpu_memory_utilization, "quantization": quantization}
+        if engine != "vllm":
+            given = [k for k, v in vllm_opts.items() if v is not None]
+            if given:
+                raise typer.BadParameter(f"vLLM engine only (this pod runs --engine {engine})",
+                                         param_hint="--" + given[0].replace("_", "-"))
+        elif device != "cpu":
+            raise typer.BadParameter("torch engine only (vLLM picks its devices; see --tensor-parallel-size)",
+                                     param_hint="--device")
+        if engine == "torch" and device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise typer.BadParameter(f"{device}: torch sees no CUDA device here", param_hint="--device")
         if engine == "vllm":
             import importlib.util
 
@@ -228,7 +261,7 @@ def register(app: typer.Typer) -> None:
         p = build_pod(st, version, pod=pod, max_batch=max_batch,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
-                      engine=engine, aligned_logprobs=aligned_logprobs)
+                      engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts)
         typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown
