@@ -7,7 +7,8 @@ What it exports (one learner process; figures of the last finished cycle are gau
   ``min_samples`` trainable samples), ``failed`` (an exception ended the cycle).
 * ``flywheel_learner_cycle_duration_seconds``: histogram of the wall time of a cycle.
 * ``flywheel_learner_last_cycle_timestamp_seconds``, ``..._last_publish_timestamp_seconds``:
-  when the last cycle ended and the last version was published (unix s).
+  when the last cycle ended (the daemon's start before its first) and the last version was
+  published (unix s).
 * ``flywheel_learner_loss{objective, step}``: the objective's loss (``kto`` or ``pg``) at the
   cycle's ``first`` and ``last`` optimizer step.
 * ``flywheel_learner_kl{estimator}``: KL(pi_theta || pi_ref) estimates ``k1`` and ``k3`` (nats
@@ -49,8 +50,9 @@ class LearnerMetrics:
             self.cycles.labels(o)  # exported as 0 before the first cycle of each outcome
         self.cycle_seconds = Histogram("flywheel_learner_cycle_duration_seconds", "wall time of a cycle (s)",
                                        buckets=CYCLE_BUCKETS, registry=r)
-        self.last_cycle = Gauge("flywheel_learner_last_cycle_timestamp_seconds", "end of the last cycle (unix s)",
-                                registry=r)
+        self.last_cycle = Gauge("flywheel_learner_last_cycle_timestamp_seconds", "end of the last cycle, or the "
+                                "daemon's start before its first (unix s)", registry=r)
+        self.last_cycle.set(time.time())
         self.last_publish = Gauge("flywheel_learner_last_publish_timestamp_seconds",
                                   "when the last version was published (unix s)", registry=r)
         self.loss = Gauge("flywheel_learner_loss", "loss of the last cycle at its first and last step",
