@@ -14,6 +14,7 @@ import os
 import secrets
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from schemas import settings
 from schemas.split import check_share
@@ -71,7 +72,8 @@ def eval_share_from_env(default: float = 0.0) -> float:
 def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", salt: str | None = None,
                api_keys: set[str] | None = None, admin_token: str | None = None,
                feedback_keys: set[str] | None = None, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
-               eval_share: float = 0.0, max_prompt_tokens: int = 8192, default_max_tokens: int = 256) -> FastAPI:
+               eval_share: float = 0.0, cors_origins: list[str] | None = None, max_prompt_tokens: int = 8192,
+               default_max_tokens: int = 256) -> FastAPI:
     """The FastAPI app of one serving pod.
 
     Args:
@@ -85,6 +87,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         served_model_name: the ``model`` name that routes by the sticky split (label
             ``model_name`` on the metrics).
         eval_share: share of untagged prompts in the eval split, [0, 1] (:mod:`schemas.split`).
+        cors_origins: browser origins allowed to call the API (CORS; ``["*"]`` for any), so a web
+            page can post feedback with a feedback-only key; None = no CORS headers.
         max_prompt_tokens: longer prompts get HTTP 413 (tokens).
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
 
@@ -119,5 +123,9 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
                         feedback_keys=frozenset(feedback_keys) if feedback_keys else None,
                         admin_token=admin_token or None)
     app.add_middleware(AuthMiddleware, policy=policy)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics)  # outermost: counts refusals too
+    app.add_middleware(RequestCountMiddleware, metrics=metrics)  # counts refusals too
+    if cors_origins:  # outermost: a browser's preflight (no token) is answered before auth
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-flywheel-user", "x-flywheel-split"],
+                           expose_headers=[CID_HEADER, CIDS_HEADER, VERSION_HEADER, "x-flywheel-split"], max_age=600)
     return app

@@ -33,6 +33,7 @@ API, FB, ADMIN = "k-api", "k-fb", "adm-token"
 H_API = {"Authorization": f"Bearer {API}"}
 H_FB = {"Authorization": f"Bearer {FB}"}
 H_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
+ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def env(tiny_moe_dir, tmp_path_factory):
     slots.start("v000000")
     ev = EventLog(b.bootstrap, tmp_path_factory.mktemp("j") / "ev.journal")
     app = create_app(slots, ev, pod="pod-http", salt="s", api_keys={API}, feedback_keys={FB}, admin_token=ADMIN,
-                     eval_share=0.5)
+                     eval_share=0.5, cors_origins=[ORIGIN])
     srv = ServerThread(app).start()
     yield {"url": srv.url, "bootstrap": b.bootstrap, "slots": slots, "engine": eng, "host": srv.host,
            "port": srv.port}
@@ -95,6 +96,21 @@ def test_feedback_only_key_posts_feedback_and_nothing_else(env):
         assert httpx.request(method, env["url"] + path, headers=H_FB).status_code == 401
     assert httpx.get(env["url"] + "/admin/slots", headers=H_ADMIN).status_code == 200
     assert httpx.get(env["url"] + "/admin/slots", headers=H_API).status_code == 401
+
+
+def test_a_browser_page_posts_feedback_with_a_feedback_key(env):
+    """CORS: the preflight (no token) is answered before auth; the POST carries the key."""
+    pre = httpx.options(env["url"] + "/v1/feedback", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    cid = completion(env)["id"]
+    r = post(env, "/v1/feedback", {"completion_id": cid, "value": 1}, headers={**H_FB, "Origin": ORIGIN})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(env["url"] + "/v1/feedback", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 # ---------------------------------------------------------------------------- bad values
