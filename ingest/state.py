@@ -135,7 +135,7 @@ class StateStore:
             fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life
             os.rename(tmp, self.owners_dir / f"{self.owner}.lock")
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        self._set_wal()
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
         self.db.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
@@ -191,6 +191,19 @@ class StateStore:
 
     def fence(self, parts) -> None:
         """No-op: the host's workers share this file and its one writer lock serialises them."""
+
+    def _set_wal(self, timeout_s: float = 30.0) -> None:
+        """``PRAGMA journal_mode=WAL``, retried: on a new file, a second worker starting at the
+        same moment gets SQLITE_BUSY from it at once, without the busy timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     @property
     def owners_dir(self) -> Path:

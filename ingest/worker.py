@@ -54,8 +54,22 @@ Crash safety (no label lost, none counted twice; issue 4 item 3):
    metadata every 5 s to see the re-created topics, and retries publishes that fail
    meanwhile. ``tests/test_ingest_scale.py`` checks it with three workers on one partition.
 
-Counters ``consumed_completions`` / ``consumed_feedback`` count deliveries (a replayed
-record counts again); they are how ``bench/ingest.py`` measures consumption.
+Workers on several hosts (``--state postgresql://...``, ``ingest.state_pg``): the state is
+scoped to partitions. On each assignment the store takes ownership of the assigned
+partitions (a taken-over partition gets a new epoch) and every fold transaction checks it
+still holds them (:class:`ingest.state_pg.Fenced` otherwise: the batch is not folded, not
+committed, and the new owner consumes it). A record whose completion_id hashes (Kafka's
+murmur2, ``ingest.partition``) to another partition than the one it was consumed from (a
+producer with another partitioner, e.g. librdkafka's default) is not folded there: it is
+forwarded to its home partition of the internal topic ``flywheel.ingest.rekeyed``, and the
+batch's offsets are committed once the forward is acknowledged; the owner of that
+partition folds it like any other. Shards go to ``samples_dir``, which every host must be
+able to write (a shared directory; object storage's stand-in). With the SQLite default the
+file is shared by the host's workers and no record is forwarded.
+
+Counters ``consumed_completions`` / ``consumed_feedback`` count deliveries (a replayed record
+counts again; ``forwarded_*``: records forwarded to their home partition); they are how
+``bench/ingest.py`` measures consumption.
 
 Samples on ``flywheel.samples`` and dead letters are at-least-once (a crash between the
 shard and the publish may miss the topic copy of a shard's samples; the shards are the
