@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS partitions(part INT PRIMARY KEY, owner TEXT, epoch BI
 CREATE TABLE IF NOT EXISTS owners(owner TEXT PRIMARY KEY, lock_key BIGINT NOT NULL, host TEXT, started_at BIGINT);
 """
 _DDL_LOCK = 0x666C7977  # advisory lock serialising schema creation by workers starting together
+_PRUNE_LOCK = 0x666C7978  # advisory lock held by the one worker pruning the dedupe set
 
 
 class Fenced(RuntimeError):
@@ -378,7 +379,10 @@ class PgStateStore:
                    "DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard", rows)
 
     def prune(self, before_ms: int) -> tuple[int, int]:
-        """As :meth:`ingest.state.StateStore.prune`. Returns ``(events_deleted, sealed_deleted)``."""
+        """As :meth:`ingest.state.StateStore.prune`, by one worker at a time (the others skip it:
+        two concurrent range deletes could deadlock). Returns ``(events_deleted, sealed_deleted)``."""
+        if not self.db.execute("SELECT pg_try_advisory_xact_lock(%s)", (_PRUNE_LOCK,)).fetchone()[0]:
+            return 0, 0
         ne = self.db.execute(
             "DELETE FROM events WHERE at < %s AND NOT EXISTS (SELECT 1 FROM labels l WHERE "
             "l.completion_id = events.completion_id) AND NOT EXISTS (SELECT 1 FROM sealed s WHERE "

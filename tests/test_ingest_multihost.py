@@ -111,6 +111,9 @@ def test_pg_store_join_semantics_and_recovery_of_a_dead_owners_claims(pg, tmp_pa
     late = b.on_feedbacks([(vote(cs[1].completion_id, "u9", 1), None)], now=T0 + 20_000)
     assert late[0][0] == "late" and b.store.open_count() == 0
     assert {home_partition(str(c.completion_id), 2) for c in cs} <= {0, 1}
+    # 7 folded votes (the late one is recorded once its dead letter is published); 6 sealed
+    assert b.store.dedupe_sizes() == (7, 6)
+    assert b.prune(T0 + 10**12) == (7, 6)  # everything older than the retention horizon
     b.store.close()
 
 
