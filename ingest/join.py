@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
@@ -256,11 +257,56 @@ def parse_event(model: type[CompletionEvent] | type[FeedbackEvent], raw: bytes |
         return dead_letter(source_topic, key, "value", f"unparseable record: {type(exc).__name__}: {str(exc)[:200]}", raw)
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    d: dict = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DuplicateKey(k)
+        d[k] = v
+    return d
+
+
+def duplicate_key(raw: bytes | str) -> str | None:
+    """The first key that appears twice in one JSON object of ``raw`` (at any depth), or
+    None. JSON parsers disagree on which copy wins, so such a record is refused, never
+    guessed at. ``raw`` must already be known to parse."""
+    try:
+        json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:
+        return exc.key
+    return None
+
+
+_KEY_RE = re.compile(rb'"([^"\\]{1,64})"\s*:')
+
+
+def _maybe_duplicate_key(raw: bytes | str) -> str | None:
+    """:func:`duplicate_key` behind a cheap filter: one regex pass lists every ``"name":``
+    token; only when some name repeats (a duplicate, or the same key in two nested objects,
+    or such text inside a string value) is the record parsed again to decide."""
+    b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    keys = _KEY_RE.findall(b)
+    if len(keys) != len(set(keys)):
+        return duplicate_key(raw)
+    return None
+
+
 def _parse_event(model, raw: bytes | str, source_topic: str, key: bytes | str | None):
     try:  # fast path: pydantic-core parses and validates in one pass (= model_validate_json)
-        return model.__pydantic_validator__.validate_json(raw)
+        ev = model.__pydantic_validator__.validate_json(raw)
     except (pydantic.ValidationError, ValueError):
         pass
+    else:
+        dup = _maybe_duplicate_key(raw)
+        if dup is not None:
+            return dead_letter(source_topic, key, dup, f"duplicate key {dup!r} in one JSON object", raw)
+        return ev
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

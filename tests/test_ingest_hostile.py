@@ -112,3 +112,18 @@ def test_non_finite_refused_in_feedback_samples_and_manifests():
     with pytest.raises(ValueError, match=r"metrics\.loss: non-finite"):
         VersionManifest(version="v000001", parent="v000000", created_at=T0, kind="delta", tensors={},
                         metrics={"loss": math.inf})
+
+
+def test_duplicate_keys_are_refused_not_guessed():
+    """JSON parsers disagree on which copy of a repeated key wins: refuse the record."""
+    cid = str(uuid.uuid4())
+    raw = ('{"event_id":"%s","completion_id":"%s","user_hash":"u","value":1,"value":-1,'
+           '"created_at":%d}' % (uuid.uuid4(), cid, T0))
+    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK)
+    assert isinstance(dl, DeadLetter) and dl.field == "value" and "duplicate key" in dl.reason
+    # the same text inside a string value is not a duplicate key
+    ok = json.dumps({**vote_obj(cid), "comment": 'he wrote "value": 1 twice, "value": 2'})
+    assert isinstance(parse_event(FeedbackEvent, ok, topics.FEEDBACK), FeedbackEvent)
+    body = completion_obj()
+    raw = json.dumps(body, separators=(",", ":"))[:-1] + ',"finish_reason":"length"}'
+    assert isinstance(parse_event(CompletionEvent, raw, topics.COMPLETIONS), DeadLetter)
