@@ -1,6 +1,7 @@
 """Ingest benchmark (issue 4 item 6): joined events/s per worker vs the raw consume rate.
 
-One run, one embedded Tansu broker (``--partitions``, default 2), one data set:
+One run, one embedded Tansu broker (``--partitions``, default 2, raised to the largest
+``--hosts`` count), one data set:
 
 1. Produce ``--completions`` CompletionEvents with realistic payloads (prompt and completion
    token ids, float32 behavior logprobs, expert routes shaped (T-1, ``--layers``,
@@ -36,7 +37,19 @@ Prints, last, ``RESULT <metric>=<value> <unit> target<op><value>`` lines:
 (per CPU-second, target >= 0.25), ``two_worker_speedup`` (wall, target >= 1.5) and
 ``two_worker_cpu_efficiency`` (per CPU-second, target >= 0.9).
 
-    python bench/ingest.py [--quick] [--completions N] [--partitions P] [--faust-noop]
+6. **Separate hosts** (``--hosts 1,2,4``, issue 12): 1, 2 and 4 workers, each with its own
+   FLYWHEEL_HOME (no shared file), the join state in a PostgreSQL server started by the
+   bench (``ingest.pglocal``), shards in one shared directory. Same window; the database's
+   and the broker's CPU over the window are printed too, so "per CPU-second" can be read for
+   the workers alone and for workers + database + broker (what a second host really costs).
+   The wall speedup on the 2-core dev box is bounded by its cores, not by the workers.
+
+Further RESULT lines with ``--hosts``: ``hosts_pg_vs_sqlite_cpu_efficiency`` (1 worker,
+records per worker CPU-second, PostgreSQL vs SQLite state), and per N > 1 hosts
+``hostsN_speedup`` (wall vs 1 host), ``hostsN_cpu_efficiency`` (workers' CPU) and
+``hostsN_all_cpu_efficiency`` (workers + database + broker).
+
+    python bench/ingest.py [--quick] [--completions N] [--partitions P] [--hosts 1,2,4] [--faust-noop]
 """
 
 from __future__ import annotations
@@ -175,6 +188,33 @@ def counters(state: Path) -> dict[str, int]:
         return {}
 
 
+def pg_counters(url: str, group: str) -> dict[str, int]:
+    """The summed counters of consumer group ``group``'s workers in PostgreSQL (empty before
+    its tables exist)."""
+    import psycopg
+
+    from ingest.state_pg import schema_name
+
+    try:
+        with psycopg.connect(url, autocommit=True) as db:
+            return {k: int(v) for k, v in db.execute(
+                f'SELECT name, sum(value) FROM "{schema_name(group)}".counters GROUP BY name').fetchall()}
+    except psycopg.Error:
+        return {}
+
+
+def children(pid: int) -> list[int]:
+    """``pid`` and its direct children (the PostgreSQL postmaster and its backends)."""
+    out = [pid]
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(st.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(st.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def assignments(log: Path) -> list[tuple[float, list[str]]]:
     """``(unix time, partitions)`` of every "ingest assigned" line of a worker log."""
     import datetime as dt
@@ -187,21 +227,38 @@ def assignments(log: Path) -> list[tuple[float, list[str]]]:
     return out
 
 
-def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, args) -> dict:
+def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, args, pg=None,
+           broker_pid: int | None = None) -> dict:
     """Run ``workers`` ingest processes on their own group/state until every record is
     consumed and every label sealed. Rate and records per CPU-second between the first
     counter reading at >= 10 % of the records (and after the last worker got its
-    partitions: a group rebalance pauses consumption) and the first at >= 90 %."""
+    partitions: a group rebalance pauses consumption) and the first at >= 90 %.
+
+    ``pg``: an ``ingest.pglocal.PgServer``: each worker gets its own FLYWHEEL_HOME (its own
+    host: no shared file), the join state is PostgreSQL, the shards go to one shared
+    directory (object storage's stand-in); the database's CPU (postmaster + backends) and
+    the broker's (``broker_pid``) are measured over the same window. None: one home, the
+    SQLite state shared by the workers."""
     home = Path(tempfile.mkdtemp(prefix=f"fw-bench-{group}-"))
     env = dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "ingest", "--app-id", group, "--seal-after-s", str(args.seal_after_s),
            "--tick-s", str(args.tick_s), "--loglevel", "info"]
     logs = [home / f"worker{i}.log" for i in range(workers)]
+    envs = [env] * workers
+    if pg is not None:
+        envs = [dict(env, FLYWHEEL_HOME=str(home / f"host{i}"), FLYWHEEL_INGEST_STATE=pg.url,
+                     FLYWHEEL_SAMPLES=str(home / "objectstore" / "samples")) for i in range(workers)]
     load = os.getloadavg()[0]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(lg, "wb"), stderr=subprocess.STDOUT,
-                              start_new_session=True) for lg in logs]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=open(lg, "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True) for e, lg in zip(envs, logs)]
     state = home / "ingest" / "state.sqlite"
+    read = (lambda: counters(state)) if pg is None else (lambda: pg_counters(pg.url, group))
+
+    def others() -> tuple[float, float]:  # (database CPU s, broker CPU s)
+        return (cpu_s(children(pg.proc.pid)) if pg is not None else 0.0,
+                cpu_s([broker_pid]) if broker_pid else 0.0)
     marks: dict[float, tuple[float, int, float]] = {}  # fraction -> (time, records, cpu s)
+    other: dict[float, tuple[float, float]] = {}  # fraction -> (database cpu s, broker cpu s)
     t_start = time.perf_counter()
     sealed: dict[str, tuple[float, float]] = {}  # "first" / "all" samples -> (time, cpu s)
     samples_at_90 = 0
@@ -209,7 +266,7 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
     try:
         deadline = time.monotonic() + args.timeout_s
         while time.monotonic() < deadline:
-            c = counters(state)
+            c = read()
             n = c.get("consumed_completions", 0) + c.get("consumed_feedback", 0)
             now = time.perf_counter()
             if not settled:  # every worker holds partitions (one generation of the group)
@@ -219,6 +276,7 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
             for f in (0.0, 0.1, 0.9, 1.0):
                 if f not in marks and n > 0 and n >= f * total and (settled or f in (0.0, 1.0)):
                     marks[f] = (now, n, cpu_s([p.pid for p in procs]))
+                    other[f] = others()
                     if f == 0.9:
                         samples_at_90 = c.get("samples", 0)
             for k, want in (("first", 1), ("all", labels)):
@@ -230,21 +288,24 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
                 raise RuntimeError(f"a worker exited: {logs[0].read_text()[-2000:]}")
             time.sleep(0.02)
         else:
-            raise RuntimeError(f"{workers} worker(s): {counters(state)} after {args.timeout_s}s "
+            raise RuntimeError(f"{workers} worker(s): {read()} after {args.timeout_s}s "
                                f"({total} records, {labels} labels)")
         if 0.1 not in marks or 0.9 not in marks:
             raise RuntimeError("the group settled after 90 % of the records: use more --completions")
         (t1, n1, c1), (t9, n9, c9) = marks[0.1], marks[0.9]
-        c = counters(state)
+        (d1, b1), (d9, b9) = other[0.1], other[0.9]
+        c = read()
         rebalances = sum(len(assignments(lg)) for lg in logs) - workers
         (tf, cf), (ta, ca) = sealed["first"], sealed["all"]
         return {"rate": (n9 - n1) / (t9 - t1), "per_cpu_s": (n9 - n1) / max(1e-9, c9 - c1),
                 "window": (n9 - n1, t9 - t1, c9 - c1), "samples_in_window": samples_at_90,
                 "consume_s": marks[1.0][0] - t_start, "sealed_s": ta - t_start, "samples": c.get("samples", 0),
-                "seal_rate": c.get("samples", 0) / max(1e-9, ta - tf), "seal_cpu_s": ca - marks[1.0][2],
+                # None: every label sealed within one reading (one seal round)
+                "seal_rate": c.get("samples", 0) / (ta - tf) if ta - tf >= 0.05 else None, "seal_cpu_s": ca - marks[1.0][2],
                 # every record consumed + folded and every label sealed, per CPU-second (no start-up)
                 "pipeline_per_cpu_s": total / max(1e-9, ca - marks[0.0][2]),
-                "load": load, "rebalances": rebalances}
+                "load": load, "rebalances": rebalances, "db_cpu_s": d9 - d1, "broker_cpu_s": b9 - b1,
+                "all_per_cpu_s": (n9 - n1) / max(1e-9, c9 - c1 + d9 - d1 + b9 - b1)}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -323,7 +384,8 @@ def report(name: str, r: dict) -> None:
           f"{dt_:.2f}s using {dc:.2f} CPU-s = {dc / dt_:.2f} cores, {r['samples_in_window']} labels sealed by "
           f"its end); all consumed "
           f"{r['consume_s']:.1f}s after start (incl. process start + group join); then sealing: "
-          f"{r['samples']} labels at {r['seal_rate']:,.0f}/s using {r['seal_cpu_s']:.2f} CPU-s, all sealed "
+          f"{r['samples']} labels at "
+          f"{'(one round)' if r['seal_rate'] is None else format(r['seal_rate'], ',.0f') + '/s'} using {r['seal_cpu_s']:.2f} CPU-s, all sealed "
           f"{r['sealed_s']:.1f}s after start; pipeline (join + seal) {r['pipeline_per_cpu_s']:,.0f} records per "
           f"CPU-s; rebalances after the first {r['rebalances']}; load average before {r['load']:.1f}", flush=True)
 
@@ -345,12 +407,19 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="give up on a phase after this long (s)")
     ap.add_argument("--faust-noop", action="store_true", help="also measure a do-nothing faust app (pre-D12 runtime)")
     ap.add_argument("--keep", action="store_true", help="keep the workers' FLYWHEEL_HOME dirs")
+    ap.add_argument("--hosts", default="1,2,4",
+                    help="worker counts run on separate homes with the PostgreSQL state (issue 12), comma-separated; "
+                         "'' skips them; the topics get at least the largest count of partitions")
     args = ap.parse_args()
     if args.faust_noop and importlib.util.find_spec("faust") is None:  # not a dependency of Flywheel
         print("--faust-noop skipped: faust-streaming is not installed "
               "(pip install faust-streaming==0.15.3 in a separate venv to measure it)", flush=True)
         args.faust_noop = False
     n = args.completions or (3000 if args.quick else 10000)
+    hosts = [int(x) for x in args.hosts.split(",") if x.strip()]
+    if any(h < 1 for h in hosts):
+        ap.error(f"--hosts: worker counts must be >= 1, got {args.hosts!r}")
+    partitions = max([args.partitions] + hosts)
 
     t = time.perf_counter()
     comps, fb = make_events(n, args)
@@ -361,12 +430,14 @@ def main() -> None:
     print(f"events: {len(comps)} completions (mean {mean_c / 1024:.1f} KiB, routes "
           f"({args.prompt_tokens}+{args.completion_tokens}-1, {args.layers}, {args.top_k})), {len(fb)} feedback "
           f"(mean {mean_f:.0f} B) -> {labels} labels; built in {time.perf_counter() - t:.1f}s", flush=True)
-    b = spawn(partitions=args.partitions)
+    b = spawn(partitions=partitions)
+    print(f"broker: {partitions} partitions per topic", flush=True)
+    res: dict[int, dict] = {}
     try:
         t = time.perf_counter()
         produce(b.bootstrap, comps, fb)
         print(f"produced {total} records in {time.perf_counter() - t:.1f}s", flush=True)
-        raw1 = asyncio.run(raw_consume(b.bootstrap, total, args.partitions))
+        raw1 = asyncio.run(raw_consume(b.bootstrap, total, partitions))
         print(f"raw aiokafka consume: {raw1['rate']:,.0f} records/s ({raw1['per_cpu_s']:,.0f} per CPU-s)", flush=True)
         one = joined(b.bootstrap, total, labels, 1, "bench-ingest-1", args)
         report("joined, 1 worker", one)
@@ -376,7 +447,21 @@ def main() -> None:
             noop = faust_noop(b.bootstrap, total, args)
             print(f"faust no-op agents (pre-D12 runtime): {noop['rate']:,.0f} records/s "
                   f"({noop['per_cpu_s']:,.0f} per CPU-s)", flush=True)
-        raw2 = asyncio.run(raw_consume(b.bootstrap, total, args.partitions))
+        if hosts:
+            from ingest import pglocal
+
+            pg = pglocal.start()
+            try:
+                for w in hosts:
+                    res[w] = joined(b.bootstrap, total, labels, w, f"bench-hosts-{w}", args, pg=pg, broker_pid=b.pid)
+                    report(f"joined, {w} host(s), PostgreSQL state", res[w])
+                    r = res[w]
+                    print(f"  same window: workers {r['window'][2]:.2f} CPU-s, PostgreSQL {r['db_cpu_s']:.2f} CPU-s, "
+                          f"broker {r['broker_cpu_s']:.2f} CPU-s; {r['all_per_cpu_s']:,.0f} records per CPU-s of "
+                          f"all three", flush=True)
+            finally:
+                pg.stop()
+        raw2 = asyncio.run(raw_consume(b.bootstrap, total, partitions))
         raw = max(raw1["rate"], raw2["rate"])  # the cores are shared: the stricter baseline of the two
         raw_cpu = max(raw1["per_cpu_s"], raw2["per_cpu_s"])
         print(f"raw aiokafka consume, again: {raw2['rate']:,.0f} records/s ({raw2['per_cpu_s']:,.0f} per CPU-s); "
@@ -388,6 +473,14 @@ def main() -> None:
     print(f"RESULT pipeline_vs_raw_cpu_efficiency={one['pipeline_per_cpu_s'] / raw_cpu:.3f} x target>=0.25")
     print(f"RESULT two_worker_speedup={two['rate'] / one['rate']:.2f} x target>=1.5")
     print(f"RESULT two_worker_cpu_efficiency={two['per_cpu_s'] / one['per_cpu_s']:.2f} x target>=0.9")
+    if 1 in res:
+        print(f"RESULT hosts_pg_vs_sqlite_cpu_efficiency={res[1]['per_cpu_s'] / one['per_cpu_s']:.2f} x target>=0.5")
+        for w in sorted(res):
+            if w > 1:
+                print(f"RESULT hosts{w}_speedup={res[w]['rate'] / res[1]['rate']:.2f} x target>={0.75 * w:.1f}")
+                print(f"RESULT hosts{w}_cpu_efficiency={res[w]['per_cpu_s'] / res[1]['per_cpu_s']:.2f} x target>=0.9")
+                print(f"RESULT hosts{w}_all_cpu_efficiency={res[w]['all_per_cpu_s'] / res[1]['all_per_cpu_s']:.2f} x "
+                      f"target>=0.9")
 
 
 if __name__ == "__main__":

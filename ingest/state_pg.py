@@ -31,6 +31,11 @@ the dedupe set and the sealed set are rows, so another host continues from exact
 state the dead worker committed; the worker commits a batch's offsets only after the
 transaction holding its effects, as with SQLite.
 
+Completion bodies are stored out of line without compression (``STORAGE EXTERNAL``): they
+are mostly base64 of zstd, which pglz (the default) cannot shrink but spent ~0.1 ms of server
+CPU per 18 KiB body on (measured: 1.12 vs 0.41 server CPU-s to fold 2,000 completions and
+4,287 votes, 42 MB either way).
+
 Counters are rows per owner (``counters(owner, name, value)``), summed when read, so that
 workers never update the same row (a shared counter row would serialise every commit).
 
@@ -62,6 +67,7 @@ CREATE TABLE IF NOT EXISTS labels(completion_id TEXT PRIMARY KEY, part INT NOT N
 CREATE INDEX IF NOT EXISTS labels_due ON labels(part, due_at) WHERE claim IS NULL;
 CREATE INDEX IF NOT EXISTS labels_claim ON labels(part) WHERE claim IS NOT NULL;
 CREATE TABLE IF NOT EXISTS completions(completion_id TEXT PRIMARY KEY, body BYTEA NOT NULL);
+ALTER TABLE completions ALTER COLUMN body SET STORAGE EXTERNAL;
 CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at BIGINT);
 CREATE INDEX IF NOT EXISTS events_at ON events(at);
 CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at BIGINT NOT NULL, shard TEXT);
