@@ -35,7 +35,7 @@ from serving.http.serving_openai import (
 from serving.http.state import ServingState
 from serving.slots import Slots
 
-__all__ = ["create_app", "load_keys", "user_salt", "eval_share_from_env", "CID_HEADER", "CIDS_HEADER",
+__all__ = ["create_app", "load_keys", "user_salt", "CID_HEADER", "CIDS_HEADER",
            "USER_HEADER", "VERSION_HEADER", "DEFAULT_SERVED_MODEL_NAME"]
 
 
@@ -52,21 +52,6 @@ def user_salt() -> str:
         tmp.chmod(0o600)
         os.replace(tmp, f)
     return f.read_text().strip()
-
-
-def eval_share_from_env(default: float = 0.0) -> float:
-    """``FLYWHEEL_EVAL_SHARE`` as a share in [0, 1] (``default`` when unset).
-
-    Raises:
-        ValueError: naming ``FLYWHEEL_EVAL_SHARE``, not a number in [0, 1].
-    """
-    raw = os.environ.get("FLYWHEEL_EVAL_SHARE")
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return check_share(float(raw))
-    except ValueError as exc:
-        raise ValueError(f"FLYWHEEL_EVAL_SHARE: must be a number in [0, 1], got {raw!r}") from exc
 
 
 def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", salt: str | None = None,

@@ -69,7 +69,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
               bootstrap: str | None = None, journal: Path | None = None, log_events: bool = True,
               api_keys: set[str] | None = None, admin_token: str | None = None,
               threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False,
-              device: str = "cpu", scheduler: str = "continuous", engine_options: dict | None = None) -> Pod:
+              device: str = "cpu", scheduler: str = "continuous", engine_options: dict | None = None,
+              app_options: dict | None = None) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -86,6 +87,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
         engine_options: vLLM engine only: :class:`serving.engine_vllm.VLLMEngine` keyword
             arguments (``max_model_len``, ``tensor_parallel_size``, ``dtype``,
             ``gpu_memory_utilization``, ``quantization``; None values are left out).
+        app_options: :func:`serving.app.create_app` keyword arguments (``feedback_keys``,
+            ``served_model_name``, ``eval_share``, ``cors_origins``).
 
     Raises:
         ValueError: unknown ``engine``, or ``aligned_logprobs`` with vLLM.
@@ -125,7 +128,7 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
                 log.warning("%s; events wait in the journal", exc)
         ev = EventLog(bootstrap, journal or settings.home() / "serving" / f"{pod}.journal",
                       client_id=f"flywheel-serving-{pod}")
-    app = create_app(slots, ev, pod=pod, api_keys=api_keys, admin_token=admin_token)
+    app = create_app(slots, ev, pod=pod, api_keys=api_keys, admin_token=admin_token, **(app_options or {}))
     return Pod(app=app, engine=engine, slots=slots, event_log=ev)
 
 
@@ -193,6 +196,21 @@ def register(app: typer.Typer) -> None:
         api_keys_file: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, readable=True,
                                                      help="Bearer keys for /v1/*, one per line "
                                                           "(also env FLYWHEEL_API_KEYS, comma-separated)."),
+        feedback_keys_file: Optional[Path] = typer.Option(
+            None, exists=True, dir_okay=False, readable=True,
+            help="Feedback-only bearer keys (a browser may hold one: POST /v1/feedback and "
+                 "/v1/feedback/batch, nothing else), one per line (also env FLYWHEEL_FEEDBACK_KEYS, "
+                 "comma-separated)."),
+        served_model_name: str = typer.Option("flywheel", help="The `model` name that routes by the sticky "
+                                                               "stable/candidate split (a version id pins that "
+                                                               "version; other names get 404)."),
+        eval_share: float = typer.Option(0.0, envvar="FLYWHEEL_EVAL_SHARE",
+                                         help="Share of prompts (stable hash of the token ids) whose completions "
+                                              "are in the eval split, never trained on; 0..1 (a request tag "
+                                              "metadata.flywheel_split or X-Flywheel-Split wins)."),
+        cors_origin: Optional[list[str]] = typer.Option(None, help="Browser origin allowed to call the API "
+                                                                   "(repeatable; * for any; also env "
+                                                                   "FLYWHEEL_CORS_ORIGINS, comma-separated)."),
         threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads (>= 1)."),
         aligned_logprobs: bool = typer.Option(False, "--aligned-logprobs",
                                               help="Torch engine: log behavior logprobs and routes from one "
@@ -214,10 +232,15 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from schemas import settings
+        from schemas.split import check_share
         from serving.app import load_keys
 
         if engine not in ("torch", "vllm"):
             raise typer.BadParameter(f"must be torch or vllm, got {engine!r}", param_hint="--engine")
+        try:
+            check_share(eval_share)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="--eval-share") from None
         if aligned_logprobs and engine != "torch":
             raise typer.BadParameter("torch engine only (vLLM on GPU: VLLM_BATCH_INVARIANT=1)",
                                      param_hint="--aligned-logprobs")
@@ -258,7 +281,12 @@ def register(app: typer.Typer) -> None:
         if version is not None and version not in st.versions():
             raise typer.BadParameter(f"{version!r} is not in the store (it has {', '.join(st.versions())})",
                                      param_hint="--version")
-        p = build_pod(st, version, pod=pod, max_batch=max_batch,
+        origins = list(cor for cor in (cors_origin or []) if cor)
+        origins += [o.strip() for o in os.environ.get("FLYWHEEL_CORS_ORIGINS", "").split(",") if o.strip()]
+        app_options = {"feedback_keys": load_keys("FLYWHEEL_FEEDBACK_KEYS", feedback_keys_file),
+                       "served_model_name": served_model_name, "eval_share": eval_share,
+                       "cors_origins": origins or None}
+        p = build_pod(st, version, pod=pod, max_batch=max_batch, app_options=app_options,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
                       engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts)

@@ -23,10 +23,12 @@ from tests.test_serving_app import consume
 def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
     port = free_port()
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_MODEL_DIR=str(tiny_moe_dir),
-               FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap, FLYWHEEL_ADMIN_TOKEN="t")
+               FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap, FLYWHEEL_ADMIN_TOKEN="t", FLYWHEEL_API_KEYS="x",
+               FLYWHEEL_FEEDBACK_KEYS="fb-key", FLYWHEEL_EVAL_SHARE="1")
     store = tmp_path / "store"
     proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(port),
-                             "--store", str(store), "--pod", "cli-pod", "--max-batch", "4"],
+                             "--store", str(store), "--pod", "cli-pod", "--max-batch", "4",
+                             "--served-model-name", "fw"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -43,10 +45,14 @@ def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
             raise AssertionError("flywheel serve did not become healthy in 90 s")
         assert (store / "versions" / "v000000" / "manifest.json").exists()  # init_base on empty store
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        r = c.chat.completions.create(model="flywheel", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+        r = c.chat.completions.create(model="fw", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
         assert r.model == "v000000"
         recs = [x for x in consume(broker.bootstrap, topics.COMPLETIONS, 1) if x.key == r.id.encode()]
-        assert len(recs) == 1 and CompletionEvent.from_bytes(recs[0].value).pod == "cli-pod"
+        ev = CompletionEvent.from_bytes(recs[0].value)
+        assert len(recs) == 1 and ev.pod == "cli-pod" and ev.split == "eval"  # FLYWHEEL_EVAL_SHARE=1
+        fb = {"Authorization": "Bearer fb-key"}
+        assert httpx.post(url + "/v1/feedback", json={"completion_id": r.id, "value": 1}, headers=fb).status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"model": "fw", "prompt": "x"}, headers=fb).status_code == 403
         assert httpx.get(url + "/admin/slots").status_code == 401  # FLYWHEEL_ADMIN_TOKEN honoured
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -70,6 +76,17 @@ def test_serve_engine_flag_errors_name_the_flag(tmp_path):
     if importlib.util.find_spec("vllm") is None:  # the main venv: vLLM lives in its own
         r = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--model-dir", str(tmp_path)])
         assert r.exit_code != 0 and "--engine" in r.output and "vllm is not installed" in r.output
+
+
+@pytest.mark.parametrize("value", ["1.5", "nan", "-0.1"])
+def test_serve_eval_share_out_of_range_names_the_flag(tmp_path, value):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--eval-share", value, "--model-dir", str(tmp_path), "--port",
+                                 str(free_port())])
+    assert r.exit_code == 2 and "--eval-share" in r.output, r.output
 
 
 def _flat(text: str) -> str:

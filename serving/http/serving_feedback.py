@@ -102,7 +102,8 @@ class FeedbackServing:
                     body = FeedbackRequest.model_validate(raw)
                 except ValidationError as exc:
                     param, msg = pydantic_error_param(exc.errors()[0])
-                    results.append({"index": i, "status": 400, "accepted": False, "error": error_body(msg, param)["error"]})
+                    results.append({"index": i, "status": 400, "accepted": False,
+                                    "error": error_body(msg, param)["error"]})
                     continue
                 results.append({"index": i, "status": 200, **self.accept(body, user_header)})
             except ServingValidationError as exc:
