@@ -238,20 +238,22 @@ class PrometheusMetricsSource:
     """``arm_metrics`` callable that asks a Prometheus server instead of scraping the pods
     (the ``prometheus`` metric provider, as Flagger's and Argo Rollouts' are).
 
-    Per version, over the window from the canary's start to now (``[Ns]``, N whole seconds):
+    The figures are those of the ``scrape`` provider, computed by PromQL on the series
+    Prometheus scraped: per series (pod, version, bucket), the value now minus the value at
+    the canary's start (``x - x offset <ms>ms``); a series that did not exist then, or that
+    went down since (a restarted pod), counts from zero. Then per version:
 
-    * requests / errors: ``sum by (version) (increase(flywheel_version_requests_total[N]))``
-      and the same of ``flywheel_version_errors_total`` (rounded to whole requests);
-    * p99 (ms): ``histogram_quantile(0.99, sum by (version, le) (increase(LAT_bucket[N])))``
-      with ``LAT`` = ``flywheel_version_latency_seconds`` (or ``flywheel_version_latency_ms``);
-      ``latency_samples`` from ``increase(LAT_count[N])``;
-    * tokens/s: ``increase(flywheel_version_tokens_total[N]) / increase(LAT_sum[N])``.
+    * requests / errors: ``sum by (version)`` of that delta of
+      ``flywheel_version_requests_total`` and ``flywheel_version_errors_total``;
+    * p99 (ms): ``histogram_quantile(0.99, sum by (version, le) (delta of LAT_bucket))`` with
+      ``LAT`` = ``flywheel_version_latency_seconds`` (or ``flywheel_version_latency_ms``);
+      ``latency_samples`` from the delta of ``LAT_count``;
+    * tokens/s: delta of ``flywheel_version_tokens_total`` over the delta of ``LAT_sum``.
 
-    ``increase`` handles counter resets (a restarted pod) and extrapolates to the window's
-    ends, so counts are approximate (ratios, the error rate and the quantile are not biased by
-    it); it counts from a series' first sample, so a version's series must exist before its
-    first request (serving exports ``flywheel_version_errors_total`` at 0 on first routing).
-    No baseline file is needed: the window starts at ``st.canary_started_ms``.
+    Not ``increase()``: it extrapolates each series to the window's ends by its own factor
+    (a bucket that was 0 at the start extrapolates less than ``+Inf``), which moves a p99 of
+    a few dozen requests by several buckets. The value at the start is the last scrape at or
+    before it (``scrape_interval`` resolution).
 
     Args:
         url: Prometheus base URL (``http://prometheus:9090``).
@@ -274,13 +276,16 @@ class PrometheusMetricsSource:
         self.timeout_s = timeout_s
         self.clock = clock or (lambda: int(time.time() * 1000))
 
-    def query(self, promql: str) -> list[tuple[dict, float]]:
-        """Run an instant query; returns ``[(labels, value)]`` of the vector result (NaN
-        values included)."""
+    def query(self, promql: str, at_ms: int | None = None) -> list[tuple[dict, float]]:
+        """Run an instant query (at ``at_ms``, default the server's now); returns
+        ``[(labels, value)]`` of the vector result (NaN values included)."""
         import httpx
 
+        params = {"query": promql}
+        if at_ms is not None:
+            params["time"] = f"{at_ms / 1000:.3f}"
         try:
-            r = httpx.get(self.url + "/api/v1/query", params={"query": promql}, timeout=self.timeout_s)
+            r = httpx.get(self.url + "/api/v1/query", params=params, timeout=self.timeout_s)
             body = r.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise PrometheusQueryError(f"{self.url}: {type(exc).__name__}: {exc} (query {promql})") from exc
@@ -291,39 +296,38 @@ class PrometheusMetricsSource:
             raise PrometheusQueryError(f"{self.url}: expected a vector, got {data.get('resultType')} (query {promql})")
         return [(res["metric"], float(res["value"][1])) for res in data["result"]]
 
-    def _sel(self, name: str) -> str:
-        return f"{name}{{{self.selector}}}" if self.selector else name
-
-    def _by_version(self, promql: str) -> dict[str, float]:
-        return {lab.get("version", ""): v for lab, v in self.query(promql) if "version" in lab}
-
-    def window(self, st) -> str:
-        """The PromQL range of the canary ``st`` so far, e.g. ``[125s]``."""
-        return f"[{max(math.ceil((self.clock() - st.canary_started_ms) / 1000.0), 1)}s]"
-
-    def mark(self, st) -> None:
-        """Nothing to do: the window starts at the canary's start."""
+    def delta(self, name: str, since_ms: int, now_ms: int) -> str:
+        """PromQL: per series of ``name``, its value at ``now_ms`` minus its value at
+        ``since_ms``, or its value when it did not exist then or went down since."""
+        x = f"{name}{{{self.selector}}}" if self.selector else name
+        off = max(now_ms - since_ms, 1)
+        return f"(({x} - {x} offset {off}ms) >= 0 or {x})"
 
     def arm_fields(self, st) -> tuple[dict[str, dict], dict[str, str]]:
         """``({version: ArmStats fields}, {metric: skip reason})`` for both arms of ``st``."""
-        w = self.window(st)
-        inc = lambda name: f"sum by (version) (increase({self._sel(name)}{w}))"  # noqa: E731
-        req = self._by_version(inc(REQUESTS + "_total"))
-        err = self._by_version(inc(ERRORS + "_total"))
+        now = self.clock()
+
+        def by_version(promql: str) -> dict[str, float]:
+            return {lab["version"]: v for lab, v in self.query(promql, now) if "version" in lab}
+
+        def total(name: str) -> dict[str, float]:
+            return by_version(f"sum by (version) ({self.delta(name, st.canary_started_ms, now)})")
+
+        req, err = total(REQUESTS + "_total"), total(ERRORS + "_total")
         lat, p99, n_lat, lat_s = None, {}, {}, {}
         for name in LATENCY:
-            n_lat = self._by_version(inc(name + "_count"))
+            n_lat = total(name + "_count")
             if n_lat:
                 lat = name
-                p99 = self._by_version(f"histogram_quantile(0.99, sum by (version, le) "
-                                       f"(increase({self._sel(name + '_bucket')}{w})))")
-                lat_s = self._by_version(inc(name + "_sum"))
+                p99 = by_version(f"histogram_quantile(0.99, sum by (version, le) "
+                                 f"({self.delta(name + '_bucket', st.canary_started_ms, now)}))")
+                lat_s = total(name + "_sum")
                 break
-        toks = self._by_version(inc(VERSION_TOKENS + "_total")) if lat else {}
+        toks = total(VERSION_TOKENS + "_total") if lat else {}
         skipped: dict[str, str] = {}
         if lat is None:
             skipped["p99_latency"] = (f"Prometheus has no per-version latency histogram ({LATENCY[0]} or "
-                                      f"{LATENCY[1]}) with {self.selector or 'any labels'} in the last {w}")
+                                      f"{LATENCY[1]}) with {self.selector or 'any labels'}")
             skipped["tokens_per_s"] = skipped["p99_latency"]
         to_ms = 1.0 if lat and lat.endswith("_ms") else 1000.0
         out: dict[str, dict] = {}
@@ -338,6 +342,9 @@ class PrometheusMetricsSource:
                 f["tokens_per_s"] = toks.get(v, 0.0) / secs if secs > 0 else None
             out[v] = f
         return out, skipped
+
+    def mark(self, st) -> None:
+        """Nothing to do: the window starts at ``st.canary_started_ms``."""
 
     def __call__(self, st) -> tuple[dict, dict, dict[str, str]]:
         fields, skipped = self.arm_fields(st)

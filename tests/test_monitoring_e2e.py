@@ -1,0 +1,188 @@
+"""A real Prometheus server (Debian's ``prometheus``, its own process on a free port, a temp
+config loading deploy/prometheus/*.yml) scrapes real pods: a ``flywheel serve`` subprocess
+on the tiny MoE, an ingest worker subprocess (``--worker-port``) and the controller's own
+``/metrics``. Then, on the same pods and the same canary window, the two canary metric
+providers agree: ``scrape`` (the controller reads every pod's /metrics) and ``prometheus``
+(PromQL deltas since the canary's start, ``histogram_quantile``): same requests and error rate, the same
+p99 (the same bucket of the latency histogram, and the same interpolation), the same tokens/s;
+and a controller configured with the prometheus provider decides on those numbers."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy import ledger
+from deploy.analysis import AnalysisConfig
+from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, RolloutStatus
+from deploy.metrics import PrometheusMetricsSource, PrometheusQueryError, ServingMetricsSource
+from deploy.serving_client import ServingAdmin
+from deploy.store import ModelStore
+from serving.server import free_port
+from tests.test_deploy_controller import publish_v
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS = "/usr/bin/prometheus"
+TOKEN = "admin-t"
+pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="Debian package prometheus not installed "
+                                "(apt-get install -y prometheus; .ci/run installs it)")
+
+
+def wait_for(cond, timeout_s: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, p, log in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{name} exited {p.returncode}: {Path(log).read_text()[-3000:]}")
+        try:
+            got = cond()
+        except (httpx.HTTPError, PrometheusQueryError, KeyError):
+            got = None
+        if got:
+            return got
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def spawn(args, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def prometheus_config(path: Path, jobs: dict[str, int]) -> Path:
+    lines = ["global:", "  scrape_interval: 1s", "  scrape_timeout: 1s", "  evaluation_interval: 1s",
+             "rule_files:"]
+    lines += [f"  - {ROOT / 'deploy' / 'prometheus' / f}" for f in ("recording_rules.yml", "alert_rules.yml")]
+    lines.append("scrape_configs:")
+    for job, port in jobs.items():
+        lines += [f"  - job_name: {job}", "    static_configs:", f"      - targets: ['127.0.0.1:{port}']"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def bucket_index(v: float) -> int:
+    """Index of serving's version-latency bucket holding ``v`` seconds (0.01 * 1.25**i)."""
+    return max(math.ceil(math.log(v / 0.01) / math.log(1.25) - 1e-9), 0)
+
+
+@pytest.mark.timeout(300)
+def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, broker, fw_home, tmp_path):
+    ports = {"flywheel-serving": free_port(), "flywheel-ingest": free_port(), "flywheel-controller": free_port()}
+    prom_port = free_port()
+    env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_MODEL_DIR=str(tiny_moe_dir),
+               FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap, FLYWHEEL_ADMIN_TOKEN=TOKEN)
+    store_root = tmp_path / "store"
+    logs = {k: tmp_path / f"{k}.log" for k in ("serve", "ingest", "prometheus")}
+    procs = []
+    try:
+        serve = spawn([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(ports["flywheel-serving"]),
+                       "--store", str(store_root), "--pod", "pod-a", "--max-batch", "4"], env, logs["serve"])
+        procs.append(("serve", serve, logs["serve"]))
+        ingest = spawn([sys.executable, "-m", "ingest", "--tick-s", "0.5", "--seal-after-s", "2",
+                        "--worker-port", str(ports["flywheel-ingest"])], env, logs["ingest"])
+        procs.append(("ingest", ingest, logs["ingest"]))
+        cfg = prometheus_config(tmp_path / "prometheus.yml", ports)
+        prom = spawn([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                      f"--web.listen-address=127.0.0.1:{prom_port}"], env, logs["prometheus"])
+        procs.append(("prometheus", prom, logs["prometheus"]))
+        serving_url = f"http://127.0.0.1:{ports['flywheel-serving']}"
+        prom_url = f"http://127.0.0.1:{prom_port}"
+        wait_for(lambda: httpx.get(serving_url + "/healthz", timeout=1).status_code == 200, 120, "serving", procs)
+        wait_for(lambda: httpx.get(prom_url + "/-/ready", timeout=1).status_code == 200, 60, "prometheus", procs)
+
+        store = ModelStore(store_root)  # serve initialised v000000 from the model dir
+        publish_v(store, "v000000")
+        admin = ServingAdmin(serving_url, TOKEN)
+        ctl = RolloutController(store, [admin], tmp_path / "samples", fw_home / "ledger.duckdb",
+                                fw_home / "deploy" / "rollout.json",
+                                ControllerConfig(steps=(0.5, 1.0), analysis=AnalysisConfig(min_votes=5)),
+                                arm_metrics=PrometheusMetricsSource(prom_url))
+        ctl.exported.serve(ports["flywheel-controller"], addr="127.0.0.1")
+        st = ctl.reconcile()
+        assert st.phase == RolloutPhase.CANARY and st.candidate == "v000001", st.last_reason
+
+        def complete(model: str) -> None:
+            r = httpx.post(serving_url + "/v1/completions", timeout=60,
+                           json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 1.0})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-flywheel-model-version"] == model
+
+        # a version's series exist from its first request: one each, seen by Prometheus,
+        # before the window both providers measure opens
+        complete("v000000")
+        complete("v000001")
+        q = PrometheusMetricsSource(prom_url)
+        wait_for(lambda: [v for _, v in q.query("flywheel_version_latency_seconds_count")] == [1.0, 1.0], 30,
+                 "both versions' first request in Prometheus")
+        scrape = ServingMetricsSource([admin], tmp_path / "baseline.json")
+        window = RolloutStatus(phase=RolloutPhase.CANARY, candidate="v000001", stable="v000000", step=0,
+                               weight=0.5, canary_started_ms=int(time.time() * 1000))
+        scrape.mark(window)
+        time.sleep(2.5)  # a scrape inside the window, before the traffic
+        n = {"v000000": 24, "v000001": 16}
+        for v, k in n.items():
+            for _ in range(k):
+                complete(v)
+        total = {"v000000": 25, "v000001": 17}
+        for name in ("flywheel_version_requests_total", "flywheel_version_latency_seconds_count"):
+            wait_for(lambda: {lab["version"]: v for lab, v in q.query(name)} == total, 30,
+                     f"Prometheus to scrape the last requests' {name}")
+
+        c_s, s_s, skipped_s = scrape(window)
+        c_p, s_p, skipped_p = PrometheusMetricsSource(prom_url)(window)
+        assert skipped_s == {} and skipped_p == {}
+        assert (c_s["requests"], s_s["requests"]) == (16, 24)  # a baseline of the pod's counters
+        # PromQL over the same counters from the canary's start: the same figures; the p99
+        # interpolates inside the same bucket of serving's geometric histogram (25 % apart)
+        for a, b in ((c_s, c_p), (s_s, s_p)):
+            assert (b["requests"], b["errors"], b["latency_samples"]) == (a["requests"], a["errors"],
+                                                                          a["latency_samples"]), (a, b)
+            assert b["errors"] / b["requests"] == a["errors"] / a["requests"]
+            assert a["p99_ms"] > 0 and bucket_index(a["p99_ms"] / 1000) == bucket_index(b["p99_ms"] / 1000), (a, b)
+            assert b["p99_ms"] == pytest.approx(a["p99_ms"], rel=1e-6)
+            assert b["tokens_per_s"] == pytest.approx(a["tokens_per_s"], rel=1e-6)
+
+        # the controller reads its canary metrics from Prometheus: too few votes, HOLD, with
+        # the latency figures of PromQL in the ledger
+        ctl.reconcile()
+        last = ledger.decisions(fw_home / "ledger.duckdb")[-1]
+        assert last.decision == "HOLD", last.reason
+        p99 = last.numbers["p99_latency"]
+        assert p99["candidate"] > 0 and p99["stable"] > 0, last.numbers
+
+        # every target is up; the rules loaded and evaluate
+        targets = httpx.get(prom_url + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+        assert {t["labels"]["job"]: t["health"] for t in targets} == {j: "up" for j in ports}, targets
+        groups = httpx.get(prom_url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        assert len(rules) >= 30 and all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]
+        got = wait_for(lambda: q.query("flywheel:version_requests:rate5m"), 20, "a recording rule's series")
+        assert {lab["version"] for lab, _ in got} == {"v000000", "v000001"}
+        # the ingest worker consumed the completions serving logged; the controller's phase
+        wait_for(lambda: sum(v for _, v in q.query('flywheel_ingest_records_consumed_total{topic=~".*completions"}'))
+                 >= 42, 60, "ingest to consume the 42 completions", procs)
+        assert q.query('flywheel_canary_phase{phase="canary"}')[0][1] == 1.0
+        assert q.query("flywheel_canary_weight")[0][1] == 0.5
+        hold = q.query('flywheel_controller_decisions_total{decision="HOLD"}')
+        assert hold and hold[0][1] >= 1
+    finally:
+        for _, p, _ in reversed(procs):
+            stop(p)
