@@ -606,7 +606,7 @@ class RolloutController:
             return st
         st.phase, st.weight, st.decided_by = RolloutPhase.PROMOTED, 0.0, d.decided_by
         st.last_outcome, st.last_reason = "PROMOTE", d.reason
-        self.store.set_status(st.candidate, "promoted", d.reason)
+        self.store.set_status(st.candidate, "promoted", d.reason, actor="controller")
         self._record(st, "PROMOTE", d.reason, numbers)
         st.stable = st.candidate
         return st
