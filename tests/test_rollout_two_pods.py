@@ -50,7 +50,8 @@ def test_rollout_across_two_real_pods(tmp_path, tiny_moe_dir, fw_home, broker_en
 
         def ctl():
             return RolloutController(store, admins, samples, ledger_path, fw_home / "rollout.json",
-                                     ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(min_votes=5)),
+                                     ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(
+                                         min_votes=5, delta=0.9, tau=0.3, min_guard_completions=5)),
                                      clock=clock, arm_metrics=False)
 
         st = ctl().reconcile()
