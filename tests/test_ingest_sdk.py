@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -381,3 +382,52 @@ def test_doc_examples_run(server, broker, monkeypatch):
     (m,) = list(c)
     c.close()
     assert FeedbackEvent.from_bytes(m.value).user_hash == hash_user("carol", "the-serving-salt")
+
+
+@pytest.mark.timeout(120)
+def test_against_the_real_serving_pod(tiny_moe_dir, broker, tmp_path):
+    """The SDK with a feedback-only key against a real serving pod (tiny MoE, real broker):
+    batched thumbs, a named score with metadata and a caller-set event_id arrive on
+    flywheel.feedback; the same event_id with other content is rejected (409), counted and
+    handed to on_error, and the rest of its batch is published."""
+    from kafka import KafkaConsumer
+
+    from serving.app import create_app
+    from serving.engine import TorchEngine
+    from serving.eventlog import EventLog
+    from serving.server import ServerThread
+    from serving.slots import CheckpointStore, Slots
+
+    eng = TorchEngine(tiny_moe_dir, max_batch=2, threads=1)
+    slots = Slots(eng, CheckpointStore(tiny_moe_dir))
+    slots.start("v000000")
+    ev = EventLog(broker.bootstrap, tmp_path / "ev.journal")
+    srv = ServerThread(create_app(slots, ev, pod="pod-sdk", salt="s", api_keys={"k-api"},
+                                  feedback_keys={"k-fb"})).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": "Bearer k-api"}, timeout=60,
+                       json={"model": "flywheel", "prompt": "hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        cid = r.json()["id"]
+        errors = []
+        fb = FeedbackClient(srv.url, feedback_key="k-fb", linger_s=0.3, on_error=lambda p, why: errors.append(why))
+        mine = str(uuid.uuid4())
+        up = fb.thumbs_up(cid, user="alice", event_id=mine, metadata={"surface": "chat"})
+        sc = fb.score(cid, "helpfulness", 0.75, user="bob")
+        clash = fb.thumbs_down(cid, user="alice", event_id=mine)  # same id, other content: 409
+        assert fb.flush(timeout_s=30) == 0 and fb.shutdown() == []
+        assert up == clash == mine
+        st = fb.stats()
+        assert (st["accepted"], st["sent"], st["rejected"]) == (3, 2, 1) and "409" in errors[0]
+        c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+                          consumer_timeout_ms=5000)
+        evs = {str(e.event_id): e for e in (FeedbackEvent.from_bytes(m.value) for m in c)}
+        c.close()
+        assert set(evs) == {mine, sc}
+        assert evs[mine].value == 1.0 and evs[mine].metadata == {"surface": "chat"}
+        assert (evs[sc].kind, evs[sc].name, evs[sc].value) == ("score", "helpfulness", 0.75)
+        assert evs[sc].user_hash == hash_user("bob", "s")
+    finally:
+        srv.stop()
+        ev.close()
+        eng.close()
