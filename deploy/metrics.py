@@ -429,11 +429,12 @@ class ControllerMetrics:
             self.deadline.set(config.step_deadline_s)
         self.step.set(-1)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (prometheus_client)."""
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (prometheus_client);
+        returns the server (``shutdown()`` stops it)."""
         from prometheus_client import start_http_server
 
-        start_http_server(port, addr=addr, registry=self.registry)
+        return start_http_server(port, addr=addr, registry=self.registry)[0]
 
     def status(self, st) -> None:
         """The persisted status ``st`` after a successful reconcile step."""

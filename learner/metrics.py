@@ -74,9 +74,10 @@ class LearnerMetrics:
         self.samples_waiting = Gauge("flywheel_learner_samples_waiting", "sealed samples not yet trained on",
                                      registry=r)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (prometheus_client)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (prometheus_client);
+        returns the server (``shutdown()`` stops it)."""
+        return start_http_server(port, addr=addr, registry=self.registry)[0]
 
     def cycle_done(self, outcome: str, metrics: dict, seconds: float) -> None:
         """Record one finished cycle.

@@ -67,13 +67,50 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-def prometheus_config(path: Path, jobs: dict[str, int]) -> Path:
+class FailingPod:
+    """A second pod's exporter shaped like serving's per-version families (prometheus_client on
+    its own port) whose requests fail as told: serving has no fault injection, and the two
+    providers must also agree on an error rate that is not 0."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+        from serving.http.metrics import VERSION_LAT_BUCKETS
+
+        r = CollectorRegistry()
+        self.req = Counter("flywheel_version_requests", "routed", ["version"], registry=r)
+        self.err = Counter("flywheel_version_errors", "failed", ["version"], registry=r)
+        self.lat = Histogram("flywheel_version_latency_seconds", "engine s", ["version"], buckets=VERSION_LAT_BUCKETS,
+                             registry=r)
+        self.tok = Counter("flywheel_version_tokens", "generated", ["version"], registry=r)
+        for v in ("v000000", "v000001"):  # exported at 0 before the canary, as serving's are
+            for m in (self.req, self.err, self.lat, self.tok):
+                m.labels(v)
+        self.port = free_port()
+        self.server = start_http_server(self.port, addr="127.0.0.1", registry=r)[0]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=5).text
+
+    def serve(self, version: str, n: int, errors: int, latency_s: float) -> None:
+        for i in range(n):
+            self.req.labels(version).inc()
+            if i < errors:
+                self.err.labels(version).inc()
+            else:
+                self.lat.labels(version).observe(latency_s)
+                self.tok.labels(version).inc(6)
+
+
+def prometheus_config(path: Path, jobs: dict[str, list[int]]) -> Path:
     lines = ["global:", "  scrape_interval: 1s", "  scrape_timeout: 1s", "  evaluation_interval: 1s",
              "rule_files:"]
     lines += [f"  - {ROOT / 'deploy' / 'prometheus' / f}" for f in ("recording_rules.yml", "alert_rules.yml")]
     lines.append("scrape_configs:")
-    for job, port in jobs.items():
-        lines += [f"  - job_name: {job}", "    static_configs:", f"      - targets: ['127.0.0.1:{port}']"]
+    for job, port in jobs.items():  # port: the job's ports
+        targets = ", ".join(f"'127.0.0.1:{p}'" for p in port)
+        lines += [f"  - job_name: {job}", "    static_configs:", f"      - targets: [{targets}]"]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -99,7 +136,10 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
         ingest = spawn([sys.executable, "-m", "ingest", "--tick-s", "0.5", "--seal-after-s", "2",
                         "--worker-port", str(ports["flywheel-ingest"])], env, logs["ingest"])
         procs.append(("ingest", ingest, logs["ingest"]))
-        cfg = prometheus_config(tmp_path / "prometheus.yml", ports)
+        failing = FailingPod()
+        cfg = prometheus_config(tmp_path / "prometheus.yml", {**{j: [p] for j, p in ports.items()},
+                                                              "flywheel-serving": [ports["flywheel-serving"],
+                                                                                   failing.port]})
         prom = spawn([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                       f"--web.listen-address=127.0.0.1:{prom_port}"], env, logs["prometheus"])
         procs.append(("prometheus", prom, logs["prometheus"]))
@@ -115,7 +155,7 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
                                 fw_home / "deploy" / "rollout.json",
                                 ControllerConfig(steps=(0.5, 1.0), analysis=AnalysisConfig(min_votes=5)),
                                 arm_metrics=PrometheusMetricsSource(prom_url))
-        ctl.exported.serve(ports["flywheel-controller"], addr="127.0.0.1")
+        exported = ctl.exported.serve(ports["flywheel-controller"], addr="127.0.0.1")
         st = ctl.reconcile()
         assert st.phase == RolloutPhase.CANARY and st.candidate == "v000001", st.last_reason
 
@@ -130,9 +170,9 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
         complete("v000000")
         complete("v000001")
         q = PrometheusMetricsSource(prom_url)
-        wait_for(lambda: [v for _, v in q.query("flywheel_version_latency_seconds_count")] == [1.0, 1.0], 30,
-                 "both versions' first request in Prometheus")
-        scrape = ServingMetricsSource([admin], tmp_path / "baseline.json")
+        wait_for(lambda: sorted(v for _, v in q.query("flywheel_version_latency_seconds_count")) == [0, 0, 1, 1],
+                 30, "both versions' first request in Prometheus")
+        scrape = ServingMetricsSource([admin, failing], tmp_path / "baseline.json")
         window = RolloutStatus(phase=RolloutPhase.CANARY, candidate="v000001", stable="v000000", step=0,
                                weight=0.5, canary_started_ms=int(time.time() * 1000))
         scrape.mark(window)
@@ -141,15 +181,17 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
         for v, k in n.items():
             for _ in range(k):
                 complete(v)
-        total = {"v000000": 25, "v000001": 17}
-        for name in ("flywheel_version_requests_total", "flywheel_version_latency_seconds_count"):
-            wait_for(lambda: {lab["version"]: v for lab, v in q.query(name)} == total, 30,
+        failing.serve("v000000", 20, 1, 0.05)
+        failing.serve("v000001", 20, 5, 0.3)
+        for name, total in (("flywheel_version_requests_total", {"v000000": 45, "v000001": 37}),
+                            ("flywheel_version_latency_seconds_count", {"v000000": 44, "v000001": 32})):
+            wait_for(lambda: {lab["version"]: v for lab, v in q.query(f"sum by (version) ({name})")} == total, 30,
                      f"Prometheus to scrape the last requests' {name}")
 
         c_s, s_s, skipped_s = scrape(window)
         c_p, s_p, skipped_p = PrometheusMetricsSource(prom_url)(window)
         assert skipped_s == {} and skipped_p == {}
-        assert (c_s["requests"], s_s["requests"]) == (16, 24)  # a baseline of the pod's counters
+        assert (c_s["requests"], c_s["errors"], s_s["requests"], s_s["errors"]) == (36, 5, 44, 1)
         # PromQL over the same counters from the canary's start: the same figures; the p99
         # interpolates inside the same bucket of serving's geometric histogram (25 % apart)
         for a, b in ((c_s, c_p), (s_s, s_p)):
@@ -162,15 +204,18 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
 
         # the controller reads its canary metrics from Prometheus: too few votes, HOLD, with
         # the latency figures of PromQL in the ledger
+        c_ctl, _, _ = PrometheusMetricsSource(prom_url)(ctl.status)  # its window: since START
         ctl.reconcile()
         last = ledger.decisions(fw_home / "ledger.duckdb")[-1]
-        assert last.decision == "HOLD", last.reason
-        p99 = last.numbers["p99_latency"]
-        assert p99["candidate"] > 0 and p99["stable"] > 0, last.numbers
+        assert last.decision in ("HOLD", "ROLLBACK"), last.reason
+        assert last.numbers["p99_latency"]["candidate"] == pytest.approx(c_ctl["p99_ms"]), last.numbers
+        assert c_ctl["requests"] == 37  # the warm-up request was after START
+        assert last.numbers["error_rate"]["candidate_rate"] == pytest.approx(5 / 37), last.numbers
 
         # every target is up; the rules loaded and evaluate
         targets = httpx.get(prom_url + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
-        assert {t["labels"]["job"]: t["health"] for t in targets} == {j: "up" for j in ports}, targets
+        assert len(targets) == 4 and all(t["health"] == "up" for t in targets), targets
+        assert {t["labels"]["job"] for t in targets} == set(ports)
         groups = httpx.get(prom_url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
         assert len(rules) >= 30 and all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]
@@ -186,3 +231,6 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
     finally:
         for _, p, _ in reversed(procs):
             stop(p)
+        for srv in (getattr(locals().get("failing"), "server", None), locals().get("exported")):
+            if srv is not None:
+                srv.shutdown()
