@@ -554,7 +554,7 @@ class Joiner:
             completion_token_ids=ev.completion_token_ids, behavior_logprobs=ev.behavior_logprobs,
             sampling=ev.sampling, expert_routes=ev.expert_routes, finish_reason=ev.finish_reason,
             reward=self.cfg.shaping.reward(up, down), label=up > down, n_votes=up + down,
-            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now)
+            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now, split=ev.split)
 
     def _malformed(self, st: LabelState, dl: DeadLetter, res: TickResult, now: int) -> None:
         """A completion whose body failed :meth:`validate`: its dead letter, and one per folded
