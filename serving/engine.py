@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import concurrent.futures
 import logging
 import threading
@@ -38,22 +39,62 @@ class WeightsMismatchError(ValueError):
     """Loaded weights do not have the expected per-tensor sha256 (names listed)."""
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While active, every parameter a module registers is moved to the meta device (no
+    storage); buffers stay real (rotary ``inv_freq`` is computed at construction)."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def build_model(model_dir: str | Path, state: dict, dtype=None):
-    """The model of ``model_dir``'s config (``schemas.modelspec.load_model``) holding ``state``.
+    """The model of ``model_dir``'s config (as ``schemas.modelspec.load_model`` builds it:
+    eager attention and experts, eval mode) whose parameters ARE ``state``'s tensors.
+
+    Nothing is read from the checkpoint's weights and no copy of ``state`` is made
+    (``load_state_dict(assign=True)`` on parameters built on the meta device): loading a
+    version costs one model's memory, the state the store reconstructed. The caller hands
+    ``state`` over and must not modify its tensors afterwards. Tensors of another dtype
+    than ``dtype`` are converted (a copy of those only).
 
     Raises:
         WeightsMismatchError: ``state`` has tensors the model does not, or lacks tensors
             that are not aliases (tied weights) of ones it has.
     """
-    model = load_model(model_dir, dtype=dtype)
-    res = model.load_state_dict(state, strict=False)
-    if res.unexpected_keys:
-        raise WeightsMismatchError(f"weights: unexpected tensors {sorted(res.unexpected_keys)[:5]}")
-    sd = model.state_dict()
-    ptr_of_loaded = {sd[k].data_ptr() for k in state if k in sd}
-    missing = [k for k in res.missing_keys if sd[k].data_ptr() not in ptr_of_loaded]
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from schemas.modelspec import ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION
+
+    dtype = dtype or torch.float32
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                 experts_implementation=EXPERTS_IMPLEMENTATION)
+    names = set(model.state_dict())
+    unexpected = sorted(set(state) - names)
+    if unexpected:
+        raise WeightsMismatchError(f"weights: unexpected tensors {unexpected[:5]}")
+    model.load_state_dict({k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()},
+                          strict=False, assign=True)
+    model.tie_weights()  # tied aliases (lm_head -> embed_tokens) point at the assigned tensors
+    missing = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
     if missing:
-        raise WeightsMismatchError(f"weights: tensors missing from the version: {sorted(missing)[:5]}")
+        raise WeightsMismatchError(f"weights: tensors missing from the version: {missing[:5]}")
+    model.eval()
     return model
 
 
@@ -295,7 +336,8 @@ class TorchEngine(Engine):
 
     def load_weights(self, state: dict, version: str, expected_hashes: dict[str, str] | None = None
                      ) -> LoadedModel:
-        """Fresh model from ``model_dir``'s config with ``state`` loaded, then verified.
+        """Fresh model from ``model_dir``'s config holding ``state``'s tensors (no copy: see
+        :func:`build_model`; the caller hands ``state`` over), then verified.
 
         Args:
             state: ``{name: Tensor}`` (a full state dict; tied aliases may be omitted).
