@@ -275,8 +275,9 @@ class ModelStore:
             info = self.fs.info(self._p(*parts))
         except FileNotFoundError:
             return ("missing",)
-        return (info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime")
-                                      or info.get("LastModified") or info.get("last_modified") or ""))
+        stamp = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "created")
+                      if info.get(k)), "")
+        return (info.get("size"), str(stamp))
 
     def _put_atomic(self, data: bytes, *parts: str) -> None:
         """Replace one file: local temp + ``os.replace``; fsspec one ``pipe`` (one PUT)."""
