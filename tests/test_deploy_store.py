@@ -242,3 +242,49 @@ def test_file_url_is_a_local_store(tmp_path, tiny_moe_dir):
     store.init_base(tiny_moe_dir)
     assert ModelStore(tmp_path / "st").versions() == ["v000000"]
     assert (tmp_path / "st" / "base" / "config.json").exists() and (tmp_path / "st" / ".lock").exists()
+
+
+def _publish_scaled(store: ModelStore, parent: str, scale: float) -> str:
+    state = store.load(parent)
+    for t in state.values():
+        if t.is_floating_point():
+            t.mul_(scale)
+    return store.publish(state, parent).version
+
+
+def test_stable_record_follows_promotions_and_rollbacks(store):
+    """The stable record is what a restarted pod serves (issue 11, defect 4)."""
+    rec = store.stable_record()
+    assert (store.stable(), rec["actor"], [h["version"] for h in rec["history"]]) == ("v000000", "init_base",
+                                                                                     ["v000000"])
+    v1 = _publish_scaled(store, "v000000", 1.001)
+    v2 = _publish_scaled(store, v1, 1.001)
+    assert store.stable() == "v000000"  # publishing or a canary does not make a version stable
+    store.set_status(v1, "canary")
+    store.set_status(v1, "promoted", "canary passed", actor="controller")
+    store.set_status(v2, "promoted", "manual promote", actor="alice")
+    assert store.stable() == v2 and store.previous_stable(v2) == v1
+    # rollback --to v000000: v2 rolled back, v0 promoted; v1 keeps its old 'promoted' status
+    store.set_status(v2, "rolled_back", "bad", actor="bob")
+    store.set_status("v000000", "promoted", "rollback --to", actor="bob")
+    assert store.stable() == "v000000" and store.stable_record()["actor"] == "bob"
+    assert ModelStore(store.root).stable() == "v000000"  # a freshly opened store (a restarted pod)
+    assert store.previous_stable("v000000") == v1  # the last earlier stable not rolled back since
+    # a store written before the record existed: the version most recently marked promoted
+    (store.root / "stable.json").unlink()
+    assert store.stable() == "v000000" and store.previous_stable("v000000") is None
+    # a record naming a version the store lost: the same fallback, never a missing version
+    (store.root / "stable.json").write_text(json.dumps({"version": "v000009", "history": []}))
+    assert store.stable() == "v000000"
+    assert store.set_stable(v1, actor="carol")["version"] == v1 and store.stable() == v1
+    with pytest.raises(KeyError):
+        store.set_stable("v000042")
+
+
+def test_stable_record_on_a_url_store(tiny_moe_dir, fw_home):
+    s = ModelStore(f"memory://stable-{uuid.uuid4().hex}/store")
+    s.init_base(tiny_moe_dir)
+    v1 = _publish_scaled(s, "v000000", 1.001)
+    s.set_status(v1, "promoted", actor="dana")
+    assert ModelStore(s.root).stable() == v1  # reopened by URL, as a restarted pod does
+    assert s.stable() == v1 and [h["version"] for h in s.stable_record()["history"]] == ["v000000", v1]
