@@ -195,6 +195,19 @@ def test_non_finite_and_boolean_numbers_are_400_naming_the_field(env, path, raw,
     assert err["param"] == param and err["message"].startswith(param + ":"), err
 
 
+@pytest.mark.parametrize("path,body,param,says", [
+    ("/v1/completions", {"model": "flywheel", "prompt": 5}, "prompt", "must be one of str, list[int]"),
+    ("/v1/completions", {"model": "flywheel", "prompt": "x", "stop": 7}, "stop", "must be one of str, list[str]"),
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user", "content": 5}]},
+     "messages.0.content", "must be one of str"),
+    ("/v1/completions", {"model": "flywheel", "prompt": "x", "metadata": {"str": 1}}, "metadata.str", "string"),
+])
+def test_wrong_types_name_the_field_not_the_union_member(env, path, body, param, says):
+    r = post(env, path, body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and says in err["message"], err
+
+
 def test_admin_bodies(env):
     r = httpx.post(env["url"] + "/admin/rollback", json={"version": ""}, headers=H_ADMIN)
     assert r.status_code == 400 and r.json()["error"]["param"] == "version"

@@ -41,15 +41,40 @@ def validation_error_body(exc: ServingValidationError) -> dict:
     return error_body(str(exc), exc.parameter, type_=t, code=exc.code)
 
 
-def pydantic_error_param(e: dict) -> tuple[str | None, str]:
+def _is_union_tag(part) -> bool:
+    # pydantic names the member of a union an error came from: 'str', 'list[int]', 'function-after[...]'
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "uuid"})
+
+
+def pydantic_error_param(e: dict, errors: list[dict] | None = None) -> tuple[str | None, str]:
     """``(param, message)`` for one pydantic error dict (FastAPI's ``exc.errors()[i]`` or
     ``ValidationError.errors()[i]``): the dotted field path without ``body``, and a message
     that starts with it. Model-level checks that name their field as ``"field: reason"``
-    (and our ``lone_surrogate`` / ``non_finite`` errors) are attributed to that field."""
+    (and our ``lone_surrogate`` / ``non_finite`` errors) are attributed to that field. A value
+    that matches no member of a union (``prompt: 5``) names the field and the accepted types,
+    gathered from ``errors`` (all the errors of the same validation)."""
     ctx = e.get("ctx") or {}
     if e.get("type") in ("lone_surrogate", "non_finite") and "field" in ctx:
         return str(ctx["field"]), str(e.get("msg"))
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    raw_loc = [x for x in e.get("loc", ()) if x != "body"]
+    tag_at = next((i for i, x in enumerate(raw_loc) if _is_union_tag(x)), None)
+    if tag_at is not None:
+        head = raw_loc[:tag_at]
+        param = ".".join(str(x) for x in head) or None
+        members = []
+        for x in errors or [e]:
+            loc = [y for y in x.get("loc", ()) if y != "body"]
+            if loc[:tag_at] == head and len(loc) > tag_at and _is_union_tag(loc[tag_at]):
+                t = str(loc[tag_at])
+                if t not in members:
+                    members.append(t)
+        if len(members) > 1:  # a union (one error per member); else a dict key that looks like a tag
+            got = type(e.get("input")).__name__
+            return param, f"{param or 'body'}: must be one of {', '.join(members)} (got {got})"
+    loc = [str(x) for x in raw_loc]
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
     param = ".".join(loc) or None
     if param is None and ": " in msg:  # a model-level check: "field: reason"
@@ -82,7 +107,7 @@ def install(app: FastAPI) -> None:
         e = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         if e.get("type") == "json_invalid":
             return json_response(error_body(f"body: invalid JSON ({e.get('msg')})", None), 400)
-        param, msg = pydantic_error_param(e)
+        param, msg = pydantic_error_param(e, errs)
         return json_response(error_body(msg, param), 400)
 
     @app.exception_handler(SlotError)

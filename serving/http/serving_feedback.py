@@ -101,7 +101,7 @@ class FeedbackServing:
                 try:
                     body = FeedbackRequest.model_validate(raw)
                 except ValidationError as exc:
-                    param, msg = pydantic_error_param(exc.errors()[0])
+                    param, msg = pydantic_error_param(exc.errors()[0], exc.errors())
                     results.append({"index": i, "status": 400, "accepted": False,
                                     "error": error_body(msg, param)["error"]})
                     continue
