@@ -495,8 +495,11 @@ class Worker:
         no_topic_auto_creation()
         worker = self
         loop = asyncio.get_running_loop()
-        if self.scoped:
-            await loop.run_in_executor(None, self.ensure_rekeyed)
+        if self.scoped:  # before subscribing: its appearance later would cost a rebalance
+            try:
+                await loop.run_in_executor(None, self.ensure_rekeyed)
+            except Exception as exc:  # noqa: BLE001 - the broker is not up yet: seal_loop retries
+                log.warning("ingest: creating %s failed (%s); retried every %.0f s", self.rekeyed, exc, REKEYED_CHECK_S)
 
         class _Listener(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked):
