@@ -228,6 +228,8 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
         assert q.query("flywheel_canary_weight")[0][1] == 0.5
         hold = q.query('flywheel_controller_decisions_total{decision="HOLD"}')
         assert hold and hold[0][1] >= 1
+        with pytest.raises(PrometheusQueryError, match="bad_data.*sum\\("):  # Prometheus's own error, and the query
+            q.query("sum(")
     finally:
         for _, p, _ in reversed(procs):
             stop(p)
