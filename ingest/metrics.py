@@ -15,11 +15,16 @@ exports (names as Prometheus shows them):
   validate, write shards, mark sealed).
 * ``flywheel_ingest_seal_delay_seconds``: histogram, per sample ``sealed_at - created_at``:
   how long after the completion its labelled sample existed.
-* ``flywheel_ingest_consumer_lag{topic, partition}``: per assigned partition, the
-  partition's high watermark (from the last fetch response) minus the consumer's position
-  (records), read when ``/metrics`` is scraped. **Approximate on the embedded Tansu
-  broker**: it under-reports the end offset after a multi-record batch (DESIGN §3), so the
-  lag there reads low (often 0); on a Kafka cluster it is the usual consumer lag.
+* ``flywheel_ingest_consumer_lag{topic, partition}``: per assigned partition, the high
+  watermark of the partition's last Fetch response minus the consumer's position (records),
+  read when ``/metrics`` is scraped; a partition not fetched yet is left out. On a Kafka
+  cluster it is the usual consumer lag. **Approximate on the embedded Tansu broker**: its
+  ListOffsets(latest) under-reports the end offset after a multi-record batch (DESIGN §3),
+  so lag tools that ask ListOffsets (``kafka-consumer-groups``, kafka_exporter, Burrow) read
+  wrong there; the Fetch high watermark used here was right when measured (100 records in one
+  batch, consumer at 30: lag 70 while ListOffsets said the end is 1;
+  ``tests/test_monitoring_ingest.py``), but it is as old as the last fetch and Tansu's
+  offsets are not otherwise relied on.
 * ``flywheel_ingest_assigned_partitions``: partitions this worker owns now.
 * ``flywheel_ingest_state_open_labels``, ``flywheel_ingest_state_dedupe_rows{table}``,
   ``flywheel_ingest_state_bytes``: size of the SQLite join state (read every
@@ -203,7 +208,7 @@ class _LagCollector:
         with self.m._lock:
             lag, n = dict(self.m._lag), self.m._assigned
         g = GaugeMetricFamily("flywheel_ingest_consumer_lag", "records behind the partition's high watermark "
-                              "(approximate on the embedded Tansu broker, DESIGN §3)", labels=["topic", "partition"])
+                              "(from the last Fetch response; approximate on the embedded Tansu broker)", labels=["topic", "partition"])
         for (topic, part), v in sorted(lag.items()):
             g.add_metric([topic, str(part)], v)
         yield g

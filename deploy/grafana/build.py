@@ -52,8 +52,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
         ("Dead letters/s by reason", "short", [("flywheel:ingest_deadletters:rate5m", "{{topic}} {{reason}}")],
          "Alert FlywheelIngestDeadLettersHigh on their share of consumed records."),
         ("Consumer lag by topic (approximate on Tansu)", "short", [("flywheel:ingest_consumer_lag:sum", "{{topic}}")],
-         "High watermark minus position, summed over partitions. The embedded Tansu broker under-reports end "
-         "offsets after multi-record batches (DESIGN §3): there the lag reads low."),
+         "Last Fetch high watermark minus position, summed over partitions. Approximate on the embedded Tansu "
+         "broker, whose ListOffsets under-reports end offsets (DESIGN §3): lag tools built on ListOffsets "
+         "read wrong there."),
         ("Sample delay (completion -> sealed sample)", "s", [("flywheel:ingest_seal_delay_seconds:p50_1h", "p50"),
                                                              ("flywheel:ingest_seal_delay_seconds:p99_1h", "p99")],
          "sealed_at - created_at per sample (1 h window)."),
