@@ -49,6 +49,15 @@ def test_promtool_check_rules():
 
 
 @needs_promtool
+def test_promtool_check_example_config():
+    r = subprocess.run([PROMTOOL, "check", "config", str(PROM / "prometheus.example.yml")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    jobs = {j["job_name"] for j in yaml.safe_load((PROM / "prometheus.example.yml").read_text())["scrape_configs"]}
+    assert jobs == {"flywheel-serving", "flywheel-ingest", "flywheel-learner", "flywheel-controller"}
+
+
+@needs_promtool
 def test_promtool_unit_tests_of_the_alerts():
     r = subprocess.run([PROMTOOL, "test", "rules", "alert_rules_test.yml"], cwd=PROM, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
