@@ -525,18 +525,63 @@ class ModelStore:
         return None
 
     # -- reads --------------------------------------------------------------------------
-    def load(self, version: str) -> dict[str, torch.Tensor]:
+    def load(self, version: str, *, resident: dict[str, dict[str, torch.Tensor]] | None = None,
+             cache: bool = True) -> dict[str, torch.Tensor]:
         """Reconstruct ``version``'s tensors (fresh copies; safe to modify).
 
         Walks back to the nearest snapshot (or a cached ancestor), applies each delta on
         its exact parent and verifies every tensor's sha256 against the manifest.
 
+        Args:
+            resident: ``{version: state}`` the caller already holds, verified against those
+                versions' manifests and never modified (a serving pod's weight slots): used
+                as delta parents instead of reconstructing them; never modified here.
+            cache: False reconstructs without keeping anything in the in-memory cache and
+                returns the reconstructed tensors themselves (no copy): one model's memory
+                per load, for a process that keeps the result (serving).
+
         Raises:
             KeyError: the version is not in the store.
             CorruptVersionError: truncated/corrupt payload, hash mismatch or wrong parent.
         """
+        if not cache or resident:
+            state = self._reconstruct(version, resident or {}, cache)
+            return state if not cache else {k: v.clone() for k, v in state.items()}
         state = self._load_cached(version)
         return {k: v.clone() for k, v in state.items()}
+
+    def _reconstruct(self, version: str, resident: dict, cache: bool) -> dict[str, torch.Tensor]:
+        """:meth:`_load_cached` with ``resident`` states as parents and, when not ``cache``,
+        nothing cached (a cached ancestor is still used when there is one)."""
+        if version in resident:
+            return resident[version]
+        if cache:
+            return self._load_cached(version)
+        m = self.manifest(version)
+        with self._cache_lock:
+            hit = self._cache.get(version)
+        if hit is not None and hit[0] == self._identity(version, m):
+            return {k: v.clone() for k, v in hit[1].items()}
+        try:
+            index = json.loads(self._read("versions", version, "index.json"))
+            payload = self._read("versions", version, "payload.bin")
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CorruptVersionError(version, "*", f"unreadable index/payload: {exc}") from exc
+        parent_state = parent_hashes = None
+        if m.kind == "delta":
+            if index.get("parent") != m.parent:
+                raise CorruptVersionError(version, "*", f"wrong parent: delta was encoded against "
+                                          f"{index.get('parent')}, manifest says {m.parent}")
+            parent_state = self._reconstruct(m.parent, resident, cache)
+            parent_hashes = {k: t.sha256 for k, t in self.manifest(m.parent).tensors.items()}
+        expected = {k: meta.sha256 for k, meta in m.tensors.items()}
+        state = decode_state(version, index["entries"], payload, parent_state, parent_hashes, expected)
+        del parent_state, payload
+        if set(state) != set(m.tensors):
+            raise CorruptVersionError(version, "*", "tensor names differ from the manifest: "
+                                      f"missing {sorted(set(m.tensors) - set(state))[:3]}, "
+                                      f"extra {sorted(set(state) - set(m.tensors))[:3]}")
+        return state
 
     def _identity(self, version: str, m: VersionManifest) -> tuple:
         """What the reconstructed tensors of ``version`` depend on: the manifest's weights

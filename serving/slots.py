@@ -106,13 +106,28 @@ class Slots:
         """
         try:
             manifest = self.store.manifest(version)
-            state = self.store.load(version)
+            state = self._load_state(version)
             expected = {k: v.sha256 for k, v in manifest.tensors.items()}
             return self.engine.load_weights(state, version, expected_hashes=expected)
         except SlotError:
             raise
         except Exception as exc:  # noqa: BLE001 - CorruptVersionError, KeyError, FileNotFoundError...
             raise SlotError(f"cannot load {version}: {type(exc).__name__}: {exc}") from exc
+
+    def _load_state(self, version: str) -> dict:
+        """``version``'s state from the store. A store that can (``deploy.store.ModelStore``)
+        rebuilds a delta on the resident slots' weights (verified at their load, never
+        modified) and keeps no cached copy: one model's memory per load, on top of the
+        resident versions (the peak-RSS budget of ``bench/serve_memory.py``)."""
+        import inspect
+
+        params = inspect.signature(self.store.load).parameters
+        if "resident" not in params:
+            return self.store.load(version)
+        with self._lock:
+            held = [lm for lm in (self.stable, self.candidate, self.previous) if lm is not None]
+        resident = {lm.version: lm.model.state_dict() for lm in held if hasattr(lm.model, "state_dict")}
+        return self.store.load(version, resident=resident, cache=False)
 
     def start(self, version: str) -> None:
         """Install ``version`` as stable at startup (verified)."""

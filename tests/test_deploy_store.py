@@ -288,3 +288,24 @@ def test_stable_record_on_a_url_store(tiny_moe_dir, fw_home):
     s.set_status(v1, "promoted", actor="dana")
     assert ModelStore(s.root).stable() == v1  # reopened by URL, as a restarted pod does
     assert s.stable() == v1 and [h["version"] for h in s.stable_record()["history"]] == ["v000000", v1]
+
+
+def test_load_on_resident_parents_without_cache(store):
+    """load(resident=..., cache=False) (a serving pod's loads): a delta is rebuilt on the
+    resident parent state it is given (wrong resident bytes are caught by the manifest
+    hashes), the result equals the cached path bit for bit, and nothing is cached."""
+    s0 = store.load("v000000")
+    s1 = {k: v + 1e-3 if "experts" in k else v.clone() for k, v in s0.items()}
+    v1 = store.publish(s1, "v000000").version
+    store.clear_cache()
+    got = store.load(v1, resident={"v000000": s0}, cache=False)
+    assert not store._cache  # nothing kept in memory by the store
+    want = store.load(v1)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    store.clear_cache()
+    bad = {k: v.clone() for k, v in s0.items()}
+    k = next(k for k in bad if "experts" in k)
+    bad[k] += 1.0  # a resident copy that is not v0's bytes
+    with pytest.raises(CorruptVersionError, match=k.split(".")[-1]):
+        store.load(v1, resident={"v000000": bad}, cache=False)
+    assert store.load(v1, cache=False).keys() == want.keys() and not store._cache
