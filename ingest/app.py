@@ -32,7 +32,9 @@ class IngestConfig:
     Args:
         join: :class:`ingest.join.JoinConfig` (seal/orphan/age timings, policies, shaping).
         tick_s: how often the seal timer runs (s).
-        worker_port: HTTP port on 127.0.0.1: ``GET /metrics`` in the Prometheus text format
+        worker_host: interface of the worker's HTTP port (``0.0.0.0`` for a Prometheus on
+            another host).
+        worker_port: HTTP port on ``worker_host``: ``GET /metrics`` in the Prometheus text format
             (``ingest.metrics``), any other path the state's counters as JSON; 0 disables it.
         bootstrap: Kafka ``host:port`` (default ``schemas.settings.bootstrap()``).
         samples_dir: shard root (default ``schemas.settings.samples_dir()``).
@@ -49,6 +51,7 @@ class IngestConfig:
     join: JoinConfig = field(default_factory=JoinConfig)
     tick_s: float = 1.0
     worker_port: int = 0
+    worker_host: str = "127.0.0.1"
     bootstrap: str | None = None
     samples_dir: Path | None = None
     state_path: Path | str | None = None

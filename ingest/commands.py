@@ -12,8 +12,10 @@ def ingest_cmd(
     max_label_age_s: float = typer.Option(3600.0, help="Seal (or drop, with no vote) completions this old (s)."),
     orphan_ttl_s: float = typer.Option(600.0, help="How long feedback waits for its completion (s)."),
     tick_s: float = typer.Option(1.0, help="Seal timer period (s)."),
-    worker_port: int = typer.Option(0, help="HTTP port on 127.0.0.1: GET /metrics in the Prometheus text format, other paths the "
-                                     "counters as JSON (0: none)."),
+    worker_port: int = typer.Option(0, help="HTTP port on --worker-host: GET /metrics in the Prometheus text format, other "
+                                     "paths the counters as JSON (0: none)."),
+    worker_host: str = typer.Option("127.0.0.1", help="Interface of --worker-port (0.0.0.0 for a Prometheus on "
+                                    "another host)."),
     late_policy: str = typer.Option("deadletter", help="Feedback after sealing: deadletter | drop."),
     reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
     reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
@@ -36,7 +38,7 @@ def ingest_cmd(
             join=JoinConfig(seal_after_s=seal_after_s, max_label_age_s=max_label_age_s,
                             orphan_ttl_s=orphan_ttl_s, late_policy=late_policy,
                             shaping=RewardShaping(up=reward_up, down=reward_down)),
-            tick_s=tick_s, worker_port=worker_port, app_id=app_id, state_path=state or None)
+            tick_s=tick_s, worker_port=worker_port, worker_host=worker_host, app_id=app_id, state_path=state or None)
     except (ValueError, RuntimeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_worker(cfg, loglevel=loglevel)

@@ -519,7 +519,7 @@ class Worker:
             self.consumer.subscribe([T.COMPLETIONS, T.FEEDBACK] + ([self.rekeyed] if self.scoped else []),
                                     listener=_Listener())
             if self.cfg.worker_port:
-                server = await asyncio.start_server(self._http, "127.0.0.1", self.cfg.worker_port)
+                server = await asyncio.start_server(self._http, self.cfg.worker_host, self.cfg.worker_port)
             tasks = [asyncio.create_task(self.consume(stop), name="ingest-consume"),
                      asyncio.create_task(self.seal_loop(stop), name="ingest-seal")]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
