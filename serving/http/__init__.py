@@ -8,6 +8,7 @@
   per-request HTTP counter.
 * :mod:`serving.http.prompts`: request -> prompt token ids, budgets, stop strings, text.
 * :mod:`serving.http.wire`: OpenAI response and stream-chunk builders (pure functions).
+* :mod:`serving.http.streaming`: server-sent events for the n choices of a streamed request.
 * :mod:`serving.http.completion_log`: one ``CompletionEvent`` per completion.
 * :mod:`serving.http.serving_openai` / :mod:`serving.http.serving_feedback`: the logic of
   the endpoints, one class each.

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -34,9 +36,13 @@ from serving.http.completion_log import CompletionLogger
 from serving.http.errors import json_response
 from serving.http.metrics import ServingMetrics
 from serving.http.prompts import PromptBuilder
+from serving.http.streaming import ChoiceStreams
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.slots import Slots
+
+if TYPE_CHECKING:
+    from serving.engine import LoadedModel
 
 USER_HEADER = "x-flywheel-user"
 CID_HEADER = "x-flywheel-completion-id"
@@ -163,147 +169,125 @@ class OpenAIServing:
     async def _serve(self, request: Request, body, version: str | None, prompt: list[int], sp,
                      top_logprobs: int, chat: bool):
         """Run ``n`` choices on one version and answer in the OpenAI shape, as JSON or SSE."""
-        engine, metrics = self.engine, self.metrics
         split = self.split_of(request, body, prompt)
         uh = user_hash(request, body.user, self.salt)
-        lm = self.slots.pick(uh, version=version)
-        n = body.n or 1
-        cids = [uuid.uuid4() for _ in range(n)]
+        run = _Run(lm=self.slots.pick(uh, version=version), prompt=prompt, n=body.n or 1, stops=body.stop_strings(),
+                   split=split, user_hash=uh, created_ms=now_ms(),
+                   request_id=request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}",
+                   q=asyncio.Queue() if body.stream else None)
         # choice i samples with seed + i: n copies of one seeded draw would be surprising
-        sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i}) for i in range(n)]
-        request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
-        created_ms = now_ms()
-        stops = body.stop_strings()
-        headers = {CID_HEADER: str(cids[0]), CIDS_HEADER: ",".join(map(str, cids)), VERSION_HEADER: lm.version,
-                   SPLIT_HEADER: split}
-        stream = bool(body.stream)
+        run.sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i})
+                   for i in range(run.n)]
+        self._submit(run, top_logprobs)
+        run.tasks = [asyncio.ensure_future(self._finish(run, i)) for i in range(run.n)]
+        if run.q is None:
+            return await self._json(run, body, chat)
+        return self._stream(run, body, chat)
+
+    def _submit(self, run: "_Run", top_logprobs: int) -> None:
+        """Queue the ``n`` requests, all or none (a 429 leaves nothing queued or logged)."""
+        engine, metrics, version = self.engine, self.metrics, run.lm.version
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue | None = asyncio.Queue() if stream else None
-
-        greqs: list[GenRequest] = []
-        futs = []
         # counted when routed, so errors <= requests per version (error rate = errors / requests)
-        metrics.version_requests.labels(lm.version).inc(n)
-        metrics.version_errors.labels(lm.version)  # export 0 errors, not "no data", for this version
+        metrics.version_requests.labels(version).inc(run.n)
+        metrics.version_errors.labels(version)  # export 0 errors, not "no data", for this version
         try:
-            for i in range(n):
+            for i in range(run.n):
                 def on_step(out: StepOutput, i=i) -> None:
-                    loop.call_soon_threadsafe(q.put_nowait, (i, out, None))
+                    loop.call_soon_threadsafe(run.q.put_nowait, (i, out, None))
 
-                greqs.append(GenRequest(prompt_token_ids=prompt, sampling=sps[i], model=lm,
-                                        stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
-                                        on_step=on_step if stream else None,
-                                        stop_check=self.prompts.stop_check(stops)))
-                futs.append(engine.submit(greqs[-1]))  # raises 429 here, before anything is logged
+                run.greqs.append(GenRequest(prompt_token_ids=run.prompt, sampling=run.sps[i], model=run.lm,
+                                            stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
+                                            on_step=on_step if run.q is not None else None,
+                                            stop_check=self.prompts.stop_check(run.stops)))
+                run.futs.append(engine.submit(run.greqs[-1]))  # raises 429 here, before anything is logged
         except ServingValidationError as exc:
-            for g, f in zip(greqs, futs):  # all or nothing: never a partial set of choices
+            for g, f in zip(run.greqs, run.futs):
                 f.cancel()
                 engine.abort(g)
             if exc.status == 429:
-                metrics.version_errors.labels(lm.version).inc(n)  # all n choices failed
+                metrics.version_errors.labels(version).inc(run.n)  # all n choices failed
             raise
-        self.inflight += n
+        self.inflight += run.n
 
-        async def finish(i: int) -> GenResult:
-            # Runs to the end even if the client goes away: one completion, one event.
-            try:
-                res = await asyncio.wrap_future(futs[i])
-            except BaseException as exc:
-                metrics.version_errors.labels(lm.version).inc()
-                if q is not None:
-                    q.put_nowait((i, None, exc))
-                raise
-            finally:
-                self.inflight -= 1
-            self.log.submit(cids[i], request_id, uh, prompt, sps[i], res, created_ms, split)  # built off the loop
-            metrics.observe(res, len(prompt))
-            if q is not None:
-                q.put_nowait((i, None, res))  # after every token of choice i (same loop, FIFO)
-            return res
+    async def _finish(self, run: "_Run", i: int) -> GenResult:
+        """Await choice ``i``, log its event, observe it. Runs to the end even if the client
+        goes away: one completion, one event."""
+        try:
+            res = await asyncio.wrap_future(run.futs[i])
+        except BaseException as exc:
+            self.metrics.version_errors.labels(run.lm.version).inc()
+            if run.q is not None:
+                run.q.put_nowait((i, None, exc))
+            raise
+        finally:
+            self.inflight -= 1
+        self.log.submit(run.cids[i], run.request_id, run.user_hash, run.prompt, run.sps[i], res, run.created_ms,
+                        run.split)  # built off the loop
+        self.metrics.observe(res, len(run.prompt))
+        if run.q is not None:
+            run.q.put_nowait((i, None, res))  # after every step of choice i (same loop, FIFO)
+        return res
 
-        tasks = [asyncio.ensure_future(finish(i)) for i in range(n)]
-        created = created_ms // 1000
-        rid = str(cids[0])
-        if not stream:
-            try:
-                results = await asyncio.shield(asyncio.gather(*tasks))
-            except asyncio.CancelledError:
-                for g in greqs:
-                    engine.abort(g)
-                raise
-            choices = []
-            for i, res in enumerate(results):
-                if chat:
-                    lp = wire.chat_logprobs(res, self.prompts.token_str) if body.logprobs else None
-                else:
-                    lp = wire.completion_logprobs(res, self.prompts.token_str) if body.logprobs is not None else None
-                choices.append(wire.choice(i, self.prompts.text(res.completion_token_ids, stops), res, str(cids[i]),
-                                           chat=chat, logprobs=lp))
-            out = wire.response(rid, created, lm.version, choices, wire.usage(len(prompt), results), chat=chat)
-            return json_response(out, 200, headers)
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        want_lp = bool(body.logprobs) if chat else body.logprobs is not None
-        lp_toks: list[list[tuple[int, float, list]]] = [[] for _ in range(n)]  # not yet sent, per choice
-        lp_off = [0] * n  # text offset of choice i's next token (completions' text_offset)
-
-        def take_logprobs(i: int) -> dict | None:
-            """The streamed chunk's ``logprobs``: the tokens since choice i's previous chunk."""
-            if not want_lp or not lp_toks[i]:
-                return None
-            steps, lp_toks[i] = lp_toks[i], []
+    async def _json(self, run: "_Run", body, chat: bool):
+        """The whole response once every choice ended."""
+        try:
+            results = await asyncio.shield(asyncio.gather(*run.tasks))
+        except asyncio.CancelledError:
+            run.abort(self.engine)
+            raise
+        choices = []
+        for i, res in enumerate(results):
             if chat:
-                return wire.chat_logprobs_of(steps, self.prompts.token_str)
-            out, lp_off[i] = wire.completion_logprobs_of(steps, self.prompts.token_str, lp_off[i])
-            return out
+                lp = wire.chat_logprobs(res, self.prompts.token_str) if body.logprobs else None
+            else:
+                lp = wire.completion_logprobs(res, self.prompts.token_str) if body.logprobs is not None else None
+            choices.append(wire.choice(i, self.prompts.text(res.completion_token_ids, run.stops), res,
+                                       str(run.cids[i]), chat=chat, logprobs=lp))
+        out = wire.response(str(run.cids[0]), run.created_ms // 1000, run.lm.version, choices,
+                            wire.usage(len(run.prompt), results), chat=chat)
+        return json_response(out, 200, run.headers())
 
-        def chunk(i: int, delta_text: str | None, finish_reason: str | None, first: bool = False) -> str:
-            return wire.sse(wire.chunk(rid, created, lm.version, i, str(cids[i]), delta_text, finish_reason,
-                                       chat=chat, first=first, include_usage=include_usage,
-                                       logprobs=None if first else take_logprobs(i)))
+    def _stream(self, run: "_Run", body, chat: bool) -> StreamingResponse:
+        """Server-sent events as the choices run (:class:`serving.http.streaming.ChoiceStreams`)."""
+        streams = ChoiceStreams(
+            str(run.cids[0]), [str(c) for c in run.cids], run.created_ms // 1000, run.lm.version, chat=chat,
+            text=lambda ids: self.prompts.text(ids, run.stops), token_str=self.prompts.token_str,
+            want_logprobs=bool(body.logprobs) if chat else body.logprobs is not None,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            prompt_len=len(run.prompt))
+        # client went away: stop generating the choices still running; their events are still logged
+        return StreamingResponse(streams.events(run.q, lambda: run.abort(self.engine, unfinished_only=True)),
+                                 media_type="text/event-stream", headers=run.headers())
 
-        async def sse():
-            try:
-                if chat:
-                    for i in range(n):
-                        yield chunk(i, "", None, first=True)
-                toks: list[list[int]] = [[] for _ in range(n)]
-                sent = [""] * n
-                results: list[GenResult | None] = [None] * n
-                left = n
-                while left:
-                    i, step, x = await q.get()
-                    if step is None:  # choice i ended: x is its GenResult or its exception
-                        left -= 1
-                        if isinstance(x, BaseException):
-                            yield wire.sse({"error": {"message": f"internal error: {type(x).__name__}",
-                                                      "type": "server_error", "param": None, "code": None}})
-                            yield wire.sse("[DONE]")
-                            return
-                        results[i] = x
-                        text = self.prompts.text(x.completion_token_ids, stops)
-                        if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                            yield chunk(i, text[len(sent[i]):], None)
-                        yield chunk(i, None if chat else "", wire.wire_finish(x.finish_reason))
-                        continue
-                    toks[i] += step.token_ids
-                    if want_lp:
-                        tops = step.top_logprobs or [[] for _ in step.token_ids]
-                        lp_toks[i] += zip(step.token_ids, step.logprobs, tops)
-                    text = self.prompts.text(toks[i], stops)
-                    if text.endswith("\ufffd"):
-                        continue  # incomplete UTF-8 sequence: wait for the next token
-                    if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                        delta, sent[i] = text[len(sent[i]):], text
-                        yield chunk(i, delta, None)
-                if include_usage:
-                    yield wire.sse(wire.usage_chunk(rid, created, lm.version, wire.usage(len(prompt), results),
-                                                    chat=chat))
-                yield wire.sse("[DONE]")
-            finally:
-                for g, task in zip(greqs, tasks):
-                    if not task.done():
-                        engine.abort(g)  # client went away: stop generating; the event is still logged
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
+@dataclass
+class _Run:
+    """One request's ``n`` choices while they run."""
+
+    lm: LoadedModel
+    prompt: list[int]
+    n: int
+    stops: list[str]
+    split: str
+    user_hash: str
+    created_ms: int
+    request_id: str
+    q: asyncio.Queue | None  # streaming: (choice, step | None, None | result | exception)
+    cids: list[uuid.UUID] = field(default_factory=list)
+    sps: list = field(default_factory=list)
+    greqs: list[GenRequest] = field(default_factory=list)
+    futs: list = field(default_factory=list)
+    tasks: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.cids = [uuid.uuid4() for _ in range(self.n)]
+
+    def headers(self) -> dict[str, str]:
+        return {CID_HEADER: str(self.cids[0]), CIDS_HEADER: ",".join(map(str, self.cids)),
+                VERSION_HEADER: self.lm.version, SPLIT_HEADER: self.split}
+
+    def abort(self, engine, unfinished_only: bool = False) -> None:
+        for g, task in zip(self.greqs, self.tasks):
+            if not (unfinished_only and task.done()):
+                engine.abort(g)
