@@ -46,8 +46,10 @@ Prints, last, ``RESULT <metric>=<value> <unit> target<op><value>`` lines:
 
 Further RESULT lines with ``--hosts``: ``hosts_pg_vs_sqlite_cpu_efficiency`` (1 worker,
 records per worker CPU-second, PostgreSQL vs SQLite state), and per N > 1 hosts
-``hostsN_speedup`` (wall vs 1 host), ``hostsN_cpu_efficiency`` (workers' CPU) and
-``hostsN_all_cpu_efficiency`` (workers + database + broker).
+``hostsN_speedup`` (wall, 10-90 % window, vs 1 host), ``hostsN_cpu_efficiency`` (workers'
+CPU) and ``hostsN_all_cpu_efficiency`` (workers + database + broker). The CPU ratios count
+every record, first to last (the 10-90 % window of a quick run is 1-3 s: too few clock ticks
+of CPU on a loaded box).
 
     python bench/ingest.py [--quick] [--completions N] [--partitions P] [--hosts 1,2,4] [--faust-noop]
 """
@@ -304,6 +306,10 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
                 "seal_rate": c.get("samples", 0) / (ta - tf) if ta - tf >= 0.05 else None, "seal_cpu_s": ca - marks[1.0][2],
                 # every record consumed + folded and every label sealed, per CPU-second (no start-up)
                 "pipeline_per_cpu_s": total / max(1e-9, ca - marks[0.0][2]),
+                # first record to last, workers' CPU only / with the database's and the broker's
+                "consume_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(1e-9, marks[1.0][2] - marks[0.0][2]),
+                "consume_all_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(1e-9, marks[1.0][2] - marks[0.0][2] + sum(
+                    other[1.0]) - sum(other[0.0])),
                 "load": load, "rebalances": rebalances, "db_cpu_s": d9 - d1, "broker_cpu_s": b9 - b1,
                 "all_per_cpu_s": (n9 - n1) / max(1e-9, c9 - c1 + d9 - d1 + b9 - b1)}
     finally:
@@ -458,7 +464,8 @@ def main() -> None:
                     r = res[w]
                     print(f"  same window: workers {r['window'][2]:.2f} CPU-s, PostgreSQL {r['db_cpu_s']:.2f} CPU-s, "
                           f"broker {r['broker_cpu_s']:.2f} CPU-s; {r['all_per_cpu_s']:,.0f} records per CPU-s of "
-                          f"all three", flush=True)
+                          f"all three; first to last record: {r['consume_per_cpu_s']:,.0f} per worker CPU-s, "
+                          f"{r['consume_all_per_cpu_s']:,.0f} per CPU-s of all three", flush=True)
             finally:
                 pg.stop()
         raw2 = asyncio.run(raw_consume(b.bootstrap, total, partitions))
@@ -473,14 +480,16 @@ def main() -> None:
     print(f"RESULT pipeline_vs_raw_cpu_efficiency={one['pipeline_per_cpu_s'] / raw_cpu:.3f} x target>=0.25")
     print(f"RESULT two_worker_speedup={two['rate'] / one['rate']:.2f} x target>=1.5")
     print(f"RESULT two_worker_cpu_efficiency={two['per_cpu_s'] / one['per_cpu_s']:.2f} x target>=0.9")
-    if 1 in res:
-        print(f"RESULT hosts_pg_vs_sqlite_cpu_efficiency={res[1]['per_cpu_s'] / one['per_cpu_s']:.2f} x target>=0.5")
+    if 1 in res:  # per CPU-second from the first record to the last (every record; steadier than the window)
+        print(f"RESULT hosts_pg_vs_sqlite_cpu_efficiency="
+              f"{res[1]['consume_per_cpu_s'] / one['consume_per_cpu_s']:.2f} x target>=0.5")
         for w in sorted(res):
             if w > 1:
                 print(f"RESULT hosts{w}_speedup={res[w]['rate'] / res[1]['rate']:.2f} x target>={0.75 * w:.1f}")
-                print(f"RESULT hosts{w}_cpu_efficiency={res[w]['per_cpu_s'] / res[1]['per_cpu_s']:.2f} x target>=0.9")
-                print(f"RESULT hosts{w}_all_cpu_efficiency={res[w]['all_per_cpu_s'] / res[1]['all_per_cpu_s']:.2f} x "
-                      f"target>=0.9")
+                print(f"RESULT hosts{w}_cpu_efficiency="
+                      f"{res[w]['consume_per_cpu_s'] / res[1]['consume_per_cpu_s']:.2f} x target>=0.9")
+                print(f"RESULT hosts{w}_all_cpu_efficiency="
+                      f"{res[w]['consume_all_per_cpu_s'] / res[1]['consume_all_per_cpu_s']:.2f} x target>=0.9")
 
 
 if __name__ == "__main__":
