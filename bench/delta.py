@@ -9,6 +9,12 @@ encode/decode throughput (MB/s of raw weights) and a bit-exactness check of ever
 
     python bench/delta.py [--quick] [--model-dir DIR] [--lr 1e-6] [--steps 1,10,100]
                           [--grads random|loss]
+    python bench/delta.py --learner-state STATE.safetensors --model-dir DIR
+
+``--learner-state``: the weights after one real full-parameter learner step in bf16 (written by
+``bench/learner.py --full-model DIR --save-state STATE``: KTO under router replay, fp32 master
+weights and AdamW state under ZeRO-2, lr 1e-5), encoded as a delta on the bf16 parent (the
+base cast to bf16): ``RESULT delta_ratio_bf16_full_param_learner_step`` target >= 20.
 
 Models: ``--quick`` builds a tiny random MoE in-process (steps 1,10, next-token loss on random
 tokens). Otherwise the real upcycled SmolLM2 MoE (``~/.cache/flywheel/models/smollm2-135m-moe``,
@@ -129,6 +135,31 @@ def streamed_random_adamw(base32: dict[str, torch.Tensor], trainable: set[str], 
     return [_finish({**v, "dtype": dt, "steps": n}) for (dt, n), v in sums.items()]
 
 
+def learner_step_delta(state_path: Path, model_dir: Path) -> int:
+    """Delta of one real bf16 full-parameter learner step on the bf16 parent (see module doc)."""
+    from safetensors.torch import load_file
+
+    from schemas.modelspec import load_model
+
+    model = load_model(model_dir, dtype=torch.float32)
+    parent = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()
+              if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))}
+    del model
+    state = load_file(str(state_path))
+    if state.keys() != parent.keys():
+        raise SystemExit(f"{state_path}: tensors differ from {model_dir}'s "
+                         f"({sorted(state.keys() ^ parent.keys())[:5]})")
+    state = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    r = measure(state, parent)
+    print(f"one full-parameter bf16 learner step on {model_dir}: {r['changed_frac']:.2%} of weights changed, "
+          f"raw {r['raw'] / 1e6:.1f} MB, delta {r['delta'] / 1e6:.2f} MB, zstd snapshot "
+          f"{r['snapshot_zstd'] / 1e6:.1f} MB, entropy bound {r['entropy'] / 1e6:.2f} MB")
+    print(f"RESULT delta_ratio_bf16_full_param_learner_step={r['ratio']:.1f} x target>=20")
+    print(f"RESULT delta_changed_frac_bf16_full_param_learner_step={r['changed_frac']:.4f} frac target<=0.02")
+    print("RESULT delta_bit_exact=1 bool target==1")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny random MoE, steps 1,10")
@@ -139,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grads", choices=("random", "loss"), default=None,
                     help="gradient source (default: loss with --quick, random on the real model)")
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence of the loss batch (--grads loss)")
+    ap.add_argument("--learner-state", type=Path, default=None,
+                    help="safetensors of the weights after a real bf16 learner step (bench/learner.py --save-state)")
     a = ap.parse_args(argv)
     from schemas.modelspec import load_model
+
+    if a.learner_state is not None:
+        return learner_step_delta(a.learner_state, a.model_dir or REAL_MODEL)
 
     if a.quick:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -111,11 +111,15 @@ def check_sample(s: RewardedSample, num_layers: int, top_k: int, num_experts: in
     """Refuse a sample that cannot be trained on, naming the field and the reason.
 
     Raises:
-        RefusedSample: reason in ``empty_completion``, ``logprobs_misaligned``,
+        RefusedSample: reason in ``eval_split`` (feedback on eval prompts measures versions
+            and is never trained on), ``empty_completion``, ``logprobs_misaligned``,
             ``routes_missing``, ``routes_misaligned``, ``routes_out_of_range``.
             Route checks are skipped when ``num_layers == 0`` (dense model) or
             ``allow_free_routing``.
     """
+    if s.split != "train":
+        raise RefusedSample("eval_split", f"split: completion {s.completion_id} is in the {s.split!r} split, "
+                            "which is never trained on")
     P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
     if C == 0 or P == 0:
         raise RefusedSample("empty_completion", f"completion {s.completion_id}: prompt {P} / completion {C} tokens")

@@ -51,12 +51,20 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            every_h: float = typer.Option(1.0, help="Daemon: run a cycle at least every this many hours."),
            every_n: int = typer.Option(64, help="Daemon: run a cycle once this many new samples are sealed."),
            poll_s: float = typer.Option(10.0, help="Daemon: seconds between checks for new samples."),
+           micro_batch_size: int = typer.Option(0, min=0, help="Samples per forward/backward; a step's batch is "
+                                                "accumulated over micro-batches (0 = one micro-batch)."),
+           precision: str = typer.Option("fp32", help="fp32 | bf16 (bf16 weights and activations, fp32 master "
+                                         "weights and AdamW state under ZeRO)."),
+           activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing",
+                                                         help="Recompute layer activations in backward."),
+           lateness_s: float = typer.Option(600.0, help="How late (s) a shard may appear after a newer one was "
+                                            "consumed and still be found (the watermark's allowed lateness)."),
            metrics_port: int = typer.Option(0, min=0, max=65535, help="Serve Prometheus /metrics on this port "
                                             "(0 = off; rank 0 only)."),
            ) -> None:
     """Train on new sealed samples (KTO + router replay, DeepSpeed) and publish a version."""
     from schemas import settings
-    from learner.cycle import load_state, read_samples, run_cycle
+    from learner.cycle import count_new, load_state, run_cycle
     from learner.trainer import LearnerConfig, ensure_dist_env
 
     try:
@@ -68,7 +76,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                             checkpoint_every=checkpoint_every, zero_stage=zero_stage,
                             holdout_frac=holdout_frac, max_regression=max_regression,
                             allow_free_routing=allow_free_routing, min_samples=min_samples,
-                            train_layers=train_layers, measure_free_max=measure_free_max)
+                            train_layers=train_layers, measure_free_max=measure_free_max,
+                            micro_batch_size=micro_batch_size, precision=precision,
+                            activation_checkpointing=activation_checkpointing, lateness_s=lateness_s)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if parent not in ("stable", "latest"):
@@ -153,7 +163,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         if was_paused:
             typer.echo("learn: resumed")
             was_paused = False
-        n_new = len(read_samples(samples, exclude=set(load_state(state)["trained"])))
+        n_new = count_new(samples, state, int(cfg.lateness_s * 1000))  # new shards only, from the watermark
         lm.samples_waiting.set(n_new)
         if n_new >= max(every_n, min_samples) or (time.monotonic() - last >= every_h * 3600 and n_new >= min_samples):
             cycle()

@@ -34,9 +34,13 @@ def split_holdout(samples: list[RewardedSample], frac: float) -> tuple[list[Rewa
         raise ValueError(f"holdout_frac: must be in [0, 1), got {frac}")
     train, hold = [], []
     for s in samples:
-        u = int(hashlib.sha256(str(s.completion_id).encode()).hexdigest()[:8], 16) / 2**32
-        (hold if u < frac else train).append(s)
+        (hold if in_holdout(s.completion_id, frac) else train).append(s)
     return train, hold
+
+
+def in_holdout(completion_id, frac: float) -> bool:
+    """True when sha256(completion_id) puts it in the ``frac`` held out (stable)."""
+    return int(hashlib.sha256(str(completion_id).encode()).hexdigest()[:8], 16) / 2**32 < frac
 
 
 def preference_margin_evaluator(holdout: list[RewardedSample], pad_id: int, chunk: int = 8) -> Evaluator:

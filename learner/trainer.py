@@ -34,6 +34,7 @@ from schemas.events import RewardedSample
 from schemas.manifest import version_number
 from schemas.modelspec import moe_routers, moe_top_k
 from learner.batch import LearnerBatch, build_batch, filter_samples
+from learner.data import InMemorySamples, RefLogprobs, SampleSource
 from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs)
 from learner.replay import capture_routes, router_replay, stack_routes
@@ -51,6 +52,16 @@ class LearnerConfig:
         weight_decay: AdamW decoupled weight decay (>= 0).
         zero_stage: ZeRO stage, 1 or 2.
         seed: RNG seed (sample order, torch).
+
+    Memory (a cycle of any size runs in bounded memory: samples are read per micro-batch):
+        micro_batch_size: samples per forward/backward; a step's ``batch_size`` samples are
+            split into micro-batches whose gradients accumulate into the full-batch gradient
+            (each weighted by its share of the step's loss normaliser). 0 = one micro-batch.
+        precision: ``"fp32"``, or ``"bf16"``: DeepSpeed bf16 weights, activations and
+            gradients with fp32 master weights and AdamW state in the ZeRO partitions; the
+            published version holds the bf16 weights cast to the parent's dtypes.
+        activation_checkpointing: recompute each decoder layer's activations in backward
+            (transformers gradient checkpointing, non-reentrant) instead of keeping them.
 
     Objective:
         objective: ``"kto"`` (Ethayarajh et al. 2024, arXiv:2402.01306) or ``"reinforce"``
@@ -76,6 +87,8 @@ class LearnerConfig:
             than the parent are dropped and counted (>= 0).
         min_samples: skip the cycle (publish nothing, consume nothing) below this many
             trainable samples (>= 1).
+        lateness_s: how long after a newer shard was consumed a shard may still appear and
+            be found (the watermark's allowed lateness, ``learner.cycle``; >= 0 s).
         measure_chunk: samples per forward in the start-of-cycle reference/mismatch pass
             (1 = each sample alone, unpadded).
         measure_free_max: samples that also get a replay-off forward for the route-flip
@@ -128,6 +141,10 @@ class LearnerConfig:
     min_samples: int = 1
     train_layers: int = 0
     measure_free_max: int = 0
+    micro_batch_size: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    lateness_s: float = 600.0
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         checks = [
@@ -154,6 +171,9 @@ class LearnerConfig:
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0"),
             ("holdout_frac", 0 <= self.holdout_frac < 1, "must be in [0, 1)"),
             ("max_regression", self.max_regression >= 0, "must be >= 0"),
+            ("micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0 = the whole step batch)"),
+            ("precision", self.precision in ("fp32", "bf16"), "must be 'fp32' or 'bf16'"),
+            ("lateness_s", self.lateness_s >= 0, "must be >= 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -223,14 +243,103 @@ def forward_token_logprobs(model, batch: LearnerBatch, replay: bool = True) -> t
     return token_logprobs(out.logits, batch.target_ids)
 
 
-def _abs_stats(d: torch.Tensor, prefix: str) -> dict[str, float]:
-    if d.numel() == 0:
-        return {}
-    return {f"{prefix}/mean": float(d.mean()), f"{prefix}/p99": float(torch.quantile(d.double(), 0.99)),
-            f"{prefix}/max": float(d.max())}
+RESERVOIR = 1 << 20  # |mismatch| values kept for the p99 (exact below this many tokens)
+
+
+class AbsStats:
+    """Running mean, max and p99 of absolute values, in bounded memory: mean and max are
+    exact; p99 is exact up to :data:`RESERVOIR` values, then over a uniform reservoir sample
+    of that size (Vitter's algorithm R, seeded)."""
+
+    def __init__(self, seed: int = 0):
+        self.n, self.sum, self.max = 0, 0.0, 0.0
+        self._res: list[torch.Tensor] = []
+        self._kept = 0
+        self._g = torch.Generator().manual_seed(seed)
+
+    def add(self, d: torch.Tensor) -> None:
+        d = d.detach().reshape(-1).double()
+        if d.numel() == 0:
+            return
+        self.sum += float(d.sum())
+        self.max = max(self.max, float(d.max()))
+        room = RESERVOIR - self._kept
+        if room > 0:
+            self._res.append(d[:room].clone())
+            self._kept += min(room, d.numel())
+        rest = d[room:] if room > 0 else d
+        if rest.numel():  # algorithm R: item j (0-based overall) replaces a slot with prob R/(j+1)
+            pool = torch.cat(self._res)
+            j = torch.arange(self.n + max(room, 0), self.n + max(room, 0) + rest.numel(), dtype=torch.float64)
+            u = torch.rand(rest.numel(), generator=self._g, dtype=torch.float64)
+            slot = (u * (j + 1)).long()
+            hit = slot < RESERVOIR
+            pool[slot[hit]] = rest[hit]
+            self._res = [pool]
+        self.n += d.numel()
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        if self.n == 0:
+            return {}
+        pool = torch.cat(self._res)
+        return {f"{prefix}/mean": self.sum / self.n, f"{prefix}/p99": float(torch.quantile(pool, 0.99)),
+                f"{prefix}/max": self.max}
+
+
+@dataclass
+class MeasureState:
+    """What the start-of-cycle pass accumulates over its chunks (see :func:`measure_start`)."""
+
+    rep: AbsStats
+    free: AbsStats
+    flips: int = 0
+    flip_n: int = 0
+    seen: int = 0  # samples measured so far (for ``free_max``)
+
+    @classmethod
+    def new(cls) -> "MeasureState":
+        return cls(AbsStats(0), AbsStats(1))
+
+    def metrics(self) -> dict:
+        out = {"mismatch/n_tokens": int(self.rep.n), **self.rep.metrics("mismatch")}
+        if self.free.n or self.flip_n:
+            out.update(self.free.metrics("mismatch_free"))
+            out["routes/flip_frac"] = self.flips / max(self.flip_n, 1)
+        return out
 
 
 @torch.no_grad()
+def measure_into(model, batch: LearnerBatch, parent: str, state: MeasureState, chunk: int = 1,
+                 free_max: int | None = None) -> torch.Tensor:
+    """Reference logprobs (B, T) float32 of ``batch`` (replayed routes), accumulating the
+    mismatch and route-flip figures into ``state`` (see :func:`measure_start`)."""
+    was_training = model.training
+    model.eval()
+    refs = []
+    for s in range(0, batch.size, chunk):
+        full = batch.select(list(range(s, min(s + chunk, batch.size))))
+        b = full.trim()
+        lp = forward_token_logprobs(model, b, replay=True)  # (b, T')
+        pad = full.input_ids.shape[1] - b.input_ids.shape[1]
+        refs.append(torch.nn.functional.pad(lp, (pad, 0)))  # back to (b, T)
+        own = torch.tensor([v == parent for v in b.versions])
+        m = b.completion_mask.bool() & own.unsqueeze(-1)
+        state.rep.add((lp - b.behavior_logprobs)[m].abs())
+        if b.routes is not None and (free_max is None or state.seen + s < free_max):
+            cap: list = []
+            with capture_routes(model, cap):
+                lpf = forward_token_logprobs(model, b, replay=False)
+            state.free.add((lpf - b.behavior_logprobs)[m].abs())
+            free = stack_routes(cap, *b.input_ids.shape)  # (b, T, L, k)
+            same = (free.sort(-1).values == b.routes.sort(-1).values).all(-1)  # (b, T, L)
+            real = b.attention_mask.bool().unsqueeze(-1).expand_as(same)
+            state.flips += int((~same & real).sum())
+            state.flip_n += int(real.sum())
+    state.seen += batch.size
+    model.train(was_training)
+    return torch.cat(refs)
+
+
 def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1,
                   free_max: int | None = None) -> tuple[torch.Tensor, dict]:
     """The start-of-cycle pass with the parent weights (no grad, eval mode).
@@ -249,35 +358,9 @@ def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1,
     ``free_max`` bounds how many samples get the extra replay-off forward (None: all);
     the replayed pass, which gives the reference logprobs, always covers every sample.
     """
-    was_training = model.training
-    model.eval()
-    refs, flips, flip_n, d_rep, d_free = [], 0, 0, [], []
-    for s in range(0, batch.size, chunk):
-        full = batch.select(list(range(s, min(s + chunk, batch.size))))
-        b = full.trim()
-        lp = forward_token_logprobs(model, b, replay=True)  # (b, T')
-        pad = full.input_ids.shape[1] - b.input_ids.shape[1]
-        refs.append(torch.nn.functional.pad(lp, (pad, 0)))  # back to (b, T)
-        own = torch.tensor([v == parent for v in b.versions])
-        m = b.completion_mask.bool() & own.unsqueeze(-1)
-        d_rep.append((lp - b.behavior_logprobs)[m].abs())
-        if b.routes is not None and (free_max is None or s < free_max):
-            cap: list = []
-            with capture_routes(model, cap):
-                lpf = forward_token_logprobs(model, b, replay=False)
-            d_free.append((lpf - b.behavior_logprobs)[m].abs())
-            free = stack_routes(cap, *b.input_ids.shape)  # (b, T, L, k)
-            same = (free.sort(-1).values == b.routes.sort(-1).values).all(-1)  # (b, T, L)
-            real = b.attention_mask.bool().unsqueeze(-1).expand_as(same)
-            flips += int((~same & real).sum())
-            flip_n += int(real.sum())
-    model.train(was_training)
-    d = torch.cat(d_rep)
-    metrics = {"mismatch/n_tokens": int(d.numel()), **_abs_stats(d, "mismatch")}
-    if d_free:
-        metrics.update(_abs_stats(torch.cat(d_free), "mismatch_free"))
-        metrics["routes/flip_frac"] = flips / max(flip_n, 1)
-    return torch.cat(refs), metrics
+    state = MeasureState.new()
+    ref = measure_into(model, batch, parent, state, chunk, free_max)
+    return ref, state.metrics()
 
 
 def freeze_for_training(model, train_layers: int) -> int:
@@ -301,15 +384,17 @@ def freeze_for_training(model, train_layers: int) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _ds_config(cfg: LearnerConfig) -> dict:
+def _ds_config(cfg: LearnerConfig, micro: int | None = None, gas: int = 1, world: int = 1) -> dict:
+    """DeepSpeed config: ``micro`` samples per micro-batch, ``gas`` micro-batches per step."""
+    micro = micro or cfg.batch_size
     return {
-        "train_batch_size": cfg.batch_size, "train_micro_batch_size_per_gpu": cfg.batch_size,
-        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro * gas * world, "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
                                                   "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True}},
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
-        "fp16": {"enabled": False}, "bf16": {"enabled": False},
+        "fp16": {"enabled": False}, "bf16": {"enabled": cfg.precision == "bf16"},
         "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
     }
 
@@ -331,20 +416,25 @@ def _global_mean(x: torch.Tensor) -> torch.Tensor:
     return t[0] / t[1]
 
 
-def step_loss(model, b: LearnerBatch, cfg: LearnerConfig) -> tuple[torch.Tensor, dict]:
-    """Loss of one training batch (with grad) and its namespaced metrics.
+def step_loss(model, b: LearnerBatch, cfg: LearnerConfig, z0: torch.Tensor | None = None,
+              replay: bool = True) -> tuple[torch.Tensor, dict]:
+    """Loss of one (micro-)batch (with grad) and its namespaced metrics.
 
     KTO: per-sample KTO loss × sequence TIS weight, batch mean. z0 = clamp(mean_i(r_i), 0)
     detached: the completions are drawn from ≈ the policy, so the batch mean of the matched
     log-ratio r estimates KL(πθ ‖ π_ref) (TRL uses mismatched pairs; those have no logged
-    routes to replay). REINFORCE: :func:`learner.losses.reinforce_loss` with a LOO baseline.
+    routes to replay). ``z0`` given: the step's value over all its micro-batches
+    (:func:`kto_z0`), so accumulation reproduces the full batch. REINFORCE:
+    :func:`learner.losses.reinforce_loss` (token mean) with a LOO baseline (``b.baselines``
+    or the batch's own). ``replay=False`` when the caller holds the replay context (it must
+    stay open through backward under activation checkpointing).
     """
-    tok = forward_token_logprobs(model, b, replay=cfg.router_replay)  # (B, T)
+    tok = forward_token_logprobs(model, b, replay=replay and cfg.router_replay)  # (B, T)
     m = b.completion_mask
     if cfg.objective == "kto":
         pol = sequence_logprobs(tok, m)  # (B,)
         ref = sequence_logprobs(b.ref_logprobs, m)
-        kl = _global_mean((pol - ref).detach())
+        kl = z0 if z0 is not None else _global_mean((pol - ref).detach())
         losses, rewards = kto_loss(pol, ref, b.labels, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight)
         w, ratio = tis_weights(tok, b.behavior_logprobs, m, cfg.is_cap, "sequence")
         loss = (w * losses).mean()
@@ -362,6 +452,59 @@ def step_loss(model, b: LearnerBatch, cfg: LearnerConfig) -> tuple[torch.Tensor,
     kl = kl_to_reference(tok, b.ref_logprobs, m)
     met["kl/k1"], met["kl/k3"] = kl["k1"], kl["k3"]
     return loss, met
+
+
+@torch.no_grad()
+def kto_z0(model, load: Callable[[list[int]], LearnerBatch], parts: list[list[int]], cfg: LearnerConfig
+           ) -> torch.Tensor:
+    """KTO's z0 input for a step split into micro-batches: mean over all the step's samples
+    (and ranks) of r = log πθ(y|x) − log π_ref(y|x), detached (one no-grad forward per
+    micro-batch, the same one the loss then runs with grad)."""
+    tot, n = torch.zeros((), dtype=torch.float32), 0
+    for p in parts:
+        b = load(p)
+        tok = forward_token_logprobs(model, b, replay=cfg.router_replay)
+        r = sequence_logprobs(tok, b.completion_mask) - sequence_logprobs(b.ref_logprobs, b.completion_mask)
+        tot += r.float().sum()
+        n += b.size
+    t = torch.stack([tot, torch.tensor(float(n))])
+    if _world()[1] > 1:
+        torch.distributed.all_reduce(t)
+    return (t[0] / t[1]).detach()
+
+
+def accumulate_step(model, load: Callable[[list[int]], LearnerBatch], idx: list[int], cfg: LearnerConfig,
+                    completion_lens: list[int], backward: Callable[[torch.Tensor], None]) -> tuple[dict, int]:
+    """Accumulate one optimizer step's gradient over ``idx`` in micro-batches.
+
+    ``idx`` (this rank's share of the step) is cut into micro-batches of
+    ``cfg.micro_batch_size`` (0: one); ``load(part) -> LearnerBatch`` builds each (ref
+    logprobs and baselines filled); ``backward(loss)`` runs after each micro-batch with the
+    micro-batch's loss times its share of the step's normaliser (samples for KTO, completion
+    tokens for REINFORCE's token mean), so the accumulated gradient equals the full batch's
+    (KTO's z0 and the LOO baselines are computed over the whole step first).
+    ``completion_lens[i]`` is sample ``i``'s completion length.
+
+    Returns ``(metrics, input tokens)``: metrics are the micro-batches' weighted means
+    (``*_max`` keys: their max).
+    """
+    mb = cfg.micro_batch_size or len(idx)
+    parts = [idx[i:i + mb] for i in range(0, len(idx), mb)]
+    sizes = [len(p) if cfg.objective == "kto" else sum(completion_lens[i] for i in p) for p in parts]
+    total = max(sum(sizes), 1)
+    z0 = kto_z0(model, load, parts, cfg) if cfg.objective == "kto" and len(parts) > 1 else None
+    met: dict[str, float] = {}
+    tokens = 0
+    for p, size in zip(parts, sizes):
+        b = load(p)
+        with router_replay(model, b.routes if cfg.router_replay else None):  # open through backward
+            loss, m = step_loss(model, b, cfg, z0=z0, replay=False)
+            backward(loss * (size / total))
+        tokens += int(b.attention_mask.sum())
+        share = len(p) / len(idx)
+        for k, v in m.items():
+            met[k] = max(met.get(k, v), v) if k.endswith("_max") else met.get(k, 0.0) + v * share
+    return met, tokens
 
 
 def step_schedule(n: int, bs: int, steps: int, seed: int) -> list[list[int]]:
@@ -411,14 +554,116 @@ def _try_resume(engine, d: Path, key: str) -> tuple[int, dict]:
     return int(client["step"]), dict(client.get("hist", {}))
 
 
-def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig, pad_id: int,
-          progress: Callable[[int, dict], None] | None = None, ckpt_dir: str | Path | None = None
-          ) -> tuple[dict[str, torch.Tensor] | None, dict]:
+FILTER_CHUNK = 64  # samples materialised at a time by the filter and measurement passes
+
+
+def _filter_pass(src: SampleSource, parent: str, cfg: LearnerConfig, L: int, k: int, E: int
+                 ) -> tuple[list[int], Counter, bool]:
+    """Indices of ``src`` that survive the staleness and sample checks (read in chunks),
+    the drop counts by reason, and whether every kept sample has routes."""
+    kept: list[int] = []
+    counts: Counter = Counter()
+    all_routes = True
+    for c in range(0, len(src), FILTER_CHUNK):
+        idx = list(range(c, min(c + FILTER_CHUNK, len(src))))
+        chunk = src.take(idx)
+        fresh, dropped = staleness_filter(chunk, parent, cfg.max_staleness)
+        ok, refused = filter_samples(fresh, L, k, E, cfg.allow_free_routing or not cfg.router_replay)
+        counts += dropped + refused
+        ok_ids = {id(s) for s in ok}
+        for i, s in zip(idx, chunk):
+            if id(s) in ok_ids:
+                kept.append(i)
+                all_routes &= s.expert_routes is not None
+    return kept, counts, all_routes
+
+
+def _measure_pass(model, src: SampleSource, kept: list[int], parent: str, cfg: LearnerConfig, pad_id: int,
+                  with_routes: bool, refs: RefLogprobs) -> dict:
+    """Reference logprobs of every kept sample into ``refs`` (completion tokens only) and the
+    mismatch figures, :data:`FILTER_CHUNK` samples materialised at a time."""
+    state = MeasureState.new()
+    free_max = cfg.measure_free_max or None
+    for c in range(0, len(kept), FILTER_CHUNK):
+        idx = kept[c:c + FILTER_CHUNK]
+        b = build_batch(src.take(idx), pad_id, with_routes=with_routes)
+        ref = measure_into(model, b, parent, state, cfg.measure_chunk, free_max)  # (b, T)
+        for row, i in enumerate(idx):
+            C = src.meta.completion_lens[i]
+            refs.put(i, ref[row, ref.shape[1] - C:].numpy())
+    return state.metrics()
+
+
+def _loader(src: SampleSource, refs: RefLogprobs, pad_id: int, with_routes: bool,
+            baselines: dict[int, float] | None) -> Callable[[list[int]], LearnerBatch]:
+    """``load(idx) -> LearnerBatch`` of those samples, with their reference logprobs and
+    (REINFORCE) baselines filled in, common left padding trimmed."""
+    def load(idx: list[int]) -> LearnerBatch:
+        b = build_batch(src.take(idx), pad_id, with_routes=with_routes)
+        T = b.input_ids.shape[1]
+        ref = torch.zeros((b.size, T), dtype=torch.float32)
+        for row, i in enumerate(idx):
+            v = torch.from_numpy(refs.get(i).copy())
+            ref[row, T - v.numel():] = v
+        b.ref_logprobs = ref
+        if baselines is not None:
+            b.baselines = torch.tensor([baselines[i] for i in idx], dtype=torch.float32)
+        return b.trim()
+    return load
+
+
+def _class_weights(cfg: LearnerConfig, n_des: int, n_und: int) -> LearnerConfig:
+    if not (cfg.balance_classes and n_des and n_und):
+        return cfg
+    lam_d, lam_u = cfg.desirable_weight, cfg.undesirable_weight
+    if lam_d * n_des < lam_u * n_und:
+        lam_d = lam_u * n_und / n_des
+    else:
+        lam_u = lam_d * n_des / n_und
+    return LearnerConfig(**{**cfg.__dict__, "desirable_weight": lam_d, "undesirable_weight": lam_u})
+
+
+def _prompt_baselines(src: SampleSource, kept: list[int], metrics: dict) -> dict[int, float]:
+    """Per-prompt leave-one-out baselines over the whole cycle (RLOO), by sample index."""
+    meta = src.meta
+    rewards = torch.tensor([meta.rewards[i] for i in kept], dtype=torch.float32)
+    groups = [meta.prompt_keys[i] for i in kept]
+    base = group_loo_baseline(rewards, groups)
+    sizes = Counter(groups)
+    metrics["pg/prompts"] = len(sizes)
+    metrics["pg/prompts_repeated"] = sum(1 for n in sizes.values() if n > 1)
+    metrics["pg/zero_advantage_frac"] = float(((rewards - base) == 0).float().mean())
+    return {i: float(v) for i, v in zip(kept, base)}
+
+
+def _engine(model, cfg: LearnerConfig, micro: int, gas: int, world: int):
+    """``deepspeed.initialize`` over the trainable parameters (bf16 and activation
+    checkpointing as configured)."""
+    import deepspeed
+
+    if cfg.activation_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dcfg = _ds_config(cfg, micro, gas, world)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                            if p.requires_grad], config=dcfg)
+    return engine
+
+
+def train(model, samples: list[RewardedSample] | SampleSource, parent: str, cfg: LearnerConfig, pad_id: int,
+          progress: Callable[[int, dict], None] | None = None, ckpt_dir: str | Path | None = None,
+          work_dir: str | Path | None = None) -> tuple[dict[str, torch.Tensor] | None, dict]:
     """Run one cycle's training on ``samples`` with the parent weights loaded in ``model``.
+
+    Memory does not grow with the number of samples: they are read from ``samples`` (a list
+    or a :class:`learner.data.SampleSource`, e.g. spilled to disk) a chunk or a micro-batch
+    at a time, the reference logprobs live in a file under ``work_dir``, and each step
+    accumulates micro-batches of ``cfg.micro_batch_size`` (:func:`accumulate_step`).
 
     Args:
         model: MoE (or dense) causal LM, fp32, weights = the parent version.
-        samples: candidate RewardedSamples (filtered here for staleness and routes).
+        samples: candidate RewardedSamples (filtered here for staleness, split and routes;
+            ``eval`` samples are refused and counted as ``data/dropped_eval_split``).
         parent: the parent version name (``v000003``).
         cfg: :class:`LearnerConfig`.
         pad_id: padding token id.
@@ -426,92 +671,99 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
         ckpt_dir: with ``cfg.checkpoint_every``, a DeepSpeed checkpoint is written there every
             that many steps, and a cycle with the same parent, samples and config resumes
             from it (e.g. after SIGKILL) and ends with the same weights bit for bit.
+        work_dir: where the reference logprobs file goes (default: a temp directory).
 
     Returns:
         ``(state_dict or None, metrics)``; None when fewer than ``cfg.min_samples`` samples
         survive the filters (metrics then say why). Metrics are namespaced: ``data/*``
         (counts, drops by reason), ``mismatch/*``, ``mismatch_free/*``, ``routes/*``,
-        ``kto/*`` or ``pg/*``, ``is/*``, ``kl/*``, ``perf/*`` (tokens/s, seconds).
+        ``kto/*`` or ``pg/*``, ``is/*``, ``kl/*``, ``perf/*`` (tokens/s, seconds),
+        ``train/*`` (micro-batch size, accumulation steps, precision).
     """
+    import tempfile
+
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    metrics: dict = {"data/n_candidates": len(samples)}
-    kept, dropped = staleness_filter(samples, parent, cfg.max_staleness)
+    src = samples if hasattr(samples, "take") else InMemorySamples(samples)
+    metrics: dict = {"data/n_candidates": len(src)}
     routers = moe_routers(model)
     L, k = len(routers), moe_top_k(model)
     E = routers[0].num_experts if routers else 0
-    kept, refused = filter_samples(kept, L, k, E, cfg.allow_free_routing or not cfg.router_replay)
-    for reason, n in (dropped + refused).items():
+    kept, counts, all_routes = _filter_pass(src, parent, cfg, L, k, E)
+    for reason, n in counts.items():
         key = "data/newer_than_parent" if reason == "newer_than_parent" else f"data/dropped_{reason}"
         metrics[key] = n
     metrics["data/n_samples"] = len(kept)
     if len(kept) < cfg.min_samples:
         metrics["data/skipped_reason"] = f"{len(kept)} trainable samples < min_samples {cfg.min_samples}"
         return None, metrics
-    with_routes = bool(L) and all(s.expert_routes is not None for s in kept)
-    batch = build_batch(kept, pad_id, with_routes=with_routes)
-    metrics["data/n_desirable"] = n_des = int(batch.labels.sum())
-    n_und = batch.size - n_des
-    if cfg.balance_classes and n_des and n_und:
-        lam_d, lam_u = cfg.desirable_weight, cfg.undesirable_weight
-        if lam_d * n_des < lam_u * n_und:
-            lam_d = lam_u * n_und / n_des
-        else:
-            lam_u = lam_d * n_des / n_und
-        cfg = LearnerConfig(**{**cfg.__dict__, "desirable_weight": lam_d, "undesirable_weight": lam_u})
+    meta = src.meta
+    with_routes = bool(L) and all_routes
+    metrics["data/n_desirable"] = n_des = sum(1 for i in kept if meta.labels[i])
+    cfg = _class_weights(cfg, n_des, len(kept) - n_des)
+    baselines = None
     if cfg.objective == "reinforce" and cfg.baseline == "prompt":
-        groups = [tuple(s.prompt_token_ids) for s in kept]
-        batch.baselines = group_loo_baseline(batch.rewards, groups)
-        adv = batch.rewards - batch.baselines
-        sizes: dict = {}
-        for g in groups:
-            sizes[g] = sizes.get(g, 0) + 1
-        metrics["pg/prompts"] = len(sizes)
-        metrics["pg/prompts_repeated"] = sum(1 for n in sizes.values() if n > 1)
-        metrics["pg/zero_advantage_frac"] = float((adv == 0).float().mean())
+        baselines = _prompt_baselines(src, kept, metrics)
     metrics["kto/desirable_weight"] = cfg.desirable_weight
     metrics["kto/undesirable_weight"] = cfg.undesirable_weight
-    metrics["data/n_completion_tokens"] = batch.n_completion_tokens
-    staleness = [max(version_number(parent) - version_number(v), 0) for v in batch.versions]
+    metrics["data/n_completion_tokens"] = sum(meta.completion_lens[i] for i in kept)
+    staleness = [max(version_number(parent) - version_number(meta.versions[i]), 0) for i in kept]
     metrics["data/staleness_mean"] = sum(staleness) / len(staleness)
 
-    t0 = time.perf_counter()
-    batch.ref_logprobs, mm = measure_start(model, batch, parent, cfg.measure_chunk,
-                                               cfg.measure_free_max or None)
-    metrics.update(mm)
-    metrics["perf/measure_s"] = time.perf_counter() - t0
+    tmp = tempfile.TemporaryDirectory(prefix="flywheel-learn-") if work_dir is None else None
+    refs = RefLogprobs(Path(work_dir or tmp.name) / f"ref-{os.getpid()}.f32")
+    try:
+        t0 = time.perf_counter()
+        metrics.update(_measure_pass(model, src, kept, parent, cfg, pad_id, with_routes, refs))
+        metrics["perf/measure_s"] = time.perf_counter() - t0
+        state = _train_steps(model, src, kept, parent, cfg, pad_id, with_routes, refs, baselines, metrics,
+                             progress, ckpt_dir)
+    finally:
+        refs.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return state, metrics
 
+
+def _train_steps(model, src: SampleSource, kept: list[int], parent: str, cfg: LearnerConfig, pad_id: int,
+                 with_routes: bool, refs: RefLogprobs, baselines: dict[int, float] | None, metrics: dict,
+                 progress, ckpt_dir) -> dict[str, torch.Tensor]:
+    """The K optimizer steps of a cycle with DeepSpeed; returns the new state dict."""
     ensure_dist_env()  # under torchrun the env is already set: WORLD_SIZE ranks train together
-    import deepspeed
-
     rank, world = _world()
     # global batch bs, split evenly: each of the ``world`` ranks trains bs // world samples
-    bs = max(min(cfg.batch_size, batch.size) // world, 1) * world
-    if bs > batch.size:
-        raise ValueError(f"samples: {batch.size} trainable samples for {world} ranks; need >= {world}")
-    n_trainable = freeze_for_training(model, cfg.train_layers)
-    metrics["train/trainable_params"] = n_trainable
-    dcfg = _ds_config(LearnerConfig(**{**cfg.__dict__, "batch_size": bs}))
-    dcfg["train_micro_batch_size_per_gpu"] = bs // world
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                            if p.requires_grad], config=dcfg)
+    bs = max(min(cfg.batch_size, len(kept)) // world, 1) * world
+    if bs > len(kept):
+        raise ValueError(f"samples: {len(kept)} trainable samples for {world} ranks; need >= {world}")
+    per_rank = bs // world
+    micro = min(cfg.micro_batch_size or per_rank, per_rank)
+    gas = -(-per_rank // micro)
+    metrics["train/trainable_params"] = freeze_for_training(model, cfg.train_layers)
+    engine = _engine(model, cfg, micro, gas, world)
     engine.train()
-    schedule = step_schedule(batch.size, bs, cfg.steps, cfg.seed)
+    schedule = step_schedule(len(kept), bs, cfg.steps, cfg.seed)
     hist: dict[str, list[float]] = {}
     start = 0
     ckey = None
     if ckpt_dir is not None and cfg.checkpoint_every:
-        ckey = _cycle_key(parent, batch.completion_ids, cfg)
+        ckey = _cycle_key(parent, [src.meta.completion_ids[i] for i in kept], cfg)
         start, hist = _try_resume(engine, Path(ckpt_dir), ckey)
         metrics["train/resumed_from_step"] = start
+    load = _loader(src, refs, pad_id, with_routes, baselines)
+
+    def backward(loss: torch.Tensor) -> None:
+        engine.backward(loss, scale_wrt_gas=False)  # the loss already carries its share
+        engine.step()  # applies the update at the accumulation boundary (every ``gas`` calls)
+
     tokens, t1 = 0, time.perf_counter()
     for step in range(start, cfg.steps):
-        mine = sorted(schedule[step])[rank::world]  # this rank's share of the global batch
-        b = batch.select(mine).trim()  # drop columns that are padding in every row
-        loss, met = step_loss(engine.module, b, cfg)
-        engine.backward(loss)
-        engine.step()
-        tokens += int(b.attention_mask.sum())
+        idx = [kept[j] for j in sorted(schedule[step])[rank::world]]  # this rank's share of the step
+        if baselines is None and cfg.objective == "reinforce":  # LOO over this rank's step batch
+            r = torch.tensor([src.meta.rewards[i] for i in idx], dtype=torch.float32)
+            step_base = dict(zip(idx, loo_baseline(r).tolist()))
+            load = _loader(src, refs, pad_id, with_routes, step_base)
+        met, n_tok = accumulate_step(engine.module, load, idx, cfg, src.meta.completion_lens, backward)
+        tokens += n_tok
         if world > 1:  # metrics of the global batch: mean of the ranks' (equal-size) shares
             names = sorted(met)
             t = torch.tensor([float(met[n]) for n in names], dtype=torch.float64)
@@ -531,7 +783,9 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
         metrics[key] = vs[-1]  # last step
         metrics[f"{key}_first"] = vs[0]  # first step (before any update)
     metrics.update({"perf/train_s": train_s, "perf/tokens_per_s": tokens / max(train_s, 1e-9),
-                    "perf/tokens": tokens, "train/steps": cfg.steps, "train/lr": cfg.lr, "train/batch_size": bs})
+                    "perf/tokens": tokens, "train/steps": cfg.steps, "train/lr": cfg.lr, "train/batch_size": bs,
+                    "train/micro_batch_size": micro, "train/grad_accumulation": gas,
+                    "train/precision": cfg.precision})
     # No clone: the tensors stay alive through this dict while the engine (and its optimizer
     # state, 2 fp32 copies of the weights) is released.
     state = {n: t.detach() for n, t in engine.module.state_dict().items()}
@@ -540,4 +794,4 @@ def train(model, samples: list[RewardedSample], parent: str, cfg: LearnerConfig,
     del engine
     import gc
     gc.collect()
-    return state, metrics
+    return state

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from learner.batch import build_batch
 from learner.cycle import load_state, read_samples, run_cycle
 from learner.losses import sequence_logprobs
 from learner.trainer import LearnerConfig, forward_token_logprobs
-from schemas.arrow import samples_to_table
+from ingest import writer
 from schemas.modelspec import load_model
 
 try:
@@ -31,11 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_shard(samples_dir: Path, samples, version: str, name: str) -> Path:
-    d = samples_dir / f"model_version={version}" / "date=2026-11-30"
-    d.mkdir(parents=True, exist_ok=True)
-    f = d / f"part-{name}.parquet"
-    pq.write_table(samples_to_table(samples), f)
-    return f
+    assert {s.model_version for s in samples} == {version}
+    return writer.write_shard(samples, writer.shard_path(samples_dir, min(s.sealed_at for s in samples), name))
 
 
 def seq_logps(model, samples, pad_id):
@@ -87,8 +83,11 @@ def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
     des = torch.tensor([s.label for s in samples])
     assert (after - before)[des].mean() > 0 > (after - before)[~des].mean()
 
-    # samples are consumed once
-    assert set(load_state(tmp_path / "state")["trained"]) == {str(s.completion_id) for s in samples}
+    # shards are consumed once: the state holds the watermark and the shard names, no sample ids
+    st = load_state(tmp_path / "state")
+    assert sorted(st["consumed"]) == sorted("/".join(p.parts[-3:]) for p in samples_dir.rglob("*.parquet"))
+    assert st["watermark_ms"] == max(writer.shard_time(p) for p in samples_dir.rglob("*.parquet"))
+    assert "trained" not in st and st["cycles"][-1]["version"] == "v000001"
     assert run_cycle(tmp_path / "store", samples_dir, tmp_path / "state", cfg, show_progress=False) is None
 
     # the CLI as a subprocess: new samples from v000001 plus two stale ones; trains from latest
