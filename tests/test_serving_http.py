@@ -386,3 +386,32 @@ def test_promtool_accepts_the_real_metrics(env):
     assert "_ms" not in "".join(ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if not ln.startswith("#"))
     p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "" and p.stderr.strip() == "", p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------------------- SSE deltas (pure)
+def test_choice_streams_wait_for_whole_characters_and_cut_at_stops():
+    from serving.http.streaming import ChoiceStreams
+    from serving.params import GenResult, StepOutput
+
+    def text(ids):  # byte-level "tokenizer": ids are UTF-8 bytes; cut at the stop string "!"
+        t = bytes(ids).decode("utf-8", errors="replace")
+        return t[:t.find("!")] if "!" in t else t
+
+    s = ChoiceStreams("r", ["c0"], 0, "v1", chat=False, text=text, token_str=lambda t: chr(t), want_logprobs=True,
+                      include_usage=False, prompt_len=3)
+
+    def step(ids):
+        return StepOutput("r", list(ids), [-0.5] * len(ids), [])
+
+    def delta(chunk):
+        return json.loads(chunk.removeprefix("data: "))["choices"][0]
+
+    assert delta(s.on_step(0, step(b"a")))["text"] == "a"
+    assert s.on_step(0, step(b"\xc3")) is None  # half of "é": nothing yet
+    d = delta(s.on_step(0, step(b"\xa9")))
+    assert d["text"] == "é" and d["logprobs"]["token_logprobs"] == [-0.5, -0.5]  # both tokens since the last chunk
+    assert s.on_step(0, step(b"!x")) is None  # past the stop string: no new text
+    res = GenResult(completion_token_ids=list(b"a\xc3\xa9!x"), behavior_logprobs=[-0.5] * 5, top_logprobs=[],
+                    expert_routes=None, finish_reason="stop", ttft_ms=1, latency_ms=2, version="v1")
+    out = [delta(c) for c in s.on_finish(0, res)]
+    assert [(c["text"], c["finish_reason"]) for c in out] == [("", "stop")]
