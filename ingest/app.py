@@ -41,7 +41,7 @@ class IngestConfig:
         state_path: the join state: a SQLite file, shared by the workers of one host (default
             ``$FLYWHEEL_INGEST_STATE``, else ``$FLYWHEEL_HOME/ingest/state.sqlite``), or a
             ``postgresql://`` URL: state scoped to partitions, workers on any host
-            (``ingest.state_pg``; ``docs/decisions.md``, "Ingest state on several hosts").
+            (``ingest.state_pg``; ``docs/decisions.md`` D16).
         catalog: the DuckDB catalog (default ``schemas.settings.catalog_path()``).
         app_id: the Kafka consumer group (default ``APP_ID``); workers with the same id
             split the partitions and must share ``state_path`` (the same file on one host,

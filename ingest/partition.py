@@ -8,8 +8,7 @@ the feedback SDK produce with that key, so their records are already there. A pr
 another partitioner (librdkafka's default is ``consistent_random``, CRC32) puts a vote
 elsewhere; the worker then forwards it to its home partition of the internal topic
 :func:`rekeyed_topic` before the join (``ingest.worker``), so no vote depends on the producer's
-partitioner to meet its completion (``docs/kafka.md``; ``docs/decisions.md``, "Ingest state on
-several hosts").
+partitioner to meet its completion (``docs/kafka.md``; ``docs/decisions.md`` D16).
 
 Cost: kafka-python's pure-Python ``murmur2`` takes ~15 us per key on this machine, a third
 of the join's per-record budget; :func:`home_partitions` hashes a whole consumer batch of

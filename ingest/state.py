@@ -9,7 +9,7 @@ before the consumed batch's offsets are (``ingest/worker.py``). SQLite in WAL mo
 the WAL in the OS page cache. It does not survive losing the host's disk; workers that
 share the partitions must share this file (one host), see ``ingest/worker.py``. Workers on
 several hosts use the PostgreSQL store instead (``ingest.state_pg``, chosen by
-:func:`open_store`; ``docs/decisions.md``, "Ingest state on several hosts").
+:func:`open_store`; ``docs/decisions.md`` D16).
 
 Claim owners: several workers share the file, and each one claims the labels it seals. A
 claim records its ``owner`` (one id per :class:`StateStore`, i.e. per worker process). The

@@ -3,7 +3,7 @@
 :class:`PgStateStore` has the interface of :class:`ingest.state.StateStore` (the SQLite
 default for one host), so :class:`ingest.join.Joiner` and the worker use either. Why a
 shared database and not a compacted changelog topic per partition (the Kafka Streams
-model): ``docs/decisions.md``, "Ingest state on several hosts". In short: a changelog lives
+model): ``docs/decisions.md`` D16. In short: a changelog lives
 in the broker, and the embedded broker is memory-only, so a broker restart would lose the
 open labels with the topics, while the database outlives it; and a changelog restore
 replays every open completion body (~18 KiB each) on each rebalance, up to an end the
