@@ -78,6 +78,7 @@ def _report(rows: list[dict], result: dict, fmt: Format, title: str) -> None:
 @topics_app.command("create")
 def topics_create(bootstrap: Optional[str] = typer.Option(None, help="host:port of the cluster "
                                                                      "(default FLYWHEEL_KAFKA_BOOTSTRAP)."),
+                  timeout_s: float = typer.Option(30.0, min=0.1, help="How long to wait for the cluster (s)."),
                   output: Optional[Format] = OUTPUT):
     """Create the missing topics with the settings' prefix, partitions, replication factor,
     retention and max message size; then verify every topic. An existing topic that differs is
@@ -86,7 +87,7 @@ def topics_create(bootstrap: Optional[str] = typer.Option(None, help="host:port 
 
     s = _settings()
     try:
-        res = create_topics(bootstrap, settings=s)
+        res = create_topics(bootstrap, settings=s, timeout_s=timeout_s)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -98,6 +99,7 @@ def topics_create(bootstrap: Optional[str] = typer.Option(None, help="host:port 
 @topics_app.command("check")
 def topics_check(bootstrap: Optional[str] = typer.Option(None, help="host:port of the cluster "
                                                                     "(default FLYWHEEL_KAFKA_BOOTSTRAP)."),
+                 timeout_s: float = typer.Option(30.0, min=0.1, help="How long to wait for the cluster (s)."),
                  output: Optional[Format] = OUTPUT,
                  as_json: bool = typer.Option(False, "--json", help="Same as -o json.")):
     """Verify that every topic exists as the settings say; exit 1 on a missing topic or a
@@ -107,7 +109,7 @@ def topics_check(bootstrap: Optional[str] = typer.Option(None, help="host:port o
     fmt = resolve(output, as_json)
     s = _settings()
     try:
-        res = check_topics(bootstrap, settings=s)
+        res = check_topics(bootstrap, settings=s, timeout_s=timeout_s)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -119,16 +119,55 @@ def admin_client(bootstrap: str | None = None, settings=None, timeout_s: float =
     from schemas.settings import kafka_client_config
 
     kw = kafka_client_config(bootstrap, settings=settings)
+    if kw["security_protocol"] in ("SSL", "SASL_SSL"):
+        tls_preflight(kw["bootstrap_servers"], settings, timeout_s)
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            return KafkaAdminClient(**kw, client_id="flywheel-admin", request_timeout_ms=10_000)
+            left_ms = max(100, int((deadline - time.monotonic()) * 1000))
+            return KafkaAdminClient(**kw, client_id="flywheel-admin", request_timeout_ms=10_000,
+                                    bootstrap_timeout_ms=left_ms, reconnect_backoff_max_ms=1000)
         except KafkaError as exc:  # broker not up yet
             last = exc
             time.sleep(0.2)
     raise RuntimeError(f"Kafka cluster at {kw['bootstrap_servers']} not reachable within {timeout_s}s "
                        f"({kw['security_protocol']}): {last}")
+
+
+def tls_preflight(bootstrap: str, settings=None, timeout_s: float = 10.0) -> None:
+    """One TLS handshake with the first bootstrap broker, with the settings' CA, client
+    certificate and hostname check: kafka-python 3.0.12's admin client waits forever when the
+    handshake fails (an untrusted certificate), so the cause is found and named here first.
+
+    Raises:
+        RuntimeError: the handshake failed or timed out (the message has the address and the
+            TLS error, e.g. ``CERTIFICATE_VERIFY_FAILED``).
+    """
+    import socket
+    import ssl
+
+    from schemas.settings import kafka_settings
+
+    s = settings or kafka_settings()
+    host, _, port = bootstrap.split(",")[0].strip().rpartition(":")
+    ctx = ssl.create_default_context(cafile=str(s.ssl_cafile) if s.ssl_cafile else None)
+    ctx.check_hostname = s.ssl_check_hostname
+    if s.ssl_certfile:
+        ctx.load_cert_chain(str(s.ssl_certfile), str(s.ssl_keyfile))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic())) as raw:
+                with ctx.wrap_socket(raw, server_hostname=host):
+                    return
+        except ssl.SSLError as exc:
+            raise RuntimeError(f"TLS handshake with {host}:{port} failed (FLYWHEEL_KAFKA_SSL_*): {exc}") from None
+        except OSError as exc:  # not listening yet
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"Kafka cluster at {bootstrap} not reachable within {timeout_s}s (TLS): "
+                                   f"{exc}") from None
+            time.sleep(0.2)
 
 
 def describe(admin, names: list[str]) -> dict[str, dict]:
