@@ -22,6 +22,7 @@ from serving.eventlog import EventLog
 from serving.http import errors
 from serving.http.auth import AuthMiddleware, AuthPolicy, load_keys
 from serving.http.completion_log import CompletionLogger
+from serving.http.limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from serving.http.metrics import RequestCountMiddleware, ServingMetrics
 from serving.http.prompts import PromptBuilder
 from serving.http.router_admin import router as admin_router
@@ -58,7 +59,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
                api_keys: set[str] | None = None, admin_token: str | None = None,
                feedback_keys: set[str] | None = None, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
                eval_share: float = 0.0, cors_origins: list[str] | None = None, max_prompt_tokens: int = 8192,
-               default_max_tokens: int = 256) -> FastAPI:
+               default_max_tokens: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app of one serving pod.
 
     Args:
@@ -76,6 +77,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
             page can post feedback with a feedback-only key; None = no CORS headers.
         max_prompt_tokens: longer prompts get HTTP 413 (tokens).
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
+        max_body_bytes: larger request bodies get HTTP 413 (bytes).
 
     Raises:
         ValueError: ``eval_share`` outside [0, 1].
@@ -104,6 +106,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
     for r in (v1_router, feedback_router, admin_router, ops_router):
         app.include_router(r)
     errors.install(app)  # CatchAllMiddleware: innermost of the middlewares below
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # only after auth
     policy = AuthPolicy(api_keys=frozenset(api_keys) if api_keys else None,
                         feedback_keys=frozenset(feedback_keys) if feedback_keys else None,
                         admin_token=admin_token or None)

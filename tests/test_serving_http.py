@@ -217,6 +217,30 @@ def test_admin_bodies(env):
     assert httpx.get(env["url"] + "/admin/slots", headers=H_ADMIN).json()["stable"]["version"] == "v000000"
 
 
+def test_body_over_the_bound_is_413_after_auth(env):
+    srv = ServerThread(create_app(env["slots"], None, pod="small", salt="s", api_keys={API},
+                                  max_body_bytes=2000)).start()
+    try:
+        big = {"model": "flywheel", "prompt": "x" * 3000, "max_tokens": 1}
+        r = httpx.post(srv.url + "/v1/completions", json=big, headers=H_API)  # Content-Length: refused at once
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+        def chunks():  # no Content-Length: counted as it streams in
+            yield b'{"model": "flywheel", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 500
+            yield b'"}'
+
+        r = httpx.post(srv.url + "/v1/completions", content=chunks(),
+                       headers={**H_API, "content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert httpx.post(srv.url + "/v1/completions", json=big).status_code == 401  # auth first
+        ok = httpx.post(srv.url + "/v1/completions", json={**big, "prompt": "x" * 100}, headers=H_API)
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------------- OpenAI conventions
 def test_unknown_model_is_404_model_not_found(env):
     r = post(env, "/v1/completions", {"model": "gpt-4o", "prompt": "hi", "max_tokens": 1})

@@ -2,6 +2,7 @@
 
 * :mod:`serving.http.auth`: who may call what (API keys, feedback-only keys, admin token),
   checked by an ASGI middleware before any body is read.
+* :mod:`serving.http.limits`: request bodies over a bound (8 MiB) refused 413.
 * :mod:`serving.http.errors`: every error in the OpenAI shape; no exception resets a
   keep-alive connection.
 * :mod:`serving.http.metrics`: the Prometheus registry (vLLM's names and units) and the
