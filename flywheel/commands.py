@@ -89,16 +89,37 @@ def require_demo_extra() -> None:
 
 def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
          quick: bool = typer.Option(False, "--quick", help="Small run (8-14 min measured on 2 busy cores)."),
-         cycles: int = typer.Option(2, min=1, help="Learner cycles (each canaried)."),
+         cycles: Optional[int] = typer.Option(None, min=1, help="Learner cycles, each canaried (default 2; --quick 1)."),
          prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
-         max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per completion."),
+         max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per HumanEval completion."),
+         families: Optional[str] = typer.Option(
+             None, help="Task families asked, comma-separated: humaneval and reasoning-gym families "
+                        "(basic_arithmetic, chain_sum, gcd, letter_counting)."),
+         held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on)."),
+         eval_share: Optional[float] = typer.Option(None, min=0.0, max=1.0,
+                                                    help="Share of the other prompts in the eval split."),
+         bad_candidate: bool = typer.Option(False, "--bad-candidate",
+                                            help="End with a deliberately degraded candidate; its canary must "
+                                                 "roll it back on evidence."),
          seed: int = typer.Option(0)):
-    """Run the whole loop on HumanEval traffic from simulated users and write a report."""
+    """Run the whole loop on product traffic from simulated users and write a report.
+
+    Example: flywheel demo --quick --out /tmp/demo
+    """
     require_demo_extra()
     from flywheel.demo import Demo, DemoConfig
 
-    cfg = DemoConfig.for_mode(out, quick, cycles=cycles, prompts_per_phase=prompts,
-                              max_tokens=max_tokens, seed=seed)
+    split = (lambda x: tuple(f.strip() for f in x.split(",") if f.strip()) if x is not None else None)
+    try:
+        cfg = DemoConfig.for_mode(out, quick, cycles=cycles, prompts_per_phase=prompts, max_tokens=max_tokens,
+                                  seed=seed, families=split(families), held_out=split(held_out),
+                                  eval_share=eval_share, bad_candidate=bad_candidate or None)
+        from flywheel.workload import Workload
+
+        Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share)
+    except ValueError as exc:
+        name = str(exc).split(":", 1)[0].replace("_", "-")
+        raise typer.BadParameter(str(exc), param_hint=f"--{name}") from exc
     try:
         report = Demo(cfg).run()
     except ValueError as exc:

@@ -29,7 +29,8 @@ import httpx
 from rich.console import Console
 
 from flywheel import report as rep
-from flywheel.users import UserBehaviour, build_messages, extract_code, load_problems, run_tests
+from flywheel.users import UserBehaviour
+from flywheel.workload import Task, Workload
 
 
 @dataclass
@@ -42,7 +43,13 @@ class DemoConfig:
     cycles: int = 2
     prompts_per_phase: int = 24
     problems: int = 40
-    max_tokens: int = 160
+    families: tuple[str, ...] = ("basic_arithmetic", "gcd", "letter_counting", "humaneval")
+    held_out: tuple[str, ...] = ()
+    eval_share: float = 0.25
+    max_tokens: int = 160  # HumanEval replies
+    max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
+    bad_candidate: bool = False  # end with a deliberately degraded candidate (the canary must roll it back)
+    final_prompts: int = 96  # requests served after the last canary: the last stable's eval figures
     temperature: float = 0.8
     top_p: float = 0.95
     concurrency: int = 8
@@ -62,9 +69,9 @@ class DemoConfig:
     @classmethod
     def for_mode(cls, out: Path, quick: bool, **kw) -> "DemoConfig":
         if quick:
-            base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2,
+            base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
-                        canary_max_wait_s=45.0, concurrency=8)
+                        canary_max_wait_s=45.0, concurrency=8, final_prompts=0)
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
@@ -135,6 +142,9 @@ class Demo:
         self.lock = threading.Lock()
         self.phase_log: list[dict] = []
         self.vote_threads: list[threading.Thread] = []
+        self.completions: dict[str, dict] = {}  # completion_id -> what was asked and how it was judged
+        self.workload = Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share,
+                                 humaneval_problems=tuple(range(cfg.problems)), seed=cfg.seed)
 
     # ----------------------------------------------------------------- setup
     def _env(self) -> dict:
@@ -222,10 +232,11 @@ class Demo:
         raise RuntimeError(f"{url} not ready after {timeout_s}s:\n{proc.tail()}")
 
     # --------------------------------------------------------------- traffic
-    def _one_request(self, client: httpx.Client, problem: dict, user: str) -> dict | None:
-        body = {"model": "flywheel", "messages": build_messages(problem), "max_tokens": self.cfg.max_tokens,
+    def _one_request(self, client: httpx.Client, task: Task, user: str) -> dict | None:
+        max_tokens = self.cfg.max_tokens if task.family == "humaneval" else self.cfg.max_tokens_short
+        body = {"model": "flywheel", "messages": task.messages, "max_tokens": max_tokens,
                 "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "user": user,
-                "seed": self.rng.randrange(1 << 30)}
+                "seed": self.rng.randrange(1 << 30), "metadata": {"flywheel_split": task.split}}
         try:
             r = client.post(self.url + "/v1/chat/completions", json=body, timeout=600)
         except httpx.HTTPError:
@@ -237,17 +248,21 @@ class Demo:
                 self.requests_failed += 1
             return None
         data = r.json()
-        text = data["choices"][0]["message"]["content"] or ""
-        code = extract_code(text)
-        passed, why = run_tests(problem, code) if code else (False, "no code block")
+        choice = data["choices"][0]
+        text = choice["message"]["content"] or ""
+        passed = task.verifier.score(text)
+        version = r.headers.get("x-flywheel-model-version", "?")
+        rec = {"version": version, "family": task.family, "split": task.split, "passed": passed,
+               "has_answer": task.verifier.has_answer(text), "finish_reason": choice.get("finish_reason"),
+               "tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
         with self.lock:
             self.requests_ok += 1
-        version = r.headers.get("x-flywheel-model-version", "?")
+            self.completions[data["id"]] = rec
         plan = self.cfg.behaviour.plan(passed, self.rng)
         t = threading.Thread(target=self._send_votes, args=(data["id"], user, plan), daemon=True)
         t.start()
         self.vote_threads.append(t)
-        return {"version": version, "passed": passed, "why": why, "voted": plan.final}
+        return {**rec, "voted": plan.final}
 
     def _send_votes(self, completion_id: str, user: str, plan) -> None:
         start = time.monotonic()
@@ -273,15 +288,15 @@ class Demo:
         """Send ``n`` chat requests with ``concurrency`` in flight; users vote in background."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        problems = self.problems
+        tasks = [self.workload.next_task(self.rng) for _ in range(n)]
         results: list[dict] = []
         with Progress(TextColumn(f"[bold]{phase}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
                       console=self.console, transient=False) as prog:
             task = prog.add_task(phase, total=n, status="")
             with httpx.Client() as client, ThreadPoolExecutor(self.cfg.concurrency) as pool:
-                futs = [pool.submit(self._one_request, client, problems[i % len(problems)],
-                                    f"user-{self.rng.randrange(self.cfg.users)}") for i in range(n)]
+                futs = [pool.submit(self._one_request, client, t, f"user-{self.rng.randrange(self.cfg.users)}")
+                        for t in tasks]
                 for f in futs:
                     r = f.result()
                     if r:
@@ -290,7 +305,7 @@ class Demo:
                     by_v: dict[str, int] = {}
                     for x in results:
                         by_v[x["version"]] = by_v.get(x["version"], 0) + 1
-                    prog.update(task, advance=1, status=f"tests passed {passed}/{len(results)} "
+                    prog.update(task, advance=1, status=f"right {passed}/{len(results)} "
                                 f"by version {by_v} votes accepted {len(self.accepted)}")
         self.phase_log.append({"phase": phase, "requests": n, "ok": len(results),
                                "passed": sum(1 for x in results if x["passed"]),
@@ -364,6 +379,28 @@ class Demo:
         self.log(f"learner published {new[-1]}")
         return new[-1]
 
+    def publish_degraded(self, noise: float = 0.5, layers: int = 4) -> str:
+        """Publish a deliberately degraded candidate: the stable's weights with Gaussian noise
+        of ``noise`` x each tensor's std added to the MLP/expert weights of the last ``layers``
+        decoder layers (seeded). Its canary must end in a rollback on evidence."""
+        import torch
+
+        parent = self.store.stable() or self.store.versions()[-1]
+        state = self.store.load(parent)
+        n_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
+        g = torch.Generator().manual_seed(self.cfg.seed + 7)
+        touched = 0
+        for k, t in state.items():
+            parts = k.split(".")
+            if (k.startswith("model.layers.") and int(parts[2]) >= n_layers - layers and t.is_floating_point()
+                    and t.dim() >= 2 and ("mlp" in k or "experts" in k) and "gate.weight" not in k):
+                t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * (noise * t.float().std().item()))
+                touched += 1
+        m = self.store.publish(state, parent, metrics={"degraded": f"noise {noise} x std on {touched} MLP tensors "
+                                                                    f"of the last {layers} layers (demo --bad-candidate)"})
+        self.log(f"published [red]degraded[/red] candidate {m.version} (parent {parent}, {touched} tensors noised)")
+        return m.version
+
     def canary(self, version: str) -> dict:
         """Serve traffic until the controller decides about ``version``."""
         from deploy.ledger import Ledger
@@ -424,12 +461,31 @@ class Demo:
                 "canary_interval": _canary_interval(d),
                 "train_samples": metrics.get("samples"),
             })
+        family_of = {cid: r["family"] for cid, r in self.completions.items()}
+        figures = rep.split_figures(rep.votes_by_completion(self.samples_dir), family_of)
+        for row in versions:
+            v = row["version"]
+            row["splits"] = figures.get(v, {})
+            mine = [r for r in self.completions.values() if r["version"] == v]
+            he = [r for r in mine if r["family"] == "humaneval" and r["split"] == "eval"]
+            row["humaneval_eval"] = {"passed": sum(r["passed"] for r in he), "n": len(he)}
+            row["guards"] = {"n": len(mine),
+                             "mean_tokens": (sum(r["tokens"] or 0 for r in mine) / len(mine)) if mine else 0.0,
+                             "no_answer_share": (sum(not r["has_answer"] for r in mine) / len(mine)) if mine else 0.0,
+                             "truncated_share": (sum(r["finish_reason"] == "length" for r in mine) / len(mine))
+                             if mine else 0.0}
+            row["degraded"] = bool((self.store.manifest(v).metrics or {}).get("degraded"))
+        promoted = [r["version"] for r in versions if r["decision"] == "PROMOTE"]
+        gain = rep.eval_gain(figures, versions[0]["version"], promoted[-1]) if promoted else None
         ids = rep.event_ids_in_samples(self.samples_dir)
         uniq = set(ids)
         dead = self.dead_lettered_ids()
         lost = self.accepted - uniq - dead
         return {
             "versions": versions,
+            "eval_gain": gain,
+            "workload": {"families": list(self.cfg.families), "held_out": list(self.cfg.held_out),
+                         "eval_share": self.cfg.eval_share},
             "events_accepted": len(self.accepted),
             "events_in_samples": len(uniq & self.accepted),
             "events_dead_lettered": len(dead & self.accepted),
@@ -449,7 +505,6 @@ class Demo:
             raise SystemExit(128 + signum)  # which stops serving, ingest, controller and the broker
         prev = signal.signal(signal.SIGTERM, _term) if threading.current_thread() is threading.main_thread() else None
         try:
-            self.problems = load_problems(self.cfg.problems)
             self.setup()
             self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
             for cycle in range(1, self.cfg.cycles + 1):
@@ -457,6 +512,10 @@ class Demo:
                 v = self.learn(cycle)
                 if v is not None:
                     self.canary(v)
+            if self.cfg.final_prompts:
+                self.traffic("after the last canary", self.cfg.final_prompts)
+            if self.cfg.bad_candidate:
+                self.canary(self.publish_degraded())
             self.wait_votes_sealed(120)
             report = self.build_report(t0)
             rep.write_report(report, self.cfg.out)

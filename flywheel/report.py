@@ -9,8 +9,8 @@ import json
 import math
 from pathlib import Path
 
+from deploy.stats import newcombe_interval, wilson_interval  # the one implementation (wilson re-exported)
 
-from deploy.stats import wilson_interval  # noqa: E402,F401 (the one implementation; re-exported)
 
 def samples_by_version(samples_dir: Path) -> dict[str, dict]:
     """Per producing version: samples, votes up/down (ingest's ``votes_by_version`` view)."""
@@ -36,6 +36,59 @@ def event_ids_in_samples(samples_dir: Path) -> list[str]:
     return [r[0] for r in rows]
 
 
+def votes_by_completion(samples_dir: Path) -> list[dict]:
+    """One row per sample: ``completion_id`` (str), ``model_version``, ``split``, ``votes_up``,
+    ``votes_down`` (ingest's ``samples`` view: the votes the loop itself collected)."""
+    from ingest.catalog import query
+
+    if not list(Path(samples_dir).rglob("*.parquet")):
+        return []
+    return query("SELECT CAST(completion_id AS VARCHAR) AS completion_id, model_version, split, votes_up, votes_down "
+                 "FROM samples", samples_dir)
+
+
+def _rate(up: int, n: int) -> dict:
+    lo, hi = wilson_interval(up, n)
+    return {"votes_up": up, "votes": n, "rate": (up / n) if n else None, "ci95": [lo, hi]}
+
+
+def split_figures(rows: list[dict], family_of: dict[str, str]) -> dict[str, dict]:
+    """Per version: thumbs-up by split (``train``/``eval``) and, within each split, by task
+    family, each with a 95 % Wilson interval. ``family_of`` maps completion_id -> family
+    (the demo's own record of what it asked); unknown ids count as ``other``.
+
+    Returns ``{version: {split: {"all": rate, "by_family": {family: rate}}}}`` where a rate is
+    ``{"votes_up", "votes", "rate", "ci95"}`` (votes = each user's last vote)."""
+    acc: dict = {}
+    for r in rows:
+        v, sp = r["model_version"], r["split"] or "train"
+        fam = family_of.get(str(r["completion_id"]), "other")
+        up, n = int(r["votes_up"] or 0), int(r["votes_up"] or 0) + int(r["votes_down"] or 0)
+        for key in ("all", fam):
+            a = acc.setdefault(v, {}).setdefault(sp, {}).setdefault(key, [0, 0])
+            a[0] += up
+            a[1] += n
+    out: dict = {}
+    for v, by_split in acc.items():
+        for sp, fams in by_split.items():
+            out.setdefault(v, {})[sp] = {"all": _rate(*fams["all"]),
+                                         "by_family": {f: _rate(*x) for f, x in sorted(fams.items()) if f != "all"}}
+    return out
+
+
+def eval_gain(figures: dict[str, dict], first: str, last: str) -> dict | None:
+    """Thumbs-up on eval prompts, ``last`` minus ``first``, with Newcombe's 95 % interval
+    (method 10) over independent votes: ``{"from", "to", "diff", "ci95", "n_from", "n_to",
+    "up_from", "up_to"}``; None when either version has no eval votes."""
+    a = ((figures.get(first) or {}).get("eval") or {}).get("all")
+    b = ((figures.get(last) or {}).get("eval") or {}).get("all")
+    if not a or not b or not a["votes"] or not b["votes"]:
+        return None
+    d, lo, hi = newcombe_interval(a["votes_up"], a["votes"], b["votes_up"], b["votes"])
+    return {"from": first, "to": last, "diff": d, "ci95": [lo, hi], "n_from": a["votes"], "n_to": b["votes"],
+            "up_from": a["votes_up"], "up_to": b["votes_up"], "method": "Newcombe 1998 method 10, 95 %"}
+
+
 def write_plot(report: dict, path: Path) -> None:
     """Bar chart of thumbs-up rate by version with 95 % Wilson intervals."""
     import matplotlib
@@ -54,6 +107,14 @@ def write_plot(report: dict, path: Path) -> None:
            color=[colors.get((v.get("decision") or "").lower(), "tab:gray") for v in vs])
     ax.set_xticks(list(xs), [f"{v['version']}\n{(v.get('decision') or '-').lower()}\n"
                              f"n={v['votes_up'] + v['votes_down']}" for v in vs], fontsize=8)
+    ev = [((v.get("splits") or {}).get("eval") or {}).get("all") for v in vs]
+    if any(x and x.get("votes") for x in ev):
+        ex = [i + 0.3 for i in xs]
+        er = [x["rate"] if x and x.get("votes") else 0.0 for x in ev]
+        elo = [(x["rate"] - x["ci95"][0]) if x and x.get("votes") else 0.0 for x in ev]
+        ehi = [(x["ci95"][1] - x["rate"]) if x and x.get("votes") else 0.0 for x in ev]
+        ax.errorbar(ex, er, yerr=[elo, ehi], fmt="D", color="black", capsize=4, label="eval split (never trained on)")
+        ax.legend(fontsize=7, loc="upper left")
     ax.set_ylabel("thumbs-up rate (95% Wilson CI)")
     ax.set_ylim(0, 1)
     ax.set_title("Flywheel demo: thumbs-up rate by model version")
@@ -71,6 +132,12 @@ def write_report(report: dict, out: Path) -> None:
 def _clip(text: str, n: int) -> str:
     """``text`` cut to ``n`` characters with a trailing ellipsis when cut (report.json keeps it whole)."""
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _fmt_rate(x: dict | None) -> str:
+    if not x or not x.get("votes"):
+        return "-"
+    return f"{x['rate']:.3f} ({x['votes_up']}/{x['votes']}) [{x['ci95'][0]:.2f},{x['ci95'][1]:.2f}]"
 
 
 def print_report(report: dict, console=None) -> None:
@@ -95,6 +162,34 @@ def print_report(report: dict, console=None) -> None:
                   "-" if v.get("delta_ratio") is None else f"{v['delta_ratio']:.1f}x",
                   "-" if v.get("swap_pause_ms") is None else f"{v['swap_pause_ms']:.2f}")
     console.print(t)
+    if any(v.get("splits") for v in report["versions"]):
+        e = Table(title="Prompts no version trained on (eval split) and the canary")
+        for col in ("version", "eval thumbs-up (95% CI)", "by family", "train thumbs-up", "HumanEval eval pass",
+                    "canary interval", "decided by", "guards: len / no answer / cut"):
+            e.add_column(col, overflow="fold")
+        for v in report["versions"]:
+            sp = v.get("splits") or {}
+            ev, tr = (sp.get("eval") or {}).get("all"), (sp.get("train") or {}).get("all")
+            fams = ", ".join(f"{f} {x['votes_up']}/{x['votes']}" for f, x in ((sp.get("eval") or {}).get("by_family")
+                                                                             or {}).items())
+            ci = v.get("canary_interval")
+            g = v.get("guards") or {}
+            he = v.get("humaneval_eval") or {}
+            e.add_row(v["version"], _fmt_rate(ev), fams or "-", _fmt_rate(tr),
+                      f"{he['passed']}/{he['n']}" if he.get("n") else "-",
+                      f"{ci['diff']:+.3f} [{ci['lo']:+.3f},{ci['hi']:+.3f}]" if ci else "-",
+                      v.get("decided_by") or "-",
+                      (f"{g['mean_tokens']:.0f} / {g['no_answer_share']:.2f} / {g['truncated_share']:.2f}"
+                       if g.get("n") else "-"))
+        console.print(e)
+        g = report.get("eval_gain")
+        if g:
+            verdict = "better at 95 %" if g["ci95"][0] > 0 else "not shown better at 95 %"
+            console.print(f"eval gain {g['from']} -> {g['to']}: {g['up_from']}/{g['n_from']} -> {g['up_to']}/{g['n_to']}, "
+                          f"diff {g['diff']:+.3f}, 95 % Newcombe [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]: "
+                          f"[bold]{verdict}[/bold]")
+        else:
+            console.print("eval gain: no promoted version with eval votes to compare")
     console.print(f"feedback events accepted {report['events_accepted']}, in samples "
                   f"{report['events_in_samples']}, dead-lettered {report['events_dead_lettered']}, "
                   f"[bold]lost {report['events_lost']}[/bold]; double-counted "

@@ -30,3 +30,38 @@ def test_samples_by_version_counts_each_versions_votes(tmp_path):
     assert samples_by_version(tmp_path) == {"v000000": {"samples": 2, "votes_up": 1, "votes_down": 2},
                                             "v000001": {"samples": 1, "votes_up": 3, "votes_down": 1}}
     assert samples_by_version(tmp_path / "empty") == {}
+
+
+def test_split_figures_and_eval_gain_by_hand(tmp_path):
+    """Votes by split and family from real shards; the eval gain's Newcombe interval by hand."""
+    import uuid
+
+    def sample(v, split, up, down):
+        return RewardedSample(completion_id=uuid.uuid4(), model_version=v, created_at=1_700_000_000_000,
+                              user_hash="u", prompt_token_ids=[1], completion_token_ids=[2], behavior_logprobs=[-0.5],
+                              sampling=SamplingParams(), finish_reason="stop", reward=1.0, label=up > down,
+                              n_votes=up + down, votes_up=up, votes_down=down, split=split,
+                              event_ids=[str(uuid.uuid4()) for _ in range(up + down)], sealed_at=1_700_000_000_000)
+    from flywheel.report import eval_gain, split_figures, votes_by_completion
+
+    v0 = [sample("v000000", "eval", 1, 0) for _ in range(18)] + [sample("v000000", "eval", 0, 1) for _ in range(82)]
+    v2 = [sample("v000002", "eval", 1, 0) for _ in range(36)] + [sample("v000002", "eval", 0, 1) for _ in range(64)]
+    tr = [sample("v000000", "train", 1, 0) for _ in range(5)]
+    for i, batch in enumerate((v0, v2, tr)):
+        d = tmp_path / "date=2023-11-14" / f"hour={i}"  # the writer's layout
+        d.mkdir(parents=True)
+        write_shard(batch, d / "part-a.parquet")
+    family_of = {str(s.completion_id): ("gcd" if i % 2 else "chain_sum") for i, s in enumerate(v0 + v2 + tr)}
+    rows = votes_by_completion(tmp_path)
+    assert len(rows) == 205
+    fig = split_figures(rows, family_of)
+    assert fig["v000000"]["eval"]["all"]["votes_up"] == 18 and fig["v000000"]["eval"]["all"]["votes"] == 100
+    assert fig["v000000"]["train"]["all"]["votes_up"] == 5
+    fams = fig["v000000"]["eval"]["by_family"]
+    assert fams["gcd"]["votes"] + fams["chain_sum"]["votes"] == 100
+    assert fams["chain_sum"]["votes_up"] == 9 and fams["gcd"]["votes_up"] == 9  # alternating ids over the 18 ups
+    g = eval_gain(fig, "v000000", "v000002")
+    # 18/100 -> 36/100: Newcombe method 10: [0.0570, 0.2962] (tests/test_deploy_analysis.py by hand)
+    assert g["diff"] == pytest.approx(0.18) and g["ci95"] == pytest.approx([0.05698, 0.29620], abs=2e-4)
+    assert (g["n_from"], g["n_to"], g["from"], g["to"]) == (100, 100, "v000000", "v000002")
+    assert eval_gain(fig, "v000000", "v000009") is None
