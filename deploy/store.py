@@ -533,9 +533,10 @@ class ModelStore:
         its exact parent and verifies every tensor's sha256 against the manifest.
 
         Args:
-            resident: ``{version: state}`` the caller already holds, verified against those
-                versions' manifests and never modified (a serving pod's weight slots): used
-                as delta parents instead of reconstructing them; never modified here.
+            resident: ``{version: state}`` the caller already holds, equal to those versions'
+                manifests *now* (the caller checks the digest: files can change under the
+                same id) and never modified (a serving pod's weight slots): used as delta
+                parents instead of reconstructing them; never modified here.
             cache: False reconstructs without keeping anything in the in-memory cache and
                 returns the reconstructed tensors themselves (no copy): one model's memory
                 per load, for a process that keeps the result (serving).

@@ -126,7 +126,10 @@ class Slots:
             return self.store.load(version)
         with self._lock:
             held = [lm for lm in (self.stable, self.candidate, self.previous) if lm is not None]
-        resident = {lm.version: lm.model.state_dict() for lm in held if hasattr(lm.model, "state_dict")}
+        # only weights that still equal the store's manifest: a version whose files changed
+        # under the same id is rebuilt from its files, never from the stale resident copy
+        resident = {lm.version: lm.model.state_dict() for lm in held
+                    if hasattr(lm.model, "state_dict") and self._digest_ok(lm)}
         return self.store.load(version, resident=resident, cache=False)
 
     def start(self, version: str) -> None:

@@ -132,3 +132,21 @@ def test_status_warns_when_served_stable_is_not_the_stable_record(pod_env):
     assert j["stable_record"]["version"] == "v000000"
     assert any("serves v000001 as stable but the store's stable record says v000000" in w
                and "flywheel rollback --to v000001 --yes" in w for w in j["warnings"]), j["warnings"]
+
+
+def test_instant_rollback_to_the_resident_version_rechecks_the_store(pod_env, tmp_path):
+    """Rolling back to the version stable before the last promote reuses its resident weights
+    only while they still equal the store's manifest."""
+    from tests.conftest import make_tiny_moe
+
+    store, m1, admin = pod_env
+    admin.load("v000001")
+    admin.promote()  # v000000 stays resident for an instant rollback
+    other = ModelStore(tmp_path / "other0")
+    other.init_base(make_tiny_moe(tmp_path / "seed1", seed=1))
+    d0 = other.manifest("v000000").weights_digest
+    assert d0 != store.manifest("v000000").weights_digest
+    shutil.rmtree(store.root / "versions" / "v000000")
+    shutil.copytree(other.root / "versions" / "v000000", store.root / "versions" / "v000000")
+    s = admin.rollback("v000000")
+    assert (s.stable.version, s.stable.weights_digest, s.stable.digest_ok) == ("v000000", d0, True)
