@@ -112,7 +112,7 @@ class KafkaSettings(BaseSettings):
         partitions: partitions of every Flywheel topic (>= 1).
         replication_factor: replicas of every topic (>= 1; 3 on a production cluster).
         retention_ms: per-topic ``retention.ms`` overrides keyed by the topic's short name
-            (``completions``, ``feedback``, ``samples``, ``deadletter``, ``deployments``), JSON
+            (``completions``, ``feedback``, ``samples``, ``deadletter``, ``rekeyed``, ``deployments``), JSON
             in the environment: ``FLYWHEEL_KAFKA_RETENTION_MS='{"completions": 86400000}'``;
             -1 keeps records forever.
         max_message_bytes: ``max.message.bytes`` of every topic and the producers'

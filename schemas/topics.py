@@ -54,6 +54,11 @@ SPECS: dict[str, TopicSpec] = {
     "deadletter": TopicSpec(
         "flywheel.deadletter", "completion_id when known, else empty", "DeadLetter", 30 * DAY_MS,
         "ingest workers", "on-call, `flywheel demo`'s loss accounting"),
+    "rekeyed": TopicSpec(
+        "flywheel.ingest.rekeyed", "completion_id (UUID string)",
+        "CompletionEvent or FeedbackEvent bytes as received (header flywheel-source-topic)", 7 * DAY_MS,
+        "ingest workers (records a producer's partitioner put off their home partition)",
+        "ingest workers (join)"),
     "deployments": TopicSpec(
         "flywheel.deployments", "model version (e.g. v0003)", "DeploymentEvent", -1,
         "rollout controller and the on-call CLI (promote, rollback, pause, resume)",

@@ -21,7 +21,7 @@ from flywheel.cli import app
 from schemas import topics
 from schemas.settings import KafkaSettings, kafka_client_config, kafka_settings
 
-SHORTS = ("completions", "feedback", "samples", "deadletter", "deployments")
+SHORTS = ("completions", "feedback", "samples", "deadletter", "ingest.rekeyed", "deployments")
 
 
 def _clear_kafka_env(monkeypatch) -> None:
@@ -66,7 +66,7 @@ def test_create_with_prefix_then_check_ok_then_mismatch_refused(bare_broker, mon
 
     r = CliRunner().invoke(app, ["topics", "check", "--json"])
     assert r.exit_code == 0, r.output
-    assert [t["status"] for t in json.loads(r.stdout)["topics"]] == ["ok"] * 5
+    assert [t["status"] for t in json.loads(r.stdout)["topics"]] == ["ok"] * len(SHORTS)
 
     r = CliRunner().invoke(app, ["topics", "create", "-o", "json"])  # idempotent
     assert r.exit_code == 0 and json.loads(r.stdout)["created"] == []
@@ -92,7 +92,7 @@ def test_create_refuses_a_preexisting_topic_with_other_partitions(bare_broker, m
     r = CliRunner().invoke(app, ["topics", "create", "-o", "json"])
     assert r.exit_code == 1
     out = json.loads(r.stdout)
-    assert "flywheel.feedback" not in out["created"] and len(out["created"]) == 4
+    assert "flywheel.feedback" not in out["created"] and len(out["created"]) == len(SHORTS) - 1
     assert out["mismatches"] == ["flywheel.feedback: 2 partitions, expected 6 (FLYWHEEL_KAFKA_PARTITIONS; "
                                  "completions and feedback must be co-partitioned)"]
     with pytest.raises(RuntimeError, match="must be co-partitioned"):
@@ -263,7 +263,7 @@ def test_every_client_speaks_tls_from_settings(tls_broker, tmp_path, monkeypatch
     monkeypatch.setenv("FLYWHEEL_KAFKA_PARTITIONS", "2")
     r = CliRunner().invoke(app, ["topics", "create", "-o", "json"])
     assert r.exit_code == 0, r.output
-    assert len(json.loads(r.stdout)["created"]) == 5
+    assert len(json.loads(r.stdout)["created"]) == len(SHORTS)
 
     from deploy import ledger
     from serving.eventlog import EventLog
@@ -301,3 +301,11 @@ def test_every_client_speaks_tls_from_settings(tls_broker, tmp_path, monkeypatch
     got = asyncio.run(read_back())
     assert got[cid] == b'{"x": 1}'
     assert json.loads(got["v000001"])["reason"] == "tls test"
+
+
+def test_docs_list_every_topic_and_setting():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kafka.md").read_text()
+    for spec in topics.SPECS.values():
+        assert f"`{spec.base}`" in doc, spec.base
+    for name in KafkaSettings.model_fields:
+        assert f"FLYWHEEL_KAFKA_{name.upper()}" in doc, name
