@@ -396,9 +396,10 @@ class ControllerMetrics:
     """
 
     def __init__(self, config=None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_* (start time, CPU seconds, resident memory)
         self.phase = Gauge("flywheel_canary_phase", "1 for the rollout's current phase", ["phase"], registry=r)
         self.step = Gauge("flywheel_canary_step", "canary step index (-1: no canary)", registry=r)
         self.weight = Gauge("flywheel_canary_weight", "candidate's traffic share (0..1)", registry=r)

@@ -44,7 +44,8 @@ import threading
 import time
 from pathlib import Path
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
 STATE_EVERY_S = 15.0  # the state-size gauges are refreshed at most this often (s)
@@ -106,6 +107,7 @@ class IngestMetrics:
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_* (start time, CPU seconds, resident memory)
         self.consumed = Counter("flywheel_ingest_records_consumed", "records delivered to this worker, by topic",
                                 ["topic"], registry=r)
         self.joined = Counter("flywheel_ingest_records_joined", "records folded into the join state (new "

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 OUTCOMES = ("published", "rejected", "skipped", "failed")
 CYCLE_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
@@ -45,6 +45,7 @@ class LearnerMetrics:
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_* (start time: restarts of a crashing daemon show there)
         self.cycles = Counter("flywheel_learner_cycles", "learner cycles by outcome", ["outcome"], registry=r)
         for o in OUTCOMES:
             self.cycles.labels(o)  # exported as 0 before the first cycle of each outcome
