@@ -48,6 +48,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
+from schemas import topics as T
+
 STATE_EVERY_S = 15.0  # the state-size gauges are refreshed at most this often (s)
 POSITION_TIMEOUT_S = 1.0  # a partition whose position is not known within this is left out (s)
 # sample delay: seconds from the completion to its sealed sample (seal_after default 600 s)
@@ -138,8 +140,6 @@ class IngestMetrics:
     def folded(self, batch: dict, completion_outcomes: list[str], feedback_outcomes: list) -> None:
         """One consumed batch (``{TopicPartition: [records]}``) and the join's outcomes:
         ``Joiner.on_completions``' strings and ``Joiner.on_feedbacks``' ``(outcome, dl)``."""
-        from schemas import topics as T
-
         by_topic: dict[str, int] = {}
         for tp, recs in batch.items():
             by_topic[tp.topic] = by_topic.get(tp.topic, 0) + len(recs)
