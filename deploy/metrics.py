@@ -6,10 +6,10 @@ Two metric providers give the analysis the same fields (``errors``, ``requests``
 pod's ``/metrics`` itself) and ``prometheus`` (:class:`PrometheusMetricsSource`: PromQL on the
 team's Prometheus). :class:`ControllerMetrics` is what ``flywheel controller`` exports.
 
-The ``scrape`` provider, from serving's ``/metrics``:
-
-What is read (Prometheus text, summed over pods; counters are cumulative, so each figure is
-the difference between now and a baseline taken when the canary started):
+What the ``scrape`` provider reads from serving's ``/metrics`` (Prometheus text, summed over
+pods; counters are cumulative, so each figure is the difference between now and a baseline
+taken when the canary started; the ``prometheus`` provider computes the same differences per
+series in PromQL):
 
 * requests per version: ``flywheel_version_requests_total{version}`` (completions served).
 * errors per version: ``flywheel_requests_total{version, status}`` with status >= 500, or
