@@ -303,13 +303,14 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
                 "window": (n9 - n1, t9 - t1, c9 - c1), "samples_in_window": samples_at_90,
                 "consume_s": marks[1.0][0] - t_start, "sealed_s": ta - t_start, "samples": c.get("samples", 0),
                 # None: every label sealed within one reading (one seal round)
-                "seal_rate": c.get("samples", 0) / (ta - tf) if ta - tf >= 0.05 else None, "seal_cpu_s": ca - marks[1.0][2],
+                "seal_rate": c.get("samples", 0) / (ta - tf) if ta - tf >= 0.05 else None,
+                "seal_cpu_s": ca - marks[1.0][2],
                 # every record consumed + folded and every label sealed, per CPU-second (no start-up)
                 "pipeline_per_cpu_s": total / max(1e-9, ca - marks[0.0][2]),
                 # first record to last, workers' CPU only / with the database's and the broker's
                 "consume_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(1e-9, marks[1.0][2] - marks[0.0][2]),
-                "consume_all_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(1e-9, marks[1.0][2] - marks[0.0][2] + sum(
-                    other[1.0]) - sum(other[0.0])),
+                "consume_all_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(
+                    1e-9, marks[1.0][2] - marks[0.0][2] + sum(other[1.0]) - sum(other[0.0])),
                 "load": load, "rebalances": rebalances, "db_cpu_s": d9 - d1, "broker_cpu_s": b9 - b1,
                 "all_per_cpu_s": (n9 - n1) / max(1e-9, c9 - c1 + d9 - d1 + b9 - b1)}
     finally:
@@ -391,7 +392,8 @@ def report(name: str, r: dict) -> None:
           f"its end); all consumed "
           f"{r['consume_s']:.1f}s after start (incl. process start + group join); then sealing: "
           f"{r['samples']} labels at "
-          f"{'(one round)' if r['seal_rate'] is None else format(r['seal_rate'], ',.0f') + '/s'} using {r['seal_cpu_s']:.2f} CPU-s, all sealed "
+          f"{'(one round)' if r['seal_rate'] is None else format(r['seal_rate'], ',.0f') + '/s'} "
+          f"using {r['seal_cpu_s']:.2f} CPU-s, all sealed "
           f"{r['sealed_s']:.1f}s after start; pipeline (join + seal) {r['pipeline_per_cpu_s']:,.0f} records per "
           f"CPU-s; rebalances after the first {r['rebalances']}; load average before {r['load']:.1f}", flush=True)
 

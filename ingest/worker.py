@@ -286,7 +286,8 @@ class Worker:
                     try:
                         await asyncio.get_running_loop().run_in_executor(None, on_retry)
                     except Exception as exc:  # noqa: BLE001 - retried with the publish
-                        log.warning("ingest: %s failed before a retry: %s", getattr(on_retry, "__name__", on_retry), exc)
+                        log.warning("ingest: %s failed before a retry: %s",
+                                    getattr(on_retry, "__name__", on_retry), exc)
 
     async def forward(self, fwd: list[tuple[int, bytes, bytes, str]]) -> None:
         """Send records found outside their home partition to that partition of the internal

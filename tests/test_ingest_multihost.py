@@ -228,12 +228,22 @@ def test_three_hosts_sigkill_and_broker_restart_equal_reference_join(pg, tmp_pat
         b.stop()
 
 
+def _assigned(log: Path) -> set[int]:
+    """Partitions of the completions topic in a worker's last ``ingest assigned`` line."""
+    lines = [ln for ln in log.read_text().splitlines() if "ingest assigned" in ln] if log.exists() else []
+    tps = json.loads(lines[-1].split("ingest assigned", 1)[1]) if lines else []
+    return {int(tp.rsplit(":", 1)[1]) for tp in tps if tp.rsplit(":", 1)[0] == topics.COMPLETIONS}
+
+
 @pytest.mark.timeout(150)
-def test_votes_from_a_librdkafka_producer_meet_their_completion(pg, broker, tmp_path):
+@pytest.mark.parametrize("state", ["postgres", "sqlite"])
+def test_votes_from_a_librdkafka_producer_meet_their_completion(state, broker, tmp_path, request):
     """Issue 11 defect 8: feedback produced by confluent-kafka with its default partitioner
     (librdkafka's consistent_random, CRC32 of the key) lands in other partitions than
-    kafka-python's murmur2 puts its completion in; with two hosts each vote still meets its
-    completion (forwarded to its home partition), and no vote is an orphan."""
+    kafka-python's murmur2 puts its completion in; with two workers each vote still meets
+    its completion and no vote is an orphan: on two hosts with the PostgreSQL state the votes
+    are forwarded to their home partition; with the one-host SQLite default the workers share
+    the state file, so nothing needs forwarding."""
     confluent_kafka = pytest.importorskip("confluent_kafka")
     from kafka.partitioner.default import murmur2
 
@@ -243,17 +253,26 @@ def test_votes_from_a_librdkafka_producer_meet_their_completion(pg, broker, tmp_
     logs = [tmp_path / "w1.log", tmp_path / "w2.log"]
     comps, fb = make_traffic(60, seed=41)
     expected = reference_join(comps, fb)
-    procs = [start_worker(_env(tmp_path / f"host{i}", broker.bootstrap, pg.url, shared), lg)
-             for i, lg in enumerate(logs)]
+    if state == "postgres":
+        pg = request.getfixturevalue("pg")
+        envs = [_env(tmp_path / f"host{i}", broker.bootstrap, pg.url, shared) for i in range(2)]
+    else:
+        env = _env(tmp_path / "host", broker.bootstrap, "", shared)
+        envs = [{k: v for k, v in env.items() if k != "FLYWHEEL_INGEST_STATE"}] * 2
+    procs = [start_worker(e, lg) for e, lg in zip(envs, logs)]
     try:
-        wait_for(lambda: len(_owned(logs[0]) | _owned(logs[1])) == 6 and not _owned(logs[0]) & _owned(logs[1]),
-                 90, "two hosts splitting 6 partitions", procs[0], logs[0])
+        wait_for(lambda: len(_assigned(logs[0]) | _assigned(logs[1])) == 6
+                 and not _assigned(logs[0]) & _assigned(logs[1]), 90, "two workers splitting 6 partitions",
+                 procs[0], logs[0])
         produce(broker.bootstrap, comps, [])  # serving's client: kafka-python, murmur2
         p = confluent_kafka.Producer({"bootstrap.servers": broker.bootstrap})  # default partitioner
         landed: list[tuple[str, int]] = []
+        def delivered(err, m):
+            if err is None:
+                landed.append((m.key().decode(), m.partition()))
+
         for e in fb:
-            p.produce(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes(),
-                      on_delivery=lambda err, m: landed.append((m.key().decode(), m.partition())) if err is None else None)
+            p.produce(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes(), on_delivery=delivered)
         assert p.flush(30) == 0 and len(landed) == len(fb)
         del p
         moved = sum(part != (murmur2(k.encode()) & 0x7FFFFFFF) % 6 for k, part in landed)
@@ -262,9 +281,10 @@ def test_votes_from_a_librdkafka_producer_meet_their_completion(pg, broker, tmp_
         time.sleep(3)
         check(shared, expected)
         assert not [d for d in read_dead(broker.bootstrap) if "orphan" in d.reason]
-        fwd = dict(_pg_rows(pg.url, "SELECT name, sum(value) FROM counters WHERE name IN "
-                            "('forwarded_feedback', 'forwarded_completions') GROUP BY name"))
-        assert fwd.get("forwarded_feedback", 0) >= moved and not fwd.get("forwarded_completions")
+        if state == "postgres":
+            fwd = dict(_pg_rows(pg.url, "SELECT name, sum(value) FROM counters WHERE name IN "
+                                "('forwarded_feedback', 'forwarded_completions') GROUP BY name"))
+            assert fwd.get("forwarded_feedback", 0) >= moved and not fwd.get("forwarded_completions")
     finally:
         for p_ in procs:
             stop(p_)
