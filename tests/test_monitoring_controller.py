@@ -85,3 +85,15 @@ def test_metric_provider_arguments_and_query_errors(tmp_path):
     st = RolloutStatus(phase=RolloutPhase.CANARY, candidate="v000001", stable="v000000", canary_started_ms=0)
     with pytest.raises(PrometheusQueryError, match="flywheel_version_requests_total"):
         src(st)  # nothing listens there: the error names the URL and the query
+
+
+def test_controller_cli_refuses_a_bad_metric_provider(fw_home):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    r = CliRunner().invoke(app, ["controller", "--once", "--metrics-provider", "prometheus"])
+    assert r.exit_code == 2 and "--prometheus-url" in r.output and "required" in r.output, r.output
+    r = CliRunner().invoke(app, ["controller", "--once", "--metrics-provider", "datadog",
+                                 "--prometheus-url", "http://p:9090"])
+    assert r.exit_code == 2 and "'scrape' or 'prometheus'" in r.output and "datadog" in r.output, r.output
