@@ -122,3 +122,15 @@ def test_controller_finds_pods_by_dns_and_promotes_on_all(tmp_path, tiny_moe_dir
     finally:
         for stop in stops:
             stop()
+
+
+def test_cli_refuses_a_malformed_dns_spec(fw_home, monkeypatch, tmp_path):
+    """`flywheel controller --serving dns+http://name` (no port) is a usage error naming --serving's value."""
+    from typer.testing import CliRunner
+
+    import flywheel.cli as cli
+
+    monkeypatch.setenv("FLYWHEEL_STORE", str(tmp_path / "store"))
+    r = CliRunner().invoke(cli.app, ["controller", "--once", "--serving", "dns+http://flywheel-serving-pods"])
+    assert r.exit_code == 2, r.output
+    assert "dns+http(s)://name:port" in " ".join(r.output.split())
