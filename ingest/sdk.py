@@ -27,8 +27,9 @@ silent):
   ``rejected``, logged with the reason, kept in :attr:`FeedbackClient.rejected` (last
   ``keep_rejected``) and passed to ``on_error``. Never retried.
 * **unsent at shutdown**: :meth:`FeedbackClient.shutdown` tries to deliver for up to its
-  timeout and *returns* what is still unsent (counted ``unsent_at_shutdown``, logged).
-  Interpreter exit runs ``shutdown(atexit_timeout_s)`` and logs the ids it could not send.
+  timeout and *returns* what is still unsent (counted ``unsent_at_shutdown``, logged), and
+  appends it to ``spool_path`` when one is set: the next client with that path sends it
+  first. Interpreter exit runs ``shutdown(atexit_timeout_s)``.
 
 Bad arguments raise ``ValueError`` naming the argument, in the caller's thread, before
 anything is queued.
@@ -39,13 +40,16 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import json
 import logging
 import math
+import os
 import random
 import re
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import httpx
@@ -280,6 +284,10 @@ class FeedbackClient:
             all are counted and logged).
         on_error: called as ``on_error(payload, reason)`` in the sender thread for every
             rejected event.
+        spool_path: a JSON-lines file: :meth:`shutdown` (and interpreter exit) appends the
+            events it could not send, and a client started with the same path queues them
+            again first (same ``event_id``). Without it unsent events are only returned and
+            logged. A process killed with SIGKILL still loses its in-memory queue.
 
     Raises:
         ValueError: a bad argument, named first in the message.
@@ -291,7 +299,7 @@ class FeedbackClient:
                  enqueue_timeout_s: float = 0.02, on_full: Literal["drop", "raise"] = "drop",
                  batch_size: int = MAX_BATCH, linger_s: float = 0.01, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, atexit_timeout_s: float = 2.0, keep_rejected: int = 1000,
-                 on_error: Callable[[dict, str], None] | None = None):
+                 on_error: Callable[[dict, str], None] | None = None, spool_path: str | os.PathLike | None = None):
         if base_url is None and kafka_bootstrap is None:
             raise ValueError("base_url: required unless kafka_bootstrap is given")
         if kafka_bootstrap is not None and not user_salt:
@@ -328,9 +336,31 @@ class FeedbackClient:
         self._stop_at: float | None = None  # monotonic deadline for the sender
         self._counts = collections.Counter()
         self._last_drop_log = 0.0
+        self.spool_path = Path(spool_path) if spool_path is not None else None
+        if self.spool_path is not None:
+            self._load_spool()
         self._thread = threading.Thread(target=self._run, name="flywheel-feedback-sender", daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
+
+    def _load_spool(self) -> None:
+        """Queue the events a previous client spooled at shutdown (before any new one), then
+        remove the file; they are counted ``accepted`` and ``respooled``."""
+        try:
+            lines = self.spool_path.read_text().splitlines()
+        except FileNotFoundError:
+            return
+        for line in lines:
+            if not line.strip():
+                continue
+            p = json.loads(line)
+            if self.kafka_bootstrap is not None:
+                p["_bytes"] = self._to_event(p).to_bytes()
+            self._queue.append(p)
+        self._counts["accepted"] += len(self._queue)
+        self._counts["respooled"] += len(self._queue)
+        self.spool_path.unlink()
+        log.info("feedback: %d events from the spool %s queued again", len(self._queue), self.spool_path)
 
     # ------------------------------------------------------------------ caller side
     def thumbs_up(self, completion_id, user: str | None = None, comment: str | None = None, *,
@@ -406,10 +436,12 @@ class FeedbackClient:
 
     def stats(self) -> dict[str, int]:
         """Counters: ``accepted`` (queued), ``sent``, ``rejected``, ``dropped_full``,
-        ``retries``, ``unsent_at_shutdown``, and ``pending`` (queued + in flight now)."""
+        ``retries``, ``unsent_at_shutdown`` (of which ``spooled`` went to ``spool_path``),
+        ``respooled`` (queued from the spool at start), and ``pending`` (queued + in flight now)."""
         with self._cond:
             out = {k: int(self._counts.get(k, 0)) for k in
-                   ("accepted", "sent", "rejected", "dropped_full", "retries", "unsent_at_shutdown")}
+                   ("accepted", "sent", "rejected", "dropped_full", "retries", "unsent_at_shutdown", "spooled",
+                    "respooled")}
             out["pending"] = len(self._queue) + len(self._inflight)
         return out
 
@@ -449,11 +481,24 @@ class FeedbackClient:
                 self._counts["unsent_at_shutdown"] = len(unsent)
                 log.warning("feedback client shut down with %d unsent events (last error: %s): %s",
                             len(unsent), self.last_error, ", ".join(p["event_id"] for p in unsent[:20]))
+                if self.spool_path is not None:
+                    self._spool(unsent)
         if not self._thread.is_alive():
             self._transport.close()
         return unsent
 
     close = shutdown
+
+    def _spool(self, unsent: list[dict]) -> None:
+        """Append ``unsent`` to the spool file (JSON lines), for the next client."""
+        self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spool_path, "a") as f:
+            f.writelines(json.dumps(p) + "\n" for p in unsent)
+            f.flush()
+            os.fsync(f.fileno())
+        self._counts["spooled"] = len(unsent)
+        log.warning("feedback: %d unsent events spooled to %s; a client with this spool_path sends them",
+                    len(unsent), self.spool_path)
 
     def __enter__(self) -> "FeedbackClient":
         return self

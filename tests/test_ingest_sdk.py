@@ -148,7 +148,7 @@ def test_payload_event_ids_metadata_score_and_order(server):
     assert rec.requests == [("batch", 4)]  # one batch (linger 0.2 s collected all four)
     assert rec.auth == ["Bearer k1"]
     assert fb.stats() == {"accepted": 4, "sent": 4, "rejected": 0, "dropped_full": 0, "retries": 0,
-                          "unsent_at_shutdown": 0, "pending": 0}
+                          "unsent_at_shutdown": 0, "spooled": 0, "respooled": 0, "pending": 0}
 
 
 def test_feedback_key_is_the_bearer(server):
@@ -190,6 +190,26 @@ def test_hung_endpoint_never_blocks_the_caller(hung_server):
     assert fb.stats()["unsent_at_shutdown"] == len(accepted)
     with pytest.raises(ClientClosed):
         fb.thumbs_up(uuid.uuid4())
+
+
+def test_spool_keeps_unsent_events_for_the_next_client(hung_server, server, tmp_path):
+    """Shut down while the endpoint hangs: the unsent events go to the spool file; a client
+    started later with the same spool sends them first, same event_ids, then its own."""
+    hung_url, _ = hung_server
+    url, rec = server
+    spool = tmp_path / "feedback.spool"
+    fb = FeedbackClient(hung_url, spool_path=spool, timeout_s=30)
+    ids = [fb.thumbs_up(uuid.uuid4(), metadata={"n": str(i)}) for i in range(5)]
+    ids.append(fb.score(uuid.uuid4(), "stars", 4))
+    assert [p["event_id"] for p in fb.shutdown(timeout_s=0.2)] == ids
+    assert fb.stats()["spooled"] == 6 and len(spool.read_text().splitlines()) == 6
+    fb2 = FeedbackClient(url, spool_path=spool, linger_s=0)
+    later = fb2.thumbs_down(uuid.uuid4())
+    assert fb2.flush() == 0 and fb2.shutdown() == [] and not spool.exists()
+    assert [r["event_id"] for r in rec.received] == ids + [later]
+    assert rec.received[5]["name"] == "stars" and rec.received[2]["metadata"] == {"n": "2"}
+    st = fb2.stats()
+    assert (st["respooled"], st["accepted"], st["sent"]) == (6, 7, 7)
 
 
 def test_overflow_raise_policy(hung_server):
