@@ -45,29 +45,43 @@ def find_bad_value(obj: Any, path: str = "") -> tuple[str, str, str] | None:
         ``(path, kind, description)`` with ``path`` dotted (``messages.0.content``; ``""``
         for the value itself), ``kind`` ``lone_surrogate`` or ``non_finite``; None if clean.
     """
-    stack = [(path, obj)]
+    # (parent entry, key, value); a path is spelled out only for the value that is refused
+    stack: list[tuple[Any, Any, Any]] = [(None, path, obj)]
+
+    def spell(entry) -> str:
+        parts = []
+        while entry is not None:
+            parent, key, _ = entry
+            if key != "":
+                parts.append(str(key))
+            entry = parent
+        return ".".join(reversed(parts))
+
     while stack:
-        p, x = stack.pop()
-        if isinstance(x, str):
+        entry = stack.pop()
+        x = entry[2]
+        t = type(x)
+        if t is str:
             try:
                 x.encode("utf-8")
             except UnicodeEncodeError as exc:
-                return p, "lone_surrogate", f"U+{ord(x[exc.start]):04X} at character {exc.start}"
-        elif isinstance(x, float):
+                return spell(entry), "lone_surrogate", f"U+{ord(x[exc.start]):04X} at character {exc.start}"
+        elif t is float:
             if not math.isfinite(x):
-                return p, "non_finite", repr(x)
-        elif isinstance(x, dict):
+                return spell(entry), "non_finite", repr(x)
+        elif t is dict:
             for k in reversed(list(x)):
-                kp = f"{p}.{k}" if p else str(k)
                 if isinstance(k, str):
                     try:
                         k.encode("utf-8")
                     except UnicodeEncodeError:
-                        return (p or "body"), "lone_surrogate", "in a key"
-                stack.append((kp, x[k]))
-        elif isinstance(x, list):
-            for i in reversed(range(len(x))):
-                stack.append((f"{p}.{i}" if p else str(i), x[i]))
+                        return (spell(entry) or "body"), "lone_surrogate", "in a key"
+                stack.append((entry, k, x[k]))
+        elif t is list:
+            if set(map(type, x)) == {int}:  # token ids: nothing to check
+                continue
+            for k in range(len(x) - 1, -1, -1):
+                stack.append((entry, k, x[k]))
     return None
 
 
