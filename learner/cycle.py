@@ -141,9 +141,10 @@ def read_samples(samples_dir: str | Path, exclude: set[str] | None = None) -> li
 def parent_version(store, which: str = "stable") -> str | None:
     """The version a cycle trains from.
 
-    ``"stable"``: the newest version whose last status is ``promoted`` (what serving runs
-    and what produced the newest samples), falling back to the latest when none is;
-    ``"latest"``: the newest version. None on an empty store.
+    ``"stable"``: the store's stable record (``ModelStore.stable()``: what every pod serves,
+    moved by promote, rollback and rollback --to, so an operator's rollback is honoured),
+    falling back to the latest when there is none; ``"latest"``: the newest version. None on
+    an empty store.
     """
     if which not in ("stable", "latest"):
         raise ValueError(f"parent: must be 'stable' or 'latest', got {which!r}")
@@ -151,10 +152,9 @@ def parent_version(store, which: str = "stable") -> str | None:
     if not vs:
         return None
     if which == "stable":
-        for v in reversed(vs):
-            hist = store.manifest(v).status_history
-            if hist and hist[-1].status == "promoted":
-                return v
+        stable = store.stable() if hasattr(store, "stable") else None
+        if stable is not None:
+            return stable
     return vs[-1]
 
 

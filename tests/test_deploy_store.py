@@ -309,3 +309,19 @@ def test_load_on_resident_parents_without_cache(store):
     with pytest.raises(CorruptVersionError, match=k.split(".")[-1]):
         store.load(v1, resident={"v000000": bad}, cache=False)
     assert store.load(v1, cache=False).keys() == want.keys() and not store._cache
+
+
+def test_learner_trains_from_the_stable_record_not_the_newest_promoted(tiny_moe_dir, tmp_path):
+    """After promote v1 and `rollback --to v000000` the learner's parent is v000000 (the same
+    class of defect as a restart undoing a rollback, issue 11 defect 4)."""
+    from learner.cycle import parent_version
+
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    state = store.load("v000000")
+    m1 = store.publish(state, "v000000", metrics={})
+    store.set_status(m1.version, "promoted", "canary passed")
+    assert parent_version(store, "stable") == "v000001"
+    store.set_stable("v000000", actor="oncall", reason="rollback --to v000000")
+    assert parent_version(store, "stable") == "v000000"
+    assert parent_version(store, "latest") == "v000001"
