@@ -32,6 +32,7 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdmin, ServingAdminError,
                                    check_timeout, timeout_from_env)
 from deploy.store import ModelStore
+from flywheel.output import OUTPUT, Format, dumps, resolve
 from schemas import settings
 
 console = Console()
@@ -109,7 +110,7 @@ def _timeout(flag: float | None, default: float = DEFAULT_TIMEOUT_S) -> float:
     try:
         return check_timeout(flag, "--serving-timeout-s") if flag is not None else timeout_from_env(default)
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(str(exc), usage=True)
 
 
 def _admin(serving: str | None, timeout_s: float) -> ServingAdmin:
@@ -131,7 +132,7 @@ def _record_action(decision: str, version: str | None, stable: str | None, reaso
 def _action_failed(decision: str, what: str, version: str | None, stable: str | None, actor: str,
                    why: str, msg: str, exc: ServingAdminError | None = None, t0: float | None = None) -> None:
     """Record ``<decision>_FAILED`` (who, why, the error, the pod and failure kind), then
-    exit 2 with ``msg``."""
+    exit 1 with ``msg``."""
     numbers = {"why": why, "error": msg}
     if exc is not None:
         numbers.update(exc.numbers())
@@ -194,9 +195,11 @@ def _confirm(what: str, yes: bool) -> None:
         raise typer.Exit(1)
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str, usage: bool = False) -> None:
+    """Print ``msg``; exit 2 for a usage error (a bad flag value), else 1 (a state or runtime error:
+    nothing to promote, an unreachable pod, an unknown version)."""
     console.print(f"[red]error:[/red] {msg}")
-    raise typer.Exit(2)
+    raise typer.Exit(2 if usage else 1)
 
 
 def previous_promoted(store: ModelStore, stable: str) -> str | None:
@@ -286,10 +289,12 @@ def register(app: typer.Typer) -> None:
         console.print(f"learner resumed by {_actor(actor)}")
 
     @app.command("runbook")
-    def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
+                    output: Optional[Format] = OUTPUT) -> None:
         """On-call runbook: symptom -> what to check -> which command."""
-        if as_json:
-            print(json.dumps([{"symptom": a, "check": b, "command": c} for a, b, c in RUNBOOK], indent=1))
+        fmt = resolve(output, as_json)
+        if fmt in (Format.json, Format.yaml):
+            typer.echo(dumps([{"symptom": a, "check": b, "command": c} for a, b, c in RUNBOOK], fmt))
             return
         t = Table(title="flywheel runbook", show_lines=True)
         for c in ("symptom", "what to check", "command"):
@@ -334,13 +339,13 @@ def register(app: typer.Typer) -> None:
                                    analysis=AnalysisConfig(min_votes=min_votes, delta=delta, alpha=alpha,
                                                            failure_limit=failure_limit))
         except ValueError as exc:
-            _fail(str(exc))
+            _fail(str(exc), usage=True)
         timeout_s = _timeout(serving_timeout_s)
         pods = PodDiscovery(serving or [settings.serving_url()], lambda u: _admin(u, timeout_s))
         try:
             admins = pods()
         except ValueError as exc:
-            _fail(str(exc))
+            _fail(str(exc), usage=True)
         except ServingAdminError as exc:  # no ready pod yet: the controller asks again each step
             logging.getLogger(__name__).warning("%s", exc)
             admins = []
@@ -370,11 +375,13 @@ def register(app: typer.Typer) -> None:
 
     @app.command("status")
     def status_cmd(serving: Optional[str] = typer.Option(None, help="serving base URL"),
-                   as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
+                   output: Optional[Format] = OUTPUT,
                    last: int = typer.Option(10, min=1, help="decisions to show"),
                    serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
         """Serving slots and weights (and whether each served digest equals the store's
         manifest), the store's stable record, canary phase and step, last decisions."""
+        fmt = resolve(output, as_json)
         slots, err = None, None
         try:
             slots = _admin(serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S)).slots()
@@ -387,14 +394,14 @@ def register(app: typer.Typer) -> None:
         warnings = status_warnings(slots, stable_rec)
         st = current_status(rollout_status_path(), settings.ledger_path())
         decs = ledger.decisions(settings.ledger_path(), limit=last)
-        if as_json:
+        if fmt in (Format.json, Format.yaml):
             sd = asdict(st)
             sd["phase"] = st.phase.value
-            print(json.dumps({"serving": slots.model_dump() if slots else None, "serving_error": err,
+            typer.echo(dumps({"serving": slots.model_dump() if slots else None, "serving_error": err,
                               "stable_record": stable_rec, "warnings": warnings,
                               "rollout": sd, "pending_intent": read_intent(intent_path()),
                               "learner": {"paused": learner_paused()},
-                              "decisions": [asdict(d) for d in decs]}, indent=1))
+                              "decisions": [asdict(d) for d in decs]}, fmt))
             if err:
                 raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
             return
@@ -403,11 +410,12 @@ def register(app: typer.Typer) -> None:
             t.add_column(c, no_wrap=True)
         ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
         if slots:
+            dig = None if fmt == Format.wide else 12  # -o wide: whole digests
             t.add_row("stable", slots.stable.version, f"{1 - slots.candidate_weight:.0%}",
-                      slots.stable.weights_digest[:12], ok[slots.stable.digest_ok], _ts(slots.stable.loaded_at))
+                      slots.stable.weights_digest[:dig], ok[slots.stable.digest_ok], _ts(slots.stable.loaded_at))
             if slots.candidate:
                 t.add_row("candidate", slots.candidate.version, f"{slots.candidate_weight:.0%}",
-                          slots.candidate.weights_digest[:12], ok[slots.candidate.digest_ok],
+                          slots.candidate.weights_digest[:dig], ok[slots.candidate.digest_ok],
                           _ts(slots.candidate.loaded_at))
         console.print(t)
         if err:
@@ -429,15 +437,18 @@ def register(app: typer.Typer) -> None:
         for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
             t.add_column(c, no_wrap=True)
         t.add_column("reason", ratio=1, overflow="fold")
+        if fmt == Format.wide:
+            t.add_column("numbers", overflow="fold")
         for d in decs:
             t.add_row(_ts(d.ts), d.version, d.stable or "", str(d.step), f"{d.weight:.0%}", d.decision,
-                      d.actor, d.reason)
+                      d.actor, d.reason, *([json.dumps(d.numbers, default=str)] if fmt == Format.wide else []))
         console.print(t)
         if err:
             raise typer.Exit(1)
 
     @app.command("versions")
-    def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
+                     output: Optional[Format] = OUTPUT) -> None:
         """Versions in the model store: parent, kind, size, delta ratio, status."""
         store = _store()
         stable = store.stable()
@@ -449,17 +460,20 @@ def register(app: typer.Typer) -> None:
                          "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.size_bytes else None,
                          "status": m.status_history[-1].status if m.status_history else "",
                          "digest": m.weights_digest, "metrics": m.metrics})
-        if as_json:
-            print(json.dumps(rows, indent=1, default=str))
+        fmt = resolve(output, as_json)
+        if fmt in (Format.json, Format.yaml):
+            typer.echo(dumps(rows, fmt))
             return
+        wide = fmt == Format.wide  # whole digests and the manifests' metrics
         t = Table(title=f"model store {store.root}")
         for c in ("version", "stable", "parent", "kind", "size", "snapshot/size", "status", "digest",
-                  "created (UTC)"):
-            t.add_column(c, no_wrap=True)
+                  "created (UTC)") + (("metrics",) if wide else ()):
+            t.add_column(c, no_wrap=c != "metrics", overflow="fold")
         for r in rows:
             t.add_row(r["version"], "*" if r["stable"] else "", r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
-                      f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"], r["digest"][:12],
-                      _ts(r["created_at"]))
+                      f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"],
+                      r["digest"] if wide else r["digest"][:12], _ts(r["created_at"]),
+                      *([json.dumps(r["metrics"], default=str)] if wide else []))
         console.print(t)
 
     @app.command("promote")

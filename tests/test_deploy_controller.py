@@ -391,7 +391,7 @@ def test_cli_status_versions_promote_rollback(env):
     assert env.store.manifest("v000001").status_history[-1].status == "rolled_back"
     # no older promoted version left: a clear error
     r = run(app, ["rollback", "--yes"])
-    assert r.exit_code == 2 and "no earlier stable version than v000000" in " ".join(r.output.split())
+    assert r.exit_code == 1 and "no earlier stable version than v000000" in " ".join(r.output.split())
     # a candidate loaded by hand is dropped by rollback
     publish_v(env.store, "v000001")
     env.admin.load("v000002")
@@ -399,7 +399,7 @@ def test_cli_status_versions_promote_rollback(env):
     assert r.exit_code == 0 and "dropped candidate v000002" in r.output
     assert env.admin.slots().candidate is None
     r = run(app, ["rollback", "--to", "v000009", "--yes"])
-    assert r.exit_code == 2 and "v000009" in r.output
+    assert r.exit_code == 1 and "v000009" in r.output
     r = run(app, ["controller", "--once", "--steps", "0.5,0.4,1"])
     assert r.exit_code == 2 and "steps" in r.output
 
@@ -480,7 +480,7 @@ def test_canary_abort_and_start_are_recorded_intents(env):
     run = CliRunner().invoke
     publish_v(env.store, "v000000")
     r = run(app, ["canary", "abort", "--yes"])
-    assert r.exit_code == 2 and "no canary in progress" in r.output
+    assert r.exit_code == 1 and "no canary in progress" in r.output
     clock = Clock()
     controller(env, clock).reconcile()
     r = run(app, ["canary", "abort", "--yes"])
@@ -499,7 +499,7 @@ def test_canary_abort_and_start_are_recorded_intents(env):
     for bad in ("v000007", "garbage"):
         r = run(app, ["canary", "start", bad, "--yes"])
         out = " ".join(r.output.split())
-        assert r.exit_code == 2 and f"version: '{bad}' is not in the store (it has v000000, v000001)" in out, out
+        assert r.exit_code == 1 and f"version: '{bad}' is not in the store (it has v000000, v000001)" in out, out
     assert run(app, ["canary", "start", "v000001", "--yes"]).exit_code == 0
     st = controller(env, clock).reconcile()
     assert st.phase == RolloutPhase.CANARY and st.candidate == "v000001" and "started by oncall-alice" in st.last_reason

@@ -129,7 +129,7 @@ def _run(e, action: str, ref: Reference) -> None:
         r = run(_cli(), action.split() + ["--yes"])
     want = ref.apply(action)
     if want is None:
-        assert r.exit_code == 2 and "no earlier stable version" in " ".join(r.output.split()), r.output
+        assert r.exit_code == 1 and "no earlier stable version" in " ".join(r.output.split()), r.output
     else:
         assert r.exit_code == 0, (action, r.output)
 

@@ -217,7 +217,7 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     pod.faults["/admin/rollback"] = "hang"
     r, took, out = env.cli("rollback", "--to", "v000000", "--yes", "--serving-timeout-s", str(T),
                            "--actor", "frank", "--reason", "v1 breaks JSON mode")
-    assert r.exit_code == 2 and f"no answer within {T:g} s" in out and "--serving-timeout-s" in out, out
+    assert r.exit_code == 1 and f"no answer within {T:g} s" in out and "--serving-timeout-s" in out, out
     assert took < 2 * T + 1.5, took
     last = _last(env)
     assert (last.decision, last.version, last.actor) == ("MANUAL_ROLLBACK_FAILED", "v000000", "frank")
@@ -228,7 +228,7 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     pod.calls.clear()
     monkeypatch.setenv(TIMEOUT_ENV, str(T))
     r, took, out = env.cli("rollback", "--yes")
-    assert r.exit_code == 2 and TIMEOUT_ENV in out and took < 2 * T + 1.5, (took, out)
+    assert r.exit_code == 1 and TIMEOUT_ENV in out and took < 2 * T + 1.5, (took, out)
     assert pod.calls["/admin/slots"] == 1 and _last(env).decision == "MANUAL_ROLLBACK_FAILED"
     assert _last(env).actor == "oncall-erin"  # $USER when no --actor
     r, took, out = env.cli("status", "--json")  # status: the same bound, exit 1, serving_error named
@@ -240,7 +240,7 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     ServingAdmin(pod.url, TOKEN).load("v000001")
     pod.faults["/admin/promote"] = "500"
     r, _, out = env.cli("promote", "--yes", "--reason", "looks good")
-    assert r.exit_code == 2 and "HTTP 500" in out
+    assert r.exit_code == 1 and "HTTP 500" in out
     last = _last(env)
     assert (last.decision, last.version, last.numbers["http_status"], last.numbers["failure"]) == (
         "MANUAL_PROMOTE_FAILED", "v000001", 500, "server")
@@ -253,11 +253,11 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     assert (last.decision, last.actor, last.numbers["why"]) == ("MANUAL_PROMOTE", "oncall-erin", "looks good")
     # refused before any call: recorded as failed too, with the reason
     r, _, out = env.cli("promote", "--yes")
-    assert r.exit_code == 2 and _last(env).decision == "MANUAL_PROMOTE_FAILED" and "no candidate" in _last(env).reason
+    assert r.exit_code == 1 and _last(env).decision == "MANUAL_PROMOTE_FAILED" and "no candidate" in _last(env).reason
     r, _, out = env.cli("canary", "start", "v000042", "--yes", "--actor", "gina")
-    assert r.exit_code == 2 and (_last(env).decision, _last(env).actor) == ("MANUAL_CANARY_START_FAILED", "gina")
+    assert r.exit_code == 1 and (_last(env).decision, _last(env).actor) == ("MANUAL_CANARY_START_FAILED", "gina")
     r, _, out = env.cli("canary", "abort", "--yes")
-    assert r.exit_code == 2 and _last(env).decision == "MANUAL_CANARY_ABORT_FAILED"
+    assert r.exit_code == 1 and _last(env).decision == "MANUAL_CANARY_ABORT_FAILED"
     r, _, out = env.cli("canary", "start", "v000001", "--yes", "--reason", "retry after fix")
     assert r.exit_code == 0 and _last(env).decision == "MANUAL_CANARY_START"
     assert _last(env).numbers["why"] == "retry after fix"
