@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from flywheel.output import OUTPUT, Format, emit, resolve
+
 broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)
 model_app = typer.Typer(help="The default model.", no_args_is_help=True)
 
@@ -35,21 +37,23 @@ def broker_stop():
 
 
 @broker_app.command("status")
-def broker_status():
-    """Print the running embedded broker, or exit 1."""
+def broker_status(output: Optional[Format] = OUTPUT):
+    """Print the running embedded broker (or the external cluster's address), or exit 1."""
     import os
 
     from flywheel import broker
 
+    fmt = resolve(output)
     ext = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
-    if ext:
-        typer.echo(json.dumps({"bootstrap": ext, "external": True}))
-        return
-    b = broker.status()
-    if b is None:
-        typer.echo("not running")
+    b = None if ext else broker.status()
+    if not ext and b is None:
+        typer.echo("not running", err=fmt in (Format.json, Format.yaml))
         raise typer.Exit(1)
-    typer.echo(json.dumps({"bootstrap": b.bootstrap, "pid": b.pid}))
+    info = {"bootstrap": ext, "external": True} if ext else {"bootstrap": b.bootstrap, "pid": b.pid, "external": False}
+    if fmt == Format.table:  # one JSON line, as before -o existed
+        typer.echo(json.dumps({k: v for k, v in info.items() if k != "external" or ext}))
+        return
+    emit(info, fmt, lambda wide: typer.echo("\t".join(f"{k}={v}" for k, v in info.items())))
 
 
 @model_app.command("init")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
+
+from flywheel.output import OUTPUT, Format, dumps, resolve
 
 data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_help=True)
 
@@ -45,7 +49,7 @@ def ingest_cmd(
 
 
 @data_app.command("stats")
-def stats_cmd() -> None:
+def stats_cmd(output: Optional[Format] = OUTPUT) -> None:
     """Print the catalog views: votes by version and by split, label balance, dead letters by reason."""
     from rich.console import Console
     from rich.table import Table
@@ -54,10 +58,16 @@ def stats_cmd() -> None:
     from schemas import settings
 
     catalog.refresh_catalog()
+    views = {v: catalog.query(f"SELECT * FROM {v}")
+             for v in ("votes_by_version", "votes_by_split", "label_balance", "deadletters_by_reason")}
+    fmt = resolve(output)
+    if fmt in (Format.json, Format.yaml):
+        typer.echo(dumps({"samples": str(settings.samples_dir()), "catalog": str(settings.catalog_path()),
+                          **views}, fmt))
+        return
     con = Console()
     con.print(f"samples: {settings.samples_dir()}  catalog: {settings.catalog_path()}")
-    for view in ("votes_by_version", "votes_by_split", "label_balance", "deadletters_by_reason"):
-        rows = catalog.query(f"SELECT * FROM {view}")
+    for view, rows in views.items():
         t = Table(title=view)
         cols = list(rows[0].keys()) if rows else ["(no samples)"]
         for c in cols:
