@@ -177,12 +177,18 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
 
 class ServingMetricsSource:
     """``arm_metrics`` callable for :class:`deploy.controller.RolloutController`: scrapes
-    every pod's ``/metrics``, subtracts the baseline taken at the canary's start and returns
-    ``(candidate_fields, stable_fields, skipped)``.
+    every pod's ``/metrics``, subtracts each pod's baseline taken at the canary's start and
+    returns ``(candidate_fields, stable_fields, skipped)``.
+
+    Baselines are per pod (by base URL), so the pod set may change during a canary (pods found
+    by DNS, ``deploy.discovery``): a pod first seen after the start counts from its first
+    scrape (its earlier requests are not the canary's), a pod that left stops counting, and a
+    pod whose counters went down (restarted) counts from zero (:func:`delta`).
 
     Args:
-        admins: :class:`deploy.serving_client.ServingAdmin` per pod.
-        baseline_path: JSON file holding the baseline (survives a controller restart).
+        admins: :class:`deploy.serving_client.ServingAdmin` per pod (the controller replaces
+            the list when the pods change).
+        baseline_path: JSON file holding the baselines (survives a controller restart).
 
     Raises (from ``__call__``):
         ServingAdminError: a pod's ``/metrics`` is unreachable (the controller records ERROR).
@@ -193,35 +199,47 @@ class ServingMetricsSource:
         self.admins = list(admins)
         self.baseline_path = Path(baseline_path)
 
-    def scrape(self) -> Samples:
-        return merge([parse(a.metrics_text()) for a in self.admins])
+    def scrape_pods(self) -> dict[str, Samples]:
+        """``{pod base URL: samples}`` of every pod now."""
+        return {a.base_url: parse(a.metrics_text()) for a in self.admins}
 
-    def _baseline(self, key: str, now: Samples) -> Samples:
+    def scrape(self) -> Samples:
+        """The samples of every pod, summed (:func:`merge`)."""
+        return merge(list(self.scrape_pods().values()))
+
+    def _baseline(self, key: str, now: dict[str, Samples]) -> dict[str, Samples]:
+        """Each pod's baseline for canary ``key``; a pod without one gets ``now`` (saved)."""
         try:
             saved = json.loads(self.baseline_path.read_text())
         except (OSError, ValueError):
             saved = {}
-        if saved.get("key") == key:
-            return {(n, tuple(tuple(x) for x in labels)): v for n, labels, v in saved["samples"]}
-        self.baseline_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.baseline_path.with_name(f".{self.baseline_path.name}.{uuid.uuid4().hex}")
-        tmp.write_text(json.dumps({"key": key, "samples": [[n, list(labels), v] for (n, labels), v in now.items()]}))
-        os.replace(tmp, self.baseline_path)
-        return now
+        pods: dict[str, Samples] = {}
+        if saved.get("key") == key and isinstance(saved.get("pods"), dict):
+            pods = {u: {(n, tuple(tuple(x) for x in labels)): v for n, labels, v in samples}
+                    for u, samples in saved["pods"].items()}
+        new = {u: now[u] for u in now if u not in pods}
+        if new or saved.get("key") != key:
+            pods.update(new)
+            self.baseline_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.baseline_path.with_name(f".{self.baseline_path.name}.{uuid.uuid4().hex}")
+            tmp.write_text(json.dumps({"key": key, "pods": {
+                u: [[n, list(labels), v] for (n, labels), v in smp.items()] for u, smp in pods.items()}}))
+            os.replace(tmp, self.baseline_path)
+        return pods
 
     def mark(self, st) -> None:
         """Take the baseline now for the canary ``st`` just started (called by the controller
         at START; if it fails, the first analysis takes it)."""
         try:
             self.baseline_path.unlink(missing_ok=True)
-            self._baseline(f"{st.candidate}@{st.canary_started_ms}", self.scrape())
+            self._baseline(f"{st.candidate}@{st.canary_started_ms}", self.scrape_pods())
         except Exception:  # noqa: BLE001 - best effort; __call__ retries and reports errors
             pass
 
     def __call__(self, st) -> tuple[dict, dict, dict[str, str]]:
-        now = self.scrape()
+        now = self.scrape_pods()
         base = self._baseline(f"{st.candidate}@{st.canary_started_ms}", now)
-        d = delta(now, base)
+        d = merge([delta(smp, base[u]) for u, smp in now.items()])
         c, skipped = arm_metrics(d, st.candidate)
         s, _ = arm_metrics(d, st.stable)
         return c, s, skipped

@@ -134,3 +134,41 @@ def test_cli_refuses_a_malformed_dns_spec(fw_home, monkeypatch, tmp_path):
     r = CliRunner().invoke(cli.app, ["controller", "--once", "--serving", "dns+http://flywheel-serving-pods"])
     assert r.exit_code == 2, r.output
     assert "dns+http(s)://name:port" in " ".join(r.output.split())
+
+
+class _Pod:
+    """A pod's /metrics as the scrape provider reads it (real prometheus_client text)."""
+
+    def __init__(self, url: str):
+        from test_deploy_metrics import PerVersionServing
+
+        self.base_url, self.serving = url, PerVersionServing()
+
+    def metrics_text(self) -> str:
+        return self.serving.text()
+
+
+def test_scrape_baselines_are_per_pod_when_pods_come_and_go(tmp_path):
+    """A pod found after the canary started counts from its first scrape (its history is not
+    the canary's); a pod that left stops counting."""
+    from deploy.controller import RolloutStatus
+    from deploy.metrics import ServingMetricsSource
+
+    a, b = _Pod("http://10.0.0.1:8000"), _Pod("http://10.0.0.2:8000")
+    a.serving.serve("v000000", 30, 0.2)  # before the canary
+    b.serving.serve("v000000", 100, 0.2)  # pod b's earlier life, also before it
+    b.serving.serve("v000001", 50, 0.2, status="500")
+    src = ServingMetricsSource([a], tmp_path / "metrics_baseline.json")
+    st = RolloutStatus(candidate="v000001", stable="v000000", canary_started_ms=1_800_000_000_000)
+    src.mark(st)
+    a.serving.serve("v000001", 10, 0.2)
+    a.serving.serve("v000000", 10, 0.2)
+    src.admins = [a, b]  # b became ready (the controller's discover())
+    c, s, _ = src(st)
+    assert (c["requests"], c["errors"], s["requests"]) == (10, 0, 10)  # none of b's history
+    b.serving.serve("v000001", 5, 0.2, status="500")
+    c, s, _ = ServingMetricsSource([a, b], tmp_path / "metrics_baseline.json")(st)  # a restarted controller
+    assert (c["requests"], c["errors"]) == (15, 5)
+    src.admins = [b]  # a left
+    c, s, _ = src(st)
+    assert (c["requests"], c["errors"], s["requests"]) == (5, 5, 0)
