@@ -158,14 +158,15 @@ def publish_v(store: ModelStore, parent: str, scale: float = 1.0001):
     return store.publish(state, parent, metrics={"kto/loss": 0.5})
 
 
-def write_votes(samples: Path, version: str, up: int, down: int, created_at: int) -> None:
+def write_votes(samples: Path, version: str, up: int, down: int, created_at: int, tokens: int = 1,
+                finish_reason: str = "stop") -> None:
     rows = []
     for i in range(up + down):
         good = i < up
         rows.append(RewardedSample(
             completion_id=uuid.uuid4(), model_version=version, created_at=created_at, user_hash=f"u{i}",
-            prompt_token_ids=[1, 2], completion_token_ids=[3], behavior_logprobs=[-0.5],
-            sampling=SamplingParams(), finish_reason="stop", reward=1.0 if good else -1.0, label=good,
+            prompt_token_ids=[1, 2], completion_token_ids=[3] * tokens, behavior_logprobs=[-0.5] * tokens,
+            sampling=SamplingParams(), finish_reason=finish_reason, reward=1.0 if good else -1.0, label=good,
             n_votes=1, votes_up=int(good), votes_down=int(not good), event_ids=[str(uuid.uuid4())],
             sealed_at=created_at))
     d = samples / f"model_version={version}" / "date=2026-11-30"
@@ -316,6 +317,22 @@ def test_deadline_outcome_rollback_by_default_and_promote_when_configured(env):
     st = controller(env, clock, **kw).reconcile()
     assert st.phase == RolloutPhase.ROLLED_BACK and "deadline outcome rollback" in st.last_reason
     assert st.decided_by == "deadline" and env.admin.slots().candidate is None
+
+
+def test_a_candidate_that_games_length_fails_a_guard_despite_more_thumbs(env):
+    """Reward hacking: the candidate's replies are 4x longer and all cut at max_tokens. Its
+    thumbs-up rate is higher, but the guards (read from the sample shards) roll it back."""
+    publish_v(env.store, "v000000")
+    clock = Clock()
+    controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    write_votes(env.samples, "v000001", 30, 10, clock.t + 1, tokens=40, finish_reason="length")
+    write_votes(env.samples, "v000000", 20, 20, clock.t + 1, tokens=10)
+    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    assert st.phase == RolloutPhase.ROLLED_BACK and st.decided_by == "guard", st.last_reason
+    nums = ledger.decisions(env.ledger)[-1].numbers
+    assert nums["completion_length"]["check"] == "FAIL" and nums["completion_length"]["ratio"] == pytest.approx(4.0)
+    assert nums["truncated"]["check"] == "FAIL" and nums["truncated"]["candidate_share"] == 1.0
+    assert nums["thumbs_up"]["check"] == "PASS"  # the naive reward alone would have promoted it
 
 
 def test_deadline_never_promotes_on_empty_data(env):
