@@ -52,7 +52,8 @@ EXAMPLES: dict[str, str] = {
     "broker stop": "flywheel broker stop",
     "broker status": "flywheel broker status -o json",
     "model init": "flywheel model init --experts 4 --top-k 2",
-    "data stats": "flywheel data stats",
+    "data stats": "flywheel data stats -o json",
+    "data migrate": "flywheel data migrate --dry-run",
     "canary start": "flywheel canary start v000003 --yes",
     "canary abort": "flywheel canary abort --yes",
     "topics create": "FLYWHEEL_KAFKA_BOOTSTRAP=kafka:9093 FLYWHEEL_KAFKA_TOPIC_PREFIX=team-a. "
