@@ -19,7 +19,9 @@ incremented. Each fold transaction calls :meth:`fence`, which locks its partitio
 (``FOR SHARE``) and raises :class:`Fenced` unless this store still holds them at its epoch.
 A worker that lost a partition while it was stopped (GC pause, network) can therefore not
 fold into it after the new owner took over: the takeover's ``UPDATE`` waits for any fold in
-progress, and every later fold of the old owner is refused. Sealing selects due labels of
+progress (at most ``takeover_wait_s``; the worker retries), and every later fold of the old
+owner is refused. A worker frozen inside a transaction loses its session, and so its locks,
+after ``idle_in_transaction_s``. Sealing selects due labels of
 owned partitions only, ``FOR UPDATE SKIP LOCKED``, and claims them in the same transaction.
 
 Recovery. A worker holds a session-level advisory lock on its owner id for its whole life;
@@ -79,6 +81,8 @@ CREATE TABLE IF NOT EXISTS owners(owner TEXT PRIMARY KEY, lock_key BIGINT NOT NU
 """
 _DDL_LOCK = 0x666C7977  # advisory lock serialising schema creation by workers starting together
 _PRUNE_LOCK = 0x666C7978  # advisory lock held by the one worker pruning the dedupe set
+TAKEOVER_WAIT_S = 5.0  # longest wait of assign() for the previous owner's fold in progress (s)
+IDLE_IN_TRANSACTION_S = 60.0  # a session idle this long inside a transaction is ended by the server (s)
 
 
 class Fenced(RuntimeError):
@@ -102,6 +106,9 @@ class PgStateStore:
         schema: the PostgreSQL schema holding the tables (default: :func:`schema_name` of
             ``flywheel-ingest``); created if missing.
         owner: this worker's owner id (default ``<host>-<pid>-<random>``).
+        takeover_wait_s: longest wait of :meth:`assign` for the previous owner (s, > 0).
+        idle_in_transaction_s: the server ends this session when it idles that long inside a
+            transaction (s, > 0): a frozen worker releases its partitions and counts as dead.
 
     All mutators run inside :meth:`transaction` (re-entrant, thread-safe; the outermost one
     commits, or rolls back on an exception). Label methods see only the partitions given to
@@ -109,18 +116,28 @@ class PgStateStore:
 
     Raises:
         psycopg.OperationalError: the database cannot be reached.
+        ValueError: a wait that is not > 0.
+        RuntimeError: ``owner`` is held by a live worker.
     """
 
     scoped = True  # labels belong to partitions: the worker forwards records to their home partition
 
-    def __init__(self, url: str, schema: str | None = None, owner: str | None = None):
+    def __init__(self, url: str, schema: str | None = None, owner: str | None = None,
+                 takeover_wait_s: float = TAKEOVER_WAIT_S, idle_in_transaction_s: float = IDLE_IN_TRANSACTION_S):
         import psycopg
         from psycopg import sql
 
+        if not takeover_wait_s > 0 or not idle_in_transaction_s > 0:
+            raise ValueError(f"takeover_wait_s, idle_in_transaction_s: must be > 0 seconds, got {takeover_wait_s}, "
+                             f"{idle_in_transaction_s}")
+        self.takeover_wait_s = takeover_wait_s
         self.path = url  # for messages; never a file
         self.schema = schema or schema_name("flywheel-ingest")
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.db = psycopg.connect(url, autocommit=True, application_name=f"flywheel-ingest {self.owner}")
+        # a worker frozen inside a transaction (SIGSTOP, a VM pause) loses its session, its
+        # locks and its advisory lock: its partitions can be taken over, its claims recovered
+        self.db.execute(f"SET idle_in_transaction_session_timeout = {int(idle_in_transaction_s * 1000)}")
         self._lock = threading.RLock()
         self._depth = 0
         self._pending: dict[str, int] = {}
@@ -188,18 +205,35 @@ class PgStateStore:
     def assign(self, parts, n: int) -> dict[int, int]:
         """Take ownership of partitions ``parts`` of ``n`` (Kafka's assignment to this worker):
         a partition held by another owner gets the next epoch, one held by this store keeps
-        its own. Waits for a fold of the previous owner in progress. Returns ``{part: epoch}``."""
+        its own. Waits up to ``takeover_wait_s`` for a fold of the previous owner in progress.
+        Returns ``{part: epoch}``.
+
+        Raises:
+            Fenced: the previous owner held a partition longer than ``takeover_wait_s`` (its
+                fold is stuck; the server ends its session after ``idle_in_transaction_s``):
+                call again; nothing of this assignment is owned meanwhile.
+        """
+        import psycopg
+
         if n < 1:
             raise ValueError(f"n: partition count must be >= 1, got {n}")
         epochs: dict[int, int] = {}
+        try:
+            self._take(sorted(set(parts)), epochs)
+        except psycopg.errors.LockNotAvailable:
+            raise Fenced(f"partitions {sorted(set(parts))}: the previous owner's transaction held them longer than "
+                         f"takeover_wait_s={self.takeover_wait_s:g}") from None
+        self._n, self._epochs = n, epochs
+        return dict(epochs)
+
+    def _take(self, parts: list[int], epochs: dict[int, int]) -> None:
         with self.transaction():
-            for p in sorted(set(parts)):
+            self.db.execute(f"SET LOCAL lock_timeout = {int(self.takeover_wait_s * 1000)}")
+            for p in parts:
                 epochs[p] = self.db.execute(
                     "INSERT INTO partitions(part, owner, epoch) VALUES(%s,%s,1) ON CONFLICT(part) DO UPDATE SET "
                     "owner=excluded.owner, epoch=CASE WHEN partitions.owner=excluded.owner THEN partitions.epoch "
                     "ELSE partitions.epoch+1 END RETURNING epoch", (p, self.owner)).fetchone()[0]
-        self._n, self._epochs = n, epochs
-        return dict(epochs)
 
     def revoke(self) -> None:
         """Forget the assignment (Kafka revoked it): nothing is sealed until :meth:`assign`."""

@@ -162,6 +162,7 @@ class Worker:
         self.scoped = bool(getattr(self.store, "scoped", False))
         self.rekeyed = rekeyed_topic()
         self._n: int | None = None  # partitions of the consumed topics (from the assignment)
+        self._assign: tuple[set[int], int] | None = None  # an assignment the store has not taken yet
         self.joiner = Joiner(self.store, cfg.join)
         self.metrics = IngestMetrics()  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
@@ -196,6 +197,7 @@ class Worker:
         Raises:
             ingest.state_pg.Fenced: another worker took over one of the batch's partitions.
         """
+        self.take_partitions()
         comps, fbs, dead = [], [], []
         malformed = {"deadletter_malformed_completion": 0, "deadletter_malformed_feedback": 0}
         n = {"consumed_completions": 0, "consumed_feedback": 0, "forwarded_completions": 0, "forwarded_feedback": 0}
@@ -253,10 +255,27 @@ class Worker:
         if not parts:
             return
         self._n = len(parts)
-        epochs = self.store.assign({tp.partition for tp in assigned}, self._n)
+        self._assign = ({tp.partition for tp in assigned}, self._n)  # taken in the fold thread
+
+    def take_partitions(self) -> bool:
+        """In the fold thread (before each fetch and each fold): make the store own the
+        partitions of the last assignment (:meth:`assigned`). A takeover that waited too long
+        for the previous owner is retried before the next fetch; the batches of those
+        partitions are refused meanwhile. Returns whether nothing is left to take."""
+        a = self._assign
+        if a is None:
+            return True
+        try:
+            epochs = self.store.assign(*a)
+        except Fenced as exc:
+            log.warning("ingest: %s; retrying", exc)
+            return False
+        if self._assign is a:  # (a newer assignment that arrived meanwhile stays pending)
+            self._assign = None
         if self.scoped:
             log.info("ingest owns partitions %s", json.dumps(epochs, sort_keys=True))
         self._t["recover"] = 0.0
+        return True
 
     async def publish(self, topic: str, msgs: list[tuple], on_retry=None) -> None:
         """Send ``(key, value)`` or ``(key, value, partition, headers)`` messages and wait
@@ -337,6 +356,8 @@ class Worker:
 
         loop = asyncio.get_running_loop()
         while not stop.is_set():
+            if self._assign is not None and not await loop.run_in_executor(self._fold_pool, self.take_partitions):
+                await asyncio.sleep(1.0)
             batch = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=BATCH_MAX_RECORDS)
             batch = {tp: recs for tp, recs in batch.items() if recs}
             if not batch:

@@ -73,6 +73,33 @@ def test_pg_store_fences_a_worker_whose_partition_was_taken_over(pg):
     b.close()
 
 
+def test_pg_store_takeover_waits_bounded_and_a_frozen_owner_is_ended(pg):
+    """A takeover waits at most ``takeover_wait_s`` for the previous owner's fold in progress
+    (then Fenced: retried by the worker); a worker frozen inside a transaction loses its
+    session after ``idle_in_transaction_s``, with its locks: it counts as dead."""
+    from ingest.state_pg import Fenced, PgStateStore
+
+    a = PgStateStore(pg.url, owner="host-a", idle_in_transaction_s=1.0)
+    b = PgStateStore(pg.url, owner="host-b", takeover_wait_s=0.3)
+    a.assign([0, 1], 2)
+    tx = a.transaction()
+    tx.__enter__()
+    a.fence([0])  # a fold of host-a in progress on partition 0
+    t0 = time.monotonic()
+    with pytest.raises(Fenced, match=r"partitions \[0\]: .*longer than takeover_wait_s=0.3"):
+        b.assign([0], 2)
+    assert time.monotonic() - t0 < 2.0 and b.owned() == []
+    assert b.owner_alive("host-a")
+    time.sleep(1.5)  # host-a is frozen inside its transaction: the server ends its session
+    assert not b.owner_alive("host-a")
+    assert b.assign([0], 2) == {0: 2}
+    import psycopg
+
+    with pytest.raises(psycopg.Error, match="idle-in-transaction"):  # host-a resumes: its commit fails, nothing of it lands
+        tx.__exit__(None, None, None)
+    b.close()
+
+
 def test_pg_store_join_semantics_and_recovery_of_a_dead_owners_claims(pg, tmp_path):
     """The Joiner on the PostgreSQL store: dedupe, last vote wins, seal, late vote; a killed
     owner's claim is finished (its shard exists) or released (it does not) by the partition's
