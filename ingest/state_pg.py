@@ -158,10 +158,15 @@ class PgStateStore:
 
     def close(self) -> None:
         """Close the connection (drops this owner's advisory lock)."""
+        import psycopg
+
         with self._lock:
             if not self.db.closed:
-                self.db.execute("DELETE FROM owners WHERE owner=%s", (self.owner,))
-                self.db.execute("SELECT pg_advisory_unlock_all()")  # now, not when the backend exits
+                try:
+                    self.db.execute("DELETE FROM owners WHERE owner=%s", (self.owner,))
+                    self.db.execute("SELECT pg_advisory_unlock_all()")  # now, not when the backend exits
+                except psycopg.Error:  # the session is already gone (server ended it): so are its locks
+                    pass
                 self.db.close()
 
     def flush(self) -> None:
