@@ -187,7 +187,7 @@ def _split_traffic(comps, fb):
     return [e for e in fb if e.completion_id in first], [e for e in fb if e.completion_id not in first]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 def test_two_hosts_sigkill_takeover_equals_reference_join(pg, broker, tmp_path):
     shared = tmp_path / "objectstore" / "samples"
     homes = [tmp_path / "host1", tmp_path / "host2"]
@@ -219,7 +219,7 @@ def test_two_hosts_sigkill_takeover_equals_reference_join(pg, broker, tmp_path):
             stop(p)
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(120)
 def test_three_hosts_sigkill_and_broker_restart_equal_reference_join(pg, tmp_path):
     """Three hosts on three partitions; after phase 1 one host is SIGKILLed and the
     memory-only broker restarts (topics, data and offsets gone); phase 2's votes still meet
@@ -263,7 +263,7 @@ def _assigned(log: Path) -> set[int]:
     return {int(tp.rsplit(":", 1)[1]) for tp in tps if tp.rsplit(":", 1)[0] == topics.COMPLETIONS}
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("state", ["postgres", "sqlite"])
 def test_votes_from_a_librdkafka_producer_meet_their_completion(state, broker, tmp_path, request):
     """Issue 11 defect 8: feedback produced by confluent-kafka with its default partitioner
