@@ -79,7 +79,7 @@ def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
     assert sum(r[0] for r in rows) == v0["thumbs_up"]
     assert all(1 <= r[2] <= 6 for r in rows)
     state = json.loads((tmp_path / "exp/home/learner/learner_state.json").read_text())
-    assert len(state["trained"]) == 6 and state["cycles"][0]["version"] == "v000001"
+    assert len(state["consumed"]) == 1 and state["cycles"][0]["version"] == "v000001"  # round 0's one shard
     assert v0["learner"]["data/n_samples"] == 6
     c = rep["comparison"]
     assert (c["first"], c["last"]) == ("v000000", "v000001")
