@@ -34,6 +34,7 @@ from schemas.events import RewardedSample
 from schemas.manifest import version_number
 from schemas.modelspec import moe_routers, moe_top_k
 from learner.batch import LearnerBatch, build_batch, filter_samples
+from learner.extensions import clear_stale_locks
 from learner.data import InMemorySamples, RefLogprobs, SampleSource
 from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs)
@@ -192,9 +193,12 @@ def ensure_dist_env() -> None:
 
     Sets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``WORLD_SIZE=1 RANK=0 LOCAL_RANK=0``
     and ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/flywheel/torch_extensions``: DeepSpeed's
-    shm comm op is JIT-built there once, ~40 s cold). Idempotent.
+    shm comm op is JIT-built there once, ~40 s cold); removes a build lock there that a
+    killed builder left behind (:func:`learner.extensions.clear_stale_locks`, else every
+    later init waits on it forever). Idempotent.
     """
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "flywheel" / "torch_extensions"))
+    clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     for k, v in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
