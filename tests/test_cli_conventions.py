@@ -100,11 +100,13 @@ def test_version_flag():
 
 def test_shell_completion():
     env = {"_FLYWHEEL_COMPLETE": "complete_bash", "COMP_WORDS": "flywheel sta", "COMP_CWORD": "1"}
-    assert run(env=env).stdout.split() == ["status"]
+    assert run(env=env).stdout.split() == ["status"]  # the installed entry point answers bash
     env.update(COMP_WORDS="flywheel topics check -o ", COMP_CWORD="4")
-    assert run(env=env).stdout.split() == ["table", "wide", "json", "yaml"]
-    r = run("--show-completion", "bash")
-    assert r.returncode == 0 and "_FLYWHEEL_COMPLETE=complete_bash" in r.stdout
+    r = CliRunner().invoke(app, [], env=env, prog_name="flywheel")
+    assert r.stdout.split() == ["table", "wide", "json", "yaml"]
+    r = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="flywheel")
+    assert r.exit_code == 0 and "_FLYWHEEL_COMPLETE=complete_bash" in r.stdout
+    assert "complete -o default -F _flywheel_completion flywheel" in r.stdout
 
 
 def test_exit_codes_runtime_1_usage_2(fw_home):
