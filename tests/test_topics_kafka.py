@@ -309,3 +309,31 @@ def test_docs_list_every_topic_and_setting():
         assert f"`{spec.base}`" in doc, spec.base
     for name in KafkaSettings.model_fields:
         assert f"FLYWHEEL_KAFKA_{name.upper()}" in doc, name
+
+
+def test_every_kafka_client_in_the_product_takes_kafka_client_config():
+    """A new producer, consumer or admin client that skips ``kafka_client_config`` would talk
+    PLAINTEXT to a SASL/TLS cluster: each construction's function must build its keywords from
+    it (directly, or through ingest's ``consumer_settings``/``producer_settings``)."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    ctor = re.compile(r"\b(KafkaProducer|KafkaConsumer|KafkaAdminClient|AIOKafkaProducer|AIOKafkaConsumer)\(")
+    via = ("kafka_client_config", "consumer_settings", "producer_settings", "producer_kw", "consumer_kw")
+    found = 0
+    for pkg in ("serving", "ingest", "learner", "deploy", "flywheel", "schemas", "bench"):
+        for f in (root / pkg).rglob("*.py"):
+            src = f.read_text()
+            if not ctor.search(src):
+                continue
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    body = ast.get_source_segment(src, node) or ""
+                    own = [ln for ln in body.splitlines() if ctor.search(ln) and not ln.lstrip().startswith(("#", '"'))]
+                    nested = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n is not node
+                                 for n in ast.walk(node))
+                    if own and not nested:
+                        found += len(own)
+                        assert any(v in body for v in via), f"{f.relative_to(root)}:{node.name}: {own[0].strip()}"
+    assert found >= 7, found  # event log, SDK, ledger, ingest consumer+producer, admin, demo, bench
