@@ -34,6 +34,7 @@ _UNSUPPORTED_NEUTRAL: dict[str, tuple] = {
 }
 
 
+STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")  # vLLM engine only
 MAX_N = 16  # choices per request at most
 MAX_FEEDBACK_BATCH = 100  # events per POST /v1/feedback/batch at most
 
@@ -143,13 +144,26 @@ class _Base(WireModel):
         description='OpenAI request metadata (str -> str); {"flywheel_split": "train"|"eval"} picks the '
                     "completion's split (else a stable hash of the prompt with the pod's eval share)")
 
-    def check_supported(self) -> None:
-        """Raise ServingValidationError for unsupported parameters; log ignored extras."""
+    def check_supported(self, structured: bool = False) -> None:
+        """Raise ServingValidationError for unsupported parameters; log ignored extras.
+
+        Args:
+            structured: the engine does structured outputs and tool calls (the vLLM engine):
+                ``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+                are then read by :meth:`structured_outputs` and :meth:`tool_spec` instead of
+                refused; on an engine without them a non-neutral value is a 400 that says so.
+        """
         extras = dict(self.model_extra or {})
         for name, neutral in _UNSUPPORTED_NEUTRAL.items():
             if name in extras:
                 v = extras.pop(name)
-                if v not in neutral:
+                if v in neutral:
+                    continue
+                if name in STRUCTURED_FIELDS and not structured:
+                    raise ServingValidationError(name, v, "needs the vLLM engine (flywheel serve --engine vllm): "
+                                                 "this pod runs the torch engine, which has no structured "
+                                                 "outputs or tool calls")
+                if name not in STRUCTURED_FIELDS:
                     raise ServingValidationError(name, v, "is not supported by this server")
         if extras:
             log.info("ignoring unknown request fields: %s", sorted(extras))
@@ -158,6 +172,28 @@ class _Base(WireModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ServingValidationError("stop", self.stop, "up to 4 non-empty strings")
+
+    def structured_outputs(self) -> dict | None:
+        """``response_format`` as vLLM ``StructuredOutputsParams`` keywords: ``json_schema``
+        -> ``{"json": schema}``, ``json_object`` -> ``{"json_object": True}``, ``text`` or
+        absent -> None.
+
+        Raises:
+            ServingValidationError: another type, or a ``json_schema`` without a ``schema`` object.
+        """
+        rf = (self.model_extra or {}).get("response_format")
+        if rf is None:
+            return None
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ServingValidationError("response_format.type", rf, "must be text, json_object or json_schema")
+        if rf["type"] == "text":
+            return None
+        if rf["type"] == "json_object":
+            return {"json_object": True}
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ServingValidationError("response_format.json_schema.schema", schema, "must be a JSON Schema object")
+        return {"json": schema}
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -204,6 +240,26 @@ class ChatCompletionRequest(_Base):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
+
+    def tool_spec(self) -> list[dict] | None:
+        """The request's ``tools`` when the model may call them (``tool_choice`` absent,
+        ``auto`` or ``none``-less), else None.
+
+        Raises:
+            ServingValidationError: ``tool_choice`` ``required`` or a named function (not
+                supported: only ``auto`` and ``none``), or tools with ``stream`` (tool calls
+                are parsed from the whole completion).
+        """
+        extra = self.model_extra or {}
+        tools, choice = extra.get("tools"), extra.get("tool_choice", "auto")
+        if not tools or choice == "none":
+            return None
+        if choice != "auto":
+            raise ServingValidationError("tool_choice", choice, "only 'auto' and 'none' are supported")
+        if self.stream:
+            raise ServingValidationError("stream", True, "tool calls are parsed from the whole completion: "
+                                         "use stream=false with tools")
+        return list(tools)
 
 
 class CompletionRequest(_Base):

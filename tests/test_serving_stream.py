@@ -122,3 +122,24 @@ def test_streamed_chunks_carry_logprobs(served, chat):
     else:
         assert toks == full["tokens"] and lps == full["token_logprobs"]
     assert len(lps) >= 1 and set(tops) == {2}
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]}, "tools"),
+])
+def test_torch_engine_refuses_structured_outputs_and_tools(served, extra, field):
+    """The torch engine has no structured outputs or tool calls: a clear 400 naming the field
+    and the engine that has them; the neutral values still pass."""
+    _eng, srv = served
+    body = {"model": "flywheel", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    with httpx.Client(timeout=60) as c:
+        r = c.post(srv.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "vLLM engine" in err["message"] and "torch engine" in err["message"]
+        ok = c.post(srv.url + "/v1/chat/completions", json=dict(body, response_format={"type": "text"}, tools=[],
+                                                               tool_choice="none"))
+        assert ok.status_code == 200, ok.text

@@ -24,12 +24,18 @@ class PromptBuilder:
         self.max_positions = max_positions or 10**9
         self.max_prompt_tokens = max_prompt_tokens
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         """The chat template applied to ``messages`` with the generation prompt (``developer``
-        is sent as ``system``)."""
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(body.messages)]
-        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        is sent as ``system``); with ``tools``, the template's tool rendering (and each
+        message's ``tool_calls`` / ``tool_call_id`` kept)."""
+        msgs = []
+        for i, m in enumerate(body.messages):
+            d = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            if tools:
+                d.update({k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")})
+            msgs.append(d)
+        kw = {"tools": tools} if tools else {}
+        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -146,35 +146,45 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         """OpenAI chat completions (JSON or SSE)."""
         version = self.resolve_model(body.model)
-        body.check_supported()
+        structured = self.structured_ok()
+        body.check_supported(structured=structured)
         if body.top_logprobs and not body.logprobs:
             raise ServingValidationError("top_logprobs", body.top_logprobs, "requires logprobs=true")
-        prompt = self.prompts.chat_ids(body)
+        tools = body.tool_spec() if structured else None
+        prompt = self.prompts.chat_ids(body, tools)
         self.prompts.check_len("messages", prompt)
         asked = body.max_completion_tokens or body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         sp = body.sampling(self.prompts.budget(field, prompt, asked, self.default_max_tokens))
-        return await self._serve(request, body, version, prompt, sp, body.top_logprobs or 0, chat=True)
+        return await self._serve(request, body, version, prompt, sp, body.top_logprobs or 0, chat=True,
+                                 structured=body.structured_outputs() if structured else None, tools=tools)
 
     async def completions(self, body: CompletionRequest, request: Request):
         """OpenAI (legacy) text completions (JSON or SSE)."""
         version = self.resolve_model(body.model)
-        body.check_supported()
+        structured = self.structured_ok()
+        body.check_supported(structured=structured)
         prompt = self.prompts.completion_ids(body)
         self.prompts.check_len("prompt", prompt)
         sp = body.sampling(self.prompts.budget("max_tokens", prompt, body.max_tokens, 16))
-        return await self._serve(request, body, version, prompt, sp, body.logprobs or 0, chat=False)
+        return await self._serve(request, body, version, prompt, sp, body.logprobs or 0, chat=False,
+                                 structured=body.structured_outputs() if structured else None)
+
+    def structured_ok(self) -> bool:
+        """Whether the engine does structured outputs and tool calls (the vLLM engine)."""
+        return bool(getattr(self.engine, "supports_structured", False))
 
     # ------------------------------------------------------------------ running n choices
     async def _serve(self, request: Request, body, version: str | None, prompt: list[int], sp,
-                     top_logprobs: int, chat: bool):
-        """Run ``n`` choices on one version and answer in the OpenAI shape, as JSON or SSE."""
+                     top_logprobs: int, chat: bool, structured: dict | None = None, tools: list | None = None):
+        """Run ``n`` choices on one version and answer in the OpenAI shape, as JSON or SSE.
+        ``structured``: vLLM structured-outputs constraint; ``tools``: parse tool calls."""
         split = self.split_of(request, body, prompt)
         uh = user_hash(request, body.user, self.salt)
         run = _Run(lm=self.slots.pick(uh, version=version), prompt=prompt, n=body.n or 1, stops=body.stop_strings(),
                    split=split, user_hash=uh, created_ms=now_ms(),
                    request_id=request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}",
-                   q=asyncio.Queue() if body.stream else None)
+                   q=asyncio.Queue() if body.stream else None, structured=structured, tools=tools)
         # choice i samples with seed + i: n copies of one seeded draw would be surprising
         run.sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i})
                    for i in range(run.n)]
@@ -199,7 +209,8 @@ class OpenAIServing:
                 run.greqs.append(GenRequest(prompt_token_ids=run.prompt, sampling=run.sps[i], model=run.lm,
                                             stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
                                             on_step=on_step if run.q is not None else None,
-                                            stop_check=self.prompts.stop_check(run.stops)))
+                                            stop_check=self.prompts.stop_check(run.stops),
+                                            structured=run.structured))
                 run.futs.append(engine.submit(run.greqs[-1]))  # raises 429 here, before anything is logged
         except ServingValidationError as exc:
             for g, f in zip(run.greqs, run.futs):
@@ -242,8 +253,10 @@ class OpenAIServing:
                 lp = wire.chat_logprobs(res, self.prompts.token_str) if body.logprobs else None
             else:
                 lp = wire.completion_logprobs(res, self.prompts.token_str) if body.logprobs is not None else None
-            choices.append(wire.choice(i, self.prompts.text(res.completion_token_ids, run.stops), res,
-                                       str(run.cids[i]), chat=chat, logprobs=lp))
+            text, calls = self.prompts.text(res.completion_token_ids, run.stops), None
+            if run.tools:  # vLLM's tool parser on the whole completion
+                text, calls = self.engine.parse_tool_calls(text, run.tools)
+            choices.append(wire.choice(i, text, res, str(run.cids[i]), chat=chat, logprobs=lp, tool_calls=calls))
         out = wire.response(str(run.cids[0]), run.created_ms // 1000, run.lm.version, choices,
                             wire.usage(len(run.prompt), results), chat=chat)
         return json_response(out, 200, run.headers())
@@ -274,6 +287,8 @@ class _Run:
     created_ms: int
     request_id: str
     q: asyncio.Queue | None  # streaming: (choice, step | None, None | result | exception)
+    structured: dict | None = None  # vLLM structured-outputs constraint (response_format)
+    tools: list | None = None  # OpenAI tools the completion may call
     cids: list[uuid.UUID] = field(default_factory=list)
     sps: list = field(default_factory=list)
     greqs: list[GenRequest] = field(default_factory=list)

@@ -66,11 +66,16 @@ def usage(prompt_len: int, results: list[GenResult]) -> dict:
     return {"prompt_tokens": prompt_len, "completion_tokens": n_out, "total_tokens": prompt_len + n_out}
 
 
-def choice(i: int, text: str, res: GenResult, cid: str, *, chat: bool, logprobs: dict | None) -> dict:
-    """One non-streamed choice."""
+def choice(i: int, text: str | None, res: GenResult, cid: str, *, chat: bool, logprobs: dict | None,
+           tool_calls: list[dict] | None = None) -> dict:
+    """One non-streamed choice; a chat choice with ``tool_calls`` (OpenAI shape) has finish
+    reason ``tool_calls``."""
     if chat:
-        return {"index": i, "message": {"role": "assistant", "content": text},
-                "finish_reason": wire_finish(res.finish_reason), "logprobs": logprobs, "completion_id": cid}
+        msg: dict = {"role": "assistant", "content": text}
+        finish = wire_finish(res.finish_reason)
+        if tool_calls:
+            msg["tool_calls"], finish = tool_calls, "tool_calls"
+        return {"index": i, "message": msg, "finish_reason": finish, "logprobs": logprobs, "completion_id": cid}
     return {"index": i, "text": text, "finish_reason": wire_finish(res.finish_reason), "logprobs": logprobs,
             "completion_id": cid}
 
