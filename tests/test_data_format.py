@@ -127,3 +127,28 @@ def test_catalog_views_hold_paths_relative_to_the_catalog(tmp_path):
     assert con.execute("SELECT count(*), min(date)::VARCHAR, min(hour) FROM samples").fetchone() == (2, "2026-01-01", 7)
     assert json.loads(json.dumps(con.execute("SELECT * FROM votes_by_split").fetchall())) == [
         ["v000003", "train", 2, 2, 0, 1.0, 1.0]]
+
+
+def test_migrate_cli_then_learner_finds_the_shards(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from learner.cycle import count_new, new_state, save_state
+
+    home = tmp_path / "home"
+    sd = home / "data" / "samples"
+    write_v1(sd, make(3, "v000001", seed=5), "v000001", "2026-01-01")
+    env = {**os.environ, "FLYWHEEL_HOME": str(home), "COLUMNS": "200"}
+    env.pop("FLYWHEEL_SAMPLES", None)
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", "data", "migrate"], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "converted 1 shards (3 samples)" in r.stdout
+    con = duckdb.connect(str(home / "catalog.duckdb"), read_only=True)
+    con.execute("SET file_search_path = ?", [str(home)])
+    assert con.execute("SELECT model_version, split, samples FROM votes_by_split").fetchall() == [("v000001", "train", 3)]
+    con.close()
+    save_state(tmp_path / "state", new_state())
+    assert count_new(sd, tmp_path / "state", 600_000) == 3
