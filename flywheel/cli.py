@@ -83,6 +83,27 @@ def quiet_third_party(verbose: bool) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
+# commands that open Kafka clients: a bad FLYWHEEL_KAFKA_* stops them at start, named (exit 1),
+# instead of a pod that journals every event because its producer cannot be built
+KAFKA_COMMANDS = frozenset({"serve", "ingest", "controller", "demo", "experiment", "promote", "rollback", "pause",
+                            "resume", "canary", "topics"})
+
+
+def check_kafka_settings() -> None:
+    """Validate ``FLYWHEEL_KAFKA_*`` now; on a bad value print each variable and reason, exit 1."""
+    from pydantic import ValidationError
+
+    from schemas.settings import kafka_settings
+
+    try:
+        kafka_settings()
+    except ValidationError as exc:
+        errs = "; ".join(f"FLYWHEEL_KAFKA_{'_'.join(str(p) for p in e['loc']).upper() or '*'}: {e['msg']}"
+                         for e in exc.errors())
+        typer.echo(f"error: Kafka settings: {errs}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.callback()
 def _root(ctx: typer.Context,
           verbose: bool = typer.Option(False, "-v", "--verbose",
@@ -99,6 +120,8 @@ def _root(ctx: typer.Context,
         from schemas.config import configure_cli
 
         configure_cli(ctx, config)
+    if ctx.invoked_subcommand in KAFKA_COMMANDS and not ctx.resilient_parsing:
+        check_kafka_settings()
 
 
 def _command_name(info) -> str:

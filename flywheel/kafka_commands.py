@@ -17,17 +17,11 @@ schemas_app = typer.Typer(help="Published JSON Schemas of every Kafka event.", n
 
 def _settings():
     """The Kafka settings, or exit 1 naming the bad ``FLYWHEEL_KAFKA_*`` variable."""
-    from pydantic import ValidationError
-
+    from flywheel.cli import check_kafka_settings
     from schemas.settings import kafka_settings
 
-    try:
-        return kafka_settings()
-    except ValidationError as exc:
-        errs = "; ".join(f"FLYWHEEL_KAFKA_{'_'.join(str(p) for p in e['loc']).upper() or '*'}: {e['msg']}"
-                         for e in exc.errors())
-        typer.echo(f"error: Kafka settings: {errs}", err=True)
-        raise typer.Exit(1) from None
+    check_kafka_settings()
+    return kafka_settings()
 
 
 def _rows(result: dict, settings) -> list[dict]:

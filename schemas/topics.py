@@ -12,6 +12,7 @@ ones; :func:`check_topics` compares a cluster with the plan and lists every mism
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -70,11 +71,20 @@ _CONSTANTS = {"COMPLETIONS": "completions", "FEEDBACK": "feedback", "SAMPLES": "
 
 
 def topic_name(short: str, prefix: str | None = None) -> str:
-    """Full topic name of ``short`` (a key of :data:`SPECS`) with ``prefix`` (default: settings')."""
+    """Full topic name of ``short`` (a key of :data:`SPECS`) with ``prefix`` (default: settings').
+
+    Other ``FLYWHEEL_KAFKA_*`` values that do not validate do not stop a name from being read
+    (modules read names at import); the prefix is then taken as the environment gives it, and
+    the first Kafka client or the CLI's settings check reports the bad value."""
     if prefix is None:
+        from pydantic import ValidationError
+
         from schemas.settings import kafka_settings
 
-        prefix = kafka_settings().topic_prefix
+        try:
+            prefix = kafka_settings().topic_prefix
+        except ValidationError:
+            prefix = os.environ.get("FLYWHEEL_KAFKA_TOPIC_PREFIX", "")
     return prefix + SPECS[short].base
 
 

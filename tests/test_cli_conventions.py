@@ -154,3 +154,13 @@ def test_a_command_that_logs_info_still_hides_kafka_info(restore_logging):
         assert logging.getLogger(name).isEnabledFor(logging.WARNING), name
     quiet_third_party(True)
     assert logging.getLogger("kafka.conn").isEnabledFor(logging.INFO)
+
+
+def test_bad_kafka_settings_stop_kafka_commands_at_start(fw_home, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_KAFKA_SECURITY_PROTOCOL", "SASL_TLS")
+    for args in (["serve", "--port", str(free_port())], ["ingest"], ["topics", "check"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 1, (args, r.output)
+        assert "error: Kafka settings: FLYWHEEL_KAFKA_SECURITY_PROTOCOL: Input should be 'PLAINTEXT'" in r.stderr
+    r = CliRunner().invoke(app, ["versions", "-o", "json"])  # no Kafka client: not concerned
+    assert r.exit_code == 0 and json.loads(r.stdout) == []
