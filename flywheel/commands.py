@@ -130,7 +130,7 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
         if str(exc).startswith("out:"):
             raise typer.BadParameter(str(exc)[5:], param_hint="--out") from exc
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        raise typer.Exit(1) from exc  # a failure while running, not a usage error
     if report["events_lost"]:
         raise typer.Exit(1)
 
