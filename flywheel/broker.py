@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +140,10 @@ def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_pat
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(
         [str(tansu_binary()), "broker", "--storage-engine", "memory://tansu/",
-         "--listener-url", url, "--advertised-listener-url", url],
+         "--listener-url", url, "--advertised-listener-url", url,
+         # each start is a new, empty cluster: its own id tells clients that what an
+         # earlier one acked is gone (serving's event log re-sends it)
+         "--cluster-id", f"flywheel-{uuid.uuid4().hex[:12]}"],
         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=detach)
     b = BrokerProcess(pid=proc.pid, port=port, proc=proc)
     try:

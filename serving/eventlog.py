@@ -11,17 +11,33 @@ Delivery is exactly once while the pod lives and the broker answers or refuses c
 at-least-once across a pod crash between a send and the journal cursor update, or when a
 broker persisted a batch but its ack was lost (then the journaled copy is sent again). Order: events are sent in emission order, except that a batch in
 flight when Kafka fails (<= ``batch_max`` events) may land behind events spilled meanwhile. This module knows nothing about the events' contents.
+
+Durable emits: ``emit(..., durable=True)`` returns a future that resolves once the event is
+acked by Kafka or fsync'd in the journal, so a caller (the feedback API) answers only for
+events that survive a SIGKILL of the pod.
+
+A broker that lost acked data (the memory-only embedded broker after a restart, a topic
+deleted and re-created): the log keeps the events Kafka acked in the last
+``resend_window_s`` (at most ``resend_max_bytes``) in memory. When an ack shows that the
+broker is another incarnation than the one that acked them (its cluster id changed, or a
+partition's offset went back to or below one acked before: offsets of a durable log only
+grow) those events are journaled again and re-sent (counted ``resent``). Consumers dedupe
+by key (ingest: completion_id and event_id), so a copy of an event that was consumed before
+the loss folds nothing. Not covered: a pod that dies while its broker lost the data (the
+window is in memory; two faults at once).
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import logging
 import os
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +56,8 @@ class EventLogCounters:
     spilled: int = 0  # written to the local journal
     replayed: int = 0  # journal entries acked by Kafka
     failed: int = 0  # could not be journaled either (disk error): lost, and counted
+    resent: int = 0  # acked events journaled again because the broker lost them
+    broker_losses: int = 0  # times an ack showed a broker that lost acked events
 
 
 class EventLog:
@@ -58,11 +76,15 @@ class EventLog:
             good (too large, invalid topic: a non-retriable error) is not retried forever,
             which would stall every later event: it is kept out of band in
             ``<journal>.rejected`` (same JSON-line format) and counted as ``failed``.
+        resend_window_s: acked events are kept this long (s) to be re-sent if the broker
+            turns out to have lost them (0 = off; module docstring).
+        resend_max_bytes: at most this many bytes of acked events are kept for that.
     """
 
     def __init__(self, bootstrap: str | None, journal_path: str | Path, max_queue: int = 10_000,
                  batch_max: int = 500, send_timeout_s: float = 5.0, retry_interval_s: float = 1.0,
-                 client_id: str = "flywheel-serving", max_request_bytes: int = 16 * 1024 * 1024):
+                 client_id: str = "flywheel-serving", max_request_bytes: int = 16 * 1024 * 1024,
+                 resend_window_s: float = 300.0, resend_max_bytes: int = 64 * 1024 * 1024):
         self.bootstrap = bootstrap
         self.journal_path = Path(journal_path)
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,13 +103,27 @@ class EventLog:
         self._producer = None
         self._kafka_up = False
         self._inflight = 0  # events taken from the queue and not yet settled
+        self.resend_window_s = resend_window_s
+        self.resend_max_bytes = resend_max_bytes
+        self._acked: collections.deque = collections.deque()  # (acked_at, bytes, item), oldest first
+        self._acked_bytes = 0
+        self._high: dict[tuple[str, int], int] = {}  # (topic, partition) -> highest acked offset
+        self._cluster_id: str | None = None  # of the broker that acked what _acked holds
+        self._waiters: dict[int, tuple[tuple, Future]] = {}  # id(item) -> (item, durable future)
+        self._wlock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="flywheel-eventlog", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- request path
-    def emit(self, topic: str, key: str, value: bytes) -> None:
+    def emit(self, topic: str, key: str, value: bytes, durable: bool = False) -> Future | None:
         """Log one event; never blocks on Kafka. ``value`` is the encoded event (bytes).
+
+        Returns:
+            With ``durable``, a future resolving to True once the event is acked by Kafka
+            or fsync'd in the journal (it raises ``OSError`` when the journal write failed,
+            ``RuntimeError`` when Kafka refused it for good or the log closed first);
+            otherwise None.
 
         Raises:
             RuntimeError: the log is closed.
@@ -95,6 +131,11 @@ class EventLog:
         if self._closed:
             raise RuntimeError("event log is closed")
         item = (topic, key, value)
+        fut = None
+        if durable:
+            fut = Future()
+            with self._wlock:
+                self._waiters[id(item)] = (item, fut)
         try:
             self._q.put_nowait(item)
             self._count("queued")
@@ -112,6 +153,7 @@ class EventLog:
                     break
                 items.append(it)
             self._spill(items + [item])
+        return fut
 
     # ---------------------------------------------------------------- state
     @property
@@ -149,6 +191,10 @@ class EventLog:
         self._closed = True
         self._q.put(_STOP)
         self._thread.join(timeout=timeout_s + 5)
+        with self._wlock:
+            left, self._waiters = list(self._waiters.values()), {}
+        for _, fut in left:
+            fut.set_exception(RuntimeError("event log closed before the event was durable"))
         with self._jlock:
             self._jfile.close()
         if self._producer is not None:
@@ -182,6 +228,18 @@ class EventLog:
             os.fsync(f.fileno())
         os.replace(tmp, self.cursor_path)
 
+    def _settle(self, items, error: BaseException | None = None) -> None:
+        """Resolve the durable futures of ``items`` (True, or ``error``)."""
+        if not self._waiters:
+            return
+        with self._wlock:
+            found = [self._waiters.pop(id(it)) for it in items if id(it) in self._waiters]
+        for _, fut in found:
+            if error is None:
+                fut.set_result(True)
+            else:
+                fut.set_exception(error)
+
     def _spill(self, items: list[tuple[str, str, bytes]], count: bool = True) -> None:
         lines = _encode_lines(items)
         try:
@@ -191,9 +249,45 @@ class EventLog:
                 os.fsync(self._jfile.fileno())
             if count:
                 self._count("spilled", len(items))
+            self._settle(items)
         except OSError as exc:
             log.error("event journal write failed, %d events lost: %s", len(items), exc)
             self._count("failed", len(items))
+            self._settle(items, exc)
+
+    def _retain(self, p, acked: list[tuple[tuple, object]]) -> None:
+        """Keep ``acked`` ((item, RecordMetadata) pairs) for re-sending; first, if these acks
+        show a broker that lost what it acked before, journal the kept events again."""
+        cluster_id = getattr(getattr(p, "_metadata", None), "cluster_id", None)
+        went_back = [(md.topic, md.partition) for _, md in acked
+                     if md.offset <= self._high.get((md.topic, md.partition), -1)]
+        changed = cluster_id is not None and self._cluster_id is not None and cluster_id != self._cluster_id
+        if (went_back or changed) and self._acked:
+            kept = [it for _, _, it in self._acked]
+            log.warning("the broker lost acked events (%s): re-sending the %d events acked in the last %g s",
+                        f"cluster id {self._cluster_id} -> {cluster_id}" if changed
+                        else f"offsets went back on {sorted(set(went_back))[:3]}", len(kept), self.resend_window_s)
+            self._acked.clear()
+            self._acked_bytes = 0
+            self._count("broker_losses")
+            self._spill(kept, count=False)
+            self._count("resent", len(kept))
+        if went_back or changed:
+            self._high = {}
+        self._cluster_id = cluster_id or self._cluster_id
+        for _, md in acked:
+            tp = (md.topic, md.partition)
+            self._high[tp] = max(self._high.get(tp, -1), md.offset)
+        if self.resend_window_s <= 0:
+            return
+        now = time.monotonic()
+        for it, _ in acked:
+            n = len(it[2]) + len(it[1])
+            self._acked.append((now, n, it))
+            self._acked_bytes += n
+        while self._acked and (self._acked_bytes > self.resend_max_bytes
+                               or now - self._acked[0][0] > self.resend_window_s):
+            self._acked_bytes -= self._acked.popleft()[1]
 
     def _get_producer(self):
         if self._producer is None:
@@ -204,7 +298,8 @@ class EventLog:
             self._producer = KafkaProducer(
                 **kafka_client_config(self.bootstrap), client_id=self.client_id, acks="all",
                 linger_ms=5, max_block_ms=2000, bootstrap_timeout_ms=2000, request_timeout_ms=int(self.send_timeout_s * 1000),
-                retries=0, reconnect_backoff_max_ms=1000, max_request_size=self.max_request_bytes)
+                retries=0, reconnect_backoff_max_ms=1000, max_request_size=self.max_request_bytes,
+                allow_auto_create_topics=False)  # DESIGN §2: topics are created explicitly
         return self._producer
 
     def _drop_producer(self) -> None:
@@ -231,6 +326,7 @@ class EventLog:
             f.flush()
             os.fsync(f.fileno())
         self._count("failed", len(items))
+        self._settle(items, RuntimeError(f"kafka refused the event for good: {why}"))
 
     def _send(self, items: list[tuple[str, str, bytes]]) -> list[bool]:
         """Send in order and wait for acks; per item: True (acked), False (retry later) or
@@ -259,14 +355,20 @@ class EventLog:
         except Exception:  # noqa: BLE001
             pass
         ok: list = []
+        acked = []
         for it, f in zip(items, futs):
             good = f if f is _REJECTED else False
             if f is not None and f is not _REJECTED and f.is_done:
                 good = f.succeeded()
-                if not good and getattr(f.exception, "retriable", True) is False:
+                if good:
+                    acked.append((it, f.value))
+                elif getattr(f.exception, "retriable", True) is False:
                     self._reject([it], repr(f.exception))
                     good = _REJECTED
             ok.append(good)
+        self._settle([it for it, _ in acked])
+        if acked:
+            self._retain(p, acked)
         if all(ok):
             self._kafka_up = True
         else:

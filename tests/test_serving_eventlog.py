@@ -30,12 +30,14 @@ def test_outage_spills_and_replays_exactly_once(tmp_path):
         assert ev.counters.spilled == n and not ev.kafka_up
         b = spawn(port)  # a new memory-only broker on the same port; spawn recreates the topics
         assert ev.flush(60), vars(ev.counters)
-        recs = consume(b.bootstrap, topics.COMPLETIONS, n + 1, timeout_s=6)  # n+1: waits to see a duplicate
+        # n + 1 + 1: the warm-up (acked by the lost broker, so re-sent) and one more, to see a duplicate
+        recs = consume(b.bootstrap, topics.COMPLETIONS, n + 2, timeout_s=6)
         keys = [r.key.decode() for r in recs]
-        assert len(keys) == n and len(set(keys)) == n
-        assert sorted(keys) == [f"k{i:04d}" for i in range(n)]
-        assert all(r.value == f"v{int(r.key[1:])}".encode() for r in recs)
-        assert ev.counters.replayed == n and ev.counters.failed == 0
+        assert len(keys) == n + 1 and len(set(keys)) == n + 1
+        assert sorted(keys) == [f"k{i:04d}" for i in range(n)] + ["warmup"]
+        assert all(r.value == (b"w" if r.key == b"warmup" else f"v{int(r.key[1:])}".encode()) for r in recs)
+        assert ev.counters.replayed == n + 1 and ev.counters.failed == 0
+        assert ev.counters.resent == 1 and ev.counters.broker_losses == 1
         assert ev.journal_pending() == 0
     finally:
         ev.close(timeout_s=1)
@@ -109,3 +111,89 @@ def test_oversized_event_kept_out_of_band_and_does_not_stall(tmp_path, broker):
         assert [(k["key"], len(base64.b64decode(k["value"]))) for k in kept] == [("big", 10_000)]
     finally:
         ev.close(timeout_s=1)
+
+
+def test_events_acked_by_a_lost_broker_are_sent_again(tmp_path):
+    """A memory-only broker restarts between batches (no send fails): what it acked is gone.
+    The acks of the new broker (another cluster id) make the log re-send what the lost one
+    acked in the window; nothing is missing on the new broker and nothing is there twice."""
+    port = free_port()
+    b = spawn(port)
+    ev = EventLog(b.bootstrap, tmp_path / "ev.journal", send_timeout_s=1.0, retry_interval_s=0.3)
+    try:
+        for i in range(50):
+            ev.emit(topics.FEEDBACK, f"a{i:02d}", f"{i}".encode())
+        assert ev.flush(20) and ev.counters.sent == 50
+        b.stop()
+        b = spawn(port)
+        for i in range(30):
+            ev.emit(topics.FEEDBACK, f"b{i:02d}", f"{i}".encode())
+        assert ev.flush(60), vars(ev.counters)
+        keys = [r.key.decode() for r in consume(b.bootstrap, topics.FEEDBACK, 81, timeout_s=6)]
+        assert sorted(keys) == [f"a{i:02d}" for i in range(50)] + [f"b{i:02d}" for i in range(30)]
+        assert ev.counters.resent == 50 and ev.counters.broker_losses == 1 and ev.counters.failed == 0
+    finally:
+        ev.close(timeout_s=1)
+        b.stop()
+
+
+def test_offsets_going_back_count_as_a_lost_broker_and_the_window_is_bounded(tmp_path):
+    """Same cluster id (a broker started by hand with its default id): an offset at or below
+    one acked before shows the loss. Events older than ``resend_window_s`` are not kept."""
+    import subprocess
+
+    from flywheel.broker import BrokerProcess, tansu_binary, wait_listening
+    from schemas.topics import ensure_topics
+
+    def plain_broker(port):
+        url = f"tcp://127.0.0.1:{port}"
+        p = subprocess.Popen([str(tansu_binary()), "broker", "--storage-engine", "memory://tansu/",
+                              "--listener-url", url, "--advertised-listener-url", url],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        wait_listening(port)
+        ensure_topics(f"127.0.0.1:{port}", partitions=1)
+        return BrokerProcess(pid=p.pid, port=port, proc=p)
+
+    port = free_port()
+    b = plain_broker(port)
+    ev = EventLog(b.bootstrap, tmp_path / "ev.journal", send_timeout_s=1.0, retry_interval_s=0.3,
+                  resend_window_s=1.5)
+    try:
+        ev.emit(topics.FEEDBACK, "old", b"o")
+        assert ev.flush(20)
+        time.sleep(2.0)  # "old" leaves the window with the next ack
+        for i in range(5):
+            ev.emit(topics.FEEDBACK, f"k{i}", b"x")
+        assert ev.flush(20) and ev.counters.sent == 6
+        b.stop()
+        b = plain_broker(port)
+        ev.emit(topics.FEEDBACK, "new", b"n")
+        assert ev.flush(60), vars(ev.counters)
+        keys = sorted(r.key.decode() for r in consume(b.bootstrap, topics.FEEDBACK, 7, timeout_s=6))
+        assert keys == [f"k{i}" for i in range(5)] + ["new"]
+        assert ev.counters.resent == 5 and ev.counters.broker_losses == 1
+    finally:
+        ev.close(timeout_s=1)
+        b.stop()
+
+
+def test_durable_emit_resolves_on_ack_or_on_the_journal(tmp_path, broker):
+    """``emit(durable=True)``: the future resolves once Kafka acked the event, or, with
+    Kafka down, once it is fsync'd in the journal (within the send timeout)."""
+    ev = EventLog(broker.bootstrap, tmp_path / "ev.journal")
+    try:
+        assert ev.emit(topics.FEEDBACK, "k", b"v") is None
+        fut = ev.emit(topics.FEEDBACK, "d", b"v", durable=True)
+        assert fut.result(timeout=20) is True and ev.counters.sent >= 1
+    finally:
+        ev.close(timeout_s=1)
+    dead = f"127.0.0.1:{free_port()}"
+    ev = EventLog(dead, tmp_path / "ev2.journal", send_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        futs = [ev.emit(topics.FEEDBACK, f"d{i}", b"v", durable=True) for i in range(20)]
+        assert all(f.result(timeout=20) is True for f in futs)
+        assert time.monotonic() - t0 < 10 and ev.counters.spilled == 20 and ev.counters.sent == 0
+        assert ev.journal_pending() > 0
+    finally:
+        ev.close(timeout_s=0.5)

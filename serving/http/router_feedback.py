@@ -15,10 +15,10 @@ router = APIRouter(tags=["feedback"])
 @router.post("/v1/feedback")
 async def feedback(body: FeedbackRequest, request: Request, st: ServingState = Depends(get_state)):
     """Publish one FeedbackEvent keyed by completion_id; ``{"event_id", "accepted", "duplicate"}``."""
-    return st.feedback.accept(body, request.headers.get(USER_HEADER))
+    return await st.feedback.accept(body, request.headers.get(USER_HEADER))
 
 
 @router.post("/v1/feedback/batch")
 async def feedback_batch(body: FeedbackBatchRequest, request: Request, st: ServingState = Depends(get_state)):
     """Publish 1 to 100 events, each checked on its own; per-event results."""
-    return st.feedback.accept_batch(body.events, request.headers.get(USER_HEADER))
+    return await st.feedback.accept_batch(body.events, request.headers.get(USER_HEADER))

@@ -5,10 +5,17 @@ completion id). ``event_id`` is the idempotency key: the pod remembers the conte
 last 100,000 event ids, so a retried event (same id, same content) is answered
 ``duplicate: true`` and not published again, and the same id with other content is refused
 409 ``event_id_conflict``. Across pods, the join counts an ``event_id`` once.
+
+An event is answered 200 only once it is durable: acked by Kafka or fsync'd in the pod's
+event journal (``EventLog.emit(durable=True)``), so a pod SIGKILLed after its answer still
+delivers it. If that does not happen within ``DURABLE_TIMEOUT_S`` (or the journal write
+fails) the answer is 503 ``event_not_durable`` and the id is forgotten, so the client's
+retry with the same ``event_id`` publishes it again (the join dedupes by ``event_id``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import json
@@ -27,6 +34,7 @@ from serving.params import ServingValidationError
 from serving.protocol import FeedbackRequest
 
 RECENT_EVENT_IDS = 100_000
+DURABLE_TIMEOUT_S = 30.0  # how long an answer waits for its event to be acked or journaled (s)
 
 
 class FeedbackServing:
@@ -47,13 +55,36 @@ class FeedbackServing:
         self._seen: collections.OrderedDict[str, str] = collections.OrderedDict()  # event_id -> content digest
         self._lock = threading.Lock()
 
-    def accept(self, body: FeedbackRequest, user_header: str | None) -> dict:
-        """Publish one event; ``{"event_id", "accepted": True, "duplicate"}``.
+    async def accept(self, body: FeedbackRequest, user_header: str | None) -> dict:
+        """Publish one event and wait until it is durable; ``{"event_id", "accepted": True,
+        "duplicate"}``.
 
         Raises:
             ServingValidationError: 400 naming the field (the event contract refused it), 409
-                ``event_id_conflict`` (this id was posted with other content).
+                ``event_id_conflict`` (this id was posted with other content), 503
+                ``event_not_durable`` (neither acked nor journaled in time; retry the same id).
         """
+        result, fut = self._publish(body, user_header)
+        if fut is not None:
+            await self._durable(result["event_id"], fut)
+        return result
+
+    async def _durable(self, key: str, fut) -> None:
+        """Wait for ``fut`` (the event's durable future); 503 and forget ``key`` if it fails."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fut), DURABLE_TIMEOUT_S)
+            return
+        except asyncio.TimeoutError:
+            why = f"was neither acked by Kafka nor journaled within {DURABLE_TIMEOUT_S:g} s"
+        except Exception as exc:  # noqa: BLE001 - journal write failed / refused for good
+            why = f"could not be made durable ({exc})"
+        with self._lock:
+            self._seen.pop(key, None)
+        raise ServingValidationError("event_id", key, f"{why}; retry with the same event_id",
+                                     status=503, code="event_not_durable")
+
+    def _publish(self, body: FeedbackRequest, user_header: str | None):
+        """Validate, dedupe and emit one event: ``(result, durable future or None)``."""
         event_id = body.event_id or uuid.uuid4()
         uh = hash_user(body.user or user_header or "anonymous", self.salt)
         try:
@@ -76,9 +107,10 @@ class FeedbackServing:
                 if seen != digest:
                     raise ServingValidationError("event_id", key, "was already posted with other content",
                                                  status=409, code="event_id_conflict")
-                return {"event_id": key, "accepted": True, "duplicate": True}
+                return {"event_id": key, "accepted": True, "duplicate": True}, None
+            fut = None
             if self.event_log is not None:
-                self.event_log.emit(topics.FEEDBACK, str(body.completion_id), ev.to_bytes())
+                fut = self.event_log.emit(topics.FEEDBACK, str(body.completion_id), ev.to_bytes(), durable=True)
             self._seen[key] = digest  # only once published: a failed emit can be retried
             while len(self._seen) > RECENT_EVENT_IDS:
                 self._seen.popitem(last=False)
@@ -86,16 +118,16 @@ class FeedbackServing:
         if body.kind == "thumb":
             v = self.completions_log.version_of(str(body.completion_id))
             self.metrics.version_votes.labels(v, "up" if body.value > 0 else "down").inc()
-        return {"event_id": key, "accepted": True, "duplicate": False}
+        return {"event_id": key, "accepted": True, "duplicate": False}, fut
 
-    def accept_batch(self, events: list[Any], user_header: str | None) -> dict:
+    async def accept_batch(self, events: list[Any], user_header: str | None) -> dict:
         """Check and publish each event on its own, in order; per-event results.
 
         Returns:
             ``{"accepted": int, "rejected": int, "results": [{"index", "status", ...}]}``
             where ``status`` is what ``POST /v1/feedback`` answers for that event.
         """
-        results = []
+        results, pending = [], []
         for i, raw in enumerate(events):
             try:
                 try:
@@ -105,9 +137,18 @@ class FeedbackServing:
                     results.append({"index": i, "status": 400, "accepted": False,
                                     "error": error_body(msg, param)["error"]})
                     continue
-                results.append({"index": i, "status": 200, **self.accept(body, user_header)})
+                result, fut = self._publish(body, user_header)
+                results.append({"index": i, "status": 200, **result})
+                if fut is not None:
+                    pending.append((len(results) - 1, fut))
             except ServingValidationError as exc:
                 results.append({"index": i, "status": exc.status, "accepted": False,
                                 "error": validation_error_body(exc)["error"]})
+        for j, fut in pending:
+            try:
+                await self._durable(results[j]["event_id"], fut)
+            except ServingValidationError as exc:
+                results[j] = {"index": results[j]["index"], "status": exc.status, "accepted": False,
+                              "error": validation_error_body(exc)["error"]}
         ok = sum(r["accepted"] for r in results)
         return {"accepted": ok, "rejected": len(results) - ok, "results": results}
