@@ -13,6 +13,11 @@
 #   (d) learner-vs-serving mismatch (issue 5): the learner's layout (one left-padded batch)
 #       teacher-forcing vLLM's completions, without and with VLLM_BATCH_INVARIANT=1 on both
 #       sides (vLLM's batch-invariant kernels); reported, not a target.
+#   (e) serving side by side (issue 14, bench/serving.py): `flywheel serve --engine vllm` (routed
+#       experts on) vs vLLM's own OpenAI server on the same checkpoint and Poisson load; the
+#       torch engine's continuous vs static scheduler on the GPU (--device cuda); logging on vs
+#       off; flywheel serve's peak RSS vs its budget (CPU process, 8 layers of the default model
+#       to stay inside the time budget). NOT YET RUN on a GPU (written without one).
 # Usage: bash bench/gpu_check.sh [MODEL_DIR]   env: VLLM_PYTHON (interpreter with vllm),
 #        REPO_PYTHON (repo venv python), DTYPE (float32|bfloat16), VLLM_VENV (created if needed).
 set -euo pipefail
@@ -39,10 +44,10 @@ if [ -z "${VLLM_PYTHON:-}" ]; then
   if python3 -c "import vllm" 2>/dev/null; then VLLM_PYTHON=$(command -v python3)
   else
     VLLM_VENV=${VLLM_VENV:-$OUT/venv-vllm}
-    if [ ! -x "$VLLM_VENV/bin/python" ]; then
-      python3 -m venv "$VLLM_VENV"
-      "$VLLM_VENV/bin/pip" install -q vllm || die "pip install vllm failed (no index reachable?)"
-    fi
+    # the GPU wheel plus the serving pod's own packages and the repo on its path, so that
+    # `flywheel serve --engine vllm` runs from it (serving/vllm_env.py)
+    "$REPO_PYTHON" -m flywheel.cli vllm-venv --path "$VLLM_VENV" --package vllm \
+      || die "flywheel vllm-venv --package vllm failed (no index reachable?)"
     VLLM_PYTHON=$VLLM_VENV/bin/python
   fi
 fi
@@ -64,4 +69,11 @@ VLLM_BATCH_INVARIANT=1 PYTHONPATH=. timeout 150 "$VLLM_PYTHON" bench/gpu_check.p
   && PYTHONPATH=. timeout 90 "$VLLM_PYTHON" bench/gpu_check.py --side learner --batch-invariant \
        --model-dir "$MODEL_DIR" --out "$OUT/vllm_bi.pkl" \
   || echo "batch-invariant mismatch run failed (reported, not a target)"
+echo "== (e) serving side by side: flywheel serve --engine vllm (routes on) vs vLLM's server; torch engine on cuda"
+# 64 requests per rate, 32 tokens, 64 running per engine; each vLLM server gets 0.3 of the GPU
+PYTHONPATH=. timeout 600 "$REPO_PYTHON" bench/serving.py --model-dir "$MODEL_DIR" --vllm --vllm-python "$VLLM_PYTHON" \
+  --dtype "$DTYPE" --max-model-len 2048 --gpu-memory-utilization 0.3 --requests 64 --max-batch 64 \
+  --device cuda --no-hf-and-swap --rss-layers 8 2>&1 | tee "$OUT/serving.txt" || die "bench/serving.py failed"
+grep -q "vllm_engine_vs_vllm_server_throughput" "$OUT/serving.txt" || die "no vLLM comparison figure"
 echo "RESULT gpu_check_wall_s=$(( $(date +%s) - T0 )) s target<=300"
+grep "^RESULT " "$OUT/serving.txt" | grep -E "continuous_vs_static_throughput=|vllm_engine_vs_vllm_server|logging_overhead_ratio|serve_peak_rss_vs_budget"
