@@ -118,8 +118,17 @@ def consume(state: dict, shards: list[Shard], lateness_ms: int) -> dict:
 def count_new(samples_dir: str | Path, state_dir: str | Path, lateness_ms: int) -> int:
     """Trainable (``train`` split) samples in the shards not consumed yet (the daemon's poll:
     lists the partitions from the watermark on and reads the ``split`` column of new shards)."""
-    state = upgrade_state(load_state(state_dir), samples_dir, lateness_ms)
+    state = _loaded(state_dir, samples_dir, lateness_ms)
     return count_rows(new_shards(samples_dir, state, lateness_ms), "train")
+
+
+def _loaded(state_dir: str | Path, samples_dir: str | Path, lateness_ms: int) -> dict:
+    """The state, upgraded to format 2 and saved when it was format 1 (one scan, once)."""
+    state = load_state(state_dir)
+    if "trained" in state:
+        state = upgrade_state(state, samples_dir, lateness_ms)
+        save_state(state_dir, state)
+    return state
 
 
 def read_samples(samples_dir: str | Path, exclude: set[str] | None = None) -> list[RewardedSample]:
@@ -189,7 +198,7 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
     if parent is None:
         raise RuntimeError(f"model store {store_root}: no version yet; publish a base version first")
     lateness_ms = int(config.lateness_s * 1000)
-    state = upgrade_state(load_state(state_dir), samples_dir, lateness_ms)
+    state = _loaded(state_dir, samples_dir, lateness_ms)
     shards = new_shards(samples_dir, state, lateness_ms)
     if count_rows(shards, "train") < config.min_samples:
         return None

@@ -66,6 +66,19 @@ def test_every_sql_example_runs_with_plain_duckdb_from_a_moved_home(tmp_path):
     assert all(n >= 1 for n in counts), list(zip(counts, sqls))
 
 
+def test_every_catalog_view_is_documented(tmp_path):
+    import duckdb
+
+    home = _home(tmp_path)
+    con = duckdb.connect(str(home / "catalog.duckdb"), read_only=True)
+    views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+    con.close()
+    doc = DOC.read_text()
+    assert len(views) >= 7
+    missing = [v for v in views if f"`{v}`" not in doc or not re.search(rf"FROM {v}\b", doc)]
+    assert not missing, f"docs/data.md lacks a section or an example query for {missing}"
+
+
 def test_pyarrow_example_runs_alone(tmp_path):
     home = _home(tmp_path)
     (py,) = blocks("python")

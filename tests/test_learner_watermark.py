@@ -68,6 +68,13 @@ def test_format1_state_is_upgraded_by_one_scan(tmp_path):
     assert [s.sealed_ms for s in new_shards(sd, st, L)] == [T0 + 2 * HOUR]
     st = upgrade_state({"trained": [str(s.completion_id) for s in a + b + c], "cycles": []}, sd, L)
     assert st["watermark_ms"] == T0 + 2 * HOUR and new_shards(sd, st, L) == []
+    # the daemon's poll upgrades a stored format-1 state once and saves it
+    import json
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "learner_state.json").write_text(json.dumps(old))
+    assert count_new(sd, tmp_path / "state", L) == 2
+    assert json.loads((tmp_path / "state" / "learner_state.json").read_text())["format"] == 2
 
 
 def test_find_shards_with_foreign_file_names_uses_the_partition_hour(tmp_path):
