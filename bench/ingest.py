@@ -46,10 +46,13 @@ Prints, last, ``RESULT <metric>=<value> <unit> target<op><value>`` lines:
 
 Further RESULT lines with ``--hosts``: ``hosts_pg_vs_sqlite_cpu_efficiency`` (1 worker,
 records per worker CPU-second, PostgreSQL vs SQLite state), and per N > 1 hosts
-``hostsN_speedup`` (wall, 10-90 % window, vs 1 host), ``hostsN_cpu_efficiency`` (workers'
-CPU) and ``hostsN_all_cpu_efficiency`` (workers + database + broker). The CPU ratios count
-every record, first to last (the 10-90 % window of a quick run is 1-3 s: too few clock ticks
-of CPU on a loaded box).
+``hostsN_speedup`` (wall, vs 1 host), ``hostsN_cpu_efficiency`` (workers' CPU) and
+``hostsN_all_cpu_efficiency`` (workers + database + broker). These three ratios count
+every record folded from the moment every worker holds its partitions (before any batch is in
+flight) to the last: the 10-90 % window starts at a first commit, when the other workers'
+first 2,000-record batches are already being folded, so it misses their time and CPU, more
+with more workers (a quick run's 4-worker window made 4 hosts look 1.8x as efficient as 1 and
+7x as fast).
 
     python bench/ingest.py [--quick] [--completions N] [--partitions P] [--hosts 1,2,4] [--faust-noop]
 """
@@ -259,8 +262,8 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
     def others() -> tuple[float, float]:  # (database CPU s, broker CPU s)
         return (cpu_s(children(pg.proc.pid)) if pg is not None else 0.0,
                 cpu_s([broker_pid]) if broker_pid else 0.0)
-    marks: dict[float, tuple[float, int, float]] = {}  # fraction -> (time, records, cpu s)
-    other: dict[float, tuple[float, float]] = {}  # fraction -> (database cpu s, broker cpu s)
+    marks: dict[float | str, tuple[float, int, float]] = {}  # fraction or "settled" -> (time, records, cpu s)
+    other: dict[float | str, tuple[float, float]] = {}  # same keys -> (database cpu s, broker cpu s)
     t_start = time.perf_counter()
     sealed: dict[str, tuple[float, float]] = {}  # "first" / "all" samples -> (time, cpu s)
     samples_at_90 = 0
@@ -275,6 +278,9 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
                 a = [assignments(lg) for lg in logs]
                 settled = all(x and x[-1][1] for x in a) and len({p for x in a for p in x[-1][1]}) == sum(
                     len(x[-1][1]) for x in a)
+                if settled:  # the CPU from here counts every record folded after it, none before
+                    marks["settled"] = (now, n, cpu_s([p.pid for p in procs]))
+                    other["settled"] = others()
             for f in (0.0, 0.1, 0.9, 1.0):
                 if f not in marks and n > 0 and n >= f * total and (settled or f in (0.0, 1.0)):
                     marks[f] = (now, n, cpu_s([p.pid for p in procs]))
@@ -308,9 +314,14 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
                 # every record consumed + folded and every label sealed, per CPU-second (no start-up)
                 "pipeline_per_cpu_s": total / max(1e-9, ca - marks[0.0][2]),
                 # first record to last, workers' CPU only / with the database's and the broker's
-                "consume_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(1e-9, marks[1.0][2] - marks[0.0][2]),
-                "consume_all_per_cpu_s": (marks[1.0][1] - marks[0.0][1]) / max(
-                    1e-9, marks[1.0][2] - marks[0.0][2] + sum(other[1.0]) - sum(other[0.0])),
+                # from the group's settling (no batch in flight yet) to the last record; the 10-90 %
+                # window instead starts after a first commit, when the other workers' first
+                # batches are in flight: their CPU before it is missed, more so with more workers
+                "consume_rate": (marks[1.0][1] - marks["settled"][1]) / max(1e-9, marks[1.0][0] - marks["settled"][0]),
+                "consume_per_cpu_s": (marks[1.0][1] - marks["settled"][1]) / max(
+                    1e-9, marks[1.0][2] - marks["settled"][2]),
+                "consume_all_per_cpu_s": (marks[1.0][1] - marks["settled"][1]) / max(
+                    1e-9, marks[1.0][2] - marks["settled"][2] + sum(other[1.0]) - sum(other["settled"])),
                 "load": load, "rebalances": rebalances, "db_cpu_s": d9 - d1, "broker_cpu_s": b9 - b1,
                 "all_per_cpu_s": (n9 - n1) / max(1e-9, c9 - c1 + d9 - d1 + b9 - b1)}
     finally:
@@ -466,7 +477,8 @@ def main() -> None:
                     r = res[w]
                     print(f"  same window: workers {r['window'][2]:.2f} CPU-s, PostgreSQL {r['db_cpu_s']:.2f} CPU-s, "
                           f"broker {r['broker_cpu_s']:.2f} CPU-s; {r['all_per_cpu_s']:,.0f} records per CPU-s of "
-                          f"all three; first to last record: {r['consume_per_cpu_s']:,.0f} per worker CPU-s, "
+                          f"all three; settled to last record: {r['consume_rate']:,.0f} records/s, "
+                          f"{r['consume_per_cpu_s']:,.0f} per worker CPU-s, "
                           f"{r['consume_all_per_cpu_s']:,.0f} per CPU-s of all three", flush=True)
             finally:
                 pg.stop()
@@ -482,12 +494,13 @@ def main() -> None:
     print(f"RESULT pipeline_vs_raw_cpu_efficiency={one['pipeline_per_cpu_s'] / raw_cpu:.3f} x target>=0.25")
     print(f"RESULT two_worker_speedup={two['rate'] / one['rate']:.2f} x target>=1.5")
     print(f"RESULT two_worker_cpu_efficiency={two['per_cpu_s'] / one['per_cpu_s']:.2f} x target>=0.9")
-    if 1 in res:  # per CPU-second from the first record to the last (every record; steadier than the window)
+    if 1 in res:  # per CPU-second from the group's settling to the last record (every record, none in flight)
         print(f"RESULT hosts_pg_vs_sqlite_cpu_efficiency="
               f"{res[1]['consume_per_cpu_s'] / one['consume_per_cpu_s']:.2f} x target>=0.5")
         for w in sorted(res):
             if w > 1:
-                print(f"RESULT hosts{w}_speedup={res[w]['rate'] / res[1]['rate']:.2f} x target>={0.75 * w:.1f}")
+                print(f"RESULT hosts{w}_speedup={res[w]['consume_rate'] / res[1]['consume_rate']:.2f} x "
+                      f"target>={0.75 * w:.1f}")
                 print(f"RESULT hosts{w}_cpu_efficiency="
                       f"{res[w]['consume_per_cpu_s'] / res[1]['consume_per_cpu_s']:.2f} x target>=0.9")
                 print(f"RESULT hosts{w}_all_cpu_efficiency="
