@@ -101,7 +101,7 @@ def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
     write_shard(samples_dir, stale, "v000000", "d")
     r = subprocess.run([sys.executable, "-m", "flywheel.cli", "learn", "--once", "--store", str(tmp_path / "store"),
                         "--samples", str(samples_dir), "--state", str(tmp_path / "state"), "--steps", "2",
-                        "--lr", "1e-4", "--max-staleness", "0", "--parent", "latest",
+                        "--lr", "1e-4", "--max-staleness", "0", "--parent", "latest", "--micro-batch-size", "2",
                         "--gate-problems", "0,23", "--gate-samples", "1", "--gate-max-tokens", "8"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -116,6 +116,7 @@ def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
     assert bad.returncode == 2 and "--gate-problems" in bad.stderr and "0..163" in bad.stderr
     assert m2.parent == "v000001"
     assert m2.metrics["data/n_samples"] == 4 and m2.metrics["data/dropped_stale"] == 2
+    assert m2.metrics["train/micro_batch_size"] == 2 and m2.metrics["train/grad_accumulation"] == 2
     assert m2.metrics["mismatch/max"] == 0.0
 
 
