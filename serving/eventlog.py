@@ -109,6 +109,7 @@ class EventLog:
         self._acked_bytes = 0
         self._high: dict[tuple[str, int], int] = {}  # (topic, partition) -> highest acked offset
         self._cluster_id: str | None = None  # of the broker that acked what _acked holds
+        self._lost_ids: set[str] = set()  # cluster ids of brokers that lost acked events
         self._waiters: dict[int, tuple[tuple, Future]] = {}  # id(item) -> (item, durable future)
         self._wlock = threading.Lock()
         self._closed = False
@@ -261,6 +262,8 @@ class EventLog:
         cluster_id = getattr(getattr(p, "_metadata", None), "cluster_id", None)
         went_back = [(md.topic, md.partition) for _, md in acked
                      if md.offset <= self._high.get((md.topic, md.partition), -1)]
+        if cluster_id in self._lost_ids:  # metadata not refreshed yet: the id is not this broker's
+            cluster_id = None
         changed = cluster_id is not None and self._cluster_id is not None and cluster_id != self._cluster_id
         if (went_back or changed) and self._acked:
             kept = [it for _, _, it in self._acked]
@@ -274,7 +277,11 @@ class EventLog:
             self._count("resent", len(kept))
         if went_back or changed:
             self._high = {}
-        self._cluster_id = cluster_id or self._cluster_id
+            if self._cluster_id is not None:
+                self._lost_ids.add(self._cluster_id)
+            self._cluster_id = None
+        if cluster_id is not None and cluster_id not in self._lost_ids:
+            self._cluster_id = cluster_id
         for _, md in acked:
             tp = (md.topic, md.partition)
             self._high[tp] = max(self._high.get(tp, -1), md.offset)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from flywheel.broker import free_port, spawn
 from schemas import topics
@@ -116,7 +117,9 @@ def test_oversized_event_kept_out_of_band_and_does_not_stall(tmp_path, broker):
 def test_events_acked_by_a_lost_broker_are_sent_again(tmp_path):
     """A memory-only broker restarts between batches (no send fails): what it acked is gone.
     The acks of the new broker (another cluster id) make the log re-send what the lost one
-    acked in the window; nothing is missing on the new broker and nothing is there twice."""
+    acked in the window, once; nothing is missing on the new broker. (An event sent while the
+    broker restarts may land twice: a batch persisted after its ack timed out is journaled
+    and sent again, the at-least-once case of the module docstring.)"""
     port = free_port()
     b = spawn(port)
     ev = EventLog(b.bootstrap, tmp_path / "ev.journal", send_timeout_s=1.0, retry_interval_s=0.3)
@@ -129,8 +132,9 @@ def test_events_acked_by_a_lost_broker_are_sent_again(tmp_path):
         for i in range(30):
             ev.emit(topics.FEEDBACK, f"b{i:02d}", f"{i}".encode())
         assert ev.flush(60), vars(ev.counters)
-        keys = [r.key.decode() for r in consume(b.bootstrap, topics.FEEDBACK, 81, timeout_s=6)]
+        keys = Counter(r.key.decode() for r in consume(b.bootstrap, topics.FEEDBACK, 111, timeout_s=6))
         assert sorted(keys) == [f"a{i:02d}" for i in range(50)] + [f"b{i:02d}" for i in range(30)]
+        assert {k: n for k, n in keys.items() if k[0] == "a"} == {f"a{i:02d}": 1 for i in range(50)}
         assert ev.counters.resent == 50 and ev.counters.broker_losses == 1 and ev.counters.failed == 0
     finally:
         ev.close(timeout_s=1)
@@ -169,8 +173,9 @@ def test_offsets_going_back_count_as_a_lost_broker_and_the_window_is_bounded(tmp
         b = plain_broker(port)
         ev.emit(topics.FEEDBACK, "new", b"n")
         assert ev.flush(60), vars(ev.counters)
-        keys = sorted(r.key.decode() for r in consume(b.bootstrap, topics.FEEDBACK, 7, timeout_s=6))
-        assert keys == [f"k{i}" for i in range(5)] + ["new"]
+        keys = Counter(r.key.decode() for r in consume(b.bootstrap, topics.FEEDBACK, 8, timeout_s=6))
+        assert sorted(keys) == [f"k{i}" for i in range(5)] + ["new"]
+        assert all(keys[f"k{i}"] == 1 for i in range(5))
         assert ev.counters.resent == 5 and ev.counters.broker_losses == 1
     finally:
         ev.close(timeout_s=1)
