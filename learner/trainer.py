@@ -195,11 +195,14 @@ def ensure_dist_env() -> None:
     and ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/flywheel/torch_extensions``: DeepSpeed's
     shm comm op is JIT-built there once, ~40 s cold); removes a build lock there that a
     killed builder left behind (:func:`learner.extensions.clear_stale_locks`, else every
-    later init waits on it forever). Idempotent.
+    later init waits on it forever). A ``MASTER_PORT`` chosen here is removed from the
+    environment once the process group holds it, so a child process (a learner subprocess
+    started later by the same process) picks its own instead of colliding. Idempotent.
     """
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "flywheel" / "torch_extensions"))
     clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    own_port = "MASTER_PORT" not in os.environ
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     for k, v in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
@@ -208,6 +211,8 @@ def ensure_dist_env() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed("gloo")
+    if own_port and torch.distributed.is_initialized():
+        os.environ.pop("MASTER_PORT", None)  # bound by this process now
 
 
 def staleness_filter(samples: list[RewardedSample], parent: str, max_staleness: int
