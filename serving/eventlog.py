@@ -243,18 +243,37 @@ class EventLog:
 
     def _spill(self, items: list[tuple[str, str, bytes]], count: bool = True) -> None:
         lines = _encode_lines(items)
-        try:
-            with self._jlock:
+        with self._jlock:
+            size0 = self._journal_size()
+            try:
                 self._jfile.write(lines)
                 self._jfile.flush()
                 os.fsync(self._jfile.fileno())
+                exc = None
+            except OSError as e:
+                exc = e
+                self._discard_partial_write(size0)
+        if exc is None:
             if count:
                 self._count("spilled", len(items))
             self._settle(items)
-        except OSError as exc:
+        else:
             log.error("event journal write failed, %d events lost: %s", len(items), exc)
             self._count("failed", len(items))
             self._settle(items, exc)
+
+    def _discard_partial_write(self, size0: int) -> None:
+        """After a failed journal write (disk full): drop what is still buffered and any
+        partial line on disk, so a later write starts on a line boundary. Holds _jlock."""
+        try:
+            self._jfile.close()  # flushing the buffer fails again; the file is closed anyway
+        except OSError:
+            pass
+        try:
+            os.truncate(self.journal_path, size0)
+        except OSError:
+            pass
+        self._jfile = open(self.journal_path, "ab")
 
     def _retain(self, p, acked: list[tuple[tuple, object]]) -> None:
         """Keep ``acked`` ((item, RecordMetadata) pairs) for re-sending; first, if these acks
