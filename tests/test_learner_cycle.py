@@ -117,7 +117,10 @@ def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
     assert m2.parent == "v000001"
     assert m2.metrics["data/n_samples"] == 4 and m2.metrics["data/dropped_stale"] == 2
     assert m2.metrics["train/micro_batch_size"] == 2 and m2.metrics["train/grad_accumulation"] == 2
-    assert m2.metrics["mismatch/max"] == 0.0
+    # micro-batches of 2 recompute samples that were scored 4 at a time: other matmul shapes, so
+    # the last bits may differ (seen: 4.8e-7 = 2^-21 under load); exact 0 needs the same layout
+    # (asserted above, test_serving_aligned.py)
+    assert m2.metrics["mismatch/max"] <= 1e-5
 
 
 def test_config_rejects_bad_values():

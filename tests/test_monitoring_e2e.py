@@ -226,8 +226,9 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
                  >= 42, 60, "ingest to consume the 42 completions", procs)
         assert q.query('flywheel_canary_phase{phase="canary"}')[0][1] == 1.0
         assert q.query("flywheel_canary_weight")[0][1] == 0.5
-        hold = q.query('flywheel_controller_decisions_total{decision="HOLD"}')
-        assert hold and hold[0][1] >= 1
+        # the controller's HOLD reaches Prometheus at its next scrape (1 s interval)
+        wait_for(lambda: [v for _, v in q.query('flywheel_controller_decisions_total{decision="HOLD"}') if v >= 1],
+                 30, "the controller's HOLD in Prometheus")
         with pytest.raises(PrometheusQueryError, match="bad_data.*sum\\("):  # Prometheus's own error, and the query
             q.query("sum(")
     finally:

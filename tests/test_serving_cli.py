@@ -160,8 +160,9 @@ def test_vllm_venv_installs_the_pods_packages_at_pyprojects_pins():
 
     from serving.vllm_env import serving_pins
 
-    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
-    pinned = dict(d.split("==") for d in deps if "==" in d)
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + [d for extra in project.get("optional-dependencies", {}).values() for d in extra]
+    pinned = dict(d.split("==") for d in deps if "==" in d)  # core and per-role extras ([serve], [ingest], ...)
     pins = dict(p.split("==") for p in serving_pins())
     assert {n: v for n, v in pins.items() if n in pinned} == {n: pinned[n] for n in pins if n in pinned}
     assert {"kafka-python", "aiokafka", "zstandard", "duckdb", "pyarrow"} <= set(pins) & set(pinned)
