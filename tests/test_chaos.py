@@ -182,6 +182,7 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
     pods = [pod(0), pod(1)]
     workers = [worker(0), worker(1)]
     traffic = Traffic(urls, seed=11)
+    learners: list[Service] = []
     samples_dir = settings.samples_dir()
     from ingest.catalog import deadletters_dir
 
@@ -233,16 +234,16 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
         # checkpoint is written (39 steps still to go, each with its checkpoint: seconds)
         wait_until(lambda: any(samples_dir.rglob("*.parquet")), 60, "a first shard", pods + workers)
         ckpt_meta = fw_home / "learner" / "ckpt" / "meta.json"
-        learner = Service("learn-killed", cli("learn", "--once", "--steps", "40", "--checkpoint-every", "1",
-                                              "--lr", "1e-3", "--min-samples", "1", "--measure-free-max", "8"), env, logs)
+        learn = ("learn", "--once", "--lr", "1e-3", "--min-samples", "1", "--measure-free-max", "8")
+        learner = Service("learn-killed", cli(*learn, "--steps", "40", "--checkpoint-every", "1"), env, logs)
+        learners.append(learner)
         wait_until(lambda: ckpt_meta.exists(), 240, "the learner's first step", pods + workers + [learner])
         sigkill(learner)
         killed_after = json.loads(ckpt_meta.read_text())["step"]
         assert 1 <= killed_after < 40, killed_after
         assert store.versions() == ["v000000"], "a killed cycle published something"
         marks["learner_kill"] = time.monotonic() - t_start
-        r = subprocess.run(cli("learn", "--once", "--steps", "2", "--lr", "1e-3", "--min-samples", "1", "--measure-free-max", "8"),
-                           env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(cli(*learn, "--steps", "2"), env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert store.versions() == ["v000000", "v000001"], r.stdout[-2000:]
         marks["learner_next_cycle"] = time.monotonic() - t_start
@@ -286,7 +287,8 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
 
         def pod_counter(u: str, state: str) -> float:
             text = httpx.get(u + "/metrics", timeout=10).text
-            line = [ln for ln in text.splitlines() if ln.startswith(f'flywheel_eventlog_events_total{{state="{state}"}}')]
+            head = f'flywheel_eventlog_events_total{{state="{state}"}}'
+            line = [ln for ln in text.splitlines() if ln.startswith(head)]
             return float(line[0].split()[-1]) if line else 0.0
 
         resent = [pod_counter(u, "resent") for u in urls]
@@ -299,6 +301,7 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
               f"wall {time.monotonic() - t_start:.1f} s")
     finally:
         traffic.stop_flag.set()
-        for s in pods + workers:
-            s.stop()
+        for s in pods + workers + learners:
+            if not s.f.closed:
+                s.stop()
         b.stop()
