@@ -12,10 +12,10 @@ import base64
 import hashlib
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -197,9 +197,9 @@ class FeedbackEvent(_Event):
     completion_id: uuid.UUID
     user_hash: str
     kind: FeedbackKind = "thumb"
-    value: float
+    value: Annotated[float, Strict()]  # a JSON number: true or "1" is refused, never read as +1
     comment: str | None = Field(None, max_length=4096)
-    created_at: int = Field(ge=0)
+    created_at: Annotated[int, Strict()] = Field(ge=0)
     name: str | None = Field(None, pattern=SCORE_NAME_PATTERN)
     metadata: dict[str, str] | None = None
 

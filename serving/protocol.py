@@ -14,7 +14,7 @@ import math
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from schemas.events import (
@@ -92,8 +92,9 @@ def _no_bool(v: Any) -> Any:
     return v
 
 
-Num = Annotated[float, BeforeValidator(_no_bool)]
-Int = Annotated[int, BeforeValidator(_no_bool)]
+# strict: a JSON number only ("0.7" and true are refused with the field named, never coerced)
+Num = Annotated[float, BeforeValidator(_no_bool), Strict()]
+Int = Annotated[int, BeforeValidator(_no_bool), Strict()]
 
 
 class WireModel(BaseModel):

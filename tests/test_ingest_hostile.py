@@ -127,3 +127,14 @@ def test_duplicate_keys_are_refused_not_guessed():
     body = completion_obj()
     raw = json.dumps(body, separators=(",", ":"))[:-1] + ',"finish_reason":"length"}'
     assert isinstance(parse_event(CompletionEvent, raw, topics.COMPLETIONS), DeadLetter)
+
+
+@pytest.mark.parametrize("value", ["true", "false", '"1"', '"-1"', "null"])
+def test_a_vote_value_must_be_a_json_number(value):
+    """A producer writing straight to Kafka cannot have `true` or "1" counted as an up-vote."""
+    raw = ('{"event_id":"%s","completion_id":"%s","user_hash":"u","value":%s,"created_at":%d}'
+           % (uuid.uuid4(), uuid.uuid4(), value, T0))
+    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK)
+    assert isinstance(dl, DeadLetter) and dl.field == "value", dl
+    ok = raw.replace(f'"value":{value}', '"value":-1')
+    assert parse_event(FeedbackEvent, ok, topics.FEEDBACK).value == -1.0

@@ -187,6 +187,8 @@ def test_internal_error_keeps_the_connection(env):
     ("/v1/feedback", '{"completion_id": "%s", "value": true}' % uuid.uuid4(), "value"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "temperature": true}', "temperature"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "n": true}', "n"),
+    ("/v1/feedback", '{"completion_id": "%s", "value": "1"}' % uuid.uuid4(), "value"),  # a string is not a vote
+    ("/v1/completions", '{"model": "flywheel", "prompt": "x", "temperature": "0.7"}', "temperature"),
 ])
 def test_non_finite_and_boolean_numbers_are_400_naming_the_field(env, path, raw, param):
     r = post(env, path, raw=raw)
