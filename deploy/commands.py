@@ -519,6 +519,11 @@ def register(app: typer.Typer) -> None:
         who, t0 = _actor(actor), time.monotonic()
         admin = _admin(serving, _timeout(serving_timeout_s))
         store = _store()
+        if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
+            try:
+                store.manifest(to)
+            except (KeyError, ValueError) as exc:
+                _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {exc}")
         try:
             slots = admin.slots()
         except ServingAdminError as exc:
