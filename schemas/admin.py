@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class LoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    version: str = Field(min_length=1)
+    version: str = Field(min_length=1, pattern=r"^v[0-9]+$")  # schemas.manifest.version_name: v000123
 
 
 class WeightRequest(BaseModel):
@@ -31,7 +31,7 @@ class WeightRequest(BaseModel):
 
 class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    version: str | None = Field(None, min_length=1)  # None: back to the stable; "" is refused
+    version: str | None = Field(None, min_length=1, pattern=r"^v[0-9]+$")  # None: back to the stable; "" is refused
 
 
 class SlotInfo(BaseModel):

@@ -213,6 +213,9 @@ def test_wrong_types_name_the_field_not_the_union_member(env, path, body, param,
 def test_admin_bodies(env):
     r = httpx.post(env["url"] + "/admin/rollback", json={"version": ""}, headers=H_ADMIN)
     assert r.status_code == 400 and r.json()["error"]["param"] == "version"
+    for path in ("/admin/load", "/admin/rollback"):  # not a version name: 400 naming it, never a path lookup
+        r = httpx.post(env["url"] + path, json={"version": "../../etc"}, headers=H_ADMIN)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
     r = httpx.post(env["url"] + "/admin/weight", content=b'{"candidate_weight": NaN}',
                    headers={**H_ADMIN, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "candidate_weight"
