@@ -97,8 +97,8 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
          prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
          max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per HumanEval completion."),
          families: Optional[str] = typer.Option(
-             None, help="Task families asked, comma-separated: humaneval and reasoning-gym families "
-                        "(basic_arithmetic, chain_sum, gcd, letter_counting)."),
+             None, help="Task families asked, comma-separated (default basic_arithmetic,chain_sum,humaneval): "
+                        "humaneval and reasoning-gym's basic_arithmetic, chain_sum, gcd, letter_counting."),
          held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on)."),
          eval_share: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                                     help="Share of the other prompts in the eval split."),

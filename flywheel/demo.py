@@ -43,7 +43,8 @@ class DemoConfig:
     cycles: int = 2
     prompts_per_phase: int = 24
     problems: int = 40
-    families: tuple[str, ...] = ("basic_arithmetic", "gcd", "letter_counting", "humaneval")
+    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
+    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
     held_out: tuple[str, ...] = ()
     eval_share: float = 0.25
     max_tokens: int = 160  # HumanEval replies
