@@ -100,8 +100,8 @@ def write_plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(vs) + 2), 3.6))
     xs = range(len(vs))
     rates = [v["thumbs_up_rate"] for v in vs]
-    lo = [v["thumbs_up_rate"] - v["ci95"][0] for v in vs]
-    hi = [v["ci95"][1] - v["thumbs_up_rate"] for v in vs]
+    lo = [max(0.0, v["thumbs_up_rate"] - v["ci95"][0]) for v in vs]  # >= 0: Wilson's bound may round past the rate
+    hi = [max(0.0, v["ci95"][1] - v["thumbs_up_rate"]) for v in vs]
     colors = {"promote": "tab:green", "rollback": "tab:red", "base": "tab:blue"}
     ax.bar(xs, rates, yerr=[lo, hi], capsize=5,
            color=[colors.get((v.get("decision") or "").lower(), "tab:gray") for v in vs])
@@ -111,8 +111,8 @@ def write_plot(report: dict, path: Path) -> None:
     if any(x and x.get("votes") for x in ev):
         ex = [i + 0.3 for i in xs]
         er = [x["rate"] if x and x.get("votes") else 0.0 for x in ev]
-        elo = [(x["rate"] - x["ci95"][0]) if x and x.get("votes") else 0.0 for x in ev]
-        ehi = [(x["ci95"][1] - x["rate"]) if x and x.get("votes") else 0.0 for x in ev]
+        elo = [max(0.0, x["rate"] - x["ci95"][0]) if x and x.get("votes") else 0.0 for x in ev]
+        ehi = [max(0.0, x["ci95"][1] - x["rate"]) if x and x.get("votes") else 0.0 for x in ev]
         ax.errorbar(ex, er, yerr=[elo, ehi], fmt="D", color="black", capsize=4, label="eval split (never trained on)")
         ax.legend(fontsize=7, loc="upper left")
     ax.set_ylabel("thumbs-up rate (95% Wilson CI)")

@@ -65,3 +65,15 @@ def test_split_figures_and_eval_gain_by_hand(tmp_path):
     assert g["diff"] == pytest.approx(0.18) and g["ci95"] == pytest.approx([0.05698, 0.29620], abs=2e-4)
     assert (g["n_from"], g["n_to"], g["from"], g["to"]) == (100, 100, "v000000", "v000002")
     assert eval_gain(fig, "v000000", "v000009") is None
+
+
+def test_plot_with_zero_up_votes_renders(tmp_path):
+    """0 up-votes: Wilson's lower bound may round a hair above 0.0; the error bars stay >= 0."""
+    from flywheel.report import write_plot
+
+    lo, hi = wilson_interval(0, 3)
+    v = {"version": "v000001", "decision": "ROLLBACK", "votes_up": 0, "votes_down": 3, "thumbs_up_rate": 0.0,
+         "ci95": [lo + 1e-17, hi], "splits": {"eval": {"all": {"votes_up": 0, "votes": 3, "rate": 0.0,
+                                                              "ci95": [1e-17, hi]}}}}
+    write_plot({"versions": [v]}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
