@@ -209,21 +209,29 @@ def _samples_source(con, samples_dir: Path) -> tuple[str, str, bool]:
     return src, created, "split" in cols
 
 
+def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> list[tuple]:
+    """Rows of ``SELECT <select(has_split)> FROM <shards> WHERE created_at >= since_ms GROUP BY
+    <group_by>`` over the sample shards ([] when there are none yet): the one connect, schema
+    probe and time filter behind :func:`vote_counts`, :func:`guard_counts` and
+    :func:`vote_counts_by_split`. ``select`` gets whether the shards have a ``split`` column."""
+    samples_dir = Path(samples_dir)
+    if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
+        return []
+    con = duckdb.connect()
+    try:
+        src, created, has_split = _samples_source(con, samples_dir)
+        return con.execute(f"SELECT {select(has_split)} FROM {src} WHERE {created} >= ? GROUP BY {group_by}",
+                           [int(since_ms)]).fetchall()
+    finally:
+        con.close()
+
+
 def vote_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, tuple[int, int, int]]:
     """``{model_version: (votes_up, votes_down, samples)}`` of samples created at or after
     ``since_ms`` (ms), read from the hive-partitioned Parquet shards with DuckDB.
     Returns ``{}`` when there are no shards yet."""
-    samples_dir = Path(samples_dir)
-    if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
-        return {}
-    con = duckdb.connect()
-    try:
-        src, created, _ = _samples_source(con, samples_dir)
-        rows = con.execute(
-            f"SELECT CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_down), count(*) "
-            f"FROM {src} WHERE {created} >= ? GROUP BY 1", [int(since_ms)]).fetchall()
-    finally:
-        con.close()
+    rows = _query_samples(samples_dir, lambda _: "CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_down), "
+                          "count(*)", "1", since_ms)
     return {r[0]: (int(r[1] or 0), int(r[2] or 0), int(r[3])) for r in rows}
 
 
@@ -235,41 +243,24 @@ def guard_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, dict[str, in
     (ms): ``{model_version: {completions, completion_tokens, no_answer, truncated}}`` with
     ``no_answer`` = replies of at most ``EMPTY_REPLY_TOKENS`` tokens and ``truncated`` =
     ``finish_reason == 'length'`` (cut at max_tokens). Returns ``{}`` without shards."""
-    samples_dir = Path(samples_dir)
-    if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
-        return {}
-    con = duckdb.connect()
-    try:
-        src, created, _ = _samples_source(con, samples_dir)
-        rows = con.execute(
-            f"SELECT CAST(model_version AS VARCHAR), count(*), sum(len(completion_token_ids)), "
-            f"sum(CAST(len(completion_token_ids) <= {EMPTY_REPLY_TOKENS} AS INTEGER)), "
-            f"sum(CAST(finish_reason = 'length' AS INTEGER)) FROM {src} WHERE {created} >= ? GROUP BY 1",
-            [int(since_ms)]).fetchall()
-    finally:
-        con.close()
+    rows = _query_samples(
+        samples_dir, lambda _: f"CAST(model_version AS VARCHAR), count(*), sum(len(completion_token_ids)), "
+        f"sum(CAST(len(completion_token_ids) <= {EMPTY_REPLY_TOKENS} AS INTEGER)), "
+        f"sum(CAST(finish_reason = 'length' AS INTEGER))", "1", since_ms)
     return {r[0]: {"completions": int(r[1]), "completion_tokens": int(r[2] or 0), "no_answer": int(r[3] or 0),
                    "truncated": int(r[4] or 0)} for r in rows}
 
 
 def vote_counts_by_split(samples_dir: Path, since_ms: int = 0) -> dict[str, dict[str, tuple[int, int]]]:
     """``{split: {model_version: (votes_up, votes)}}`` of samples created at or after
-    ``since_ms`` (ms); shards written before samples had a ``split`` count as ``train``.
+    ``since_ms`` (ms); shards written before samples had a ``split`` column count as ``train``.
     Returns ``{}`` when there are no shards yet."""
-    samples_dir = Path(samples_dir)
-    if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
-        return {}
-    con = duckdb.connect()
-    try:
-        src, created, has_split = _samples_source(con, samples_dir)
+    def select(has_split: bool) -> str:
         split = "coalesce(CAST(split AS VARCHAR), 'train')" if has_split else "'train'"
-        rows = con.execute(
-            f"SELECT {split}, CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_up + votes_down) "
-            f"FROM {src} WHERE {created} >= ? GROUP BY 1, 2", [int(since_ms)]).fetchall()
-    finally:
-        con.close()
+        return f"{split}, CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_up + votes_down)"
+
     out: dict[str, dict[str, tuple[int, int]]] = {}
-    for sp, v, up, n in rows:
+    for sp, v, up, n in _query_samples(samples_dir, select, "1, 2", since_ms):
         out.setdefault(sp, {})[v] = (int(up or 0), int(n or 0))
     return out
 
