@@ -131,6 +131,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
             raise
         if not rank0:
             return
+        # Waiting samples are recounted before the cycle is reported, so a scrape that sees the
+        # cycle also sees what it left behind (not the count that started it).
+        lm.samples_waiting.set(count_new(samples, state, int(cfg.lateness_s * 1000)))
         lm.cycle_done(*cycle_outcome(m, load_state(state), started_ms), time.monotonic() - t0)
         if m is None:
             cycles = load_state(state)["cycles"]
