@@ -17,9 +17,14 @@ series in PromQL):
 * p99 latency (reported in ms): histogram ``flywheel_version_latency_seconds{version, le}``
   (engine time; a pod of an older release exports ``flywheel_version_latency_ms``), quantile by linear interpolation inside the bucket
   (Prometheus ``histogram_quantile``) over the bucket counts observed since the baseline.
-* tokens/s: ``flywheel_decode_tokens_per_second{version}`` histogram mean (sum / count) since
-  the baseline, else ``flywheel_version_tokens_total{version}`` over the summed seconds of
-  ``flywheel_version_latency_seconds{version}`` (or ``_ms``).
+* tokens/s: the version's decode rate, ``flywheel_version_decode_tokens_total{version}`` over
+  ``flywheel_version_decode_seconds_total{version}`` (tokens after the first over the seconds
+  after the first token, vLLM's inter-token notion; it does not depend on how long the replies
+  are). A pod of an older release exports neither: then ``flywheel_decode_tokens_per_second{version}``
+  histogram mean (sum / count), else ``flywheel_version_tokens_total{version}`` over the summed
+  seconds of ``flywheel_version_latency_seconds{version}`` (or ``_ms``): tokens per engine
+  second, which counts each request's prefill once and so reads lower for shorter replies.
+  In a fleet of mixed releases the decode rate is that of the pods that export it.
 
 A family without a ``version`` label cannot tell the arms apart: that metric is SKIPPED with
 the reason naming what serving would have to export. Too few requests
@@ -47,6 +52,8 @@ HTTP_REQUESTS = "flywheel_requests"
 ERRORS = "flywheel_version_errors"
 LATENCY = ("flywheel_version_latency_seconds", "flywheel_version_latency_ms")  # seconds; ms from older pods
 VERSION_TOKENS = "flywheel_version_tokens"
+DECODE_TOKENS = "flywheel_version_decode_tokens"  # tokens after the first (counter)
+DECODE_SECONDS = "flywheel_version_decode_seconds"  # seconds after the first token (counter)
 TOKENS_PER_S = "flywheel_decode_tokens_per_second"
 
 # Flat sample map: (sample name, sorted label items) -> value
@@ -160,7 +167,12 @@ def arm_metrics(d: Samples, version: str) -> tuple[dict, dict[str, str]]:
         # finished after it (not in the request counter's delta), so it gates p99 and tokens/s
         fields["latency_samples"] = int(max((c for le, c in buckets if math.isinf(le)), default=0.0))
     lat_sum = next((n for n in LATENCY if _has_version_label(d, n + "_sum")), None)
-    if (not _has_version_label(d, TOKENS_PER_S + "_count") and _has_version_label(d, VERSION_TOKENS + "_total")
+    if _has_version_label(d, DECODE_TOKENS + "_total") and _has_version_label(d, DECODE_SECONDS + "_total"):
+        # the decode rate: tokens after the first over the seconds after the first token
+        toks = _by_version(d, DECODE_TOKENS + "_total").get(version, 0.0)
+        secs = _by_version(d, DECODE_SECONDS + "_total").get(version, 0.0)
+        fields["tokens_per_s"] = toks / secs if secs > 0 else None
+    elif (not _has_version_label(d, TOKENS_PER_S + "_count") and _has_version_label(d, VERSION_TOKENS + "_total")
             and lat_sum is not None):
         # serving's per-version counters: generated tokens / summed engine seconds
         toks = _by_version(d, VERSION_TOKENS + "_total").get(version, 0.0)
@@ -266,7 +278,10 @@ class PrometheusMetricsSource:
     * p99 (ms): ``histogram_quantile(0.99, sum by (version, le) (delta of LAT_bucket))`` with
       ``LAT`` = ``flywheel_version_latency_seconds`` (or ``flywheel_version_latency_ms``);
       ``latency_samples`` from the delta of ``LAT_count``;
-    * tokens/s: delta of ``flywheel_version_tokens_total`` over the delta of ``LAT_sum``.
+    * tokens/s: delta of ``flywheel_version_decode_tokens_total`` over the delta of
+      ``flywheel_version_decode_seconds_total`` (the decode rate) when Prometheus has the latter
+      for any version; else (pods of an older release) delta of ``flywheel_version_tokens_total``
+      over the delta of ``LAT_sum``.
 
     Not ``increase()``: it extrapolates each series to the window's ends by its own factor
     (a bucket that was 0 at the start extrapolates less than ``+Inf``), which moves a p99 of
@@ -341,12 +356,19 @@ class PrometheusMetricsSource:
                                  f"({self.delta(name + '_bucket', st.canary_started_ms, now)}))")
                 lat_s = total(name + "_sum")
                 break
-        toks = total(VERSION_TOKENS + "_total") if lat else {}
+        dec_s = total(DECODE_SECONDS + "_total")
+        if dec_s:  # the decode rate, as the scrape provider prefers it
+            toks, tok_s = total(DECODE_TOKENS + "_total"), dec_s
+        else:  # pods of an older release: tokens per engine second
+            toks = total(VERSION_TOKENS + "_total") if lat else {}
+            tok_s = {v: x * (1.0 if lat and lat.endswith("_seconds") else 0.001) for v, x in lat_s.items()}
         skipped: dict[str, str] = {}
         if lat is None:
             skipped["p99_latency"] = (f"Prometheus has no per-version latency histogram ({LATENCY[0]} or "
                                       f"{LATENCY[1]}) with {self.selector or 'any labels'}")
-            skipped["tokens_per_s"] = skipped["p99_latency"]
+            if not dec_s:
+                skipped["tokens_per_s"] = (f"Prometheus has no {DECODE_SECONDS}_total and no per-version latency "
+                                           f"histogram with {self.selector or 'any labels'}")
         to_ms = 1.0 if lat and lat.endswith("_ms") else 1000.0
         out: dict[str, dict] = {}
         for v in (st.candidate, st.stable):
@@ -356,7 +378,8 @@ class PrometheusMetricsSource:
                 q = p99.get(v)
                 f["p99_ms"] = q * to_ms if q is not None and math.isfinite(q) else None
                 f["latency_samples"] = int(round(n_lat.get(v, 0.0)))
-                secs = lat_s.get(v, 0.0) * to_ms / 1000.0
+            if "tokens_per_s" not in skipped:
+                secs = tok_s.get(v, 0.0)
                 f["tokens_per_s"] = toks.get(v, 0.0) / secs if secs > 0 else None
             out[v] = f
         return out, skipped
@@ -434,7 +457,8 @@ class ControllerMetrics:
                                 "difference candidate - stable", ["bound"], registry=r)
         self.errors = Gauge("flywheel_canary_error_rate", "server-side error share of requests", ["arm"], registry=r)
         self.p99 = Gauge("flywheel_canary_p99_latency_seconds", "p99 engine latency", ["arm"], registry=r)
-        self.tps = Gauge("flywheel_canary_tokens_per_second", "generated tokens per engine second", ["arm"], registry=r)
+        self.tps = Gauge("flywheel_canary_tokens_per_second", "decode rate: tokens after the first per second after "
+                         "the first token", ["arm"], registry=r)
         self.check = Gauge("flywheel_canary_check", "1 for each analysis metric's current check", ["metric", "check"],
                            registry=r)
         self.decisions = Counter("flywheel_controller_decisions", "ledger decisions by outcome", ["decision"],

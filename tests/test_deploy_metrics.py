@@ -191,3 +191,86 @@ def test_requests_in_flight_at_the_baseline_gate_latency_by_observations():
     # with enough completions on both arms the same latencies do fail (ratio 2.4 > 1.5)
     many = analyze(ArmStats(**{**c, "latency_samples": 20}), ArmStats(**{**s, "latency_samples": 20}), cfg)
     assert next(x for x in many.metrics if x.name == "p99_latency").check == Check.FAIL
+
+
+class ServingPod:
+    """One pod's real :class:`serving.http.metrics.ServingMetrics`, read as the scrape provider
+    reads a pod (``base_url``, ``metrics_text()``)."""
+
+    def __init__(self, base_url: str = "http://pod-a"):
+        from serving.http.metrics import ServingMetrics
+
+        self.base_url = base_url
+        self.m = ServingMetrics("m", None, queue_depth=lambda: 0, running=lambda: 0, swap_pause_s=lambda: None)
+
+    def complete(self, version: str, n_out: int, ttft_ms: float, ms_per_token: float, queue_ms: float = 0.0):
+        """One completion of ``n_out`` tokens: first token after ``ttft_ms`` (queue wait
+        included), then one every ``ms_per_token``."""
+        from serving.params import GenResult
+
+        self.m.version_requests.labels(version).inc()  # as serving's routing does
+        self.m.version_errors.labels(version)
+        self.m.observe(GenResult(completion_token_ids=list(range(n_out)), behavior_logprobs=[0.0] * n_out,
+                                 top_logprobs=[], expert_routes=None, finish_reason="stop", ttft_ms=ttft_ms,
+                                 latency_ms=ttft_ms + (n_out - 1) * ms_per_token, version=version,
+                                 queue_ms=queue_ms), prompt_len=8)
+
+    def metrics_text(self) -> str:
+        return self.m.render()[0].decode()
+
+
+def test_tokens_per_s_is_the_decode_rate_whatever_the_reply_length(tmp_path):
+    """The live run's false rollback: a candidate that learned to answer in 5 tokens where
+    stable takes 40, decoding at the same 20 ms a token after the same 200 ms to the first
+    token (50 ms of it queue wait). Tokens per engine second counts each reply's 150 ms of
+    prefill once, so the short replies read half as fast; the decode rate reads the same."""
+    from deploy.analysis import AnalysisConfig, ArmStats, Check, analyze
+    from deploy.controller import RolloutStatus
+    from deploy.metrics import ServingMetricsSource
+
+    pod = ServingPod()
+    for _ in range(5):  # before the canary, slower (100 ms a token): not in the window
+        pod.complete("v000000", 40, 200.0, 100.0, queue_ms=50.0)
+    src = ServingMetricsSource([pod], tmp_path / "baseline.json")
+    st = RolloutStatus(phase=RolloutPhase.CANARY, candidate="v000001", stable="v000000", step=0, weight=0.5,
+                       canary_started_ms=1_000)
+    src.mark(st)
+    base = parse(pod.metrics_text())
+    for _ in range(10):
+        pod.complete("v000001", 5, 200.0, 20.0, queue_ms=50.0)
+        pod.complete("v000000", 40, 200.0, 20.0, queue_ms=50.0)
+    c, s, skipped = src(st)
+    assert skipped == {}
+    # by hand: candidate 10 * 4 tokens after the first over 10 * 4 * 0.02 s = 50 tokens/s;
+    # stable 10 * 39 over 10 * 39 * 0.02 s = 50 tokens/s
+    assert c["tokens_per_s"] == pytest.approx(50.0) and s["tokens_per_s"] == pytest.approx(50.0)
+    assert c["tokens_per_s"] / s["tokens_per_s"] == pytest.approx(1.0)
+    # the old formula on the same requests, by hand: engine time = 200 + (n - 1) * 20 - 50 ms,
+    # candidate 50 tokens / (10 * 0.23 s), stable 400 tokens / (10 * 0.93 s): ratio 0.505
+    old_c, old_s = 5 / 0.23, 40 / 0.93
+    assert old_c / old_s == pytest.approx(0.50543, abs=1e-5) and old_c / old_s < 0.67
+    # ... and what a pod of an older release (without the decode counters) gives for them
+    older = {k: v for k, v in delta(parse(pod.metrics_text()), base).items()
+             if not k[0].startswith("flywheel_version_decode_")}
+    assert arm_metrics(older, "v000001")[0]["tokens_per_s"] == pytest.approx(old_c)
+    assert arm_metrics(older, "v000000")[0]["tokens_per_s"] == pytest.approx(old_s)
+    cfg = AnalysisConfig(min_votes=2, min_requests=10)
+    tps = next(m for m in analyze(ArmStats(**c), ArmStats(**s), cfg).metrics if m.name == "tokens_per_s")
+    assert tps.check == Check.PASS, tps.reason
+
+
+def test_serving_decode_counters_by_hand():
+    """``flywheel_version_decode_{tokens,seconds}_total``: tokens after the first and the
+    seconds after the first token, per version; a one-token reply adds nothing (its series
+    exist at 0), and queue wait, part of both TTFT and latency, is not decode time."""
+    pod = ServingPod()
+    pod.complete("v000003", 1, 120.0, 0.0, queue_ms=30.0)
+    d = parse(pod.metrics_text())
+    assert d[("flywheel_version_decode_tokens_total", (("version", "v000003"),))] == 0.0
+    assert d[("flywheel_version_decode_seconds_total", (("version", "v000003"),))] == 0.0
+    pod.complete("v000003", 11, 120.0, 15.0, queue_ms=30.0)  # 10 tokens in 150 ms after the first
+    pod.complete("v000003", 3, 500.0, 40.0, queue_ms=400.0)  # 2 tokens in 80 ms
+    d = parse(pod.metrics_text())
+    assert d[("flywheel_version_decode_tokens_total", (("version", "v000003"),))] == 12.0
+    assert d[("flywheel_version_decode_seconds_total", (("version", "v000003"),))] == pytest.approx(0.23)
+    assert arm_metrics(d, "v000003")[0]["tokens_per_s"] == pytest.approx(12 / 0.23)

@@ -5,7 +5,9 @@ on the tiny MoE, an ingest worker subprocess (``--worker-port``) and the control
 providers agree: ``scrape`` (the controller reads every pod's /metrics) and ``prometheus``
 (PromQL deltas since the canary's start, ``histogram_quantile``): same requests and error rate, the same
 p99 (the same bucket of the latency histogram, and the same interpolation), the same tokens/s;
-and a controller configured with the prometheus provider decides on those numbers."""
+and a controller configured with the prometheus provider decides on those numbers. A cheaper
+test (no model) checks that both providers and the recording rule give tokens/s as the decode
+rate, the same for short and long replies at the same speed per token."""
 
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ class FailingPod:
         self.lat = Histogram("flywheel_version_latency_seconds", "engine s", ["version"], buckets=VERSION_LAT_BUCKETS,
                              registry=r)
         self.tok = Counter("flywheel_version_tokens", "generated", ["version"], registry=r)
+        self.dec_tok = Counter("flywheel_version_decode_tokens", "after the first", ["version"], registry=r)
+        self.dec_s = Counter("flywheel_version_decode_seconds", "after the first token", ["version"], registry=r)
         for v in ("v000000", "v000001"):  # exported at 0 before the canary, as serving's are
-            for m in (self.req, self.err, self.lat, self.tok):
+            for m in (self.req, self.err, self.lat, self.tok, self.dec_tok, self.dec_s):
                 m.labels(v)
         self.port = free_port()
         self.server = start_http_server(self.port, addr="127.0.0.1", registry=r)[0]
@@ -101,6 +105,26 @@ class FailingPod:
             else:
                 self.lat.labels(version).observe(latency_s)
                 self.tok.labels(version).inc(6)
+                self.dec_tok.labels(version).inc(5)  # the first token at half the latency
+                self.dec_s.labels(version).inc(latency_s / 2)
+
+
+class MetricsPod:
+    """A pod's real :class:`serving.http.metrics.ServingMetrics` (``tests.test_deploy_metrics.ServingPod``)
+    served over HTTP by prometheus_client on its own port, without a model."""
+
+    def __init__(self):
+        from prometheus_client import start_http_server
+
+        from tests.test_deploy_metrics import ServingPod
+
+        self.pod = ServingPod()
+        self.port = free_port()
+        self.server = start_http_server(self.port, addr="127.0.0.1", registry=self.pod.m.registry)[0]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=5).text
 
 
 def prometheus_config(path: Path, jobs: dict[str, list[int]]) -> Path:
@@ -237,3 +261,57 @@ def test_prometheus_scrapes_real_pods_and_both_providers_agree(tiny_moe_dir, bro
         for srv in (getattr(locals().get("failing"), "server", None), locals().get("exported")):
             if srv is not None:
                 srv.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_prometheus_tokens_per_s_is_the_decode_rate_whatever_the_reply_length(tmp_path):
+    """The live run's false rollback, through a real Prometheus: a candidate answering in 5
+    tokens and stable in 40, both 20 ms a token after a 200 ms first token. The prometheus
+    provider (PromQL deltas of the decode counters) and the scrape provider both give 50
+    tokens/s to each arm (by hand: 4 / 0.08 s and 39 / 0.78 s), ratio 1.0; so does the
+    recording rule flywheel:version_tokens_per_second:rate5m."""
+    pod = MetricsPod()
+    prom_port = free_port()
+    prom_url = f"http://127.0.0.1:{prom_port}"
+    cfg = prometheus_config(tmp_path / "prometheus.yml", {"flywheel-serving": [pod.port]})
+    log = tmp_path / "prometheus.log"
+    prom = spawn([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                  f"--web.listen-address=127.0.0.1:{prom_port}"], dict(os.environ), log)
+    procs = [("prometheus", prom, log)]
+    try:
+        wait_for(lambda: httpx.get(prom_url + "/-/ready", timeout=1).status_code == 200, 60, "prometheus", procs)
+        q = PrometheusMetricsSource(prom_url)
+        for v, n in (("v000001", 5), ("v000000", 40)):  # each version's series exist before the window
+            pod.pod.complete(v, n, 200.0, 20.0, queue_ms=50.0)
+        wait_for(lambda: sorted(v for _, v in q.query("flywheel_version_decode_tokens_total")) == [4, 39], 30,
+                 "the first requests in Prometheus", procs)
+        window = RolloutStatus(phase=RolloutPhase.CANARY, candidate="v000001", stable="v000000", step=0,
+                               weight=0.5, canary_started_ms=int(time.time() * 1000))
+        scrape = ServingMetricsSource([pod], tmp_path / "baseline.json")
+        scrape.mark(window)
+        time.sleep(2.5)  # a scrape inside the window, before the traffic
+        for _ in range(10):
+            pod.pod.complete("v000001", 5, 200.0, 20.0, queue_ms=50.0)
+            pod.pod.complete("v000000", 40, 200.0, 20.0, queue_ms=50.0)
+        wait_for(lambda: sorted(v for _, v in q.query("flywheel_version_decode_tokens_total")) == [44, 429], 30,
+                 "the window's requests in Prometheus", procs)
+        c_p, s_p, skipped_p = PrometheusMetricsSource(prom_url)(window)
+        c_s, s_s, skipped_s = scrape(window)
+        assert skipped_p == {} and skipped_s == {}
+        for f in (c_p, s_p, c_s, s_s):
+            assert f["tokens_per_s"] == pytest.approx(50.0), (c_p, s_p, c_s, s_s)
+        assert c_p["tokens_per_s"] / s_p["tokens_per_s"] == pytest.approx(1.0)
+        # tokens over engine seconds in the same window (by hand 50 / 2.3 s vs 400 / 9.3 s) would fail 0.67
+        since = q.delta("flywheel_version_tokens_total", window.canary_started_ms, q.clock())
+        toks = q.query(f"sum by (version) ({since})")
+        assert {lab["version"]: v for lab, v in toks} == {"v000001": 50.0, "v000000": 400.0}
+        assert (50 / 2.3) / (400 / 9.3) < 0.67
+        def rule() -> dict[str, float] | None:  # NaN (0 / 0) until the burst is in the 5 min window
+            got = {lab["version"]: v for lab, v in q.query("flywheel:version_tokens_per_second:rate5m")}
+            return got if len(got) == 2 and all(math.isfinite(v) for v in got.values()) else None
+
+        got = wait_for(rule, 30, "the recording rule over the window's requests", procs)
+        assert got == {"v000001": pytest.approx(50.0), "v000000": pytest.approx(50.0)}
+    finally:
+        stop(prom)
+        pod.server.shutdown()

@@ -410,6 +410,7 @@ def test_promtool_accepts_the_real_metrics(env):
     for name in ("flywheel_time_to_first_token_seconds_bucket", "flywheel_e2e_request_latency_seconds_sum",
                  "flywheel_generation_tokens_total", "flywheel_request_success_total",
                  "flywheel_num_requests_waiting", "flywheel_version_latency_seconds_bucket",
+                 "flywheel_version_decode_tokens_total", "flywheel_version_decode_seconds_total",
                  "flywheel_swap_pause_seconds", "process_resident_memory_bytes"):
         assert name in text, name
     assert "_ms" not in "".join(ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if not ln.startswith("#"))

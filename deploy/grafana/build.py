@@ -28,8 +28,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
         ("p99 end-to-end latency and TTFT", "s", [("flywheel:e2e_request_latency_seconds:p99_5m", "e2e p99"),
                                                   ("flywheel:time_to_first_token_seconds:p99_5m", "TTFT p99")],
          "Queue wait included (alert FlywheelServingLatencyHigh > 30 s)."),
-        ("Generated tokens per engine second by version", "short",
-         [("flywheel:version_tokens_per_second:rate5m", "{{version}}")], "Tokens over summed engine seconds."),
+        ("Decode tokens/s by version", "short",
+         [("flywheel:version_tokens_per_second:rate5m", "{{version}}")],
+         "Tokens after the first over the seconds after the first token (5 min rate): what the canary "
+         "compares; it does not depend on reply length."),
         ("Thumbs-up ratio by version (1 h)", "percentunit", [("flywheel:version_thumbs_up_ratio:rate1h", "{{version}}")],
          "Votes received by serving's feedback API."),
         ("Requests waiting for the engine", "short", [("flywheel_num_requests_waiting", "{{instance}}")],

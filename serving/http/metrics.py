@@ -12,7 +12,11 @@ that produced it), as vLLM's ``vllm:*`` families are:
 The canary's per-version signals (read by ``deploy.metrics``): ``flywheel_version_requests_total``,
 ``flywheel_version_errors_total`` (server-side failures: engine error 500, queue full 429),
 ``flywheel_version_latency_seconds`` (engine time, no queue wait), ``flywheel_version_tokens_total``,
-``flywheel_version_votes_total{vote}``. Also ``flywheel_requests_total{endpoint, status}``
+``flywheel_version_decode_tokens_total`` and ``flywheel_version_decode_seconds_total`` (per
+completion of more than one token: its tokens after the first, and the seconds from its first
+token to its last; their ratio is the version's decode rate in tokens/s, vLLM's inter-token
+notion, which does not depend on reply length as tokens over engine seconds do: prefill is a
+fixed cost per request), ``flywheel_version_votes_total{vote}``. Also ``flywheel_requests_total{endpoint, status}``
 (every HTTP request), ``flywheel_batch_size``, ``flywheel_decode_tokens_per_second``,
 ``flywheel_swap_pause_seconds``, ``flywheel_events_accepted_total{kind}``, the event log's
 ``flywheel_eventlog_*`` and the process's ``process_*`` (CPU seconds, resident memory, open
@@ -86,6 +90,11 @@ class ServingMetrics:
                                          buckets=VERSION_LAT_BUCKETS, registry=r)
         self.version_tokens = Counter("flywheel_version_tokens", "generated tokens by model version",
                                       ["version"], registry=r)
+        self.version_decode_tokens = Counter("flywheel_version_decode_tokens", "tokens after the first, by model "
+                                             "version (completions of more than one token)", ["version"], registry=r)
+        self.version_decode_seconds = Counter("flywheel_version_decode_seconds", "seconds from the first token to "
+                                              "the last, by model version (completions of more than one token)",
+                                              ["version"], registry=r)
         self.version_votes = Counter("flywheel_version_votes", "thumb votes by model version",
                                      ["version", "vote"], registry=r)
         self.events_accepted = Counter("flywheel_events_accepted", "events accepted by the API", ["kind"],
@@ -96,7 +105,7 @@ class ServingMetrics:
             r.register(_EventLogCollector(event_log))
 
     def observe(self, res: GenResult, prompt_len: int) -> None:
-        """Record one finished completion (choice)."""
+        """Record one finished completion (choice); ``res``'s times are in ms, exported in s."""
         lab = (self.model_name, res.version)
         n_out = len(res.completion_token_ids)
         self.ttft.labels(*lab).observe(res.ttft_ms / 1000)
@@ -109,7 +118,12 @@ class ServingMetrics:
         # batches, so end-to-end latency would penalise whichever arm's batch runs second
         self.version_latency.labels(res.version).observe(max(0.0, res.latency_ms - res.queue_ms) / 1000)
         self.version_tokens.labels(res.version).inc(n_out)
+        # the version's decode series exist (at 0) from its first completion, as its others do
+        dec_tokens = self.version_decode_tokens.labels(res.version)
+        dec_seconds = self.version_decode_seconds.labels(res.version)
         if n_out > 1:
+            dec_tokens.inc(n_out - 1)
+            dec_seconds.inc(max(0.0, res.latency_ms - res.ttft_ms) / 1000)
             dec_s = max(res.latency_ms - res.ttft_ms, 1e-3) / 1000
             self.tpot.labels(*lab).observe(dec_s / (n_out - 1))
             self.tokens_per_s.observe((n_out - 1) / dec_s)
