@@ -12,7 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 ATTN_IMPLEMENTATION = "eager"  # bitwise-stable across batch shapes on CPU (DESIGN §4)
-EXPERTS_IMPLEMENTATION = "eager"
+# MoE experts as one grouped matmul over the tokens sorted by expert (transformers'
+# ``grouped_mm``): 2x the decode speed of the per-expert loop on CPU (docs/decisions.md D4).
+EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
+def experts_implementation(config) -> str:
+    """The experts implementation for a model ``config``: :data:`EXPERTS_IMPLEMENTATION`
+    for a mixture-of-experts model, ``"eager"`` for a dense one (transformers refuses any
+    other value on a model without experts)."""
+    n = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    return EXPERTS_IMPLEMENTATION if int(n) > 1 else "eager"
 
 
 def load_model(model_dir: str | Path, dtype=None):
@@ -27,11 +37,11 @@ def load_model(model_dir: str | Path, dtype=None):
         ``transformers`` model (``MixtralForCausalLM`` for the default MoE).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
-        experts_implementation=EXPERTS_IMPLEMENTATION)
+        experts_implementation=experts_implementation(AutoConfig.from_pretrained(str(model_dir))))
     model.eval()
     return model
 

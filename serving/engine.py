@@ -91,13 +91,13 @@ def build_model(model_dir: str | Path, state: dict, dtype=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from schemas.modelspec import ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION
+    from schemas.modelspec import ATTN_IMPLEMENTATION, experts_implementation
 
     dtype = dtype or torch.float32
     cfg = AutoConfig.from_pretrained(str(model_dir))
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 experts_implementation=EXPERTS_IMPLEMENTATION)
+                                                 experts_implementation=experts_implementation(cfg))
     names = set(model.state_dict())
     unexpected = sorted(set(state) - names)
     if unexpected:
