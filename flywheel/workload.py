@@ -20,6 +20,7 @@ or the learner: the learner's gate uses a :class:`Verifier` through the same int
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -123,10 +124,14 @@ class Workload:
         eval_share: share of the other families' prompts in the eval split (stable hash).
         humaneval_problems: HumanEval indices asked (default: the first 40).
         seed: RNG seed of the instance generators.
+        weights: ``{family: relative weight}`` of the draw (a family not named weighs 1;
+            default: uniform). HumanEval replies are several times longer than a
+            reasoning-gym number, so a demo on 2 cores asks it less often.
 
     Raises:
-        ValueError: an unknown family (named), a held-out family not asked, or an
-            ``eval_share`` outside [0, 1].
+        ValueError: an unknown family (named), a held-out family not asked, an
+            ``eval_share`` outside [0, 1], or a weight that is not finite and >= 0 or names a
+            family not asked.
     """
 
     families: tuple[str, ...] = ("basic_arithmetic", "gcd", "letter_counting")
@@ -134,6 +139,7 @@ class Workload:
     eval_share: float = 0.25
     humaneval_problems: tuple[int, ...] = tuple(range(40))
     seed: int = 0
+    weights: dict[str, float] | None = None
     _gens: dict = field(default_factory=dict, init=False, repr=False)
     _count: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -148,6 +154,13 @@ class Workload:
             raise ValueError(f"eval_share: must be in [0, 1], got {self.eval_share}")
         if not self.families:
             raise ValueError("families: at least one family")
+        for f, w in (self.weights or {}).items():
+            if f not in self.families:
+                raise ValueError(f"weights: {f!r} is not one of the families asked {self.families}")
+            if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
+                raise ValueError(f"weights: weight of {f!r} must be a finite number >= 0, got {w!r}")
+        if self.weights and not any(self.weights.get(f, 1.0) > 0 for f in self.families):
+            raise ValueError("weights: at least one family needs a weight > 0")
 
     def _gym_task(self, family: str) -> tuple[list[dict], Verifier, str]:
         import reasoning_gym
@@ -175,8 +188,12 @@ class Workload:
         return build_messages(p), HumanEvalVerifier(p), p["task_id"]
 
     def next_task(self, rng: random.Random, family: str | None = None) -> Task:
-        """A fresh request: a family drawn uniformly (or ``family``), its prompt and split."""
-        family = family or rng.choice(self.families)
+        """A fresh request: a family drawn by ``weights`` (or ``family``), its prompt and split."""
+        if family is None:
+            if self.weights:
+                family = rng.choices(self.families, weights=[self.weights.get(f, 1.0) for f in self.families])[0]
+            else:
+                family = rng.choice(self.families)
         if family == "humaneval":
             messages, verifier, key = self._humaneval_task(rng)
         else:

@@ -69,7 +69,24 @@ def test_humaneval_verifier_runs_the_unit_tests():
 
 @pytest.mark.parametrize("kw,field", [({"families": ("nope",)}, "families"),
                                       ({"held_out": ("gcd",), "families": ("chain_sum",)}, "held_out"),
-                                      ({"eval_share": 1.5}, "eval_share")])
+                                      ({"eval_share": 1.5}, "eval_share"),
+                                      ({"families": ("gcd",), "weights": {"chain_sum": 1.0}}, "weights"),
+                                      ({"families": ("gcd",), "weights": {"gcd": float("nan")}}, "weights"),
+                                      ({"families": ("gcd",), "weights": {"gcd": -1.0}}, "weights"),
+                                      ({"families": ("gcd",), "weights": {"gcd": 0.0}}, "weights")])
 def test_bad_config_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         Workload(**kw)
+
+
+def test_weights_set_the_family_mix():
+    """9:1 weights: over 2,000 draws the light family's share is within 4 binomial standard
+    deviations of 0.1 (sd = sqrt(0.1 * 0.9 / 2000) = 0.0067); a family of weight 0 is never drawn."""
+    import random
+
+    w = Workload(families=("chain_sum", "gcd", "basic_arithmetic"), seed=0,
+                 weights={"chain_sum": 9.0, "gcd": 1.0, "basic_arithmetic": 0.0})
+    rng = random.Random(0)
+    fams = [w.next_task(rng).family for _ in range(2000)]
+    assert "basic_arithmetic" not in fams
+    assert abs(fams.count("gcd") / 2000 - 0.1) < 4 * (0.1 * 0.9 / 2000) ** 0.5
