@@ -92,7 +92,7 @@ def require_demo_extra() -> None:
 
 
 def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
-         quick: bool = typer.Option(False, "--quick", help="Small run (8-14 min measured on 2 busy cores)."),
+         quick: bool = typer.Option(False, "--quick", help="Small run (about 4 min on 2 cores; one cycle)."),
          cycles: Optional[int] = typer.Option(None, min=1, help="Learner cycles, each canaried (default 2; --quick 1)."),
          prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
          max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per HumanEval completion."),
@@ -120,7 +120,7 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
                                   eval_share=eval_share, bad_candidate=bad_candidate or None)
         from flywheel.workload import Workload
 
-        Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share)
+        Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share, weights=cfg.weights())
     except ValueError as exc:
         name = str(exc).split(":", 1)[0].replace("_", "-")
         raise typer.BadParameter(str(exc), param_hint=f"--{name}") from exc

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,44 +34,56 @@ from flywheel.workload import Task, Workload
 
 @dataclass
 class DemoConfig:
-    """Knobs of one demo run. ``quick`` is the small sizing (measured 8-14 min on 2 busy
-    cores, 5 min was the aim: bench/RESULTS.md, Demo)."""
+    """Knobs of one demo run. The defaults are the full run (experiment 3 in
+    docs/experiments.md: sized to finish within 30 min on 2 cores); ``quick`` is the small
+    sizing (about 4 min, one cycle, too few votes for the canary to decide)."""
 
     out: Path
     quick: bool = False
     cycles: int = 2
-    prompts_per_phase: int = 24
+    prompts_per_phase: int = 320  # the first version's traffic, before the first learner cycle
     problems: int = 40
     # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
     families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
+    # HumanEval replies are ~8x longer than a number: asked 1 time in 11 so 2 cores keep up
+    family_weights: dict[str, float] | None = field(default_factory=lambda: {"humaneval": 0.2})
     held_out: tuple[str, ...] = ()
-    eval_share: float = 0.25
+    eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
     bad_candidate: bool = False  # end with a deliberately degraded candidate (the canary must roll it back)
-    final_prompts: int = 96  # requests served after the last canary: the last stable's eval figures
+    final_prompts: int = 320  # requests served after the last canary: the last stable's eval figures
     temperature: float = 0.8
     top_p: float = 0.95
-    concurrency: int = 8
+    concurrency: int = 16  # requests in flight, and the pod's --max-batch
     users: int = 32
-    learner_steps: int = 4
-    learner_batch: int = 8
-    learner_train_layers: int = 4  # last N decoder layers train; see docs/decisions.md D6
-    learner_lr: float = 2e-5
+    # REINFORCE with a leave-one-out batch baseline: learned where KTO stayed flat (experiments 2, 3)
+    learner_objective: str = "reinforce"
+    learner_baseline: str = "batch"
+    learner_steps: int = 8
+    learner_batch: int = 16
+    learner_train_layers: int = 8  # last N decoder layers train; see docs/decisions.md D6
+    learner_lr: float = 3e-5
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
-    canary_min_votes: int = 6
+    canary_min_votes: int = 20  # burn-in: votes per arm before the sequential test may decide
     canary_delta: float = 0.2  # non-inferiority margin of the sequential test (rate units)
-    canary_max_wait_s: float = 120.0  # the step deadline (s); an undecided step is rolled back
+    canary_max_wait_s: float = 480.0  # the step deadline (s); an undecided step is rolled back
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
+
+    def weights(self) -> dict[str, float] | None:
+        """``family_weights`` restricted to the families asked (None: uniform)."""
+        w = {f: x for f, x in (self.family_weights or {}).items() if f in self.families}
+        return w or None
 
     @classmethod
     def for_mode(cls, out: Path, quick: bool, **kw) -> "DemoConfig":
         if quick:
             base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
-                        canary_max_wait_s=45.0, concurrency=8, final_prompts=0)
+                        canary_max_wait_s=45.0, concurrency=8, final_prompts=0,
+                        learner_objective="kto", learner_lr=2e-5, family_weights=None, eval_share=0.25)
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
@@ -145,7 +156,8 @@ class Demo:
         self.vote_threads: list[threading.Thread] = []
         self.completions: dict[str, dict] = {}  # completion_id -> what was asked and how it was judged
         self.workload = Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share,
-                                 humaneval_problems=tuple(range(cfg.problems)), seed=cfg.seed)
+                                 humaneval_problems=tuple(range(cfg.problems)), seed=cfg.seed,
+                                 weights=cfg.weights())
 
     # ----------------------------------------------------------------- setup
     def _env(self) -> dict:
@@ -287,28 +299,68 @@ class Demo:
 
     def traffic(self, phase: str, n: int) -> list[dict]:
         """Send ``n`` chat requests with ``concurrency`` in flight; users vote in background."""
+        return self.traffic_until(phase, lambda: False, n)
+
+    def traffic_until(self, phase: str, done, limit: int) -> list[dict]:
+        """Send requests with ``concurrency`` in flight, as a steady stream, until ``done()``
+        (checked every second) is true or ``limit`` requests were sent; users vote in
+        background. Shows a live bar on a terminal, a status line every 30 s otherwise. On
+        any exit (SIGTERM included) no new request starts; those in flight finish.
+
+        Raises:
+            RuntimeError: serving, ingest or the controller died.
+        """
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        tasks = [self.workload.next_task(self.rng) for _ in range(n)]
         results: list[dict] = []
-        with Progress(TextColumn(f"[bold]{phase}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-                      console=self.console, transient=False) as prog:
-            task = prog.add_task(phase, total=n, status="")
-            with httpx.Client() as client, ThreadPoolExecutor(self.cfg.concurrency) as pool:
-                futs = [pool.submit(self._one_request, client, t, f"user-{self.rng.randrange(self.cfg.users)}")
-                        for t in tasks]
-                for f in futs:
-                    r = f.result()
+        sent = 0
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def worker() -> None:
+            nonlocal sent
+            with httpx.Client() as client:
+                while not stop.is_set():
+                    with lock:
+                        if sent >= limit:
+                            return
+                        sent += 1
+                        task = self.workload.next_task(self.rng)  # the generators are not thread-safe
+                        user = f"user-{self.rng.randrange(self.cfg.users)}"
+                    r = self._one_request(client, task, user)
                     if r:
-                        results.append(r)
-                    passed = sum(1 for x in results if x["passed"])
-                    by_v: dict[str, int] = {}
-                    for x in results:
-                        by_v[x["version"]] = by_v.get(x["version"], 0) + 1
-                    prog.update(task, advance=1, status=f"right {passed}/{len(results)} "
-                                f"by version {by_v} votes accepted {len(self.accepted)}")
-        self.phase_log.append({"phase": phase, "requests": n, "ok": len(results),
+                        with lock:
+                            results.append(r)
+
+        def status() -> str:
+            with lock:
+                by_v = {v: sum(1 for x in results if x["version"] == v) for v in sorted({x["version"] for x in results})}
+                right = sum(1 for x in results if x["passed"])
+                return f"right {right}/{len(results)} by version {by_v} votes accepted {len(self.accepted)}"
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.cfg.concurrency)]
+        bounded = limit < 1_000_000
+        with Progress(TextColumn(f"[bold]{phase}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                      TimeElapsedColumn(), console=self.console, transient=False) as prog:
+            bar = prog.add_task(phase, total=limit if bounded else None, status="")
+            for t in threads:
+                t.start()
+            t0 = last = time.monotonic()
+            try:
+                while any(t.is_alive() for t in threads) and not done():
+                    self._check_alive()
+                    time.sleep(1.0)
+                    prog.update(bar, completed=len(results), status=status())
+                    if not self.console.is_terminal and time.monotonic() - last >= 30:
+                        last = time.monotonic()
+                        self.console.print(f"{phase}: {len(results)}{f'/{limit}' if bounded else ''} served in "
+                                           f"{last - t0:.0f} s, {status()}")
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(timeout=660)
+            prog.update(bar, completed=len(results), status=status())
+        self.phase_log.append({"phase": phase, "requests": sent, "ok": len(results),
                                "passed": sum(1 for x in results if x["passed"]),
                                "by_version": {v: sum(1 for x in results if x["version"] == v)
                                               for v in {x["version"] for x in results}}})
@@ -363,12 +415,14 @@ class Demo:
     # ---------------------------------------------------------------- cycles
     def learn(self, cycle: int) -> str | None:
         before = set(self.store.versions())
-        self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, KTO, router replay) ...")
+        self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, {self.cfg.learner_objective}, router replay) ...")
         args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
                     "--batch-size", str(self.cfg.learner_batch),
                     "--train-layers", str(self.cfg.learner_train_layers), "--measure-free-max", "2",
                     "--seed", str(self.cfg.seed + cycle), "--min-samples", "1",
-                    "--balance-classes")  # few thumbs-up among many downs: KTO λ_D·n_D = λ_U·n_U
+                    "--objective", self.cfg.learner_objective, "--baseline", self.cfg.learner_baseline)
+        if self.cfg.learner_objective == "kto":
+            args.append("--balance-classes")  # few thumbs-up among many downs: KTO λ_D·n_D = λ_U·n_U
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
             r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)
         if r.returncode != 0:
@@ -418,21 +472,19 @@ class Demo:
                 break
             self._check_alive()
             time.sleep(0.5)
-        n = 0
-        while time.monotonic() < deadline:
-            decision = ledger.final_decision(version)
-            if decision is not None:
-                by = (decision.get("numbers") or {}).get("decided_by")
-                if by == "deadline":
-                    self.log(f"[yellow]canary of {version} was INCONCLUSIVE: the sequential test did not decide "
-                             f"before the step deadline, so it was {decision['decision']} by the deadline "
-                             f"policy, not promoted[/yellow]")
-                self.log(f"controller decided [bold]{decision['decision']}[/bold] for {version} "
-                         f"(decided by {by}): {decision['reason']}")
-                return decision
-            self._check_alive()
-            self.traffic(f"canary {version} #{n}", max(self.cfg.concurrency, self.cfg.prompts_per_phase // 2))
-            n += 1
+        self.traffic_until(f"canary {version}",
+                           lambda: ledger.final_decision(version) is not None or time.monotonic() > deadline,
+                           limit=1_000_000)
+        decision = ledger.final_decision(version)
+        if decision is not None:
+            by = (decision.get("numbers") or {}).get("decided_by")
+            if by == "deadline":
+                self.log(f"[yellow]canary of {version} was INCONCLUSIVE: the sequential test did not decide "
+                         f"before the step deadline, so it was {decision['decision']} by the deadline "
+                         f"policy, not promoted[/yellow]")
+            self.log(f"controller decided [bold]{decision['decision']}[/bold] for {version} "
+                     f"(decided by {by}): {decision['reason']}")
+            return decision
         raise RuntimeError(f"no canary decision for {version} in time:\n{self.controller.tail(40)}")
 
     # ---------------------------------------------------------------- report
