@@ -220,7 +220,8 @@ def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> l
     con = duckdb.connect()
     try:
         src, created, has_split = _samples_source(con, samples_dir)
-        return con.execute(f"SELECT {select(has_split)} FROM {src} WHERE {created} >= ? GROUP BY {group_by}",
+        src = f"(SELECT *, {created} AS t FROM {src})"  # t: created_at in ms
+        return con.execute(f"SELECT {select(has_split)} FROM {src} WHERE t >= ? GROUP BY {group_by}",
                            [int(since_ms)]).fetchall()
     finally:
         con.close()
@@ -262,6 +263,60 @@ def vote_counts_by_split(samples_dir: Path, since_ms: int = 0) -> dict[str, dict
     out: dict[str, dict[str, tuple[int, int]]] = {}
     for sp, v, up, n in _query_samples(samples_dir, select, "1, 2", since_ms):
         out.setdefault(sp, {})[v] = (int(up or 0), int(n or 0))
+    return out
+
+
+@dataclass
+class CanaryCounts:
+    """What one poll of a canary reads from the sample shards, from one DuckDB query.
+
+    Fields (counts; versions are ``model_version`` strings):
+        votes: ``{version: (votes_up, votes_down, samples)}`` since the canary started.
+        step_votes: ``{version: (votes_up, votes_down)}`` since the current step started.
+        guards: ``{version: {completions, completion_tokens, no_answer, truncated}}`` since
+            the canary started (as :func:`guard_counts`).
+        by_split: ``{split: {version: (votes_up, votes)}}`` since the canary started.
+    """
+
+    votes: dict = field(default_factory=dict)
+    step_votes: dict = field(default_factory=dict)
+    guards: dict = field(default_factory=dict)
+    by_split: dict = field(default_factory=dict)
+
+
+def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -> CanaryCounts:
+    """Everything :func:`vote_counts`, :func:`guard_counts` and :func:`vote_counts_by_split`
+    give for a canary, in one scan of the shards (a poll used to scan them four times).
+    Samples created at or after ``canary_since_ms`` count for the canary, at or after
+    ``step_since_ms`` for the step (ms). Raises what DuckDB raises on unreadable shards."""
+    since = min(int(canary_since_ms), int(step_since_ms))
+    c_at, s_at = int(canary_since_ms), int(step_since_ms)
+
+    def select(has_split: bool) -> str:
+        split = "coalesce(CAST(split AS VARCHAR), 'train')" if has_split else "'train'"
+        return (f"CAST(model_version AS VARCHAR), {split}, "
+                f"sum(votes_up) FILTER (WHERE t >= {c_at}), sum(votes_down) FILTER (WHERE t >= {c_at}), "
+                f"count(*) FILTER (WHERE t >= {c_at}), "
+                f"sum(votes_up) FILTER (WHERE t >= {s_at}), sum(votes_down) FILTER (WHERE t >= {s_at}), "
+                f"sum(len(completion_token_ids)) FILTER (WHERE t >= {c_at}), "
+                f"sum(CAST(len(completion_token_ids) <= {EMPTY_REPLY_TOKENS} AS INTEGER)) FILTER (WHERE t >= {c_at}), "
+                f"sum(CAST(finish_reason = 'length' AS INTEGER)) FILTER (WHERE t >= {c_at})")
+
+    out = CanaryCounts()
+    for v, sp, up, down, n, sup, sdown, toks, empty, trunc in _query_samples(samples_dir, select, "1, 2", since):
+        up, down, n, sup, sdown = (int(x or 0) for x in (up, down, n, sup, sdown))
+        a = out.votes.get(v, (0, 0, 0))
+        if n:
+            out.votes[v] = (a[0] + up, a[1] + down, a[2] + n)
+            out.by_split.setdefault(sp, {})[v] = (up, up + down)
+            g = out.guards.setdefault(v, {"completions": 0, "completion_tokens": 0, "no_answer": 0, "truncated": 0})
+            g["completions"] += n
+            g["completion_tokens"] += int(toks or 0)
+            g["no_answer"] += int(empty or 0)
+            g["truncated"] += int(trunc or 0)
+        if sup or sdown:
+            b = out.step_votes.get(v, (0, 0))
+            out.step_votes[v] = (b[0] + sup, b[1] + sdown)
     return out
 
 
@@ -503,19 +558,20 @@ class RolloutController:
             self._record(st, "FAILED", st.last_reason, exc.numbers())
         return st
 
-    def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None, dict[str, str]]:
+    def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None, dict[str, str], dict]:
         """Candidate and stable stats since the canary started, the candidate's votes since
-        the current step started, a source error (or None) and ``{metric: skip reason}``."""
+        the current step started, a source error (or None), ``{metric: skip reason}`` and the
+        votes by split (``Evidence.by_split``), from one scan of the shards."""
         try:
-            counts = vote_counts(self.samples_dir, st.canary_started_ms)
-            step_counts = vote_counts(self.samples_dir, st.step_started_ms)
-            guards = guard_counts(self.samples_dir, st.canary_started_ms)
+            cc = canary_counts(self.samples_dir, st.canary_started_ms, st.step_started_ms)
         except (duckdb.Error, OSError) as exc:
-            return ArmStats(), ArmStats(), 0, f"sample shards unreadable: {exc}", {}
-        cu, cd, _ = counts.get(st.candidate, (0, 0, 0))
-        su, sd, _ = counts.get(st.stable, (0, 0, 0))
-        su_step, sd_step, _ = step_counts.get(st.candidate, (0, 0, 0))
-        gc, gs = guards.get(st.candidate, {}), guards.get(st.stable, {})
+            return ArmStats(), ArmStats(), 0, f"sample shards unreadable: {exc}", {}, {}
+        cu, cd, _ = cc.votes.get(st.candidate, (0, 0, 0))
+        su, sd, _ = cc.votes.get(st.stable, (0, 0, 0))
+        su_step, sd_step = cc.step_votes.get(st.candidate, (0, 0))
+        gc, gs = cc.guards.get(st.candidate, {}), cc.guards.get(st.stable, {})
+        by_split = {split: {"candidate": list(counts.get(st.candidate, (0, 0))),
+                            "stable": list(counts.get(st.stable, (0, 0)))} for split, counts in cc.by_split.items()}
         extra_c, extra_s, skipped = {}, {}, {}
         if self.arm_metrics is not None:
             try:
@@ -523,13 +579,13 @@ class RolloutController:
                 extra_c, extra_s = got[0], got[1]
                 skipped = dict(got[2]) if len(got) > 2 else {}
             except Exception as exc:  # noqa: BLE001 - any failure of the source is an ERROR
-                return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}", {}
+                return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}", {}, by_split
         try:
             c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c)
             s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s)
         except (TypeError, ValueError) as exc:
-            return ArmStats(), ArmStats(), 0, f"bad evidence: {exc}", {}
-        return c, s, su_step + sd_step, None, skipped
+            return ArmStats(), ArmStats(), 0, f"bad evidence: {exc}", {}, by_split
+        return c, s, su_step + sd_step, None, skipped, by_split
 
     def _ensure_loaded(self, st: RolloutStatus) -> None:
         """Re-load the candidate on a pod that lost it (e.g. restarted) and restore the weight;
@@ -545,15 +601,7 @@ class RolloutController:
 
     def evidence(self, st: RolloutStatus) -> Evidence:
         """Everything :func:`deploy.decide.decide_step` judges, read since the canary started."""
-        c, s, step_votes, err, skipped = self.arm_stats(st)
-        by_split: dict = {}
-        if err is None:
-            try:
-                for split, counts in vote_counts_by_split(self.samples_dir, st.canary_started_ms).items():
-                    by_split[split] = {"candidate": list(counts.get(st.candidate, (0, 0))),
-                                       "stable": list(counts.get(st.stable, (0, 0)))}
-            except (duckdb.Error, OSError) as exc:
-                log.warning("votes by split unreadable: %s", exc)
+        c, s, step_votes, err, skipped, by_split = self.arm_stats(st)
         return Evidence(c, s, step_votes, err, skipped, by_split)
 
     def _canary_step(self, st: RolloutStatus) -> RolloutStatus:

@@ -41,7 +41,7 @@ class DemoConfig:
     out: Path
     quick: bool = False
     cycles: int = 2
-    prompts_per_phase: int = 320  # the first version's traffic, before the first learner cycle
+    prompts_per_phase: int = 256  # the first version's traffic, before the first learner cycle
     problems: int = 40
     # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
     families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
@@ -52,7 +52,7 @@ class DemoConfig:
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
     bad_candidate: bool = False  # end with a deliberately degraded candidate (the canary must roll it back)
-    final_prompts: int = 320  # requests served after the last canary: the last stable's eval figures
+    final_prompts: int = 256  # requests served after the last canary: the last stable's eval figures
     temperature: float = 0.8
     top_p: float = 0.95
     concurrency: int = 16  # requests in flight, and the pod's --max-batch
@@ -61,7 +61,7 @@ class DemoConfig:
     learner_objective: str = "reinforce"
     learner_baseline: str = "batch"
     learner_steps: int = 8
-    learner_batch: int = 16
+    learner_batch: int = 12
     learner_train_layers: int = 8  # last N decoder layers train; see docs/decisions.md D6
     learner_lr: float = 3e-5
     seal_after_s: float = 3.0
@@ -222,7 +222,7 @@ class Demo:
         self.controller = self._start("controller", _cli(
             "controller", "--serving", self.url, "--steps", cfg.canary_steps,
             "--min-votes", str(cfg.canary_min_votes), "--delta", str(cfg.canary_delta),
-            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "1"), env)
+            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5"), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
 
