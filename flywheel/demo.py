@@ -41,18 +41,19 @@ class DemoConfig:
     out: Path
     quick: bool = False
     cycles: int = 2
-    prompts_per_phase: int = 256  # the first version's traffic, before the first learner cycle
+    prompts_per_phase: int = 240  # the first version's traffic, before the first learner cycle
+    between_prompts: int = 128  # the stable version's traffic before each later cycle
     problems: int = 40
     # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
     families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
-    # HumanEval replies are ~8x longer than a number: asked 1 time in 11 so 2 cores keep up
-    family_weights: dict[str, float] | None = field(default_factory=lambda: {"humaneval": 0.2})
+    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 21
+    family_weights: dict[str, float] | None = field(default_factory=lambda: {"humaneval": 0.1})
     held_out: tuple[str, ...] = ()
     eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
     bad_candidate: bool = False  # end with a deliberately degraded candidate (the canary must roll it back)
-    final_prompts: int = 256  # requests served after the last canary: the last stable's eval figures
+    final_prompts: int = 224  # requests served after the last canary: the last stable's eval figures
     temperature: float = 0.8
     top_p: float = 0.95
     concurrency: int = 16  # requests in flight, and the pod's --max-batch
@@ -82,7 +83,7 @@ class DemoConfig:
         if quick:
             base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
-                        canary_max_wait_s=45.0, concurrency=8, final_prompts=0,
+                        canary_max_wait_s=45.0, concurrency=8, final_prompts=0, between_prompts=0,
                         learner_objective="kto", learner_lr=2e-5, family_weights=None, eval_share=0.25)
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
@@ -561,6 +562,10 @@ class Demo:
             self.setup()
             self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
             for cycle in range(1, self.cfg.cycles + 1):
+                if cycle > 1 and self.cfg.between_prompts:
+                    # the stable version's own traffic: a canary alone leaves the next cycle
+                    # too few samples, half of them from the version before (stale)
+                    self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
                 self.wait_votes_sealed(120)
                 v = self.learn(cycle)
                 if v is not None:
