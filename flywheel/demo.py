@@ -35,8 +35,8 @@ from flywheel.workload import Task, Workload
 @dataclass
 class DemoConfig:
     """Knobs of one demo run. The defaults are the full run (experiment 3 in
-    docs/experiments.md: sized to finish within 30 min on 2 cores); ``quick`` is the small
-    sizing (about 4 min, one cycle, too few votes for the canary to decide)."""
+    docs/experiments.md: about 30 min on 2 cores); ``quick`` is the small sizing (about 4 min,
+    one cycle, too few votes for the canary to decide)."""
 
     out: Path
     quick: bool = False
@@ -58,7 +58,7 @@ class DemoConfig:
     top_p: float = 0.95
     concurrency: int = 16  # requests in flight, and the pod's --max-batch
     users: int = 32
-    # REINFORCE with a leave-one-out batch baseline: learned where KTO stayed flat (experiments 2, 3)
+    # REINFORCE with a leave-one-out batch baseline: the pilot's settings (docs/experiments.md, experiment 3)
     learner_objective: str = "reinforce"
     learner_baseline: str = "batch"
     learner_steps: int = 8
