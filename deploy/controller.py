@@ -286,7 +286,7 @@ class CanaryCounts:
 
 def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -> CanaryCounts:
     """Everything :func:`vote_counts`, :func:`guard_counts` and :func:`vote_counts_by_split`
-    give for a canary, in one scan of the shards (a poll used to scan them four times).
+    give for a canary, in one scan of the shards.
     Samples created at or after ``canary_since_ms`` count for the canary, at or after
     ``step_since_ms`` for the step (ms). Raises what DuckDB raises on unreadable shards."""
     since = min(int(canary_since_ms), int(step_since_ms))
