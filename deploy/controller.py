@@ -211,9 +211,8 @@ def _samples_source(con, samples_dir: Path) -> tuple[str, str, bool]:
 
 def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> list[tuple]:
     """Rows of ``SELECT <select(has_split)> FROM <shards> WHERE created_at >= since_ms GROUP BY
-    <group_by>`` over the sample shards ([] when there are none yet): the one connect, schema
-    probe and time filter behind :func:`vote_counts`, :func:`guard_counts` and
-    :func:`vote_counts_by_split`. ``select`` gets whether the shards have a ``split`` column."""
+    <group_by>`` over the sample shards ([] when there are none yet), with ``t`` = created_at
+    in ms, for :func:`canary_counts`. ``select`` gets whether the shards have a ``split`` column."""
     samples_dir = Path(samples_dir)
     if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
         return []
@@ -231,39 +230,10 @@ def vote_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, tuple[int, in
     """``{model_version: (votes_up, votes_down, samples)}`` of samples created at or after
     ``since_ms`` (ms), read from the hive-partitioned Parquet shards with DuckDB.
     Returns ``{}`` when there are no shards yet."""
-    rows = _query_samples(samples_dir, lambda _: "CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_down), "
-                          "count(*)", "1", since_ms)
-    return {r[0]: (int(r[1] or 0), int(r[2] or 0), int(r[3])) for r in rows}
+    return canary_counts(samples_dir, since_ms, since_ms).votes
 
 
 EMPTY_REPLY_TOKENS = 2  # a reply of at most this many tokens counts as "no answer" for the guard
-
-
-def guard_counts(samples_dir: Path, since_ms: int = 0) -> dict[str, dict[str, int]]:
-    """Reward-hacking guard figures per version of samples created at or after ``since_ms``
-    (ms): ``{model_version: {completions, completion_tokens, no_answer, truncated}}`` with
-    ``no_answer`` = replies of at most ``EMPTY_REPLY_TOKENS`` tokens and ``truncated`` =
-    ``finish_reason == 'length'`` (cut at max_tokens). Returns ``{}`` without shards."""
-    rows = _query_samples(
-        samples_dir, lambda _: f"CAST(model_version AS VARCHAR), count(*), sum(len(completion_token_ids)), "
-        f"sum(CAST(len(completion_token_ids) <= {EMPTY_REPLY_TOKENS} AS INTEGER)), "
-        f"sum(CAST(finish_reason = 'length' AS INTEGER))", "1", since_ms)
-    return {r[0]: {"completions": int(r[1]), "completion_tokens": int(r[2] or 0), "no_answer": int(r[3] or 0),
-                   "truncated": int(r[4] or 0)} for r in rows}
-
-
-def vote_counts_by_split(samples_dir: Path, since_ms: int = 0) -> dict[str, dict[str, tuple[int, int]]]:
-    """``{split: {model_version: (votes_up, votes)}}`` of samples created at or after
-    ``since_ms`` (ms); shards written before samples had a ``split`` column count as ``train``.
-    Returns ``{}`` when there are no shards yet."""
-    def select(has_split: bool) -> str:
-        split = "coalesce(CAST(split AS VARCHAR), 'train')" if has_split else "'train'"
-        return f"{split}, CAST(model_version AS VARCHAR), sum(votes_up), sum(votes_up + votes_down)"
-
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    for sp, v, up, n in _query_samples(samples_dir, select, "1, 2", since_ms):
-        out.setdefault(sp, {})[v] = (int(up or 0), int(n or 0))
-    return out
 
 
 @dataclass
@@ -274,7 +244,8 @@ class CanaryCounts:
         votes: ``{version: (votes_up, votes_down, samples)}`` since the canary started.
         step_votes: ``{version: (votes_up, votes_down)}`` since the current step started.
         guards: ``{version: {completions, completion_tokens, no_answer, truncated}}`` since
-            the canary started (as :func:`guard_counts`).
+            the canary started: ``no_answer`` = replies of at most ``EMPTY_REPLY_TOKENS``
+            tokens, ``truncated`` = ``finish_reason == 'length'`` (cut at max_tokens).
         by_split: ``{split: {version: (votes_up, votes)}}`` since the canary started.
     """
 
@@ -285,8 +256,8 @@ class CanaryCounts:
 
 
 def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -> CanaryCounts:
-    """Everything :func:`vote_counts`, :func:`guard_counts` and :func:`vote_counts_by_split`
-    give for a canary, in one scan of the shards.
+    """Everything a canary's poll reads from the sample shards, in one scan (shards written
+    before samples had a ``split`` column count as ``train``).
     Samples created at or after ``canary_since_ms`` count for the canary, at or after
     ``step_since_ms`` for the step (ms). Raises what DuckDB raises on unreadable shards."""
     since = min(int(canary_since_ms), int(step_since_ms))

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.manifest import VERSION_PATTERN
+
 
 class LoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    version: str = Field(min_length=1, pattern=r"^v[0-9]+$")  # schemas.manifest.version_name: v000123
+    version: str = Field(min_length=1, pattern=VERSION_PATTERN)
 
 
 class WeightRequest(BaseModel):
@@ -31,7 +33,7 @@ class WeightRequest(BaseModel):
 
 class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    version: str | None = Field(None, min_length=1, pattern=r"^v[0-9]+$")  # None: back to the stable; "" is refused
+    version: str | None = Field(None, min_length=1, pattern=VERSION_PATTERN)  # None: back to the stable; "" is refused
 
 
 class SlotInfo(BaseModel):

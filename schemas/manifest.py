@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 VersionKind = Literal["snapshot", "delta"]
 
 
+VERSION_PATTERN = r"^v[0-9]+$"  # what version_name writes and version_number reads
+
+
 def version_name(n: int) -> str:
     """``7 -> 'v000007'``."""
     return f"v{n:06d}"

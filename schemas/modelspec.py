@@ -39,9 +39,10 @@ def load_model(model_dir: str | Path, dtype=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
-        experts_implementation=experts_implementation(AutoConfig.from_pretrained(str(model_dir))))
+        str(model_dir), config=config, dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
+        experts_implementation=experts_implementation(config))
     model.eval()
     return model
 

@@ -25,8 +25,7 @@ from typer.testing import CliRunner
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.commands import register, rollout_status_path
-from deploy.controller import (ControllerConfig, RolloutController, RolloutPhase, canary_counts, guard_counts,
-                               vote_counts, vote_counts_by_split)
+from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, canary_counts, vote_counts
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import CorruptVersionError, ModelStore
 from flywheel.broker import free_port
@@ -358,23 +357,23 @@ def test_vote_counts_by_version_since(env):
     assert vote_counts(env.samples / "nothing", 0) == {}
 
 
-def test_canary_counts_one_scan_equals_the_separate_queries(env):
-    """The controller's one query per poll gives what the three separate queries give."""
+def test_canary_counts_by_hand(env):
+    """The controller's one query per poll: votes since the canary, votes since the step,
+    guard figures and splits, each counted by hand from the shards written here."""
     write_votes(env.samples, "v000001", 3, 1, 1000, tokens=2)
     write_votes(env.samples, "v000001", 2, 2, 5000, tokens=40, finish_reason="length")
     write_votes(env.samples, "v000001", 1, 0, 9000, tokens=7)
     write_votes(env.samples, "v000000", 0, 4, 5000, tokens=1)
     write_votes(env.samples, "v000002", 2, 0, 9500, tokens=3)
     cc = canary_counts(env.samples, 2000, 8000)
-    assert cc.votes == vote_counts(env.samples, 2000) == {"v000001": (3, 2, 5), "v000000": (0, 4, 4),
-                                                          "v000002": (2, 0, 2)}
-    assert cc.step_votes == {v: (u, d) for v, (u, d, _) in vote_counts(env.samples, 8000).items()} == {
-        "v000001": (1, 0), "v000002": (2, 0)}
-    assert cc.guards == guard_counts(env.samples, 2000)
-    # by hand: v000001 since 2000 is 4 replies of 40 tokens cut at max_tokens and 1 of 7
-    assert cc.guards["v000001"] == {"completions": 5, "completion_tokens": 167, "no_answer": 0, "truncated": 4}
-    assert cc.guards["v000000"]["no_answer"] == 4  # 1-token replies
-    assert cc.by_split == vote_counts_by_split(env.samples, 2000)
+    assert cc.votes == {"v000001": (3, 2, 5), "v000000": (0, 4, 4), "v000002": (2, 0, 2)}
+    assert cc.step_votes == {"v000001": (1, 0), "v000002": (2, 0)}
+    # v000001 since 2000: 4 replies of 40 tokens cut at max_tokens and 1 of 7; v000000: four
+    # 1-token replies (no answer); v000002: two of 3 tokens
+    assert cc.guards == {"v000001": {"completions": 5, "completion_tokens": 167, "no_answer": 0, "truncated": 4},
+                         "v000000": {"completions": 4, "completion_tokens": 4, "no_answer": 4, "truncated": 0},
+                         "v000002": {"completions": 2, "completion_tokens": 6, "no_answer": 0, "truncated": 0}}
+    assert cc.by_split == {"train": {"v000001": (3, 5), "v000000": (0, 4), "v000002": (2, 2)}}
     assert canary_counts(env.samples / "nothing", 0, 0) == type(cc)()
 
 
