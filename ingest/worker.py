@@ -13,8 +13,8 @@ two activities:
   them, then **commit the batch's offsets**;
 * **the seal thread** (one worker thread, every ``tick_s``): recover dead peers' claims,
   claim due labels, validate their completions and build their RewardedSamples, write one Parquet shard per
-  (model_version, day) per round, mark them sealed, dead-letter orphans, write dead-letter
-  files and refresh the catalog. It shares the store (one SQLite connection, one lock held
+  (model_version, day) per round, mark them sealed, dead-letter orphans (topic and file written
+  before they are marked) and refresh the catalog. It shares the store (one SQLite connection, one lock held
   per transaction); a claim transaction covers at most ``SEAL_CHUNK`` labels, so the
   consumer never waits long for it. Only the Kafka sends of its results (samples, orphan
   dead letters) run on the event loop.
@@ -79,7 +79,6 @@ source of truth the learner reads).
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import json
 import logging
@@ -166,9 +165,8 @@ class Worker:
         self.joiner = Joiner(self.store, cfg.join)
         self.metrics = IngestMetrics()  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
-        # published dead letters for the next dead-letter file: appended on the event loop,
-        # drained by the seal thread (deque: thread-safe append/popleft)
-        self._dead_seen: collections.deque[DeadLetter] = collections.deque()
+        # a dead-letter file was written since the last housekeeping (for the catalog refresh)
+        self._wrote_dead = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-seal")
         # the fold runs off the event loop so that aiokafka's next fetch overlaps it
         self._fold_pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-fold")
@@ -346,8 +344,15 @@ class Worker:
             admin.close()
 
     async def publish_dead(self, dead: list[DeadLetter]) -> None:
+        """Publish ``dead`` to the dead-letter topic, then write them as one dead-letter file;
+        both are done before this returns, so the caller marks the events dead-lettered (or
+        commits past them) only once the topic and the file hold them. A crash between the
+        two writes and the mark dead-letters them again (at-least-once, never lost).
+
+        Raises whatever the send or the file write raised (the caller retries)."""
         await self.publish(T.DEADLETTER, [((d.key or "").encode(), d.to_bytes()) for d in dead])
-        self._dead_seen.extend(dead)
+        await asyncio.get_running_loop().run_in_executor(None, writer.write_deadletters, dead, self.dead_dir)
+        self._wrote_dead = True
         self.metrics.dead_letters(dead)
 
     async def consume(self, stop: asyncio.Event) -> None:
@@ -424,7 +429,7 @@ class Worker:
         return msgs, orphans, more
 
     def housekeeping(self, wrote: int) -> None:
-        """In the seal thread: recovery, pruning, dead-letter files, catalog, stats line."""
+        """In the seal thread: recovery, pruning, catalog, stats line."""
         t = self._t
         if time.monotonic() - t["recover"] > RECOVER_EVERY_S:  # a dead peer's claims
             t["recover"] = time.monotonic()
@@ -437,15 +442,7 @@ class Worker:
         if time.monotonic() - t["collect"] > COLLECT_EVERY_S:
             t["collect"] = time.monotonic()
             self.store.collect_segments()
-        wrote_dead = False
-        dead = [self._dead_seen.popleft() for _ in range(len(self._dead_seen))]
-        if dead:
-            try:
-                writer.write_deadletters(dead, self.dead_dir)
-                wrote_dead = True
-            except Exception:
-                log.exception("ingest: dead-letter file failed; retried next tick")
-                self._dead_seen.extendleft(reversed(dead))
+        wrote_dead, self._wrote_dead = self._wrote_dead, False
         # the views read the Parquet globs at query time: a refresh is needed only when the
         # first shard / dead-letter file appears (the view SQL changes), else now and then
         if (wrote and not self._cat["samples"]) or (wrote_dead and not self._cat["dead"]) or (
