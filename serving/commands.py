@@ -70,7 +70,7 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
               api_keys: set[str] | None = None, admin_token: str | None = None,
               threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False,
               device: str = "cpu", scheduler: str = "continuous", engine_options: dict | None = None,
-              app_options: dict | None = None) -> Pod:
+              app_options: dict | None = None, prefix_caching: bool = False) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -84,6 +84,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             scoring pass (see :class:`serving.engine.TorchEngine`).
         device: torch engine only: the torch device of the weights (``cpu``, ``cuda``, ``cuda:1``).
         scheduler: torch engine only: ``continuous`` or ``static`` (benchmarks).
+        prefix_caching: torch engine only: reuse the KV cache of shared prompt prefixes
+            (:mod:`serving.prefix_cache`); vLLM has its own (``enable_prefix_caching``).
         engine_options: vLLM engine only: :class:`serving.engine_vllm.VLLMEngine` keyword
             arguments (``max_model_len``, ``tensor_parallel_size``, ``dtype``,
             ``gpu_memory_utilization``, ``quantization``; None values are left out).
@@ -102,7 +104,7 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
         from serving.engine import TorchEngine
 
         eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads, aligned_logprobs=aligned_logprobs,
-                          device=device, scheduler=scheduler)
+                          device=device, scheduler=scheduler, prefix_caching=prefix_caching)
     elif engine == "vllm":
         if aligned_logprobs:
             raise ValueError("aligned_logprobs: torch engine only (with vLLM on GPU use VLLM_BATCH_INVARIANT=1)")
@@ -218,6 +220,10 @@ def register(app: typer.Typer) -> None:
                                                    "learner's recompute matches them exactly (costs one "
                                                    "prefill-sized forward per completion)."),
         device: str = typer.Option("cpu", help="Torch engine: device of the weights (cpu, cuda, cuda:N)."),
+        prefix_caching: bool = typer.Option(False, "--prefix-caching/--no-prefix-caching",
+                                            help="Torch engine: keep the KV cache of prompt prefixes that requests "
+                                                 "share (the chat template's system turn) and prefill only the "
+                                                 "rest."),
         max_model_len: Optional[int] = typer.Option(None, min=1, help="vLLM engine: context length in tokens "
                                                                       "(default the model's)."),
         tensor_parallel_size: Optional[int] = typer.Option(None, min=1, help="vLLM engine: GPUs per instance."),
@@ -244,6 +250,8 @@ def register(app: typer.Typer) -> None:
         if aligned_logprobs and engine != "torch":
             raise typer.BadParameter("torch engine only (vLLM on GPU: VLLM_BATCH_INVARIANT=1)",
                                      param_hint="--aligned-logprobs")
+        if prefix_caching and engine != "torch":
+            raise typer.BadParameter("torch engine only (vLLM caches prefixes itself)", param_hint="--prefix-caching")
         vllm_opts = {"max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
                      "gpu_memory_utilization": gpu_memory_utilization, "quantization": quantization}
         if engine != "vllm":
@@ -289,7 +297,8 @@ def register(app: typer.Typer) -> None:
         p = build_pod(st, version, pod=pod, max_batch=max_batch, app_options=app_options,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
-                      engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts)
+                      engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts,
+                      prefix_caching=prefix_caching)
         typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown

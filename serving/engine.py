@@ -123,6 +123,10 @@ class LoadedModel:
         hashes: ``{tensor name: sha256}`` verified at load (``schemas.manifest.state_sha256``).
         weights_digest: ``digest_of_hashes(hashes)``.
         loaded_at: ms since epoch; load_ms: time to build + verify (ms).
+        routers / route_buf: the MoE router modules and, per layer, the expert indices
+            ``(N, k)`` of the last forward (filled by forward hooks).
+        prefix_cache: this version's :class:`serving.prefix_cache.PrefixCache`, or None when
+            the engine runs without prefix caching.
     """
 
     version: str
@@ -133,6 +137,7 @@ class LoadedModel:
     load_ms: float
     routers: list = field(default_factory=list)
     route_buf: list = field(default_factory=list)  # per MoE layer: last indices (N, k)
+    prefix_cache: Any = None  # serving.prefix_cache.PrefixCache of these weights, or None (off)
 
 
 @dataclass
@@ -301,6 +306,9 @@ class TorchEngine(Engine):
             and batched prefill are other matmul shapes). Costs one prefill-sized forward per
             completion. Tokens are still sampled from the decode-time distribution; the
             rescored logprob differs from it by that ~1e-6 (docs/decisions.md D11).
+        prefix_caching: keep the KV cache of prompt prefixes shared by requests (the chat
+            template's system turn, a product's instructions) per loaded version and prefill
+            only the rest (:mod:`serving.prefix_cache`; docs/decisions.md D26).
 
     Raises:
         ValueError: unknown ``scheduler``.
@@ -308,7 +316,7 @@ class TorchEngine(Engine):
 
     def __init__(self, model_dir: str | Path, max_batch: int = 8, max_queue: int = 256, dtype=None,
                  threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False,
-                 scheduler: str = "continuous"):
+                 scheduler: str = "continuous", prefix_caching: bool = False):
         import torch
 
         if scheduler not in ("continuous", "static"):
@@ -319,6 +327,7 @@ class TorchEngine(Engine):
         self.max_queue = int(max_queue)
         self.scheduler = scheduler
         self.aligned_logprobs = bool(aligned_logprobs)
+        self.prefix_caching = bool(prefix_caching)
         self.dtype = dtype or torch.float32
         if threads:
             torch.set_num_threads(threads)
@@ -389,6 +398,10 @@ class TorchEngine(Engine):
                          weights_digest=digest_of_hashes(hashes), loaded_at=now_ms(),
                          load_ms=(time.perf_counter() - t0) * 1000, routers=routers,
                          route_buf=[None] * len(routers))
+        if self.prefix_caching:
+            from serving.prefix_cache import PrefixCache
+
+            lm.prefix_cache = PrefixCache()
         for i, r in enumerate(routers):
             def hook(_mod, _inp, out, i=i, buf=lm.route_buf):
                 buf[i] = out[2]  # (N, k) selected experts

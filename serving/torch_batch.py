@@ -125,14 +125,25 @@ class RunningBatch:
                 s.routes = np.zeros((s.plen + r.sampling.max_tokens - 1, self.n_layers, self.top_k),
                                     dtype=self.route_dtype)
             seqs.append(s)
-        ids, mask0 = left_pad([s.req.prompt_token_ids for s in seqs], eng.pad_id)  # (Bn, Tn) int64
+        prompts = [s.req.prompt_token_ids for s in seqs]
+        entry = self._prefix_for(prompts)
+        p = entry.length if entry is not None else 0
+        ids, mask0 = left_pad([pr[p:] for pr in prompts], eng.pad_id)  # (Bn, Tn) int64: the suffixes
         Bn, Tn = ids.shape
-        out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=position_ids(mask0).to(dev),
-                       use_cache=True, logits_to_keep=1)
-        if self.n_layers:  # (Bn, Tn, L, k): every prompt token's expert selection
+        cache = None
+        pos_ids = position_ids(mask0)
+        if entry is not None:  # layout [prefix | left padding | suffix]; positions go on from p
+            cache = entry.cache_for(Bn, lm.model.config)
+            pos_ids = pos_ids + p
+            mask0 = torch.cat([torch.ones((Bn, p), dtype=mask0.dtype), mask0], dim=1)
+        out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=pos_ids.to(dev),
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if self.n_layers:  # (Bn, Tn, L, k): every prefilled token's expert selection
             pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.route_buf], dim=2).cpu().numpy()
             for j, s in enumerate(seqs):
-                s.routes[:s.plen] = pr[j, Tn - s.plen:]
+                if entry is not None:
+                    s.routes[:p] = entry.routes
+                s.routes[p:s.plen] = pr[j, Tn - (s.plen - p):]
         pos = torch.tensor([[s.plen] for s in seqs], dtype=torch.long, device=dev)  # (Bn, 1)
         logits = out.logits[:, -1, :].float()  # (Bn, V)
         if not self.seqs:
@@ -140,6 +151,48 @@ class RunningBatch:
         else:
             self._concat(out.past_key_values, mask0.to(dev), pos, logits)
         self.seqs += seqs
+
+    def _prefix_for(self, prompts: list[list[int]]):
+        """The :class:`serving.prefix_cache.PrefixEntry` to prefill ``prompts`` from (built
+        now if worth it, ``serving.prefix_cache.PrefixCache.candidate``), or None: prefix
+        caching off, or no shared prefix of ``min_tokens``."""
+        pc = self.lm.prefix_cache
+        if pc is None:
+            return None
+        entry = pc.lookup(prompts)
+        n = pc.candidate(prompts)
+        computed = 0
+        if n >= pc.min_tokens and n >= (entry.length if entry is not None else 0) + pc.min_tokens:
+            base = entry
+            entry = self._build_prefix(tuple(prompts[0][:n]), base)
+            computed = n - (base.length if base is not None else 0)
+            pc.add(entry)
+        if entry is not None:
+            pc.used(entry, len(prompts), computed)
+        return entry
+
+    def _build_prefix(self, tokens: tuple[int, ...], base):
+        """Run ``tokens`` (on top of the entry ``base``, a prefix of them, if given) as one
+        batch-1 forward; return their :class:`serving.prefix_cache.PrefixEntry`."""
+        import torch
+
+        from serving.prefix_cache import PrefixEntry
+
+        lm, dev = self.lm, self.eng.device
+        b = base.length if base is not None else 0
+        new = torch.tensor([tokens[b:]], dtype=torch.long, device=dev)  # (1, n - b)
+        n = len(tokens)
+        out = lm.model(input_ids=new, attention_mask=torch.ones((1, n), dtype=torch.long, device=dev),
+                       position_ids=torch.arange(b, n, device=dev).unsqueeze(0),
+                       past_key_values=base.cache_for(1, lm.model.config) if base is not None else None,
+                       use_cache=True, logits_to_keep=1)
+        routes = None
+        if self.n_layers:
+            rt = torch.stack([x.view(n - b, self.top_k) for x in lm.route_buf], dim=1).cpu().numpy()
+            rt = rt.astype(self.route_dtype)
+            routes = np.concatenate([base.routes, rt]) if base is not None else rt
+        kv = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in out.past_key_values.layers]
+        return PrefixEntry(tokens=tokens, kv=kv, routes=routes)
 
     def _concat(self, cache, mask, pos, logits) -> None:
         """Append prefilled rows: both caches and masks left-padded to one width, then stacked."""
