@@ -422,6 +422,8 @@ class Demo:
         args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
                     "--batch-size", str(self.cfg.learner_batch),
                     "--train-layers", str(self.cfg.learner_train_layers), "--measure-free-max", "2",
+                    # the reference pass 8 samples per forward: 57-89 s per cycle one at a time
+                    "--measure-chunk", "8",
                     "--seed", str(self.cfg.seed + cycle), "--min-samples", "1",
                     "--objective", self.cfg.learner_objective, "--baseline", self.cfg.learner_baseline)
         if self.cfg.learner_objective == "kto":

@@ -45,6 +45,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
            measure_free_max: int = typer.Option(0, help="Samples that also get a replay-off forward "
                                                 "for route-flip figures (0 = all)."),
+           measure_chunk: int = typer.Option(1, min=1, help="Samples per forward in the start-of-cycle reference "
+                                             "pass (1 = each alone, unpadded: the layout of --aligned-logprobs, so "
+                                             "the mismatch can be exactly 0; more is faster, ~1e-6 apart)."),
            no_replay: bool = typer.Option(False, "--no-replay", help="Free routing (no router replay)."),
            allow_free_routing: bool = typer.Option(False, help="Train samples without routes on free routing."),
            parent: str = typer.Option("stable", help="Train from the 'stable' (promoted) or 'latest' version."),
@@ -76,7 +79,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                             checkpoint_every=checkpoint_every, zero_stage=zero_stage,
                             holdout_frac=holdout_frac, max_regression=max_regression,
                             allow_free_routing=allow_free_routing, min_samples=min_samples,
-                            train_layers=train_layers, measure_free_max=measure_free_max,
+                            train_layers=train_layers, measure_free_max=measure_free_max, measure_chunk=measure_chunk,
                             micro_batch_size=micro_batch_size, precision=precision,
                             activation_checkpointing=activation_checkpointing, lateness_s=lateness_s)
     except ValueError as exc:
