@@ -96,7 +96,9 @@ class ControllerConfig:
     """Rollout policy.
 
     Fields:
-        steps: candidate traffic shares, increasing, in (0, 1]; the last must be 1.0.
+        steps: candidate traffic shares, increasing, in (0, 1]; the last must be 1.0, and is
+            the promotion itself: a canary is analysed at the shares before it, where the
+            stable version still serves (``deploy.decide.next_share``).
         step_deadline_s: a step still undecided after this long takes ``deadline_outcome`` (s).
         deadline_outcome: ``rollback`` (default, production) or ``promote``; a step whose
             data could not be judged (ERROR) rolls back either way.

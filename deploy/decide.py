@@ -94,6 +94,18 @@ class StepDecision:
     weight: float
 
 
+def next_share(steps: tuple[float, ...], step: int) -> float | None:
+    """The traffic share a passing step ``step`` advances to, or None when passing it
+    promotes: at the last step, or when the next step is the final 1.0. At 100 % the stable
+    version serves nothing, so its evidence would stop growing and an analysis there could
+    only repeat the last one's stable figures; the final 1.0 is therefore the promotion
+    itself (Flagger promotes after its last analysed weight the same way). With the single
+    step ``(1.0,)`` the analysis runs at full traffic."""
+    if step + 1 >= len(steps) or (steps[step + 1] >= 1.0 and step + 1 == len(steps) - 1):
+        return None
+    return steps[step + 1]
+
+
 def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], ev: Evidence,
                 policy: StepPolicy, now_ms: int) -> StepDecision:
     """Decide one reconcile step of a canary at traffic step ``step`` (index into
@@ -101,7 +113,7 @@ def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], 
 
     Rules: the analysis (:func:`deploy.analysis.analyze`) decides ROLLBACK at once; its
     PROMOTE advances only once the step has ``min_votes_per_step`` new candidate votes, and
-    at the last step promotes; an undecided step past ``step_deadline_s`` takes
+    at the last analysed step (:func:`next_share`) promotes; an undecided step past ``step_deadline_s`` takes
     ``deadline_outcome`` (a step whose data could not be judged, or with fewer than
     ``min_votes`` votes on an arm, rolls back: never promoted on empty data).
 
@@ -122,9 +134,9 @@ def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], 
 
     if d.outcome == Outcome.ROLLBACK:
         return out(StepAction.ROLLBACK, d.reason, d.decided_by, 0.0)
+    nxt = next_share(policy.steps, step)
     if d.outcome == Outcome.PROMOTE and ev.step_votes >= policy.min_votes_per_step:
-        if step + 1 < len(policy.steps):
-            nxt = policy.steps[step + 1]
+        if nxt is not None:
             return out(StepAction.ADVANCE, f"to {nxt:.0%}: {d.reason}", d.decided_by, nxt)
         return out(StepAction.PROMOTE, d.reason, d.decided_by, 0.0)
     reason = d.reason
@@ -142,8 +154,7 @@ def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], 
                    f"(candidate {ev.candidate.votes}, stable {ev.stable.votes}, need {policy.analysis.min_votes} "
                    f"per arm): rolled back; {reason}", "deadline", 0.0)
     if policy.deadline_outcome == "promote":
-        if step + 1 < len(policy.steps):
-            nxt = policy.steps[step + 1]
+        if nxt is not None:
             return out(StepAction.ADVANCE, f"{why}, deadline outcome promote: to {nxt:.0%}; {reason}", "deadline", nxt)
         return out(StepAction.PROMOTE, f"{why}, deadline outcome promote; {reason}", "deadline", 0.0)
     return out(StepAction.ROLLBACK, f"{why}, deadline outcome rollback; {reason}", "deadline", 0.0)

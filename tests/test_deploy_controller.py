@@ -212,30 +212,30 @@ def deployments_on_kafka(bootstrap: str, n: int, timeout_s: float = 15.0) -> lis
 def test_good_candidate_is_canaried_and_promoted(env):
     m1 = publish_v(env.store, "v000000")
     clock = Clock()
-    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
-    assert (st.phase, st.candidate, st.stable, st.weight) == (RolloutPhase.CANARY, "v000001", "v000000", 0.5)
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
+    assert (st.phase, st.candidate, st.stable, st.weight) == (RolloutPhase.CANARY, "v000001", "v000000", 0.25)
     s = env.admin.slots()
-    assert s.candidate.version == "v000001" and s.candidate_weight == 0.5
+    assert s.candidate.version == "v000001" and s.candidate_weight == 0.25
     assert s.candidate.weights_digest == m1.weights_digest  # hashes verified on the serving side
     # no votes yet: holds, never promotes on empty data
     clock.t += 1000
-    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
     assert st.phase == RolloutPhase.CANARY and st.last_outcome == "HOLD" and "too few votes" in st.last_reason
     write_votes(env.samples, "v000001", 12, 13, clock.t)
     write_votes(env.samples, "v000000", 11, 14, clock.t)
     clock.t += 1000
-    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
-    assert (st.last_outcome, st.step, st.weight) == ("ADVANCE", 1, 1.0)
-    assert env.admin.slots().candidate_weight == 1.0
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
+    assert (st.last_outcome, st.step, st.weight) == ("ADVANCE", 1, 0.5)
+    assert env.admin.slots().candidate_weight == 0.5
     clock.t += 1000
     # serving restarted and lost its candidate: the controller re-loads it at the same weight
     env.admin.rollback()
     # step 1 needs new candidate votes of its own
-    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
-    assert env.admin.slots().candidate.version == "v000001" and env.admin.slots().candidate_weight == 1.0
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
+    assert env.admin.slots().candidate.version == "v000001" and env.admin.slots().candidate_weight == 0.5
     assert st.last_outcome == "HOLD" and "0 new candidate votes" in st.last_reason
     write_votes(env.samples, "v000001", 10, 10, clock.t + 1)
-    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()  # 50 % was the last analysed share
     assert st.phase == RolloutPhase.PROMOTED and st.phase.is_terminal()
     s = env.admin.slots()
     assert s.stable.version == "v000001" and s.candidate is None
@@ -252,7 +252,7 @@ def test_good_candidate_is_canaried_and_promoted(env):
     assert [(k, v["decision"]) for k, v in msgs] == [
         ("v000001", d) for d in ["START", "HOLD", "ADVANCE", "RELOAD", "HOLD", "PROMOTE"]]
     # idle afterwards: nothing newer than stable
-    st = controller(env, clock, steps=(0.5, 1.0)).reconcile()
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
     assert st.phase == RolloutPhase.PROMOTED and env.admin.slots().stable.version == "v000001"
 
 
@@ -301,7 +301,7 @@ def test_corrupt_candidate_fails_to_load_and_slots_stay(env):
 def test_deadline_outcome_rollback_by_default_and_promote_when_configured(env):
     publish_v(env.store, "v000000")
     clock = Clock()
-    kw = dict(steps=(0.5, 1.0), step_deadline_s=600, delta=0.1)
+    kw = dict(steps=(0.25, 0.5, 1.0), step_deadline_s=600, delta=0.1)
     controller(env, clock, **kw).reconcile()
     write_votes(env.samples, "v000001", 12, 13, clock.t + 1)  # 25 votes per arm: undecided at delta 0.1
     write_votes(env.samples, "v000000", 11, 14, clock.t + 1)
@@ -310,7 +310,7 @@ def test_deadline_outcome_rollback_by_default_and_promote_when_configured(env):
     assert st.last_outcome == "HOLD" and "undecided" in st.last_reason
     clock.t += 2_000
     st = controller(env, clock, deadline_outcome="promote", **kw).reconcile()
-    assert st.last_outcome == "ADVANCE" and "deadline outcome promote" in st.last_reason and st.weight == 1.0
+    assert st.last_outcome == "ADVANCE" and "deadline outcome promote" in st.last_reason and st.weight == 0.5
     last = ledger.decisions(env.ledger)[-1]
     assert last.numbers["decided_by"] == "deadline"
     clock.t += 601_000  # step 1 stays undecided past its deadline: the default rolls back
@@ -551,7 +551,7 @@ def test_controller_processes_resume_from_the_persisted_phase(env):
 
     publish_v(env.store, "v000000")
     cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
-           "register(app); app()", "controller", "--once", "--steps", "0.5,1", "--min-votes", "5",
+           "register(app); app()", "controller", "--once", "--steps", "0.25,0.5,1", "--min-votes", "5",
            "--deadline-s", "1", "--deadline-outcome", "promote"]
     envv = dict(os.environ)
     r1 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
@@ -563,7 +563,7 @@ def test_controller_processes_resume_from_the_persisted_phase(env):
     write_votes(env.samples, "v000000", 2, 3, now)
     r2 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 0, r2.stderr
-    assert "step=1" in r2.stdout and "weight=1.0" in r2.stdout
+    assert "step=1" in r2.stdout and "weight=0.5" in r2.stdout
     decs = [d.decision for d in ledger.decisions(env.ledger)]
     assert decs.count("START") == 1 and "ADVANCE" in decs
     adv = [d for d in ledger.decisions(env.ledger) if d.decision == "ADVANCE"]
@@ -615,7 +615,7 @@ def test_sigkilled_controller_resumes_from_the_ledger_at_the_same_step(env):
 
     publish_v(env.store, "v000000")
     cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
-           "register(app); app()", "controller", "--steps", "0.5,1", "--min-votes", "5", "--delta", "0.9",
+           "register(app); app()", "controller", "--steps", "0.25,0.5,1", "--min-votes", "5", "--delta", "0.9",
            "--poll-s", "0.3"]
 
     def start():
@@ -637,7 +637,7 @@ def test_sigkilled_controller_resumes_from_the_ledger_at_the_same_step(env):
     finally:
         if p.poll() is None:
             p.kill()
-    assert env.admin.slots().candidate_weight == 1.0  # serving keeps the step-1 weight meanwhile
+    assert env.admin.slots().candidate_weight == 0.5  # serving keeps the step-1 weight meanwhile
     env.status.unlink()  # the JSON cache is gone: only the ledger knows the step
     p = start()
     try:

@@ -87,7 +87,7 @@ def test_current_serving_shape_skips_with_reasons_and_thumbs_decide(env):
     write_votes(env.samples, "v000000", 30, 10, clock.t)
     clock.t += 1000
     st = controller(env, clock, steps=(0.5, 1.0), min_votes=5).reconcile()
-    assert st.last_outcome == "ADVANCE", st.last_reason
+    assert st.last_outcome == "PROMOTE", st.last_reason  # 50 % is the last analysed share
     nums = ledger.decisions(env.ledger)[-1].numbers
     for m in ("error_rate", "p99_latency", "tokens_per_s"):
         assert nums[m]["check"] == "SKIPPED" and "version label" in nums[m]["skipped"], nums[m]
