@@ -590,6 +590,9 @@ def _score_aligned_impl(lm: LoadedModel, prompt: list[int], completion: list[int
     return lp.cpu().tolist(), routes
 
 
+TOP_P_CANDIDATES = 256  # largest logits a top-p row is first filtered among (see _BatchFilter.sample)
+
+
 class _BatchFilter:
     """Temperature, top-k and top-p for the sampled rows of a batch, as batched tensor ops.
 
@@ -597,7 +600,8 @@ class _BatchFilter:
     ``top_k`` largest (0 = all; ties with the k-th kept); keep the smallest prefix of the
     sorted distribution whose mass reaches ``top_p``; draw one token from the softmax of
     what is left with the row's own ``torch.Generator``. Filtering only picks the token: the
-    logged behavior logprob stays the raw one.
+    logged behavior logprob stays the raw one. A row's top-p prefix is looked for among its
+    ``TOP_P_CANDIDATES`` largest logits first (:meth:`_top_p`).
 
     Args:
         params: one :class:`schemas.events.SamplingParams` per sampled row (temperature > 0).
@@ -615,6 +619,26 @@ class _BatchFilter:
             self.p_ix = torch.tensor(self.p_rows, dtype=torch.long)
             self.p_val = torch.tensor([self.top_p[j] for j in self.p_rows], dtype=torch.float32).unsqueeze(1)
 
+    def _top_p(self, xp) -> Any:
+        """The top-p rows' logits ``(R, V)`` with everything outside each row's smallest
+        sorted prefix of mass >= top_p set to -inf. A row is sorted whole only when its
+        ``TOP_P_CANDIDATES`` largest logits hold less than its top_p; the kept set, hence the
+        draw, does not depend on which way it was found."""
+        import torch
+
+        lse = torch.logsumexp(xp, dim=-1, keepdim=True)  # (R, 1)
+        sx, si = torch.topk(xp, min(TOP_P_CANDIDATES, xp.shape[-1]), dim=-1)  # (R, K) descending
+        probs = torch.exp(sx - lse)
+        drop = probs.cumsum(-1) - probs > self.p_val  # keep the smallest prefix with mass >= top_p
+        out = torch.full_like(xp, float("-inf")).scatter(1, si, sx.masked_fill(drop, float("-inf")))
+        short = torch.nonzero(probs.sum(-1, keepdim=True) < self.p_val)[:, 0]  # (R',) prefix beyond the K
+        if short.numel():
+            fx, fi = torch.sort(xp.index_select(0, short), dim=-1, descending=True)
+            fp = torch.exp(fx - lse.index_select(0, short))
+            fx = fx.masked_fill(fp.cumsum(-1) - fp > self.p_val.index_select(0, short), float("-inf"))
+            out.index_copy_(0, short, torch.full_like(fx, float("-inf")).scatter(1, fi, fx))
+        return out
+
     def sample(self, logits, gens) -> Any:
         """Token ids ``(S,)`` int64 from raw logits ``(S, V)`` float32 (CPU), one generator per row."""
         import torch
@@ -629,11 +653,6 @@ class _BatchFilter:
             xr = x[rows]
             x[rows] = xr.masked_fill(xr < kth, float("-inf"))
         if self.p_rows:
-            xp = x.index_select(0, self.p_ix)  # (R, V)
-            sx, si = torch.sort(xp, dim=-1, descending=True)
-            probs = torch.softmax(sx, dim=-1)
-            drop = probs.cumsum(-1) - probs > self.p_val  # keep the smallest prefix with mass >= top_p
-            sx = sx.masked_fill(drop, float("-inf"))
-            x.index_copy_(0, self.p_ix, torch.full_like(xp, float("-inf")).scatter(1, si, sx))
+            x.index_copy_(0, self.p_ix, self._top_p(x.index_select(0, self.p_ix)))
         probs = torch.softmax(x, dim=-1)  # (S, V)
         return torch.cat([torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)])

@@ -196,6 +196,27 @@ def test_batched_filter_matches_per_row_reference():
         assert got[4] == int(torch.argmax(logits[4]))  # top_k 1 = greedy at any temperature
 
 
+@pytest.mark.parametrize("scales", [(8.0, 8.0, 8.0), (0.05, 0.05, 0.05), (8.0, 0.05, 8.0)])
+def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scales):
+    """Peaked rows keep a prefix inside the TOP_P_CANDIDATES largest logits, flat rows do not;
+    alone or mixed in one batch, every draw equals the whole-row reference's."""
+    from serving.engine import TOP_P_CANDIDATES, _BatchFilter
+
+    V = 8192
+    params = [SamplingParams(temperature=t, top_p=p, max_tokens=1) for t, p in [(0.8, 0.95), (1.0, 0.5), (1.2, 0.99)]]
+    f = _BatchFilter(params)
+    g = torch.Generator().manual_seed(1)
+    scale = torch.tensor(scales).unsqueeze(1)
+    for step in range(10):
+        logits = torch.randn((len(params), V), generator=g) * scale
+        mass = torch.softmax(logits / f.temp, -1).topk(TOP_P_CANDIDATES, -1).values.sum(-1)  # (S,)
+        assert [bool(m >= 0.99) for m in mass] == [s > 1 for s in scales]
+        gens = [torch.Generator().manual_seed(10 * step + j) for j in range(len(params))]
+        refs = [torch.Generator().manual_seed(10 * step + j) for j in range(len(params))]
+        assert f.sample(logits.clone(), gens).tolist() == [_sample_ref(logits[j], sp, refs[j])
+                                                           for j, sp in enumerate(params)]
+
+
 def test_top_p_and_top_k_keep_the_right_tokens_by_hand():
     """probs (0.5, 0.3, 0.15, 0.05): top_p 0.6 may give only tokens 0/1, top_k 1 only token 0."""
     from serving.engine import _BatchFilter
