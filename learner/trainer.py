@@ -590,11 +590,14 @@ def _filter_pass(src: SampleSource, parent: str, cfg: LearnerConfig, L: int, k: 
 def _measure_pass(model, src: SampleSource, kept: list[int], parent: str, cfg: LearnerConfig, pad_id: int,
                   with_routes: bool, refs: RefLogprobs) -> dict:
     """Reference logprobs of every kept sample into ``refs`` (completion tokens only) and the
-    mismatch figures, :data:`FILTER_CHUNK` samples materialised at a time."""
+    mismatch figures, :data:`FILTER_CHUNK` samples materialised at a time. Samples go
+    shortest first, so a forward of ``measure_chunk`` samples pads them to similar lengths
+    (the replay-off forwards of ``measure_free_max`` thus cover the shortest samples)."""
     state = MeasureState.new()
     free_max = cfg.measure_free_max or None
-    for c in range(0, len(kept), FILTER_CHUNK):
-        idx = kept[c:c + FILTER_CHUNK]
+    order = sorted(kept, key=lambda i: src.meta.input_lens[i])
+    for c in range(0, len(order), FILTER_CHUNK):
+        idx = order[c:c + FILTER_CHUNK]
         b = build_batch(src.take(idx), pad_id, with_routes=with_routes)
         ref = measure_into(model, b, parent, state, cfg.measure_chunk, free_max)  # (b, T)
         for row, i in enumerate(idx):
