@@ -309,7 +309,10 @@ def register(app: typer.Typer) -> None:
             None, help="serving base URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
                        "(asked again before each step); repeat for several (default $FLYWHEEL_SERVING_URL)"),
         once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, then exit"),
-        steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated"),
+        steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated, "
+                                   "increasing in (0, 1], ending in 1; the canary is analysed at each share "
+                                   "below 1 and passing the last of them promotes (the final 1 is the "
+                                   "promotion itself, docs/decisions.md D27)"),
         min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
         delta: float = typer.Option(0.1, help="non-inferiority margin (rate units): advance when the always-valid "
                                     "lower bound of rate(candidate) - rate(stable) is above -delta"),

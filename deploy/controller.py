@@ -96,9 +96,9 @@ class ControllerConfig:
     """Rollout policy.
 
     Fields:
-        steps: candidate traffic shares, increasing, in (0, 1]; the last must be 1.0, and is
-            the promotion itself: a canary is analysed at the shares before it, where the
-            stable version still serves (``deploy.decide.next_share``).
+        steps: candidate traffic shares, increasing, in (0, 1]; at least two, the last 1.0,
+            which is the promotion itself: a canary is analysed at the shares before it, where
+            the stable version still serves (``deploy.decide.next_share``).
         step_deadline_s: a step still undecided after this long takes ``deadline_outcome`` (s).
         deadline_outcome: ``rollback`` (default, production) or ``promote``; a step whose
             data could not be judged (ERROR) rolls back either way.
@@ -127,6 +127,9 @@ class ControllerConfig:
             raise ValueError(f"steps: must be strictly increasing, got {self.steps}")
         if self.steps[-1] != 1.0:
             raise ValueError(f"steps: the last step must be 1.0, got {self.steps[-1]}")
+        if len(self.steps) < 2:
+            raise ValueError("steps: needs a share below 1.0 before the final 1.0: at 100 % the stable version "
+                             "serves nobody, so there is nothing to compare the candidate with")
         if self.step_deadline_s <= 0:
             raise ValueError(f"step_deadline_s: must be > 0, got {self.step_deadline_s}")
         if self.deadline_outcome not in DEADLINE_OUTCOMES:

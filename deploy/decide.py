@@ -99,8 +99,7 @@ def next_share(steps: tuple[float, ...], step: int) -> float | None:
     promotes: at the last step, or when the next step is the final 1.0. At 100 % the stable
     version serves nothing, so its evidence would stop growing and an analysis there could
     only repeat the last one's stable figures; the final 1.0 is therefore the promotion
-    itself (Flagger promotes after its last analysed weight the same way). With the single
-    step ``(1.0,)`` the analysis runs at full traffic."""
+    itself (Flagger promotes after its last analysed weight the same way)."""
     if step + 1 >= len(steps) or (steps[step + 1] >= 1.0 and step + 1 == len(steps) - 1):
         return None
     return steps[step + 1]

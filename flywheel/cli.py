@@ -112,7 +112,7 @@ def _root(ctx: typer.Context,
                                                   help="Print the version and exit."),
           config: Optional[Path] = typer.Option(
               None, "--config", envvar="FLYWHEEL_CONFIG", dir_okay=False,
-              help="flywheel.toml: paths, [kafka] and one table of options per command (schemas/config.py); "
+              help="flywheel.toml: paths, \\[kafka] and one table of options per command (schemas/config.py); "
                    "a flag or an environment variable overrides it.")) -> None:
     """Flywheel: keep a production MoE model learning from its users."""
     quiet_third_party(verbose)

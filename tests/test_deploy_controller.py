@@ -439,6 +439,8 @@ def test_cli_status_versions_promote_rollback(env):
     assert r.exit_code == 1 and "v000009" in r.output
     r = run(app, ["controller", "--once", "--steps", "0.5,0.4,1"])
     assert r.exit_code == 2 and "steps" in r.output
+    r = run(app, ["controller", "--once", "--steps", "1"])  # nothing left to compare at 100 % alone
+    assert r.exit_code == 2 and "share below 1.0" in r.output
 
 
 def test_two_pods_promote_to_the_same_hashes(env, tmp_path):
@@ -448,12 +450,12 @@ def test_two_pods_promote_to_the_same_hashes(env, tmp_path):
     try:
         clock = Clock()
         ctl = lambda: RolloutController(env.store, [env.admin, pod2], env.samples, env.ledger, env.status,
-                                        ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(
+                                        ControllerConfig(steps=(0.5, 1.0), analysis=AnalysisConfig(
                                             min_votes=5, delta=0.9, tau=0.3, min_guard_completions=5)),
                                         clock=clock)
         st = ctl().reconcile()
         assert st.phase == RolloutPhase.CANARY
-        assert [a.slots().candidate_weight for a in (env.admin, pod2)] == [1.0, 1.0]
+        assert [a.slots().candidate_weight for a in (env.admin, pod2)] == [0.5, 0.5]
         write_votes(env.samples, "v000001", 5, 1, clock.t)
         write_votes(env.samples, "v000000", 5, 1, clock.t)
         st = ctl().reconcile()

@@ -102,7 +102,7 @@ def test_controller_finds_pods_by_dns_and_promotes_on_all(tmp_path, tiny_moe_dir
     samples, clock = tmp_path / "samples", Clock()
     try:
         ctl = RolloutController(store, [], samples, fw_home / "ledger.duckdb", fw_home / "rollout.json",
-                                ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(min_votes=5)),
+                                ControllerConfig(steps=(0.5, 1.0), analysis=AnalysisConfig(min_votes=5)),
                                 clock=clock, arm_metrics=False, discover=disc)
         st = ctl.reconcile()
         assert st.phase == RolloutPhase.CANARY and [a.base_url for a in ctl.admins] == [f"http://127.0.0.1:{port}"]

@@ -50,7 +50,7 @@ def test_rollout_across_two_real_pods(tmp_path, tiny_moe_dir, fw_home, broker_en
 
         def ctl():
             return RolloutController(store, admins, samples, ledger_path, fw_home / "rollout.json",
-                                     ControllerConfig(steps=(1.0,), analysis=AnalysisConfig(
+                                     ControllerConfig(steps=(0.5, 1.0), analysis=AnalysisConfig(
                                          min_votes=5, delta=0.9, tau=0.3, min_guard_completions=5)),
                                      clock=clock, arm_metrics=False)
 
@@ -59,7 +59,7 @@ def test_rollout_across_two_real_pods(tmp_path, tiny_moe_dir, fw_home, broker_en
         for a in admins:  # both pods reconstructed v000001 from the delta and verified it
             s = a.slots()
             assert s.candidate.version == "v000001" and s.candidate.weights_digest == m1.weights_digest
-            assert s.candidate_weight == 1.0
+            assert s.candidate_weight == 0.5
         write_votes(samples, "v000001", 5, 1, clock.t)
         write_votes(samples, "v000000", 5, 1, clock.t)
         st = ctl().reconcile()
