@@ -131,6 +131,8 @@ class GenResult:
         queue_ms: time from submit until its batch started (ms), part of both above.
         version: the weights version that produced it.
         batch_size: requests in the batch it ran in.
+        cached_tokens: prompt tokens taken from the prefix cache instead of prefilled
+            (``serving.prefix_cache``; 0 without it).
     """
 
     completion_token_ids: list[int]
@@ -143,3 +145,4 @@ class GenResult:
     version: str
     batch_size: int = 1
     queue_ms: float = 0.0  # submit -> its batch started (ms); latency_ms - queue_ms = engine time
+    cached_tokens: int = 0  # prompt tokens from the prefix cache

@@ -58,6 +58,7 @@ class Seq:
     ttft_ms: float = 0.0
     finish: str | None = None
     max_rows: int = 0
+    cached: int = 0  # prompt tokens taken from a prefix cache entry
 
     @property
     def req(self) -> GenRequest:
@@ -128,6 +129,8 @@ class RunningBatch:
         prompts = [s.req.prompt_token_ids for s in seqs]
         entry = self._prefix_for(prompts)
         p = entry.length if entry is not None else 0
+        for s in seqs:
+            s.cached = p
         ids, mask0 = left_pad([pr[p:] for pr in prompts], eng.pad_id)  # (Bn, Tn) int64: the suffixes
         Bn, Tn = ids.shape
         cache = None
@@ -360,4 +363,4 @@ class RunningBatch:
         return GenResult(completion_token_ids=s.toks, behavior_logprobs=lps, top_logprobs=s.tops,
                          expert_routes=rt, finish_reason=s.finish, ttft_ms=s.ttft_ms,
                          latency_ms=(t_end - t_submit) * 1000, version=lm.version, batch_size=max(s.max_rows, 1),
-                         queue_ms=max(0.0, (s.t_admit - t_submit) * 1000))
+                         queue_ms=max(0.0, (s.t_admit - t_submit) * 1000), cached_tokens=s.cached)

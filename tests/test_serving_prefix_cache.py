@@ -60,6 +60,7 @@ def test_prefix_cached_generation_matches_a_full_forward(cached, tiny_moe_dir):
     assert pc.tokens_reused == len(SYSTEM) * (len(PROMPTS) - 1)
     again = [engine.generate_sync(GenRequest(prompt_token_ids=p, sampling=sp, model=base), 60) for p in PROMPTS]
     assert pc.hits == 1 + len(PROMPTS)  # each alone: from the entry
+    assert [r.cached_tokens for r in first + again] == [len(SYSTEM)] * (2 * len(PROMPTS))
     for p, r, r2 in zip(PROMPTS, first, again):
         assert r.expert_routes.shape == (len(p) + len(r.completion_token_ids) - 1, 2, 2)
         ref_lp, ref_routes = _reference(tiny_moe_dir, p, r.completion_token_ids)
@@ -77,7 +78,7 @@ def test_greedy_with_and_without_prefix_caching_agree(cached, tiny_moe_dir):
         sp = SamplingParams(temperature=0.0, max_tokens=8)
         a = _submit_all(engine, base, PROMPTS, sp)
         b = _submit_all(plain, pbase, PROMPTS, sp)
-        assert pbase.prefix_cache is None
+        assert pbase.prefix_cache is None and {r.cached_tokens for r in b} == {0}
     finally:
         plain.close()
     for x, y in zip(a, b):
@@ -108,3 +109,20 @@ def test_a_longer_shared_prefix_extends_the_entry_and_unrelated_prompts_skip_it(
     for p, r in zip(other, res):
         ref_lp, _ = _reference(tiny_moe_dir, p, r.completion_token_ids)
         np.testing.assert_allclose(r.behavior_logprobs, ref_lp, atol=1e-4, rtol=0)
+
+
+def test_metrics_count_prefix_cache_queries_and_hits():
+    """The pod's /metrics: prompt tokens looked up and found, per model name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.http.metrics import ServingMetrics
+    from serving.params import GenResult
+
+    m = ServingMetrics("flywheel", queue_depth=lambda: 0, running=lambda: 0, swap_pause_s=lambda: None)
+    for cached in (0, 12, 12):
+        m.observe(GenResult(completion_token_ids=[1, 2], behavior_logprobs=[-0.1, -0.2], top_logprobs=[],
+                            expert_routes=None, finish_reason="stop", ttft_ms=5.0, latency_ms=9.0,
+                            version="v000000", cached_tokens=cached), prompt_len=20)
+    got = {s.name: s.value for f in text_string_to_metric_families(m.render()[0].decode()) for s in f.samples
+           if s.name.startswith("flywheel_prefix_cache") and s.name.endswith("_total")}
+    assert got == {"flywheel_prefix_cache_queries_total": 60.0, "flywheel_prefix_cache_hits_total": 24.0}

@@ -8,6 +8,10 @@ that produced it), as vLLM's ``vllm:*`` families are:
 * ``flywheel_prompt_tokens_total``, ``flywheel_generation_tokens_total``.
 * ``flywheel_request_success_total{finished_reason}`` (``stop``, ``length``, ``abort``).
 * ``flywheel_num_requests_running`` / ``flywheel_num_requests_waiting`` (gauges, ``model_name``).
+* ``flywheel_prefix_cache_queries_total`` / ``flywheel_prefix_cache_hits_total`` (``model_name``):
+  prompt tokens looked up in the prefix cache and found there, as vLLM's
+  ``vllm:prefix_cache_queries`` / ``hits``; their ratio is the hit rate (0 without
+  ``--prefix-caching``).
 
 The canary's per-version signals (read by ``deploy.metrics``): ``flywheel_version_requests_total``,
 ``flywheel_version_errors_total`` (server-side failures: engine error 500, queue full 429),
@@ -76,6 +80,10 @@ class ServingMetrics:
         self.waiting = Gauge("flywheel_num_requests_waiting", "requests waiting for the engine",
                              ["model_name"], registry=r)
         self.waiting.labels(model_name).set_function(queue_depth)
+        self.prefix_queries = Counter("flywheel_prefix_cache_queries", "prompt tokens looked up in the prefix "
+                                      "cache", ["model_name"], registry=r)
+        self.prefix_hits = Counter("flywheel_prefix_cache_hits", "prompt tokens found in the prefix cache "
+                                   "(not prefilled)", ["model_name"], registry=r)
         self.tokens_per_s = Histogram("flywheel_decode_tokens_per_second", "completion tokens/s per request",
                                       buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.batch = Histogram("flywheel_batch_size", "requests per engine batch",
@@ -113,6 +121,8 @@ class ServingMetrics:
         self.prompt_tokens.labels(*lab).inc(prompt_len)
         self.generation_tokens.labels(*lab).inc(n_out)
         self.request_success.labels(*lab, res.finish_reason).inc()
+        self.prefix_queries.labels(self.model_name).inc(prompt_len)
+        self.prefix_hits.labels(self.model_name).inc(res.cached_tokens)
         self.batch.observe(res.batch_size)
         # engine time (prefill + decode), not queue wait: slots on one pod run in separate
         # batches, so end-to-end latency would penalise whichever arm's batch runs second
