@@ -222,7 +222,16 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self, i: int) -> str:
+        """The message's text (content parts joined); ``i`` is its index, for errors.
+
+        Raises:
+            ServingValidationError: no ``content`` on a message other than an assistant's
+                (which may carry only ``tool_calls``), or a non-text content part.
+        """
         if self.content is None:
+            if self.role != "assistant":
+                raise ServingValidationError(f"messages.{i}.content", None,
+                                             f"is required for a {self.role} message")
             return ""
         if isinstance(self.content, str):
             return self.content

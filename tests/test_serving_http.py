@@ -203,6 +203,11 @@ def test_non_finite_and_boolean_numbers_are_400_naming_the_field(env, path, raw,
     ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user", "content": 5}]},
      "messages.0.content", "must be one of str"),
     ("/v1/completions", {"model": "flywheel", "prompt": "x", "metadata": {"str": 1}}, "metadata.str", "string"),
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user"}]}, "messages.0.content",
+     "is required for a user message"),
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "system", "content": "s"},
+                                                               {"role": "user", "content": None}]},
+     "messages.1.content", "is required for a user message"),
 ])
 def test_wrong_types_name_the_field_not_the_union_member(env, path, body, param, says):
     r = post(env, path, body)
