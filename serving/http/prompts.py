@@ -66,8 +66,10 @@ class PromptBuilder:
         """413 ``context_length_exceeded`` naming ``field`` when the prompt leaves no room."""
         limit = min(self.max_prompt_tokens, self.max_positions - 1)
         if len(ids) > limit:
-            raise ServingValidationError(field, f"{len(ids)} tokens", f"prompt is longer than {limit} tokens",
-                                         status=413, code="context_length_exceeded")
+            why = (f"more than {limit} tokens" +
+                   (f" (a context of {self.max_positions} tokens must leave room for one new token)"
+                    if limit == self.max_positions - 1 else ""))
+            raise ServingValidationError(field, len(ids), why, status=413, code="context_length_exceeded")
 
     def budget(self, field: str, prompt: list[int], asked: int | None, default: int) -> int:
         """New-token budget: an explicit value must fit the context; a default is clamped."""
