@@ -93,7 +93,7 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             ``served_model_name``, ``eval_share``, ``cors_origins``).
 
     Raises:
-        ValueError: unknown ``engine``, or ``aligned_logprobs`` with vLLM.
+        ValueError: unknown ``engine``, or ``aligned_logprobs`` / ``prefix_caching`` with vLLM.
     """
     from schemas import settings
     from serving.app import create_app
@@ -108,6 +108,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     elif engine == "vllm":
         if aligned_logprobs:
             raise ValueError("aligned_logprobs: torch engine only (with vLLM on GPU use VLLM_BATCH_INVARIANT=1)")
+        if prefix_caching:
+            raise ValueError("prefix_caching: torch engine only (vLLM caches prefixes itself)")
         from serving.engine_vllm import VLLMEngine  # lazy: vLLM lives in its own venv
 
         eng = VLLMEngine(store.base_dir, max_batch=max_batch,

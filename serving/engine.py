@@ -590,7 +590,7 @@ def _score_aligned_impl(lm: LoadedModel, prompt: list[int], completion: list[int
     return lp.cpu().tolist(), routes
 
 
-TOP_P_CANDIDATES = 256  # largest logits a top-p row is first filtered among (see _BatchFilter.sample)
+TOP_P_CANDIDATES = 256  # largest logits a top-p row is first filtered among (see _BatchFilter._top_p)
 
 
 class _BatchFilter:
@@ -626,17 +626,22 @@ class _BatchFilter:
         draw, does not depend on which way it was found."""
         import torch
 
+        def keep_prefix(sx, si, probs, p_val):
+            """Rows ``(n, V)``: -inf but the sorted logits ``sx`` (at ``si``, with their
+            whole-row probabilities ``probs``) of each row's smallest prefix with mass >= ``p_val``."""
+            drop = probs.cumsum(-1) - probs > p_val
+            return sx.new_full((sx.shape[0], V), float("-inf")).scatter(1, si, sx.masked_fill(drop, float("-inf")))
+
+        V = xp.shape[-1]
         lse = torch.logsumexp(xp, dim=-1, keepdim=True)  # (R, 1)
-        sx, si = torch.topk(xp, min(TOP_P_CANDIDATES, xp.shape[-1]), dim=-1)  # (R, K) descending
+        sx, si = torch.topk(xp, min(TOP_P_CANDIDATES, V), dim=-1)  # (R, K) descending
         probs = torch.exp(sx - lse)
-        drop = probs.cumsum(-1) - probs > self.p_val  # keep the smallest prefix with mass >= top_p
-        out = torch.full_like(xp, float("-inf")).scatter(1, si, sx.masked_fill(drop, float("-inf")))
+        out = keep_prefix(sx, si, probs, self.p_val)
         short = torch.nonzero(probs.sum(-1, keepdim=True) < self.p_val)[:, 0]  # (R',) prefix beyond the K
         if short.numel():
             fx, fi = torch.sort(xp.index_select(0, short), dim=-1, descending=True)
-            fp = torch.exp(fx - lse.index_select(0, short))
-            fx = fx.masked_fill(fp.cumsum(-1) - fp > self.p_val.index_select(0, short), float("-inf"))
-            out.index_copy_(0, short, torch.full_like(fx, float("-inf")).scatter(1, fi, fx))
+            out.index_copy_(0, short, keep_prefix(fx, fi, torch.exp(fx - lse.index_select(0, short)),
+                                                  self.p_val.index_select(0, short)))
         return out
 
     def sample(self, logits, gens) -> Any:

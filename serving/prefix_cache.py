@@ -52,13 +52,11 @@ class PrefixEntry:
             model's dtype, on its device.
         routes: ``(p, L, k)`` expert routes of the prefix tokens (uint8/uint16), or None for a
             dense model.
-        hits: how many groups used it.
     """
 
     tokens: tuple[int, ...]
     kv: list[tuple[Any, Any]]
     routes: np.ndarray | None
-    hits: int = 0
 
     @property
     def length(self) -> int:
@@ -134,7 +132,6 @@ class PrefixCache:
     def used(self, entry: PrefixEntry, rows: int, computed: int = 0) -> None:
         """Count a use of ``entry`` by a group of ``rows`` prompts, ``computed`` of its tokens
         having just been run to build it."""
-        entry.hits += 1
         self.hits += 1
         self.tokens_reused += entry.length * rows - computed
         self.entries.move_to_end(entry.tokens)

@@ -126,3 +126,13 @@ def test_metrics_count_prefix_cache_queries_and_hits():
     got = {s.name: s.value for f in text_string_to_metric_families(m.render()[0].decode()) for s in f.samples
            if s.name.startswith("flywheel_prefix_cache") and s.name.endswith("_total")}
     assert got == {"flywheel_prefix_cache_queries_total": 60.0, "flywheel_prefix_cache_hits_total": 24.0}
+
+
+def test_prefix_caching_refused_with_vllm():
+    from serving.commands import build_pod
+
+    class _Store:
+        base_dir = "/nonexistent"
+
+    with pytest.raises(ValueError, match="prefix_caching"):
+        build_pod(_Store(), engine="vllm", prefix_caching=True)
