@@ -188,12 +188,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_shm_comm_op(deepspeed) -> None:
+    """Mark DeepSpeed's ``deepspeed_shm_comm`` op unavailable in this process.
+
+    ``deepspeed.comm``'s torch backend JIT-builds that op (a shared-memory all-reduce between
+    ranks on one host) whenever its builder is compatible, at every process start where the
+    build directory was last built with another command line (another clone's include paths):
+    40-110 s of a learner cycle on 2 cores. With one rank there is no peer to reduce with, so
+    the op would never run; the backend then uses plain gloo collectives.
+    """
+    ops = deepspeed.ops.__compatible_ops__  # the probed dict; DeepSpeed reads this same object
+    ops["deepspeed_shm_comm"] = False
+
+
 def ensure_dist_env() -> None:
     """Set the single-process torch.distributed env (gloo) where unset and init DeepSpeed.
 
     Sets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``WORLD_SIZE=1 RANK=0 LOCAL_RANK=0``
-    and ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/flywheel/torch_extensions``: DeepSpeed's
-    shm comm op is JIT-built there once, ~40 s cold); removes a build lock there that a
+    and ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/flywheel/torch_extensions``: with more
+    than one rank DeepSpeed's shm comm op is JIT-built there, ~40 s cold; with one rank it is
+    skipped, :func:`skip_shm_comm_op`); removes a build lock there that a
     killed builder left behind (:func:`learner.extensions.clear_stale_locks`, else every
     later init waits on it forever). A ``MASTER_PORT`` chosen here is removed from the
     environment once the process group holds it, so a child process (a learner subprocess
@@ -210,6 +224,8 @@ def ensure_dist_env() -> None:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
+        if os.environ["WORLD_SIZE"] == "1":
+            skip_shm_comm_op(deepspeed)
         deepspeed.init_distributed("gloo")
     if own_port and torch.distributed.is_initialized():
         os.environ.pop("MASTER_PORT", None)  # bound by this process now
