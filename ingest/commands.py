@@ -45,7 +45,38 @@ def ingest_cmd(
             tick_s=tick_s, worker_port=worker_port, worker_host=worker_host, app_id=app_id, state_path=state or None)
     except (ValueError, RuntimeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
-    run_worker(cfg, loglevel=loglevel)
+    try:
+        run_worker(cfg, loglevel=loglevel)
+    except Exception as exc:
+        if not _is_pg_connection_error(exc, cfg.state_path):
+            raise
+        typer.echo(f"error: join state {_redacted(str(cfg.state_path))}: {' '.join(str(exc).split())}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _is_pg_connection_error(exc: BaseException, state) -> bool:
+    """True for psycopg's OperationalError (server unreachable, refused login, session ended)
+    when the join state is a PostgreSQL URL: a one-line message, not a traceback."""
+    if not isinstance(state, str):
+        return False
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - psycopg comes with the ingest role
+        return False
+    return isinstance(exc, psycopg.OperationalError)
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password (``postgresql://user:***@host/db``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    host = u.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{u.username}:***@{host}" + (f":{u.port}" if u.port else "")
+    return urlunsplit(u._replace(netloc=netloc))
 
 
 @data_app.command("stats")

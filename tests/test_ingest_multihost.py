@@ -145,6 +145,25 @@ def test_pg_store_join_semantics_and_recovery_of_a_dead_owners_claims(pg, tmp_pa
     b.store.close()
 
 
+def test_ingest_cli_says_in_one_line_that_the_join_state_is_unreachable(tmp_path):
+    """A PostgreSQL URL nothing listens on: exit 1 and one line naming the URL, its password
+    hidden (not a 100-line traceback)."""
+    import subprocess
+    import sys
+
+    from flywheel.broker import free_port
+
+    url = f"postgresql://flywheel:s3cret@127.0.0.1:{free_port()}/flywheel"
+    env = dict(os.environ, FLYWHEEL_HOME=str(tmp_path / "home"), FLYWHEEL_KAFKA_BOOTSTRAP="127.0.0.1:1",
+               PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "flywheel.cli", "ingest", "--state", url], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: join state postgresql://flywheel:***@127.0.0.1:"), lines[:5]
+    assert "s3cret" not in r.stderr and "connection failed" in lines[0] and "Traceback" not in r.stderr
+
+
 def _env(home: Path, bootstrap: str, pg_url: str, shared: Path) -> dict:
     return dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT),
                 FLYWHEEL_INGEST_STATE=pg_url, FLYWHEEL_SAMPLES=str(shared))
