@@ -16,7 +16,9 @@ Endpoints (all under the admin token, ``Authorization: Bearer <admin token>``):
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from schemas.manifest import VERSION_PATTERN
 
@@ -28,7 +30,8 @@ class LoadRequest(BaseModel):
 
 class WeightRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    candidate_weight: float = Field(ge=0.0, le=1.0)
+    # a JSON number only: `true` or "1" would send every user to the candidate
+    candidate_weight: Annotated[float, Strict()] = Field(ge=0.0, le=1.0)
 
 
 class RollbackRequest(BaseModel):

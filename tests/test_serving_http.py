@@ -221,9 +221,11 @@ def test_admin_bodies(env):
     for path in ("/admin/load", "/admin/rollback"):  # not a version name: 400 naming it, never a path lookup
         r = httpx.post(env["url"] + path, json={"version": "../../etc"}, headers=H_ADMIN)
         assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
-    r = httpx.post(env["url"] + "/admin/weight", content=b'{"candidate_weight": NaN}',
-                   headers={**H_ADMIN, "content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "candidate_weight"
+    for raw in (b'{"candidate_weight": NaN}', b'{"candidate_weight": true}', b'{"candidate_weight": "1"}'):
+        # a boolean or a string is not a share: `true` was read as 1.0 (every user to the candidate)
+        r = httpx.post(env["url"] + "/admin/weight", content=raw,
+                       headers={**H_ADMIN, "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "candidate_weight", (raw, r.text)
     assert httpx.get(env["url"] + "/admin/slots", headers=H_ADMIN).json()["stable"]["version"] == "v000000"
 
 
