@@ -93,10 +93,28 @@ def resume_learner(actor: str) -> dict | None:
 STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
 
 
+def _text(s: str | None) -> str | None:
+    """Operator text (``--reason``, ``--actor``, ``$FLYWHEEL_ACTOR``) as valid UTF-8: bytes a
+    non-UTF-8 terminal sent (Python holds them as lone surrogates) become U+FFFD. A lone
+    surrogate cannot be written to the ledger, a manifest or the stable record: a promote
+    whose reason held one changed the pod, then failed before the stable record and the
+    ledger row were written, so a restart undid it."""
+    if s is None:
+        return None
+    try:
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate outside the escape range
+        return s.encode("utf-8", "replace").decode("utf-8")
+
+
+def _clean_opt(value: str | None) -> str | None:
+    return _text(value)
+
+
 def _actor(actor: str | None = None) -> str:
     """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``."""
-    return (actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
-            or "unknown")
+    return _text(actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
+                 or "unknown")
 
 
 def _store() -> ModelStore:
@@ -208,12 +226,12 @@ def previous_promoted(store: ModelStore, stable: str) -> str | None:
 
 
 def _actor_opt():
-    return typer.Option(None, "--actor", help="who does this, recorded in the ledger (default $FLYWHEEL_ACTOR, "
-                                              "else $USER)")
+    return typer.Option(None, "--actor", callback=_clean_opt,
+                        help="who does this, recorded in the ledger (default $FLYWHEEL_ACTOR, else $USER)")
 
 
 def _reason_opt():
-    return typer.Option("", "--reason", help="why, recorded in the ledger")
+    return typer.Option("", "--reason", callback=_clean_opt, help="why, recorded in the ledger")
 
 
 def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
@@ -263,7 +281,7 @@ def register(app: typer.Typer) -> None:
         console.print(f"recorded: abort canary of {st.candidate}; the controller acts at its next reconcile")
 
     @app.command("pause")
-    def pause_cmd(reason: str = typer.Option("", help="why (shown in status and the ledger)"),
+    def pause_cmd(reason: str = typer.Option("", callback=_clean_opt, help="why (shown in status and the ledger)"),
                   actor: Optional[str] = _actor_opt(),
                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Pause the learner: its daemon publishes nothing new until `flywheel resume` (a cycle
