@@ -88,7 +88,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             (:mod:`serving.prefix_cache`); vLLM has its own (``enable_prefix_caching``).
         engine_options: vLLM engine only: :class:`serving.engine_vllm.VLLMEngine` keyword
             arguments (``max_model_len``, ``tensor_parallel_size``, ``dtype``,
-            ``gpu_memory_utilization``, ``quantization``; None values are left out).
+            ``gpu_memory_utilization``, ``quantization``, ``tool_call_parser``; None values are
+            left out).
         app_options: :func:`serving.app.create_app` keyword arguments (``feedback_keys``,
             ``served_model_name``, ``eval_share``, ``cors_origins``).
 
@@ -235,6 +236,9 @@ def register(app: typer.Typer) -> None:
             None, min=0.01, max=1.0, help="vLLM engine: share of GPU memory per instance (CPU build: of host "
                                          "memory for the KV cache); default 0.9 / 3 on GPU, 0.05 on CPU."),
         quantization: Optional[str] = typer.Option(None, help="vLLM engine: quantization method (e.g. fp8)."),
+        tool_call_parser: Optional[str] = typer.Option(
+            None, help="vLLM engine: how chat requests with tools are parsed into tool calls, as `vllm serve "
+                       "--tool-call-parser` (hermes, llama3_json, mistral, pythonic, ...; default hermes)."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
         import uvicorn
@@ -255,7 +259,8 @@ def register(app: typer.Typer) -> None:
         if prefix_caching and engine != "torch":
             raise typer.BadParameter("torch engine only (vLLM caches prefixes itself)", param_hint="--prefix-caching")
         vllm_opts = {"max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
-                     "gpu_memory_utilization": gpu_memory_utilization, "quantization": quantization}
+                     "gpu_memory_utilization": gpu_memory_utilization, "quantization": quantization,
+                     "tool_call_parser": tool_call_parser}
         if engine != "vllm":
             given = [k for k, v in vllm_opts.items() if v is not None]
             if given:
@@ -275,6 +280,13 @@ def register(app: typer.Typer) -> None:
             if importlib.util.find_spec("vllm") is None:
                 raise typer.BadParameter("vllm is not installed in this interpreter (run flywheel from the "
                                          "vLLM venv, DESIGN §3)", param_hint="--engine")
+            if tool_call_parser is not None:  # refused before the model load, not on the first request
+                from vllm.tool_parsers import ToolParserManager
+
+                known = ToolParserManager.list_registered()
+                if tool_call_parser not in known:
+                    raise typer.BadParameter(f"{tool_call_parser!r} is not a vLLM tool parser (one of "
+                                             f"{', '.join(known)})", param_hint="--tool-call-parser")
         check_listen(host, port)  # fail before the (slow) model load, naming the flag
         if not os.environ.get("FLYWHEEL_ADMIN_TOKEN") and not is_loopback(host):
             raise typer.BadParameter(f"{host} is reachable from other machines and /admin/* (load, promote, "
