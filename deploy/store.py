@@ -25,6 +25,7 @@ This module knows nothing about serving or training: it stores ``{name: tensor}`
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -37,13 +38,16 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import zstandard
 
 from schemas.manifest import (StatusChange, TensorMeta, VersionManifest, tensor_sha256,
                               version_name, version_number)
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the `flywheel` command imports this
+    import torch   # module, and torch's import (seconds) would delay --version and every TAB completion
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,8 @@ def _now_ms() -> int:
 
 def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     """Raw bytes of a tensor, C order, as a uint8 numpy array (a copy)."""
+    import torch
+
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
@@ -89,15 +95,18 @@ def _unshuffle(b: np.ndarray, width: int) -> np.ndarray:
     return np.ascontiguousarray(b.reshape(width, -1).T).reshape(-1) if width > 1 else b
 
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                                torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
-                                torch.bool)}
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+                                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
 
 
 def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
+    if name not in _dtypes():
         raise ValueError(f"dtype: {name!r} is not supported by the store")
-    return _DTYPES[name]
+    return _dtypes()[name]
 
 
 def encode_state(state: dict[str, torch.Tensor],
@@ -109,6 +118,8 @@ def encode_state(state: dict[str, torch.Tensor],
         offset/length in bytes into ``payload``, sha256 of those payload bytes, parent
         tensor sha256 for ``xor``), and the concatenated zstd frames.
     """
+    import torch
+
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     entries: list[dict] = []
     chunks: list[bytes] = []
@@ -153,6 +164,8 @@ def decode_state(version: str, entries: list[dict], payload: bytes,
             whose sha256 differs from the one it was encoded against (wrong parent), or a
             reconstructed tensor's sha256 differs from ``expected``.
     """
+    import torch
+
     def one(e: dict) -> tuple[str, torch.Tensor]:
         dctx = zstandard.ZstdDecompressor()
         name = e["name"]
