@@ -95,6 +95,7 @@ def _no_bool(v: Any) -> Any:
 # strict: a JSON number only ("0.7" and true are refused with the field named, never coerced)
 Num = Annotated[float, BeforeValidator(_no_bool), Strict()]
 Int = Annotated[int, BeforeValidator(_no_bool), Strict()]
+Bool = Annotated[bool, Strict()]  # true / false only ("yes" and 1 are refused, never coerced)
 
 
 class WireModel(BaseModel):
@@ -121,7 +122,7 @@ class WireModel(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _Base(WireModel):
@@ -136,7 +137,7 @@ class _Base(WireModel):
                              description="int64; with n > 1, choice i is sampled with seed + i")
     n: Int | None = Field(1, description=f"choices, 1..{MAX_N}; each is its own completion (own "
                                          "completion_id, event and feedback target)")
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
@@ -273,7 +274,7 @@ class ChatCompletionRequest(_Base):
 
 
 class CompletionRequest(_Base):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = Field(None, ge=1, description="default 16")
     logprobs: Int | None = Field(None, ge=0, le=20)
 

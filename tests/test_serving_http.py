@@ -189,6 +189,11 @@ def test_internal_error_keeps_the_connection(env):
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "n": true}', "n"),
     ("/v1/feedback", '{"completion_id": "%s", "value": "1"}' % uuid.uuid4(), "value"),  # a string is not a vote
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "temperature": "0.7"}', "temperature"),
+    ("/v1/completions", '{"model": "flywheel", "prompt": [true, 5]}', "prompt"),  # true is not token id 1
+    ("/v1/completions", '{"model": "flywheel", "prompt": [[5, false]]}', "prompt"),
+    ("/v1/completions", '{"model": "flywheel", "prompt": "x", "stream": 1}', "stream"),
+    ("/v1/completions", '{"model": "flywheel", "prompt": "x", "stream": true, "stream_options": '
+                        '{"include_usage": "yes"}}', "stream_options.include_usage"),
 ])
 def test_non_finite_and_boolean_numbers_are_400_naming_the_field(env, path, raw, param):
     r = post(env, path, raw=raw)

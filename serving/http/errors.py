@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,8 @@ from serving.slots import SlotError
 
 log = logging.getLogger("flywheel.serving.http")
 
+# a validator around a type in pydantic's union tags: function-before[_no_bool(), int] names int
+_VALIDATOR_TAG = re.compile(r"function-(?:before|after|wrap|plain)\[\w+\(\), ([^\]]+)\]")
 RETRY_AFTER_S = 1  # seconds a client should wait after a 429 (queue full)
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -68,7 +71,7 @@ def pydantic_error_param(e: dict, errors: list[dict] | None = None) -> tuple[str
         for x in errors or [e]:
             loc = [y for y in x.get("loc", ()) if y != "body"]
             if loc[:tag_at] == head and len(loc) > tag_at and _is_union_tag(loc[tag_at]):
-                t = str(loc[tag_at])
+                t = _VALIDATOR_TAG.sub(r"\1", str(loc[tag_at]))  # list[function-before[_no_bool(), int]] -> list[int]
                 if t not in members:
                     members.append(t)
         if len(members) > 1:  # a union (one error per member); else a dict key that looks like a tag
