@@ -119,7 +119,11 @@ def schemas_export(out: Path = typer.Argument(Path("flywheel-schemas"), help="Di
     sample on Kafka, generated from the pydantic models."""
     from schemas.json_schema import contracts, export
 
-    files = export(out)
+    try:
+        files = export(out)
+    except OSError as exc:  # a file in the way, no permission, a read-only disk: said, not a traceback
+        typer.echo(f"error: cannot write the schemas to {out}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(1) from None
     rows = [{"contract": c.name, "schema_version": c.version, "topic": c.topic, "file": str(p)}
             for c, p in zip(contracts(), files)]
 

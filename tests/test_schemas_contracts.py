@@ -199,3 +199,12 @@ def test_export_is_byte_stable(tmp_path):
     for f in (tmp_path / "a").iterdir():
         assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes()
     assert os.listdir(tmp_path / "a") and r1.stdout.strip().splitlines()[0].endswith(".schema.json")
+
+
+def test_export_to_a_path_it_cannot_write_is_a_runtime_error(tmp_path):
+    (tmp_path / "taken").write_text("a file, not a directory")
+    for dest in (tmp_path / "taken", tmp_path / "taken" / "below"):
+        r = CliRunner().invoke(app, ["schemas", "export", str(dest)])
+        assert r.exit_code == 1, r.output
+        assert f"error: cannot write the schemas to {dest}: " in r.stderr and "Traceback" not in r.output
+    assert (tmp_path / "taken").read_text() == "a file, not a directory"
