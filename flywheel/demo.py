@@ -59,6 +59,9 @@ class DemoConfig:
     # requests in flight, and the pod's --max-batch: a CPU decode step reads every expert's
     # weights whatever the batch, so 32 rows cost 11.3 ms per token against 15.9 ms at 16
     concurrency: int = 32
+    # joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default;
+    # docs/decisions.md D28): 1.4x the requests/s of joining one at every step, 32 users
+    waiting_served_ratio: float = 0.3
     users: int = 32
     # REINFORCE with a leave-one-out batch baseline: the pilot's settings (docs/experiments.md, experiment 3)
     learner_objective: str = "reinforce"
@@ -218,7 +221,8 @@ class Demo:
         self.samples_dir = settings.samples_dir()
         env = self._env()
         self.serving = self._start("serving", _cli("serve", "--port", str(self.port), "--pod", "pod-0",
-                                                   "--max-batch", str(cfg.concurrency), "--prefix-caching"), env)
+                                                   "--max-batch", str(cfg.concurrency), "--prefix-caching",
+                                                   "--waiting-served-ratio", str(cfg.waiting_served_ratio)), env)
         self.ingest = self._start("ingest", _cli("ingest", "--seal-after-s", str(cfg.seal_after_s),
                                                  "--tick-s", "0.5", "--max-label-age-s", "900",
                                                  "--orphan-ttl-s", "120"), env)

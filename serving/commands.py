@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
               api_keys: set[str] | None = None, admin_token: str | None = None,
               threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False,
               device: str = "cpu", scheduler: str = "continuous", engine_options: dict | None = None,
-              app_options: dict | None = None, prefix_caching: bool = False) -> Pod:
+              app_options: dict | None = None, prefix_caching: bool = False,
+              waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -86,6 +88,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
         scheduler: torch engine only: ``continuous`` or ``static`` (benchmarks).
         prefix_caching: torch engine only: reuse the KV cache of shared prompt prefixes
             (:mod:`serving.prefix_cache`); vLLM has its own (``enable_prefix_caching``).
+        waiting_served_ratio, max_waiting_tokens: torch engine only: when waiting requests
+            join the running batch (:class:`serving.engine.TorchEngine`; 0 = at every step).
         engine_options: vLLM engine only: :class:`serving.engine_vllm.VLLMEngine` keyword
             arguments (``max_model_len``, ``tensor_parallel_size``, ``dtype``,
             ``gpu_memory_utilization``, ``quantization``, ``tool_call_parser``; None values are
@@ -94,7 +98,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             ``served_model_name``, ``eval_share``, ``cors_origins``).
 
     Raises:
-        ValueError: unknown ``engine``, or ``aligned_logprobs`` / ``prefix_caching`` with vLLM.
+        ValueError: unknown ``engine``, or ``aligned_logprobs`` / ``prefix_caching`` /
+            ``waiting_served_ratio`` with vLLM.
     """
     from schemas import settings
     from serving.app import create_app
@@ -105,12 +110,15 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
         from serving.engine import TorchEngine
 
         eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads, aligned_logprobs=aligned_logprobs,
-                          device=device, scheduler=scheduler, prefix_caching=prefix_caching)
+                          device=device, scheduler=scheduler, prefix_caching=prefix_caching,
+                          waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens)
     elif engine == "vllm":
         if aligned_logprobs:
             raise ValueError("aligned_logprobs: torch engine only (with vLLM on GPU use VLLM_BATCH_INVARIANT=1)")
         if prefix_caching:
             raise ValueError("prefix_caching: torch engine only (vLLM caches prefixes itself)")
+        if waiting_served_ratio:
+            raise ValueError("waiting_served_ratio: torch engine only (vLLM schedules prefills into its steps)")
         from serving.engine_vllm import VLLMEngine  # lazy: vLLM lives in its own venv
 
         eng = VLLMEngine(store.base_dir, max_batch=max_batch,
@@ -227,6 +235,13 @@ def register(app: typer.Typer) -> None:
                                             help="Torch engine: keep the KV cache of prompt prefixes that requests "
                                                  "share (the chat template's system turn) and prefill only the "
                                                  "rest."),
+        waiting_served_ratio: float = typer.Option(
+            0.0, min=0.0, help="Torch engine: waiting requests join the running batch once floor(ratio x running) "
+                               "of them can be prefilled together, or after --max-waiting-tokens decode steps "
+                               "(on a CPU each prefill costs a decode step); 0 = join at every step. "
+                               "text-generation-inference's rule; its default is 0.3."),
+        max_waiting_tokens: int = typer.Option(20, min=1, help="Torch engine: decode steps after which waiting "
+                                                               "requests join however few (>= 1)."),
         max_model_len: Optional[int] = typer.Option(None, min=1, help="vLLM engine: context length in tokens "
                                                                       "(default the model's)."),
         tensor_parallel_size: Optional[int] = typer.Option(None, min=1, help="vLLM engine: GPUs per instance."),
@@ -258,6 +273,12 @@ def register(app: typer.Typer) -> None:
                                      param_hint="--aligned-logprobs")
         if prefix_caching and engine != "torch":
             raise typer.BadParameter("torch engine only (vLLM caches prefixes itself)", param_hint="--prefix-caching")
+        if not math.isfinite(waiting_served_ratio):
+            raise typer.BadParameter(f"must be a finite number >= 0, got {waiting_served_ratio}",
+                                     param_hint="--waiting-served-ratio")
+        if waiting_served_ratio and engine != "torch":
+            raise typer.BadParameter("torch engine only (vLLM schedules prefills into its steps)",
+                                     param_hint="--waiting-served-ratio")
         vllm_opts = {"max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
                      "gpu_memory_utilization": gpu_memory_utilization, "quantization": quantization,
                      "tool_call_parser": tool_call_parser}
@@ -312,7 +333,8 @@ def register(app: typer.Typer) -> None:
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
                       engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, waiting_served_ratio=waiting_served_ratio,
+                      max_waiting_tokens=max_waiting_tokens)
         typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -309,18 +310,38 @@ class TorchEngine(Engine):
         prefix_caching: keep the KV cache of prompt prefixes shared by requests (the chat
             template's system turn, a product's instructions) per loaded version and prefill
             only the rest (:mod:`serving.prefix_cache`; docs/decisions.md D26).
+        waiting_served_ratio: continuous only. A join's prefill is a forward of its own, and
+            on a CPU any forward costs about one read of every expert's weights, so joining
+            one request per step halves the decode rate. With ``r > 0``, waiting requests
+            join a running batch only once ``floor(r x running rows)`` of them (or as many as
+            there is room for) can join together, or ``max_waiting_tokens`` decode steps
+            after the last join. 0 (default): any waiting request joins at the next step.
+            The rule and both names are text-generation-inference's router
+            (``--waiting-served-ratio``, ``--max-waiting-tokens``; TGI's defaults 0.3 and 20).
+            A batch with no running rows always takes its waiting requests at once.
+        max_waiting_tokens: decode steps after which waiting requests join however few
+            (>= 1; bounds the extra time to first token at that many steps).
 
     Raises:
-        ValueError: unknown ``scheduler``.
+        ValueError: unknown ``scheduler``; ``waiting_served_ratio`` < 0 or not finite;
+            ``max_waiting_tokens`` < 1.
     """
 
     def __init__(self, model_dir: str | Path, max_batch: int = 8, max_queue: int = 256, dtype=None,
                  threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False,
-                 scheduler: str = "continuous", prefix_caching: bool = False):
+                 scheduler: str = "continuous", prefix_caching: bool = False,
+                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20):
         import torch
 
         if scheduler not in ("continuous", "static"):
             raise ValueError(f"scheduler: must be 'continuous' or 'static', got {scheduler!r}")
+        if not math.isfinite(waiting_served_ratio) or waiting_served_ratio < 0:
+            raise ValueError(f"waiting_served_ratio: must be a finite number >= 0, got {waiting_served_ratio!r}")
+        if int(max_waiting_tokens) < 1:
+            raise ValueError(f"max_waiting_tokens: must be >= 1, got {max_waiting_tokens!r}")
+        self.waiting_served_ratio = float(waiting_served_ratio)
+        self.max_waiting_tokens = int(max_waiting_tokens)
+        self._steps_since_join = 0  # decode iterations since waiting requests last joined
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.max_batch = int(max_batch)
@@ -490,7 +511,10 @@ class TorchEngine(Engine):
                 return None
             if self._paused or not self._pending:
                 return []
-            room = self.max_batch - self.num_running()
+            running = self.num_running()
+            room = self.max_batch - running
+            if self._hold_joins(running, room):
+                return []
             out: list[_Item] = []
             rest: collections.deque[_Item] = collections.deque()
             while self._pending:
@@ -504,6 +528,17 @@ class TorchEngine(Engine):
             self._pending = rest
             return out
 
+    def _hold_joins(self, running: int, room: int) -> bool:
+        """Continuous with ``waiting_served_ratio``: True while the waiting requests should
+        keep waiting for company (see the class docstring). Called under ``self._cv``."""
+        if self.scheduler != "continuous" or self.waiting_served_ratio <= 0 or not running:
+            return False
+        if self._steps_since_join >= self.max_waiting_tokens:
+            return False
+        waiting = sum(1 for it in self._pending if not it.req.cancelled.is_set())
+        want = min(room, math.floor(self.waiting_served_ratio * running))
+        return waiting < max(want, 1)
+
     def _worker(self) -> None:
         import torch
 
@@ -514,8 +549,10 @@ class TorchEngine(Engine):
                     break
                 if items:
                     self._start(items)
+                    self._steps_since_join = 0
                 for key, run in list(self._running.items()):
                     self._step(key, run)
+                self._steps_since_join += 1
                 self.last_batch_size = self.num_running()
         for run in self._running.values():
             for s in run.seqs:

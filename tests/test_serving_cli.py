@@ -147,7 +147,12 @@ def test_serve_bad_setups_are_usage_errors(tmp_path, tiny_moe_dir, monkeypatch):
     cases = [(["--host", "0.0.0.0"], "--host", "set FLYWHEEL_ADMIN_TOKEN"),
              (["--model-dir", str(tmp_path / "empty")], "--model-dir", "no config.json"),
              (["--api-keys-file", str(tmp_path / "nope.txt")], "--api-keys-file", "does not exist"),
-             (["--version", "v000099"], "--version", "it has v000000")]
+             (["--version", "v000099"], "--version", "it has v000000"),
+             (["--waiting-served-ratio", "inf"], "--waiting-served-ratio", "finite"),
+             (["--waiting-served-ratio", "nan"], "--waiting-served-ratio", "greater than or equal to 0"),
+             (["--waiting-served-ratio", "-1"], "--waiting-served-ratio", "greater than or equal to 0"),
+             (["--engine", "vllm", "--waiting-served-ratio", "0.3"], "--waiting-served-ratio", "torch engine only"),
+             (["--max-waiting-tokens", "0"], "--max-waiting-tokens", "greater than or equal to 1")]
     for args, flag, why in cases:
         r = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
         out = _flat(r.output)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -515,3 +517,65 @@ def test_load_weights_uses_the_state_without_copying(engine, base):
         engine.load_weights(missing, "bad")
     with pytest.raises(WeightsMismatchError, match="unexpected"):
         engine.load_weights(dict(state, extra=torch.zeros(1)), "bad")
+
+
+def test_waiting_served_ratio_batches_joins_as_tgi_does(tiny_moe_dir):
+    """``waiting_served_ratio=0.5, max_waiting_tokens=6`` (text-generation-inference's rule):
+    with 4 rows running, one late request waits until 6 decode steps after the last join;
+    two late requests (floor(0.5 x 4) = 2) join at the next step, in one prefill; with the
+    default (0) a late request joins at the next step. Seeded tokens are unchanged."""
+    def run(ratio: float):
+        e = TorchEngine(tiny_moe_dir, max_batch=8, waiting_served_ratio=ratio, max_waiting_tokens=6)
+        try:
+            lm = e.load_base()
+            steps: list[int] = []  # L0's tokens so far, appended at each of its steps
+            firsts: dict[str, int] = {}  # late request -> L0's token count at its first token
+            late: dict[str, Any] = {}
+
+            def first_of(name):
+                def cb(out):
+                    firsts.setdefault(name, len(steps))
+                return cb
+
+            def on_l0(out):
+                steps.append(out.token_ids[0])
+                n = len(steps)
+                if n == 2:  # 4 rows run (L0..L3 joined at n <= 1): one late request
+                    late["x"] = e.submit(GenRequest(prompt_token_ids=[9, 10], model=lm, on_step=first_of("x"),
+                                                    sampling=SamplingParams(temperature=0, max_tokens=3)))
+                if n == 20:  # two late requests at once
+                    for k in ("y", "z"):
+                        late[k] = e.submit(GenRequest(prompt_token_ids=[11, 12, 13], model=lm, on_step=first_of(k),
+                                                      sampling=SamplingParams(temperature=1.0, max_tokens=3,
+                                                                              seed=ord(k))))
+            with _no_eos(e):
+                e.pause()  # the 4 long requests join together, in one prefill
+                longs = [e.submit(GenRequest(prompt_token_ids=p, model=lm, on_step=on_l0 if i == 0 else None,
+                                             sampling=SamplingParams(temperature=0, max_tokens=40)))
+                         for i, p in enumerate(PROMPTS)]
+                e.resume()
+                [f.result(120) for f in longs]
+                res = {k: f.result(60) for k, f in late.items()}
+                alone = e.generate_sync(GenRequest(prompt_token_ids=[11, 12, 13], model=lm, sampling=SamplingParams(
+                    temperature=1.0, max_tokens=3, seed=ord("y"))), 60)
+            return firsts, res, alone
+        finally:
+            e.close()
+
+    firsts, res, alone = run(0.0)
+    assert firsts["x"] <= 3 and firsts["y"] <= 21  # joined at the next step
+    firsts, res, alone = run(0.5)
+    # x waited: the last join was at step 1, so it joins 6 steps later
+    assert 6 <= firsts["x"] <= 8, firsts
+    # x's join (the last) was > 6 steps before n = 20, and two waiting meet floor(0.5 x 4) = 2
+    assert firsts["y"] == firsts["z"] <= 21, firsts
+    assert res["y"].batch_size == res["z"].batch_size == 6  # 4 long + y + z (x is done by then)
+    assert res["y"].completion_token_ids == alone.completion_token_ids
+
+
+def test_waiting_served_ratio_is_checked(tiny_moe_dir):
+    for kw, word in (({"waiting_served_ratio": -0.1}, "waiting_served_ratio"),
+                     ({"waiting_served_ratio": float("nan")}, "waiting_served_ratio"),
+                     ({"max_waiting_tokens": 0}, "max_waiting_tokens")):
+        with pytest.raises(ValueError, match=word):
+            TorchEngine(tiny_moe_dir, **kw)
