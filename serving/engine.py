@@ -311,8 +311,9 @@ class TorchEngine(Engine):
             template's system turn, a product's instructions) per loaded version and prefill
             only the rest (:mod:`serving.prefix_cache`; docs/decisions.md D26).
         waiting_served_ratio: continuous only. A join's prefill is a forward of its own, and
-            on a CPU any forward costs about one read of every expert's weights, so joining
-            one request per step halves the decode rate. With ``r > 0``, waiting requests
+            a forward of a few tokens costs about what a decode step costs (each reads every
+            expert's weights), so joining one request at a time spends a decode step's time
+            per request (D28). With ``r > 0``, waiting requests
             join a running batch only once ``floor(r x running rows)`` of them (or as many as
             there is room for) can join together, or ``max_waiting_tokens`` decode steps
             after the last join. 0 (default): any waiting request joins at the next step.
@@ -534,6 +535,8 @@ class TorchEngine(Engine):
         if self.scheduler != "continuous" or self.waiting_served_ratio <= 0 or not running:
             return False
         if self._steps_since_join >= self.max_waiting_tokens:
+            return False
+        if any(it.req.cancelled.is_set() for it in self._pending):  # resolve aborts at once
             return False
         waiting = sum(1 for it in self._pending if not it.req.cancelled.is_set())
         want = min(room, math.floor(self.waiting_served_ratio * running))

@@ -579,3 +579,39 @@ def test_waiting_served_ratio_is_checked(tiny_moe_dir):
                      ({"max_waiting_tokens": 0}, "max_waiting_tokens")):
         with pytest.raises(ValueError, match=word):
             TorchEngine(tiny_moe_dir, **kw)
+
+
+def test_a_held_request_that_is_aborted_ends_at_once(tiny_moe_dir):
+    """With joins held (ratio 0.5, 4 rows running, max_waiting_tokens far away) an aborted
+    waiting request still ends at the next step with finish_reason 'abort', no token made."""
+    e = TorchEngine(tiny_moe_dir, max_batch=8, waiting_served_ratio=0.5, max_waiting_tokens=10_000)
+    try:
+        lm = e.load_base()
+        steps: list[int] = []
+        box: dict[str, Any] = {}
+
+        def on_l0(out):
+            steps.append(out.token_ids[0])
+            if len(steps) == 2:
+                box["req"] = GenRequest(prompt_token_ids=[9, 10], model=lm,
+                                        sampling=SamplingParams(temperature=0, max_tokens=3))
+                box["f"] = e.submit(box["req"])
+            if len(steps) == 5:
+                box["held"] = not box["f"].done()  # still waiting for company
+                e.abort(box["req"])
+                box["at"] = len(steps)
+            if "f" in box and box["f"].done() and "ended" not in box:
+                box["ended"] = len(steps)
+
+        with _no_eos(e):
+            e.pause()
+            longs = [e.submit(GenRequest(prompt_token_ids=p, model=lm, on_step=on_l0 if i == 0 else None,
+                                         sampling=SamplingParams(temperature=0, max_tokens=20)))
+                     for i, p in enumerate(PROMPTS)]
+            e.resume()
+            [f.result(120) for f in longs]
+        r = box["f"].result(10)
+        assert box["held"] and r.finish_reason == "abort" and r.completion_token_ids == []
+        assert box["ended"] <= box["at"] + 2, box
+    finally:
+        e.close()
