@@ -35,7 +35,7 @@ from flywheel.workload import Task, Workload
 @dataclass
 class DemoConfig:
     """Knobs of one demo run. The defaults are the full run (experiment 3 in
-    docs/experiments.md: about 30 min on 2 cores); ``quick`` is the small sizing (about 4 min,
+    docs/experiments.md: 25-28 min on 2 cores); ``quick`` is the small sizing (about 4 min,
     one cycle, too few votes for the canary to decide)."""
 
     out: Path
