@@ -59,8 +59,8 @@ class DemoConfig:
     # requests in flight, and the pod's --max-batch: a CPU decode step reads every expert's
     # weights whatever the batch, so 32 rows cost 11.3 ms per token against 15.9 ms at 16
     concurrency: int = 32
-    # joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default;
-    # docs/decisions.md D28): 1.4x the requests/s of joining one at every step, 32 users
+    # joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default):
+    # runs F and G of experiment 3 used it; bench/joins.py measured no throughput gain on CPU (D28)
     waiting_served_ratio: float = 0.3
     users: int = 32
     # REINFORCE with a leave-one-out batch baseline: the pilot's settings (docs/experiments.md, experiment 3)

@@ -310,10 +310,10 @@ class TorchEngine(Engine):
         prefix_caching: keep the KV cache of prompt prefixes shared by requests (the chat
             template's system turn, a product's instructions) per loaded version and prefill
             only the rest (:mod:`serving.prefix_cache`; docs/decisions.md D26).
-        waiting_served_ratio: continuous only. A join's prefill is a forward of its own, and
-            a forward of a few tokens costs about what a decode step costs (each reads every
-            expert's weights), so joining one request at a time spends a decode step's time
-            per request (D28). With ``r > 0``, waiting requests
+        waiting_served_ratio: continuous only. A join's prefill is a forward of its own; this
+            trades time to first token for fewer, larger prefill forwards (on 2 CPU cores it
+            halved them and gained no throughput, docs/decisions.md D28). With ``r > 0``,
+            waiting requests
             join a running batch only once ``floor(r x running rows)`` of them (or as many as
             there is room for) can join together, or ``max_waiting_tokens`` decode steps
             after the last join. 0 (default): any waiting request joins at the next step.
