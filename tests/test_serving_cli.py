@@ -152,6 +152,7 @@ def test_serve_bad_setups_are_usage_errors(tmp_path, tiny_moe_dir, monkeypatch):
              (["--waiting-served-ratio", "nan"], "--waiting-served-ratio", "greater than or equal to 0"),
              (["--waiting-served-ratio", "-1"], "--waiting-served-ratio", "greater than or equal to 0"),
              (["--engine", "vllm", "--waiting-served-ratio", "0.3"], "--waiting-served-ratio", "torch engine only"),
+             (["--engine", "vllm", "--max-waiting-tokens", "5"], "--max-waiting-tokens", "torch engine only"),
              (["--max-waiting-tokens", "0"], "--max-waiting-tokens", "greater than or equal to 1")]
     for args, flag, why in cases:
         r = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
