@@ -107,10 +107,6 @@ def _text(s: str | None) -> str | None:
         return s.encode("utf-8", "replace").decode("utf-8")
 
 
-def _clean_opt(value: str | None) -> str | None:
-    return _text(value)
-
-
 def _actor(actor: str | None = None) -> str:
     """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``."""
     return _text(actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
@@ -226,12 +222,12 @@ def previous_promoted(store: ModelStore, stable: str) -> str | None:
 
 
 def _actor_opt():
-    return typer.Option(None, "--actor", callback=_clean_opt,
+    return typer.Option(None, "--actor", callback=_text,
                         help="who does this, recorded in the ledger (default $FLYWHEEL_ACTOR, else $USER)")
 
 
 def _reason_opt():
-    return typer.Option("", "--reason", callback=_clean_opt, help="why, recorded in the ledger")
+    return typer.Option("", "--reason", callback=_text, help="why, recorded in the ledger")
 
 
 def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
@@ -281,7 +277,7 @@ def register(app: typer.Typer) -> None:
         console.print(f"recorded: abort canary of {st.candidate}; the controller acts at its next reconcile")
 
     @app.command("pause")
-    def pause_cmd(reason: str = typer.Option("", callback=_clean_opt, help="why (shown in status and the ledger)"),
+    def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
                   actor: Optional[str] = _actor_opt(),
                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Pause the learner: its daemon publishes nothing new until `flywheel resume` (a cycle

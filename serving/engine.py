@@ -313,10 +313,9 @@ class TorchEngine(Engine):
         waiting_served_ratio: continuous only. A join's prefill is a forward of its own; this
             trades time to first token for fewer, larger prefill forwards (on 2 CPU cores it
             halved them and gained no throughput, docs/decisions.md D28). With ``r > 0``,
-            waiting requests
-            join a running batch only once ``floor(r x running rows)`` of them (or as many as
-            there is room for) can join together, or ``max_waiting_tokens`` decode steps
-            after the last join. 0 (default): any waiting request joins at the next step.
+            waiting requests join a running batch only once ``floor(r x running rows)`` of
+            them (or as many as there is room for) can join together, or
+            ``max_waiting_tokens`` decode steps after the last join. 0 (default): any waiting request joins at the next step.
             The rule and both names are text-generation-inference's router
             (``--waiting-served-ratio``, ``--max-waiting-tokens``; TGI's defaults 0.3 and 20).
             A batch with no running rows always takes its waiting requests at once.
@@ -538,7 +537,7 @@ class TorchEngine(Engine):
             return False
         if any(it.req.cancelled.is_set() for it in self._pending):  # resolve aborts at once
             return False
-        waiting = sum(1 for it in self._pending if not it.req.cancelled.is_set())
+        waiting = len(self._pending)  # none is cancelled here
         want = min(room, math.floor(self.waiting_served_ratio * running))
         return waiting < max(want, 1)
 
