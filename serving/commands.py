@@ -72,7 +72,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
               threads: int | None = None, engine: str = "torch", aligned_logprobs: bool = False,
               device: str = "cpu", scheduler: str = "continuous", engine_options: dict | None = None,
               app_options: dict | None = None, prefix_caching: bool = False,
-              waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20) -> Pod:
+              waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20,
+              fused_join_pad_tokens: int = 64) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
 
     Args:
@@ -90,6 +91,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             (:mod:`serving.prefix_cache`); vLLM has its own (``enable_prefix_caching``).
         waiting_served_ratio, max_waiting_tokens: torch engine only: when waiting requests
             join the running batch (:class:`serving.engine.TorchEngine`; 0 = at every step).
+        fused_join_pad_tokens: torch engine only: the most padding a join may add to ride in
+            a decode forward (:class:`serving.engine.TorchEngine`).
         engine_options: vLLM engine only: :class:`serving.engine_vllm.VLLMEngine` keyword
             arguments (``max_model_len``, ``tensor_parallel_size``, ``dtype``,
             ``gpu_memory_utilization``, ``quantization``, ``tool_call_parser``; None values are
@@ -111,7 +114,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
 
         eng = TorchEngine(store.base_dir, max_batch=max_batch, threads=threads, aligned_logprobs=aligned_logprobs,
                           device=device, scheduler=scheduler, prefix_caching=prefix_caching,
-                          waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens)
+                          waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
+                          fused_join_pad_tokens=fused_join_pad_tokens)
     elif engine == "vllm":
         if aligned_logprobs:
             raise ValueError("aligned_logprobs: torch engine only (with vLLM on GPU use VLLM_BATCH_INVARIANT=1)")
@@ -243,6 +247,11 @@ def register(app: typer.Typer) -> None:
                                "text-generation-inference's rule; its default is 0.3."),
         max_waiting_tokens: int = typer.Option(20, min=1, help="Torch engine: decode steps after which waiting "
                                                                "requests join however few (>= 1)."),
+        fused_join_pad_tokens: int = typer.Option(
+            64, min=0, help="Torch engine: requests joining a running batch are prefilled in the same forward as "
+                            "its decode step when that pads the running rows by at most this many tokens "
+                            "(running x (longest new prompt - 1)); else by a forward of their own. Raise it on a "
+                            "GPU, where padding is cheap and a forward's fixed cost is not."),
         max_model_len: Optional[int] = typer.Option(None, min=1, help="vLLM engine: context length in tokens "
                                                                       "(default the model's)."),
         tensor_parallel_size: Optional[int] = typer.Option(None, min=1, help="vLLM engine: GPUs per instance."),
@@ -278,7 +287,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"must be a finite number >= 0, got {waiting_served_ratio}",
                                      param_hint="--waiting-served-ratio")
         for flag, value, default in (("--waiting-served-ratio", waiting_served_ratio, 0.0),
-                                     ("--max-waiting-tokens", max_waiting_tokens, 20)):
+                                     ("--max-waiting-tokens", max_waiting_tokens, 20),
+                                     ("--fused-join-pad-tokens", fused_join_pad_tokens, 64)):
             if value != default and engine != "torch":
                 raise typer.BadParameter("torch engine only (vLLM schedules prefills into its steps)",
                                          param_hint=flag)
@@ -337,7 +347,7 @@ def register(app: typer.Typer) -> None:
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
                       engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts,
                       prefix_caching=prefix_caching, waiting_served_ratio=waiting_served_ratio,
-                      max_waiting_tokens=max_waiting_tokens)
+                      max_waiting_tokens=max_waiting_tokens, fused_join_pad_tokens=fused_join_pad_tokens)
         typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown

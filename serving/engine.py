@@ -321,16 +321,25 @@ class TorchEngine(Engine):
             A batch with no running rows always takes its waiting requests at once.
         max_waiting_tokens: decode steps after which waiting requests join however few
             (>= 1; bounds the extra time to first token at that many steps).
+        fused_join_pad_tokens: continuous only. Requests joining a running batch are
+            prefilled in the same forward as the running rows' decode (vLLM mixes prefills
+            into decode steps the same way) when that adds at most this many padding tokens
+            (``running rows x (longest joining prompt - 1)``); else their prefill is a forward
+            of its own. A forward's fixed cost (reading every weight, Python and kernel
+            launches) is then paid once per step instead of twice; padding tokens cost compute,
+            so the bound keeps long prompts joining a large batch out (>= 0; 0 fuses only
+            one-token prompts). Not with prefix caching (its joins keep their own forward).
 
     Raises:
         ValueError: unknown ``scheduler``; ``waiting_served_ratio`` < 0 or not finite;
-            ``max_waiting_tokens`` < 1.
+            ``max_waiting_tokens`` < 1; ``fused_join_pad_tokens`` < 0.
     """
 
     def __init__(self, model_dir: str | Path, max_batch: int = 8, max_queue: int = 256, dtype=None,
                  threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False,
                  scheduler: str = "continuous", prefix_caching: bool = False,
-                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20):
+                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20,
+                 fused_join_pad_tokens: int = 64):
         import torch
 
         if scheduler not in ("continuous", "static"):
@@ -339,6 +348,9 @@ class TorchEngine(Engine):
             raise ValueError(f"waiting_served_ratio: must be a finite number >= 0, got {waiting_served_ratio!r}")
         if int(max_waiting_tokens) < 1:
             raise ValueError(f"max_waiting_tokens: must be >= 1, got {max_waiting_tokens!r}")
+        if int(fused_join_pad_tokens) < 0:
+            raise ValueError(f"fused_join_pad_tokens: must be >= 0, got {fused_join_pad_tokens!r}")
+        self.fused_join_pad_tokens = int(fused_join_pad_tokens)
         self.waiting_served_ratio = float(waiting_served_ratio)
         self.max_waiting_tokens = int(max_waiting_tokens)
         self._steps_since_join = 0  # decode iterations since waiting requests last joined
@@ -365,6 +377,7 @@ class TorchEngine(Engine):
         self._paused = False
         self._closed = False
         self.batches_run = 0  # prefill groups admitted
+        self.fused_joins = 0  # prefill groups that rode in a decode forward
         self.steps_run = 0  # decode steps (one per running batch per iteration)
         self.last_batch_size = 0  # rows running after the last iteration
         self.max_positions = None
@@ -469,7 +482,7 @@ class TorchEngine(Engine):
         return len(self._pending)
 
     def num_running(self) -> int:
-        return sum(len(r.seqs) for r in list(self._running.values()))
+        return sum(len(r.seqs) + len(r.joining) for r in list(self._running.values()))
 
     def pause(self) -> None:
         with self._cv:
@@ -485,6 +498,7 @@ class TorchEngine(Engine):
             raise RuntimeError("engine worker is not running")
         return {"engine": "torch", "scheduler": self.scheduler, "queue_depth": self.queue_depth(),
                 "running": self.num_running(), "paused": self._paused, "batches_run": self.batches_run,
+                "fused_joins": self.fused_joins,
                 "steps_run": self.steps_run}
 
     def close(self) -> None:
@@ -557,7 +571,7 @@ class TorchEngine(Engine):
                 self._steps_since_join += 1
                 self.last_batch_size = self.num_running()
         for run in self._running.values():
-            for s in run.seqs:
+            for s in run.seqs + run.joining:
                 if not s.item.fut.done():
                     s.item.fut.set_exception(RuntimeError("engine closed"))
         self._running.clear()
@@ -580,6 +594,10 @@ class TorchEngine(Engine):
         now = time.perf_counter()
         for key, group in groups.items():
             run = self._running.get(key) or RunningBatch(group[0].req.model, self)
+            if run.seqs:  # a running batch takes them at the end of its next step
+                run.queue_join(group, now)
+                self.batches_run += 1
+                continue
             try:
                 run.join(group, now)
             except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
@@ -596,11 +614,11 @@ class TorchEngine(Engine):
             done = run.step()
             self.steps_run += 1
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
-            log.exception("step of a batch of %d failed", len(run.seqs))
-            for s in run.seqs:
+            log.exception("step of a batch of %d failed", len(run.seqs) + len(run.joining))
+            for s in run.seqs + run.joining:
                 if not s.item.fut.done():
                     s.item.fut.set_exception(exc)
-            run.seqs = []
+            run.seqs, run.joining = [], []
             done = []
         for s in done:
             try:
@@ -608,7 +626,7 @@ class TorchEngine(Engine):
             except Exception as exc:  # noqa: BLE001 - e.g. the aligned scoring pass failed
                 log.exception("finishing request %s failed", s.req.request_id)
                 s.item.fut.set_exception(exc)
-        if not run.seqs:
+        if not run.seqs and not run.joining:
             self._running.pop(key, None)
 
 

@@ -6,18 +6,22 @@ their KV cache (HF ``DynamicCache``, ``(B, heads, W, head_dim)`` per layer), the
 ``(B, V)``. Layout invariants (DESIGN §4, ``schemas.modelspec``):
 
 - left padding: a row's real tokens end at the right edge; its padding columns are 0 in the
-  mask and zeros in the cache, so they add exactly 0 to attention;
+  mask, so they add exactly 0 to attention (a prefix-cache join's row is ``[prefix | padding |
+  suffix]``);
 - positions are per row, ``cumsum(mask) - 1`` at prefill and ``+1`` per step, so they never
   depend on the padding that other rows bring;
 - ``mask.shape[1] == cache length`` between steps.
 
-Requests join at a step boundary (:meth:`RunningBatch.join`: their prompts are prefilled as
-one left-padded batch and the two caches are left-padded to one width and concatenated) and
-leave at one (finished rows are dropped with ``index_select`` and columns that are padding
-in every remaining row are cut). One :meth:`RunningBatch.step` samples one token for every
-row from the stored logits, does the per-request bookkeeping and runs one KV-cached decode
-forward for the rows still running. The cache belongs to the batch and the batch to one
-LoadedModel, so a KV cache never holds two versions' keys.
+Requests join at a step boundary and leave at one (finished rows are dropped with
+``index_select`` and columns that are padding in every remaining row are cut). A batch's first
+requests are prefilled as one left-padded batch (:meth:`RunningBatch.join`); later ones wait
+for the end of the next step (:meth:`RunningBatch.queue_join`), where their prompts ride in
+that step's decode forward (:meth:`RunningBatch._decode_with_joins`) or, when that would pad
+the running rows too much, are prefilled by a forward of their own whose cache is left-padded
+to the batch's width and concatenated. One :meth:`RunningBatch.step` samples one token for
+every row from the stored logits, does the per-request bookkeeping and runs one KV-cached
+forward for the rows still running and those joining. The cache belongs to the batch and the
+batch to one LoadedModel, so a KV cache never holds two versions' keys.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class RunningBatch:
         self.lm = lm
         self.eng = engine
         self.seqs: list[Seq] = []
+        self.joining: list[Seq] = []  # admitted, prefilled at the end of the next step
         self.cache = None
         self.mask = None  # (B, W) int64
         self.pos = None  # (B, 1) int64
@@ -108,12 +113,16 @@ class RunningBatch:
     def join(self, items: list, now: float) -> None:
         """Prefill ``items`` (queue entries on this batch's weights) as one left-padded batch
         and add them to the running rows."""
+        self._prefill(self._new_seqs(items, now))
+
+    def queue_join(self, items: list, now: float) -> None:
+        """Let ``items`` join at the end of the next :meth:`step`: their prefill rides in that
+        step's decode forward when :meth:`_fusable` allows, else runs as its own forward."""
+        self.joining += self._new_seqs(items, now)
+
+    def _new_seqs(self, items: list, now: float) -> list[Seq]:
         import torch
 
-        from schemas.modelspec import left_pad, position_ids
-
-        eng, lm = self.eng, self.lm
-        dev = eng.device
         seqs = []
         for it in items:
             r = it.req
@@ -126,6 +135,17 @@ class RunningBatch:
                 s.routes = np.zeros((s.plen + r.sampling.max_tokens - 1, self.n_layers, self.top_k),
                                     dtype=self.route_dtype)
             seqs.append(s)
+        return seqs
+
+    def _prefill(self, seqs: list[Seq]) -> None:
+        """One forward of ``seqs``' prompts (left-padded; from a prefix cache entry when one
+        applies); their rows join the batch."""
+        import torch
+
+        from schemas.modelspec import left_pad, position_ids
+
+        eng, lm = self.eng, self.lm
+        dev = eng.device
         prompts = [s.req.prompt_token_ids for s in seqs]
         entry = self._prefix_for(prompts)
         p = entry.length if entry is not None else 0
@@ -218,14 +238,24 @@ class RunningBatch:
             self.cache = self.mask = self.pos = self.logits = None
             return
         ix = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        mask = self.mask.index_select(0, ix)
-        c0 = int(torch.nonzero(mask.any(dim=0))[0, 0])  # first column any kept row uses
-        self.mask = mask[:, c0:]
+        self.mask = self.mask.index_select(0, ix)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, ix)[:, :, c0:]
-            layer.values = layer.values.index_select(0, ix)[:, :, c0:]
+            layer.keys = layer.keys.index_select(0, ix)
+            layer.values = layer.values.index_select(0, ix)
         self.pos = self.pos.index_select(0, ix)
         self.logits = self.logits.index_select(0, ix)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Cut the leading columns that are padding in every row (mask and cache)."""
+        import torch
+
+        c0 = int(torch.nonzero(self.mask.any(dim=0))[0, 0])  # first column any row uses
+        if c0:
+            self.mask = self.mask[:, c0:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, c0:]
+                layer.values = layer.values[:, :, c0:]
 
     # ------------------------------------------------------------------ one step
     def _sampler(self):
@@ -241,7 +271,8 @@ class RunningBatch:
         return rows, self._filter
 
     def step(self) -> list[Seq]:
-        """Sample one token per row, finish rows, run one decode forward for the rest.
+        """Sample one token per row, finish rows, run one decode forward for the rest (with the
+        queued joiners' prefill in it when :meth:`_fusable`, else followed by their prefill).
 
         Per step on the model's device: one ``log_softmax`` over the raw logits ``(B, V)``,
         one ``argmax`` for greedy rows, batched temperature/top-k/top-p for sampled rows
@@ -258,14 +289,20 @@ class RunningBatch:
         dev = eng.device
         # rows aborted since the last step leave without sampling another token
         pre = [i for i, s in enumerate(self.seqs) if s.req.cancelled.is_set()]
-        done: list[Seq] = []
+        done: list[Seq] = [s for s in self.joining if s.req.cancelled.is_set()]
+        for s in done:
+            s.finish = "abort"
+        joining = self.joining = [s for s in self.joining if s.finish is None]  # emptied once they joined
         if pre:
             for i in pre:
                 self.seqs[i].finish = "abort"
                 done.append(self.seqs[i])
             self._keep([i for i in range(len(self.seqs)) if self.seqs[i].finish is None])
-            if not self.seqs:
-                return done
+        if not self.seqs:
+            if joining:
+                self._prefill(joining)
+                self.joining = []
+            return done
         B = len(self.seqs)
         logits = self.logits
         logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution (temperature 1)
@@ -288,9 +325,25 @@ class RunningBatch:
         if len(keep) < B:
             self._keep(keep)
             tok = tok.index_select(0, torch.tensor(keep, dtype=torch.long, device=dev))
-        if self.seqs:
-            self._decode(tok)
+        if self.seqs and joining and self._fusable(joining):
+            self._decode_with_joins(tok, joining)
+        else:
+            if self.seqs:
+                self._decode(tok)
+            if joining:
+                self._prefill(joining)
+        self.joining = []
         return done
+
+    def _fusable(self, joining: list[Seq]) -> bool:
+        """Whether ``joining``'s prefill rides in this step's decode forward: no prefix cache
+        (its layout is prefilled on its own) and the padding it adds to the running rows,
+        ``running x (longest prompt - 1)`` tokens, is at most the engine's
+        ``fused_join_pad_tokens``."""
+        if self.lm.prefix_cache is not None:
+            return False
+        T = max(s.plen for s in joining)
+        return len(self.seqs) * (T - 1) <= self.eng.fused_join_pad_tokens
 
     def _top_logprobs(self, logp) -> dict[int, list[tuple[int, float]]]:
         """``{row: [(token, raw logprob), ...]}`` for rows that asked for top logprobs."""
@@ -343,6 +396,63 @@ class RunningBatch:
             rt = torch.stack([b.view(B, self.top_k) for b in self.lm.route_buf], dim=1).cpu().numpy()
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j]
+
+    def _decode_with_joins(self, tok, joining: list[Seq]) -> None:
+        """One forward that decodes the running rows' last tokens ``tok`` ``(R,)`` and
+        prefills ``joining``'s prompts (as vLLM mixes prefills into decode steps).
+
+        The forward's input is ``(R + J, T)``, ``T`` the longest joining prompt: a running row
+        is ``T - 1`` padding tokens then its token (at its own position), a joining row its
+        left-padded prompt over ``W`` empty cache columns (``W`` the cache width). The mask
+        hides every padding column, so each row attends to exactly its own tokens, and the
+        last column holds every row's next-token logits. Afterwards a running row's ``T - 1``
+        padding columns are moved to its left edge (left padding holds again) and columns that
+        are padding in every row are cut.
+        """
+        import torch
+
+        from schemas.modelspec import left_pad, position_ids
+
+        dev = self.mask.device
+        R, J = len(self.seqs), len(joining)
+        ids_j, mask_j = left_pad([s.req.prompt_token_ids for s in joining], self.eng.pad_id)  # (J, T)
+        T, W = ids_j.shape[1], self.mask.shape[1]
+        md = self.mask.dtype
+        ids_r = torch.full((R, T), self.eng.pad_id, dtype=torch.long, device=dev)
+        ids_r[:, -1] = tok
+        ones_r = torch.ones((R, 1), dtype=md, device=dev)
+        gap = torch.zeros((R, T - 1), dtype=md, device=dev)
+        mask = torch.cat([torch.cat([self.mask, gap, ones_r], 1),
+                          torch.cat([torch.zeros((J, W), dtype=md, device=dev), mask_j.to(dev)], 1)], 0)
+        pos = torch.cat([self.pos.expand(R, T), position_ids(mask_j).to(dev)], 0)  # (R + J, T)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                x = getattr(layer, name)
+                setattr(layer, name, torch.cat([x, x.new_zeros((J,) + tuple(x.shape[1:]))], 0))
+        out = self.lm.model(input_ids=torch.cat([ids_r, ids_j.to(dev)], 0), attention_mask=mask,
+                            position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        B = R + J
+        if self.n_layers:  # (B, T, L, k): routes of every token fed
+            rt = torch.stack([b.view(B, T, self.top_k) for b in self.lm.route_buf], dim=2).cpu().numpy()
+            for j, s in enumerate(self.seqs):
+                s.routes[s.plen + len(s.toks) - 1] = rt[j, -1]
+            for j, s in enumerate(joining):
+                s.routes[:s.plen] = rt[R + j, T - s.plen:]
+        if T > 1:  # running rows: [cache | T - 1 padding | token] -> [T - 1 padding | cache | token]
+            for layer in self.cache.layers:
+                for name in ("keys", "values"):
+                    x = getattr(layer, name)
+                    run = torch.cat([x.new_zeros(x[:R, :, :T - 1].shape), x[:R, :, :W], x[:R, :, W + T - 1:]], 2)
+                    setattr(layer, name, torch.cat([run, x[R:]], 0))
+            mask = torch.cat([torch.cat([gap, self.mask, ones_r], 1), mask[R:]], 0)
+        self.logits = out.logits[:, -1, :].float()
+        self.pos = torch.cat([self.pos + 1, torch.tensor([[s.plen] for s in joining], dtype=torch.long,
+                                                          device=dev)], 0)
+        self.mask = mask
+        self.seqs += joining
+        self._trim()
+        self.eng.fused_joins += 1
 
     # ------------------------------------------------------------------ results
     def result(self, s: Seq) -> GenResult:

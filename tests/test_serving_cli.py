@@ -153,7 +153,10 @@ def test_serve_bad_setups_are_usage_errors(tmp_path, tiny_moe_dir, monkeypatch):
              (["--waiting-served-ratio", "-1"], "--waiting-served-ratio", "greater than or equal to 0"),
              (["--engine", "vllm", "--waiting-served-ratio", "0.3"], "--waiting-served-ratio", "torch engine only"),
              (["--engine", "vllm", "--max-waiting-tokens", "5"], "--max-waiting-tokens", "torch engine only"),
-             (["--max-waiting-tokens", "0"], "--max-waiting-tokens", "greater than or equal to 1")]
+             (["--max-waiting-tokens", "0"], "--max-waiting-tokens", "greater than or equal to 1"),
+             (["--fused-join-pad-tokens", "-1"], "--fused-join-pad-tokens", "greater than or equal to 0"),
+             (["--engine", "vllm", "--fused-join-pad-tokens", "8"], "--fused-join-pad-tokens",
+              "torch engine only")]
     for args, flag, why in cases:
         r = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args])
         out = _flat(r.output)

@@ -562,13 +562,14 @@ def test_waiting_served_ratio_batches_joins_as_tgi_does(tiny_moe_dir):
         finally:
             e.close()
 
+    # a join rides in the next step's forward; its first token is sampled at the step after
     firsts, res, alone = run(0.0)
-    assert firsts["x"] <= 3 and firsts["y"] <= 21  # joined at the next step
+    assert firsts["x"] <= 4 and firsts["y"] <= 22, firsts  # joined at the next step
     firsts, res, alone = run(0.5)
     # x waited: the last join was at step 1, so it joins 6 steps later
-    assert 6 <= firsts["x"] <= 8, firsts
+    assert 7 <= firsts["x"] <= 9, firsts
     # x's join (the last) was > 6 steps before n = 20, and two waiting meet floor(0.5 x 4) = 2
-    assert firsts["y"] == firsts["z"] <= 21, firsts
+    assert firsts["y"] == firsts["z"] <= 22, firsts
     assert res["y"].batch_size == res["z"].batch_size == 6  # 4 long + y + z (x is done by then)
     assert res["y"].completion_token_ids == alone.completion_token_ids
 
@@ -615,3 +616,71 @@ def test_a_held_request_that_is_aborted_ends_at_once(tiny_moe_dir):
         assert box["ended"] <= box["at"] + 2, box
     finally:
         e.close()
+
+
+def _count_forwards(lm):
+    """Context: ``box["n"]`` counts top-level model forwards of ``lm`` while inside."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        box = {"n": 0}
+        h = lm.model.register_forward_pre_hook(lambda _m, _a: box.__setitem__("n", box["n"] + 1))
+        try:
+            yield box
+        finally:
+            h.remove()
+    return cm()
+
+
+@pytest.mark.parametrize("pad_budget,fused", [(1000, True), (0, False)])
+def test_a_join_rides_in_the_decode_forward(tiny_moe_dir, pad_budget, fused):
+    """A request joining a running batch is prefilled in the same forward as the running row's
+    decode when the padding it adds (1 running row x (3 - 1) = 2 tokens) fits the budget, else
+    by a forward of its own. Either way both rows' numbers equal a batch-1 recompute (routes
+    bitwise, logprobs within 1e-4), the seeded joiner's tokens equal the request alone, and
+    while both run every row of the mask is left padding then ones (no hole the fused forward's
+    padding could leave) and exactly as wide as the longest row."""
+    e = TorchEngine(tiny_moe_dir, max_batch=8, fused_join_pad_tokens=pad_budget)
+    try:
+        lm = e.load_base()
+        long_p, short_p = PROMPTS[0], PROMPTS[2]  # 7 and 3 tokens
+        short_sp = SamplingParams(temperature=0.8, top_k=30, max_tokens=6, seed=11)
+        box: dict[str, Any] = {"masks": []}
+
+        def on_step(out):
+            n = box["n_long"] = box.get("n_long", 0) + 1
+            if n == 3:
+                box["short"] = e.submit(GenRequest(prompt_token_ids=short_p, sampling=short_sp, model=lm))
+            (run,) = e._running.values()  # the engine thread, between forwards: a consistent state
+            if len(run.seqs) == 2:
+                box["masks"].append(run.mask.clone())
+
+        with _no_eos(e), _count_forwards(lm) as fw:
+            long_r = e.generate_sync(GenRequest(prompt_token_ids=long_p, model=lm, on_step=on_step,
+                                                sampling=SamplingParams(temperature=0, max_tokens=16)), 60)
+            short_r = box["short"].result(60)
+            forwards = fw["n"]
+        assert long_r.batch_size == short_r.batch_size == 2
+        # 1 prefill + 15 decodes for the long row (its 16th token needs no forward), plus the
+        # joiner's own prefill unless it rode in a decode forward
+        assert forwards == 16 + (0 if fused else 1), forwards
+        assert e.fused_joins == (1 if fused else 0)
+        for p, r in ((long_p, long_r), (short_p, short_r)):
+            _check_against_reference(tiny_moe_dir, p, r)
+        alone = e.generate_sync(GenRequest(prompt_token_ids=short_p, sampling=short_sp, model=lm), 60)
+        assert alone.completion_token_ids == short_r.completion_token_ids
+        assert box["masks"]
+        for mask in box["masks"]:
+            m = mask.numpy()
+            for row in m:  # zeros, then ones: no padding after a real token
+                first = int(np.argmax(row))
+                assert row[first:].all() and not row[:first].any(), row
+            assert m.all(axis=0).any() and m[:, 0].any()  # no column padding in every row
+    finally:
+        e.close()
+
+
+def test_fused_join_pad_tokens_is_checked(tiny_moe_dir):
+    with pytest.raises(ValueError, match="fused_join_pad_tokens"):
+        TorchEngine(tiny_moe_dir, fused_join_pad_tokens=-1)
