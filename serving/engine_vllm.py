@@ -389,7 +389,7 @@ class VLLMEngine(Engine):
                 raise ServingValidationError("response_format", req.structured, str(exc)) from None
         return SamplingParams(
             n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
-            seed=sp.seed, max_tokens=sp.max_tokens, logprobs=max(req.top_logprobs, 0),
+            seed=sp.seed, max_tokens=sp.max_tokens, logprobs=max(req.top_logprobs, 0), flat_logprobs=True,
             stop_token_ids=list(req.stop_token_ids), include_stop_str_in_output=True,
             detokenize=structured is not None, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured)
@@ -457,17 +457,47 @@ class VLLMEngine(Engine):
 
     @staticmethod
     def _delta(req: GenRequest, c) -> tuple[list[int], list[float], list]:
-        """New tokens of one DELTA output, their raw logprobs and (if asked) top logprobs."""
+        """New tokens of one DELTA output, their raw logprobs and (if asked) top logprobs.
+
+        ``c.logprobs`` is vLLM's ``FlatLogprobs`` (``flat_logprobs=True``: per position a range
+        of parallel ``token_ids``/``logprobs``/``ranks`` lists, the sampled token first, then
+        the top ``k`` by rank), read in place; a list of ``{token_id: Logprob}`` dicts (vLLM's
+        other layout) is read too. A token vLLM gave no logprob for gets NaN."""
         new = list(c.token_ids)
+        lp = c.logprobs
+        k = req.top_logprobs
+        if lp is None:
+            return new, [float("nan")] * len(new), [[] for _ in new] if k else []
+        if not hasattr(lp, "start_indices"):  # list of dicts
+            return new, *VLLMEngine._delta_dicts(k, new, lp)
+        starts, ends, ids, vals, ranks = lp.start_indices, lp.end_indices, lp.token_ids, lp.logprobs, lp.ranks
         lps, tops = [], []
         for j, t in enumerate(new):
-            d = c.logprobs[j] if c.logprobs is not None and j < len(c.logprobs) else {}
-            lps.append(float(d[t].logprob) if t in d else float("nan"))
-            if req.top_logprobs:
-                ranked = sorted(((k, v) for k, v in d.items() if v.rank is not None and v.rank <= req.top_logprobs),
-                                key=lambda kv: kv[1].rank)
-                tops.append([(int(k), float(v.logprob)) for k, v in ranked[:req.top_logprobs]])
+            a, b = (starts[j], ends[j]) if j < len(starts) else (0, 0)
+            if b - a == 1 or (a < b and ids[a] == t and t not in ids[a + 1:b]):
+                lps.append(float(vals[a]) if ids[a] == t else float("nan"))
+            else:  # several entries for t (sampled and in the top k): the last, as a dict keeps
+                at = [m for m in range(a, b) if ids[m] == t]
+                lps.append(float(vals[at[-1]]) if at else float("nan"))
+            if k:
+                best = {ids[m]: (vals[m], ranks[m]) for m in range(a, b)}
+                ranked = sorted(((tid, v) for tid, v in best.items() if v[1] is not None and v[1] <= k),
+                                key=lambda kv: kv[1][1])
+                tops.append([(int(tid), float(v[0])) for tid, v in ranked[:k]])
         return new, lps, tops
+
+    @staticmethod
+    def _delta_dicts(k: int, new: list[int], logprobs) -> tuple[list[float], list]:
+        """:meth:`_delta` for logprobs as a list of ``{token_id: Logprob}`` per position."""
+        lps, tops = [], []
+        for j, t in enumerate(new):
+            d = logprobs[j] if j < len(logprobs) else {}
+            lps.append(float(d[t].logprob) if t in d else float("nan"))
+            if k:
+                ranked = sorted(((tid, v) for tid, v in d.items() if v.rank is not None and v.rank <= k),
+                                key=lambda kv: kv[1].rank)
+                tops.append([(int(tid), float(v.logprob)) for tid, v in ranked[:k]])
+        return lps, tops
 
     @staticmethod
     def _stop_cut(req: GenRequest, toks: list[int], new: list[int]) -> int | None:

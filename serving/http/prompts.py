@@ -1,6 +1,7 @@
 """From an OpenAI request to what the engine runs: prompt token ids, new-token budget,
-stop-string checks, and back from token ids to text. Knows the tokenizer and the model's
-context length, nothing about HTTP or events."""
+stop-string checks, and back from token ids to text (whole, or incrementally while a
+completion streams: :class:`TextStream`). Knows the tokenizer and the model's context length,
+nothing about HTTP or events."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from typing import Callable
 
 from serving.params import ServingValidationError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: streams decode the whole completion per step
+    DecodeStream = None
 
 
 class PromptBuilder:
@@ -23,6 +29,8 @@ class PromptBuilder:
         self.tok = tokenizer
         self.max_positions = max_positions or 10**9
         self.max_prompt_tokens = max_prompt_tokens
+        self._backend: object | None = None  # tokenizers.Tokenizer when streams may decode with it
+        self._backend_checked = False
 
     def chat_ids(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         """The chat template applied to ``messages`` with the generation prompt (``developer``
@@ -99,6 +107,72 @@ class PromptBuilder:
         cut = min((text.find(s) for s in stops if s in text), default=-1)
         return text[:cut] if cut >= 0 else text
 
+    def text_stream(self, stops: list[str]) -> "TextStream":
+        """A :class:`TextStream` of one completion: the text :meth:`text` gives, built token by
+        token (incremental detokenization, no whole-completion decode per token)."""
+        return TextStream(self.tok, stops, self._stream_backend())
+
+    def _stream_backend(self):
+        """The ``tokenizers.Tokenizer`` behind :attr:`tok` when decoding with it equals
+        ``tok.decode`` (a fast tokenizer whose ``decode`` adds no clean-up of spaces: checked
+        once on a probe text holding every pattern that clean-up rewrites), else None."""
+        if not self._backend_checked:
+            self._backend_checked = True
+            be = getattr(self.tok, "backend_tokenizer", None)
+            if be is not None and DecodeStream is not None:
+                probe = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're k do not l"
+                ids = self.tok(probe, add_special_tokens=False)["input_ids"]
+                if self.tok.decode(ids, skip_special_tokens=True) == be.decode(ids, skip_special_tokens=True):
+                    self._backend = be
+        return self._backend
+
     def token_str(self, t: int) -> str:
         """One token's text (for logprobs)."""
         return self.tok.decode([t])
+
+
+class TextStream:
+    """One completion's text while it streams: after :meth:`add` of its token ids so far, the
+    same text as ``PromptBuilder.text(ids, stops)`` (decoded with special tokens skipped, cut
+    before the first stop string), except that an incomplete UTF-8 sequence at the end is held
+    back until the tokens completing it arrive.
+
+    With a fast tokenizer (``backend`` given) it decodes incrementally with
+    ``tokenizers.decoders.DecodeStream`` (O(1) per token; stop strings are searched only in the
+    new text and the ``len(longest stop) - 1`` characters before it); else it decodes the whole
+    completion at each :meth:`add`, as before (``U+FFFD`` then marks an incomplete sequence).
+
+    Args:
+        tokenizer: the Hugging Face tokenizer (used without ``backend``).
+        stops: stop strings.
+        backend: the ``tokenizers.Tokenizer`` to decode with incrementally, or None.
+    """
+
+    def __init__(self, tokenizer, stops: list[str], backend=None):
+        self._tok = tokenizer
+        self._stops = list(stops)
+        self._backend = backend
+        self._ds = DecodeStream(skip_special_tokens=True) if backend is not None else None
+        self._ids: list[int] = []  # only without a backend
+        self._full = ""  # decoded text so far (whole characters only with a backend)
+        self._cut = 0 if "" in self._stops else -1  # where the first stop string starts, -1: none yet
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append ``token_ids`` (the completion's next tokens) and return the text so far, cut
+        before the first stop string. Once a stop string is found the text stops growing (it
+        can only move earlier: a longer stop string completed later may start before it)."""
+        if self._ds is None:
+            self._ids += token_ids
+            text = self._tok.decode(self._ids, skip_special_tokens=True)
+            cut = min((text.find(s) for s in self._stops if s in text), default=-1)
+            return text[:cut] if cut >= 0 else text
+        old = len(self._full)
+        parts = [p for p in (self._ds.step(self._backend, t) for t in token_ids) if p]
+        if parts:
+            self._full += "".join(parts)
+            for s in self._stops:
+                if s:
+                    at = self._full.find(s, max(0, old - len(s) + 1))
+                    if at >= 0 and (self._cut < 0 or at < self._cut):
+                        self._cut = at
+        return self._full[:self._cut] if self._cut >= 0 else self._full

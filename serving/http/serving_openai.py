@@ -36,7 +36,7 @@ from serving.http.completion_log import CompletionLogger
 from serving.http.errors import json_response
 from serving.http.metrics import ServingMetrics
 from serving.http.prompts import PromptBuilder
-from serving.http.streaming import ChoiceStreams
+from serving.http.streaming import ChoiceStreams, LoopInbox
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.slots import Slots
@@ -84,6 +84,7 @@ class OpenAIServing:
         self.eval_share = eval_share
         self.default_max_tokens = default_max_tokens
         self.inflight = 0  # choices submitted and not finished (event loop only)
+        self._inbox: LoopInbox | None = None  # engine steps -> streamed requests' queues
 
     # ------------------------------------------------------------------ request -> plan
     def resolve_model(self, name: str) -> str | None:
@@ -197,14 +198,16 @@ class OpenAIServing:
     def _submit(self, run: "_Run", top_logprobs: int) -> None:
         """Queue the ``n`` requests, all or none (a 429 leaves nothing queued or logged)."""
         engine, metrics, version = self.engine, self.metrics, run.lm.version
-        loop = asyncio.get_running_loop()
+        inbox = self._inbox
+        if inbox is None or inbox.loop is not asyncio.get_running_loop():
+            inbox = self._inbox = LoopInbox(asyncio.get_running_loop())
         # counted when routed, so errors <= requests per version (error rate = errors / requests)
         metrics.version_requests.labels(version).inc(run.n)
         metrics.version_errors.labels(version)  # export 0 errors, not "no data", for this version
         try:
             for i in range(run.n):
                 def on_step(out: StepOutput, i=i) -> None:
-                    loop.call_soon_threadsafe(run.q.put_nowait, (i, out, None))
+                    inbox.put(run.q, (i, out, None))
 
                 run.greqs.append(GenRequest(prompt_token_ids=run.prompt, sampling=run.sps[i], model=run.lm,
                                             stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
@@ -268,7 +271,7 @@ class OpenAIServing:
             text=lambda ids: self.prompts.text(ids, run.stops), token_str=self.prompts.token_str,
             want_logprobs=bool(body.logprobs) if chat else body.logprobs is not None,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            prompt_len=len(run.prompt))
+            prompt_len=len(run.prompt), text_stream=lambda: self.prompts.text_stream(run.stops))
         # client went away: stop generating the choices still running; their events are still logged
         return StreamingResponse(streams.events(run.q, lambda: run.abort(self.engine, unfinished_only=True)),
                                  media_type="text/event-stream", headers=run.headers())

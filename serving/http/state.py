@@ -36,6 +36,7 @@ class ServingState:
     feedback: FeedbackServing
 
 
-def get_state(request: Request) -> ServingState:
-    """FastAPI dependency: the app's :class:`ServingState`."""
+async def get_state(request: Request) -> ServingState:
+    """FastAPI dependency: the app's :class:`ServingState` (async: FastAPI would run a plain
+    function in its thread pool, one thread hop per request)."""
     return request.app.state.flywheel

@@ -1,18 +1,59 @@
 """Server-sent events for ``n`` choices running at once (OpenAI's streaming shape).
 
-:class:`ChoiceStreams` turns engine step outputs into text deltas per choice: text is
-decoded from all tokens so far and cut at stop strings; a delta is sent only when the text
-grew as a prefix extension and does not end in an incomplete UTF-8 sequence (U+FFFD); each
-chunk carries the logprobs of the tokens since that choice's previous chunk.
+:class:`ChoiceStreams` turns engine step outputs into text deltas per choice: the text of
+all tokens so far (incrementally decoded when a ``text_stream`` is given, see
+:class:`serving.http.prompts.TextStream`), cut at stop strings; a delta is sent only when the
+text grew as a prefix extension and does not end in an incomplete UTF-8 sequence (U+FFFD); each
+chunk carries the logprobs of the tokens since that choice's previous chunk. A choice's last
+text is decoded from its whole completion once (:meth:`ChoiceStreams.on_finish`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 from typing import AsyncIterator, Callable
 
 from serving.http import wire
 from serving.params import GenResult, StepOutput
+
+
+class LoopInbox:
+    """Hands items from engine threads to ``asyncio.Queue``s of one event loop, waking the loop
+    once per burst instead of once per item: every step of every running request that an
+    engine emits in one iteration costs one ``call_soon_threadsafe`` (one self-pipe write and
+    one loop wake-up), not one each.
+
+    Order: items reach their queues in the order :meth:`put` was called, and before any
+    callback that the putting thread schedules on the loop after its :meth:`put` (e.g. a
+    future resolved after a request's last step, awaited with ``asyncio.wrap_future``).
+
+    Args:
+        loop: the event loop that owns the queues.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, q: asyncio.Queue, item) -> None:
+        """From any thread: ``q.put_nowait(item)`` on the loop, soon."""
+        with self._lock:
+            self._items.append((q, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._scheduled = False
+        for q, item in items:
+            q.put_nowait(item)
 
 
 class ChoiceStreams:
@@ -25,6 +66,10 @@ class ChoiceStreams:
         model: the version serving the request.
         chat: chat (``chat.completion.chunk``) or text completion chunks.
         text: ``text(token_ids) -> str``, the decoded completion cut at stop strings.
+        text_stream: ``text_stream()`` -> a new per-choice object whose ``add(new_token_ids)``
+            returns the same text as ``text(all token ids so far)`` (an incomplete trailing
+            UTF-8 sequence may be held back instead of shown as U+FFFD), e.g.
+            :meth:`serving.http.prompts.PromptBuilder.text_stream`; None: ``text`` per step.
         token_str: one token's text (for logprobs).
         want_logprobs: chunks carry logprobs.
         include_usage: ``stream_options.include_usage`` (a last chunk with usage).
@@ -33,12 +78,13 @@ class ChoiceStreams:
 
     def __init__(self, rid: str, cids: list[str], created: int, model: str, *, chat: bool,
                  text: Callable[[list[int]], str], token_str: Callable[[int], str], want_logprobs: bool,
-                 include_usage: bool, prompt_len: int):
+                 include_usage: bool, prompt_len: int, text_stream: Callable[[], object] | None = None):
         self.rid, self.cids, self.created, self.model, self.chat = rid, cids, created, model, chat
         self.text, self.token_str = text, token_str
         self.want_logprobs, self.include_usage, self.prompt_len = want_logprobs, include_usage, prompt_len
         n = len(cids)
-        self.toks: list[list[int]] = [[] for _ in range(n)]
+        self.toks: list[list[int]] = [[] for _ in range(n)]  # without text_stream only
+        self.streams = [text_stream() for _ in range(n)] if text_stream is not None else None
         self.sent = [""] * n  # text already sent, per choice
         self.lp_toks: list[list[tuple[int, float, list]]] = [[] for _ in range(n)]  # logprobs not yet sent
         self.lp_off = [0] * n  # text offset of choice i's next token (completions' text_offset)
@@ -60,11 +106,14 @@ class ChoiceStreams:
 
     def on_step(self, i: int, step: StepOutput) -> str | None:
         """Choice ``i`` produced ``step``: its chunk, or None while there is no new text."""
-        self.toks[i] += step.token_ids
         if self.want_logprobs:
             tops = step.top_logprobs or [[] for _ in step.token_ids]
             self.lp_toks[i] += zip(step.token_ids, step.logprobs, tops)
-        text = self.text(self.toks[i])
+        if self.streams is not None:
+            text = self.streams[i].add(step.token_ids)
+        else:
+            self.toks[i] += step.token_ids
+            text = self.text(self.toks[i])
         if text.endswith("\ufffd"):
             return None  # incomplete UTF-8 sequence: wait for the next token
         if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
