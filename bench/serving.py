@@ -261,6 +261,9 @@ def continuous_vs_static(model_dir: Path, bootstrap: str, tmp: Path, n_req: int,
                 for m in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s"):
                     res[f"_cs{suffix}_{sched}_{mult}_{m}"] = g[m]
             c, st = got["continuous"], got["static"]
+            ce = pods["continuous"].engine
+            print(f"continuous engine so far: {ce.steps_run} steps, {ce.batches_run} joins, "
+                  f"{ce.fused_joins} of them in a decode forward", flush=True)
             res["continuous_vs_static_throughput" + suffix] = c["throughput_tok_s"] / st["throughput_tok_s"]
             res["continuous_vs_static_ttft_p50" + suffix] = c["ttft_p50_s"] / st["ttft_p50_s"]
             res["continuous_vs_static_ttft_p99" + suffix] = c["ttft_p99_s"] / st["ttft_p99_s"]
