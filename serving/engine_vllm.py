@@ -73,6 +73,16 @@ def _has_triton() -> bool:
     return bool(HAS_TRITON)
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The engine's event loop: uvloop's when installed (vLLM's own server runs AsyncLLM on
+    uvloop; vLLM depends on it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class _Instance:
     """One ``AsyncLLM`` and the LoadedModel it currently holds (weakly)."""
 
@@ -163,7 +173,7 @@ class VLLMEngine(Engine):
         self._lock = threading.Lock()
         self._closed = False
         self.requests_run = 0
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._unpaused: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run_loop, name="flywheel-vllm-loop", daemon=True)
         self._thread.start()
