@@ -206,11 +206,29 @@ def run_load(base_url: str, model: str, prompts: list[str], arrivals: list[float
             "ttft_p99_s": float(np.percentile(ttft, 99)), "requests": len(rs), "tokens": toks, "wall_s": wall}
 
 
-def capacity_rps(base_url: str, model: str, prompts: list[str], n: int, max_tokens: int,
-                 headers: dict | None = None) -> float:
-    """Requests/s the server completes when ``n`` arrive at once (closed burst)."""
-    r = run_load(base_url, model, prompts, [0.0] * n, max_tokens, headers)
+def capacity_rps(base_url: str, model: str, prompts: list[str], n: int, max_tokens: "int | list[int]",
+                 headers: dict | None = None, load=None) -> float:
+    """Requests/s the server completes when ``n`` arrive at once (closed burst); ``load``:
+    the :func:`run_load` to use (default this process's)."""
+    r = (load or run_load)(base_url, model, prompts, [0.0] * n, max_tokens, headers)
     return r["requests"] / r["wall_s"]
+
+
+class LoadProcess:
+    """:func:`run_load` in a process of its own, for pods served from this process: the load
+    generator's HTTP client then never holds the pods' interpreter lock (context manager)."""
+
+    def __enter__(self):
+        import multiprocessing
+
+        self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return self
+
+    def __call__(self, *args, **kw) -> dict[str, float]:
+        return self._pool.submit(run_load, *args, **kw).result()
+
+    def __exit__(self, *exc):
+        self._pool.shutdown()
 
 
 PROMPTS = ["def add(a, b):", "hello world, the quick brown fox", "Complete this Python function.",
@@ -220,10 +238,13 @@ PROMPTS = ["def add(a, b):", "hello world, the quick brown fox", "Complete this 
 def continuous_vs_static(model_dir: Path, bootstrap: str, tmp: Path, n_req: int, max_tokens: int,
                          max_batch: int, mixed: bool = False, device: str = "cpu") -> dict[str, float]:
     """Torch engine, static vs continuous scheduler, two pods on one model, logging on, eos
-    off; three Poisson rates from the continuous pod's capacity; per rate the two run one
-    after the other (order alternating) on the same arrival times. ``mixed``: request ``i``
-    asks for a seeded uniform 4..``max_tokens`` tokens (lengths as eos would make them), else
-    exactly ``max_tokens``; figures named ``..._mixed_lengths`` then."""
+    off; three Poisson rates from the continuous pod's capacity (measured on the same lengths);
+    per rate the two run one after the other on the same arrival times, each pod's events
+    flushed to the broker before the next run; at the highest rate in the order A B B A (each
+    figure the mean of its two runs, so drift on a shared box cancels to first order), at the
+    others A B with the order alternating. ``mixed``: request ``i`` asks for a seeded uniform
+    4..``max_tokens`` tokens (lengths as eos would make them), else exactly ``max_tokens``;
+    figures named ``..._mixed_lengths`` then."""
     import random
 
     rng = random.Random(7)
@@ -241,23 +262,32 @@ def continuous_vs_static(model_dir: Path, bootstrap: str, tmp: Path, n_req: int,
         pods[sched].engine.eos_id = -1  # benchmark only: every request makes max_tokens tokens
         srvs[sched] = ServerThread(pods[sched].app).start()
     res: dict[str, float] = {}
+    load = LoadProcess().__enter__()
     try:
         for s in srvs.values():
-            run_load(s.url, "flywheel", PROMPTS, [0.0, 0.0], 4)  # warm-up
-        cap = capacity_rps(srvs["continuous"].url, "flywheel", PROMPTS, 2 * max_batch, max_tokens)
+            load(s.url, "flywheel", PROMPTS, [0.0, 0.0], 4)  # warm-up
+        cap = capacity_rps(srvs["continuous"].url, "flywheel", PROMPTS, 2 * max_batch,
+                           lengths[:2 * max_batch] if mixed else max_tokens, load=load)
         res["_cs_capacity_rps"] = cap
         print(f"continuous pod capacity: {cap:.2f} req/s ({2 * max_batch} at once, {max_tokens} tokens)", flush=True)
         for k, mult in enumerate((0.4, 0.8, 1.6)):
             rate = mult * cap
             arr = poisson_arrivals(rate, n_req, seed=100 + k)
             order = ("static", "continuous") if k % 2 == 0 else ("continuous", "static")
-            got = {sched: run_load(srvs[sched].url, "flywheel", PROMPTS, arr, lengths) for sched in order}
+            if mult == 1.6:
+                order = order + order[::-1]
+            runs: dict[str, list[dict]] = {"continuous": [], "static": []}
+            for sched in order:
+                runs[sched].append(load(srvs[sched].url, "flywheel", PROMPTS, arr, lengths))
+                pods[sched].event_log.flush(60)
+            got = {sched: {m: statistics.fmean(r[m] for r in rs) for m in rs[0]} for sched, rs in runs.items()}
             for sched in ("continuous", "static"):
                 g = got[sched]
                 print(f"{'mixed ' if mixed else ''}rate {rate:.2f} req/s ({mult}x capacity) {sched:<10}: "
                       f"{g['throughput_tok_s']:.1f} tok/s, "
                       f"TTFT p50 {g['ttft_p50_s'] * 1000:.0f} ms p99 {g['ttft_p99_s'] * 1000:.0f} ms, "
-                      f"{g['requests']} requests, {g['tokens']} tokens in {g['wall_s']:.1f} s", flush=True)
+                      f"{g['requests']:.0f} requests, {g['tokens']:.0f} tokens in {g['wall_s']:.1f} s"
+                      f"{' (mean of 2 runs)' if len(runs[sched]) > 1 else ''}", flush=True)
                 for m in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s"):
                     res[f"_cs{suffix}_{sched}_{mult}_{m}"] = g[m]
             c, st = got["continuous"], got["static"]
@@ -268,6 +298,7 @@ def continuous_vs_static(model_dir: Path, bootstrap: str, tmp: Path, n_req: int,
             res["continuous_vs_static_ttft_p50" + suffix] = c["ttft_p50_s"] / st["ttft_p50_s"]
             res["continuous_vs_static_ttft_p99" + suffix] = c["ttft_p99_s"] / st["ttft_p99_s"]
     finally:
+        load.__exit__()
         for s in srvs.values():
             s.stop()
         for p in pods.values():
@@ -299,9 +330,11 @@ def _start(cmd: list[str], env: dict, log_path: Path, url: str, timeout_s: float
 def vllm_vs_vllm_server(model_dir: Path, vpy: Path, tmp: Path, n_req: int, max_tokens: int, max_batch: int,
                         dtype: str, max_model_len: int, gpu_util: float | None) -> dict[str, float]:
     """``flywheel serve --engine vllm`` vs ``python -m vllm.entrypoints.openai.api_server``,
-    same checkpoint, dtype, context, max_num_seqs and memory share, one after the other, same
-    Poisson arrivals (rates 0.4x/0.8x/1.6x the vLLM server's capacity). Flywheel logs events
-    to its journal (no broker: the cost measured is Flywheel's serving path, not Kafka's)."""
+    same checkpoint, dtype, context, max_num_seqs and memory share, both servers up, the same
+    Poisson arrivals sent to one then the other (rates 0.4x/0.8x/1.6x the vLLM server's
+    capacity; order alternating per rate, A B B A at the highest, each figure the mean of its
+    runs there). Flywheel logs events to its journal (no broker: the cost measured is
+    Flywheel's serving path, not Kafka's)."""
     import os
 
     from serving.server import free_port
@@ -323,27 +356,36 @@ def vllm_vs_vllm_server(model_dir: Path, vpy: Path, tmp: Path, n_req: int, max_t
                         str(max_model_len)], p2, "m")
     if not gpu_util:
         servers["flywheel"][0].extend(["--gpu-memory-utilization", "0.05"])
-    got: dict[str, dict] = {}
-    rates = None
-    for name in ("vllm", "flywheel"):  # the vLLM server first: its capacity sets the rates
-        cmd, port, model = servers[name]
-        url = f"http://127.0.0.1:{port}"
-        proc, log = _start(cmd, env, tmp / f"{name}.log", url + ("/health" if name == "vllm" else "/health"), 1200)
-        try:
+    procs = {}
+    try:
+        for name in ("vllm", "flywheel"):  # both up at once, so the loads can alternate
+            cmd, port, _model = servers[name]
+            procs[name] = _start(cmd, env, tmp / f"{name}.log", f"http://127.0.0.1:{port}/health", 1200)
+        for name, (_cmd, port, model) in servers.items():
+            url = f"http://127.0.0.1:{port}"
             run_load(url, model, PROMPTS, [0.0] * 4, 4)  # warm-up (first requests pay ~27 s on CPU)
             run_load(url, model, PROMPTS, [0.0] * 4, 4)
-            if rates is None:
-                cap = capacity_rps(url, model, PROMPTS, 2 * max_batch, max_tokens)
-                rates = [m * cap for m in (0.4, 0.8, 1.6)]
-                print(f"vLLM server capacity: {cap:.2f} req/s", flush=True)
-            got[name] = {}
-            for k, rate in enumerate(rates):
-                g = run_load(url, model, PROMPTS, poisson_arrivals(rate, n_req, seed=200 + k), max_tokens)
-                got[name][k] = g
+        _c, vport, vmodel = servers["vllm"]
+        cap = capacity_rps(f"http://127.0.0.1:{vport}", vmodel, PROMPTS, 2 * max_batch, max_tokens)
+        rates = [m * cap for m in (0.4, 0.8, 1.6)]
+        print(f"vLLM server capacity: {cap:.2f} req/s", flush=True)
+        got: dict[str, dict] = {"vllm": {}, "flywheel": {}}
+        for k, rate in enumerate(rates):
+            arr = poisson_arrivals(rate, n_req, seed=200 + k)
+            order = ("vllm", "flywheel") if k % 2 == 0 else ("flywheel", "vllm")
+            if k == len(rates) - 1:  # A B B A at the highest rate: drift cancels to first order
+                order = order + order[::-1]
+            runs: dict[str, list[dict]] = {"vllm": [], "flywheel": []}
+            for name in order:
+                _c, port, model = servers[name]
+                runs[name].append(run_load(f"http://127.0.0.1:{port}", model, PROMPTS, arr, max_tokens))
+            for name, rs in runs.items():
+                g = got[name][k] = {m: statistics.fmean(r[m] for r in rs) for m in rs[0]}
                 print(f"rate {rate:.2f} req/s {name:<9}: {g['throughput_tok_s']:.1f} tok/s, TTFT p50 "
-                      f"{g['ttft_p50_s'] * 1000:.0f} ms p99 {g['ttft_p99_s'] * 1000:.0f} ms ({g['tokens']} tokens)",
-                      flush=True)
-        finally:
+                      f"{g['ttft_p50_s'] * 1000:.0f} ms p99 {g['ttft_p99_s'] * 1000:.0f} ms ({g['tokens']:.0f} tokens)"
+                      f"{' (mean of 2 runs)' if len(rs) > 1 else ''}", flush=True)
+    finally:
+        for proc, log in procs.values():
             proc.terminate()
             try:
                 proc.wait(60)
