@@ -276,11 +276,12 @@ class TorchEngine(Engine):
 
     A worker thread keeps one :class:`serving.torch_batch.RunningBatch` per LoadedModel
     being served. Every iteration it admits waiting requests (FIFO, up to ``max_batch``
-    running in all) into the batch of their weights (prefilled together, left-padded, then
-    merged into the running KV cache), and runs one step of every running batch: sample one
-    token per row from the raw logits (temperature, top_p, top_k, seed via a per-request CPU
-    ``torch.Generator``: the same tokens alone or in any batch), then one KV-cached decode
-    forward. Finished rows leave the batch at once, so a new request waits at most one step
+    running in all) into the batch of their weights (prefilled together, left-padded, in the
+    batch's next decode forward when ``fused_join_pad_tokens`` allows, else by a forward of
+    their own, then merged into the running KV cache), and runs one step of every running
+    batch: sample one token per row from the raw logits (temperature, top_p, top_k, seed via a
+    per-request CPU ``torch.Generator``: the same tokens alone or in any batch), then one
+    KV-cached decode forward. Finished rows leave the batch at once, so a new request waits at most one step
     to join, never for the longest request in the batch. Behavior logprobs are the raw
     ``log_softmax`` of the logits (temperature 1, unfiltered); expert routes
     ``(P + C - 1, L, k)`` are copied to the host after every forward.
