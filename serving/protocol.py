@@ -171,6 +171,9 @@ class _Base(WireModel):
             log.info("ignoring unknown request fields: %s", sorted(extras))
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise ServingValidationError("n", self.n, f"must be in [1, {MAX_N}]")
+        if self.stream_options is not None and not self.stream:
+            raise ServingValidationError("stream_options", self.stream_options.model_dump(),
+                                         "only allowed with stream: true (as OpenAI and vLLM)")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ServingValidationError("stop", self.stop, "up to 4 non-empty strings")

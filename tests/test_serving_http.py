@@ -213,6 +213,10 @@ def test_non_finite_and_boolean_numbers_are_400_naming_the_field(env, path, raw,
     ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "system", "content": "s"},
                                                                {"role": "user", "content": None}]},
      "messages.1.content", "is required for a user message"),
+    ("/v1/completions", {"model": "flywheel", "prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options", "only allowed with stream: true"),
+    ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user", "content": "x"}],
+                              "stream": False, "stream_options": {}}, "stream_options", "only allowed with stream"),
 ])
 def test_wrong_types_name_the_field_not_the_union_member(env, path, body, param, says):
     r = post(env, path, body)
