@@ -266,6 +266,8 @@ def register(app: typer.Typer) -> None:
                        "--tool-call-parser` (hermes, llama3_json, mistral, pythonic, ...; default hermes)."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
+        import asyncio
+
         import uvicorn
 
         from schemas import settings
@@ -337,6 +339,12 @@ def register(app: typer.Typer) -> None:
         if version is not None and version not in st.versions():
             raise typer.BadParameter(f"{version!r} is not in the store (it has {', '.join(st.versions())})",
                                      param_hint="--version")
+        loop = None
+        if engine == "vllm":  # HTTP and AsyncLLM on one loop, as vLLM's own server
+            from serving.engine_vllm import new_event_loop
+
+            loop = vllm_opts["loop"] = new_event_loop()
+            asyncio.set_event_loop(loop)
         origins = list(cor for cor in (cors_origin or []) if cor)
         origins += [o.strip() for o in os.environ.get("FLYWHEEL_CORS_ORIGINS", "").split(",") if o.strip()]
         app_options = {"feedback_keys": load_keys("FLYWHEEL_FEEDBACK_KEYS", feedback_keys_file),
@@ -354,6 +362,10 @@ def register(app: typer.Typer) -> None:
             raise SystemExit(0)
         signal.signal(signal.SIGTERM, _exit)
         try:
-            uvicorn.run(p.app, host=host, port=port, log_level="warning")
+            if loop is None:
+                uvicorn.run(p.app, host=host, port=port, log_level="warning")
+            else:
+                loop.run_until_complete(uvicorn.Server(uvicorn.Config(
+                    p.app, host=host, port=port, log_level="warning")).serve())
         finally:
             p.close()

@@ -7,8 +7,10 @@ Imported lazily (only with ``--engine vllm``): vLLM lives in its own virtual env
 step); every request is one ``AsyncLLM.generate`` stream with ``RequestOutputKind.DELTA``, so
 tokens reach :meth:`GenRequest.emit_step` as vLLM makes them, and ``abort(request_id)`` is
 vLLM's own abort (the request leaves vLLM's batch and frees its KV blocks at the next step).
-All AsyncLLM instances live on one event loop in a background thread of this engine, so the
-engine can be driven from any thread or event loop (``submit`` is thread-safe).
+All AsyncLLM instances live on one event loop: the HTTP server's when one is given (``flywheel
+serve``: one thread for requests, AsyncLLM's outputs and the streamed responses, as in vLLM's
+own server), else one in a background thread of this engine. Either way the engine can be
+driven from any thread or event loop (``submit`` is thread-safe).
 
 Numbers it returns:
 
@@ -73,7 +75,7 @@ def _has_triton() -> bool:
     return bool(HAS_TRITON)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
     """The engine's event loop: uvloop's when installed (vLLM's own server runs AsyncLLM on
     uvloop; vLLM depends on it), else asyncio's."""
     try:
@@ -117,6 +119,10 @@ class VLLMEngine(Engine):
         engine_kwargs: extra ``AsyncEngineArgs`` keyword arguments (e.g. ``enforce_eager``).
         tool_call_parser: vLLM tool parser for chat requests with ``tools`` (as ``vllm serve
             --tool-call-parser``; ``hermes`` fits Qwen/Hermes-style ``<tool_call>`` output).
+        loop: the event loop to run AsyncLLM on, owned and run by the caller (``flywheel
+            serve`` passes the loop its HTTP server runs on, so requests, AsyncLLM's output
+            handler and the streamed responses share one thread, as in vLLM's own server);
+            None: the engine runs its own loop in a background thread.
 
     Raises:
         ImportError: vLLM is not installed in this interpreter.
@@ -128,7 +134,7 @@ class VLLMEngine(Engine):
                  max_model_len: int | None = None, max_instances: int = 3,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  quantization: str | None = None, return_routes: bool = True, engine_kwargs: dict | None = None,
-                 tool_call_parser: str = "hermes"):
+                 tool_call_parser: str = "hermes", loop: asyncio.AbstractEventLoop | None = None):
         import vllm  # noqa: F401 - fail early and clearly when vLLM is missing
         from transformers import AutoConfig
 
@@ -173,23 +179,36 @@ class VLLMEngine(Engine):
         self._lock = threading.Lock()
         self._closed = False
         self.requests_run = 0
-        self._loop = _new_loop()
-        self._unpaused: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run_loop, name="flywheel-vllm-loop", daemon=True)
-        self._thread.start()
-        self._call(self._init_loop_state())
+        self._unpaused = asyncio.Event()  # bound to the loop that first waits on it
+        self._unpaused.set()
+        self._loop = loop or new_event_loop()
+        self._thread: threading.Thread | None = None
+        if loop is None:
+            self._thread = threading.Thread(target=self._run_loop, name="flywheel-vllm-loop", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ event loop
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    async def _init_loop_state(self) -> None:
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
-
     def _call(self, coro, timeout_s: float | None = None):
-        """Run ``coro`` on the engine's loop and wait for its result (from another thread)."""
+        """Run ``coro`` on the engine's loop and wait for its result: from another thread
+        while the loop runs, or on the loop itself before its owner runs it (startup).
+
+        Raises:
+            RuntimeError: called from a coroutine on the engine's own loop (it would wait for
+                itself; run the blocking call in a thread, as the admin routes do).
+        """
+        if self._thread is None and not self._loop.is_running():
+            return self._loop.run_until_complete(coro)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            coro.close()
+            raise RuntimeError("a blocking engine call on the engine's own event loop; run it in a thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # ------------------------------------------------------------------ weights
@@ -329,7 +348,7 @@ class VLLMEngine(Engine):
             return
         req = got[0]
         req.cancelled.set()
-        if not self._loop.is_closed():
+        if not self._loop.is_closed() and (self._thread is not None or self._loop.is_running()):
             asyncio.run_coroutine_threadsafe(req.model.model.llm.abort(rid), self._loop)
 
     def queue_depth(self) -> int:
@@ -347,7 +366,7 @@ class VLLMEngine(Engine):
         self._loop.call_soon_threadsafe(self._unpaused.set)
 
     def check_health(self) -> dict:
-        if self._closed or not self._thread.is_alive():
+        if self._closed or self._loop.is_closed() or (self._thread is not None and not self._thread.is_alive()):
             raise RuntimeError("engine is closed")
         for inst in list(self._instances):
             if inst.llm.errored:
@@ -371,8 +390,9 @@ class VLLMEngine(Engine):
                 inst.llm.shutdown()
             except Exception:  # noqa: BLE001 - best effort at exit
                 log.exception("vLLM shutdown failed")
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        if self._thread is not None:  # its own loop: stop it; a given loop is its owner's to stop
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
         with self._lock:
             left = list(self._inflight.values())
         for _req, fut in left:
