@@ -160,3 +160,42 @@ def test_loop_inbox_keeps_order_and_batches_wakeups():
     assert seen == 300  # every item was delivered before the later callback ran
     assert got == [list(range(i, 300, 3)) for i in range(3)]
     assert 1 <= wakes < 300
+
+
+def test_stop_prefix_len_by_hand():
+    from serving.http.streaming import stop_prefix_len
+
+    assert stop_prefix_len("Hello\n", ["\n\nW"]) == 1
+    assert stop_prefix_len("Hello\n\n", ["\n\nW"]) == 2
+    assert stop_prefix_len("abc", ["xyz"]) == 0
+    assert stop_prefix_len("ab", ["b", "abc"]) == 2  # a whole stop string is cut, never held
+    assert stop_prefix_len("T", ["TT"]) == 1 and stop_prefix_len("", ["TT"]) == 0
+    assert stop_prefix_len("x😊", ["😊!", "x😊?"]) == 2
+
+
+@pytest.mark.parametrize("stops", [["wörld —"], ["brownie", "fox ∑"], ["日本語 🙂 thx"], ["e"]])
+def test_streamed_text_never_shows_what_a_stop_string_cuts(tok, stops):
+    """A stop string that spans tokens: at every chunk the text streamed so far is a prefix of
+    the final (cut) text, and all chunks together equal it. A held-back start of a stop string
+    that does not complete ("brown" of "brownie", "日本語 🙂 th" of "...thx") is sent later."""
+    from serving.http.streaming import ChoiceStreams
+    from serving.params import GenResult, StepOutput
+
+    ids = _ids(tok, TEXT)
+    pb = PromptBuilder(tok, 256)
+    final = _cut(TEXT, stops)
+    for text_stream in (lambda: pb.text_stream(stops), None):
+        s = ChoiceStreams("r", ["c0"], 0, "v1", chat=False, text=lambda x: pb.text(x, stops), token_str=pb.token_str,
+                          want_logprobs=False, include_usage=False, prompt_len=3, text_stream=text_stream,
+                          stops=stops)
+        sent = ""
+        for t in ids:
+            c = s.on_step(0, StepOutput("r", [t], [-0.25], []))
+            if c is not None:
+                sent += json.loads(c.removeprefix("data: "))["choices"][0]["text"]
+                assert final.startswith(sent), (sent, final)
+        res = GenResult(completion_token_ids=ids, behavior_logprobs=[-0.25] * len(ids), top_logprobs=[],
+                        expert_routes=None, finish_reason="stop", ttft_ms=1, latency_ms=2, version="v1")
+        for c in s.on_finish(0, res):
+            sent += json.loads(c.removeprefix("data: "))["choices"][0]["text"]
+        assert sent == final

@@ -271,7 +271,7 @@ class OpenAIServing:
             text=lambda ids: self.prompts.text(ids, run.stops), token_str=self.prompts.token_str,
             want_logprobs=bool(body.logprobs) if chat else body.logprobs is not None,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            prompt_len=len(run.prompt), text_stream=lambda: self.prompts.text_stream(run.stops))
+            prompt_len=len(run.prompt), text_stream=lambda: self.prompts.text_stream(run.stops), stops=run.stops)
         # client went away: stop generating the choices still running; their events are still logged
         return StreamingResponse(streams.events(run.q, lambda: run.abort(self.engine, unfinished_only=True)),
                                  media_type="text/event-stream", headers=run.headers())

@@ -3,7 +3,8 @@
 :class:`ChoiceStreams` turns engine step outputs into text deltas per choice: the text of
 all tokens so far (incrementally decoded when a ``text_stream`` is given, see
 :class:`serving.http.prompts.TextStream`), cut at stop strings; a delta is sent only when the
-text grew as a prefix extension and does not end in an incomplete UTF-8 sequence (U+FFFD); each
+text grew as a prefix extension and does not end in an incomplete UTF-8 sequence (U+FFFD), and
+never shows the start of a stop string that the next tokens may complete; each
 chunk carries the logprobs of the tokens since that choice's previous chunk. A choice's last
 text is decoded from its whole completion once (:meth:`ChoiceStreams.on_finish`).
 """
@@ -56,6 +57,19 @@ class LoopInbox:
             q.put_nowait(item)
 
 
+def stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the start (shorter than the whole) of a
+    stop string: characters a stream must hold back, since the next tokens may complete the
+    stop string and cut them (vLLM's server holds back the same). 0 without stop strings."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held
+
+
 class ChoiceStreams:
     """Chunks of one streamed request.
 
@@ -74,14 +88,19 @@ class ChoiceStreams:
         want_logprobs: chunks carry logprobs.
         include_usage: ``stream_options.include_usage`` (a last chunk with usage).
         prompt_len: prompt tokens (usage).
+        stops: the request's stop strings: text that may be the start of one is held back
+            until the next tokens show it is not (:func:`stop_prefix_len`), so the streamed
+            text never shows what the stop string then cuts.
     """
 
     def __init__(self, rid: str, cids: list[str], created: int, model: str, *, chat: bool,
                  text: Callable[[list[int]], str], token_str: Callable[[int], str], want_logprobs: bool,
-                 include_usage: bool, prompt_len: int, text_stream: Callable[[], object] | None = None):
+                 include_usage: bool, prompt_len: int, text_stream: Callable[[], object] | None = None,
+                 stops: list[str] | None = None):
         self.rid, self.cids, self.created, self.model, self.chat = rid, cids, created, model, chat
         self.text, self.token_str = text, token_str
         self.want_logprobs, self.include_usage, self.prompt_len = want_logprobs, include_usage, prompt_len
+        self.stops = [x for x in (stops or []) if x]
         n = len(cids)
         self.toks: list[list[int]] = [[] for _ in range(n)]  # without text_stream only
         self.streams = [text_stream() for _ in range(n)] if text_stream is not None else None
@@ -116,6 +135,8 @@ class ChoiceStreams:
             text = self.text(self.toks[i])
         if text.endswith("\ufffd"):
             return None  # incomplete UTF-8 sequence: wait for the next token
+        if self.stops:
+            text = text[:len(text) - stop_prefix_len(text, self.stops)]
         if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
             delta, self.sent[i] = text[len(self.sent[i]):], text
             return self.chunk(i, delta, None)
