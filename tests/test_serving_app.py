@@ -306,6 +306,35 @@ def test_stream_disconnect_still_logs_exactly_one_event(pod):
     assert ev.finish_reason in ("abort", "stop") and len(ev.completion_token_ids) < 400
 
 
+def test_non_streamed_request_whose_client_leaves_is_aborted(pod):
+    """A JSON (non-streamed) request whose client goes away is aborted (vLLM's server's
+    ``with_cancellation``): the engine frees its row within moments, not after 400 tokens, and
+    its one event is logged with finish_reason abort."""
+    import time
+
+    eng = pod["pod"].engine
+    body = {"model": "flywheel", "prompt": "hello", "max_tokens": 400, "temperature": 1.0, "seed": 4}
+    rid = f"leaver-{time.monotonic_ns()}"
+    saved, eng.eos_id = eng.eos_id, -1  # it would run all 400 tokens if nobody aborted it
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(pod["url"] + "/v1/completions", json=body, headers={"x-request-id": rid}, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while eng.num_running() or eng.queue_depth():
+            assert time.monotonic() < deadline, "the abandoned request still runs"
+            time.sleep(0.05)
+    finally:
+        eng.eos_id = saved
+    for _ in range(5):  # the event is produced after the abort, off the event loop
+        recs = [r for r in consume(pod["bootstrap"], topics.COMPLETIONS, 1000, timeout_s=3)
+                if CompletionEvent.from_bytes(r.value).request_id == rid]
+        if recs:
+            break
+    assert len(recs) == 1
+    ev = CompletionEvent.from_bytes(recs[0].value)
+    assert ev.finish_reason == "abort" and 0 < len(ev.completion_token_ids) < 400
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", b"{not json", None),
     ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),

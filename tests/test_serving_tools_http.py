@@ -170,6 +170,7 @@ from flywheel.cli import app
 got = {}
 def build_pod(*a, **kw):  # what the serve command hands the pod, without loading a model
     got.update(kw["engine_options"])
+    got["loop"] = type(got["loop"]).__module__  # the loop the HTTP server will run on
     raise SystemExit(0)
 serving.commands.build_pod = build_pod
 out = {}
@@ -203,6 +204,7 @@ def test_tool_call_parser_reaches_the_vllm_engine_and_an_unknown_one_is_refused(
     assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-3000:]
     out = json.loads(line[0].removeprefix("CHILD_JSON "))
     assert out["pythonic"]["code"] == 0 and out["engine_options"]["tool_call_parser"] == "pythonic", out
+    assert out["engine_options"]["loop"].startswith("uvloop"), out  # one uvloop loop for HTTP and AsyncLLM
     bad = out["nope"]
     assert bad["code"] == 2 and "--tool-call-parser" in bad["output"], bad
     assert "'nope' is not a vLLM tool parser" in bad["output"] and "hermes" in bad["output"], bad

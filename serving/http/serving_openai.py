@@ -33,7 +33,7 @@ from schemas.events import hash_user, now_ms
 from schemas.split import SPLIT_HEADER, SPLIT_TAG, SPLITS, choose_split
 from serving.http import wire
 from serving.http.completion_log import CompletionLogger
-from serving.http.errors import json_response
+from serving.http.errors import error_body, json_response
 from serving.http.metrics import ServingMetrics
 from serving.http.prompts import PromptBuilder
 from serving.http.streaming import ChoiceStreams, LoopInbox
@@ -192,7 +192,7 @@ class OpenAIServing:
         self._submit(run, top_logprobs)
         run.tasks = [asyncio.ensure_future(self._finish(run, i)) for i in range(run.n)]
         if run.q is None:
-            return await self._json(run, body, chat)
+            return await self._json(run, body, chat, request)
         return self._stream(run, body, chat)
 
     def _submit(self, run: "_Run", top_logprobs: int) -> None:
@@ -243,13 +243,26 @@ class OpenAIServing:
             run.q.put_nowait((i, None, res))  # after every step of choice i (same loop, FIFO)
         return res
 
-    async def _json(self, run: "_Run", body, chat: bool):
-        """The whole response once every choice ended."""
+    async def _json(self, run: "_Run", body, chat: bool, request: Request | None = None):
+        """The whole response once every choice ended. A client that disconnects first
+        aborts the choices still running, as vLLM's server does (``with_cancellation``); their
+        events are still logged, and the answer nobody reads is a 499."""
+        results_f = asyncio.ensure_future(asyncio.gather(*run.tasks))
+        results_f.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even when nobody waits
+        gone = asyncio.ensure_future(_client_gone(request)) if request is not None else None
         try:
-            results = await asyncio.shield(asyncio.gather(*run.tasks))
+            await asyncio.wait([results_f] + ([gone] if gone else []), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             run.abort(self.engine)
             raise
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if not results_f.done():
+            run.abort(self.engine)
+            return json_response(error_body("client closed the request before the answer", None,
+                                            code="client_closed_request"), 499)
+        results = results_f.result()
         choices = []
         for i, res in enumerate(results):
             if chat:
@@ -275,6 +288,12 @@ class OpenAIServing:
         # client went away: stop generating the choices still running; their events are still logged
         return StreamingResponse(streams.events(run.q, lambda: run.abort(self.engine, unfinished_only=True)),
                                  media_type="text/event-stream", headers=run.headers())
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
