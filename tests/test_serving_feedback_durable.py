@@ -74,3 +74,27 @@ def test_no_kafka_answers_once_the_event_is_in_the_journal(slots, tmp_path):
     finally:
         srv.stop()
         ev.close(timeout_s=0.5)
+
+
+def test_a_retry_is_answered_only_once_the_first_post_is_durable(slots, tmp_path):
+    """A client that gave up waiting and retries the same event_id while the first post is
+    still not durable gets no 200 before that event is journaled (it used to get 200
+    ``duplicate`` at once, so a pod killed before the write lost an answered vote). The journal
+    write is held back by holding the journal's lock."""
+    journal = tmp_path / "ev.journal"
+    ev, srv = _pod(slots, journal)
+    eid = str(uuid.uuid4())
+    body = {"completion_id": str(uuid.uuid4()), "event_id": eid, "value": 1}
+    try:
+        with ev._jlock:  # the event log cannot journal: nothing can become durable
+            for _ in range(2):  # the first post, then the retry of an impatient client
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(srv.url + "/v1/feedback", json=body, timeout=1.0)
+            assert not journal.exists() or journal.read_bytes() == b""
+        r = httpx.post(srv.url + "/v1/feedback", json=body, timeout=30)
+        assert r.status_code == 200 and r.json() == {"event_id": eid, "accepted": True, "duplicate": True}
+        lines = [json.loads(x) for x in journal.read_text().splitlines()]  # durable before that answer
+        assert [json.loads(base64.b64decode(x["value"]))["event_id"] for x in lines] == [eid]  # published once
+    finally:
+        srv.stop()
+        ev.close(timeout_s=0.5)

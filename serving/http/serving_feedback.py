@@ -3,7 +3,8 @@
 Each accepted event becomes one ``FeedbackEvent`` on ``flywheel.feedback`` (key =
 completion id). ``event_id`` is the idempotency key: the pod remembers the content of its
 last 100,000 event ids, so a retried event (same id, same content) is answered
-``duplicate: true`` and not published again, and the same id with other content is refused
+``duplicate: true`` and not published again (once the first post's event is durable: a retry
+that arrives while it is not yet waits for it), and the same id with other content is refused
 409 ``event_id_conflict``. Across pods, the join counts an ``event_id`` once.
 
 An event is answered 200 only once it is durable: acked by Kafka or fsync'd in the pod's
@@ -52,7 +53,8 @@ class FeedbackServing:
         self.completions_log = completions_log
         self.metrics = metrics
         self.salt = salt
-        self._seen: collections.OrderedDict[str, str] = collections.OrderedDict()  # event_id -> content digest
+        # event_id -> (content digest, durable future of its one publication)
+        self._seen: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     async def accept(self, body: FeedbackRequest, user_header: str | None) -> dict:
@@ -79,7 +81,8 @@ class FeedbackServing:
         except Exception as exc:  # noqa: BLE001 - journal write failed / refused for good
             why = f"could not be made durable ({exc})"
         with self._lock:
-            self._seen.pop(key, None)
+            if self._seen.get(key, (None, None))[1] is fut:  # not a later publication of the id
+                self._seen.pop(key, None)
         raise ServingValidationError("event_id", key, f"{why}; retry with the same event_id",
                                      status=503, code="event_not_durable")
 
@@ -104,14 +107,16 @@ class FeedbackServing:
         with self._lock:  # held across the emit: one of two concurrent posts of an id publishes
             seen = self._seen.get(key)
             if seen is not None:
-                if seen != digest:
+                if seen[0] != digest:
                     raise ServingValidationError("event_id", key, "was already posted with other content",
                                                  status=409, code="event_id_conflict")
-                return {"event_id": key, "accepted": True, "duplicate": True}, None
+                # a retry while the first post still waits: answered once that event is durable
+                # (a 200 before it would be lost with the pod if it died first)
+                return {"event_id": key, "accepted": True, "duplicate": True}, seen[1]
             fut = None
             if self.event_log is not None:
                 fut = self.event_log.emit(topics.FEEDBACK, str(body.completion_id), ev.to_bytes(), durable=True)
-            self._seen[key] = digest  # only once published: a failed emit can be retried
+            self._seen[key] = (digest, fut)  # only once published: a failed emit can be retried
             while len(self._seen) > RECENT_EVENT_IDS:
                 self._seen.popitem(last=False)
         self.metrics.events_accepted.labels(body.kind).inc()
