@@ -236,6 +236,8 @@ class EventLog:
         with self._wlock:
             found = [self._waiters.pop(id(it)) for it in items if id(it) in self._waiters]
         for _, fut in found:
+            if not fut.set_running_or_notify_cancel():
+                continue  # its waiter gave up (cancelled): nothing to tell, and the log goes on
             if error is None:
                 fut.set_result(True)
             else:

@@ -202,3 +202,21 @@ def test_durable_emit_resolves_on_ack_or_on_the_journal(tmp_path, broker):
         assert ev.journal_pending() > 0
     finally:
         ev.close(timeout_s=0.5)
+
+
+def test_a_cancelled_durable_future_does_not_stop_the_log(tmp_path):
+    """A waiter that gave up cancels its durable future (asyncio.wrap_future does so on a
+    timeout); settling it must not raise in the log's thread, which would stop every later
+    event. Kafka is unreachable, so events go to the journal, held back by its lock meanwhile."""
+    j = tmp_path / "ev.journal"
+    ev = EventLog(f"127.0.0.1:{free_port()}", j, send_timeout_s=0.3, retry_interval_s=60)
+    try:
+        with ev._jlock:
+            gave_up = ev.emit(topics.FEEDBACK, "k", b"first", durable=True)
+            assert gave_up.cancel()
+        later = ev.emit(topics.FEEDBACK, "k", b"second", durable=True)
+        assert later.result(timeout=20) is True  # the log is still running
+        assert ev._thread.is_alive()
+        assert j.read_bytes().count(b"\n") == 2  # both journaled, the cancelled one too
+    finally:
+        ev.close(timeout_s=0.5)

@@ -74,7 +74,9 @@ class FeedbackServing:
     async def _durable(self, key: str, fut) -> None:
         """Wait for ``fut`` (the event's durable future); 503 and forget ``key`` if it fails."""
         try:
-            await asyncio.wait_for(asyncio.wrap_future(fut), DURABLE_TIMEOUT_S)
+            # shielded: a waiter that times out must not cancel the event's durable future,
+            # which other posts of the same event_id may share
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), DURABLE_TIMEOUT_S)
             return
         except asyncio.TimeoutError:
             why = f"was neither acked by Kafka nor journaled within {DURABLE_TIMEOUT_S:g} s"
