@@ -262,43 +262,43 @@ def continuous_vs_static(model_dir: Path, bootstrap: str, tmp: Path, n_req: int,
         pods[sched].engine.eos_id = -1  # benchmark only: every request makes max_tokens tokens
         srvs[sched] = ServerThread(pods[sched].app).start()
     res: dict[str, float] = {}
-    load = LoadProcess().__enter__()
     try:
-        for s in srvs.values():
-            load(s.url, "flywheel", PROMPTS, [0.0, 0.0], 4)  # warm-up
-        cap = capacity_rps(srvs["continuous"].url, "flywheel", PROMPTS, 2 * max_batch,
-                           lengths[:2 * max_batch] if mixed else max_tokens, load=load)
-        res["_cs_capacity_rps"] = cap
-        print(f"continuous pod capacity: {cap:.2f} req/s ({2 * max_batch} at once, {max_tokens} tokens)", flush=True)
-        for k, mult in enumerate((0.4, 0.8, 1.6)):
-            rate = mult * cap
-            arr = poisson_arrivals(rate, n_req, seed=100 + k)
-            order = ("static", "continuous") if k % 2 == 0 else ("continuous", "static")
-            if mult == 1.6:
-                order = order + order[::-1]
-            runs: dict[str, list[dict]] = {"continuous": [], "static": []}
-            for sched in order:
-                runs[sched].append(load(srvs[sched].url, "flywheel", PROMPTS, arr, lengths))
-                pods[sched].event_log.flush(60)
-            got = {sched: {m: statistics.fmean(r[m] for r in rs) for m in rs[0]} for sched, rs in runs.items()}
-            for sched in ("continuous", "static"):
-                g = got[sched]
-                print(f"{'mixed ' if mixed else ''}rate {rate:.2f} req/s ({mult}x capacity) {sched:<10}: "
-                      f"{g['throughput_tok_s']:.1f} tok/s, "
-                      f"TTFT p50 {g['ttft_p50_s'] * 1000:.0f} ms p99 {g['ttft_p99_s'] * 1000:.0f} ms, "
-                      f"{g['requests']:.0f} requests, {g['tokens']:.0f} tokens in {g['wall_s']:.1f} s"
-                      f"{' (mean of 2 runs)' if len(runs[sched]) > 1 else ''}", flush=True)
-                for m in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s"):
-                    res[f"_cs{suffix}_{sched}_{mult}_{m}"] = g[m]
-            c, st = got["continuous"], got["static"]
-            ce = pods["continuous"].engine
-            print(f"continuous engine so far: {ce.steps_run} steps, {ce.batches_run} joins, "
-                  f"{ce.fused_joins} of them in a decode forward", flush=True)
-            res["continuous_vs_static_throughput" + suffix] = c["throughput_tok_s"] / st["throughput_tok_s"]
-            res["continuous_vs_static_ttft_p50" + suffix] = c["ttft_p50_s"] / st["ttft_p50_s"]
-            res["continuous_vs_static_ttft_p99" + suffix] = c["ttft_p99_s"] / st["ttft_p99_s"]
+        with LoadProcess() as load:
+            for s in srvs.values():
+                load(s.url, "flywheel", PROMPTS, [0.0, 0.0], 4)  # warm-up
+            cap = capacity_rps(srvs["continuous"].url, "flywheel", PROMPTS, 2 * max_batch,
+                               lengths[:2 * max_batch] if mixed else max_tokens, load=load)
+            res["_cs_capacity_rps"] = cap
+            print(f"continuous pod capacity: {cap:.2f} req/s ({2 * max_batch} at once, {max_tokens} tokens)",
+                  flush=True)
+            for k, mult in enumerate((0.4, 0.8, 1.6)):
+                rate = mult * cap
+                arr = poisson_arrivals(rate, n_req, seed=100 + k)
+                order = ("static", "continuous") if k % 2 == 0 else ("continuous", "static")
+                if mult == 1.6:
+                    order = order + order[::-1]
+                runs: dict[str, list[dict]] = {"continuous": [], "static": []}
+                for sched in order:
+                    runs[sched].append(load(srvs[sched].url, "flywheel", PROMPTS, arr, lengths))
+                    pods[sched].event_log.flush(60)
+                got = {sched: {m: statistics.fmean(r[m] for r in rs) for m in rs[0]} for sched, rs in runs.items()}
+                for sched in ("continuous", "static"):
+                    g = got[sched]
+                    print(f"{'mixed ' if mixed else ''}rate {rate:.2f} req/s ({mult}x capacity) {sched:<10}: "
+                          f"{g['throughput_tok_s']:.1f} tok/s, "
+                          f"TTFT p50 {g['ttft_p50_s'] * 1000:.0f} ms p99 {g['ttft_p99_s'] * 1000:.0f} ms, "
+                          f"{g['requests']:.0f} requests, {g['tokens']:.0f} tokens in {g['wall_s']:.1f} s"
+                          f"{' (mean of 2 runs)' if len(runs[sched]) > 1 else ''}", flush=True)
+                    for m in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s"):
+                        res[f"_cs{suffix}_{sched}_{mult}_{m}"] = g[m]
+                c, st = got["continuous"], got["static"]
+                ce = pods["continuous"].engine
+                print(f"continuous engine so far: {ce.steps_run} steps, {ce.batches_run} joins, "
+                      f"{ce.fused_joins} of them in a decode forward", flush=True)
+                res["continuous_vs_static_throughput" + suffix] = c["throughput_tok_s"] / st["throughput_tok_s"]
+                res["continuous_vs_static_ttft_p50" + suffix] = c["ttft_p50_s"] / st["ttft_p50_s"]
+                res["continuous_vs_static_ttft_p99" + suffix] = c["ttft_p99_s"] / st["ttft_p99_s"]
     finally:
-        load.__exit__()
         for s in srvs.values():
             s.stop()
         for p in pods.values():
