@@ -16,6 +16,13 @@ except ImportError:  # tokenizers < 0.21: streams decode the whole completion pe
     DecodeStream = None
 
 
+def _decoded_cut(tok, ids: list[int], stops: list[str]) -> str:
+    """``ids`` decoded (special tokens skipped), cut before the first stop string."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
 class PromptBuilder:
     """Tokenization rules of one pod.
 
@@ -103,9 +110,7 @@ class PromptBuilder:
 
     def text(self, ids: list[int], stops: list[str]) -> str:
         """Decoded completion, cut before the first stop string."""
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        return text[:cut] if cut >= 0 else text
+        return _decoded_cut(self.tok, ids, stops)
 
     def text_stream(self, stops: list[str]) -> "TextStream":
         """A :class:`TextStream` of one completion: the text :meth:`text` gives, built token by
@@ -163,9 +168,7 @@ class TextStream:
         can only move earlier: a longer stop string completed later may start before it)."""
         if self._ds is None:
             self._ids += token_ids
-            text = self._tok.decode(self._ids, skip_special_tokens=True)
-            cut = min((text.find(s) for s in self._stops if s in text), default=-1)
-            return text[:cut] if cut >= 0 else text
+            return _decoded_cut(self._tok, self._ids, self._stops)
         old = len(self._full)
         parts = [p for p in (self._ds.step(self._backend, t) for t in token_ids) if p]
         if parts:
