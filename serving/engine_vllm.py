@@ -504,11 +504,9 @@ class VLLMEngine(Engine):
         lps, tops = [], []
         for j, t in enumerate(new):
             a, b = (starts[j], ends[j]) if j < len(starts) else (0, 0)
-            if b - a == 1 or (a < b and ids[a] == t and t not in ids[a + 1:b]):
-                lps.append(float(vals[a]) if ids[a] == t else float("nan"))
-            else:  # several entries for t (sampled and in the top k): the last, as a dict keeps
-                at = [m for m in range(a, b) if ids[m] == t]
-                lps.append(float(vals[at[-1]]) if at else float("nan"))
+            # t's entry; when t is both sampled and in the top k, the last, as a dict keeps
+            at = [m for m in range(a, b) if ids[m] == t]
+            lps.append(float(vals[at[-1]]) if at else float("nan"))
             if k:
                 best = {ids[m]: (vals[m], ranks[m]) for m in range(a, b)}
                 ranked = sorted(((tid, v) for tid, v in best.items() if v[1] is not None and v[1] <= k),
