@@ -46,8 +46,12 @@ Crash safety (no label lost, none counted twice; issue 4 item 3):
    the earliest record, and the state's dedupe makes any overlap harmless.
 5. A restart of the memory-only embedded broker loses topics, data and committed offsets:
    the heartbeat fails (unknown member), the worker rejoins the group, finds no committed
-   offset and reads the recreated topics from the beginning; commits made with the old
-   membership fail and are only logged (their records are consumed again, then deduped).
+   offset and reads the recreated topics from the beginning. Until the rejoin completes the
+   fetcher still reads the old assignment from its old positions, which on the new broker
+   may lie past records it never delivered: offsets are committed only as the member the
+   batch was fetched as (:mod:`ingest.commit`), so those commits are refused (unknown
+   member) or not sent (no member), never taken as a standalone commit; their records are
+   consumed again, then deduped.
    Open labels stay in the SQLite state and are sealed as usual. The worker never lets
    its metadata requests auto-create a topic (:func:`no_topic_auto_creation`: the broker
    would create it with its own partition count before ``ensure_topics`` runs), refreshes
@@ -91,6 +95,8 @@ from schemas import topics as T
 from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
 from ingest import catalog, writer
+from ingest.commit import CommitRefused, membership
+from ingest.commit import commit as commit_offsets
 from ingest.join import Joiner, TickResult, parse_completion, parse_event
 from ingest.metrics import IngestMetrics, serve_http
 from ingest.partition import SOURCE_HEADER, home_partitions, rekeyed_topic
@@ -176,6 +182,9 @@ class Worker:
         self._last_stats: dict | None = None
         self.producer = None
         self.consumer = None
+        # offsets of folded batches not committed yet, and the membership they were fetched as
+        self._pending: dict = {}
+        self._pending_member = None
         log.info("ingest owner %s", self.store.owner)
         rec = self.joiner.recover(lambda p: Path(p).exists())
         if rec["sealed"] or rec["released"]:
@@ -357,15 +366,15 @@ class Worker:
 
     async def consume(self, stop: asyncio.Event) -> None:
         """The consumer loop until ``stop`` is set (finishes the batch in hand first)."""
-        from aiokafka.errors import KafkaError
-
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             if self._assign is not None and not await loop.run_in_executor(self._fold_pool, self.take_partitions):
                 await asyncio.sleep(1.0)
             batch = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=BATCH_MAX_RECORDS)
+            member = membership(self.consumer)  # the assignment these records were fetched under
             batch = {tp: recs for tp, recs in batch.items() if recs}
             if not batch:
+                await self.commit_pending()
                 continue
             try:
                 dead, eids, malformed, fwd = await loop.run_in_executor(self._fold_pool, self.fold, batch)
@@ -383,12 +392,29 @@ class Worker:
                     self.joiner.store.mark_dead(eids)
                     for k, v in malformed.items():
                         self.store.bump(k, v)
-            offsets = {tp: recs[-1].offset + 1 for tp, recs in batch.items()}
-            try:
-                await self.consumer.commit(offsets)
-            except (KafkaError, AssertionError) as exc:  # rebalanced / broker restarted: replayed, deduped
-                log.info("ingest: offset commit failed (%s: %s); the batch will be consumed again and deduped",
-                         type(exc).__name__, exc)
+            if member != self._pending_member:
+                self._pending = {}
+            self._pending_member = member
+            self._pending.update({tp: recs[-1].offset + 1 for tp, recs in batch.items()})
+            await self.commit_pending()
+
+    async def commit_pending(self) -> None:
+        """Commit the offsets of the folded batches not committed yet (:mod:`ingest.commit`:
+        only as the member the batches were fetched as). A commit the coordinator may take
+        later (it is moving) is kept and sent again after the next poll; one it refused for
+        the membership is dropped: the next assignment consumes those records again from the
+        committed offsets, and the join state dedupes them."""
+        if not self._pending:
+            return
+        try:
+            await commit_offsets(self.consumer, self._pending, self._pending_member)
+        except CommitRefused as exc:
+            if exc.retriable and self._pending_member == membership(self.consumer):
+                log.debug("ingest: offset commit not taken yet (%s); sent again after the next poll", exc)
+                return
+            log.info("ingest: offsets of %d partitions not committed (%s); those records are consumed again "
+                     "and deduped", len(self._pending), exc)
+        self._pending = {}
 
     # -- seal thread -----------------------------------------------------------------------
     def seal_round(self) -> tuple[list[tuple[bytes, bytes]], list[TickResult], bool]:

@@ -50,6 +50,7 @@ class Traffic(threading.Thread):
         self.urls = urls
         self.rng = random.Random(seed)
         self.accepted: set[str] = set()  # event ids answered 200
+        self.accepted_by: dict[str, tuple[float, str]] = {}  # event id -> (monotonic time, pod url) of its first 200
         self.posted: set[str] = set()  # every event id posted
         self.completions = 0
         self.errors: Counter = Counter()
@@ -65,7 +66,9 @@ class Traffic(threading.Thread):
         for k in range(len(self.urls)):
             url = self.urls[(first + k) % len(self.urls)]
             try:
-                return c.post(url + path, json=body)
+                r = c.post(url + path, json=body)
+                r.extensions["flywheel_url"] = url
+                return r
             except httpx.HTTPError as exc:
                 self.errors[type(exc).__name__] += 1
         return None
@@ -81,6 +84,7 @@ class Traffic(threading.Thread):
         assert r.json()["event_id"] == eid
         with self.lock:
             self.accepted.add(eid)
+            self.accepted_by.setdefault(eid, (time.monotonic(), r.extensions["flywheel_url"]))
 
     def run(self) -> None:
         i = 0
@@ -122,6 +126,25 @@ def dead_event_ids(dead_dir: Path) -> list[str]:
             except (ValueError, KeyError, TypeError):
                 out.append(f"unparsable:{d['payload'][:80]}")
     return out
+
+
+def where_lost(missing: set[str], bootstrap: str) -> dict[str, list]:
+    """For a failure message: each missing event id's (topic, partition, offset) on the
+    broker's feedback topic now, ``[]`` where the broker does not hold it (so: was it never
+    re-sent to the restarted broker, or was it there and not consumed?)."""
+    from kafka import KafkaConsumer
+
+    found: dict[str, list] = {e: [] for e in missing}
+    c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                      enable_auto_commit=False, consumer_timeout_ms=5000)
+    try:
+        for m in c:
+            for e in missing:
+                if e.encode() in (m.value or b""):
+                    found[e].append((m.partition, m.offset))
+    finally:
+        c.close()
+    return found
 
 
 def healthy(url: str) -> bool:
@@ -206,12 +229,14 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
             os.killpg(w.p.pid, signal.SIGSTOP)
         try:
             more_votes(6, "acked while no worker consumes", pods)
+            marks["broker_stop"] = time.monotonic() - t_start
             b.stop()
         finally:
             for w in workers:
                 os.killpg(w.p.pid, signal.SIGCONT)
         time.sleep(1.0)
         b = spawn(broker_port)
+        marks["broker_up"] = time.monotonic() - t_start
         more_votes(15, "after the broker restart", pods + workers)
         marks["broker_restart"] = time.monotonic() - t_start
 
@@ -265,7 +290,14 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
             wait_until(settled, 180, "every accepted vote in a sample or a dead letter", pods + workers, every_s=1.0)
         except AssertionError as exc:
             missing = accepted - set(event_ids_in_samples(samples_dir)) - set(dead_event_ids(dead_dir))
-            raise AssertionError(f"{len(missing)} of {len(accepted)} accepted votes lost: {sorted(missing)[:5]}\n"
+            try:
+                on_broker = where_lost(missing, b.bootstrap)
+            except Exception as e:  # noqa: BLE001 - a diagnostic only
+                on_broker = {"?": repr(e)}
+            detail = {e: (round(traffic.accepted_by[e][0] - t_start, 1), traffic.accepted_by[e][1], on_broker.get(e))
+                      for e in sorted(missing)}
+            raise AssertionError(f"{len(missing)} of {len(accepted)} accepted votes lost: (accepted at s, by, "
+                                 f"(partition, offset) on the broker now) {detail}, phases {marks}\n"
                                  f"{exc}") from None
         time.sleep(3.0)  # anything sealed or dead-lettered twice would show up now
         in_samples, in_dead = event_ids_in_samples(samples_dir), dead_event_ids(dead_dir)
