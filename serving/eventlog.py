@@ -185,10 +185,16 @@ class EventLog:
         return False
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush for up to ``timeout_s``, then stop; what is left stays in the journal."""
+        """Flush for up to ``timeout_s``, then stop; what is left stays in the journal.
+        Without a broker (``bootstrap`` None) it waits only until the queue is journaled."""
         if self._closed:
             return
-        self.flush(timeout_s)
+        if self.bootstrap is None:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not (self._q.empty() and self._inflight == 0):
+                time.sleep(0.02)
+        else:
+            self.flush(timeout_s)
         self._closed = True
         self._q.put(_STOP)
         self._thread.join(timeout=timeout_s + 5)

@@ -61,7 +61,10 @@ def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, proc.stdout.read().decode()[-3000:]
+    out = proc.stdout.read().decode()
+    assert proc.returncode == 0, out[-3000:]
+    # a SIGTERM's wait is announced, and with the broker up every event reached it
+    assert "stopping: delivering" in out and "every event delivered to Kafka" in out, out[-3000:]
 
 
 def test_serve_engine_flag_errors_name_the_flag(tmp_path):
