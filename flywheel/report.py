@@ -189,7 +189,8 @@ def print_report(report: dict, console=None) -> None:
                           f"diff {g['diff']:+.3f}, 95 % Newcombe [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]: "
                           f"[bold]{verdict}[/bold]")
         else:
-            console.print("eval gain: no promoted version with eval votes to compare")
+            console.print("eval gain: not measured: no version after the first was promoted with eval votes "
+                          "to compare (usual for --quick: one short cycle; the full run measures it)")
     console.print(f"feedback events accepted {report['events_accepted']}, in samples "
                   f"{report['events_in_samples']}, dead-lettered {report['events_dead_lettered']}, "
                   f"[bold]lost {report['events_lost']}[/bold]; double-counted "

@@ -78,9 +78,11 @@ class Pod:
         self.engine.close()
         if ev is not None:
             left = ev.journal_pending()
-            log.info("stopped in %.1f s; %s", time.monotonic() - t0,
-                     f"{left} journal bytes not delivered yet, kept in {ev.journal_path} for the next start"
-                     if left else "every event delivered to Kafka")
+            if left:
+                done = f"{left} journal bytes not delivered yet, kept in {ev.journal_path} for the next start"
+            else:
+                done = "no event waiting" if ev.bootstrap is None else "every event delivered to Kafka"
+            log.info("stopped in %.1f s; %s", time.monotonic() - t0, done)
 
 
 def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: int = 8,
