@@ -224,6 +224,20 @@ def test_wrong_types_name_the_field_not_the_union_member(env, path, body, param,
     assert r.status_code == 400 and err["param"] == param and says in err["message"], err
 
 
+@pytest.mark.parametrize("path,key", [("/v1/completions", H_API), ("/v1/feedback", H_FB)])
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_json_under_another_content_type_is_400_saying_so(env, path, key, ctype):
+    """Valid JSON sent as text/plain (curl -d without -H, a browser's simple request) gets a
+    400 that names the content type, not "Input should be a valid dictionary"."""
+    body = (b'{"model": "flywheel", "prompt": "x", "max_tokens": 1}' if path == "/v1/completions"
+            else b'{"completion_id": "00000000-0000-4000-8000-000000000000", "value": 1}')
+    headers = {**key, **({"content-type": ctype} if ctype else {})}
+    r = httpx.post(env["url"] + path, content=body, headers=headers, timeout=60)
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "content-type application/json" in msg, r.text
+    assert (repr(ctype) if ctype else "no content-type") in msg, msg
+
+
 def test_admin_bodies(env):
     r = httpx.post(env["url"] + "/admin/rollback", json={"version": ""}, headers=H_ADMIN)
     assert r.status_code == 400 and r.json()["error"]["param"] == "version"

@@ -105,11 +105,18 @@ def install(app: FastAPI) -> None:
         return json_response(validation_error_body(exc), exc.status, headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _rve(_req: Request, exc: RequestValidationError):
+    async def _rve(req: Request, exc: RequestValidationError):
         errs = exc.errors()
         e = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         if e.get("type") == "json_invalid":
             return json_response(error_body(f"body: invalid JSON ({e.get('msg')})", None), 400)
+        ctype = req.headers.get("content-type", "")
+        if tuple(e.get("loc", ())) == ("body",) and "json" not in ctype.lower():
+            # FastAPI reads a body as JSON only under a JSON content type; any other one
+            # reaches validation as raw bytes, whose own message would not say why
+            got = f"content-type {ctype[:80]!r}" if ctype else "no content-type"
+            return json_response(error_body(f"body: send a JSON object with content-type application/json "
+                                            f"(got {got})", None), 400)
         param, msg = pydantic_error_param(e, errs)
         return json_response(error_body(msg, param), 400)
 
