@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas import settings
+from schemas import settings, topics
 
 from ingest.join import JoinConfig
 
-APP_ID = "flywheel-ingest"  # consumer group id; bump the suffix if the state layout changes
+APP_ID = topics.INGEST_GROUP  # consumer group id; bump the suffix if the state layout changes
 METADATA_MAX_AGE_MS = 5000  # the consumer refreshes topic metadata at least this often (ms)
 SESSION_TIMEOUT_S = 6.0  # group joins take ~half the session timeout on Tansu (DESIGN §3)
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 DAY_MS = 24 * 3600 * 1000
 DEFAULT_PARTITIONS = 6
+# ingest's consumer group (``flywheel ingest --app-id`` default). Serving pods read its committed
+# offsets to know which acked events ingest has consumed (``serving.eventlog``).
+INGEST_GROUP = "flywheel-ingest"
 
 
 @dataclass(frozen=True)

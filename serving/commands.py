@@ -123,7 +123,7 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
         ValueError: unknown ``engine``, or ``aligned_logprobs`` / ``prefix_caching`` /
             ``waiting_served_ratio`` with vLLM.
     """
-    from schemas import settings
+    from schemas import settings, topics
     from serving.app import create_app
     from serving.eventlog import EventLog
     from serving.slots import Slots
@@ -163,7 +163,7 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
             except RuntimeError as exc:
                 log.warning("%s; events wait in the journal", exc)
         ev = EventLog(bootstrap, journal or settings.home() / "serving" / f"{pod}.journal",
-                      client_id=f"flywheel-serving-{pod}")
+                      client_id=f"flywheel-serving-{pod}", consumer_group=topics.INGEST_GROUP)
     app = create_app(slots, ev, pod=pod, api_keys=api_keys, admin_token=admin_token, **(app_options or {}))
     return Pod(app=app, engine=engine, slots=slots, event_log=ev)
 

@@ -18,7 +18,10 @@ events that survive a SIGKILL of the pod.
 
 A broker that lost acked data (the memory-only embedded broker after a restart, a topic
 deleted and re-created): the log keeps the events Kafka acked in the last
-``resend_window_s`` (at most ``resend_max_bytes``) in memory. When an ack shows that the
+``resend_window_s`` in memory, and, with ``consumer_group`` (serving: ingest's group), older
+ones until that group has committed past them on the broker that acked them (read every
+``consumed_check_s`` by a second thread; a reading counts only if the cluster id was the same
+before and after it), all within ``resend_max_bytes``. When an ack shows that the
 broker is another incarnation than the one that acked them (its cluster id changed, or a
 partition's offset went back to or below one acked before: offsets of a durable log only
 grow) those events are journaled again and re-sent (counted ``resent``). Consumers dedupe
@@ -58,6 +61,7 @@ class EventLogCounters:
     failed: int = 0  # could not be journaled either (disk error): lost, and counted
     resent: int = 0  # acked events journaled again because the broker lost them
     broker_losses: int = 0  # times an ack showed a broker that lost acked events
+    resend_unprotected: int = 0  # acked events dropped from the re-send store unconsumed (byte bound)
 
 
 class EventLog:
@@ -76,15 +80,23 @@ class EventLog:
             good (too large, invalid topic: a non-retriable error) is not retried forever,
             which would stall every later event: it is kept out of band in
             ``<journal>.rejected`` (same JSON-line format) and counted as ``failed``.
-        resend_window_s: acked events are kept this long (s) to be re-sent if the broker
-            turns out to have lost them (0 = off; module docstring).
-        resend_max_bytes: at most this many bytes of acked events are kept for that.
+        resend_window_s: acked events are kept at least this long (s) to be re-sent if the
+            broker turns out to have lost them (0 = off; module docstring).
+        resend_max_bytes: at most this many bytes of acked events are kept for that; beyond
+            it the oldest go first, counted ``resend_unprotected`` if not known consumed.
+        consumer_group: the consumer group that reads these events (serving: ingest's,
+            ``schemas.topics.INGEST_GROUP``). With it, an acked event older than
+            ``resend_window_s`` is kept until that group has committed past it, as read from
+            the broker that acked it (so a broker restart after a long ingest outage still
+            finds it); without it, the window alone.
+        consumed_check_s: how often the group's committed offsets are read (s).
     """
 
     def __init__(self, bootstrap: str | None, journal_path: str | Path, max_queue: int = 10_000,
                  batch_max: int = 500, send_timeout_s: float = 5.0, retry_interval_s: float = 1.0,
                  client_id: str = "flywheel-serving", max_request_bytes: int = 16 * 1024 * 1024,
-                 resend_window_s: float = 300.0, resend_max_bytes: int = 64 * 1024 * 1024):
+                 resend_window_s: float = 300.0, resend_max_bytes: int = 64 * 1024 * 1024,
+                 consumer_group: str | None = None, consumed_check_s: float = 5.0):
         self.bootstrap = bootstrap
         self.journal_path = Path(journal_path)
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,8 +117,16 @@ class EventLog:
         self._inflight = 0  # events taken from the queue and not yet settled
         self.resend_window_s = resend_window_s
         self.resend_max_bytes = resend_max_bytes
-        self._acked: collections.deque = collections.deque()  # (acked_at, bytes, item), oldest first
+        self.consumer_group = consumer_group
+        self.consumed_check_s = consumed_check_s
+        # (acked_at, bytes, item, (topic, partition), offset), oldest ack first
+        self._acked: collections.deque = collections.deque()
         self._acked_bytes = 0
+        # the group's committed offsets as read from the broker with this cluster id:
+        # (cluster_id, {(topic, partition): next offset to read}); set by the committed-offsets thread
+        self._group_seen: tuple[str, dict] | None = None
+        self._committed: dict[tuple[str, int], int] = {}  # the last of those for the acking broker
+        self._next_window_scan = 0.0
         self._high: dict[tuple[str, int], int] = {}  # (topic, partition) -> highest acked offset
         self._cluster_id: str | None = None  # of the broker that acked what _acked holds
         self._lost_ids: set[str] = set()  # cluster ids of brokers that lost acked events
@@ -115,6 +135,8 @@ class EventLog:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="flywheel-eventlog", daemon=True)
         self._thread.start()
+        if consumer_group and bootstrap and resend_window_s > 0:
+            threading.Thread(target=self._watch_group, name="flywheel-eventlog-group", daemon=True).start()
 
     # ---------------------------------------------------------------- request path
     def emit(self, topic: str, key: str, value: bytes, durable: bool = False) -> Future | None:
@@ -293,7 +315,7 @@ class EventLog:
             cluster_id = None
         changed = cluster_id is not None and self._cluster_id is not None and cluster_id != self._cluster_id
         if (went_back or changed) and self._acked:
-            kept = [it for _, _, it in self._acked]
+            kept = [e[2] for e in self._acked]
             log.warning("the broker lost acked events (%s): re-sending the %d events acked in the last %g s",
                         f"cluster id {self._cluster_id} -> {cluster_id}" if changed
                         else f"offsets went back on {sorted(set(went_back))[:3]}", len(kept), self.resend_window_s)
@@ -304,6 +326,7 @@ class EventLog:
             self._count("resent", len(kept))
         if went_back or changed:
             self._high = {}
+            self._committed = {}
             if self._cluster_id is not None:
                 self._lost_ids.add(self._cluster_id)
             self._cluster_id = None
@@ -315,13 +338,77 @@ class EventLog:
         if self.resend_window_s <= 0:
             return
         now = time.monotonic()
-        for it, _ in acked:
+        for it, md in acked:
             n = len(it[2]) + len(it[1])
-            self._acked.append((now, n, it))
+            self._acked.append((now, n, it, (md.topic, md.partition), md.offset))
             self._acked_bytes += n
-        while self._acked and (self._acked_bytes > self.resend_max_bytes
-                               or now - self._acked[0][0] > self.resend_window_s):
-            self._acked_bytes -= self._acked.popleft()[1]
+        self._trim(now)
+
+    def _consumed(self, entry) -> bool:
+        """Whether the consumer group committed past this retained event (acking broker's view)."""
+        return entry[4] < self._committed.get(entry[3], -1)
+
+    def _trim(self, now: float) -> None:
+        """Drop retained events: the oldest beyond ``resend_max_bytes``; past
+        ``resend_window_s``, those the consumer group committed past (all, without a group)."""
+        while self._acked and self._acked_bytes > self.resend_max_bytes:
+            e = self._acked.popleft()
+            self._acked_bytes -= e[1]
+            if not self._consumed(e):
+                self._count("resend_unprotected")
+        if self.consumer_group is None or not self.bootstrap:
+            while self._acked and now - self._acked[0][0] > self.resend_window_s:
+                self._acked_bytes -= self._acked.popleft()[1]
+            return
+        seen = self._group_seen
+        if seen is not None and seen[0] == self._cluster_id:
+            self._committed = seen[1]
+        if now < self._next_window_scan or not self._acked or now - self._acked[0][0] <= self.resend_window_s:
+            return
+        self._next_window_scan = now + self.consumed_check_s  # O(retained) at most this often
+        keep = collections.deque()
+        for e in self._acked:
+            if now - e[0] > self.resend_window_s and self._consumed(e):
+                self._acked_bytes -= e[1]
+            else:
+                keep.append(e)
+        self._acked = keep
+
+    def _watch_group(self) -> None:
+        """Thread: read the consumer group's committed offsets every ``consumed_check_s``
+        while events are retained. A reading counts only if the cluster id was the same
+        before and after it (the offsets are that broker's)."""
+        admin = None
+        while not self._closed:
+            time.sleep(self.consumed_check_s)
+            if not self._acked:
+                continue
+            try:
+                if admin is None:
+                    from kafka.admin import KafkaAdminClient
+
+                    from schemas.settings import kafka_client_config
+
+                    admin = KafkaAdminClient(**kafka_client_config(self.bootstrap), client_id=self.client_id,
+                                             request_timeout_ms=int(self.send_timeout_s * 1000))
+                before = admin.describe_cluster().get("cluster_id")
+                offsets = admin.list_group_offsets([self.consumer_group]).get(self.consumer_group, {})
+                if before is not None and admin.describe_cluster().get("cluster_id") == before:
+                    self._group_seen = (before, {(tp.topic, tp.partition): om.offset
+                                                 for tp, om in offsets.items() if om.offset >= 0})
+            except Exception as exc:  # noqa: BLE001 - broker down or restarting: read again later
+                log.debug("reading the committed offsets of %s failed: %s", self.consumer_group, exc)
+                if admin is not None:
+                    try:
+                        admin.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    admin = None
+        if admin is not None:
+            try:
+                admin.close()
+            except Exception:  # noqa: BLE001
+                pass
 
     def _get_producer(self):
         if self._producer is None:
