@@ -316,9 +316,10 @@ class EventLog:
         changed = cluster_id is not None and self._cluster_id is not None and cluster_id != self._cluster_id
         if (went_back or changed) and self._acked:
             kept = [e[2] for e in self._acked]
-            log.warning("the broker lost acked events (%s): re-sending the %d events acked in the last %g s",
+            log.warning("the broker lost acked events (%s): re-sending the %d events acked in the last %g s%s",
                         f"cluster id {self._cluster_id} -> {cluster_id}" if changed
-                        else f"offsets went back on {sorted(set(went_back))[:3]}", len(kept), self.resend_window_s)
+                        else f"offsets went back on {sorted(set(went_back))[:3]}", len(kept), self.resend_window_s,
+                        f" or not yet consumed by {self.consumer_group}" if self.consumer_group else "")
             self._acked.clear()
             self._acked_bytes = 0
             self._count("broker_losses")
