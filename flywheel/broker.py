@@ -64,36 +64,7 @@ def validate(port: int | None, partitions: int) -> None:
                          f"got {partitions!r}")
 
 
-def _ephemeral_low(default: int = 32768) -> int:
-    """The lowest port of the kernel's ephemeral range (``net.ipv4.ip_local_port_range``)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return default
-
-
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing is bound to, below the kernel's ephemeral range
-    when there is room (from 20000 up; else any free one).
-
-    A server restarted on its own port (the broker restarts in the tests, a pod restarted
-    under its name) must find the port still free. A port from the ephemeral range may be
-    taken in between as the local port of any process's outgoing connection, or of a
-    client's TCP self-connect while it retries the stopped server (seen: "port 38743 is not
-    free" at a broker restart in ``test_ingest_multihost``).
-    """
-    import random
-
-    low = _ephemeral_low()
-    rng = random.SystemRandom()  # not the global generator, which a test may have seeded
-    for _ in range(200 if low > 20100 else 0):
-        port = rng.randrange(20000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
