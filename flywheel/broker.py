@@ -94,29 +94,37 @@ class BrokerProcess:
         return f"127.0.0.1:{self.port}"
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; idempotent."""
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone (so its
+        port is free for a broker restarted on it); idempotent."""
         try:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
+        if self._wait_gone(timeout_s):
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self._wait_gone(10.0)
+
+    def _wait_gone(self, timeout_s: float) -> bool:
+        """Wait until the process has exited (reaping it when it is our child)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                return
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return
+                return True
             if self.proc is None:
                 try:  # reap if it is our child
                     os.waitpid(self.pid, os.WNOHANG)
                 except ChildProcessError:
                     pass
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return True
             time.sleep(0.05)
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return False
 
 
 def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_path: Path | None = None,
