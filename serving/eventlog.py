@@ -399,17 +399,9 @@ class EventLog:
                                                  for tp, om in offsets.items() if om.offset >= 0})
             except Exception as exc:  # noqa: BLE001 - broker down or restarting: read again later
                 log.debug("reading the committed offsets of %s failed: %s", self.consumer_group, exc)
-                if admin is not None:
-                    try:
-                        admin.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    admin = None
-        if admin is not None:
-            try:
-                admin.close()
-            except Exception:  # noqa: BLE001
-                pass
+                _close_quietly(admin)
+                admin = None
+        _close_quietly(admin)
 
     def _get_producer(self):
         if self._producer is None:
@@ -586,6 +578,16 @@ class EventLog:
             if stopping and self._q.empty():
                 return
 
+
+
+def _close_quietly(client) -> None:
+    """Close a Kafka client that may be half-started or already broken (None: nothing)."""
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing a dead client
+        pass
 
 
 def _encode_lines(items: list[tuple[str, str, bytes]]) -> bytes:

@@ -129,21 +129,16 @@ def dead_event_ids(dead_dir: Path) -> list[str]:
 
 
 def where_lost(missing: set[str], bootstrap: str) -> dict[str, list]:
-    """For a failure message: each missing event id's (topic, partition, offset) on the
-    broker's feedback topic now, ``[]`` where the broker does not hold it (so: was it never
-    re-sent to the restarted broker, or was it there and not consumed?)."""
-    from kafka import KafkaConsumer
+    """For a failure message: each missing event id's (partition, offset) on the broker's
+    feedback topic now, ``[]`` where the broker does not hold it (so: was it never re-sent
+    to the restarted broker, or was it there and not consumed?)."""
+    from test_serving_app import consume
 
     found: dict[str, list] = {e: [] for e in missing}
-    c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                      enable_auto_commit=False, consumer_timeout_ms=5000)
-    try:
-        for m in c:
-            for e in missing:
-                if e.encode() in (m.value or b""):
-                    found[e].append((m.partition, m.offset))
-    finally:
-        c.close()
+    for m in consume(bootstrap, topics.FEEDBACK, want=1 << 30, timeout_s=5.0):  # all it holds
+        for e in missing:
+            if e.encode() in (m.value or b""):
+                found[e].append((m.partition, m.offset))
     return found
 
 
