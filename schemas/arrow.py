@@ -127,6 +127,29 @@ def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
     return pa.table(cols, schema=SAMPLE_SCHEMA)
 
 
+def unwritable_column(s: RewardedSample) -> tuple[str, str] | None:
+    """The first column of :data:`SAMPLE_SCHEMA` whose value in ``s`` Arrow refuses, as
+    ``(column, reason)`` (e.g. a token id beyond int32, a string that is not UTF-8), or None
+    when every column converts. Used to name the field of a sample that cannot be written."""
+    try:
+        raw, shape, dtype = _routes_raw(s.expert_routes)
+    except Exception as exc:  # noqa: BLE001 - any refusal names the column
+        return "expert_routes", f"{type(exc).__name__}: {str(exc)[:200]}"
+    row = {"completion_id": str(s.completion_id), "model_version": s.model_version, "split": s.split,
+           "created_at": s.created_at, "sealed_at": s.sealed_at, "user_hash": s.user_hash,
+           "prompt_token_ids": s.prompt_token_ids, "completion_token_ids": s.completion_token_ids,
+           "behavior_logprobs": s.behavior_logprobs, "sampling": {k: getattr(s.sampling, k) for k in _SAMPLING_FIELDS},
+           "expert_routes": raw, "expert_routes_shape": shape, "expert_routes_dtype": dtype,
+           "finish_reason": s.finish_reason, "reward": s.reward, "label": s.label, "n_votes": s.n_votes,
+           "votes_up": s.votes_up, "votes_down": s.votes_down, "event_ids": s.event_ids}
+    for f in SAMPLE_SCHEMA:
+        try:
+            pa.array([row[f.name]], f.type)
+        except Exception as exc:  # noqa: BLE001 - any refusal names the column
+            return f.name, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
 def _ms(v) -> int:
     if isinstance(v, dt.datetime):
         return int(v.timestamp() * 1000) if v.tzinfo else int(v.replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
