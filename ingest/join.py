@@ -372,10 +372,11 @@ def check_clock(ev, raw: bytes | str, source_topic: str, key: bytes | str | None
     ms) -> a :class:`DeadLetter` with field ``created_at``; else ``ev`` with ``created_at``
     clamped to at most ``now``, so a vote from a fast clock never outranks the same user's
     later vote. Never raises."""
-    try:
-        ev.created_at = clamp_event_time("created_at", ev.created_at, now)
-    except ValueError as exc:
-        return dead_letter(source_topic, key, "created_at", f"future: {exc}", raw, now)
+    if ev.created_at > now:  # (most events are in the past: nothing to do)
+        try:
+            ev.created_at = clamp_event_time("created_at", ev.created_at, now)
+        except ValueError as exc:
+            return dead_letter(source_topic, key, "created_at", f"future: {exc}", raw, now)
     return ev
 
 
@@ -431,6 +432,9 @@ class Joiner:
     def __init__(self, store, config: JoinConfig | None = None):
         self.store = store
         self.cfg = config or JoinConfig()
+        # the source topics named in dead letters, under the prefix of this process's settings
+        # (read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment)
+        self.tc, self.tf = topics.COMPLETIONS, topics.FEEDBACK
 
     # -- events ---------------------------------------------------------------------------
     def on_completion(self, ev: CompletionEvent, raw: bytes | str | None = None, now: int | None = None) -> str:
@@ -525,13 +529,13 @@ class Joiner:
                 if ev.created_at < horizon:
                     n["feedback_expired"] += 1
                     out.append(("expired", dead_letter(
-                        topics.FEEDBACK, cid, "created_at",
+                        self.tf, cid, "created_at",
                         f"expired: created_at {ev.created_at} ms is older than the dedupe horizon "
                         f"(dedupe_retention_s={self.cfg.dedupe_retention_s})", _raw_text(raw, ev), now)))
                     continue  # decided here: a later copy in ``items`` is a duplicate
                 if ev.kind != "thumb":
                     n["feedback_unsupported"] += 1
-                    out.append(("unsupported", dead_letter(topics.FEEDBACK, cid, "kind",
+                    out.append(("unsupported", dead_letter(self.tf, cid, "kind",
                                                            f"kind {ev.kind!r} is not used by the label yet", _raw_text(raw, ev), now)))
                     continue
                 st = states.get(cid)
@@ -540,7 +544,7 @@ class Joiner:
                 if cid in sealed or (st is not None and (st.claim or "").startswith(("shard:", "bad:"))):
                     n["feedback_late"] += 1
                     if self.cfg.late_policy == "deadletter":
-                        out.append(("late", dead_letter(topics.FEEDBACK, cid, "completion_id",
+                        out.append(("late", dead_letter(self.tf, cid, "completion_id",
                                                         f"late: label of completion {cid} already sealed", _raw_text(raw, ev), now)))
                     else:
                         dropped.append(eid)
@@ -582,14 +586,14 @@ class Joiner:
         ``completion_id`` / ``created_at`` differ from the head the join used (a duplicated key).
         The returned event's ``created_at`` is the one the join used: clamped to the worker's
         clock at consume time (:func:`check_clock`) when it was ahead of it."""
-        ev = parse_event(CompletionEvent, st.completion, topics.COMPLETIONS, st.completion_id)
+        ev = parse_event(CompletionEvent, st.completion, self.tc, st.completion_id)
         if isinstance(ev, DeadLetter):
             return ev
         for name, got, want in (("completion_id", str(ev.completion_id), st.completion_id),
                                 ("created_at", ev.created_at, st.created_at)):
             # (a created_at ahead of the worker's clock within the tolerance was clamped)
             if got != want and not (name == "created_at" and want < got <= want + MAX_FUTURE_SKEW_MS):
-                return dead_letter(topics.COMPLETIONS, st.completion_id, name,
+                return dead_letter(self.tc, st.completion_id, name,
                                    f"duplicate key: the body's {name} {got} differs from the first one {want}",
                                    st.completion)
         ev.created_at = st.created_at
@@ -621,7 +625,7 @@ class Joiner:
         res.dead_letters.append(dl)
         for eid in st.event_ids:
             res.dead_letters.append(dead_letter(
-                topics.FEEDBACK, st.completion_id, "completion_id",
+                self.tf, st.completion_id, "completion_id",
                 f"malformed completion: {st.completion_id} failed validation ({dl.field}: {dl.reason})",
                 json.dumps({"event_id": eid, "completion_id": st.completion_id}), now))
             res.bad_event_ids.append(eid)
@@ -642,7 +646,7 @@ class Joiner:
                 cid = str(s.completion_id)
                 st = self.store.get(cid)
                 body = st.completion if st is not None and st.completion else json.dumps({"completion_id": cid})
-                dl = dead_letter(topics.COMPLETIONS, cid, fld, f"unwritable sample: {reason}", body, now)
+                dl = dead_letter(self.tc, cid, fld, f"unwritable sample: {reason}", body, now)
                 st = st or LabelState(completion_id=cid, event_ids=list(s.event_ids))
                 self._malformed(st, dl, res, now)
             self.store.claim_many([(cid, "bad:") for cid in res.bad_ids])
@@ -674,7 +678,7 @@ class Joiner:
                 if st.completion is None:
                     for eid in st.event_ids:
                         res.dead_letters.append(dead_letter(
-                            topics.FEEDBACK, st.completion_id, "completion_id",
+                            self.tf, st.completion_id, "completion_id",
                             f"orphan: completion {st.completion_id} not seen within orphan_ttl_s="
                             f"{self.cfg.orphan_ttl_s:g}", st.pending_raw.get(eid, json.dumps({"event_id": eid})), now))
                         res.dead_event_ids.append(eid)

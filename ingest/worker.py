@@ -230,10 +230,11 @@ class Worker:
                      "deadletter_future": 0}
         n = {"consumed_completions": 0, "consumed_feedback": 0, "forwarded_completions": 0, "forwarded_feedback": 0}
         now = now_ms()
+        tc = self.joiner.tc
         for tp, recs in batch.items():
             for r in recs:
                 src = _source_topic(r) if tp.topic == self.rekeyed else tp.topic
-                is_c = src == T.COMPLETIONS
+                is_c = src == tc
                 n["consumed_completions" if is_c else "consumed_feedback"] += 1
                 # a completion: its head only (the body is validated once, at sealing)
                 ev = parse_completion(r.value, src, r.key) if is_c else parse_event(FeedbackEvent, r.value, src, r.key)
@@ -246,8 +247,8 @@ class Worker:
                 else:
                     (comps if is_c else fbs).append((ev, r.value, tp))
         forward: list[tuple[int, bytes, bytes, str]] = []
-        comps = self._route(comps, T.COMPLETIONS, forward, n)
-        fbs = self._route(fbs, T.FEEDBACK, forward, n)
+        comps = self._route(comps, tc, forward, n)
+        fbs = self._route(fbs, self.joiner.tf, forward, n)
         parts = {tp.partition for tp in batch}
         try:
             outc, outs = self._fold_tx(comps, fbs, now, parts, n)
@@ -288,7 +289,7 @@ class Worker:
                 outc += self._fold_tx([item], [], now, parts, {})[0]
             except RECORD_ERRORS as exc:
                 log.warning("ingest: completion %s dead-lettered: %s: %s", item[0].completion_id, type(exc).__name__, exc)
-                dead.append(dead_letter(T.COMPLETIONS, str(item[0].completion_id), "value",
+                dead.append(dead_letter(self.joiner.tc, str(item[0].completion_id), "value",
                                         f"unfoldable: {type(exc).__name__}: {str(exc)[:200]}", item[1], now))
                 outc.append("unfoldable")
         for item in fbs:
@@ -296,7 +297,7 @@ class Worker:
                 outs += self._fold_tx([], [item], now, parts, {})[1]
             except RECORD_ERRORS as exc:
                 log.warning("ingest: feedback %s dead-lettered: %s: %s", item[0].event_id, type(exc).__name__, exc)
-                outs.append(("unfoldable", dead_letter(T.FEEDBACK, str(item[0].completion_id), "value",
+                outs.append(("unfoldable", dead_letter(self.joiner.tf, str(item[0].completion_id), "value",
                                                        f"unfoldable: {type(exc).__name__}: {str(exc)[:200]}",
                                                        item[1], now)))
         return outc, outs
@@ -314,7 +315,7 @@ class Worker:
                 here.append((ev, raw))
             else:
                 forward.append((h, str(ev.completion_id).encode(), raw, src))
-                n["forwarded_completions" if src == T.COMPLETIONS else "forwarded_feedback"] += 1
+                n["forwarded_completions" if src == self.joiner.tc else "forwarded_feedback"] += 1
         return here
 
     def assigned(self, assigned) -> None:
