@@ -257,14 +257,26 @@ def names_field(d, fld: str) -> bool:
     return d.field == fld or d.field.startswith(fld + ".") or d.field == "value"
 
 
-@pytest.mark.timeout(420)
-def test_fuzzed_topics_never_stop_the_join_and_lose_nothing(broker, fw_home, tmp_path):
-    """Valid traffic, hand-picked hostile records and records generated from the JSON Schemas
-    (:func:`schema_fuzz`) interleaved on both topics, into one worker: it never stops; every
-    valid event is in exactly one sample (the reference join); every record the contract
-    refuses (:func:`oracle`) is dead-lettered naming the field it was changed in; every
-    schema-generated vote ends in exactly one sample or dead letter; no shard write fails
-    (one bad record never holds back another's shard)."""
+def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c: int = 300, n_sc: int = 300,
+             n_sf: int = 2000, n_records: int = N_RECORDS, seed: int = 11, timeout_s: float = 300) -> dict:
+    """Produce valid traffic (``n_valid`` completions with votes, duplicates and flips),
+    hand-picked hostile records (``n_bad_c`` completions, the rest of ``n_records`` feedback)
+    and records generated from the JSON Schemas (``n_sc`` completions with a vote each,
+    ``n_sf`` feedback; :func:`schema_fuzz`), interleaved on both topics, into one real worker
+    (``python -m ingest``, home ``home``, log ``log``) on the broker at ``bootstrap``; wait until
+    every record is decided and check (``AssertionError`` otherwise):
+
+    * the worker never stops;
+    * every valid event is in exactly one sample (the reference join), a schema-valid
+      completion with its own id and a time inside the label's life is joined with its vote
+      (or quarantined, naming the field);
+    * every record the contract refuses (:func:`oracle`) is dead-lettered naming the field it
+      was changed in; the hand-picked ones per source topic exactly as many as produced;
+    * every schema-generated vote is in exactly one sample or dead letter;
+    * no shard write failed and was retried (one bad record never holds back another's shard).
+
+    Returns figures: ``records``, ``produced_s``, ``decided_s`` (from the worker's start),
+    ``worker_cpu_s``, ``samples``, ``dead``, ``refused``, ``quarantined``."""
     import subprocess
     import sys
 
@@ -273,31 +285,28 @@ def test_fuzzed_topics_never_stop_the_join_and_lose_nothing(broker, fw_home, tmp
     from schemas.events import CompletionEvent
 
     t0 = time.perf_counter()
-    rng = random.Random(11)
+    rng = random.Random(seed)
     now = now_ms()
-    comps, fb = make_traffic(400, seed=5)
+    comps, fb = make_traffic(n_valid, seed=seed + 1)
     expected = reference_join(comps, fb)
-    n_valid = len(comps) + len(fb)
-    n_bad_c, n_sc, n_sf = 300, 300, 2000
-    n_bad_f = N_RECORDS - n_valid - n_bad_c - 2 * n_sc - n_sf
-    assert n_bad_f > 2_000
+    n_bad_f = n_records - (len(comps) + len(fb)) - n_bad_c - 2 * n_sc - n_sf
+    assert n_bad_f > 1_000, n_bad_f
     bad_c = [bad_completion(rng) for _ in range(n_bad_c)]
     bad_f = [bad_feedback(rng) for _ in range(n_bad_f)]
-    sc, sf, sv = schema_fuzz(n_sc, n_sf, seed=3, now=now)
-    assert sum(v for *_, v in sc) > 20 and sum(not v for *_, v in sc) > 100  # both kinds, the ones refused mostly
-    assert sum(v for *_, v in sf) > 100 and sum(not v for *_, v in sf) > 500
-    # a schema-valid completion with its own id and a time inside the label's life must become a sample
-    # (or be quarantined, naming the field); others may be dropped, expired or late (their vote then
-    # dead-lettered)
-    strict = {}
-    for (k, raw, fld, ok), (_, vote) in zip(sc, sv):
+    sc, sf, sv = schema_fuzz(n_sc, n_sf, seed=seed + 2, now=now)
+    assert sum(v for *_, v in sc) > n_sc // 15 and sum(not v for *_, v in sc) > n_sc // 3  # both kinds
+    assert sum(v for *_, v in sf) > n_sf // 20 and sum(not v for *_, v in sf) > n_sf // 4
+    # a schema-valid completion with its own id and a time inside the label's life must become a
+    # sample (or be quarantined, naming the field); others may be dropped, expired or late (their
+    # vote then dead-lettered)
+    strict = set()
+    for k, raw, _, ok in sc:
         if ok:
             ev = CompletionEvent.model_validate_json(raw)
             if str(ev.completion_id) == k.decode() and ev.created_at >= now - 3_000_000:
-                strict[k.decode()] = (fld, json.loads(vote)["event_id"])
+                strict.add(k.decode())
 
-    t_gen = time.perf_counter() - t0
-    p = KafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=20, batch_size=1 << 20, max_request_size=4 << 20)
+    p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20, max_request_size=4 << 20)
     items = [(topics.COMPLETIONS, str(c.completion_id).encode(), c.to_bytes()) for c in comps]
     items += [(topics.COMPLETIONS, str(uuid.uuid4()).encode(), v) for v, _ in bad_c]
     items += [(topics.FEEDBACK, b"fuzz", v) for v in bad_f]
@@ -315,80 +324,97 @@ def test_fuzzed_topics_never_stop_the_join_and_lose_nothing(broker, fw_home, tmp
         p.send(topics.FEEDBACK, key=k, value=vote)
     p.flush()
     p.close()
+    records = len(items) + len(fb) + sum(1 for _, v in bad_c if v is not None) + len(sv)
+    produced_s = time.perf_counter() - t0
 
-    env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
-               PYTHONPATH=str(ROOT))
-    log = tmp_path / "worker.log"
+    env = dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT))
+    t_start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ingest", "--seal-after-s", "4", "--orphan-ttl-s", "5", "--tick-s", "0.5"],
         cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    t_produced = time.perf_counter() - t0
-    samples_dir = fw_home / "data" / "samples"
+    samples_dir = home / "data" / "samples"
     want_dead = Counter({topics.FEEDBACK: n_bad_f + n_sf, topics.COMPLETIONS: n_bad_c})
     want_dead[topics.FEEDBACK] += sum(1 for _, v in bad_c if v is not None)  # a bad body's vote
     sc_keys = {k.decode() for k, *_ in sc}
-    seen: dict = {}
+    sv_eids = [json.loads(v)["event_id"] for _, v in sv]
 
     def outcome():
         from ingest.catalog import read_samples
 
         samples = read_samples(samples_dir) if any(samples_dir.glob("**/*.parquet")) else []
-        dead = read_dead(broker.bootstrap)
-        seen.update(samples=samples, dead=dead)
-        in_samples = {e for s in samples for e in s.event_ids}
-        sc_votes_dead = sum(1 for d in dead if d.source_topic == topics.FEEDBACK and d.key in sc_keys)
-        return samples, dead, in_samples, sc_votes_dead
+        return samples, read_dead(bootstrap), {e for s in samples for e in s.event_ids}
 
     def done():
-        samples, dead, in_samples, sc_votes_dead = outcome()
+        samples, dead, in_samples = outcome()
         n = Counter(d.source_topic for d in dead if d.key not in sc_keys)
-        votes_decided = sum(1 for _, v in sv if json.loads(v)["event_id"] in in_samples) + sc_votes_dead
-        return (all(n[t] >= m for t, m in want_dead.items()) and votes_decided >= n_sc
-                and {str(s.completion_id) for s in samples} >= set(expected))
+        votes_dead = sum(1 for d in dead if d.source_topic == topics.FEEDBACK and d.key in sc_keys)
+        return (all(n[t] >= m for t, m in want_dead.items()) and {str(s.completion_id) for s in samples} >= set(expected)
+                and sum(e in in_samples for e in sv_eids) + votes_dead >= n_sc)
 
     try:
-        wait_for(done, 300, "every sample and every dead letter", proc, log)
-        print(f"generated in {t_gen:.1f}s, produced by {t_produced:.1f}s, all decided by {time.perf_counter() - t0:.1f}s")
+        wait_for(done, timeout_s, "every sample and every dead letter", proc, log)
+        decided_s = time.perf_counter() - t_start
         time.sleep(2)  # anything more (a second copy) would show now
         assert proc.poll() is None, "the worker stopped"
-        samples, dead, in_samples, _ = outcome()
-        by_cid = {str(s.completion_id): s for s in samples}
-        # every valid event in exactly one sample; the schema-valid completions joined with their vote
-        for (k, _, _, _), (_, vote) in zip(sc, sv):
-            if k.decode() in by_cid:
-                expected[k.decode()] = (1, 0, {json.loads(vote)["event_id"]})
-        check(samples_dir, {c: v for c, v in expected.items()})
-        others = [d for d in dead if d.key not in sc_keys]
-        assert Counter(d.source_topic for d in others) == want_dead
-        assert all(d.field and d.reason for d in dead)
-        fields = Counter(d.field for d in others if d.source_topic == topics.FEEDBACK)
-        for f in ("value", "created_at", "schema_version", "extra_field"):
-            assert fields[f] > 0, (f, fields)
-        # schema-generated completions: refused ones dead-lettered once, naming the changed field;
-        # each one's vote in exactly one sample or dead letter
-        dead_by_key: dict = {}
-        for d in dead:
-            dead_by_key.setdefault((d.source_topic, d.key), []).append(d)
-        for (k, raw, fld, ok), (_, vote) in zip(sc, sv):
-            cid, eid = k.decode(), json.loads(vote)["event_id"]
-            dc = dead_by_key.get((topics.COMPLETIONS, cid), [])
-            df = [d for d in dead_by_key.get((topics.FEEDBACK, cid), []) if eid in d.payload]
-            assert len(dc) <= 1 and not (dc and cid in by_cid), (cid, fld, dc)
-            if not ok:
-                assert len(dc) == 1 and names_field(dc[0], fld), (fld, raw[:300], dc)
-            elif dc:  # valid under the contract, refused by the shard: quarantined, naming the field
-                assert names_field(dc[0], fld) and dc[0].reason.startswith("unwritable sample:"), dc
-            elif cid in strict:
-                assert cid in by_cid, (fld, raw[:300])
-            assert (eid in in_samples) + len(df) == 1, (cid, fld, df)
-        # schema-generated feedback: one dead letter each (refused, or an orphan: no such completion)
-        for k, raw, fld, ok in sf:
-            df = dead_by_key.get((topics.FEEDBACK, k.decode()), [])
-            assert len(df) == 1, (fld, raw[:300], df)
-            if not ok:
-                assert names_field(df[0], fld), (fld, raw[:300], df)
-            else:  # no such completion, a kind the label does not use, or older than the dedupe horizon
-                assert df[0].reason.startswith(("orphan:", "expired:")) or df[0].field == "kind", (fld, raw[:300], df)
-        assert "labels released" not in log.read_text(errors="replace"), "a shard write failed and was retried"
     finally:
+        worker_cpu_s = _cpu_s(proc.pid)
         stop(proc)
+    samples, dead, in_samples = outcome()
+    by_cid = {str(s.completion_id): s for s in samples}
+    for (k, *_), eid in zip(sc, sv_eids):  # schema-generated completions joined: each with its one vote
+        if k.decode() in by_cid:
+            expected[k.decode()] = (1, 0, {eid})
+    check(samples_dir, expected)  # every valid event in exactly one sample
+    others = [d for d in dead if d.key not in sc_keys]
+    assert Counter(d.source_topic for d in others) == want_dead
+    assert all(d.field and d.reason for d in dead)
+    fields = Counter(d.field for d in others if d.source_topic == topics.FEEDBACK)
+    for f in ("value", "created_at", "schema_version", "extra_field"):
+        assert fields[f] > 0, (f, fields)
+    dead_by_key: dict = {}
+    for d in dead:
+        dead_by_key.setdefault((d.source_topic, d.key), []).append(d)
+    quarantined = 0
+    for (k, raw, fld, ok), eid in zip(sc, sv_eids):
+        cid = k.decode()
+        dc = dead_by_key.get((topics.COMPLETIONS, cid), [])
+        df = [d for d in dead_by_key.get((topics.FEEDBACK, cid), []) if eid in d.payload]
+        assert len(dc) <= 1 and not (dc and cid in by_cid), (cid, fld, dc)
+        if not ok:  # refused: dead-lettered once, naming the changed field
+            assert len(dc) == 1 and names_field(dc[0], fld), (fld, raw[:300], dc)
+        elif dc:  # valid under the contract, refused by the shard: quarantined, naming the field
+            assert names_field(dc[0], fld) and dc[0].reason.startswith("unwritable sample:"), dc
+            quarantined += 1
+        elif cid in strict:
+            assert cid in by_cid, (fld, raw[:300])
+        assert (eid in in_samples) + len(df) == 1, (cid, fld, df)  # its vote: one sample or dead letter
+    for k, raw, fld, ok in sf:  # one dead letter each: refused, or an orphan (no such completion)
+        df = dead_by_key.get((topics.FEEDBACK, k.decode()), [])
+        assert len(df) == 1, (fld, raw[:300], df)
+        if not ok:
+            assert names_field(df[0], fld), (fld, raw[:300], df)
+        else:  # no such completion, a kind the label does not use, or older than the dedupe horizon
+            assert df[0].reason.startswith(("orphan:", "expired:")) or df[0].field == "kind", (fld, raw[:300], df)
+    assert "labels released" not in log.read_text(errors="replace"), "a shard write failed and was retried"
+    return {"records": records, "produced_s": produced_s, "decided_s": decided_s, "worker_cpu_s": worker_cpu_s,
+            "samples": len(samples), "dead": len(dead), "quarantined": quarantined,
+            "refused": sum(not ok for *_, ok in sc) + sum(not ok for *_, ok in sf) + n_bad_c + n_bad_f}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all threads; 0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError):
+        return 0.0
+
+
+@pytest.mark.timeout(420)
+def test_fuzzed_topics_never_stop_the_join_and_lose_nothing(broker, fw_home, tmp_path):
+    """CI-sized :func:`run_fuzz`: 10,000 records (400 valid completions with their votes, 300
+    hand-picked and 300 schema-generated hostile completions, 2,000 schema-generated and the
+    rest hand-picked hostile feedback). ``python bench/ingest.py --fuzz 50000`` runs it at
+    benchmark size."""
+    r = run_fuzz(broker.bootstrap, fw_home, tmp_path / "worker.log")
+    assert r["records"] >= N_RECORDS
