@@ -58,8 +58,8 @@ import pydantic
 import pydantic_core
 
 from schemas import topics
-from schemas.events import (MAX_FUTURE_SKEW_MS, MIN_EVENT_TIME_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter,
-                            FeedbackEvent, RewardedSample, clamp_event_time, now_ms)
+from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
+                            FeedbackEvent, IdText, RewardedSample, clamp_event_time, now_ms)
 
 
 @dataclass(frozen=True)
@@ -387,8 +387,8 @@ class CompletionHead(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="ignore")
     schema_version: Literal[1] = SCHEMA_VERSION
     completion_id: uuid.UUID
-    created_at: int = pydantic.Field(ge=MIN_EVENT_TIME_MS)
-    model_version: str = pydantic.Field(min_length=1)
+    created_at: EventTimeMs  # the contract's own field types: refused here as at sealing
+    model_version: IdText
 
 
 _HEAD_END = b',"prompt_token_ids":'  # serving's layout: the id fields come first, then the token lists

@@ -79,29 +79,40 @@ def seal(w: Worker):
 
 def test_created_at_beyond_any_integer_is_dead_lettered_and_the_batch_folds(worker):
     """Defect 1: created_at = 10**19 raised OverflowError out of the fold at every restart."""
-    ok, bad = str(uuid.uuid4()), str(uuid.uuid4())
-    dead, eids, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(bad, created_at=10**19)),
-                                         (topics.COMPLETIONS, completion(ok)), (topics.FEEDBACK, vote(ok))))
-    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "created_at")]
-    assert "future" in dead[0].reason and str(10**19) in dead[0].payload
+    ok, bad, ahead = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
+    dead, eids, _, _ = worker.fold(batch(
+        (topics.COMPLETIONS, completion(bad, created_at=10**19)), (topics.COMPLETIONS, completion(ok)),
+        (topics.COMPLETIONS, completion(ahead, created_at=now_ms() + MAX_FUTURE_SKEW_MS + 600_000)),
+        (topics.FEEDBACK, vote(ok))))
+    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "created_at")] * 2
+    assert "2100" in dead[0].reason and str(10**19) in dead[0].payload  # the contract's bound
+    assert dead[1].reason.startswith("future:") and ahead in dead[1].payload  # the clock rule
     rows, dead, _ = seal(worker)
     assert list(rows) == [ok] and rows[ok]["votes_up"] == 1 and not dead
 
 
 def test_a_value_the_state_refuses_is_dead_lettered_alone(worker, monkeypatch):
     """Whatever a record carries that the state refuses (here an integer SQLite cannot hold,
-    past the contract) costs that record only: the batch is folded record by record."""
+    past the contract's bounds and the clock rule, both taken away) costs that record only:
+    the batch is folded record by record, the culprit dead-lettered (``unfoldable``)."""
     ok, bad = str(uuid.uuid4()), str(uuid.uuid4())
     from ingest import join
 
-    real = join.check_clock
-    # the clock rule is what refuses 10**19 now; without it the state's own limit is met
     monkeypatch.setattr("ingest.worker.check_clock", lambda ev, *a: ev)
+    monkeypatch.setattr(join, "_HEAD_VALIDATOR", join.pydantic.TypeAdapter(dict).validator)
+    real = join.parse_completion
+
+    def unbounded(raw, *a):  # the head as an unchecked object: 10**19 reaches the state
+        ev = real(raw, *a)
+        return ev if isinstance(ev, DeadLetter) else type("Head", (), {
+            "completion_id": uuid.UUID(ev["completion_id"]), "created_at": ev["created_at"]})()
+
+    monkeypatch.setattr("ingest.worker.parse_completion", unbounded)
     dead, _, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(bad, created_at=10**19)),
                                       (topics.COMPLETIONS, completion(ok)), (topics.FEEDBACK, vote(ok))))
     assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "value")]
     assert dead[0].reason.startswith("unfoldable: OverflowError")
-    monkeypatch.setattr("ingest.worker.check_clock", real)
+    monkeypatch.undo()
     rows, _, _ = seal(worker)
     assert list(rows) == [ok]
 
