@@ -417,4 +417,5 @@ def test_fuzzed_topics_never_stop_the_join_and_lose_nothing(broker, fw_home, tmp
     rest hand-picked hostile feedback). ``python bench/ingest.py --fuzz 50000`` runs it at
     benchmark size."""
     r = run_fuzz(broker.bootstrap, fw_home, tmp_path / "worker.log")
+    print(f"fuzz figures: {r}")
     assert r["records"] >= N_RECORDS
