@@ -531,7 +531,7 @@ def fuzz(n: int, args) -> None:
     try:
         r = run_fuzz(b.bootstrap, home / "home", home / "worker.log", n_valid=int(400 * scale),
                      n_bad_c=int(300 * scale), n_sc=int(300 * scale), n_sf=int(2000 * scale), n_records=n,
-                     timeout_s=args.timeout_s)
+                     timeout_s=args.timeout_s, seal_after_s=15.0, orphan_ttl_s=60.0)
     finally:
         b.stop()
         if not args.keep:

@@ -186,7 +186,10 @@ def hostile(model_name: str, base: dict, pools: dict[str, list], rng: random.Ran
     kind = rng.choices(["schema", "edge", "wrong", "missing", "duplicate", "deep", "unknown", "whole"],
                        weights=[30, 30, 10, 6, 6, 2, 4, 2])[0]
     if kind == "schema":
-        _set(obj, path, rng.choice(pools[path]))
+        v = rng.choice(pools[path])
+        if path in ("event_id", "completion_id") and _is_uuid(v):
+            v = str(uuid.UUID(int=rng.getrandbits(128), version=4))  # a valid id is the record's own, never shared
+        _set(obj, path, v)
     elif kind == "edge":
         cur = pools[path][0]
         edges = (INT_EDGES if isinstance(cur, int) and not isinstance(cur, bool) else
@@ -210,6 +213,14 @@ def hostile(model_name: str, base: dict, pools: dict[str, list], rng: random.Ran
     else:
         return rng.choice([b"[]", b"null", b"42", b"\xff\xfe", _dumps(obj)[:50]]), "value"
     return _dumps(obj), top
+
+
+def _is_uuid(v) -> bool:
+    try:
+        uuid.UUID(str(v))
+    except ValueError:
+        return False
+    return True
 
 
 def oracle(model_name: str, raw: bytes, now: int) -> bool:
@@ -258,12 +269,15 @@ def names_field(d, fld: str) -> bool:
 
 
 def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c: int = 300, n_sc: int = 300,
-             n_sf: int = 2000, n_records: int = N_RECORDS, seed: int = 11, timeout_s: float = 300) -> dict:
+             n_sf: int = 2000, n_records: int = N_RECORDS, seed: int = 11, timeout_s: float = 300,
+             seal_after_s: float = 4.0, orphan_ttl_s: float = 8.0) -> dict:
     """Produce valid traffic (``n_valid`` completions with votes, duplicates and flips),
     hand-picked hostile records (``n_bad_c`` completions, the rest of ``n_records`` feedback)
     and records generated from the JSON Schemas (``n_sc`` completions with a vote each,
     ``n_sf`` feedback; :func:`schema_fuzz`), interleaved on both topics, into one real worker
-    (``python -m ingest``, home ``home``, log ``log``) on the broker at ``bootstrap``; wait until
+    (``python -m ingest``, home ``home``, log ``log``, ``seal_after_s``/``orphan_ttl_s``: longer
+    than the records of one completion take to arrive, or valid votes are dead-lettered as
+    late/orphans by design) on the broker at ``bootstrap``; wait until
     every record is decided and check (``AssertionError`` otherwise):
 
     * the worker never stops;
@@ -330,7 +344,8 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     env = dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT))
     t_start = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ingest", "--seal-after-s", "4", "--orphan-ttl-s", "5", "--tick-s", "0.5"],
+        [sys.executable, "-m", "ingest", "--seal-after-s", str(seal_after_s), "--orphan-ttl-s", str(orphan_ttl_s),
+         "--tick-s", "0.5"],
         cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
     samples_dir = home / "data" / "samples"
     want_dead = Counter({topics.FEEDBACK: n_bad_f + n_sf, topics.COMPLETIONS: n_bad_c})
@@ -344,15 +359,22 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
         samples = read_samples(samples_dir) if any(samples_dir.glob("**/*.parquet")) else []
         return samples, read_dead(bootstrap), {e for s in samples for e in s.event_ids}
 
+    state: dict = {}
+
     def done():
         samples, dead, in_samples = outcome()
         n = Counter(d.source_topic for d in dead if d.key not in sc_keys)
         votes_dead = sum(1 for d in dead if d.source_topic == topics.FEEDBACK and d.key in sc_keys)
-        return (all(n[t] >= m for t, m in want_dead.items()) and {str(s.completion_id) for s in samples} >= set(expected)
-                and sum(e in in_samples for e in sv_eids) + votes_dead >= n_sc)
+        state.update(dead=dict(n), want=dict(want_dead), missing_samples=len(set(expected) - {
+            str(s.completion_id) for s in samples}), schema_votes=sum(e in in_samples for e in sv_eids) + votes_dead)
+        return (all(n[t] >= m for t, m in want_dead.items()) and not state["missing_samples"]
+                and state["schema_votes"] >= n_sc)
 
     try:
-        wait_for(done, timeout_s, "every sample and every dead letter", proc, log)
+        try:
+            wait_for(done, timeout_s, "every sample and every dead letter", proc, log)
+        except AssertionError as exc:
+            raise AssertionError(f"{state} (schema votes wanted {n_sc}); {str(exc)[-1500:]}") from None
         decided_s = time.perf_counter() - t_start
         time.sleep(2)  # anything more (a second copy) would show now
         assert proc.poll() is None, "the worker stopped"
