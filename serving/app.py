@@ -10,9 +10,6 @@ Model names, completion ids and headers: :mod:`serving.http.serving_openai`; fee
 
 from __future__ import annotations
 
-import os
-import secrets
-
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -40,19 +37,14 @@ __all__ = ["create_app", "load_keys", "user_salt", "CID_HEADER", "CIDS_HEADER",
            "USER_HEADER", "VERSION_HEADER", "DEFAULT_SERVED_MODEL_NAME"]
 
 
-def user_salt() -> str:
-    """The pod's user-id salt: env ``FLYWHEEL_USER_SALT``, else ``$FLYWHEEL_HOME/user_salt``
-    (generated once, mode 0600)."""
-    env = os.environ.get("FLYWHEEL_USER_SALT")
-    if env:
-        return env
-    f = settings.home() / "user_salt"
-    if not f.exists():
-        tmp = f.with_name("user_salt.tmp")
-        tmp.write_text(secrets.token_hex(16))
-        tmp.chmod(0o600)
-        os.replace(tmp, f)
-    return f.read_text().strip()
+def user_salt(fleet: bool = False, why: str = "") -> str:
+    """The pod's user-id salt: :func:`schemas.settings.user_salt` (``FLYWHEEL_USER_SALT``,
+    ``FLYWHEEL_USER_SALT_FILE``, else, on one box only, ``$FLYWHEEL_HOME/user_salt``).
+
+    Raises:
+        schemas.settings.SaltError: see :func:`schemas.settings.user_salt`.
+    """
+    return settings.user_salt(fleet=fleet, why=why)
 
 
 def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", salt: str | None = None,

@@ -181,6 +181,28 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+def fleet_salt(host: str, fleet: bool) -> str:
+    """The pod's user-id salt, read before the model load (:func:`schemas.settings.user_salt`).
+
+    A pod is a fleet member when started with ``--fleet`` (``FLYWHEEL_FLEET``) or on a
+    ``--host`` reachable from other machines (the shape a Kubernetes Service balances over):
+    then the salt must come from ``FLYWHEEL_USER_SALT`` or ``FLYWHEEL_USER_SALT_FILE``, never
+    from a salt generated in this pod's own home. One box on loopback keeps
+    ``$FLYWHEEL_HOME/user_salt``.
+
+    Raises:
+        typer.BadParameter: no usable salt; ``param_hint`` is the variable to set.
+    """
+    from schemas.settings import SaltError, user_salt
+
+    why = "--fleet" if fleet else ("" if is_loopback(host) else f"--host {host} is reachable from other machines")
+    try:
+        return user_salt(fleet=bool(why), why=why)
+    except SaltError as exc:
+        setting, _, msg = str(exc).partition(": ")
+        raise typer.BadParameter(msg, param_hint=setting) from None
+
+
 def check_listen(host: str, port: int) -> None:
     """Raise ``typer.BadParameter`` naming ``--host``/``--port`` if ``host:port`` cannot be
     bound now (address in use, no such interface, privileged port)."""
@@ -283,6 +305,12 @@ def register(app: typer.Typer) -> None:
         tool_call_parser: Optional[str] = typer.Option(
             None, help="vLLM engine: how chat requests with tools are parsed into tool calls, as `vllm serve "
                        "--tool-call-parser` (hermes, llama3_json, mistral, pythonic, ...; default hermes)."),
+        fleet: bool = typer.Option(False, "--fleet", envvar="FLYWHEEL_FLEET",
+                                   help="This pod is one of several behind one Service: it refuses to start "
+                                        "without the fleet's user salt (FLYWHEEL_USER_SALT or "
+                                        "FLYWHEEL_USER_SALT_FILE, >= 16 characters), so every pod gives a user "
+                                        "the same user_hash and canary arm. Implied by a --host reachable from "
+                                        "other machines."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
         import asyncio
@@ -346,6 +374,7 @@ def register(app: typer.Typer) -> None:
         if not os.environ.get("FLYWHEEL_ADMIN_TOKEN") and not is_loopback(host):
             raise typer.BadParameter(f"{host} is reachable from other machines and /admin/* (load, promote, "
                                      "roll back) would have no auth: set FLYWHEEL_ADMIN_TOKEN", param_hint="--host")
+        salt = fleet_salt(host, fleet)
         if model_dir is not None and not (model_dir / "config.json").is_file():
             raise typer.BadParameter(f"{model_dir} holds no Hugging Face checkpoint (no config.json)",
                                      param_hint="--model-dir")
@@ -368,7 +397,7 @@ def register(app: typer.Typer) -> None:
         origins += [o.strip() for o in os.environ.get("FLYWHEEL_CORS_ORIGINS", "").split(",") if o.strip()]
         app_options = {"feedback_keys": load_keys("FLYWHEEL_FEEDBACK_KEYS", feedback_keys_file),
                        "served_model_name": served_model_name, "eval_share": eval_share,
-                       "cors_origins": origins or None}
+                       "cors_origins": origins or None, "salt": salt}
         p = build_pod(st, version, pod=pod, max_batch=max_batch, app_options=app_options,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
