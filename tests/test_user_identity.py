@@ -10,6 +10,9 @@ topics carry a prefix, and the worker's consumer group on the broker carries it 
 item 5).
 
 A pod configured for a fleet without the salt refuses to start, naming the setting.
+
+Pod B runs with ``--admin-port`` (the Kubernetes shape, issue 19 item 4): ``/admin`` and
+``/metrics`` answer there only, the product API on the product port only.
 """
 
 from __future__ import annotations
@@ -127,14 +130,15 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
     base.update(FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap, FLYWHEEL_KAFKA_TOPIC_PREFIX=PREFIX,
                 FLYWHEEL_STORE=str(store.root), FLYWHEEL_SAMPLES=str(samples), FLYWHEEL_USER_SALT=SALT,
                 FLYWHEEL_ADMIN_TOKEN=TOKEN, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    ports = [free_port(), free_port()]
+    ports, admin_port = [free_port(), free_port()], free_port()
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    admin_urls = [urls[0], f"http://127.0.0.1:{admin_port}"]  # pod B: /admin and /metrics on their own port
     procs: list[Proc] = []
     thread = None
     try:
-        for name, port in zip(("pod-a", "pod-b"), ports):
+        for name, port, extra in zip(("pod-a", "pod-b"), ports, ([], ["--admin-port", str(admin_port)])):
             procs.append(Proc(name, cli("serve", "--fleet", "--port", str(port), "--pod", name, "--max-batch", "4",
-                                        "--threads", "1"),
+                                        "--threads", "1", *extra),
                               dict(base, FLYWHEEL_HOME=str(tmp_path / f"home-{name}")), logs))
         # the real join in this process while the pods start: the ingest worker of the prefix
         cfg = IngestConfig(join=JoinConfig(seal_after_s=1.0), tick_s=0.2, bootstrap=broker.bootstrap,
@@ -151,7 +155,8 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
                 return False
 
         wait_for(healthy, 120, "both pods healthy", procs)
-        for u in urls:  # the same candidate at 50 % on both pods, as the controller sets it
+        check_admin_port(urls[1], admin_urls[1])
+        for u in admin_urls:  # the same candidate at 50 % on both pods, as the controller sets it
             admin = ServingAdmin(u, TOKEN, timeout_s=60)
             admin.load("v000001")
             admin.set_weight(0.5)
@@ -213,6 +218,25 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
             thread.join(30)
         for p in procs:
             p.stop()
+
+
+def check_admin_port(product: str, admin: str) -> None:
+    """``flywheel serve --admin-port``: /admin and /metrics only on the admin port (the product
+    port answers 404, before auth), the product API only on the product port, probes on both."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(timeout=30) as c:
+        for path in ("/admin/slots", "/metrics", "/admin"):
+            r = c.get(product + path, headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
+        assert c.post(product + "/admin/promote", headers=auth).status_code == 404
+        assert c.get(admin + "/admin/slots").status_code == 401  # there, and behind the admin token
+        assert c.get(admin + "/admin/slots", headers=auth).json()["stable"]["version"] == "v000000"
+        assert "flywheel_version_requests_total" in c.get(admin + "/metrics").text
+        r = c.post(admin + "/v1/completions", json={"model": "flywheel", "prompt": [5], "max_tokens": 1})
+        assert r.status_code == 404, r.text
+        for base_url in (product, admin):
+            assert c.get(base_url + "/health").status_code == 200
+            assert c.get(base_url + "/healthz").json()["pod"] == "pod-b"
 
 
 def _flat(out: str) -> str:
