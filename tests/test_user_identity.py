@@ -264,6 +264,7 @@ def test_a_fleet_pod_without_the_salt_refuses_to_start(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", TOKEN)
     monkeypatch.setenv("FLYWHEEL_STORE", str(tmp_path / "no-store"))
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path / "no-model"))  # not the machine's cached model
     secret = tmp_path / "user-salt"
     cases = [({}, ["--fleet"], "FLYWHEEL_USER_SALT", "this pod serves a fleet (--fleet)"),
              ({"FLYWHEEL_FLEET": "1"}, [], "FLYWHEEL_USER_SALT", "this pod serves a fleet (--fleet)"),
