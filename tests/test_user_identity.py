@@ -279,6 +279,10 @@ def test_a_fleet_pod_without_the_salt_refuses_to_start(tmp_path, monkeypatch):
         r = CliRunner().invoke(app, ["serve", "--port", str(free_port()), *args], env=extra)
         out = _flat(r.output)
         assert r.exit_code == 2 and f"Invalid value for {setting}:" in out and why in out, (extra, args, out)
+    port = free_port()
+    r = CliRunner().invoke(app, ["serve", "--port", str(port), "--admin-port", str(port)],
+                           env={"FLYWHEEL_USER_SALT": SALT})
+    assert r.exit_code == 2 and "Invalid value for --admin-port: must differ from --port" in _flat(r.output), r.output
     # with the salt from a mounted secret file the check passes and the next one (no model) speaks
     secret.write_text(SALT + "\n")
     r = CliRunner().invoke(app, ["serve", "--fleet", "--port", str(free_port())],
