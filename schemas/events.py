@@ -99,8 +99,9 @@ def _check_ms(v: int) -> int:
 
 #: Any text field: no NUL, no lone surrogate.
 Text = Annotated[str, AfterValidator(_check_text), _JsonKeywords(pattern=TEXT_PATTERN)]
-#: An identifier-like text field (ids, names, pods): 1 to MAX_ID_CHARS characters.
-IdText = Annotated[Text, Field(min_length=1, max_length=MAX_ID_CHARS)]
+#: An identifier-like text field (ids, names, pods): 1 to MAX_ID_CHARS characters, as :data:`Text`.
+IdText = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(_check_text),
+                   _JsonKeywords(pattern=TEXT_PATTERN)]
 #: An event time, ms since the epoch (UTC), within [MIN_EVENT_TIME_MS, MAX_EVENT_TIME_MS].
 EventTimeMs = Annotated[int, AfterValidator(_check_ms),
                         _JsonKeywords(minimum=MIN_EVENT_TIME_MS, maximum=MAX_EVENT_TIME_MS)]

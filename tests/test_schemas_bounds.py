@@ -12,7 +12,6 @@ import uuid
 
 import jsonschema
 import numpy as np
-import pytest
 from pydantic import ValidationError
 
 from schemas.events import (TEXT_PATTERN, CompletionEvent, DeadLetter, ExpertRoutes, FeedbackEvent, RewardedSample,
