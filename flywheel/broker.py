@@ -96,7 +96,10 @@ class BrokerProcess:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone (so its
-        port is free for a broker restarted on it); idempotent."""
+        port is free for a broker restarted on it); idempotent (a broker it started and reaped is
+        never signalled again: its pid may be another process's by then)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return
         try:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:

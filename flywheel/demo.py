@@ -568,44 +568,46 @@ class Demo:
     def stop_children(self) -> None:
         """Stop every process this demo started (controller, ingest, serving, then the
         broker); idempotent, never raises."""
-        for p in reversed(self.procs):
-            try:
-                p.stop()
-            except Exception as exc:  # noqa: BLE001 - the next child must still be stopped
-                self.console.log(f"[red]could not stop {p.name}: {exc}")
+        stops = [(p.name, p.stop) for p in reversed(self.procs)]
         if getattr(self, "broker", None) is not None:  # setup may have failed before the broker
-            self.broker.stop()
+            stops.append(("broker", self.broker.stop))
+        for name, stop in stops:
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - the next child must still be stopped
+                try:
+                    self.console.log(f"[red]could not stop {name}: {exc}")
+                except OSError:  # a hung-up terminal
+                    pass
 
     def run(self) -> dict:
         t0 = time.time()
-        # SIGINT, SIGTERM, SIGHUP: every child is stopped, then SystemExit(128 + signum); stopping
-        # them first also ends the traffic threads' requests at once
+        # every child is stopped once, however the run ends: on SIGINT, SIGTERM or SIGHUP first
+        # (then SystemExit(128 + signum); stopping them first also ends the traffic threads'
+        # requests at once), else when the run returns or raises
         with StopSignals(self.stop_children):
             return self._run(t0)
 
     def _run(self, t0: float) -> dict:
-        try:
-            self.setup()
-            self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
-            for cycle in range(1, self.cfg.cycles + 1):
-                if cycle > 1 and self.cfg.between_prompts:
-                    # the stable version's own traffic: a canary alone leaves the next cycle
-                    # too few samples, half of them from the version before (stale)
-                    self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
-                self.wait_votes_sealed(120)
-                v = self.learn(cycle)
-                if v is not None:
-                    self.canary(v)
-            if self.cfg.final_prompts:
-                self.traffic("after the last canary", self.cfg.final_prompts)
-            if self.cfg.bad_candidate:
-                self.canary(self.publish_degraded())
+        self.setup()
+        self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
+        for cycle in range(1, self.cfg.cycles + 1):
+            if cycle > 1 and self.cfg.between_prompts:
+                # the stable version's own traffic: a canary alone leaves the next cycle
+                # too few samples, half of them from the version before (stale)
+                self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
             self.wait_votes_sealed(120)
-            report = self.build_report(t0)
-            rep.write_report(report, self.cfg.out)
-            rep.print_report(report, self.console)
-            self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
-                               f"{self.cfg.out / 'thumbs_up_by_version.png'}")
-            return report
-        finally:
-            self.stop_children()
+            v = self.learn(cycle)
+            if v is not None:
+                self.canary(v)
+        if self.cfg.final_prompts:
+            self.traffic("after the last canary", self.cfg.final_prompts)
+        if self.cfg.bad_candidate:
+            self.canary(self.publish_degraded())
+        self.wait_votes_sealed(120)
+        report = self.build_report(t0)
+        rep.write_report(report, self.cfg.out)
+        rep.print_report(report, self.console)
+        self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
+                           f"{self.cfg.out / 'thumbs_up_by_version.png'}")
+        return report
