@@ -135,6 +135,7 @@ def schema_pools(seed: int = 0) -> dict[str, dict[str, list]]:
     from hypothesis import strategies as st
     from hypothesis_jsonschema import from_schema
 
+    from schemas.events import TEXT_PATTERN
     from schemas.json_schema import contracts, schema_of
 
     out: dict[str, dict[str, list]] = {}
@@ -156,7 +157,12 @@ def schema_pools(seed: int = 0) -> dict[str, dict[str, list]]:
                         todo.append((path + ".", r))
                     elif r.get("type") != "object":
                         leaf = {x: y for x, y in r.items() if x not in ("title", "description", "default")}
-                        leaves[path] = st.lists(from_schema(leaf), min_size=_POOL_N, max_size=_POOL_N)
+                        if leaf.get("pattern") == TEXT_PATTERN:
+                            # the same rule (no NUL, valid UTF-8: no lone surrogate) as generator options:
+                            # drawing against the regex and the length together takes ~5 s per field
+                            del leaf["pattern"]
+                        strategy = from_schema(leaf, allow_x00=False, codec="utf-8")
+                        leaves[path] = st.lists(strategy, min_size=_POOL_N, max_size=_POOL_N)
             out[c.name] = st.fixed_dictionaries(leaves).example()  # one draw: example() costs ~0.1 s a call
     return out
 
