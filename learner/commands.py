@@ -56,8 +56,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            poll_s: float = typer.Option(10.0, help="Daemon: seconds between checks for new samples."),
            micro_batch_size: int = typer.Option(0, min=0, help="Samples per forward/backward; a step's batch is "
                                                 "accumulated over micro-batches (0 = one micro-batch)."),
-           precision: str = typer.Option("fp32", help="fp32 | bf16 (bf16 weights and activations, fp32 master "
-                                         "weights and AdamW state under ZeRO)."),
+           precision: str = typer.Option("auto", help="auto | fp32 | bf16. auto: the parent version's dtype. "
+                                         "bf16: bf16 weights and activations, fp32 master weights and AdamW "
+                                         "state under ZeRO. The new version keeps the parent's dtype."),
            activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing",
                                                          help="Recompute layer activations in backward."),
            lateness_s: float = typer.Option(600.0, help="How late (s) a shard may appear after a newer one was "

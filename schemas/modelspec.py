@@ -25,13 +25,35 @@ def experts_implementation(config) -> str:
     return EXPERTS_IMPLEMENTATION if int(n) > 1 else "eager"
 
 
+def checkpoint_dtype(config):
+    """The dtype a checkpoint's weights are kept, trained and served in: its config's
+    ``dtype`` (``torch_dtype`` in older configs), ``bfloat16`` or ``float32``; float32 when
+    the config names none (docs/decisions.md D41).
+
+    Args:
+        config: a ``transformers`` config, or the ``config.json`` dict.
+
+    Raises:
+        ValueError: the config names another dtype (float16, ...): not supported.
+    """
+    import torch
+
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    raw = get("dtype") or get("torch_dtype") or "float32"
+    name = str(raw).removeprefix("torch.")
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"config.json dtype: {name!r} is not supported; Flywheel keeps weights in "
+                         "bfloat16 or float32")
+    return getattr(torch, name)
+
+
 def load_model(model_dir: str | Path, dtype=None):
     """Build the causal LM at ``model_dir`` (HF checkpoint dir) in eval mode.
 
     Args:
         model_dir: directory with ``config.json`` (+ weights, which callers may replace
             with ``load_state_dict`` from the model store).
-        dtype: torch dtype, default float32.
+        dtype: torch dtype, default the checkpoint's own (:func:`checkpoint_dtype`).
 
     Returns:
         ``transformers`` model (``MixtralForCausalLM`` for the default MoE).
@@ -41,7 +63,7 @@ def load_model(model_dir: str | Path, dtype=None):
 
     config = AutoConfig.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), config=config, dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
+        str(model_dir), config=config, dtype=dtype or checkpoint_dtype(config), attn_implementation=ATTN_IMPLEMENTATION,
         experts_implementation=experts_implementation(config))
     model.eval()
     return model
