@@ -373,9 +373,15 @@ class ModelStore:
         return vs[-1]
 
     # -- writes -------------------------------------------------------------------------
-    def init_base(self, model_dir: Path) -> VersionManifest:
+    def init_base(self, model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> VersionManifest:
         """Copy the HF checkpoint to ``base/`` and register it as ``v000000`` (snapshot,
-        status ``promoted``). Idempotent: returns the existing manifest if present."""
+        status ``promoted``) in the checkpoint's own dtype (``schemas.modelspec.load_model``).
+        Idempotent: returns the existing manifest if present.
+
+        Args:
+            state: the checkpoint's weights already loaded by the caller, as the model
+                names them (saves loading them again); default: loaded here.
+        """
         from schemas.modelspec import load_model
 
         v0 = version_name(0)
@@ -395,7 +401,8 @@ class ModelStore:
                 for f in sorted(model_dir.iterdir()):
                     if f.is_file():
                         self.fs.pipe_file(self._p("base", f.name), f.read_bytes())
-            state = load_model(model_dir).state_dict()
+            if state is None:
+                state = load_model(model_dir).state_dict()
             m = self._write(v0, None, state, None, {}, {}, "promoted", "base model")
             self._write_stable(v0, "init_base", "base model")
             return m
