@@ -1,4 +1,5 @@
-"""bf16 end to end (issue 20 item 4): a bf16 checkpoint is stored as bf16, a learner cycle
+"""bf16 end to end (issue 20 item 4): a bf16 checkpoint brought with `flywheel model init
+--from` (a sharded Qwen3-MoE) is stored as bf16, a learner cycle
 (real DeepSpeed, bf16 with fp32 master weights) publishes a bf16 delta that round-trips bit
 for bit and is smaller than the snapshot, and a pod serves it with bf16 weights."""
 
@@ -15,17 +16,17 @@ from schemas.manifest import tensor_sha256
 from schemas.modelspec import checkpoint_dtype, load_model, load_tokenizer
 
 from test_learner_cycle import write_shard  # noqa: E402
+from test_modelinit import save_checkpoint, tiny_qwen3_moe  # noqa: E402
 from test_learner_replay import make_samples  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bf16_dir(tiny_moe_dir, tmp_path_factory):
-    """The tiny MoE saved in bf16 by transformers (config ``dtype: bfloat16``) + its tokenizer."""
-    d = tmp_path_factory.mktemp("tiny_moe_bf16")
-    m = load_model(tiny_moe_dir).to(torch.bfloat16)
-    m.save_pretrained(d, safe_serialization=True)
-    load_tokenizer(tiny_moe_dir).save_pretrained(d)
-    return d
+    """A team's own bf16 checkpoint: a tiny random Qwen3-MoE saved by transformers in three
+    safetensors shards with an index (config ``dtype: bfloat16``) + a ChatML tokenizer."""
+    tok = load_tokenizer(tiny_moe_dir)
+    return save_checkpoint(tmp_path_factory.mktemp("qwen3_moe_bf16"), tiny_qwen3_moe(tok), tok,
+                           max_shard_size="100KB")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -36,14 +37,17 @@ def test_bf16_base_cycle_delta_and_serve(bf16_dir, tmp_path, fw_home):
     from serving.commands import build_pod
     from serving.server import ServerThread
 
+    from transformers import AutoModelForCausalLM
+
+    from flywheel.modelinit import import_checkpoint
+
+    _, m0 = import_checkpoint(bf16_dir, tmp_path / "store", log=lambda s: None)  # `model init --from`
     store = ModelStore(tmp_path / "store")
-    m0 = store.init_base(bf16_dir)
     assert {t.dtype for t in m0.tensors.values()} == {"torch.bfloat16"}
     # v000000 holds the checkpoint's own bits (no fp32 round trip)
-    from safetensors.torch import load_file
-    disk = load_file(str(bf16_dir / "model.safetensors"))
+    want = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).state_dict()
     v0 = store.load("v000000")
-    assert disk and all(torch.equal(_bits(disk[k]), _bits(v0[k])) for k in disk if k in v0)
+    assert set(v0) == set(want) and all(torch.equal(_bits(want[k]), _bits(v0[k])) for k in want)
 
     model = load_model(store.base_dir)
     assert model.dtype == torch.bfloat16
@@ -55,8 +59,11 @@ def test_bf16_base_cycle_delta_and_serve(bf16_dir, tmp_path, fw_home):
     assert m1 is not None and m1.kind == "delta" and m1.parent == "v000000"
     assert m1.metrics["train/precision"] == "bf16"
     assert {t.dtype for t in m1.tensors.values()} == {"torch.bfloat16"}
-    # serving's bf16 forward and the learner's replayed bf16 forward: same ops, same shapes
-    assert m1.metrics["mismatch/max"] == 0.0
+    # the learner's free bf16 forward is serving's, bit for bit; under replay the gate is rebuilt
+    # by learner.replay, which follows Qwen3-MoE's op order exactly only with its own router
+    # adapter (issue 20 item 1): today ~1e-3 in bf16
+    assert m1.metrics["mismatch_free/max"] == 0.0 and m1.metrics["routes/flip_frac"] == 0.0
+    assert m1.metrics["mismatch/max"] < 1e-2
 
     v1 = ModelStore(store.root).load("v000001")  # a fresh store object: decoded from disk
     assert all(t.dtype == torch.bfloat16 for t in v1.values())
