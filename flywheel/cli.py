@@ -23,6 +23,8 @@ from typing import Optional
 
 import typer
 
+from flywheel import DISTRIBUTION
+
 app = typer.Typer(help="Flywheel: keep a production MoE model learning from its users.",
                   no_args_is_help=True, add_completion=True)
 
@@ -66,7 +68,7 @@ EXAMPLES: dict[str, str] = {
 def _version_callback(value: bool) -> None:
     if value:
         try:
-            v = version("flywheel")
+            v = version(DISTRIBUTION)
         except PackageNotFoundError:  # running from a checkout that was never installed
             v = "unknown"
         typer.echo(f"flywheel {v}")
