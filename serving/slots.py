@@ -127,9 +127,10 @@ class Slots:
         with self._lock:
             held = [lm for lm in (self.stable, self.candidate, self.previous) if lm is not None]
         # only weights that still equal the store's manifest: a version whose files changed
-        # under the same id is rebuilt from its files, never from the stale resident copy
+        # under the same id is rebuilt from its files, never from the stale resident copy;
+        # and never ``version`` itself: a load (a reload of the stable) reads it from the store
         resident = {lm.version: lm.model.state_dict() for lm in held
-                    if hasattr(lm.model, "state_dict") and self._digest_ok(lm)}
+                    if lm.version != version and hasattr(lm.model, "state_dict") and self._digest_ok(lm)}
         return self.store.load(version, resident=resident, cache=False)
 
     def start(self, version: str) -> None:

@@ -429,11 +429,17 @@ def test_cli_status_versions_promote_rollback(env):
     # no older promoted version left: a clear error
     r = run(app, ["rollback", "--yes"])
     assert r.exit_code == 1 and "no earlier stable version than v000000" in " ".join(r.output.split())
-    # a candidate loaded by hand is dropped by rollback
+    # the fleet's candidate (here started by an operator's intent) is dropped by rollback
     publish_v(env.store, "v000001")
-    env.admin.load("v000002")
+    assert run(app, ["canary", "start", "v000002", "--yes"]).exit_code == 0
+    assert run(app, ["controller", "--once", "--steps", "0.25,1"]).exit_code == 0
+    assert env.admin.slots().candidate.version == "v000002"
     r = run(app, ["rollback", "--yes"])
-    assert r.exit_code == 0 and "dropped candidate v000002" in r.output
+    assert r.exit_code == 0 and "dropped candidate v000002" in r.output, r.output
+    assert env.admin.slots().candidate is None
+    # a candidate loaded by hand on a pod, outside the desired state, is drift: the controller drops it
+    env.admin.load("v000002")
+    assert run(app, ["controller", "--once", "--steps", "0.25,1"]).exit_code == 0
     assert env.admin.slots().candidate is None
     r = run(app, ["rollback", "--to", "v000009", "--yes"])
     assert r.exit_code == 1 and "v000009" in r.output
@@ -554,12 +560,12 @@ def test_controller_processes_resume_from_the_persisted_phase(env):
     publish_v(env.store, "v000000")
     cmd = [sys.executable, "-c", "import typer; from deploy.commands import register; app = typer.Typer(); "
            "register(app); app()", "controller", "--once", "--steps", "0.25,0.5,1", "--min-votes", "5",
-           "--deadline-s", "1", "--deadline-outcome", "promote"]
+           "--deadline-s", "4", "--deadline-outcome", "promote"]
     envv = dict(os.environ)
     r1 = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=120)
     assert r1.returncode == 0, r1.stderr
     assert "phase=canary" in r1.stdout and "step=0" in r1.stdout
-    time.sleep(1.2)  # past the step deadline: the undecided step advances by the configured outcome
+    time.sleep(4.2)  # past the step deadline: the undecided step advances by the configured outcome
     now = int(time.time() * 1000)
     write_votes(env.samples, "v000001", 3, 2, now)  # min_votes on both arms, undecided at delta 0.1
     write_votes(env.samples, "v000000", 2, 3, now)
