@@ -5,7 +5,8 @@ desired-state record (:mod:`deploy.desired`), made under the fleet lock together
 store's status/stable-record updates, a first reconcile pass of every pod
 (:func:`deploy.fleet.reconcile_pods`, the controller's own code path) and one ledger row
 carrying each pod's outcome. Pods that did not converge are retried, one pass at a time with
-the lock released in between, until they do or ``timeout_s`` passes; if the first pass did not
+the lock released in between, until they do or ``timeout_s`` passes (a pod that refused, 4xx,
+is not waited for); if the first pass did not
 converge a second ledger row (``FLEET_CONVERGED`` / ``FLEET_NOT_CONVERGED``) says how it ended.
 A later change of the record by someone else (a newer generation) ends the wait: the action
 was superseded, and the newer generation is what the pods are brought to.
@@ -104,6 +105,8 @@ def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who
     first_ok = res.converged
     deadline = t0 + timeout_s
     while not res.converged and time.monotonic() < deadline:
+        if res.outcomes and all(o.ok or o.outcome == "refused" for o in res.outcomes):
+            break  # a pod that answered "no" (a corrupt version) will not change its mind by waiting
         time.sleep(poll_s)
         with fleet.locked(what + " (retry)", who, max(0.1, deadline - time.monotonic())):
             cur = fleet.read()
