@@ -354,8 +354,9 @@ def register(app: typer.Typer) -> None:
     @app.command("controller")
     def controller_cmd(
         serving: Optional[list[str]] = typer.Option(
-            None, help="serving base URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
-                       "(asked again before each step); repeat for several (default $FLYWHEEL_SERVING_URL)"),
+            None, help="serving pod URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
+                       "(asked again before each step); repeat for several; recorded in the fleet's desired state "
+                       "for operator commands (default: the pods recorded there, else $FLYWHEEL_SERVING_URL)"),
         once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, then exit"),
         steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated, "
                                    "increasing in (0, 1], ending in 1; the canary is analysed at each share "
@@ -394,9 +395,13 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             _fail(str(exc), usage=True)
         timeout_s = _timeout(serving_timeout_s)
-        specs = serving or [settings.serving_url()]
-        pods = PodDiscovery(specs, lambda u: _admin(u, timeout_s))
         fleet = _fleet()
+        try:
+            recorded = fleet.read().pods
+        except ValueError as exc:
+            _fail(f"fleet desired-state record: {exc}")
+        specs = serving or recorded or [settings.serving_url()]  # --serving, else the pods recorded before
+        pods = PodDiscovery(specs, lambda u: _admin(u, timeout_s))
         try:
             if fleet.read().pods != specs:  # operator commands reach the pods the controller reaches
                 fleet.change(functools.partial(_with_pods, specs), "controller", "pods",
