@@ -497,7 +497,8 @@ def register(app: typer.Typer) -> None:
                 t.add_row("?", url, "", "", "", "", "", "", f"[red]unreachable[/red]: {e}")
                 continue
             t.add_row(s.pod, url, s.stable.version, s.stable.weights_digest[:dig], ok[s.stable.digest_ok],
-                      s.candidate.version if s.candidate else "-", f"{s.candidate_weight:.0%}",
+                      (s.candidate.version + (" [red]digest NO[/red]" if s.candidate.digest_ok is False else ""))
+                      if s.candidate else "-", f"{s.candidate_weight:.0%}",
                       _ts(s.stable.loaded_at), "[red]" + "; ".join(dr) + "[/red]" if dr else "in sync")
         console.print(t)
         n_ok = sum(1 for _, _, _, dr in rows if not dr)

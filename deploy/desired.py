@@ -103,8 +103,6 @@ class DesiredState:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
         if self.candidate is None and self.weight:
             raise ValueError(f"weight: {self.weight} with no candidate")
-        if self.candidate is not None and self.candidate == self.stable:
-            raise ValueError(f"candidate: {self.candidate} is already the stable version")
         if self.intent is not None and self.intent.get("action") not in ("start", "abort"):
             raise ValueError(f"intent.action: must be 'start' or 'abort', got {self.intent.get('action')!r}")
         return self
