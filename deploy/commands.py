@@ -568,7 +568,7 @@ def register(app: typer.Typer) -> None:
         """Promote the fleet's candidate to stable on every pod (hot swap); it becomes the store's
         stable record. Returns when every pod serves it or --timeout passes (exit 1), printing
         each pod's outcome."""
-        who = _actor(actor)
+        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
         store, fleet = _store(), _fleet()
         d = _read_desired(fleet, "MANUAL_PROMOTE", "manual promote", who, reason)
         if d.candidate is None:
@@ -603,7 +603,7 @@ def register(app: typer.Typer) -> None:
         version stable before it (or VERSION) on every pod, and the store's stable record.
         `--to` the version already stable reloads it from the store on every pod (verified).
         Returns when every pod serves it or --timeout passes (exit 1), printing each pod's outcome."""
-        who = _actor(actor)
+        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
         store, fleet = _store(), _fleet()
         if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
             try:
@@ -682,7 +682,7 @@ def _read_desired(fleet: FleetRecord, decision: str, what: str, who: str, why: s
 def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decision, what, version, stable, who,
          why_flag, why) -> ActionResult:
     """:func:`deploy.operator.run_action` with this CLI's pods, ledger rows and failures."""
-    pods = _pods(fleet, serving, _timeout(serving_timeout_s))
+    pods = _pods(fleet, serving, serving_timeout_s)
     t0 = time.monotonic()
 
     def record(suffix: str, numbers: dict) -> None:
