@@ -147,13 +147,13 @@ class FleetRecord:
     """
 
     _local_locks: dict[str, threading.RLock] = {}
+    _held = threading.local()  # per thread: {store root: depth}, shared by every instance
 
     def __init__(self, store, clock=None):
         self.store = store
         self.clock = clock or (lambda: int(time.time() * 1000))
-        key = str(store.root)
-        self._tlock = FleetRecord._local_locks.setdefault(key, threading.RLock())
-        self._held = threading.local()
+        self._key = str(store.root)
+        self._tlock = FleetRecord._local_locks.setdefault(self._key, threading.RLock())
 
     # -- reading ----------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -173,12 +173,13 @@ class FleetRecord:
     def locked(self, what: str = "", who: str = "", timeout_s: float | None = None):
         """Hold the fleet lock (re-entrant within a thread). ``what``/``who`` are shown to
         whoever waits. Raises :class:`LockTimeout` after ``timeout_s`` (None: wait)."""
-        if getattr(self._held, "n", 0):
-            self._held.n += 1
+        held = FleetRecord._held.__dict__.setdefault("depth", {})
+        if held.get(self._key, 0):  # this thread holds it already (any instance on this store)
+            held[self._key] += 1
             try:
                 yield self
             finally:
-                self._held.n -= 1
+                held[self._key] -= 1
             return
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._tlock.acquire(timeout=-1 if timeout_s is None else timeout_s):
@@ -201,11 +202,11 @@ class FleetRecord:
                 f.truncate()
                 f.write(json.dumps({"who": who, "what": what, "pid": os.getpid(), "since": self.clock()}))
                 f.flush()
-            self._held.n = 1
+            held[self._key] = 1
             try:
                 yield self
             finally:
-                self._held.n = 0
+                held[self._key] = 0
         finally:
             if f is not None:
                 fcntl.flock(f, fcntl.LOCK_UN)

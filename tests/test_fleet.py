@@ -252,3 +252,32 @@ def test_controller_once_exits_nonzero_when_its_step_failed(fleet):
     assert r.exit_code == 1 and "phase=failed" in out and "the step failed" in out, out
     assert _rows(f)[-1].decision == "FAILED"
     assert f.serving() == [("v000000", None, 0.0)] * 3
+
+
+def test_desired_record_names_bad_fields_and_a_lost_race_on_an_object_store(tiny_moe_dir, fw_home):
+    from deploy.desired import ConflictError
+
+    store = ModelStore(f"memory://fleet-{time.monotonic_ns()}")
+    store.init_base(tiny_moe_dir)
+    rec = FleetRecord(store)
+    assert (rec.read().generation, rec.read().stable) == (0, "v000000")  # derived from the stable record
+    for bad, field in (({"weight": 1.5, "candidate": "v000001"}, "weight"), ({"weight": 0.5}, "weight"),
+                       ({"stable": "latest"}, "stable"), ({"intent": {"action": "nuke"}}, "intent.action")):
+        with pytest.raises(ValueError, match=field):
+            rec.change(_with(**bad), "t", "bad")
+    assert not rec.exists()  # nothing was written
+    store._put_atomic(b'{"generation": 3, "stable": "v000000", "colour": "red"}', "fleet", "desired.json")
+    with pytest.raises(ValueError, match="fleet/desired.json: unknown field 'colour'"):
+        rec.read()
+    store._put_atomic(b"{not json", "fleet", "desired.json")
+    with pytest.raises(ValueError, match="fleet/desired.json: not JSON"):
+        rec.read()
+    store._put_atomic(DesiredState(generation=3, stable="v000000").to_json(), "fleet", "desired.json")
+
+    def racing(d):  # another writer (no cross-process lock on an object store) wins meanwhile
+        FleetRecord(store).change(_with(paused={"actor": "x", "at": 0, "reason": ""}), "other", "pause")
+        d.weight = 0.0
+        return d
+    with pytest.raises(ConflictError, match="generation 3 -> 4"):
+        rec.change(racing, "t", "mine")
+    assert rec.read().generation == 4 and rec.read().paused["actor"] == "x"
