@@ -349,23 +349,25 @@ def test_deadline_never_promotes_on_empty_data(env):
 
 
 def test_vote_counts_by_version_since(env):
-    write_votes(env.samples, "v000001", 3, 1, 1000)
-    write_votes(env.samples, "v000001", 2, 2, 5000)
-    write_votes(env.samples, "v000000", 0, 4, 5000)
-    assert vote_counts(env.samples, 0) == {"v000001": (5, 3, 8), "v000000": (0, 4, 4)}
-    assert vote_counts(env.samples, 2000) == {"v000001": (2, 2, 4), "v000000": (0, 4, 4)}
+    B = 1_700_000_000_000  # event times are ms since the epoch (schemas.events bounds)
+    write_votes(env.samples, "v000001", 3, 1, B + 1000)
+    write_votes(env.samples, "v000001", 2, 2, B + 5000)
+    write_votes(env.samples, "v000000", 0, 4, B + 5000)
+    assert vote_counts(env.samples, B) == {"v000001": (5, 3, 8), "v000000": (0, 4, 4)}
+    assert vote_counts(env.samples, B + 2000) == {"v000001": (2, 2, 4), "v000000": (0, 4, 4)}
     assert vote_counts(env.samples / "nothing", 0) == {}
 
 
 def test_canary_counts_by_hand(env):
     """The controller's one query per poll: votes since the canary, votes since the step,
     guard figures and splits, each counted by hand from the shards written here."""
-    write_votes(env.samples, "v000001", 3, 1, 1000, tokens=2)
-    write_votes(env.samples, "v000001", 2, 2, 5000, tokens=40, finish_reason="length")
-    write_votes(env.samples, "v000001", 1, 0, 9000, tokens=7)
-    write_votes(env.samples, "v000000", 0, 4, 5000, tokens=1)
-    write_votes(env.samples, "v000002", 2, 0, 9500, tokens=3)
-    cc = canary_counts(env.samples, 2000, 8000)
+    B = 1_700_000_000_000  # event times are ms since the epoch (schemas.events bounds)
+    write_votes(env.samples, "v000001", 3, 1, B + 1000, tokens=2)
+    write_votes(env.samples, "v000001", 2, 2, B + 5000, tokens=40, finish_reason="length")
+    write_votes(env.samples, "v000001", 1, 0, B + 9000, tokens=7)
+    write_votes(env.samples, "v000000", 0, 4, B + 5000, tokens=1)
+    write_votes(env.samples, "v000002", 2, 0, B + 9500, tokens=3)
+    cc = canary_counts(env.samples, B + 2000, B + 8000)
     assert cc.votes == {"v000001": (3, 2, 5), "v000000": (0, 4, 4), "v000002": (2, 0, 2)}
     assert cc.step_votes == {"v000001": (1, 0), "v000002": (2, 0)}
     # v000001 since 2000: 4 replies of 40 tokens cut at max_tokens and 1 of 7; v000000: four
