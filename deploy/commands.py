@@ -691,8 +691,14 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
         _record_action(dec, version, stable, f"{why} ({p.get('converged', 0)} of {p.get('pods', 0)} pods converged)",
                        who, {"why": why_flag, **numbers})
 
+    def statuses(before, after) -> None:  # the record changed: a status write that fails is reported, not fatal
+        try:
+            on_changed(before, after)
+        except Exception as exc:  # noqa: BLE001 - e.g. a corrupt manifest of the version replaced
+            console.print(f"[red]could not update the store's version statuses:[/red] {exc}")
+
     try:
-        return run_action(fleet, pods, change, what=what, who=who, why=why, on_changed=on_changed, record=record,
+        return run_action(fleet, pods, change, what=what, who=who, why=why, on_changed=statuses, record=record,
                           timeout_s=timeout_s)
     except ValueError as exc:
         _action_failed(decision, what, version, stable, who, why_flag, str(exc), t0=t0)
