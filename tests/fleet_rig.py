@@ -1,7 +1,8 @@
 """A fleet on one box with real parts, for tests/test_fleet_haproxy.py and bench/fleet.py.
 
-Three `flywheel serve` processes, each with its own ``FLYWHEEL_HOME`` (its own container
-filesystem), one shared model store, one ``FLYWHEEL_USER_SALT`` (the fleet secret), a real
+Three `flywheel serve --fleet` processes (``FLYWHEEL_FLEET=1``: a pod refuses to start without
+the fleet's salt), each with its own ``FLYWHEEL_HOME`` (its own container filesystem), one
+shared model store, one ``FLYWHEEL_USER_SALT`` (the fleet secret), a real
 Tansu broker; HAProxy (Debian ``haproxy``) round-robin in front as the Kubernetes Service
 stand-in, adding ``X-Served-By: <server>`` so a test knows which pod answered; the
 controller (`flywheel controller`) discovering the three pods; two ingest workers with their
@@ -79,7 +80,8 @@ class FleetRig:
         log = self.tmp / f"pod-{i}.log"
         p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(self.ports[i]),
                               "--pod", f"pod-{i}", "--max-batch", "4", "--threads", "1"],
-                             cwd=ROOT, env=self.env(self.tmp / f"pod-{i}-home"), stdout=open(log, "ab"),
+                             cwd=ROOT, env=self.env(self.tmp / f"pod-{i}-home", FLYWHEEL_FLEET="1"),
+                             stdout=open(log, "ab"),
                              stderr=subprocess.STDOUT, start_new_session=True)
         self.pods[i] = p
         return p
