@@ -156,15 +156,21 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         cycle()
         return
     last = time.monotonic()
-    paused_flag = settings.home() / "learner" / "paused"  # written by `flywheel pause` (deploy)
+    from deploy.desired import FleetRecord
+
+    fleet = FleetRecord(st)  # `flywheel pause` writes the fleet's desired state on the store
     was_paused = False
     while True:  # daemon: every_h hours or every_n new samples, whichever first
-        # Operator pause (`flywheel pause` / `flywheel resume`): checked before each cycle; a
-        # cycle already running finishes. The flag file holds JSON {actor, at, reason}.
-        lm.paused.set(paused_flag.exists())
-        if paused_flag.exists():
+        # Operator pause (`flywheel pause` / `flywheel resume`): read from the fleet's desired
+        # state before each cycle, wherever this learner runs; a cycle already running finishes.
+        try:
+            paused = fleet.read().paused
+        except ValueError as exc:  # unreadable record: do not train on a pause we cannot see
+            paused = {"actor": "unknown", "reason": f"desired-state record unreadable: {exc}"}
+        lm.paused.set(bool(paused))
+        if paused:
             if not was_paused:
-                typer.echo(f"learn: paused by operator ({paused_flag.read_text().strip()}); waiting")
+                typer.echo(f"learn: paused by operator ({json.dumps(paused)}); waiting")
             was_paused = True
             time.sleep(poll_s)
             continue
