@@ -43,7 +43,7 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdmin, ServingAdminError,
                                    check_timeout, timeout_from_env)
 from deploy.store import CorruptVersionError, ModelStore
-from flywheel.output import OUTPUT, Format, dumps, resolve
+from schemas.output import OUTPUT, Format, dumps, resolve
 from schemas import settings
 
 console = Console()

@@ -5,7 +5,7 @@ subcommand lives next to the code it drives (Flagger/Argo habit: a CLI records i
 the component does the work).
 
 Conventions (kubectl, the Argo Rollouts plugin):
-    * read commands take ``-o json|yaml|wide`` (:mod:`flywheel.output`; ``--json`` kept);
+    * read commands take ``-o json|yaml|wide`` (:mod:`schemas.output`; ``--json`` kept);
     * ``flywheel --version``; shell completion (``--install-completion`` / ``--show-completion``);
     * every command's help ends with an example (its docstring's ``Example:`` or :data:`EXAMPLES`);
     * exit status 0 ok, 1 a runtime or state error (unreachable pod, nothing to promote,

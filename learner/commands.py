@@ -40,8 +40,12 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            holdout_frac: float = typer.Option(0.0, help="Eval gate: fraction of new samples held out (0 = off)."),
            max_regression: float = typer.Option(0.0, help="Eval gate: allowed score drop vs the parent."),
            gate_problems: Optional[str] = typer.Option(
-               None, help="Eval gate on held-out HumanEval prompts scored as the demo's users score (code "
-                          "run against the tests in the sandbox), e.g. '120-163'; score = pass rate."),
+               None, help="Eval gate on held-out prompts the --gate-verifier selects and scores as the "
+                          "workload's users do (HumanEval: code run against the tests in the sandbox), "
+                          "e.g. '120-163'; score = pass rate."),
+           gate_verifier: str = typer.Option(
+               "flywheel.users:gate_verifier", help="Eval gate: the workload's verifier, MODULE:FUNCTION "
+                                                    "(learner.gate.GateVerifier); the default is HumanEval's."),
            gate_samples: int = typer.Option(2, min=1, help="Eval gate: completions per held-out prompt."),
            gate_max_tokens: int = typer.Option(128, min=1, help="Eval gate: new tokens per completion."),
            train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
@@ -99,18 +103,20 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         raise typer.Exit(1)
     evaluate = None
     if gate_problems:
-        from flywheel.users import humaneval_gate, parse_problem_ids
-        from learner.gate import generation_evaluator
+        from learner.gate import generation_evaluator, load_gate_verifier
         from schemas.modelspec import load_tokenizer
 
         try:
-            ids = parse_problem_ids(gate_problems)
+            verifier = load_gate_verifier(gate_verifier)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--gate-problems") from exc
+            raise typer.BadParameter(str(exc), param_hint="--gate-verifier") from exc
         tok = load_tokenizer(st.base_dir)
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         eos = tok.eos_token_id if eos is None or eos == tok.unk_token_id else eos
-        prompts, score = humaneval_gate(ids, tok)
+        try:
+            prompts, score = verifier(gate_problems, tok)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--gate-problems") from exc
         try:
             evaluate = generation_evaluator(prompts, score, int(eos), max_tokens=gate_max_tokens,
                                             samples_per_prompt=gate_samples, seed=seed)
