@@ -238,5 +238,6 @@ def test_the_distribution_name_is_ours_everywhere_an_install_is_written():
         for r in map(Requirement, extras):
             assert canonicalize_name(r.name) != "flywheel", r
     texts = [ROOT / "README.md", ROOT / "Dockerfile", *sorted((ROOT / "docs").glob("*.md"))]
-    wrong = [f"{p.name}: {m.group(0)}" for p in texts for m in re.finditer(r"(?<![-\w])flywheel\[\w", p.read_text())]
+    wrong = [f"{p.name}: {m.group(0)}" for p in texts
+             for m in re.finditer(r"(?<![-\w])flywheel\[\w|pip install '?flywheel(?![-\w])", p.read_text())]
     assert not wrong, wrong
