@@ -26,25 +26,19 @@ def experts_implementation(config) -> str:
 
 
 def checkpoint_dtype(config):
-    """The dtype a checkpoint's weights are kept, trained and served in: its config's
-    ``dtype`` (``torch_dtype`` in older configs), ``bfloat16`` or ``float32``; float32 when
-    the config names none (docs/decisions.md D41).
+    """The dtype a checkpoint's weights are kept, trained and served in: bfloat16 when its
+    config's ``dtype`` (``torch_dtype`` in older configs) says so, else float32 (a config
+    naming none, float32, or a dtype Flywheel does not train in, such as float16, which
+    ``flywheel model init --from`` refuses; docs/decisions.md D41).
 
     Args:
         config: a ``transformers`` config, or the ``config.json`` dict.
-
-    Raises:
-        ValueError: the config names another dtype (float16, ...): not supported.
     """
     import torch
 
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
     raw = get("dtype") or get("torch_dtype") or "float32"
-    name = str(raw).removeprefix("torch.")
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"config.json dtype: {name!r} is not supported; Flywheel keeps weights in "
-                         "bfloat16 or float32")
-    return getattr(torch, name)
+    return torch.bfloat16 if str(raw).removeprefix("torch.") == "bfloat16" else torch.float32
 
 
 def load_model(model_dir: str | Path, dtype=None):
