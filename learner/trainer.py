@@ -45,7 +45,7 @@ from learner.replay import capture_routes, router_replay, stack_routes
 class LearnerConfig:
     """Configuration of one learner cycle; validated on construction.
 
-    Optimisation (DeepSpeed, CPU, gloo, fp32):
+    Optimisation (DeepSpeed, CPU, gloo; fp32 or bf16, see ``precision``):
         steps: K optimizer steps per cycle (>= 1).
         batch_size: samples per step (>= 1); sampled without replacement, reshuffled per epoch.
         lr: AdamW learning rate (>= 0; 0 leaves weights unchanged).
