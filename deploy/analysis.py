@@ -3,15 +3,18 @@
 Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
 
 * **thumbs-up rate** (the quality signal): a sequential test that stays valid when looked at
-  after every vote. The always-valid (1 - ``alpha``) interval ``[lo, hi]`` of
-  ``rate(candidate) - rate(stable)`` is the two-sample mSPRT of Johari, Pekelis and Walsh
-  (2017) with a normal mixture of standard deviation ``tau`` (default: the margin
-  ``delta``), :func:`deploy.stats.msprt_interval`. FAIL (the candidate is surely worse)
-  when ``hi < 0``; PASS (not worse than ``delta``: non-inferiority) when ``lo > -delta``;
-  else INCONCLUSIVE (keep collecting until the step's deadline). INCONCLUSIVE too while an
-  arm has fewer than ``min_votes`` votes (burn-in of the normal approximation). FAIL takes
-  precedence over PASS. Error rates by simulation, controller's polling included:
-  ``bench/canary.py``.
+  after every vote, on the RELATIVE difference ``rate(candidate) / rate(stable) - 1``, so a
+  margin means the same at a 0.05 and a 0.5 base rate. Its always-valid (1 - ``alpha``)
+  interval ``[lo, hi]`` is the normal-mixture mSPRT (Johari, Pekelis and Walsh 2017) on the
+  log rate ratio (:func:`deploy.stats.ratio_interval`), mixing standard deviation ``tau``
+  (default ``-log(1 - delta)``). When both arms carry a pre-canary covariate (the voting
+  users' earlier thumbs-up rate, ``ArmStats.x_sum``...), each arm's rate is CUPED-adjusted
+  first (:func:`deploy.stats.cuped_rate`): fewer votes for the same width, same guarantee.
+  FAIL (the candidate is surely worse) when ``hi < 0``; PASS (non-inferior: keeps at least
+  ``1 - delta`` of the stable's rate) when ``lo > -delta``; else INCONCLUSIVE (keep
+  collecting until the step's deadline). INCONCLUSIVE too while an arm has fewer than
+  ``min_votes`` votes (burn-in of the normal approximation). FAIL takes precedence over
+  PASS. Error rates by simulation, controller's polling included: ``bench/canary.py``.
 * **operational** (error rate, p99 latency, tokens/s) and **reward-hacking guards** (mean
   completion length, share of replies with no answer, share cut at ``max_tokens``): each
   check compares candidate with stable; a failed check FAILs the metric only after
@@ -34,7 +37,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from deploy.stats import msprt_interval, normal_cdf, two_proportion_z, wilson_interval  # noqa: F401 (re-exported)
+from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, normal_cdf,  # noqa: F401 (re-exported)
+                          ratio_bounds_from_means, ratio_interval, two_proportion_z, wilson_interval)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
 GUARDS = ("completion_length", "no_answer", "truncated")
@@ -76,6 +80,10 @@ class ArmStats:
         completion_tokens: their completion tokens in all (count).
         no_answer: those with no answer (empty reply, or none the workload can parse) (count).
         truncated: those cut at ``max_tokens`` (``finish_reason == "length"``) (count).
+        x_sum, xx_sum, xy_sum: CUPED sufficient statistics over the arm's votes of a covariate
+            ``x`` fixed before the canary started (the voting user's earlier thumbs-up rate):
+            ``sum x``, ``sum x^2``, ``sum x y`` with ``y`` = 1 for an up-vote (floats; None: no
+            covariate, the test uses the plain rates).
     """
 
     votes_up: int = 0
@@ -89,6 +97,9 @@ class ArmStats:
     completion_tokens: int = 0
     no_answer: int = 0
     truncated: int = 0
+    x_sum: float | None = None
+    xx_sum: float | None = None
+    xy_sum: float | None = None
 
     def __post_init__(self):
         for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
@@ -108,9 +119,20 @@ class ArmStats:
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"{f}: must be a number >= 0 or None, got {v!r}")
 
+        cov = (self.x_sum, self.xx_sum, self.xy_sum)
+        if any(v is not None for v in cov):
+            if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in cov):
+                raise ValueError(f"x_sum, xx_sum, xy_sum: all three finite numbers or all None, got {cov}")
+            if self.xx_sum < 0:
+                raise ValueError(f"xx_sum: must be >= 0, got {self.xx_sum}")
+
     @property
     def votes(self) -> int:
         return self.votes_up + self.votes_down
+
+    @property
+    def has_covariate(self) -> bool:
+        return self.x_sum is not None
 
 
 @dataclass
@@ -120,9 +142,14 @@ class AnalysisConfig:
     Quality (thumbs-up, sequential test):
         min_votes: votes per arm before the test decides (burn-in, default 10).
         alpha: error level of the always-valid interval (default 0.05).
-        delta: non-inferiority margin in rate units (default 0.1): PASS when the interval's
-            lower bound of rate(candidate) - rate(stable) is above ``-delta``.
-        tau: mixing standard deviation of the mSPRT (default None = ``delta``).
+        delta: RELATIVE non-inferiority margin in (0, 1) (default 0.2): PASS when the
+            always-valid lower bound of ``rate(candidate) / rate(stable) - 1`` is above
+            ``-delta``, i.e. the candidate surely keeps more than ``1 - delta`` of the stable's
+            thumbs-up rate (0.2: more than 80 %, at any base rate).
+        tau: mixing standard deviation of the mSPRT on the log rate ratio (default None =
+            ``-log(1 - delta)``, the distance of a candidate exactly at the margin).
+        cuped: adjust each arm's rate by the votes' pre-canary covariate when both arms carry
+            one (default True; :func:`deploy.stats.cuped_rate`).
 
     Operational (error rate, p99 latency, tokens/s):
         min_requests: requests per arm before these are judged (default 20). Latency and
@@ -145,8 +172,9 @@ class AnalysisConfig:
 
     min_votes: int = 10
     alpha: float = 0.05
-    delta: float = 0.1
+    delta: float = 0.2
     tau: float | None = None
+    cuped: bool = True
     min_requests: int = 20
     max_error_rate_increase: float = 0.02
     max_p99_ratio: float = 1.5
@@ -164,14 +192,21 @@ class AnalysisConfig:
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha: must be in (0, 1), got {self.alpha}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"delta: must be in (0, 1) (rate units), got {self.delta}")
+            raise ValueError(f"delta: must be in (0, 1) (relative margin: the candidate keeps more than "
+                             f"1 - delta of the stable's rate), got {self.delta}")
         if self.tau is not None and not self.tau > 0:
-            raise ValueError(f"tau: must be > 0 or None (= delta), got {self.tau}")
+            raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
+
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
                   "max_no_answer_increase", "max_truncated_increase"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
+
+    @property
+    def mixing_tau(self) -> float:
+        """``tau`` or, when None, ``-log(1 - delta)``."""
+        return self.tau if self.tau is not None else margin_tau(self.delta)
 
 
 @dataclass
@@ -211,13 +246,44 @@ class Decision:
         return d
 
 
+def thumbs_bounds(up_c, n_c, up_s, n_s, cfg: AnalysisConfig, cov_c=None, cov_s=None):
+    """The always-valid interval of ``rate_c / rate_s - 1`` on scalars or arrays of counts
+    (unchecked, n > 0): the one implementation :func:`check_thumbs` judges with and
+    ``bench/canary.py`` simulates, vectorised over canaries.
+
+    Args:
+        up_c, n_c, up_s, n_s: up-votes and votes per arm.
+        cfg: ``alpha``, ``delta``/``tau`` and ``cuped``.
+        cov_c, cov_s: ``(x_sum, xx_sum, xy_sum)`` per arm (see :class:`ArmStats`) or None.
+
+    Returns:
+        ``(rel, lo, hi, adjusted)``; ``adjusted`` when CUPED was applied (``cfg.cuped`` and
+        both arms carry the covariate).
+    """
+    if not (cfg.cuped and cov_c is not None and cov_s is not None):
+        qc, qs = (up_c + 0.5) / (n_c + 1), (up_s + 0.5) / (n_s + 1)
+        return (*ratio_bounds_from_means(qc, qc * (1 - qc) / n_c, qs, qs * (1 - qs) / n_s, cfg.alpha,
+                                         cfg.mixing_tau), False)
+    arms = [(n_c, up_c, *cov_c), (n_s, up_s, *cov_s)]
+    theta, mu_x = cuped_theta(arms)
+    (mc, vc), (ms, vs) = (cuped_rate(*a, theta, mu_x) for a in arms)
+    return (*ratio_bounds_from_means(mc, vc, ms, vs, cfg.alpha, cfg.mixing_tau), True)
+
+
+def thumbs_verdict(lo, hi, delta: float):
+    """``(passed, failed)`` of the sequential test from its bounds (scalars or arrays): FAIL
+    when ``hi < 0``, PASS when ``lo > -delta`` and not FAIL."""
+    failed = hi < 0
+    return (lo > -delta) & ~failed, failed
+
+
 def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     """The sequential thumbs-up test (module docstring): PASS when the always-valid lower
-    bound of rate_c - rate_s is above ``-delta``, FAIL when its upper bound is below 0."""
-    tau = cfg.tau if cfg.tau is not None else cfg.delta
+    bound of ``rate_c / rate_s - 1`` is above ``-delta``, FAIL when its upper bound is below 0."""
     nums = {"candidate_up": c.votes_up, "candidate_votes": c.votes, "stable_up": s.votes_up,
             "stable_votes": s.votes, "min_votes": cfg.min_votes, "alpha": cfg.alpha, "delta": cfg.delta,
-            "tau": tau, "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture"}
+            "tau": cfg.mixing_tau, "scale": "relative",
+            "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture on log(rate_c / rate_s)"}
     if c.votes:
         nums["candidate_rate"] = c.votes_up / c.votes
     if s.votes:
@@ -226,17 +292,21 @@ def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
         return MetricResult("thumbs_up", Check.INCONCLUSIVE,
                             f"too few votes: candidate {c.votes}, stable {s.votes}, need {cfg.min_votes} per arm",
                             nums)
-    d, lo, hi = msprt_interval(c.votes_up, c.votes, s.votes_up, s.votes, cfg.alpha, tau)
-    nums.update(diff=d, ci_lo=lo, ci_hi=hi)
+    cov = [(a.x_sum, a.xx_sum, a.xy_sum) if a.has_covariate else None for a in (c, s)]
+    rel, lo, hi, adjusted = (float(v) for v in thumbs_bounds(float(c.votes_up), float(c.votes), float(s.votes_up),
+                                                              float(s.votes), cfg, *cov))
+    adjusted = bool(adjusted)
+    passed, failed = thumbs_verdict(lo, hi, cfg.delta)
+    nums.update(diff=rel, ci_lo=lo, ci_hi=hi, abs_diff=nums["candidate_rate"] - nums["stable_rate"], cuped=adjusted)
     what = (f"thumbs-up {nums['candidate_rate']:.3f} ({c.votes_up}/{c.votes}) vs {nums['stable_rate']:.3f} "
-            f"({s.votes_up}/{s.votes}): diff {d:+.3f}, always-valid {1 - cfg.alpha:.0%} interval "
-            f"[{lo:+.3f}, {hi:+.3f}]")
-    if hi < 0:
+            f"({s.votes_up}/{s.votes}): relative {rel:+.1%}, always-valid {1 - cfg.alpha:.0%} interval "
+            f"[{lo:+.1%}, {hi:+.1%}]{' (CUPED)' if adjusted else ''}")
+    if failed:
         return MetricResult("thumbs_up", Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
-    if lo > -cfg.delta:
+    if passed:
         return MetricResult("thumbs_up", Check.PASS, f"{what}: not worse than the margin (lower bound > "
-                            f"-{cfg.delta:g})", nums)
-    return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:g}, "
+                            f"-{cfg.delta:.0%})", nums)
+    return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:.0%}, "
                         "upper bound >= 0)", nums)
 
 

@@ -328,8 +328,9 @@ def register(app: typer.Typer) -> None:
                                    "below 1 and passing the last of them promotes (the final 1 is the "
                                    "promotion itself, docs/decisions.md D27)"),
         min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
-        delta: float = typer.Option(0.1, help="non-inferiority margin (rate units): advance when the always-valid "
-                                    "lower bound of rate(candidate) - rate(stable) is above -delta"),
+        delta: float = typer.Option(0.2, help="relative non-inferiority margin in (0, 1): advance when the "
+                                    "always-valid lower bound of rate(candidate) / rate(stable) - 1 is above -delta "
+                                    "(0.2: the candidate keeps more than 80 % of the stable's thumbs-up rate)"),
         alpha: float = typer.Option(0.05, help="error level of the always-valid interval"),
         failure_limit: int = typer.Option(3, help="failed checks in a row before an operational metric or a "
                                           "reward-hacking guard fails the step"),

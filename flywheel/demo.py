@@ -73,7 +73,10 @@ class DemoConfig:
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
     canary_min_votes: int = 20  # burn-in: votes per arm before the sequential test may decide
-    canary_delta: float = 0.2  # non-inferiority margin of the sequential test (rate units)
+    # relative non-inferiority margin: the candidate must keep more than half the stable's
+    # thumbs-up rate. ~360 votes per canary cannot show more (bench/canary.py, demo settings:
+    # a half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes)
+    canary_delta: float = 0.5
     canary_max_wait_s: float = 480.0  # the step deadline (s); an undecided step is rolled back
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
@@ -96,12 +99,14 @@ class DemoConfig:
 
 
 def _canary_interval(decision: dict | None) -> dict | None:
-    """The sequential test's always-valid interval of rate(candidate) - rate(stable) at the
-    final decision (from the ledger row's numbers), or None."""
+    """The sequential test's always-valid interval of the relative difference
+    rate(candidate) / rate(stable) - 1 at the final decision (from the ledger row's numbers),
+    or None."""
     t = ((decision or {}).get("numbers") or {}).get("thumbs_up") or {}
     if "ci_lo" not in t:
         return None
     return {"diff": t["diff"], "lo": t["ci_lo"], "hi": t["ci_hi"], "alpha": t.get("alpha"), "delta": t.get("delta"),
+            "scale": t.get("scale", "absolute"), "abs_diff": t.get("abs_diff", t["diff"]),
             "candidate": [t["candidate_up"], t["candidate_votes"]], "stable": [t["stable_up"], t["stable_votes"]]}
 
 

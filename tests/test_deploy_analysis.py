@@ -7,7 +7,9 @@ import math
 import pytest
 
 from deploy.analysis import AnalysisConfig, ArmStats, Check, Outcome, analyze
-from deploy.stats import msprt_interval, newcombe_interval, two_proportion_z, wilson_interval
+from deploy.analysis import thumbs_bounds
+from deploy.stats import (margin_tau, msprt_interval, newcombe_interval, ratio_interval, two_proportion_z,
+                          wilson_interval)
 
 
 def test_two_proportion_z_matches_hand_computation():
@@ -47,6 +49,89 @@ def test_msprt_interval_matches_hand_computation():
         msprt_interval(1, 2, 1, 2, tau=0)
 
 
+def test_ratio_interval_matches_hand_computation():
+    # 40/200 vs 90/200, alpha 0.05, tau = -ln(0.7) = 0.356675 (relative margin 0.3):
+    # q_c = 40.5/201 = 0.201493, q_s = 90.5/201 = 0.450249; theta = ln(q_c/q_s) = -0.804048
+    # V = 0.798507/(200*0.201493) + 0.549751/(200*0.450249) = 0.025920
+    # h = sqrt(2 V (V + tau^2)/tau^2 * ln(sqrt((V + tau^2)/V)/0.05)) = 0.492302
+    # rel = e^theta - 1 = -0.552486; lo = e^(theta-h) - 1 = -0.726472; hi = e^(theta+h) - 1 = -0.267832
+    r, lo, hi = ratio_interval(40, 200, 90, 200, alpha=0.05, tau=margin_tau(0.3))
+    assert margin_tau(0.3) == pytest.approx(0.356675, abs=1e-6)
+    assert r == pytest.approx(-0.552486, abs=1e-6)
+    assert lo == pytest.approx(-0.726472, abs=1e-6) and hi == pytest.approx(-0.267832, abs=1e-6)
+    with pytest.raises(ValueError, match="both arms need votes"):
+        ratio_interval(0, 0, 1, 2)
+    with pytest.raises(ValueError, match="tau"):
+        ratio_interval(1, 2, 1, 2, tau=0)
+
+
+def test_relative_margin_means_the_same_at_every_base_rate():
+    """A candidate keeping 80 % of the stable's rate sits exactly at a 0.2 relative margin,
+    at a 0.05 and at a 0.5 base rate alike: with 10,000 votes per arm neither passes. The
+    absolute rule (margin 0.1) calls 0.04 vs 0.05 non-inferior though it is 20 % worse."""
+    cfg = AnalysisConfig(min_votes=10, delta=0.2)
+    for up_c, up_s in ((400, 500), (4000, 5000)):
+        d = analyze(ArmStats(up_c, 10_000 - up_c), ArmStats(up_s, 10_000 - up_s), cfg)
+        t = d.numbers()["thumbs_up"]
+        assert t["diff"] == pytest.approx(-0.2, abs=2e-3) and t["ci_lo"] < -0.2 < t["ci_hi"] < 0
+        assert d.outcome == Outcome.ROLLBACK  # surely worse (upper bound < 0), never promoted
+    assert msprt_interval(400, 10_000, 500, 10_000, tau=0.1)[1] > -0.1  # the absolute rule would pass it
+
+
+def test_cuped_matches_a_per_vote_reference_and_narrows_the_interval():
+    """CUPED from ArmStats' sufficient statistics equals the textbook per-vote computation
+    (Deng et al. 2013: theta from within-arm pooled covariance, adjusted mean
+    ybar - theta (xbar - mean x)), and a predictive covariate narrows the interval."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    arms = []
+    for n, scale in ((1000, 0.9), (2000, 1.0)):
+        u = rng.beta(0.5, 1.5, n)  # users' propensities (heterogeneous, mean 0.25)
+        x = rng.binomial(10, u) / 10  # their earlier thumbs-up rate
+        y = (rng.random(n) < scale * u).astype(float)
+        arms.append((x, y))
+    (xc, yc), (xs, ys) = arms
+    sxx = ((xc - xc.mean()) ** 2).sum() + ((xs - xs.mean()) ** 2).sum()
+    sxy = ((xc - xc.mean()) * (yc - yc.mean())).sum() + ((xs - xs.mean()) * (ys - ys.mean())).sum()
+    theta = sxy / sxx
+    mu = np.concatenate([xc, xs]).mean()
+
+    def ref(x, y):  # shrunk rate as in ratio_interval, then the adjustment and its variance
+        q = (y.sum() + 0.5) / (len(y) + 1)
+        var = (q * (1 - q) - 2 * theta * np.cov(x, y, bias=True)[0, 1] + theta ** 2 * x.var()) / len(y)
+        return q - theta * (x.mean() - mu), var
+
+    (mc, vc), (ms, vs) = ref(xc, yc), ref(xs, ys)
+    tau = margin_tau(0.2)
+    V = vc / mc ** 2 + vs / ms ** 2
+    h = math.sqrt(2 * V * (V + tau ** 2) / tau ** 2 * math.log(math.sqrt((V + tau ** 2) / V) / 0.05))
+    th = math.log(mc / ms)
+
+    def stats(x, y):
+        return ArmStats(int(y.sum()), int(len(y) - y.sum()), x_sum=float(x.sum()), xx_sum=float((x * x).sum()),
+                        xy_sum=float((x * y).sum()))
+
+    c, s = stats(xc, yc), stats(xs, ys)
+    cfg = AnalysisConfig(delta=0.2)
+    t = analyze(c, s, cfg).numbers()["thumbs_up"]
+    assert t["cuped"] is True
+    assert (t["diff"], t["ci_lo"], t["ci_hi"]) == pytest.approx((math.expm1(th), math.expm1(th - h),
+                                                                 math.expm1(th + h)), rel=1e-9)
+    plain = analyze(ArmStats(c.votes_up, c.votes_down), ArmStats(s.votes_up, s.votes_down), cfg).numbers()["thumbs_up"]
+    assert plain["cuped"] is False
+    assert math.log1p(t["ci_hi"]) - math.log1p(t["ci_lo"]) < 0.95 * (math.log1p(plain["ci_hi"]) -
+                                                                        math.log1p(plain["ci_lo"]))
+    # the same function on arrays (what bench/canary.py simulates) gives the same bounds
+    arr = thumbs_bounds(np.array([c.votes_up] * 2, float), np.array([c.votes] * 2, float),
+                        np.array([s.votes_up] * 2, float), np.array([s.votes] * 2, float), cfg,
+                        (np.full(2, c.x_sum), np.full(2, c.xx_sum), np.full(2, c.xy_sum)),
+                        (np.full(2, s.x_sum), np.full(2, s.xx_sum), np.full(2, s.xy_sum)))
+    assert arr[1] == pytest.approx([t["ci_lo"]] * 2, rel=1e-12)
+    with pytest.raises(ValueError, match="x_sum"):
+        ArmStats(1, 1, x_sum=1.0)
+
+
 def test_newcombe_interval_hand_values():
     # 18/100 -> 36/100: Wilson (0.11700, 0.26668) and (0.27271, 0.45762) (z = 1.96)
     # lo = 0.18 - sqrt((0.36 - 0.27271)^2 + (0.26668 - 0.18)^2) = 0.18 - 0.12302 = 0.05698
@@ -55,20 +140,20 @@ def test_newcombe_interval_hand_values():
     assert d == pytest.approx(0.18) and lo == pytest.approx(0.05698, abs=2e-4) and hi == pytest.approx(0.29611, abs=2e-4)
 
 
-# delta 0.2 so that equal rates at 200 votes per arm pass (lower bound -0.153 > -0.2)
-CFG = AnalysisConfig(min_votes=20, alpha=0.05, delta=0.2, tau=0.1, min_requests=20, failure_limit=1)
+# relative margin 0.3 so that equal rates at 200 votes per arm pass (lower bound -28.5 % > -30 %)
+CFG = AnalysisConfig(min_votes=20, alpha=0.05, delta=0.3, min_requests=20, failure_limit=1)
 
 # (name, candidate, stable, source_error, outcome, inconclusive, error, worst metric)
 TABLE = [
     ("empty data holds", ArmStats(), ArmStats(), None, Outcome.HOLD, True, False, "thumbs_up"),
     ("too few candidate votes", ArmStats(5, 4), ArmStats(50, 50), None, Outcome.HOLD, True, False, "thumbs_up"),
-    # [-0.388, -0.112]: upper bound < 0
+    # relative [-72.6 %, -26.8 %]: upper bound < 0
     ("surely worse rolls back", ArmStats(40, 160), ArmStats(90, 110), None, Outcome.ROLLBACK, False, False,
      "thumbs_up"),
-    # [-0.153, +0.153]: lower bound > -delta
+    # relative [-28.5 %, +39.9 %]: lower bound > -delta
     ("equal promotes", ArmStats(90, 110), ArmStats(90, 110), None, Outcome.PROMOTE, False, False, None),
     ("better promotes", ArmStats(110, 90), ArmStats(90, 110), None, Outcome.PROMOTE, False, False, None),
-    # 30/100 vs 45/100: [-0.369, +0.069] is undecided (a repeated z-test rolled this back: p = 0.014)
+    # 30/100 vs 45/100: [-62.6 %, +20.0 %] is undecided (a repeated z-test rolled this back: p = 0.014)
     ("worse but not surely: keep collecting", ArmStats(30, 70), ArmStats(45, 55), None, Outcome.HOLD, True, False,
      "thumbs_up"),
     ("latency fails, worst wins", ArmStats(90, 110, p99_ms=900.0), ArmStats(90, 110, p99_ms=400.0), None,
@@ -102,13 +187,14 @@ def test_rollback_reason_carries_the_interval():
     d = analyze(ArmStats(40, 160), ArmStats(90, 110), CFG)
     n = d.numbers()["thumbs_up"]
     assert n["check"] == "FAIL" and d.decided_by == "sequential_test"
-    assert n["ci_lo"] == pytest.approx(-0.38819, abs=1e-5) and n["ci_hi"] == pytest.approx(-0.11181, abs=1e-5)
-    assert n["candidate_rate"] == 0.20 and n["stable_rate"] == 0.45
-    assert "[-0.388, -0.112]" in d.reason and "surely worse" in d.reason
+    # test_ratio_interval_matches_hand_computation's numbers (the same counts and margin)
+    assert n["ci_lo"] == pytest.approx(-0.726472, abs=1e-6) and n["ci_hi"] == pytest.approx(-0.267832, abs=1e-6)
+    assert n["candidate_rate"] == 0.20 and n["stable_rate"] == 0.45 and n["abs_diff"] == pytest.approx(-0.25)
+    assert "[-72.6%, -26.8%]" in d.reason and "surely worse" in d.reason
 
 
 def test_operational_failure_needs_failure_limit_checks_in_a_row():
-    cfg = AnalysisConfig(min_votes=20, delta=0.2, tau=0.1, failure_limit=3)
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=3)
     bad_c, bad_s = ArmStats(90, 110, p99_ms=900.0), ArmStats(90, 110, p99_ms=400.0)
     ok_c = ArmStats(90, 110, p99_ms=410.0)
     counts: dict = {}
@@ -129,7 +215,7 @@ def test_operational_failure_needs_failure_limit_checks_in_a_row():
 def test_guards_fail_a_candidate_that_games_length():
     """A candidate that pads its replies (a shortcut to a naive reward) fails the length
     guard even while its thumbs-up rate looks fine."""
-    cfg = AnalysisConfig(min_votes=20, delta=0.2, tau=0.1, failure_limit=1, min_guard_completions=20)
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=20)
     stable = ArmStats(90, 110, completions=200, completion_tokens=200 * 40, no_answer=20, truncated=10)
     long = ArmStats(110, 90, completions=200, completion_tokens=200 * 120, no_answer=20, truncated=150)
     d = analyze(long, stable, cfg)
