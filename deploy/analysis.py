@@ -15,9 +15,17 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   collecting until the step's deadline). INCONCLUSIVE too while an arm has fewer than
   ``min_votes`` votes (burn-in of the normal approximation). FAIL takes precedence over
   PASS. Error rates by simulation, controller's polling included: ``bench/canary.py``.
-* **operational** (error rate, p99 latency, tokens/s) and **reward-hacking guards** (mean
-  completion length, share of replies with no answer, share cut at ``max_tokens``): each
-  check compares candidate with stable; a failed check FAILs the metric only after
+* **operational** (error rate, p99 latency, tokens/s): each check compares candidate with
+  stable.
+* **reward-hacking guards**: mean completion length (longer by more than
+  ``max_length_ratio`` or shorter than ``min_length_ratio`` times), and the shares of replies
+  with no answer (the workload's own ``has_answer``), cut at ``max_tokens`` and repetitive
+  (:func:`deploy.replies.is_repetitive`), each not to rise by more than its limit. Each is
+  checked against the stable version and, when the analysis is given the first version's
+  figures (``first``), against it too (``<guard>_vs_first``), so drift cannot compound over
+  versions that each look close to their parent. The figures should cover every served
+  completion of an arm, not only the voted ones (``deploy.replies``).
+* A failed operational or guard check FAILs the metric only after
   ``failure_limit`` failed checks in a row (Flagger's ``threshold``, Argo Rollouts'
   ``failureLimit``). Before that it is INCONCLUSIVE ("failed check k of N"). A passing
   check resets the count. The counts are input and output of :func:`analyze`, persisted by
@@ -41,7 +49,8 @@ from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, n
                           ratio_bounds_from_means, ratio_interval, two_proportion_z, wilson_interval)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
-GUARDS = ("completion_length", "no_answer", "truncated")
+GUARDS = ("completion_length", "no_answer", "truncated", "repetitive")
+VS_FIRST = "_vs_first"  # suffix of a guard checked against the first version
 
 
 class Outcome(str, Enum):
@@ -80,6 +89,7 @@ class ArmStats:
         completion_tokens: their completion tokens in all (count).
         no_answer: those with no answer (empty reply, or none the workload can parse) (count).
         truncated: those cut at ``max_tokens`` (``finish_reason == "length"``) (count).
+        repetitive: those that repeat themselves (:func:`deploy.replies.is_repetitive`) (count).
         x_sum, xx_sum, xy_sum: CUPED sufficient statistics over the arm's votes of a covariate
             ``x`` fixed before the canary started (the voting user's earlier thumbs-up rate):
             ``sum x``, ``sum x^2``, ``sum x y`` with ``y`` = 1 for an up-vote (floats; None: no
@@ -97,13 +107,14 @@ class ArmStats:
     completion_tokens: int = 0
     no_answer: int = 0
     truncated: int = 0
+    repetitive: int = 0
     x_sum: float | None = None
     xx_sum: float | None = None
     xy_sum: float | None = None
 
     def __post_init__(self):
         for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
-                  "completion_tokens", "no_answer", "truncated"):
+                  "completion_tokens", "no_answer", "truncated", "repetitive"):
             v = getattr(self, f)
             if f == "latency_samples" and v is None:
                 continue
@@ -111,7 +122,7 @@ class ArmStats:
                 raise ValueError(f"{f}: must be an int >= 0, got {v!r}")
         if self.errors > self.requests:
             raise ValueError(f"errors: {self.errors} > requests {self.requests}")
-        for f in ("no_answer", "truncated"):
+        for f in ("no_answer", "truncated", "repetitive"):
             if getattr(self, f) > self.completions:
                 raise ValueError(f"{f}: {getattr(self, f)} > completions {self.completions}")
         for f in ("p99_ms", "tokens_per_s"):
@@ -161,12 +172,16 @@ class AnalysisConfig:
         failure_limit: failed checks in a row before an operational metric or a guard
             fails the step (default 3; Flagger's threshold, Argo's failureLimit).
 
-    Reward-hacking guards (from the candidate's and stable's completions):
+    Reward-hacking guards (from each arm's completions; also against the first version):
         min_guard_completions: completions per arm before the guards are judged (default 10).
         max_length_ratio: allowed candidate/stable mean completion length (default 1.5).
+        min_length_ratio: required candidate/stable mean completion length (default 0.67):
+            replies that collapse to a bare answer or a format shortcut fail too.
         max_no_answer_increase: allowed absolute increase of the share of replies with no
             answer (default 0.15).
         max_truncated_increase: allowed absolute increase of the share cut at max_tokens
+            (default 0.15).
+        max_repetitive_increase: allowed absolute increase of the share of repetitive replies
             (default 0.15).
     """
 
@@ -182,8 +197,10 @@ class AnalysisConfig:
     failure_limit: int = 3
     min_guard_completions: int = 10
     max_length_ratio: float = 1.5
+    min_length_ratio: float = 0.67
     max_no_answer_increase: float = 0.15
     max_truncated_increase: float = 0.15
+    max_repetitive_increase: float = 0.15
 
     def __post_init__(self):
         for f in ("min_votes", "min_requests", "failure_limit", "min_guard_completions"):
@@ -198,7 +215,7 @@ class AnalysisConfig:
             raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
 
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
-                  "max_no_answer_increase", "max_truncated_increase"):
+                  "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
@@ -347,26 +364,48 @@ def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: s
     return MetricResult(name, Check.PASS, f"{name} {cv:.1f} vs {sv:.1f} {unit}: ratio {r:.2f}", nums)
 
 
-def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[MetricResult]:
-    """Reward-hacking guards: the candidate's replies must not drift from stable's in length,
-    in the share with no answer, or in the share cut at ``max_tokens`` (module docstring)."""
+_SHARE_GUARDS = (("no_answer", "max_no_answer_increase", "replies with no answer"),
+                 ("truncated", "max_truncated_increase", "replies cut at max_tokens"),
+                 ("repetitive", "max_repetitive_increase", "repetitive replies"))
+
+
+def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = "",
+                 against: str = "stable") -> list[MetricResult]:
+    """Reward-hacking guards: the candidate's replies must not drift from the baseline ``s``
+    (the stable version, or the first version with ``suffix=VS_FIRST``) in length, either way,
+    nor in the shares with no answer, cut at ``max_tokens`` or repetitive (module docstring)."""
+    names = [g + suffix for g in GUARDS]
     n = (c.completions, s.completions)
     if c.completions == 0 and s.completions == 0:
-        return [MetricResult(g, Check.SKIPPED, f"{g} not measured") for g in GUARDS]
+        return [MetricResult(g, Check.SKIPPED, f"{g} not measured") for g in names]
     if min(n) < cfg.min_guard_completions:
-        why = f"{n[0]} vs {n[1]} completions, need {cfg.min_guard_completions} per arm"
-        return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "stable_n": n[1]})
-                for g in GUARDS]
-    out = [_ratio_check("completion_length", c.completion_tokens / c.completions,
-                        s.completion_tokens / s.completions, cfg.max_length_ratio, True, "tokens")]
-    for g, limit in (("no_answer", cfg.max_no_answer_increase), ("truncated", cfg.max_truncated_increase)):
-        rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
-        nums = {"candidate_share": rc, "stable_share": rs, "max_increase": limit, "candidate_n": n[0], "stable_n": n[1]}
-        label = "replies with no answer" if g == "no_answer" else "replies cut at max_tokens"
-        if rc - rs > limit:
-            out.append(MetricResult(g, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f}: +{rc - rs:.2f} > {limit}", nums))
+        why = f"{n[0]} vs {n[1]} completions ({against}), need {cfg.min_guard_completions} per arm"
+        return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "baseline_n": n[1]})
+                for g in names]
+    lc, ls = c.completion_tokens / c.completions, s.completion_tokens / s.completions
+    nums = {"candidate": lc, "baseline": ls, "against": against, "max_ratio": cfg.max_length_ratio,
+            "min_ratio": cfg.min_length_ratio, "candidate_n": n[0], "baseline_n": n[1]}
+    what = f"mean reply length {lc:.1f} vs {ls:.1f} tokens ({against})"
+    if ls == 0:
+        out = [MetricResult(names[0], Check.INCONCLUSIVE, f"{what}: baseline is 0 tokens", nums)]
+    else:
+        r = nums["ratio"] = lc / ls
+        if r > cfg.max_length_ratio:
+            out = [MetricResult(names[0], Check.FAIL, f"{what}: ratio {r:.2f} > {cfg.max_length_ratio}", nums)]
+        elif r < cfg.min_length_ratio:
+            out = [MetricResult(names[0], Check.FAIL, f"{what}: ratio {r:.2f} < {cfg.min_length_ratio}", nums)]
         else:
-            out.append(MetricResult(g, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f}", nums))
+            out = [MetricResult(names[0], Check.PASS, f"{what}: ratio {r:.2f}", nums)]
+    for (g, limit_f, label), name in zip(_SHARE_GUARDS, names[1:]):
+        limit = getattr(cfg, limit_f)
+        rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
+        nums = {"candidate_share": rc, "baseline_share": rs, "against": against, "max_increase": limit,
+                "candidate_n": n[0], "baseline_n": n[1]}
+        if rc - rs > limit:
+            out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
+                                    f"+{rc - rs:.2f} > {limit}", nums))
+        else:
+            out.append(MetricResult(name, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f} ({against})", nums))
     return out
 
 
@@ -386,7 +425,7 @@ def _apply_failure_limit(m: MetricResult, counts: dict[str, int], limit: int) ->
 
 def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = None,
             source_error: str | None = None, skipped: dict[str, str] | None = None,
-            failed_checks: dict[str, int] | None = None) -> Decision:
+            failed_checks: dict[str, int] | None = None, first: ArmStats | None = None) -> Decision:
     """Compare ``candidate`` with ``stable``; worst metric wins. Pure: same inputs, same output.
 
     Args:
@@ -399,6 +438,8 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
             reason. ``thumbs_up`` cannot be skipped (ValueError).
         failed_checks: failed checks in a row so far per operational metric and guard (the
             previous decision's ``failed_checks``; not modified).
+        first: the first version's guard figures (``completions`` ... ``repetitive``), or None:
+            each guard is then also checked against it (``<guard>_vs_first``).
 
     Returns:
         :class:`Decision` with per-metric numbers, a one-line reason, the updated
@@ -424,6 +465,7 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
                      cfg.min_tokens_per_s_ratio, False, "tokens/s", n_lat, cfg.min_requests),
         *check_guards(candidate, stable, cfg),
+        *(check_guards(candidate, first, cfg, VS_FIRST, "first version") if first is not None else []),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.
@@ -441,8 +483,9 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     decided_by = None
     if worst.check == Check.FAIL:
         outcome, tag = Outcome.ROLLBACK, "ROLLBACK"
-        first = bad[0].name
-        decided_by = "sequential_test" if first == "thumbs_up" else "guard" if first in GUARDS else "operational"
+        first_bad = bad[0].name
+        decided_by = ("sequential_test" if first_bad == "thumbs_up" else
+                      "guard" if first_bad.removesuffix(VS_FIRST) in GUARDS else "operational")
     elif worst.check == Check.ERROR:
         outcome, tag, decided_by = Outcome.HOLD, "HOLD (error)", "error"
     elif worst.check == Check.INCONCLUSIVE:

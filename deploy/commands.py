@@ -348,6 +348,12 @@ def register(app: typer.Typer) -> None:
                                                      help="Prometheus base URL for --metrics-provider prometheus"),
         prometheus_selector: str = typer.Option("", help="label matchers added to every PromQL series, e.g. "
                                                 "job=\"flywheel-serving\""),
+        guards_from: str = typer.Option("samples", help="reward-hacking guards over 'samples' (voted completions) "
+                                        "or 'completions' (every served completion, read from the completions "
+                                        "topic; deploy/replies.py)"),
+        reply_judge: Optional[str] = typer.Option(None, help="module:attribute of the workload's has_answer "
+                                                  "judge for the no-answer guard (with --guards-from completions; "
+                                                  "default: an empty reply has no answer)"),
     ) -> None:
         """Canary each newly published version: load, step traffic, analyze, promote or roll back."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -376,9 +382,24 @@ def register(app: typer.Typer) -> None:
                                               selector=prometheus_selector)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--metrics-provider/--prometheus-url") from exc
+        served = None
+        if guards_from not in ("samples", "completions"):
+            raise typer.BadParameter(f"must be 'samples' or 'completions', got {guards_from!r}",
+                                     param_hint="--guards-from")
+        if guards_from == "completions":
+            from deploy.replies import ServedCompletions, load_judge
+
+            try:
+                judge = load_judge(reply_judge) if reply_judge else None
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--reply-judge") from exc
+            if _bootstrap() is None:
+                raise typer.BadParameter("needs a Kafka bootstrap (FLYWHEEL_KAFKA_BOOTSTRAP) to read the completions "
+                                         "topic", param_hint="--guards-from")
+            served = ServedCompletions(_bootstrap(), judge=judge).start()
         ctl = RolloutController(_store(), admins, settings.samples_dir(),
                                 settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap(),
-                                discover=pods if pods.dynamic else None, arm_metrics=arm_metrics)
+                                discover=pods if pods.dynamic else None, arm_metrics=arm_metrics, served=served)
         if metrics_port:
             ctl.exported.serve(metrics_port)
         if once:

@@ -234,7 +234,9 @@ class Demo:
         self.controller = self._start("controller", _cli(
             "controller", "--serving", self.url, "--steps", cfg.canary_steps,
             "--min-votes", str(cfg.canary_min_votes), "--delta", str(cfg.canary_delta),
-            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5"), env)
+            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5",
+            # guards over every served completion, no answer as the workload's verifiers judge it
+            "--guards-from", "completions", "--reply-judge", "flywheel.workload:reply_judge"), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
 

@@ -205,6 +205,39 @@ class Workload:
         return Task(family=family, messages=messages, split=split, verifier=verifier, key=key)
 
 
+class WorkloadReplyJudge:
+    """The canary's no-answer guard for this workload (:class:`deploy.replies.ReplyJudge`):
+    the verifier's own ``has_answer`` for the prompt's family, chosen from the prompt text
+    (a HumanEval prompt starts with ``flywheel.users.PROMPT_HEADER``; every reasoning-gym
+    prompt ends with :data:`ANSWER_SUFFIX`).
+
+    Args:
+        decode: token ids -> text (the served model's tokenizer).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+
+    def has_answer(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> bool:
+        from flywheel.users import PROMPT_HEADER
+
+        reply = self.decode(completion_token_ids)
+        if PROMPT_HEADER in self.decode(prompt_token_ids):
+            return HumanEvalVerifier({}).has_answer(reply)
+        return last_number(reply) is not None  # GymVerifier.has_answer
+
+
+def reply_judge() -> WorkloadReplyJudge:
+    """``--reply-judge flywheel.workload:reply_judge``: a :class:`WorkloadReplyJudge` that
+    decodes with the base model's tokenizer (``schemas.settings.base_model_dir``)."""
+    from transformers import AutoTokenizer
+
+    from schemas import settings
+
+    tok = AutoTokenizer.from_pretrained(str(settings.base_model_dir()))
+    return WorkloadReplyJudge(lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+
 def verifier_scorer(tasks: list[Task], decode: Callable[[list[int]], str]) -> Callable[[int, list[int]], bool]:
     """A scorer for :func:`learner.gate.generation_evaluator`: ``score(i, completion_ids)``
     decodes the completion and asks ``tasks[i]``'s verifier (the way the users vote)."""

@@ -279,3 +279,139 @@ def test_latency_and_tokens_need_min_requests_per_arm():
     many_s = ArmStats(votes_up=10, votes_down=10, errors=0, requests=20, p99_ms=1000.0, tokens_per_s=8.0)
     d = analyze(many_c, many_s, AnalysisConfig(min_votes=5, min_requests=20, failure_limit=1))
     assert d.outcome == Outcome.ROLLBACK and "ratio 3.00 > 1.5" in d.reason
+
+
+def test_user_history_covariate_hand_values(tmp_path):
+    """The controller's CUPED covariate from Parquet shards: each user's pre-canary rate,
+    shrunk toward the window's pooled rate by 2 pseudo-votes (deploy.history docstring)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from deploy.history import user_history_covariate
+
+    rows = [  # (version, created_at ms, user, up, down)
+        ("v0", 500, "B", 5, 0),  # before the 9 s lookback window: not counted
+        ("v0", 2000, "A", 2, 0), ("v0", 3000, "A", 1, 1), ("v0", 4000, "B", 0, 4),  # history: A 3/4, B 0/4
+        ("v1", 10_000, "A", 1, 1), ("v1", 11_000, "C", 1, 0),  # canary (since 10 s); C has no history
+        ("v0", 10_500, "B", 0, 2), ("v0", 12_000, "A", 1, 0),
+    ]
+    d = tmp_path / "samples" / "date=2026-01-01" / "hour=00"
+    d.mkdir(parents=True)
+    pq.write_table(pa.table({
+        "model_version": [r[0] for r in rows], "created_at": pa.array([r[1] for r in rows], pa.timestamp("ms", "UTC")),
+        "user_hash": [r[2] for r in rows], "votes_up": pa.array([r[3] for r in rows], pa.int32()),
+        "votes_down": pa.array([r[4] for r in rows], pa.int32())}), d / "part-0.parquet")
+    got = user_history_covariate(tmp_path / "samples", 10_000, ("v1", "v0"), lookback_ms=9000, prior_votes=2.0)
+    # p0 = 3/8; x_A = (3 + 0.75)/6 = 0.625, x_B = 0.75/6 = 0.125, x_C = p0 = 0.375
+    # v1: A (n 2, up 1), C (n 1, up 1): x_sum 1.625, xx_sum 2*0.390625 + 0.140625, xy_sum 0.625 + 0.375
+    # v0: B (n 2, up 0), A (n 1, up 1): x_sum 0.875, xx_sum 2*0.015625 + 0.390625, xy_sum 0.625
+    assert got["v1"] == pytest.approx({"x_sum": 1.625, "xx_sum": 0.921875, "xy_sum": 1.0})
+    assert got["v0"] == pytest.approx({"x_sum": 0.875, "xx_sum": 0.421875, "xy_sum": 0.625})
+    assert user_history_covariate(tmp_path / "samples", 1000, ("v0",), lookback_ms=400) == {}  # no history
+
+
+def test_repetition_measure_hand_values():
+    from deploy.replies import is_repetitive, seq_rep_n
+
+    # 1 2 3 4 1 2 3 4 1 2: 4-grams (1234)(2341)(3412)(4123)(1234)(2341)(3412): 4 unique of 7
+    assert seq_rep_n([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]) == pytest.approx(1 - 4 / 7)
+    assert seq_rep_n([1, 2, 3]) == 0.0 and seq_rep_n(list(range(20))) == 0.0
+    assert is_repetitive([5] * 8) and not is_repetitive([5] * 7)  # too short to call
+    assert not is_repetitive([1, 2, 3, 4, 1, 2, 3, 4, 1, 2])  # 0.43 <= 0.5
+
+
+def test_guards_see_shorter_replies_and_drift_from_the_first_version():
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=20)
+    stable = ArmStats(90, 110, completions=200, completion_tokens=200 * 40)
+    short = ArmStats(90, 110, completions=200, completion_tokens=200 * 20)  # half the length
+    d = analyze(short, stable, cfg)
+    assert d.outcome == Outcome.ROLLBACK and d.decided_by == "guard" and "ratio 0.50 < 0.67" in d.reason
+    # each version 1.3x its parent passes against the stable, but not against the first version
+    first = ArmStats(completions=500, completion_tokens=500 * 40)
+    parent = ArmStats(90, 110, completions=200, completion_tokens=200 * 52)
+    child = ArmStats(90, 110, completions=200, completion_tokens=200 * 68)
+    assert analyze(child, parent, cfg).outcome == Outcome.PROMOTE
+    d = analyze(child, parent, cfg, first=first)
+    checks = {m.name: m.check for m in d.metrics}
+    assert d.outcome == Outcome.ROLLBACK and d.decided_by == "guard"
+    assert checks["completion_length"] == Check.PASS and checks["completion_length_vs_first"] == Check.FAIL
+    assert "ratio 1.70 > 1.5" in d.reason and "first version" in d.reason
+
+
+def test_a_candidate_gaming_the_verifier_by_format_fails_a_guard():
+    """A candidate that learned the verifier's format, not the task: every reply ends in a
+    number (has_answer is true), as a bare guess or padded with a repeated number. Counted
+    over every served completion by deploy.replies with the workload's own judge, it fails
+    the shorter-reply guard and the repetition guard while its thumbs-up rate looks equal."""
+    from deploy.replies import ServedCompletions
+    from flywheel.workload import WorkloadReplyJudge
+
+    def enc(text):
+        return [ord(ch) for ch in text]
+
+    served = ServedCompletions("unused:0", judge=WorkloadReplyJudge(lambda ids: "".join(chr(i) for i in ids)))
+    prompt = enc("What is 3 + 4? Reply with the answer as a number.")
+    t = 1_000_000
+
+    def serve(version, reply, finish="stop"):
+        served.add({"model_version": version, "created_at": t, "prompt_token_ids": prompt,
+                    "completion_token_ids": enc(reply), "finish_reason": finish})
+
+    for i in range(40):  # the stable reasons, and sometimes says no number
+        serve("v000001", "Let me add them: 3 plus 4 makes 7, so the answer is 7." if i % 4 else "I am not sure.")
+        serve("v000002", "7" if i % 2 else "answer 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7")
+        serve("v000000", "Three plus four: that is 7, the answer is 7.")
+    g = served.counts(t - 1, ("v000001", "v000002"))
+    assert g["v000001"]["no_answer"] == 10 and g["v000002"]["no_answer"] == 0  # the format is right
+    assert g["v000002"]["repetitive"] == 20 and g["v000001"]["repetitive"] == 0
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=20)
+    first = ArmStats(**served.counts(0, ("v000000",))["v000000"])
+    d = analyze(ArmStats(60, 40, **g["v000002"]), ArmStats(60, 40, **g["v000001"]), cfg, first=first)
+    checks = {m.name: m.check for m in d.metrics}
+    assert checks["thumbs_up"] == Check.PASS
+    assert d.outcome == Outcome.ROLLBACK and d.decided_by == "guard"
+    assert checks["completion_length"] == Check.FAIL and checks["repetitive"] == Check.FAIL
+    assert checks["completion_length_vs_first"] == Check.FAIL and checks["repetitive_vs_first"] == Check.FAIL
+    assert served.counts(t + 1000) == {}  # nothing served from the next second on
+
+
+def test_served_completions_reads_every_completion_from_the_topic(broker):
+    """The completions topic of a real broker, read from its start: every record counted
+    once per version (voted or not), a record that does not parse skipped, and the
+    ``since_ms`` filter to the second."""
+    import json
+    import time
+
+    from kafka import KafkaProducer
+
+    from deploy.replies import ServedCompletions, load_judge
+
+    topic = "flywheel.completions"
+    prod = KafkaProducer(bootstrap_servers=broker.bootstrap)
+    recs = [("v1", 5_000, [1, 2, 3], "stop"), ("v1", 5_999, [], "stop"), ("v1", 7_000, [4] * 10, "length"),
+            ("v0", 6_500, [9, 9], "stop")]
+    for v, ms, toks, fin in recs:
+        prod.send(topic, json.dumps({"model_version": v, "created_at": ms, "prompt_token_ids": [1],
+                                     "completion_token_ids": toks, "finish_reason": fin}).encode())
+    prod.send(topic, b"not json")
+    prod.flush()
+    prod.close()
+    served = ServedCompletions(broker.bootstrap, topic=topic).start()
+    try:
+        deadline = time.monotonic() + 20
+        while served.records + served.skipped < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        served.stop()
+    assert served.records == 4 and served.skipped == 1
+    assert served.counts(0) == {
+        "v1": {"completions": 3, "completion_tokens": 13, "no_answer": 1, "truncated": 1, "repetitive": 1},
+        "v0": {"completions": 1, "completion_tokens": 2, "no_answer": 0, "truncated": 0, "repetitive": 0}}
+    # since 5.5 s: whole seconds from 6 s on
+    assert served.counts(5_500) == {
+        "v1": {"completions": 1, "completion_tokens": 10, "no_answer": 0, "truncated": 1, "repetitive": 1},
+        "v0": {"completions": 1, "completion_tokens": 2, "no_answer": 0, "truncated": 0, "repetitive": 0}}
+    with pytest.raises(ValueError, match="module:attribute"):
+        load_judge("flywheel.workload")
+    with pytest.raises(ValueError, match="cannot load"):
+        load_judge("flywheel.workload:nothing_here")

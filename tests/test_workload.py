@@ -90,3 +90,26 @@ def test_weights_set_the_family_mix():
     fams = [w.next_task(rng).family for _ in range(2000)]
     assert "basic_arithmetic" not in fams
     assert abs(fams.count("gcd") / 2000 - 0.1) < 4 * (0.1 * 0.9 / 2000) ** 0.5
+
+
+def test_reply_judge_is_the_verifiers_own_has_answer():
+    """The canary's no-answer guard judges a served reply as the task's verifier does, from
+    token ids alone (here one id per character), for HumanEval and reasoning-gym prompts."""
+    from flywheel.workload import WorkloadReplyJudge
+
+    def enc(text):
+        return [ord(ch) for ch in text]
+
+    judge = WorkloadReplyJudge(lambda ids: "".join(chr(i) for i in ids))
+    w = Workload(families=("humaneval", "basic_arithmetic", "letter_counting"), eval_share=0.0, seed=2,
+                 humaneval_problems=(0, 1))
+    rng = random.Random(1)
+    replies = ["The answer is 12.", "I do not know", "```python\ndef f():\n    return 1\n```", "", "twelve"]
+    seen = set()
+    for _ in range(12):
+        t = w.next_task(rng)
+        seen.add(t.family)
+        prompt = "\n".join(m["content"] for m in t.messages)
+        for r in replies:
+            assert judge.has_answer(enc(prompt), enc(r)) == t.verifier.has_answer(r), (t.family, r)
+    assert seen == {"humaneval", "basic_arithmetic", "letter_counting"}
