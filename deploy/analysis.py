@@ -45,8 +45,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, normal_cdf,  # noqa: F401 (re-exported)
-                          ratio_bounds_from_means, ratio_interval, two_proportion_z, wilson_interval)
+from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, noninferiority_bounds,  # noqa: F401
+                          normal_cdf, ratio_interval, two_proportion_z, wilson_interval)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
 GUARDS = ("completion_length", "no_answer", "truncated", "repetitive")
@@ -278,13 +278,11 @@ def thumbs_bounds(up_c, n_c, up_s, n_s, cfg: AnalysisConfig, cov_c=None, cov_s=N
         both arms carry the covariate).
     """
     if not (cfg.cuped and cov_c is not None and cov_s is not None):
-        qc, qs = (up_c + 0.5) / (n_c + 1), (up_s + 0.5) / (n_s + 1)
-        return (*ratio_bounds_from_means(qc, qc * (1 - qc) / n_c, qs, qs * (1 - qs) / n_s, cfg.alpha,
-                                         cfg.mixing_tau), False)
+        return (*noninferiority_bounds(up_c, n_c, up_s, n_s, cfg.alpha, cfg.mixing_tau), False)
     arms = [(n_c, up_c, *cov_c), (n_s, up_s, *cov_s)]
     theta, mu_x = cuped_theta(arms)
     (mc, vc), (ms, vs) = (cuped_rate(*a, theta, mu_x) for a in arms)
-    return (*ratio_bounds_from_means(mc, vc, ms, vs, cfg.alpha, cfg.mixing_tau), True)
+    return (*noninferiority_bounds(up_c, n_c, up_s, n_s, cfg.alpha, cfg.mixing_tau, mc, vc, ms, vs), True)
 
 
 def thumbs_verdict(lo, hi, delta: float):

@@ -221,6 +221,44 @@ def ratio_bounds(up_c, n_c, up_s, n_s, alpha: float, tau: float):
     return ratio_bounds_from_means(qc, qc * (1 - qc) / n_c, qs, qs * (1 - qs) / n_s, alpha, tau)
 
 
+def noninferiority_bounds(up_c, n_c, up_s, n_s, alpha: float, tau: float, m_c=None, v_c=None, m_s=None,
+                          v_s=None):
+    """The canary's two decision bounds on ``rate_c / rate_s - 1`` (arrays or scalars,
+    unchecked, n > 0).
+
+    * ``lo`` (PASS when > ``-delta``): :func:`ratio_bounds_from_means`'s lower bound, the
+      normal-mixture mSPRT on the log rate ratio with mixing sd ``tau``.
+    * ``hi`` (FAIL when < 0): "surely worse" is the same event on every scale, and it is
+      tested on the difference ``m_c - m_s`` as a score test: with the variance under
+      equal rates, ``V0 = p (1 - p) (1/n_c + 1/n_s)`` (``p`` the pooled rate shrunk by one
+      pseudo-vote; times CUPED's variance ratio ``(v_c + v_s) / Wald`` when adjusted), the
+      mSPRT of Johari, Pekelis and Walsh (2017) with mixing sd ``tau * p`` (the log-scale
+      ``tau`` in rate units), reported relative to the stable (``hi_diff / m_s``). On the
+      log scale an arm with no up-vote yet has an unbounded variance, so a candidate
+      nobody likes would wait for the deadline; the observed-rate variance of a difference
+      is too small when an arm has few up-votes by chance (false rollbacks above alpha at a
+      5 % share); the pooled variance has neither fault (``bench/canary.py``).
+
+    ``m``, ``v``: each arm's rate estimate and its variance (default: the shrunk rate
+    ``q = (up + 0.5) / (n + 1)`` and ``q (1 - q) / n``; CUPED's from :func:`cuped_rate`).
+
+    Returns ``(rel, lo, hi)`` (float64).
+    """
+    if m_c is None:
+        m_c = (up_c + 0.5) / (n_c + 1)
+        v_c = m_c * (1 - m_c) / n_c
+    if m_s is None:
+        m_s = (up_s + 0.5) / (n_s + 1)
+        v_s = m_s * (1 - m_s) / n_s
+    qc, qs = (up_c + 0.5) / (n_c + 1), (up_s + 0.5) / (n_s + 1)
+    wald = qc * (1 - qc) / n_c + qs * (1 - qs) / n_s
+    rel, lo, _ = ratio_bounds_from_means(m_c, v_c, m_s, v_s, alpha, tau)
+    p = (up_c + up_s + 1.0) / (n_c + n_s + 2.0)
+    v0 = p * (1 - p) * (1 / n_c + 1 / n_s) * np.minimum((v_c + v_s) / wald, 1.0)
+    hi_diff = m_c - m_s + mixture_halfwidth(np.maximum(v0, 1e-18), alpha, tau * p)
+    return rel, lo, np.maximum(hi_diff / np.maximum(m_s, 1e-9), -1.0)
+
+
 def margin_tau(delta: float) -> float:
     """The mixing standard deviation a relative margin ``delta`` implies on the log scale:
     ``-log(1 - delta)`` (the log-ratio distance of a candidate exactly at the margin)."""

@@ -104,9 +104,18 @@ def test_cuped_matches_a_per_vote_reference_and_narrows_the_interval():
 
     (mc, vc), (ms, vs) = ref(xc, yc), ref(xs, ys)
     tau = margin_tau(0.2)
-    V = vc / mc ** 2 + vs / ms ** 2
-    h = math.sqrt(2 * V * (V + tau ** 2) / tau ** 2 * math.log(math.sqrt((V + tau ** 2) / V) / 0.05))
+
+    def h(V, tau):
+        return math.sqrt(2 * V * (V + tau ** 2) / tau ** 2 * math.log(math.sqrt((V + tau ** 2) / V) / 0.05))
+
     th = math.log(mc / ms)
+    lo = math.expm1(th - h(vc / mc ** 2 + vs / ms ** 2, tau))
+    # upper bound: score test on the difference, pooled variance times CUPED's variance ratio
+    qc, qs = (yc.sum() + 0.5) / (len(yc) + 1), (ys.sum() + 0.5) / (len(ys) + 1)
+    wald = qc * (1 - qc) / len(yc) + qs * (1 - qs) / len(ys)
+    p = (yc.sum() + ys.sum() + 1) / (len(yc) + len(ys) + 2)
+    v0 = p * (1 - p) * (1 / len(yc) + 1 / len(ys)) * min((vc + vs) / wald, 1.0)
+    hi = (mc - ms + h(v0, tau * p)) / ms
 
     def stats(x, y):
         return ArmStats(int(y.sum()), int(len(y) - y.sum()), x_sum=float(x.sum()), xx_sum=float((x * x).sum()),
@@ -116,12 +125,12 @@ def test_cuped_matches_a_per_vote_reference_and_narrows_the_interval():
     cfg = AnalysisConfig(delta=0.2)
     t = analyze(c, s, cfg).numbers()["thumbs_up"]
     assert t["cuped"] is True
-    assert (t["diff"], t["ci_lo"], t["ci_hi"]) == pytest.approx((math.expm1(th), math.expm1(th - h),
-                                                                 math.expm1(th + h)), rel=1e-9)
+    assert (t["diff"], t["ci_lo"], t["ci_hi"]) == pytest.approx((math.expm1(th), lo, hi), rel=1e-9)
     plain = analyze(ArmStats(c.votes_up, c.votes_down), ArmStats(s.votes_up, s.votes_down), cfg).numbers()["thumbs_up"]
     assert plain["cuped"] is False
-    assert math.log1p(t["ci_hi"]) - math.log1p(t["ci_lo"]) < 0.95 * (math.log1p(plain["ci_hi"]) -
-                                                                        math.log1p(plain["ci_lo"]))
+    # the PASS side's half-width on the log scale
+    assert math.log1p(t["diff"]) - math.log1p(t["ci_lo"]) < 0.95 * (math.log1p(plain["diff"]) -
+                                                                      math.log1p(plain["ci_lo"]))
     # the same function on arrays (what bench/canary.py simulates) gives the same bounds
     arr = thumbs_bounds(np.array([c.votes_up] * 2, float), np.array([c.votes] * 2, float),
                         np.array([s.votes_up] * 2, float), np.array([s.votes] * 2, float), cfg,
@@ -187,10 +196,14 @@ def test_rollback_reason_carries_the_interval():
     d = analyze(ArmStats(40, 160), ArmStats(90, 110), CFG)
     n = d.numbers()["thumbs_up"]
     assert n["check"] == "FAIL" and d.decided_by == "sequential_test"
-    # test_ratio_interval_matches_hand_computation's numbers (the same counts and margin)
-    assert n["ci_lo"] == pytest.approx(-0.726472, abs=1e-6) and n["ci_hi"] == pytest.approx(-0.267832, abs=1e-6)
+    # lower bound: test_ratio_interval_matches_hand_computation's (the same counts and margin).
+    # upper bound, the score test on the difference (deploy.stats.noninferiority_bounds):
+    # p = 131/402 = 0.325871, V0 = p (1 - p) (2/200) = 0.0021968, tau_d = 0.356675 p = 0.116230
+    # h = sqrt(2 V0 (V0 + tau_d^2)/tau_d^2 ln(sqrt((V0 + tau_d^2)/V0)/0.05)) = 0.142570
+    # hi = (0.201493 - 0.450249 + 0.142570) / 0.450249 = -0.235839
+    assert n["ci_lo"] == pytest.approx(-0.726472, abs=1e-6) and n["ci_hi"] == pytest.approx(-0.235839, abs=1e-6)
     assert n["candidate_rate"] == 0.20 and n["stable_rate"] == 0.45 and n["abs_diff"] == pytest.approx(-0.25)
-    assert "[-72.6%, -26.8%]" in d.reason and "surely worse" in d.reason
+    assert "[-72.6%, -23.6%]" in d.reason and "surely worse" in d.reason
 
 
 def test_operational_failure_needs_failure_limit_checks_in_a_row():
