@@ -44,11 +44,16 @@ class DemoConfig:
     prompts_per_phase: int = 240  # the first version's traffic, before the first learner cycle
     between_prompts: int = 128  # the stable version's traffic before each later cycle
     problems: int = 40
-    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
-    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
-    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 21
-    family_weights: dict[str, float] | None = field(default_factory=lambda: {"humaneval": 0.1})
-    held_out: tuple[str, ...] = ()
+    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured), plus
+    # two kinds of prompt no version trains on besides the eval split's fresh instances
+    # (flywheel.workload.KINDS): a harder variant (chain_sum with three terms) and an unseen
+    # family (gcd, held out)
+    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd")
+    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 25;
+    # the harder and unseen kinds are asked half as often as a trained family
+    family_weights: dict[str, float] | None = field(
+        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5})
+    held_out: tuple[str, ...] = ("gcd",)
     eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
@@ -279,7 +284,8 @@ class Demo:
         text = choice["message"]["content"] or ""
         passed = task.verifier.score(text)
         version = r.headers.get("x-flywheel-model-version", "?")
-        rec = {"version": version, "family": task.family, "split": task.split, "passed": passed,
+        rec = {"version": version, "family": task.family, "split": task.split, "kind": task.kind, "key": task.key,
+               "passed": passed,
                "has_answer": task.verifier.has_answer(text), "finish_reason": choice.get("finish_reason"),
                "tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
         with self.lock:
@@ -531,7 +537,9 @@ class Demo:
                 "train_samples": metrics.get("samples"),
             })
         family_of = {cid: r["family"] for cid, r in self.completions.items()}
-        figures = rep.split_figures(rep.votes_by_completion(self.samples_dir), family_of)
+        rows = rep.votes_by_completion(self.samples_dir)
+        figures = rep.split_figures(rows, family_of)
+        kinds = rep.kind_figures(rows, {cid: r.get("kind") for cid, r in self.completions.items()})
         for row in versions:
             v = row["version"]
             row["splits"] = figures.get(v, {})
@@ -543,9 +551,17 @@ class Demo:
                              "no_answer_share": (sum(not r["has_answer"] for r in mine) / len(mine)) if mine else 0.0,
                              "truncated_share": (sum(r["finish_reason"] == "length" for r in mine) / len(mine))
                              if mine else 0.0}
+            row["kinds"] = kinds.get(v, {})
+            row["replies"] = rep.reply_figures(mine)  # every served reply, with 95 % intervals
             row["degraded"] = bool((self.store.manifest(v).metrics or {}).get("degraded"))
         promoted = [r["version"] for r in versions if r["decision"] == "PROMOTE"]
         gain = rep.eval_gain(figures, versions[0]["version"], promoted[-1]) if promoted else None
+        if gain is not None:
+            gain["by_kind"] = self._gain_by_kind(rows, versions[0]["version"], promoted[-1])
+            boot = rep.cluster_bootstrap_gain([r for r in rows if (r["split"] or "train") == "eval"],
+                                              {cid: r.get("key") or cid for cid, r in self.completions.items()},
+                                              versions[0]["version"], promoted[-1], seed=self.cfg.seed)
+            gain["cluster_ci95"] = boot["ci95"] if boot else None
         ids = rep.event_ids_in_samples(self.samples_dir)
         uniq = set(ids)
         dead = self.dead_lettered_ids()
@@ -566,6 +582,25 @@ class Demo:
             "quick": self.cfg.quick,
             "wall_s": time.time() - t0,
         }
+
+    def _gain_by_kind(self, rows: list[dict], first: str, last: str) -> dict:
+        """``eval_gain`` per kind of never-trained prompt (``fresh``, ``harder``, ``unseen``):
+        Newcombe's interval (votes independent) and the cluster bootstrap over prompts."""
+        kind_of = {cid: r.get("kind") for cid, r in self.completions.items()}
+        key_of = {cid: r.get("key") or cid for cid, r in self.completions.items()}
+        figs = rep.kind_figures(rows, kind_of)
+        out = {}
+        for kind in ("fresh", "harder", "unseen"):
+            a, b = (figs.get(first) or {}).get(kind), (figs.get(last) or {}).get(kind)
+            if not a or not b or not a["votes"] or not b["votes"]:
+                continue
+            d, lo, hi = rep.newcombe_interval(a["votes_up"], a["votes"], b["votes_up"], b["votes"])
+            boot = rep.cluster_bootstrap_gain([r for r in rows if kind_of.get(str(r["completion_id"])) == kind],
+                                              key_of, first, last, seed=self.cfg.seed)
+            out[kind] = {"up_from": a["votes_up"], "n_from": a["votes"], "up_to": b["votes_up"], "n_to": b["votes"],
+                         "diff": d, "ci95": [lo, hi], "cluster_ci95": boot["ci95"] if boot else None,
+                         "prompts": boot["prompts"] if boot else None}
+        return out
 
     def run(self) -> dict:
         t0 = time.time()

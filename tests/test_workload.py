@@ -113,3 +113,26 @@ def test_reply_judge_is_the_verifiers_own_has_answer():
         for r in replies:
             assert judge.has_answer(enc(prompt), enc(r)) == t.verifier.has_answer(r), (t.family, r)
     assert seen == {"humaneval", "basic_arithmetic", "letter_counting"}
+
+
+def test_three_kinds_of_never_trained_prompts():
+    """fresh (eval-split instances of a trained family), harder (a 3-term variant of a trained
+    family) and unseen (a held-out family) are all in the eval split and told apart."""
+    from flywheel.workload import GYM_VARIANTS
+
+    w = Workload(families=("chain_sum", "chain_sum_3terms", "gcd"), held_out=("gcd",), eval_share=0.3, seed=0)
+    rng = random.Random(4)
+    tasks = [w.next_task(rng) for _ in range(300)]
+    kinds = {t.kind for t in tasks}
+    assert kinds == {"train", "fresh", "harder", "unseen"}
+    for t in tasks:
+        want = {"gcd": "unseen", "chain_sum_3terms": "harder"}.get(t.family) or ("fresh" if t.split == "eval"
+                                                                                else "train")
+        assert t.kind == want and (t.split == "train") == (t.kind == "train")
+        if t.kind == "harder":  # three one-digit terms, scored by the family's own verifier
+            truth = str(t.verifier.entry["answer"])
+            assert t.verifier.score(f"so {truth}") and t.verifier.entry["question"].count("+") + \
+                t.verifier.entry["question"].count("-") >= 2
+    assert GYM_VARIANTS["chain_sum_3terms"][0] == "chain_sum"
+    with pytest.raises(ValueError, match="harder variant"):
+        Workload(families=("chain_sum_3terms",))
