@@ -69,7 +69,10 @@ def load_judge(spec: str) -> ReplyJudge:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"reply judge: cannot load {spec!r}: {exc}") from exc
     if not hasattr(obj, "has_answer") and callable(obj):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:  # noqa: BLE001 - e.g. the factory's tokenizer is missing
+            raise ValueError(f"reply judge: {spec!r} failed to build: {type(exc).__name__}: {exc}") from exc
     if not callable(getattr(obj, "has_answer", None)):
         raise ValueError(f"reply judge: {spec!r} has no has_answer(prompt_token_ids, completion_token_ids)")
     return obj
