@@ -32,6 +32,9 @@ from flywheel.users import UserBehaviour
 from flywheel.workload import Task, Workload
 
 
+DEFAULT_HELD_OUT = ("gcd",)  # the unseen kind: a family no version trains on
+
+
 @dataclass
 class DemoConfig:
     """Knobs of one demo run. The defaults are the full run (experiment 3 in
@@ -53,7 +56,7 @@ class DemoConfig:
     # the harder and unseen kinds are asked half as often as a trained family
     family_weights: dict[str, float] | None = field(
         default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5})
-    held_out: tuple[str, ...] = ("gcd",)
+    held_out: tuple[str, ...] = DEFAULT_HELD_OUT
     eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
@@ -86,6 +89,11 @@ class DemoConfig:
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
 
+    def __post_init__(self):
+        # the default held-out family applies when it is asked (--families may leave it out)
+        if self.held_out == DEFAULT_HELD_OUT:
+            self.held_out = tuple(f for f in self.held_out if f in self.families)
+
     def weights(self) -> dict[str, float] | None:
         """``family_weights`` restricted to the families asked (None: uniform)."""
         w = {f: x for f, x in (self.family_weights or {}).items() if f in self.families}
@@ -97,7 +105,9 @@ class DemoConfig:
             base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
                         canary_max_wait_s=45.0, concurrency=8, final_prompts=0, between_prompts=0,
-                        learner_objective="kto", learner_lr=2e-5, family_weights=None, eval_share=0.25)
+                        learner_objective="kto", learner_lr=2e-5, eval_share=0.25,
+                        # a few harder and unseen prompts; the one short cycle keeps its train samples
+                        family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
