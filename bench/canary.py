@@ -231,8 +231,9 @@ def main() -> None:
     print(f"RESULT canary_promotion_rate_half_as_good={demo['half_as_good']['relative']['promote']['rate']:.4f} "
           f"target<=0.05 (candidate at half the stable's rate; demo settings, {m}; absolute rule "
           f"{demo['half_as_good']['absolute']['promote']['rate']:.4f})")
-    print(f"RESULT canary_promotion_rate_equal={prod['equal']['relative']['promote']['rate']:.4f} target>=0.8 "
-          f"(equal candidate; production settings, {m}; absolute rule {prod['equal']['absolute']['promote']['rate']:.4f})")
+    eq = prod["equal"]
+    print(f"RESULT canary_promotion_rate_equal={eq['relative']['promote']['rate']:.4f} target>=0.8 "
+          f"(equal candidate; production settings, {m}; absolute rule {eq['absolute']['promote']['rate']:.4f})")
     plain, cuped = prod["equal"]["relative"]["median_votes"], prod["equal"]["relative_cuped"]["median_votes"]
     print(f"RESULT canary_median_votes_to_decision={plain:.0f} votes (equal candidate, production settings, {m})")
     print(f"RESULT canary_cuped_votes_ratio={cuped / plain:.3f} target<1 (median votes to a decision with CUPED on "
