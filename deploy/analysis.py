@@ -5,9 +5,11 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
 * **thumbs-up rate** (the quality signal): a sequential test that stays valid when looked at
   after every vote, on the RELATIVE difference ``rate(candidate) / rate(stable) - 1``, so a
   margin means the same at a 0.05 and a 0.5 base rate. Its always-valid (1 - ``alpha``)
-  interval ``[lo, hi]`` is the normal-mixture mSPRT (Johari, Pekelis and Walsh 2017) on the
-  log rate ratio (:func:`deploy.stats.ratio_interval`), mixing standard deviation ``tau``
-  (default ``-log(1 - delta)``). When both arms carry a pre-canary covariate (the voting
+  bounds ``[lo, hi]`` are normal-mixture mSPRTs (Johari, Pekelis and Walsh 2017),
+  :func:`deploy.stats.noninferiority_bounds`: ``lo`` on the log rate ratio, ``hi`` a score
+  test on the difference (so an arm with no up-vote yet does not blow up the variance),
+  mixing standard deviation ``tau`` (default ``-log(1 - delta)``; docs/decisions.md D48).
+  When both arms carry a pre-canary covariate (the voting
   users' earlier thumbs-up rate, ``ArmStats.x_sum``...), each arm's rate is CUPED-adjusted
   first (:func:`deploy.stats.cuped_rate`): fewer votes for the same width, same guarantee.
   FAIL (the candidate is surely worse) when ``hi < 0``; PASS (non-inferior: keeps at least
@@ -264,9 +266,10 @@ class Decision:
 
 
 def thumbs_bounds(up_c, n_c, up_s, n_s, cfg: AnalysisConfig, cov_c=None, cov_s=None):
-    """The always-valid interval of ``rate_c / rate_s - 1`` on scalars or arrays of counts
-    (unchecked, n > 0): the one implementation :func:`check_thumbs` judges with and
-    ``bench/canary.py`` simulates, vectorised over canaries.
+    """The always-valid decision bounds on ``rate_c / rate_s - 1``
+    (:func:`deploy.stats.noninferiority_bounds`) on scalars or arrays of counts (unchecked,
+    n > 0): the one implementation :func:`check_thumbs` judges with and ``bench/canary.py``
+    simulates, vectorised over canaries.
 
     Args:
         up_c, n_c, up_s, n_s: up-votes and votes per arm.
@@ -298,7 +301,8 @@ def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     nums = {"candidate_up": c.votes_up, "candidate_votes": c.votes, "stable_up": s.votes_up,
             "stable_votes": s.votes, "min_votes": cfg.min_votes, "alpha": cfg.alpha, "delta": cfg.delta,
             "tau": cfg.mixing_tau, "scale": "relative",
-            "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture on log(rate_c / rate_s)"}
+            "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture: PASS on log(rate_c / rate_s), "
+                      "FAIL as a score test on rate_c - rate_s"}
     if c.votes:
         nums["candidate_rate"] = c.votes_up / c.votes
     if s.votes:
