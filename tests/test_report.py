@@ -19,11 +19,11 @@ def test_samples_by_version_counts_each_versions_votes(tmp_path):
     import uuid
 
     def sample(v, up, down):
-        return RewardedSample(completion_id=uuid.uuid4(), model_version=v, created_at=0, user_hash="u",
-                              prompt_token_ids=[1], completion_token_ids=[2], behavior_logprobs=[-0.5],
+        return RewardedSample(completion_id=uuid.uuid4(), model_version=v, created_at=1_700_000_000_000,
+                              user_hash="u", prompt_token_ids=[1], completion_token_ids=[2], behavior_logprobs=[-0.5],
                               sampling=SamplingParams(), finish_reason="stop", reward=1.0, label=up > down,
                               n_votes=up + down, votes_up=up, votes_down=down,
-                              event_ids=[str(uuid.uuid4()) for _ in range(up + down)], sealed_at=0)
+                              event_ids=[str(uuid.uuid4()) for _ in range(up + down)], sealed_at=1_700_000_000_000)
     for v, votes in {"v000000": [(1, 0), (0, 2)], "v000001": [(3, 1)]}.items():
         d = tmp_path / f"model_version={v}" / "date=2026-11-30"
         d.mkdir(parents=True)
