@@ -161,7 +161,7 @@ class Worker:
         self.cfg = cfg
         self.consumer_kw = consumer_settings or cs(cfg)
         self.producer_kw = producer_settings or ps(cfg)
-        self.store = open_store(cfg.state_path, cfg.app_id)
+        self.store = open_store(cfg.state_path, cfg.group_id)
         # a partition-scoped store (PostgreSQL) folds a label only in its home partition: records
         # found elsewhere are forwarded there through the internal topic (ingest.partition)
         self.scoped = bool(getattr(self.store, "scoped", False))

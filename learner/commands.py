@@ -16,7 +16,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                                                "else $FLYWHEEL_HOME/store)."),
            samples: Optional[Path] = typer.Option(None, help="RewardedSample Parquet root (default "
                                                   "$FLYWHEEL_HOME/data/samples)."),
-           state: Optional[Path] = typer.Option(None, help="Learner state dir (default $FLYWHEEL_HOME/learner)."),
+           state: Optional[Path] = typer.Option(None, help="Learner state dir: watermark, consumed shards, resume "
+                                                "checkpoint; on storage that outlives the pod (default "
+                                                "$FLYWHEEL_LEARNER_STATE, else $FLYWHEEL_HOME/learner)."),
            min_samples: int = typer.Option(1, help="Skip the cycle below this many trainable samples."),
            steps: int = typer.Option(4, help="Optimizer steps per cycle."),
            batch_size: int = typer.Option(8, help="Samples per step."),
@@ -115,7 +117,7 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     samples = samples or settings.samples_dir()
-    state = state or settings.home() / "learner"
+    state = state or settings.learner_state_dir()
     ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly
     from learner.metrics import LearnerMetrics, cycle_outcome
 
