@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from flywheel.output import OUTPUT, Format, emit, resolve
+from schemas.output import OUTPUT, Format, emit, resolve
 
 broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)
 model_app = typer.Typer(help="The default model.", no_args_is_help=True)

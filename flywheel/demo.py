@@ -28,6 +28,7 @@ import httpx
 from rich.console import Console
 
 from flywheel import report as rep
+from flywheel.supervise import StopSignals, die_with_parent
 from flywheel.users import UserBehaviour
 from flywheel.workload import Task, Workload
 
@@ -126,14 +127,17 @@ def _canary_interval(decision: dict | None) -> dict | None:
 
 
 class Proc:
-    """A child process with its output in a log file; stopped with SIGTERM then SIGKILL."""
+    """A child process with its output in a log file; stopped with SIGTERM then SIGKILL, and
+    SIGKILLed by the kernel if the demo dies first (:func:`flywheel.supervise.die_with_parent`).
+    Its own session: a terminal's Ctrl-C or hang-up reaches the demo, which stops it."""
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
         self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
+                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                  preexec_fn=die_with_parent())
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -224,7 +228,7 @@ class Demo:
             ensure_topics(self.bootstrap)
             self.log(f"using external Kafka at {self.bootstrap}")
         else:
-            self.broker = spawn(log_path=self.logs / "broker.log")
+            self.broker = spawn(log_path=self.logs / "broker.log", die_with_parent=True)
             self.bootstrap = self.broker.bootstrap
             self.log(f"embedded Tansu broker on {self.bootstrap}, topics created (6 partitions)")
         os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"] = self.bootstrap
@@ -456,7 +460,8 @@ class Demo:
         if self.cfg.learner_objective == "kto":
             args.append("--balance-classes")  # few thumbs-up among many downs: KTO λ_D·n_D = λ_U·n_U
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
-            r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)
+            r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT,
+                               preexec_fn=die_with_parent())
         if r.returncode != 0:
             raise RuntimeError(f"learner failed (exit {r.returncode}); see {self.logs}/learner-{cycle}.log")
         new = sorted(set(self.store.versions()) - before)
@@ -612,39 +617,49 @@ class Demo:
                          "prompts": boot["prompts"] if boot else None}
         return out
 
+    def stop_children(self) -> None:
+        """Stop every process this demo started (controller, ingest, serving, then the
+        broker); idempotent, never raises."""
+        stops = [(p.name, p.stop) for p in reversed(self.procs)]
+        if getattr(self, "broker", None) is not None:  # setup may have failed before the broker
+            stops.append(("broker", self.broker.stop))
+        for name, stop in stops:
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - the next child must still be stopped
+                try:
+                    self.console.log(f"[red]could not stop {name}: {exc}")
+                except OSError:  # a hung-up terminal
+                    pass
+
     def run(self) -> dict:
         t0 = time.time()
+        # every child is stopped once, however the run ends: on SIGINT, SIGTERM or SIGHUP first
+        # (then SystemExit(128 + signum); stopping them first also ends the traffic threads'
+        # requests at once), else when the run returns or raises
+        with StopSignals(self.stop_children):
+            return self._run(t0)
 
-        def _term(signum, _frame):  # SIGTERM (timeout, kill): leave through the finally below,
-            raise SystemExit(128 + signum)  # which stops serving, ingest, controller and the broker
-        prev = signal.signal(signal.SIGTERM, _term) if threading.current_thread() is threading.main_thread() else None
-        try:
-            self.setup()
-            self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
-            for cycle in range(1, self.cfg.cycles + 1):
-                if cycle > 1 and self.cfg.between_prompts:
-                    # the stable version's own traffic: a canary alone leaves the next cycle
-                    # too few samples, half of them from the version before (stale)
-                    self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
-                self.wait_votes_sealed(120)
-                v = self.learn(cycle)
-                if v is not None:
-                    self.canary(v)
-            if self.cfg.final_prompts:
-                self.traffic("after the last canary", self.cfg.final_prompts)
-            if self.cfg.bad_candidate:
-                self.canary(self.publish_degraded())
+    def _run(self, t0: float) -> dict:
+        self.setup()
+        self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
+        for cycle in range(1, self.cfg.cycles + 1):
+            if cycle > 1 and self.cfg.between_prompts:
+                # the stable version's own traffic: a canary alone leaves the next cycle
+                # too few samples, half of them from the version before (stale)
+                self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
             self.wait_votes_sealed(120)
-            report = self.build_report(t0)
-            rep.write_report(report, self.cfg.out)
-            rep.print_report(report, self.console)
-            self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
-                               f"{self.cfg.out / 'thumbs_up_by_version.png'}")
-            return report
-        finally:
-            for p in reversed(self.procs):
-                p.stop()
-            if getattr(self, "broker", None) is not None:  # setup may have failed before the broker
-                self.broker.stop()
-            if prev is not None:
-                signal.signal(signal.SIGTERM, prev)
+            v = self.learn(cycle)
+            if v is not None:
+                self.canary(v)
+        if self.cfg.final_prompts:
+            self.traffic("after the last canary", self.cfg.final_prompts)
+        if self.cfg.bad_candidate:
+            self.canary(self.publish_degraded())
+        self.wait_votes_sealed(120)
+        report = self.build_report(t0)
+        rep.write_report(report, self.cfg.out)
+        rep.print_report(report, self.console)
+        self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
+                           f"{self.cfg.out / 'thumbs_up_by_version.png'}")
+        return report

@@ -243,3 +243,16 @@ def test_a_dead_letter_carries_any_text_escaped():
     raw = dl.to_bytes()
     raw.decode("utf-8")
     assert DeadLetter.from_bytes(raw) == dl
+
+
+def test_the_schemas_mean_the_same_to_a_rust_validator():
+    """A producer in another language can load the published schemas and refuses what we refuse:
+    jsonschema-rs (Rust ``regex``, which has no surrogate escapes) compiles every one and agrees
+    on the text bound, NUL and all (its strings cannot hold a lone surrogate at all)."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    s = _contract_schemas()
+    for name, schema in s.items():
+        jsonschema_rs.validator_for(json.loads(json.dumps(schema)))
+    v = jsonschema_rs.validator_for(json.loads(json.dumps(s["FeedbackEvent"])))
+    for text, want in (("é😀\u2028z\U0010ffff", True), ("a\x00b", False), ("", False)):
+        assert v.is_valid({**SCORE, "user_hash": text}) is want, repr(text)
