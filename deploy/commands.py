@@ -363,8 +363,9 @@ def register(app: typer.Typer) -> None:
                                    "below 1 and passing the last of them promotes (the final 1 is the "
                                    "promotion itself, docs/decisions.md D27)"),
         min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
-        delta: float = typer.Option(0.1, help="non-inferiority margin (rate units): advance when the always-valid "
-                                    "lower bound of rate(candidate) - rate(stable) is above -delta"),
+        delta: float = typer.Option(0.2, help="relative non-inferiority margin in (0, 1): advance when the "
+                                    "always-valid lower bound of rate(candidate) / rate(stable) - 1 is above -delta "
+                                    "(0.2: the candidate keeps more than 80 % of the stable's thumbs-up rate)"),
         alpha: float = typer.Option(0.05, help="error level of the always-valid interval"),
         failure_limit: int = typer.Option(3, help="failed checks in a row before an operational metric or a "
                                           "reward-hacking guard fails the step"),
@@ -382,6 +383,12 @@ def register(app: typer.Typer) -> None:
                                                      help="Prometheus base URL for --metrics-provider prometheus"),
         prometheus_selector: str = typer.Option("", help="label matchers added to every PromQL series, e.g. "
                                                 "job=\"flywheel-serving\""),
+        guards_from: str = typer.Option("samples", help="reward-hacking guards over 'samples' (voted completions) "
+                                        "or 'completions' (every served completion, read from the completions "
+                                        "topic; deploy/replies.py)"),
+        reply_judge: Optional[str] = typer.Option(None, help="module:attribute of the workload's has_answer "
+                                                  "judge for the no-answer guard (with --guards-from completions; "
+                                                  "default: an empty reply has no answer)"),
     ) -> None:
         """Canary each newly published version (load, step traffic, analyze, promote or roll back)
         and keep every pod on the fleet's desired state. `--once` exits 1 when the step it ran
@@ -424,9 +431,24 @@ def register(app: typer.Typer) -> None:
                                               selector=prometheus_selector)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--metrics-provider/--prometheus-url") from exc
+        served = None
+        if guards_from not in ("samples", "completions"):
+            raise typer.BadParameter(f"must be 'samples' or 'completions', got {guards_from!r}",
+                                     param_hint="--guards-from")
+        if guards_from == "completions":
+            from deploy.replies import ServedCompletions, load_judge
+
+            try:
+                judge = load_judge(reply_judge) if reply_judge else None
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--reply-judge") from exc
+            if _bootstrap() is None:
+                raise typer.BadParameter("needs a Kafka bootstrap (FLYWHEEL_KAFKA_BOOTSTRAP) to read the completions "
+                                         "topic", param_hint="--guards-from")
+            served = ServedCompletions(_bootstrap(), judge=judge).start()
         ctl = RolloutController(_store(), admins, settings.samples_dir(),
                                 settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap(),
-                                discover=pods, arm_metrics=arm_metrics, fleet=fleet)
+                                discover=pods, arm_metrics=arm_metrics, fleet=fleet, served=served)
         if metrics_port:
             ctl.exported.serve(metrics_port)
         if once:

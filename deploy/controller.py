@@ -38,6 +38,7 @@ from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, d
 from deploy.desired import DesiredState, FleetRecord
 from deploy.fleet import PodOutcome, reconcile_pods
 from deploy.fleet import summary as fleet_summary
+from deploy.history import user_history_covariate
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import CorruptVersionError, ModelStore
 from schemas.manifest import version_number
@@ -353,6 +354,8 @@ class RolloutController:
             (baseline in ``metrics_baseline.json`` next to ``status_path``); metrics serving
             does not export per version are SKIPPED with the reason in the ledger. An
             exception counts as ERROR (HOLD). Pass ``False`` for thumbs-up only.
+        served: guard figures over every served completion (``counts(since_ms, versions)``,
+            :class:`deploy.replies.ServedCompletions`); None: from the voted samples.
         discover: ``f() -> [ServingAdmin]`` asked for the current pods before every
             reconcile step (a headless Service's DNS answer: :class:`deploy.discovery.PodDiscovery`);
             ``admin`` may then be empty. A failed lookup raises ServingAdminError (HOLD).
@@ -363,7 +366,7 @@ class RolloutController:
     def __init__(self, store: ModelStore, admin: ServingAdmin, samples_dir: Path, ledger_path: Path,
                  status_path: Path, config: ControllerConfig | None = None,
                  bootstrap: str | None = None, clock=None,
-                 arm_metrics=None, discover=None, fleet: FleetRecord | None = None):
+                 arm_metrics=None, discover=None, fleet: FleetRecord | None = None, served=None):
         self.admins: list[ServingAdmin] = list(admin) if isinstance(admin, (list, tuple)) else [admin]
         self.discover = discover  # () -> [ServingAdmin]: the pods now (deploy.discovery.PodDiscovery)
         if not self.admins and discover is None:
@@ -380,6 +383,7 @@ class RolloutController:
 
             arm_metrics = ServingMetricsSource(self.admins, self.status_path.with_name("metrics_baseline.json"))
         self.arm_metrics = arm_metrics or None
+        self.served = served  # deploy.replies.ServedCompletions, or None: guards from the samples
         from deploy.metrics import ControllerMetrics
 
         self.exported = ControllerMetrics(self.config)  # Prometheus (flywheel controller --metrics-port)
@@ -595,6 +599,9 @@ class RolloutController:
         su, sd, _ = cc.votes.get(st.stable, (0, 0, 0))
         su_step, sd_step = cc.step_votes.get(st.candidate, (0, 0))
         gc, gs = cc.guards.get(st.candidate, {}), cc.guards.get(st.stable, {})
+        if self.served is not None:  # every served completion, not only the voted ones
+            sc = self.served.counts(st.canary_started_ms, (st.candidate, st.stable))
+            gc, gs = sc.get(st.candidate, {}), sc.get(st.stable, {})
         by_split = {split: {"candidate": list(counts.get(st.candidate, (0, 0))),
                             "stable": list(counts.get(st.stable, (0, 0)))} for split, counts in cc.by_split.items()}
         extra_c, extra_s, skipped = {}, {}, {}
@@ -605,9 +612,15 @@ class RolloutController:
                 skipped = dict(got[2]) if len(got) > 2 else {}
             except Exception as exc:  # noqa: BLE001 - any failure of the source is an ERROR
                 return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}", {}, by_split
+        try:  # CUPED covariate: the voting users' pre-canary thumbs-up rate (deploy.history)
+            cov = user_history_covariate(self.samples_dir, st.canary_started_ms, (st.candidate, st.stable))
+        except (duckdb.Error, OSError) as exc:
+            log.warning("user history unreadable (%s): the thumbs-up test uses the plain rates", exc)
+            cov = {}
+        cov_c, cov_s = (cov.get(st.candidate, {}), cov.get(st.stable, {})) if len(cov) == 2 else ({}, {})
         try:
-            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c)
-            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s)
+            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c, **cov_c)
+            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s, **cov_s)
         except (TypeError, ValueError) as exc:
             return ArmStats(), ArmStats(), 0, f"bad evidence: {exc}", {}, by_split
         return c, s, su_step + sd_step, None, skipped, by_split
@@ -615,7 +628,27 @@ class RolloutController:
     def evidence(self, st: RolloutStatus) -> Evidence:
         """Everything :func:`deploy.decide.decide_step` judges, read since the canary started."""
         c, s, step_votes, err, skipped, by_split = self.arm_stats(st)
-        return Evidence(c, s, step_votes, err, skipped, by_split)
+        return Evidence(c, s, step_votes, err, skipped, by_split, self.first_guards(st))
+
+    def first_guards(self, st: RolloutStatus) -> ArmStats | None:
+        """The first version's guard figures over all its completions (the guards' second
+        baseline, ``deploy.analysis``), or None when it is the stable or unknown."""
+        versions = self.store.versions()
+        first = versions[0] if versions else None
+        if first is None or first in (st.stable, st.candidate):
+            return None
+        try:
+            if self.served is not None:
+                g = self.served.counts(0, (first,)).get(first)
+            else:  # one full scan of the shards per canary, not per poll
+                key = (st.canary_started_ms, first)
+                if getattr(self, "_first_cache", (None,))[0] != key:
+                    self._first_cache = (key, canary_counts(self.samples_dir, 0, 0).guards.get(first))
+                g = self._first_cache[1]
+            return ArmStats(**g) if g else None
+        except (duckdb.Error, OSError, TypeError, ValueError) as exc:
+            log.warning("first version %s's guard figures unreadable: %s", first, exc)
+            return None
 
     def _canary_step(self, st: RolloutStatus) -> RolloutStatus:
         """Decide (pure, :func:`deploy.decide.decide_step`), write the decision into the

@@ -124,9 +124,11 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
          prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
          max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per HumanEval completion."),
          families: Optional[str] = typer.Option(
-             None, help="Task families asked, comma-separated (default basic_arithmetic,chain_sum,humaneval): "
-                        "humaneval and reasoning-gym's basic_arithmetic, chain_sum, gcd, letter_counting."),
-         held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on)."),
+             None, help="Task families asked, comma-separated (default basic_arithmetic,chain_sum,humaneval,"
+                        "chain_sum_3terms,gcd): humaneval, reasoning-gym's basic_arithmetic, chain_sum, gcd, "
+                        "letter_counting, and the harder variants chain_sum_3terms, basic_arithmetic_3terms."),
+         held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on; "
+                                                           "default gcd when asked)."),
          eval_share: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                                     help="Share of the other prompts in the eval split."),
          bad_candidate: bool = typer.Option(False, "--bad-candidate",
