@@ -8,7 +8,7 @@
 #   docker build --target controller -t flywheel-controller .   # controller and on-call CLI
 #   docker build --target tools      -t flywheel-tools .        # model init, topics create, demo
 #
-# Each role installs only its extra of pyproject.toml (flywheel[serve], [ingest], [learn]): a
+# Each role installs only its extra of pyproject.toml (flywheel-loop[serve], [ingest], [learn]): a
 # serving image holds no DeepSpeed and no demo packages (tests/test_packaging.py). Every
 # runtime stage runs as the unprivileged user and group 10001 (the manifests' runAsUser and
 # fsGroup, so it can write its volumes) and reads /etc/flywheel/flywheel.toml when it is

@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import duckdb
 
+from schemas.ledger import LedgerEntry
 from schemas.topics import DEPLOYMENTS
+
+__all__ = ["LedgerEntry", "record", "publish", "decisions"]
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +42,6 @@ CREATE TABLE IF NOT EXISTS decisions (
     actor VARCHAR         -- 'controller' or the user who ran a CLI command
 )
 """
-
-
-@dataclass
-class LedgerEntry:
-    """One row of the ledger."""
-
-    version: str
-    stable: str | None
-    step: int
-    weight: float
-    decision: str
-    reason: str
-    numbers: dict = field(default_factory=dict)
-    actor: str = "controller"
-    ts: int = 0
 
 
 def _connect(path: Path, read_only: bool = False, timeout_s: float = 10.0):

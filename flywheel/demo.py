@@ -33,6 +33,9 @@ from flywheel.users import UserBehaviour
 from flywheel.workload import Task, Workload
 
 
+DEFAULT_HELD_OUT = ("gcd",)  # the unseen kind: a family no version trains on
+
+
 @dataclass
 class DemoConfig:
     """Knobs of one demo run. The defaults are the full run (experiment 3 in
@@ -45,11 +48,16 @@ class DemoConfig:
     prompts_per_phase: int = 240  # the first version's traffic, before the first learner cycle
     between_prompts: int = 128  # the stable version's traffic before each later cycle
     problems: int = 40
-    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
-    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
-    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 21
-    family_weights: dict[str, float] | None = field(default_factory=lambda: {"humaneval": 0.1})
-    held_out: tuple[str, ...] = ()
+    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured), plus
+    # two kinds of prompt no version trains on besides the eval split's fresh instances
+    # (flywheel.workload.KINDS): a harder variant (chain_sum with three terms) and an unseen
+    # family (gcd, held out)
+    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd")
+    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 25;
+    # the harder and unseen kinds are asked half as often as a trained family
+    family_weights: dict[str, float] | None = field(
+        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5})
+    held_out: tuple[str, ...] = DEFAULT_HELD_OUT
     eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
@@ -74,10 +82,18 @@ class DemoConfig:
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
     canary_min_votes: int = 20  # burn-in: votes per arm before the sequential test may decide
-    canary_delta: float = 0.2  # non-inferiority margin of the sequential test (rate units)
+    # relative non-inferiority margin: the candidate must keep more than half the stable's
+    # thumbs-up rate. ~360 votes per canary cannot show more (bench/canary.py, demo settings:
+    # a half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes)
+    canary_delta: float = 0.5
     canary_max_wait_s: float = 480.0  # the step deadline (s); an undecided step is rolled back
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
+
+    def __post_init__(self):
+        # the default held-out family applies when it is asked (--families may leave it out)
+        if self.held_out == DEFAULT_HELD_OUT:
+            self.held_out = tuple(f for f in self.held_out if f in self.families)
 
     def weights(self) -> dict[str, float] | None:
         """``family_weights`` restricted to the families asked (None: uniform)."""
@@ -90,19 +106,23 @@ class DemoConfig:
             base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
                         canary_max_wait_s=45.0, concurrency=8, final_prompts=0, between_prompts=0,
-                        learner_objective="kto", learner_lr=2e-5, family_weights=None, eval_share=0.25)
+                        learner_objective="kto", learner_lr=2e-5, eval_share=0.25,
+                        # a few harder and unseen prompts; the one short cycle keeps its train samples
+                        family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
 
 
 def _canary_interval(decision: dict | None) -> dict | None:
-    """The sequential test's always-valid interval of rate(candidate) - rate(stable) at the
-    final decision (from the ledger row's numbers), or None."""
+    """The sequential test's always-valid interval of the relative difference
+    rate(candidate) / rate(stable) - 1 at the final decision (from the ledger row's numbers),
+    or None."""
     t = ((decision or {}).get("numbers") or {}).get("thumbs_up") or {}
     if "ci_lo" not in t:
         return None
     return {"diff": t["diff"], "lo": t["ci_lo"], "hi": t["ci_hi"], "alpha": t.get("alpha"), "delta": t.get("delta"),
+            "scale": t.get("scale", "absolute"), "abs_diff": t.get("abs_diff", t["diff"]),
             "candidate": [t["candidate_up"], t["candidate_votes"]], "stable": [t["stable_up"], t["stable_votes"]]}
 
 
@@ -233,7 +253,9 @@ class Demo:
         self.controller = self._start("controller", _cli(
             "controller", "--serving", self.url, "--steps", cfg.canary_steps,
             "--min-votes", str(cfg.canary_min_votes), "--delta", str(cfg.canary_delta),
-            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5"), env)
+            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5",
+            # guards over every served completion, no answer as the workload's verifiers judge it
+            "--guards-from", "completions", "--reply-judge", "flywheel.workload:reply_judge"), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
 
@@ -276,7 +298,8 @@ class Demo:
         text = choice["message"]["content"] or ""
         passed = task.verifier.score(text)
         version = r.headers.get("x-flywheel-model-version", "?")
-        rec = {"version": version, "family": task.family, "split": task.split, "passed": passed,
+        rec = {"version": version, "family": task.family, "split": task.split, "kind": task.kind, "key": task.key,
+               "passed": passed,
                "has_answer": task.verifier.has_answer(text), "finish_reason": choice.get("finish_reason"),
                "tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
         with self.lock:
@@ -529,7 +552,9 @@ class Demo:
                 "train_samples": metrics.get("samples"),
             })
         family_of = {cid: r["family"] for cid, r in self.completions.items()}
-        figures = rep.split_figures(rep.votes_by_completion(self.samples_dir), family_of)
+        rows = rep.votes_by_completion(self.samples_dir)
+        figures = rep.split_figures(rows, family_of)
+        kinds = rep.kind_figures(rows, {cid: r.get("kind") for cid, r in self.completions.items()})
         for row in versions:
             v = row["version"]
             row["splits"] = figures.get(v, {})
@@ -541,9 +566,17 @@ class Demo:
                              "no_answer_share": (sum(not r["has_answer"] for r in mine) / len(mine)) if mine else 0.0,
                              "truncated_share": (sum(r["finish_reason"] == "length" for r in mine) / len(mine))
                              if mine else 0.0}
+            row["kinds"] = kinds.get(v, {})
+            row["replies"] = rep.reply_figures(mine)  # every served reply, with 95 % intervals
             row["degraded"] = bool((self.store.manifest(v).metrics or {}).get("degraded"))
         promoted = [r["version"] for r in versions if r["decision"] == "PROMOTE"]
         gain = rep.eval_gain(figures, versions[0]["version"], promoted[-1]) if promoted else None
+        if gain is not None:
+            gain["by_kind"] = self._gain_by_kind(rows, versions[0]["version"], promoted[-1])
+            boot = rep.cluster_bootstrap_gain([r for r in rows if (r["split"] or "train") == "eval"],
+                                              {cid: r.get("key") or cid for cid, r in self.completions.items()},
+                                              versions[0]["version"], promoted[-1], seed=self.cfg.seed)
+            gain["cluster_ci95"] = boot["ci95"] if boot else None
         ids = rep.event_ids_in_samples(self.samples_dir)
         uniq = set(ids)
         dead = self.dead_lettered_ids()
@@ -564,6 +597,25 @@ class Demo:
             "quick": self.cfg.quick,
             "wall_s": time.time() - t0,
         }
+
+    def _gain_by_kind(self, rows: list[dict], first: str, last: str) -> dict:
+        """``eval_gain`` per kind of never-trained prompt (``fresh``, ``harder``, ``unseen``):
+        Newcombe's interval (votes independent) and the cluster bootstrap over prompts."""
+        kind_of = {cid: r.get("kind") for cid, r in self.completions.items()}
+        key_of = {cid: r.get("key") or cid for cid, r in self.completions.items()}
+        figs = rep.kind_figures(rows, kind_of)
+        out = {}
+        for kind in ("fresh", "harder", "unseen"):
+            a, b = (figs.get(first) or {}).get(kind), (figs.get(last) or {}).get(kind)
+            if not a or not b or not a["votes"] or not b["votes"]:
+                continue
+            d, lo, hi = rep.newcombe_interval(a["votes_up"], a["votes"], b["votes_up"], b["votes"])
+            boot = rep.cluster_bootstrap_gain([r for r in rows if kind_of.get(str(r["completion_id"])) == kind],
+                                              key_of, first, last, seed=self.cfg.seed)
+            out[kind] = {"up_from": a["votes_up"], "n_from": a["votes"], "up_to": b["votes_up"], "n_to": b["votes"],
+                         "diff": d, "ci95": [lo, hi], "cluster_ci95": boot["ci95"] if boot else None,
+                         "prompts": boot["prompts"] if boot else None}
+        return out
 
     def stop_children(self) -> None:
         """Stop every process this demo started (controller, ingest, serving, then the

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from flywheel.output import OUTPUT, Format, dumps, resolve
+from schemas.output import OUTPUT, Format, dumps, resolve
 
 data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_help=True)
 

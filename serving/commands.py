@@ -16,13 +16,47 @@ import typer
 log = logging.getLogger("flywheel.serving")
 
 
+def desired_state(store):
+    """The fleet's desired state (``deploy.desired.DesiredState``) for a model store, or None
+    for a one-version :class:`CheckpointStore` or an unreadable record (logged)."""
+    if not hasattr(store, "stable_record"):
+        return None
+    from deploy.desired import FleetRecord
+
+    try:
+        return FleetRecord(store).read()
+    except (OSError, ValueError) as exc:
+        log.warning("fleet desired state unreadable (%s): serving the store's stable record", exc)
+        return None
+
+
 def default_version(store) -> str:
-    """The version a pod serves at start: the store's stable record (``store.stable()``,
-    moved by every promote and rollback, so a restart never undoes an operator's action);
-    ``v000000`` when the store has none (or is a one-version :class:`CheckpointStore`)."""
+    """The version a pod serves at start: the fleet's desired stable (``deploy.desired``; the
+    controller and every operator action move it, so a restart never undoes them), else the
+    store's stable record; ``v000000`` when the store has none (or is a one-version
+    :class:`CheckpointStore`)."""
+    d = desired_state(store)
+    if d is not None and d.stable:
+        return d.stable
     stable = getattr(store, "stable", None)
     v = stable() if callable(stable) else None
     return v or "v000000"
+
+
+def start_desired_candidate(slots, store) -> None:
+    """At start, before the pod reports ready: load the fleet's desired candidate at its
+    weight, so a pod (re)started mid-canary serves the same split as the others. A candidate
+    that fails to load is logged; the controller retries it."""
+    d = desired_state(store)
+    if d is None or d.candidate is None or d.stable != slots.stable.version:
+        return
+    try:
+        slots.load_candidate(d.candidate)
+        slots.set_weight(d.weight)
+        log.info("fleet desired state generation %d: candidate %s at %.0f %%", d.generation, d.candidate,
+                 d.weight * 100)
+    except Exception as exc:  # noqa: BLE001 - serve stable; the controller reconciles the candidate
+        log.warning("desired candidate %s not loaded at start: %s", d.candidate, exc)
 
 
 def open_store(store_dir: Path | str, model_dir: Path | None = None):
@@ -93,7 +127,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
               app_options: dict | None = None, prefix_caching: bool = False,
               waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20,
               fused_join_pad_tokens: int = 64) -> Pod:
-    """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
+    """Build a pod over ``store``, serving ``version`` (default :func:`default_version`, and
+    then the fleet's desired candidate and weight, :func:`start_desired_candidate`).
 
     Args:
         bootstrap: Kafka bootstrap; None = ``schemas.settings.bootstrap()`` (journal only if
@@ -152,6 +187,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     slots = Slots(engine, store, pod=pod)
     try:
         slots.start(version or default_version(store))
+        if version is None:
+            start_desired_candidate(slots, store)
     except Exception:
         engine.close()
         raise
