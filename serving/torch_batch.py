@@ -102,12 +102,10 @@ class RunningBatch:
         self._filter_key: tuple | None = None
         self._filter = None
         model = lm.model
-        self.n_layers = len(lm.routers)
-        from schemas.modelspec import moe_top_k
+        from schemas.routers import route_shape
 
-        self.top_k = moe_top_k(model) if self.n_layers else 0
-        wide = int(getattr(model.config, "num_local_experts", 0) or 0) > 256
-        self.route_dtype = np.uint16 if wide else np.uint8
+        self.n_layers, self.top_k, n_experts = route_shape(model)  # L = num_hidden_layers (vLLM's layout)
+        self.route_dtype = np.uint16 if n_experts > 256 else np.uint8
 
     # ------------------------------------------------------------------ membership
     def join(self, items: list, now: float) -> None:
@@ -162,7 +160,7 @@ class RunningBatch:
         out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=pos_ids.to(dev),
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
         if self.n_layers:  # (Bn, Tn, L, k): every prefilled token's expert selection
-            pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.route_buf], dim=2).cpu().numpy()
+            pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.layer_routes()], dim=2).cpu().numpy()
             for j, s in enumerate(seqs):
                 if entry is not None:
                     s.routes[:p] = entry.routes
@@ -211,7 +209,7 @@ class RunningBatch:
                        use_cache=True, logits_to_keep=1)
         routes = None
         if self.n_layers:
-            rt = torch.stack([x.view(n - b, self.top_k) for x in lm.route_buf], dim=1).cpu().numpy()
+            rt = torch.stack([x.view(n - b, self.top_k) for x in lm.layer_routes()], dim=1).cpu().numpy()
             rt = rt.astype(self.route_dtype)
             routes = np.concatenate([base.routes, rt]) if base is not None else rt
         kv = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in out.past_key_values.layers]
@@ -393,7 +391,7 @@ class RunningBatch:
         self.pos = self.pos + 1
         self.logits = out.logits[:, -1, :].float()
         if self.n_layers:  # (B, L, k): routes of the tokens just fed
-            rt = torch.stack([b.view(B, self.top_k) for b in self.lm.route_buf], dim=1).cpu().numpy()
+            rt = torch.stack([b.view(B, self.top_k) for b in self.lm.layer_routes()], dim=1).cpu().numpy()
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j]
 
@@ -434,7 +432,7 @@ class RunningBatch:
         self.cache = out.past_key_values
         B = R + J
         if self.n_layers:  # (B, T, L, k): routes of every token fed
-            rt = torch.stack([b.view(B, T, self.top_k) for b in self.lm.route_buf], dim=2).cpu().numpy()
+            rt = torch.stack([b.view(B, T, self.top_k) for b in self.lm.layer_routes()], dim=2).cpu().numpy()
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j, -1]
             for j, s in enumerate(joining):
