@@ -33,6 +33,21 @@ def experts_implementation(config) -> str:
     return EXPERTS_IMPLEMENTATION if adapter_for(config) is not None else "eager"
 
 
+def attention_window(config) -> int | None:
+    """The sliding attention window (tokens) of a model whose layers use one (gpt-oss's
+    ``sliding_attention`` layers, Mistral-style ``sliding_window``), else None.
+
+    The torch engine keeps a full KV cache and serves at most this many positions, so the
+    window never binds and batched, joined and padded rows attend exactly as the learner's
+    unpadded forward does (docs/decisions.md D39).
+    """
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not w or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(w)
+
+
 def load_model(model_dir: str | Path, dtype=None):
     """Build the causal LM at ``model_dir`` (HF checkpoint dir) in eval mode.
 

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator
 
 from schemas.events import now_ms
 from schemas.manifest import digest_of_hashes, state_sha256
-from schemas.modelspec import load_model, load_tokenizer
+from schemas.modelspec import attention_window, load_model, load_tokenizer
 from schemas.routers import route_shape, routed_layers
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 
@@ -453,6 +453,9 @@ class TorchEngine(Engine):
                 buf[i] = out[2]  # (N, k) selected experts
             rl.router.register_forward_hook(hook)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        window = attention_window(model.config)
+        if window is not None:  # full KV cache, window never binds (D39)
+            self.max_positions = min(self.max_positions or window, window)
         return lm
 
     def _score_aligned(self, lm: LoadedModel, prompt: list[int], completion: list[int]):

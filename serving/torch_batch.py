@@ -1,7 +1,7 @@
 """The torch engine's running batch: iteration-level (continuous) batching on one set of weights.
 
 A :class:`RunningBatch` holds the sequences generating on one :class:`serving.engine.LoadedModel`,
-their KV cache (HF ``DynamicCache``, ``(B, heads, W, head_dim)`` per layer), the attention mask
+their KV cache (HF ``DynamicCache`` of full layers, ``(B, heads, W, head_dim)`` per layer), the attention mask
 ``(B, W)``, each row's next position ``(B, 1)`` and the logits of each row's next token
 ``(B, V)``. Layout invariants (DESIGN §4, ``schemas.modelspec``):
 
@@ -81,6 +81,19 @@ def _left_pad_cols(x, width: int, dim: int):
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim=dim)
 
 
+def _full_cache():
+    """An empty HF ``DynamicCache`` whose every layer keeps all its keys and values.
+
+    Built without the model config on purpose: a config with sliding-window layers (gpt-oss)
+    would make those layers drop old columns, breaking ``mask.shape[1] == cache length``;
+    the engine serves such models up to the window only (``schemas.modelspec.attention_window``,
+    docs/decisions.md D39), where the window masks nothing.
+    """
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
 class RunningBatch:
     """The sequences running on one LoadedModel (see module docstring).
 
@@ -151,10 +164,10 @@ class RunningBatch:
             s.cached = p
         ids, mask0 = left_pad([pr[p:] for pr in prompts], eng.pad_id)  # (Bn, Tn) int64: the suffixes
         Bn, Tn = ids.shape
-        cache = None
+        cache = _full_cache()
         pos_ids = position_ids(mask0)
         if entry is not None:  # layout [prefix | left padding | suffix]; positions go on from p
-            cache = entry.cache_for(Bn, lm.model.config)
+            cache = entry.cache_for(Bn, None)
             pos_ids = pos_ids + p
             mask0 = torch.cat([torch.ones((Bn, p), dtype=mask0.dtype), mask0], dim=1)
         out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=pos_ids.to(dev),
@@ -205,7 +218,7 @@ class RunningBatch:
         n = len(tokens)
         out = lm.model(input_ids=new, attention_mask=torch.ones((1, n), dtype=torch.long, device=dev),
                        position_ids=torch.arange(b, n, device=dev).unsqueeze(0),
-                       past_key_values=base.cache_for(1, lm.model.config) if base is not None else None,
+                       past_key_values=base.cache_for(1, None) if base is not None else _full_cache(),
                        use_cache=True, logits_to_keep=1)
         routes = None
         if self.n_layers:

@@ -39,8 +39,9 @@ def tiny_config(arch: str, vocab_size: int, eos: int, pad: int, head_dim: int = 
     if arch == "olmoe":
         return tf.OlmoeConfig(intermediate_size=h, num_experts=4, norm_topk_prob=False, **moe, **common)
     if arch == "gpt_oss":
-        return tf.GptOssConfig(intermediate_size=h, num_local_experts=4, head_dim=head_dim, sliding_window=8,
-                               layer_types=["sliding_attention", "full_attention"], **moe, **common)
+        return tf.GptOssConfig(intermediate_size=h, num_local_experts=4, head_dim=head_dim, sliding_window=32,
+                               layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **moe, **common)
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(intermediate_size=2 * h, moe_intermediate_size=h, n_routed_experts=4,
                                    n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
