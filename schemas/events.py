@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import time
 import uuid
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -30,18 +31,93 @@ def hash_user(user_id: str, salt: str) -> str:
     return hashlib.sha256(f"{salt}:{user_id}".encode()).hexdigest()[:32]
 
 
+# ----------------------------------------------------------------------------- bounds
+# Every numeric field of every event has a stated range, and every string refuses NUL and lone
+# surrogates, in the models and in the exported JSON Schemas alike (Hardening II, D43): a
+# producer in another language that validates with the published schema refuses what Flywheel
+# refuses. Integer ranges are those of the Arrow column the value lands in (schemas.arrow).
+
 # Event times are ms since the epoch (UTC). A value below this bound (2001-09-09T01:46:40Z)
 # is refused: it is almost surely seconds, and a vote stamped in seconds would look 55 years
 # old to the join (issue 11, defect 2).
 MIN_EVENT_TIME_MS = 10**12
+# ... and one above 2100-01-01T00:00:00Z is refused: it is no clock's reading, and an
+# unbounded integer overflowed ingest's state store (issue 22, defect 1).
+MAX_EVENT_TIME_MS = 4_102_444_800_000
+MAX_DURATION_MS = 86_400_000.0  # ttft_ms, latency_ms: at most one day
+INT32_MAX = 2**31 - 1  # token ids, counts, top_k, max_tokens, route shape (Arrow int32)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # sampling seed (Arrow int64)
+FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: logprobs, rewards (Arrow float32)
+SCORE_MAX_ABS = 1e6  # a feedback score's |value|
+MAX_ID_CHARS = 256  # request_id, pod, user_hash, model_version, event ids, topic, field
+# Text: no NUL (U+0000) and no lone surrogate (U+D800..U+DFFF); ECMA-262 with the ``u`` flag
+# and Python's ``re`` both read the escapes. A JSON producer can still write any other
+# character, escaped or not.
+TEXT_PATTERN = r"^[^\u0000\ud800-\udfff]*$"
+_UNSAFE_TEXT = re.compile("[\x00\ud800-\udfff]")
 
 
-def _check_ms(name: str, v: int) -> int:
+class _JsonKeywords:
+    """Annotation that adds JSON Schema keywords for a check a validator does (pydantic's
+    ``__get_pydantic_json_schema__`` hook), so the exported schema states the same rule.
+    A keyword given as None is removed."""
+
+    def __init__(self, **keywords):
+        self.keywords = keywords
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        out = handler(core_schema)
+        for k, v in self.keywords.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = v
+        return out
+
+
+def _check_text(v: str) -> str:
+    """Refuse NUL and lone surrogates (``ValueError`` naming the index and code point)."""
+    m = _UNSAFE_TEXT.search(v)
+    if m is not None:
+        what = "NUL" if m.group() == "\x00" else "a lone surrogate"
+        raise ValueError(f"{what} (U+{ord(m.group()):04X}) at index {m.start()}: text must be valid "
+                         f"Unicode without NUL")
+    return v
+
+
+def _check_ms(v: int) -> int:
+    """Refuse an event time outside [MIN_EVENT_TIME_MS, MAX_EVENT_TIME_MS], saying why."""
     if v < MIN_EVENT_TIME_MS:
         unit = "seconds" if 10**9 <= v < 10**11 else "not milliseconds"
-        raise ValueError(f"{name}: {v} is before 2001-09-09 in ms since the epoch (looks like {unit}); "
+        raise ValueError(f"{v} is before 2001-09-09 in ms since the epoch (looks like {unit}); "
+                         f"event times are milliseconds since the epoch, UTC")
+    if v > MAX_EVENT_TIME_MS:
+        raise ValueError(f"{v} is after 2100-01-01 in ms since the epoch ({MAX_EVENT_TIME_MS}); "
                          f"event times are milliseconds since the epoch, UTC")
     return v
+
+
+#: Any text field: no NUL, no lone surrogate.
+Text = Annotated[str, AfterValidator(_check_text), _JsonKeywords(pattern=TEXT_PATTERN)]
+#: An identifier-like text field (ids, names, pods): 1 to MAX_ID_CHARS characters.
+IdText = Annotated[Text, Field(min_length=1, max_length=MAX_ID_CHARS)]
+#: An event time, ms since the epoch (UTC), within [MIN_EVENT_TIME_MS, MAX_EVENT_TIME_MS].
+EventTimeMs = Annotated[int, AfterValidator(_check_ms),
+                        _JsonKeywords(minimum=MIN_EVENT_TIME_MS, maximum=MAX_EVENT_TIME_MS)]
+#: A token id of the model's vocabulary, stored as Arrow int32: [0, 2**31 - 1].
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+#: A count stored as Arrow int32: [0, 2**31 - 1].
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+#: A log-probability: finite as float32, <= 0.
+Logprob = Annotated[float, Field(ge=-FLOAT32_MAX, le=0.0)]
+#: A duration in ms: [0, MAX_DURATION_MS].
+DurationMs = Annotated[float, Field(ge=0.0, le=MAX_DURATION_MS)]
+
+
+def escape_text(v: str) -> str:
+    """``v`` with each NUL and lone surrogate written as a ``\\uXXXX`` escape (6 characters):
+    what a dead letter carries, so a record is quarantined whatever bytes it holds."""
+    return _UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", v)
 
 
 # Clock skew (Hardening II, defect 3). One rule for every receiver, HTTP (serving) and Kafka
@@ -89,19 +165,22 @@ class SamplingParams(_Event):
     so the learner's importance ratio compares like with like (trl#4159, trl#6789).
 
     Fields:
-        temperature: >= 0; 0 means greedy.
+        temperature: in [0, 2]; 0 means greedy.
         top_p: in (0, 1]; 1 disables nucleus filtering.
-        top_k: 0 or -1 disables; else keep the k most likely tokens.
-        max_tokens: >= 1, new tokens at most.
-        seed: per-request RNG seed, or None.
+        top_k: in [-1, 2**31 - 1]; 0 or -1 disables; else keep the k most likely tokens.
+        max_tokens: in [1, 2**31 - 1], new tokens at most.
+        seed: per-request RNG seed in [-2**63, 2**63 - 1] (int64), or None.
     """
 
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_tokens: int = Field(128, ge=1)
-    seed: int | None = None
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    max_tokens: int = Field(128, ge=1, le=INT32_MAX)
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     logprobs_kind: Literal["raw"] = "raw"
+
+
+BASE64_PATTERN = r"^[A-Za-z0-9+/]*={0,2}$"  # RFC 4648 base64, padded
 
 
 class ExpertRoutes(_Event):
@@ -112,10 +191,10 @@ class ExpertRoutes(_Event):
     every token that went through a forward pass, in order.
     """
 
-    shape: tuple[int, int, int]
+    shape: tuple[Count, Count, Count]
     dtype: Literal["uint8", "uint16"] = "uint8"
     codec: Literal["zstd"] = "zstd"
-    data: str  # base64 of the zstd-compressed C-order bytes
+    data: str = Field(pattern=BASE64_PATTERN)  # base64 of the zstd-compressed C-order bytes
 
     @classmethod
     def from_array(cls, routes: np.ndarray) -> "ExpertRoutes":
@@ -152,31 +231,31 @@ class CompletionEvent(_Event):
     Shapes: ``behavior_logprobs`` has one float32 per completion token;
     ``expert_routes`` is ``(len(prompt) + len(completion) - 1, moe_layers, top_k)`` or None
     for dense models. Times: ``created_at`` ms since epoch UTC; ``ttft_ms``/``latency_ms`` ms.
+
+    Bounds (also in the exported JSON Schema): ``created_at`` in [10**12, 4102444800000]
+    (2001-09-09 to 2100-01-01); token ids in [0, 2**31 - 1] (int32); logprobs in
+    [-FLOAT32_MAX, 0]; ``ttft_ms``/``latency_ms`` in [0, 86400000]; text fields without NUL
+    or lone surrogates, ids 1-256 characters.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
     completion_id: uuid.UUID
-    request_id: str
-    created_at: int = Field(ge=0)
-    model_version: str = Field(min_length=1)
-    pod: str
-    user_hash: str
-    prompt_token_ids: list[int] = Field(min_length=1)
-    completion_token_ids: list[int]
-    behavior_logprobs: list[float]
+    request_id: IdText
+    created_at: EventTimeMs
+    model_version: IdText
+    pod: IdText
+    user_hash: IdText
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    completion_token_ids: list[TokenId]
+    behavior_logprobs: list[Logprob]
     sampling: SamplingParams
     expert_routes: ExpertRoutes | None = None
     finish_reason: Literal["stop", "length", "abort"]
-    ttft_ms: float = Field(ge=0)
-    latency_ms: float = Field(ge=0)
+    ttft_ms: DurationMs
+    latency_ms: DurationMs
     # ``eval`` completions are held out: their feedback is measured, never trained on
     # (chosen by serving with schemas.split.choose_split). Last field: the join reads the head.
     split: Literal["train", "eval"] = "train"
-
-    @field_validator("created_at")
-    @classmethod
-    def _created_at_ms(cls, v: int) -> int:
-        return _check_ms("created_at", v)
 
     @model_validator(mode="after")
     def _check_lengths(self):
@@ -211,37 +290,38 @@ class FeedbackEvent(_Event):
 
     ``name`` and ``metadata`` are optional and left out of the JSON when unset, so an event
     that uses neither encodes exactly as before they existed.
+
+    Bounds (also in the exported JSON Schema, the per-kind rules as ``allOf`` if/then):
+    ``created_at`` in [10**12, 4102444800000] ms; ``value`` +1 or -1 for a thumb, in
+    [-1e6, 1e6] otherwise; text without NUL or lone surrogates.
     """
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        # kind absent means "thumb" (the default), and `properties` holds vacuously then
+        {"if": {"properties": {"kind": {"const": "thumb"}}},
+         "then": {"properties": {"value": {"enum": [1, -1]}}}},
+        {"if": {"properties": {"kind": {"const": "score"}}, "required": ["kind"]},
+         "then": {"properties": {"name": {"type": "string"}}, "required": ["name"]},
+         "else": {"properties": {"name": {"type": "null"}}}},
+    ]})
 
     schema_version: Literal[1] = SCHEMA_VERSION
     event_id: uuid.UUID
     completion_id: uuid.UUID
-    user_hash: str
+    user_hash: IdText
     kind: FeedbackKind = "thumb"
-    value: Annotated[float, Strict()]  # a JSON number: true or "1" is refused, never read as +1
-    comment: str | None = Field(None, max_length=4096)
-    created_at: Annotated[int, Strict()] = Field(ge=0)
-    name: str | None = Field(None, pattern=SCORE_NAME_PATTERN)
-    metadata: dict[str, str] | None = None
-
-    @field_validator("created_at")
-    @classmethod
-    def _created_at_ms(cls, v: int) -> int:
-        return _check_ms("created_at", v)
-
-    @field_validator("metadata")
-    @classmethod
-    def _bounded_metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is None:
-            return v
-        if len(v) > MAX_METADATA_KEYS:
-            raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(v)}")
-        for k, x in v.items():
-            if not 1 <= len(k) <= MAX_METADATA_KEY_CHARS:
-                raise ValueError(f"key {k[:80]!r}: 1 to {MAX_METADATA_KEY_CHARS} characters")
-            if len(x) > MAX_METADATA_VALUE_CHARS:
-                raise ValueError(f"value of {k!r}: at most {MAX_METADATA_VALUE_CHARS} characters, got {len(x)}")
-        return v
+    # a JSON number: true or "1" is refused, never read as +1
+    value: Annotated[float, Strict(), Field(ge=-SCORE_MAX_ABS, le=SCORE_MAX_ABS)]
+    comment: Annotated[Text, Field(max_length=4096)] | None = None
+    created_at: Annotated[EventTimeMs, Strict()]
+    name: Annotated[str, Field(pattern=SCORE_NAME_PATTERN)] | None = None
+    metadata: Annotated[dict[Annotated[Text, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+                             Annotated[Text, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+                        Field(max_length=MAX_METADATA_KEYS),
+                        _JsonKeywords(patternProperties=None, propertyNames={
+                            "minLength": 1, "maxLength": MAX_METADATA_KEY_CHARS, "pattern": TEXT_PATTERN},
+                            additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS,
+                                                  "pattern": TEXT_PATTERN})] | None = None
 
     @model_validator(mode="after")
     def _check_value(self):
@@ -269,25 +349,29 @@ class RewardedSample(_Event):
     event is in exactly one sample); ``votes_up``/``votes_down``/``n_votes`` count each
     user's last vote only. ``split`` is copied from the completion: ``eval`` samples measure
     every version on prompts no version learned from, and the learner refuses them.
+
+    Bounds as :class:`CompletionEvent` for the completion's fields; ``created_at`` and
+    ``sealed_at`` in [10**12, 4102444800000] ms; ``reward`` finite as float32; counts in
+    [0, 2**31 - 1] (``n_votes`` >= 1).
     """
 
     completion_id: uuid.UUID
-    model_version: str
-    created_at: int
-    user_hash: str
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    behavior_logprobs: list[float]
+    model_version: IdText
+    created_at: EventTimeMs
+    user_hash: IdText
+    prompt_token_ids: list[TokenId]
+    completion_token_ids: list[TokenId]
+    behavior_logprobs: list[Logprob]
     sampling: SamplingParams
     expert_routes: ExpertRoutes | None = None
-    finish_reason: str
-    reward: float
+    finish_reason: IdText
+    reward: float = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)
     label: bool
-    n_votes: int = Field(ge=1)
-    votes_up: int = Field(ge=0)
-    votes_down: int = Field(ge=0)
-    event_ids: list[str]
-    sealed_at: int
+    n_votes: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    votes_up: Count
+    votes_down: Count
+    event_ids: list[IdText]
+    sealed_at: EventTimeMs
     split: Literal["train", "eval"] = "train"
 
     @field_validator("event_ids")
@@ -299,11 +383,22 @@ class RewardedSample(_Event):
 
 
 class DeadLetter(_Event):
-    """An event the join could not use, with the field and the reason."""
+    """An event the join could not use, with the field and the reason.
 
-    source_topic: str
-    key: str | None = None
-    field: str
-    reason: str
-    payload: str  # the raw value, utf-8 with replacement
-    at: int
+    A dead letter must carry any record, so its text fields never refuse: NUL and lone
+    surrogates in them (from a hostile key or field name) are written as ``\\uXXXX`` escapes
+    (:func:`escape_text`) before validation, and the topic holds only valid text (the exported
+    schema's ``pattern``). ``at``: ms since the epoch, UTC.
+    """
+
+    source_topic: Text
+    key: Text | None = None
+    field: Text
+    reason: Text
+    payload: Text  # the raw value, utf-8 with replacement
+    at: EventTimeMs
+
+    @field_validator("source_topic", "key", "field", "reason", "payload", mode="before")
+    @classmethod
+    def _escape(cls, v):
+        return escape_text(v) if isinstance(v, str) else v

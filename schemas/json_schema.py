@@ -7,12 +7,20 @@ default may be omitted). Checks that JSON Schema cannot express stay in the mode
 listed in each schema's ``description`` suffix (:data:`NOT_IN_SCHEMA`): a value valid under the
 schema can still be dead-lettered by ingest for those.
 
+Bounds: every number carries ``minimum``/``maximum`` (or ``exclusiveMinimum``) and every text
+field the ``pattern`` :data:`schemas.events.TEXT_PATTERN` (no NUL, no lone surrogate), the same
+rules the models enforce; ``tests/test_schemas_bounds.py`` checks, field by field, that a value
+just inside each bound passes and one just outside fails in both.
+
 Compatibility rule (Confluent Schema Registry's BACKWARD mode, per ``schema_version``):
 within one ``schema_version`` a contract may only gain optional fields; an event valid under
 an earlier export of that version stays valid (:func:`compatibility_problems` checks it).
 Removing or renaming a field, a new required field, or any change of an existing field's
 type or bounds needs the next ``schema_version`` and a new file; consumers refuse versions
 they do not know (``schema_version`` is a ``const`` in the schema and a ``Literal`` in the model).
+One exception was made within v1 (decision D43): the bounds added by Hardening II refuse only
+values that no consumer could use (they crashed ingest, overflowed an Arrow column, or were
+refused by the models already), so they tightened v1 rather than start v2.
 """
 
 from __future__ import annotations
@@ -27,11 +35,10 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ID_BASE = "urn:flywheel:schema:"
 
 NOT_IN_SCHEMA = {
-    "CompletionEvent": "created_at >= 10^12 (ms since the epoch); len(behavior_logprobs) == "
-                       "len(completion_token_ids); expert_routes.shape[0] == len(prompt) + len(completion) - 1; "
-                       "no NaN or Infinity",
-    "FeedbackEvent": "created_at >= 10^12 (ms since the epoch); a thumb's value is +1 or -1; no NaN or Infinity",
-    "RewardedSample": "event_ids are distinct",
+    "CompletionEvent": "len(behavior_logprobs) == len(completion_token_ids); "
+                       "expert_routes.shape[0] == len(prompt) + len(completion) - 1; no NaN (not JSON)",
+    "FeedbackEvent": "no NaN (not JSON)",
+    "RewardedSample": "event_ids are distinct; no NaN (not JSON)",
 }
 
 

@@ -22,7 +22,7 @@ from serving.eventlog import EventLog
 from serving.http import errors
 from serving.http.auth import AuthMiddleware, AuthPolicy, load_keys
 from serving.http.completion_log import CompletionLogger
-from serving.http.limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from serving.http.limits import DEFAULT_MAX_BODY_BYTES, PROMPT_PATHS, BodyLimitMiddleware, prompt_body_bytes
 from serving.http.metrics import RequestCountMiddleware, ServingMetrics
 from serving.http.prompts import PromptBuilder
 from serving.http.router_admin import router as admin_router
@@ -77,7 +77,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
             page can post feedback with a feedback-only key; None = no CORS headers.
         max_prompt_tokens: longer prompts get HTTP 413 (tokens).
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
-        max_body_bytes: larger request bodies get HTTP 413 (bytes).
+        max_body_bytes: larger request bodies get HTTP 413 (bytes); on the inference paths
+            the bound is at most :func:`serving.http.limits.prompt_body_bytes` of ``max_prompt_tokens``.
 
     Raises:
         ValueError: ``eval_share`` outside [0, 1].
@@ -106,7 +107,9 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
     for r in (v1_router, feedback_router, admin_router, ops_router):
         app.include_router(r)
     errors.install(app)  # CatchAllMiddleware: innermost of the middlewares below
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # only after auth
+    prompt_limit = min(max_body_bytes, prompt_body_bytes(max_prompt_tokens))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,  # only after auth
+                       path_limits={p: prompt_limit for p in PROMPT_PATHS})
     policy = AuthPolicy(api_keys=frozenset(api_keys) if api_keys else None,
                         feedback_keys=frozenset(feedback_keys) if feedback_keys else None,
                         admin_token=admin_token or None)

@@ -288,6 +288,9 @@ class FeedbackRequest(WireModel):
     ``value``: a finite number, never a boolean; +1 / -1 for ``thumb``. ``name``: what a
     ``score`` scores (required for ``score``, refused on other kinds). ``metadata``: at most
     16 str -> str pairs. ``event_id``: the idempotency key (made by serving when absent).
+    ``created_at``: when the user gave the feedback, ms since the epoch (UTC; default: when
+    the pod receives it); more than ``schemas.events.MAX_FUTURE_SKEW_MS`` ahead of the pod's
+    clock it is refused (422), less than that ahead it is clamped to the pod's clock.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -301,6 +304,7 @@ class FeedbackRequest(WireModel):
         None, max_length=MAX_METADATA_KEYS)
     comment: str | None = Field(None, max_length=4096)
     user: str | None = Field(None, max_length=256)
+    created_at: Int | None = None
 
 
 class FeedbackBatchRequest(BaseModel):

@@ -116,7 +116,7 @@ def test_deadletters_by_reason(tmp_path):
 
     sd = tmp_path / "samples"
     assert catalog.query("SELECT * FROM deadletters_by_reason", sd) == []
-    mk = lambda f, r: DeadLetter(source_topic="flywheel.feedback", key=None, field=f, reason=r, payload="{}", at=1)
+    mk = lambda f, r: DeadLetter(source_topic="flywheel.feedback", key=None, field=f, reason=r, payload="{}", at=10**12)
     writer.write_deadletters([mk("completion_id", "late: x"), mk("completion_id", "late: y")],
                              catalog.deadletters_dir(sd))
     writer.write_deadletters([mk("value", "bad JSON: z")], catalog.deadletters_dir(sd))

@@ -55,11 +55,11 @@ def model(tiny_moe_dir):
 
 
 def test_build_batch_layout_by_hand():
-    s = [RewardedSample(completion_id=uuid.uuid4(), model_version="v000001", created_at=0, user_hash="u",
+    s = [RewardedSample(completion_id=uuid.uuid4(), model_version="v000001", created_at=10**12, user_hash="u",
                         prompt_token_ids=p, completion_token_ids=c, behavior_logprobs=b,
                         sampling=SamplingParams(), expert_routes=ExpertRoutes.from_array(r),
                         finish_reason="stop", reward=rw, label=rw > 0, n_votes=1, votes_up=1, votes_down=0,
-                        event_ids=["e"], sealed_at=0)
+                        event_ids=["e"], sealed_at=10**12)
          for p, c, b, r, rw in [([5, 6, 7], [8, 9], [-0.5, -0.25], np.arange(16).reshape(4, 2, 2) % 4, 1.0),
                                 ([5], [8], [-1.0], np.full((1, 2, 2), 3), -1.0)]]
     b = build_batch(s, pad_id=0)
@@ -145,9 +145,9 @@ def test_refused_samples_are_counted(model):
 
 
 def test_staleness_filter_counts():
-    base = dict(created_at=0, user_hash="u", prompt_token_ids=[1], completion_token_ids=[2],
+    base = dict(created_at=10**12, user_hash="u", prompt_token_ids=[1], completion_token_ids=[2],
                 behavior_logprobs=[-1.0], sampling=SamplingParams(), finish_reason="stop", reward=1.0,
-                label=True, n_votes=1, votes_up=1, votes_down=0, event_ids=["e"], sealed_at=0)
+                label=True, n_votes=1, votes_up=1, votes_down=0, event_ids=["e"], sealed_at=10**12)
     vs = ["v000010", "v000006", "v000005", "v000011", "latest"]
     ss = [RewardedSample(completion_id=uuid.uuid4(), model_version=v, **base) for v in vs]
     keep, dropped = staleness_filter(ss, "v000010", max_staleness=4)

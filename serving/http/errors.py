@@ -129,7 +129,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
         t = _TYPES.get(exc.status_code, "invalid_request_error")
-        return json_response(error_body(str(exc.detail), None, type_=t), exc.status_code,
+        code = "request_too_large" if exc.status_code == 413 else None  # a chunked body cut (limits.py)
+        return json_response(error_body(str(exc.detail), None, type_=t, code=code), exc.status_code,
                              getattr(exc, "headers", None))
 
     app.add_middleware(CatchAllMiddleware)

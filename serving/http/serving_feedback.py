@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas import topics
-from schemas.events import FeedbackEvent, hash_user, now_ms
+from schemas.events import FeedbackEvent, clamp_event_time, hash_user, now_ms
 from serving.http.completion_log import CompletionLogger
 from serving.http.errors import error_body, pydantic_error_param, validation_error_body
 from serving.http.metrics import ServingMetrics
@@ -88,13 +88,26 @@ class FeedbackServing:
         raise ServingValidationError("event_id", key, f"{why}; retry with the same event_id",
                                      status=503, code="event_not_durable")
 
+    @staticmethod
+    def _event_time(created_at: int) -> int:
+        """The clock-skew rule (``schemas.events.clamp_event_time``, the one ingest applies on
+        Kafka): a client time within the tolerance ahead of this pod's clock is clamped to it;
+        beyond it, 422 ``created_at_in_future``. Earlier times pass through (the contract
+        checks they are ms since the epoch)."""
+        try:
+            return clamp_event_time("created_at", created_at)
+        except ValueError as exc:
+            raise ServingValidationError("created_at", created_at, str(exc).split(": ", 1)[-1], status=422,
+                                         code="created_at_in_future") from None
+
     def _publish(self, body: FeedbackRequest, user_header: str | None):
         """Validate, dedupe and emit one event: ``(result, durable future or None)``."""
         event_id = body.event_id or uuid.uuid4()
         uh = hash_user(body.user or user_header or "anonymous", self.salt)
+        created_at = now_ms() if body.created_at is None else self._event_time(body.created_at)
         try:
             ev = FeedbackEvent(event_id=event_id, completion_id=body.completion_id, user_hash=uh, kind=body.kind,
-                               value=body.value, comment=body.comment, created_at=now_ms(), name=body.name,
+                               value=body.value, comment=body.comment, created_at=created_at, name=body.name,
                                metadata=body.metadata)
         except ValidationError as exc:
             e = exc.errors()[0]

@@ -17,11 +17,16 @@ Split (``train``/``eval``, see :mod:`schemas.split`): the request's
 ``metadata.flywheel_split`` or header ``X-Flywheel-Split`` (they must agree), else a stable
 hash of the prompt token ids against the pod's ``eval_share``. Raw user ids are hashed with
 the pod's salt before any event is written and never leave the pod.
+
+CPU work on a request's prompt (the chat template, tokenisation) runs in a small thread pool
+(:data:`TOKENIZE_WORKERS` threads; the Rust tokenizer releases the GIL), never on the event
+loop: a large prompt never delays ``/healthz`` or another request's stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,6 +54,8 @@ CID_HEADER = "x-flywheel-completion-id"
 CIDS_HEADER = "x-flywheel-completion-ids"  # all n choices, comma-separated, in choice order
 VERSION_HEADER = "x-flywheel-model-version"
 DEFAULT_SERVED_MODEL_NAME = "flywheel"
+TOKENIZE_WORKERS = 2  # threads tokenising prompts (bounded: more would only contend for the cores)
+REQUEST_ID_MAX_CHARS = 256  # x-request-id: CompletionEvent.request_id's bound
 
 
 def user_hash(request: Request, user: str | None, salt: str) -> str:
@@ -85,6 +92,12 @@ class OpenAIServing:
         self.default_max_tokens = default_max_tokens
         self.inflight = 0  # choices submitted and not finished (event loop only)
         self._inbox: LoopInbox | None = None  # engine steps -> streamed requests' queues
+        self._cpu = concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="flywheel-tokenize")
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` in the tokenising pool (bounded), awaited: CPU work on a prompt never
+        runs on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     # ------------------------------------------------------------------ request -> plan
     def resolve_model(self, name: str) -> str | None:
@@ -152,24 +165,43 @@ class OpenAIServing:
         if body.top_logprobs and not body.logprobs:
             raise ServingValidationError("top_logprobs", body.top_logprobs, "requires logprobs=true")
         tools = body.tool_spec() if structured else None
-        prompt = self.prompts.chat_ids(body, tools)
+        request_id = self.request_id(request)
+        prompt = await self.off_loop(self.prompts.chat_ids, body, tools)
         self.prompts.check_len("messages", prompt)
         asked = body.max_completion_tokens or body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         sp = body.sampling(self.prompts.budget(field, prompt, asked, self.default_max_tokens))
         return await self._serve(request, body, version, prompt, sp, body.top_logprobs or 0, chat=True,
-                                 structured=body.structured_outputs() if structured else None, tools=tools)
+                                 structured=body.structured_outputs() if structured else None, tools=tools,
+                                 request_id=request_id)
 
     async def completions(self, body: CompletionRequest, request: Request):
         """OpenAI (legacy) text completions (JSON or SSE)."""
         version = self.resolve_model(body.model)
         structured = self.structured_ok()
         body.check_supported(structured=structured)
-        prompt = self.prompts.completion_ids(body)
+        request_id = self.request_id(request)
+        prompt = await self.off_loop(self.prompts.completion_ids, body)
         self.prompts.check_len("prompt", prompt)
         sp = body.sampling(self.prompts.budget("max_tokens", prompt, body.max_tokens, 16))
         return await self._serve(request, body, version, prompt, sp, body.logprobs or 0, chat=False,
-                                 structured=body.structured_outputs() if structured else None)
+                                 structured=body.structured_outputs() if structured else None,
+                                 request_id=request_id)
+
+    @staticmethod
+    def request_id(request: Request) -> str:
+        """Header ``x-request-id``, else a new ``req-<16 hex>``.
+
+        Raises:
+            ServingValidationError: 400 naming ``x-request-id`` when it is longer than
+                :data:`REQUEST_ID_MAX_CHARS` (the completion event could not carry it).
+        """
+        rid = request.headers.get("x-request-id")
+        if not rid:
+            return f"req-{uuid.uuid4().hex[:16]}"
+        if len(rid) > REQUEST_ID_MAX_CHARS:
+            raise ServingValidationError("x-request-id", rid[:40] + "...", f"at most {REQUEST_ID_MAX_CHARS} characters")
+        return rid
 
     def structured_ok(self) -> bool:
         """Whether the engine does structured outputs and tool calls (the vLLM engine)."""
@@ -177,14 +209,15 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running n choices
     async def _serve(self, request: Request, body, version: str | None, prompt: list[int], sp,
-                     top_logprobs: int, chat: bool, structured: dict | None = None, tools: list | None = None):
+                     top_logprobs: int, chat: bool, structured: dict | None = None, tools: list | None = None,
+                     request_id: str = ""):
         """Run ``n`` choices on one version and answer in the OpenAI shape, as JSON or SSE.
         ``structured``: vLLM structured-outputs constraint; ``tools``: parse tool calls."""
         split = self.split_of(request, body, prompt)
         uh = user_hash(request, body.user, self.salt)
         run = _Run(lm=self.slots.pick(uh, version=version), prompt=prompt, n=body.n or 1, stops=body.stop_strings(),
                    split=split, user_hash=uh, created_ms=now_ms(),
-                   request_id=request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}",
+                   request_id=request_id or self.request_id(request),
                    q=asyncio.Queue() if body.stream else None, structured=structured, tools=tools)
         # choice i samples with seed + i: n copies of one seeded draw would be surprising
         run.sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i})
