@@ -128,7 +128,7 @@ class LoadedModel:
         routers / route_buf: the MoE router modules and, per transformer layer (global
             index, vLLM's layout; None for dense layers), the expert indices ``(N, k)`` of
             the last forward (filled by forward hooks); empty for a dense model. Read them
-            with :meth:`layer_routes`.
+            with :meth:`layer_routes`. route_dims: ``(L, k, E)`` of the routes it logs.
         prefix_cache: this version's :class:`serving.prefix_cache.PrefixCache`, or None when
             the engine runs without prefix caching.
     """
@@ -141,6 +141,7 @@ class LoadedModel:
     load_ms: float
     routers: list = field(default_factory=list)
     route_buf: list = field(default_factory=list)  # per layer: last indices (N, k), None = dense
+    route_dims: tuple = (0, 0, 0)  # (L, k, E): schemas.routers.route_shape of the model
     prefix_cache: Any = None  # serving.prefix_cache.PrefixCache of these weights, or None (off)
 
     def layer_routes(self) -> list:
@@ -439,11 +440,11 @@ class TorchEngine(Engine):
 
     def _wrap(self, model, version: str, t0: float) -> LoadedModel:
         hashes = state_sha256(model.state_dict())
-        layers = routed_layers(model)
+        layers, dims = routed_layers(model), route_shape(model)
         lm = LoadedModel(version=version, model=model, hashes=hashes,
                          weights_digest=digest_of_hashes(hashes), loaded_at=now_ms(),
                          load_ms=(time.perf_counter() - t0) * 1000, routers=[r.router for r in layers],
-                         route_buf=[None] * route_shape(model)[0])
+                         route_buf=[None] * dims[0], route_dims=dims)
         if self.prefix_caching:
             from serving.prefix_cache import PrefixCache
 

@@ -114,10 +114,7 @@ class RunningBatch:
         self.logits = None  # (B, V) float32
         self._filter_key: tuple | None = None
         self._filter = None
-        model = lm.model
-        from schemas.routers import route_shape
-
-        self.n_layers, self.top_k, n_experts = route_shape(model)  # L = num_hidden_layers (vLLM's layout)
+        self.n_layers, self.top_k, n_experts = lm.route_dims  # L = num_hidden_layers (vLLM's layout)
         self.route_dtype = np.uint16 if n_experts > 256 else np.uint8
 
     # ------------------------------------------------------------------ membership
