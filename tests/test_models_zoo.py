@@ -47,7 +47,9 @@ def tiny_config(arch: str, vocab_size: int, eos: int, pad: int, head_dim: int = 
                                    n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                    routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=32,
                                    qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2,
-                                   v_head_dim=head_dim, rope_interleave=True, **moe,
+                                   v_head_dim=head_dim, rope_interleave=True,
+                                   topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's own config.json
+                                   **moe,
                                    **{**common, "num_key_value_heads": 4})  # MLA: one latent KV per head
     if arch == "glm4_moe":
         return tf.Glm4MoeConfig(intermediate_size=2 * h, moe_intermediate_size=h, n_routed_experts=4,
