@@ -40,13 +40,15 @@ def tiny_config(arch: str, vocab_size: int, eos: int, pad: int, head_dim: int = 
         return tf.OlmoeConfig(intermediate_size=h, num_experts=4, norm_topk_prob=False, **moe, **common)
     if arch == "gpt_oss":
         return tf.GptOssConfig(intermediate_size=h, num_local_experts=4, head_dim=head_dim, sliding_window=32,
-                               layer_types=["sliding_attention", "full_attention"],
-                               rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **moe, **common)
+                               layer_types=["sliding_attention", "full_attention"], **moe,
+                               **{**common, "max_position_embeddings": 131072})  # its YaRN: 32 x 4096
     if arch == "deepseek_v3":
+        # vLLM's MLA kernels take only DeepSeek's own latent size (kv_lora_rank 512 + rope 64)
+        mla = (dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=head_dim) if head_dim >= 64 else
+               dict(kv_lora_rank=32, qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2))
         return tf.DeepseekV3Config(intermediate_size=2 * h, moe_intermediate_size=h, n_routed_experts=4,
                                    n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                   routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=32,
-                                   qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2,
+                                   routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, **mla,
                                    v_head_dim=head_dim, rope_interleave=True,
                                    topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's own config.json
                                    **moe,
