@@ -28,9 +28,9 @@ def experts_implementation(config) -> str:
         schemas.routers.UnsupportedArchitectureError: ``config`` declares experts but its
             architecture has no router adapter (so no model is ever built as if dense).
     """
-    from schemas.routers import adapter_for
+    from schemas.routers import adapter_for, num_experts
 
-    return EXPERTS_IMPLEMENTATION if adapter_for(config) is not None else "eager"
+    return EXPERTS_IMPLEMENTATION if adapter_for(config) is not None and num_experts(config) > 1 else "eager"
 
 
 def attention_window(config) -> int | None:
