@@ -8,10 +8,12 @@
 #   docker build --target controller -t flywheel-controller .   # controller and on-call CLI
 #   docker build --target tools      -t flywheel-tools .        # model init, topics create, demo
 #
-# Each role installs only its extra of pyproject.toml (flywheel[serve], [ingest], [learn]): a
+# Each role installs only its extra of pyproject.toml (flywheel-loop[serve], [ingest], [learn]): a
 # serving image holds no DeepSpeed and no demo packages (tests/test_packaging.py). Every
-# runtime stage runs as the unprivileged user 10001 and reads /etc/flywheel/flywheel.toml when
-# it is mounted (FLYWHEEL_CONFIG).
+# runtime stage runs as the unprivileged user and group 10001 (the manifests' runAsUser and
+# fsGroup, so it can write its volumes) and reads /etc/flywheel/flywheel.toml when it is
+# mounted (FLYWHEEL_CONFIG). Serving: the product API on 8000, /admin and /metrics on 8001
+# when started with --admin-port 8001 (deploy/k8s/flywheel.toml does).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # torch wheels: CPU for the roles that run no model on a GPU, CUDA for serving and learning
@@ -68,7 +70,8 @@ RUN pip install --extra-index-url ${TORCH_INDEX_CPU} -e ".[serve,ingest]" \
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PATH=/opt/flywheel/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     FLYWHEEL_HOME=/var/lib/flywheel FLYWHEEL_CONFIG=/etc/flywheel/flywheel.toml
-RUN useradd --uid 10001 --create-home --home-dir /var/lib/flywheel flywheel \
+RUN groupadd --gid 10001 flywheel \
+ && useradd --uid 10001 --gid 10001 --create-home --home-dir /var/lib/flywheel flywheel \
  && mkdir -p /etc/flywheel \
  && touch /etc/flywheel/flywheel.toml
 WORKDIR /var/lib/flywheel
@@ -76,7 +79,7 @@ WORKDIR /var/lib/flywheel
 FROM runtime AS serve
 COPY --from=build-serve /opt/flywheel /opt/flywheel
 USER 10001
-EXPOSE 8000
+EXPOSE 8000 8001
 ENTRYPOINT ["flywheel", "serve"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]
 
@@ -84,7 +87,7 @@ FROM runtime AS serve-vllm
 COPY --from=build-serve-vllm /opt/vllm /opt/vllm
 COPY --from=build-serve-vllm /src /src
 USER 10001
-EXPOSE 8000
+EXPOSE 8000 8001
 ENTRYPOINT ["/opt/vllm/bin/python", "-m", "flywheel.cli", "serve", "--engine", "vllm"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]
 

@@ -1,129 +1,165 @@
-"""Canary decision rules under continuous monitoring: the sequential test vs today's z-test.
+"""Canary decisions under continuous looks, simulated on the controller's own code path.
 
-Simulates canaries exactly as :class:`deploy.controller.RolloutController` polls them: votes
-arrive one at a time, each on the candidate with the current step's traffic share, and the
-thumbs-up decision is checked after every new vote (``--every k``: every k votes). Per
-canary and per rule:
+Simulates canaries as :class:`deploy.controller.RolloutController` runs them: votes arrive
+one at a time, each on the candidate with the current step's traffic share; every ``every``
+votes (a controller poll) the thumbs-up test is evaluated with
+:func:`deploy.analysis.thumbs_bounds` and :func:`deploy.analysis.thumbs_verdict` (the
+functions :func:`deploy.analysis.check_thumbs` judges with, vectorised over canaries), and
+the step logic of :func:`deploy.decide.decide_step` is applied:
 
-* thumbs FAIL (roll back) as soon as the rule fails;
-* a step advances when the rule passes and the step has ``min_votes_per_step`` new
-  candidate votes (the controller's gate); passing the last step is a promotion;
-* a step that reaches its deadline (``--step-deadline-votes`` votes) takes the configured
-  deadline outcome (production default: roll back).
+* FAIL (upper bound < 0): roll back at once;
+* PASS with ``min_votes_per_step`` new candidate votes in the step: advance, or promote after
+  the last analysed share (the final 100 % is the promotion itself, D27);
+* a step still undecided after ``step_deadline_votes`` votes: deadline outcome roll back.
 
-Rules, side by side on the SAME simulated vote streams:
+Each vote comes from a user with their own thumbs-up propensity ``u ~ Beta`` (mean = the
+stable's rate, concentration ``kappa``); the candidate multiplies it by its rate ratio. The
+user's earlier thumbs-up rate over ``history`` votes before the canary is the CUPED
+covariate. Rules, side by side on the SAME vote streams:
 
-* ``sequential`` (new): :func:`deploy.analysis.check_thumbs`'s rule: always-valid mSPRT
-  interval of rate(candidate) - rate(stable) (``deploy.stats.msprt_bounds``, alpha, tau =
-  delta); FAIL when hi < 0, PASS when lo > -delta, after ``min_votes`` per arm.
-* ``current_rule`` (before issue 10): one-sided pooled z-test repeated at every look; FAIL
-  when p < alpha, PASS as soon as each arm has 20 votes and p >= alpha.
+* ``relative``: the canary's test (relative margin, ``AnalysisConfig(cuped=False)``);
+* ``relative_cuped``: the same with the users' history as CUPED covariate (issue 23 item 2);
+* ``absolute``: the rule before issue 23: mSPRT on ``rate_c - rate_s`` with an absolute
+  margin (``deploy.stats.msprt_bounds``, tau = margin), at the demo's 0.2 / production 0.1.
 
-Cases: A/A (equal rates), candidate worse by 2*delta, candidate better by delta. Figures:
-false rollback rate on A/A, false promotion rate of the 2*delta-worse candidate, promotion
-rate of the delta-better one, median votes to a decision; binomial 95 % Wilson intervals on
-each rate. Run: ``python bench/canary.py [--quick] [--canaries N]``.
+Settings (``SETTINGS``): the demo's (one analysed share of 50 %, 20-vote burn-in, ~360-vote
+deadline, a look every vote) and production's (shares 5/25/50 %, 10-vote burn-in, a
+7,200-vote step deadline = the controller's 3,600 s deadline at 2 votes/s, a look every 10
+votes = 5 s polls). Base rates 0.05, 0.2, 0.5; candidates equal, better by the margin
+(ratio 1 + delta), worse by half the margin, by the margin, by twice it, and half as good.
+Figures: promotion rate with its Wilson 95 % interval and the number of canaries, the rollback
+and deadline shares, median votes to a decision. Run: ``python bench/canary.py [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.stats import msprt_bounds, pooled_z, wilson_interval  # noqa: E402
+from deploy.analysis import AnalysisConfig, thumbs_bounds, thumbs_verdict  # noqa: E402
+from deploy.stats import msprt_bounds, wilson_interval  # noqa: E402
 
 PROMOTE, ROLLBACK, DEADLINE_ROLLBACK = 1, 2, 3
+RULES = ("relative", "relative_cuped", "absolute")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimConfig:
-    """One simulated rollout policy (units: votes, rates in [0, 1])."""
+    """One simulated rollout policy (units: votes; rates in [0, 1]).
 
-    steps: tuple[float, ...] = (0.25, 0.5, 1.0)
-    min_votes_per_step: int = 10
-    step_deadline_votes: int = 600
+    Fields:
+        shares: the analysed candidate shares (the final 1.0, the promotion, is not simulated).
+        min_votes: votes per arm before the test decides (``AnalysisConfig.min_votes``).
+        min_votes_per_step: new candidate votes a step needs before it advances.
+        step_deadline_votes: votes after which an undecided step is rolled back.
+        every: votes between two looks (one controller poll).
+        alpha: error level; delta: relative margin; abs_delta: the absolute rule's margin.
+        kappa: concentration of the users' Beta propensities (smaller: more heterogeneous).
+        history: each user's votes before the canary (the CUPED covariate's sample size).
+    """
+
+    shares: tuple[float, ...] = (0.5,)
+    min_votes: int = 20
+    min_votes_per_step: int = 20
+    step_deadline_votes: int = 360
     every: int = 1
     alpha: float = 0.05
-    delta: float = 0.1
-    min_votes: int = 10  # sequential rule's burn-in per arm
-    current_min_votes: int = 20  # today's rule's min_votes
+    delta: float = 0.5
+    abs_delta: float = 0.2
+    kappa: float = 4.0
+    history: int = 10
+
+    def analysis(self, cuped: bool) -> AnalysisConfig:
+        return AnalysisConfig(min_votes=self.min_votes, alpha=self.alpha, delta=self.delta, cuped=cuped)
 
 
-def rule_sequential(uc, nc, us, ns, cfg: SimConfig):
-    """(pass, fail) boolean arrays of the sequential rule (same formula as the analysis)."""
-    ok = (nc >= cfg.min_votes) & (ns >= cfg.min_votes)
-    _, lo, hi = msprt_bounds(uc, np.maximum(nc, 1), us, np.maximum(ns, 1), cfg.alpha, cfg.delta)
-    fail = ok & (hi < 0)
-    return ok & (lo > -cfg.delta) & ~fail, fail
+# The demo's settings (flywheel/demo.py DemoConfig: canary_steps "0.5,1.0", canary_min_votes 20,
+# canary_delta, canary_max_wait_s 480 s at ~0.75 votes/s) and production's (the CLI defaults).
+SETTINGS = {
+    "demo": SimConfig(),
+    "production": SimConfig(shares=(0.05, 0.25, 0.5), min_votes=10, min_votes_per_step=10,
+                            step_deadline_votes=36000, every=50, delta=0.2, abs_delta=0.1),
+}
+BASES = (0.05, 0.2, 0.5)
 
 
-def rule_current(uc, nc, us, ns, cfg: SimConfig):
-    """(pass, fail) of the pre-issue-10 rule: repeated one-sided z-test, PASS when not
-    significantly worse once each arm has ``current_min_votes``."""
-    ok = (nc >= cfg.current_min_votes) & (ns >= cfg.current_min_votes)
-    z = pooled_z(uc, np.maximum(nc, 1), us, np.maximum(ns, 1))
-    p = _phi(z)
-    fail = ok & (p < cfg.alpha)
-    return ok & ~fail, fail
+def cases(delta: float) -> dict[str, float]:
+    """Candidate rate / stable rate per case."""
+    return {"equal": 1.0, "better_margin": 1 + delta, "worse_half_margin": 1 - delta / 2,
+            "worse_margin": 1 - delta, "worse_2margin": max(1 - 2 * delta, 0.0), "half_as_good": 0.5}
 
 
-_erfc = np.vectorize(math.erfc, otypes=[float])
+def _verdicts(rule: str, st: dict, cfg: SimConfig):
+    uc, nc, us, ns = st["uc"], np.maximum(st["nc"], 1), st["us"], np.maximum(st["ns"], 1)
+    ok = (st["nc"] >= cfg.min_votes) & (st["ns"] >= cfg.min_votes)
+    if rule == "absolute":
+        _, lo, hi = msprt_bounds(uc, nc, us, ns, cfg.alpha, cfg.abs_delta)
+        passed, failed = thumbs_verdict(lo, hi, cfg.abs_delta)
+    else:
+        cuped = rule == "relative_cuped"
+        cov = ((st["xc"], st["xxc"], st["xyc"]), (st["xs"], st["xxs"], st["xys"])) if cuped else (None, None)
+        _, lo, hi, _ = thumbs_bounds(uc, nc, us, ns, cfg.analysis(cuped), *cov)
+        passed, failed = thumbs_verdict(lo, hi, cfg.delta)
+    return ok & passed, ok & failed
 
 
-def _phi(z):
-    """Phi(z) on an array: the same formula as ``deploy.stats.normal_cdf``."""
-    return 0.5 * _erfc(-z / math.sqrt(2.0))
+def simulate(p_stable: float, ratio: float, n: int, cfg: SimConfig, seed: int, rules=RULES) -> dict:
+    """Simulate ``n`` canaries per rule on the same vote streams (lockstep, ``every`` votes per look).
 
-
-def simulate(rule, p_stable: float, p_cand: float, n: int, cfg: SimConfig, seed: int):
-    """Simulate ``n`` canaries in lockstep (one vote each per iteration).
-
-    Returns ``(outcome, votes)`` int arrays: outcome PROMOTE / ROLLBACK / DEADLINE_ROLLBACK,
-    votes = total votes seen when the decision was taken."""
+    Returns ``{rule: (outcome, votes)}``: int arrays, outcome PROMOTE / ROLLBACK /
+    DEADLINE_ROLLBACK, votes = total votes when the decision was taken."""
     rng = np.random.default_rng(seed)
-    uc = np.zeros(n); nc = np.zeros(n); us = np.zeros(n); ns = np.zeros(n)
-    step = np.zeros(n, dtype=int)
-    step_votes = np.zeros(n)  # candidate votes in the current step
-    step_total = np.zeros(n)  # all votes in the current step (deadline)
-    outcome = np.zeros(n, dtype=int)
-    votes = np.zeros(n, dtype=int)
-    weights = np.asarray(cfg.steps)
+    k = cfg.every
+    a, b = p_stable * cfg.kappa, (1 - p_stable) * cfg.kappa
+    keys = ("uc", "nc", "us", "ns", "xc", "xxc", "xyc", "xs", "xxs", "xys")
+    state = {r: {key: np.zeros(n) for key in keys} for r in rules}
+    ctl = {r: {"step": np.zeros(n, int), "step_c": np.zeros(n), "step_all": np.zeros(n),
+               "outcome": np.zeros(n, int), "votes": np.zeros(n, int)} for r in rules}
+    shares = np.asarray(cfg.shares)
     t = 0
-    while (outcome == 0).any():
-        t += 1
-        act = outcome == 0
-        to_c = rng.random(n) < weights[np.minimum(step, len(weights) - 1)]
-        up = rng.random(n) < np.where(to_c, p_cand, p_stable)
-        c, s = act & to_c, act & ~to_c
-        nc += c; uc += c & up; ns += s; us += s & up
-        step_votes += c; step_total += act
-        if t % cfg.every:
-            continue
-        ok, bad = rule(uc, nc, us, ns, cfg)
-        roll = act & bad
-        outcome[roll] = ROLLBACK
-        votes[roll] = t
-        adv = act & ~roll & ok & (step_votes >= cfg.min_votes_per_step)
-        last = adv & (step == len(weights) - 1)
-        outcome[last] = PROMOTE
-        votes[last] = t
-        nxt = adv & ~last
-        step[nxt] += 1
-        step_votes[nxt] = 0
-        step_total[nxt] = 0
-        dead = (outcome == 0) & (step_total >= cfg.step_deadline_votes)
-        outcome[dead] = DEADLINE_ROLLBACK
-        votes[dead] = t
-    return outcome, votes
+    while any((ctl[r]["outcome"] == 0).any() for r in rules):
+        u = rng.beta(a, b, (n, k))  # users' propensities
+        x = rng.binomial(cfg.history, u) / cfg.history  # their earlier thumbs-up rate (covariate)
+        draw_arm = rng.random((n, k))
+        draw_vote = rng.random((n, k))
+        t += k
+        for r in rules:
+            c, st = ctl[r], state[r]
+            act = c["outcome"] == 0
+            if not act.any():
+                continue
+            to_c = draw_arm < shares[np.minimum(c["step"], len(shares) - 1)][:, None]
+            y = draw_vote < np.where(to_c, np.minimum(ratio * u, 1.0), u)
+            m = act[:, None]
+            for arm, sel in (("c", to_c & m), ("s", ~to_c & m)):
+                st["n" + arm] += sel.sum(1)
+                st["u" + arm] += (sel & y).sum(1)
+                st["x" + arm] += (sel * x).sum(1)
+                st["xx" + arm] += (sel * x * x).sum(1)
+                st["xy" + arm] += (sel * x * y).sum(1)
+            c["step_c"] += (to_c & m).sum(1)
+            c["step_all"] += act * k
+            ok, bad = _verdicts(r, st, cfg)
+            roll = act & bad
+            c["outcome"][roll], c["votes"][roll] = ROLLBACK, t
+            adv = act & ~roll & ok & (c["step_c"] >= cfg.min_votes_per_step)
+            last = adv & (c["step"] == len(shares) - 1)
+            c["outcome"][last], c["votes"][last] = PROMOTE, t
+            nxt = adv & ~last
+            c["step"][nxt] += 1
+            c["step_c"][nxt] = 0
+            c["step_all"][nxt] = 0
+            dead = (c["outcome"] == 0) & (c["step_all"] >= cfg.step_deadline_votes)
+            c["outcome"][dead], c["votes"][dead] = DEADLINE_ROLLBACK, t
+    return {r: (ctl[r]["outcome"], ctl[r]["votes"]) for r in rules}
 
 
 def rate(x: np.ndarray) -> dict:
@@ -132,62 +168,76 @@ def rate(x: np.ndarray) -> dict:
     return {"rate": k / n, "ci95": [lo, hi], "k": k, "n": n}
 
 
-def run(cfg: SimConfig, n: int, p_stable: float, seed: int) -> dict:
-    cases = {"aa": p_stable, "worse_2delta": p_stable - 2 * cfg.delta, "better_delta": p_stable + cfg.delta}
+def summarise(o: np.ndarray, v: np.ndarray) -> dict:
+    decided = o != DEADLINE_ROLLBACK
+    return {"promote": rate(o == PROMOTE), "rollback_by_test": rate(o == ROLLBACK),
+            "deadline": rate(o == DEADLINE_ROLLBACK), "median_votes": float(np.median(v)),
+            "median_votes_decided": float(np.median(v[decided])) if decided.any() else None}
+
+
+def run(cfg: SimConfig, n: int, p_stable: float, seed: int, which=None, rules=RULES) -> dict:
+    """``{case: {rule: summary}}`` at one base rate (every case, or those named in ``which``)."""
     out = {}
-    for name, rule in (("sequential", rule_sequential), ("current_rule", rule_current)):
-        res = {}
-        for i, (case, pc) in enumerate(cases.items()):
-            o, v = simulate(rule, p_stable, pc, n, cfg, seed + 1000 * i)  # same streams for both rules
-            res[case] = {"promote": rate(o == PROMOTE), "rollback": rate((o == ROLLBACK) | (o == DEADLINE_ROLLBACK)),
-                         "rollback_by_test": rate(o == ROLLBACK), "deadline": rate(o == DEADLINE_ROLLBACK),
-                         "median_votes": float(np.median(v)), "p90_votes": float(np.percentile(v, 90))}
-        out[name] = res
+    for i, (case, ratio) in enumerate(cases(cfg.delta).items()):
+        if which and case not in which:
+            continue
+        res = simulate(p_stable, ratio, n, cfg, seed + 1000 * i, rules)
+        out[case] = {r: summarise(*res[r]) for r in rules}
     return out
+
+
+def _print_table(name: str, cfg: SimConfig, p: float, n: int, res: dict) -> None:
+    print(f"\n{name} settings, stable rate {p}: {n} canaries per case and rule; shares {cfg.shares}, burn-in "
+          f"{cfg.min_votes}, step deadline {cfg.step_deadline_votes} votes -> roll back, a look every {cfg.every} "
+          f"vote(s); relative margin {cfg.delta:g} (absolute rule {cfg.abs_delta:g})")
+    print(f"{'case':<19}{'cand':>6} {'rule':<15}{'promote [95% CI]':>24}{'test rb':>9}{'deadline':>9}"
+          f"{'med votes':>10}")
+    for case, by_rule in res.items():
+        pc = p * cases(cfg.delta)[case]
+        for r, x in by_rule.items():
+            pr = x["promote"]
+            print(f"{case:<19}{pc:>6.3f} {r:<15}{pr['rate']:>8.3f} [{pr['ci95'][0]:.3f},{pr['ci95'][1]:.3f}]"
+                  f"{x['rollback_by_test']['rate']:>9.3f}{x['deadline']['rate']:>9.3f}{x['median_votes']:>10.0f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2,000 canaries per case, one base rate")
-    ap.add_argument("--canaries", type=int, default=None, help="canaries per case (default 4000; --quick 2000)")
-    ap.add_argument("--every", type=int, default=1, help="check after every k votes (default 1)")
-    ap.add_argument("--delta", type=float, default=0.1, help="non-inferiority margin (rate units)")
-    ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--quick", action="store_true", help="500 canaries per case, base rate 0.2 only")
+    ap.add_argument("--canaries", type=int, default=None, help="canaries per case (default 2000; --quick 500)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = ap.parse_args()
-    n = a.canaries or (2000 if a.quick else 4000)
-    cfg = SimConfig(every=a.every, delta=a.delta, alpha=a.alpha)
-    bases = (0.4,) if a.quick else (0.4, 0.25)
+    n = a.canaries or (500 if a.quick else 2000)
+    bases = (0.2,) if a.quick else BASES
     t0 = time.time()
-    allres = {}
-    for p in bases:
-        r = run(cfg, n, p, a.seed)
-        allres[p] = r
-        print(f"\nbase thumbs-up rate {p}: {n} canaries per case, steps {cfg.steps}, check every {cfg.every} vote(s), "
-              f"delta {cfg.delta}, alpha {cfg.alpha}, step deadline {cfg.step_deadline_votes} votes -> roll back")
-        print(f"{'rule':<14}{'case':<14}{'promote':>22}{'rollback':>22}{'deadline':>10}{'median votes':>14}")
-        for rule, res in r.items():
-            for case, x in res.items():
-                pr, rb = x["promote"], x["rollback"]
-                print(f"{rule:<14}{case:<14}{pr['rate']:>8.3f} [{pr['ci95'][0]:.3f},{pr['ci95'][1]:.3f}]"
-                      f"{rb['rate']:>8.3f} [{rb['ci95'][0]:.3f},{rb['ci95'][1]:.3f}]{x['deadline']['rate']:>10.3f}"
-                      f"{x['median_votes']:>14.0f}")
+    allres: dict = {}
+    for name, cfg in SETTINGS.items():
+        for p in bases:
+            res = run(cfg, n, p, a.seed)
+            allres.setdefault(name, {})[str(p)] = res
+            _print_table(name, cfg, p, n, res)
     print(f"\n({time.time() - t0:.1f} s)")
     if a.json:
-        a.json.write_text(json.dumps({str(k): v for k, v in allres.items()}, indent=1))
-    r = allres[bases[0]]
-    for suffix, rule in (("", "sequential"), ("_current_rule", "current_rule")):
-        x = r[rule]
-        print(f"RESULT canary_false_rollback_rate{suffix}={x['aa']['rollback_by_test']['rate']:.4f} "
-              f"target<={cfg.alpha} (A/A, rolled back by the test; base {bases[0]}, n={n})")
-        print(f"RESULT canary_false_promotion_rate{suffix}={x['worse_2delta']['promote']['rate']:.4f} "
-              f"target<=0.05 (candidate worse by 2*delta={2 * cfg.delta:g})")
-        print(f"RESULT canary_promotion_rate_better{suffix}={x['better_delta']['promote']['rate']:.4f} "
-              f"(candidate better by delta={cfg.delta:g})")
-        med = float(np.median([x[c]['median_votes'] for c in x]))
-        print(f"RESULT canary_median_votes_to_decision{suffix}={med:.0f} votes (median over the three cases of "
-              f"each case's median)")
+        a.json.write_text(json.dumps(allres, indent=1))
+    demo, prod = allres["demo"]["0.2"], allres["production"]["0.2"]
+    d_cfg, p_cfg = SETTINGS["demo"], SETTINGS["production"]
+    m = f"base 0.2, n={n}"
+    print(f"RESULT canary_false_rollback_rate={prod['equal']['relative']['rollback_by_test']['rate']:.4f} "
+          f"target<={p_cfg.alpha} (equal candidate rolled back by the test; production settings, {m})")
+    print(f"RESULT canary_false_promotion_rate={prod['worse_2margin']['relative']['promote']['rate']:.4f} "
+          f"target<=0.05 (candidate worse by 2*delta, ratio {1 - 2 * p_cfg.delta:g}; production settings, {m})")
+    print(f"RESULT canary_promotion_rate_better={prod['better_margin']['relative']['promote']['rate']:.4f} "
+          f"(candidate better by delta, ratio {1 + p_cfg.delta:g}; production settings, {m})")
+    print(f"RESULT canary_promotion_rate_half_as_good={demo['half_as_good']['relative']['promote']['rate']:.4f} "
+          f"target<=0.05 (candidate at half the stable's rate; demo settings, {m}; absolute rule "
+          f"{demo['half_as_good']['absolute']['promote']['rate']:.4f})")
+    eq = prod["equal"]
+    print(f"RESULT canary_promotion_rate_equal={eq['relative']['promote']['rate']:.4f} target>=0.8 "
+          f"(equal candidate; production settings, {m}; absolute rule {eq['absolute']['promote']['rate']:.4f})")
+    plain, cuped = prod["equal"]["relative"]["median_votes"], prod["equal"]["relative_cuped"]["median_votes"]
+    print(f"RESULT canary_median_votes_to_decision={plain:.0f} votes (equal candidate, production settings, {m})")
+    print(f"RESULT canary_cuped_votes_ratio={cuped / plain:.3f} target<1 (median votes to a decision with CUPED on "
+          f"the users' history / without; equal candidate, production settings, {m}, kappa {p_cfg.kappa:g})")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,21 @@ encode/decode throughput (MB/s of raw weights) and a bit-exactness check of ever
     python bench/delta.py [--quick] [--model-dir DIR] [--lr 1e-6] [--steps 1,10,100]
                           [--grads random|loss]
     python bench/delta.py --learner-state STATE.safetensors --model-dir DIR
+    python bench/delta.py --store-cycle [--quick | --model-dir DIR] [--lr 1e-5] [--samples 8]
 
 ``--learner-state``: the weights after one real full-parameter learner step in bf16 (written by
 ``bench/learner.py --full-model DIR --save-state STATE``: KTO under router replay, fp32 master
 weights and AdamW state under ZeRO-2, lr 1e-5), encoded as a delta on the bf16 parent (the
 base cast to bf16): ``RESULT delta_ratio_bf16_full_param_learner_step`` target >= 20.
+
+``--store-cycle``: the path a bf16 model takes in production, end to end: the model saved as a
+bf16 checkpoint, taken into a fresh store with ``flywheel.modelinit.import_checkpoint``
+(``v000000``, bf16), samples logged from its own bf16 forward (behavior logprobs and routes),
+one real learner cycle (``learner.cycle.run_cycle``: KTO under router replay, DeepSpeed bf16
+with fp32 master weights, precision ``auto``, ``--lr``, one step) publishing ``v000001`` as a
+bf16 delta; its size is compared with the raw and the zstd'd bf16 snapshot of the same
+weights, and ``v000001`` is reloaded from disk (every tensor's sha256 verified):
+``RESULT delta_ratio_bf16_store_cycle`` target >= 20.
 
 Models: ``--quick`` builds a tiny random MoE in-process (steps 1,10, next-token loss on random
 tokens). Otherwise the real upcycled SmolLM2 MoE (``~/.cache/flywheel/models/smollm2-135m-moe``,
@@ -160,6 +170,62 @@ def learner_step_delta(state_path: Path, model_dir: Path) -> int:
     return 0
 
 
+def store_cycle_delta(model_dir: Path, lr: float, n_samples: int) -> int:
+    """One real bf16 learner cycle through the model store (see module doc, ``--store-cycle``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_learner_replay import make_samples  # samples logged as serving logs them
+
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-delta-"))
+    try:
+        return _store_cycle(tmp, model_dir, lr, n_samples, make_samples)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _store_cycle(tmp: Path, model_dir: Path, lr: float, n_samples: int, make_samples) -> int:
+    from deploy.store import ModelStore
+    from flywheel.modelinit import import_checkpoint
+    from ingest import writer
+    from learner.cycle import run_cycle
+    from learner.trainer import LearnerConfig
+    from schemas.modelspec import load_model, load_tokenizer
+
+    ckpt = tmp / "bf16"
+    load_model(model_dir, dtype=torch.bfloat16).save_pretrained(ckpt, safe_serialization=True)
+    load_tokenizer(model_dir).save_pretrained(ckpt)
+    _, m0 = import_checkpoint(ckpt, tmp / "store", log=lambda s: print(s, file=sys.stderr))
+    store = ModelStore(tmp / "store")
+    model = load_model(store.base_dir)
+    samples = make_samples(model, n_samples, version="v000000", seed=0, p_len=(8, 24), c_len=(8, 24))
+    del model
+    writer.write_shard(samples, writer.shard_path(tmp / "samples", min(s.sealed_at for s in samples), "a"))
+    cfg = LearnerConfig(steps=1, batch_size=n_samples, micro_batch_size=1, lr=lr, measure_free_max=1)
+    t0 = time.perf_counter()
+    m1 = run_cycle(store.root, tmp / "samples", tmp / "state", cfg, show_progress=False)
+    cycle_s = time.perf_counter() - t0
+    if m1 is None or m1.kind != "delta":
+        raise SystemExit(f"the cycle published {m1 and m1.kind}, expected a delta")
+    dtypes = {t.dtype for t in m1.tensors.values()}
+    v1 = ModelStore(store.root).load("v000001")  # from disk; raises if any sha256 differs
+    v0 = store.load("v000000")
+    changed = sum(int((_raw_bytes(t).reshape(-1, 2) != _raw_bytes(v0[k]).reshape(-1, 2)).any(1).sum())
+                  for k, t in v1.items())
+    n = sum(t.numel() for t in v1.values())
+    snap_zstd = snapshot_zstd_bytes(v1)
+    ratio = m1.snapshot_bytes / m1.size_bytes
+    print(f"store cycle on {model_dir} in bf16 ({n / 1e6:.1f}M weights, {dtypes}): KTO, 1 step, lr {lr}, "
+          f"{n_samples} samples, cycle {cycle_s:.0f}s; {changed / n:.2%} of weights changed; raw snapshot "
+          f"{m1.snapshot_bytes / 1e6:.2f} MB, zstd snapshot {snap_zstd / 1e6:.2f} MB, delta "
+          f"{m1.size_bytes / 1e6:.3f} MB; mismatch max {m1.metrics.get('mismatch/max')}")
+    print(f"RESULT delta_ratio_bf16_store_cycle={ratio:.1f} x target>=20")
+    print(f"RESULT delta_vs_zstd_snapshot_bf16_store_cycle={snap_zstd / m1.size_bytes:.1f} x target>=1")
+    print(f"RESULT delta_changed_frac_bf16_store_cycle={changed / n:.4f} frac target<=0.02")
+    print(f"RESULT delta_store_cycle_bf16=%d bool target==1" % int(dtypes == {"torch.bfloat16"}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny random MoE, steps 1,10")
@@ -172,11 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence of the loss batch (--grads loss)")
     ap.add_argument("--learner-state", type=Path, default=None,
                     help="safetensors of the weights after a real bf16 learner step (bench/learner.py --save-state)")
+    ap.add_argument("--store-cycle", action="store_true",
+                    help="one real bf16 learner cycle through the model store (import, samples, KTO, publish)")
+    ap.add_argument("--samples", type=int, default=8, help="--store-cycle: samples in the cycle")
     a = ap.parse_args(argv)
     from schemas.modelspec import load_model
 
     if a.learner_state is not None:
         return learner_step_delta(a.learner_state, a.model_dir or REAL_MODEL)
+    if a.store_cycle:
+        if a.quick and a.model_dir is None:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from conftest import make_tiny_moe
+
+            a.model_dir = make_tiny_moe(Path(tempfile.mkdtemp()) / "tiny", num_layers=4)
+        return store_cycle_delta(a.model_dir or REAL_MODEL, a.lr if "--lr" in (argv or sys.argv) else 1e-5,
+                                 a.samples)
 
     if a.quick:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

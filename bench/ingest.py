@@ -54,7 +54,15 @@ first 2,000-record batches are already being folded, so it misses their time and
 with more workers (a quick run's 4-worker window made 4 hosts look 1.8x as efficient as 1 and
 7x as fast).
 
+7. ``--fuzz N`` (Hardening II): instead of the above, N records (at least 50,000) of valid
+   traffic, hand-picked hostile records and records generated from the published JSON Schemas
+   on both topics, into one worker (``tests/test_ingest_fuzz.run_fuzz``, which checks that the
+   worker never stops, every valid pair is joined, every refused record is dead-lettered
+   naming its field, no shard write is retried). Prints the time and worker CPU to decide
+   every record and ``RESULT fuzz_*`` lines.
+
     python bench/ingest.py [--quick] [--completions N] [--partitions P] [--hosts 1,2,4] [--faust-noop]
+    python bench/ingest.py --fuzz 50000
 """
 
 from __future__ import annotations
@@ -429,7 +437,11 @@ def main() -> None:
     ap.add_argument("--hosts", default="1,2,4",
                     help="worker counts run on separate homes with the PostgreSQL state (issue 12), comma-separated; "
                          "'' skips them; the topics get at least the largest count of partitions")
+    ap.add_argument("--fuzz", type=int, default=0,
+                    help="run the schema-driven fuzz at this many records (>= 50000 for the benchmark size) instead")
     args = ap.parse_args()
+    if args.fuzz:
+        return fuzz(args.fuzz, args)
     if args.faust_noop and importlib.util.find_spec("faust") is None:  # not a dependency of Flywheel
         print("--faust-noop skipped: faust-streaming is not installed "
               "(pip install faust-streaming==0.15.3 in a separate venv to measure it)", flush=True)
@@ -505,6 +517,34 @@ def main() -> None:
                       f"{res[w]['consume_per_cpu_s'] / res[1]['consume_per_cpu_s']:.2f} x target>=0.9")
                 print(f"RESULT hosts{w}_all_cpu_efficiency="
                       f"{res[w]['consume_all_per_cpu_s'] / res[1]['consume_all_per_cpu_s']:.2f} x target>=0.9")
+
+
+def fuzz(n: int, args) -> None:
+    """The schema-driven fuzz (``tests/test_ingest_fuzz.run_fuzz``) at ``n`` records on a fresh
+    broker (6 partitions); its checks raise ``AssertionError`` on any loss or misnamed field."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_ingest_fuzz import run_fuzz
+
+    scale = n / 10_000
+    b = spawn()
+    home = Path(tempfile.mkdtemp(prefix="fw-bench-fuzz-"))
+    try:
+        r = run_fuzz(b.bootstrap, home / "home", home / "worker.log", n_valid=int(400 * scale),
+                     n_bad_c=int(300 * scale), n_sc=int(300 * scale), n_sf=int(2000 * scale), n_records=n,
+                     timeout_s=args.timeout_s, seal_after_s=15.0, orphan_ttl_s=60.0)
+    finally:
+        b.stop()
+        if not args.keep:
+            shutil.rmtree(home, ignore_errors=True)
+    print(f"fuzz: {r['records']:,} records ({r['refused']:,} refused by the contract), produced in "
+          f"{r['produced_s']:.1f}s; one worker decided every one {r['decided_s']:.1f}s after its start using "
+          f"{r['worker_cpu_s']:.1f} CPU-s: {r['samples']:,} samples, {r['dead']:,} dead letters "
+          f"({r['quarantined']} quarantined at sealing); checks passed", flush=True)
+    print(f"RESULT fuzz_records={r['records']} records target>=50000")
+    print(f"RESULT fuzz_checks_passed=1 bool target>=1")
+    print(f"RESULT fuzz_records_per_worker_cpu_s={r['records'] / max(1e-9, r['worker_cpu_s']):.0f} records/CPU-s "
+          f"target>=0")
+    print(f"RESULT fuzz_decided_s={r['decided_s']:.1f} s target>=0")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ Public API: ``deploy.store.ModelStore`` / ``CorruptVersionError``,
 ``deploy.serving_client.ServingAdmin`` / ``ServingAdminError``, ``deploy.analysis.analyze``,
 ``deploy.metrics.ServingMetricsSource``, ``deploy.ledger.Ledger`` / ``record`` / ``decisions``,
 ``deploy.controller.RolloutController`` / ``status_from_ledger`` / ``current_status``,
-``deploy.commands.register`` (and ``pause_learner`` / ``resume_learner`` / ``learner_paused``).
+``deploy.desired.FleetRecord`` / ``DesiredState`` (the fleet's desired state on the store),
+``deploy.fleet.reconcile_pods`` (every pod to it), ``deploy.operator.run_action`` (an operator
+action: record, converge, per-pod outcomes), ``deploy.commands.register`` (and
+``pause_learner`` / ``resume_learner`` / ``learner_paused``).
 Benchmarks live in ``bench/delta.py`` and ``bench/rollback.py``.
 """

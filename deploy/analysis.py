@@ -3,18 +3,31 @@
 Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
 
 * **thumbs-up rate** (the quality signal): a sequential test that stays valid when looked at
-  after every vote. The always-valid (1 - ``alpha``) interval ``[lo, hi]`` of
-  ``rate(candidate) - rate(stable)`` is the two-sample mSPRT of Johari, Pekelis and Walsh
-  (2017) with a normal mixture of standard deviation ``tau`` (default: the margin
-  ``delta``), :func:`deploy.stats.msprt_interval`. FAIL (the candidate is surely worse)
-  when ``hi < 0``; PASS (not worse than ``delta``: non-inferiority) when ``lo > -delta``;
-  else INCONCLUSIVE (keep collecting until the step's deadline). INCONCLUSIVE too while an
-  arm has fewer than ``min_votes`` votes (burn-in of the normal approximation). FAIL takes
-  precedence over PASS. Error rates by simulation, controller's polling included:
-  ``bench/canary.py``.
-* **operational** (error rate, p99 latency, tokens/s) and **reward-hacking guards** (mean
-  completion length, share of replies with no answer, share cut at ``max_tokens``): each
-  check compares candidate with stable; a failed check FAILs the metric only after
+  after every vote, on the RELATIVE difference ``rate(candidate) / rate(stable) - 1``, so a
+  margin means the same at a 0.05 and a 0.5 base rate. Its always-valid (1 - ``alpha``)
+  bounds ``[lo, hi]`` are normal-mixture mSPRTs (Johari, Pekelis and Walsh 2017),
+  :func:`deploy.stats.noninferiority_bounds`: ``lo`` on the log rate ratio, ``hi`` a score
+  test on the difference (so an arm with no up-vote yet does not blow up the variance),
+  mixing standard deviation ``tau`` (default ``-log(1 - delta)``; docs/decisions.md D48).
+  When both arms carry a pre-canary covariate (the voting
+  users' earlier thumbs-up rate, ``ArmStats.x_sum``...), each arm's rate is CUPED-adjusted
+  first (:func:`deploy.stats.cuped_rate`): fewer votes for the same width, same guarantee.
+  FAIL (the candidate is surely worse) when ``hi < 0``; PASS (non-inferior: keeps at least
+  ``1 - delta`` of the stable's rate) when ``lo > -delta``; else INCONCLUSIVE (keep
+  collecting until the step's deadline). INCONCLUSIVE too while an arm has fewer than
+  ``min_votes`` votes (burn-in of the normal approximation). FAIL takes precedence over
+  PASS. Error rates by simulation, controller's polling included: ``bench/canary.py``.
+* **operational** (error rate, p99 latency, tokens/s): each check compares candidate with
+  stable.
+* **reward-hacking guards**: mean completion length (longer by more than
+  ``max_length_ratio`` or shorter than ``min_length_ratio`` times), and the shares of replies
+  with no answer (the workload's own ``has_answer``), cut at ``max_tokens`` and repetitive
+  (:func:`deploy.replies.is_repetitive`), each not to rise by more than its limit. Each is
+  checked against the stable version and, when the analysis is given the first version's
+  figures (``first``), against it too (``<guard>_vs_first``), so drift cannot compound over
+  versions that each look close to their parent. The figures should cover every served
+  completion of an arm, not only the voted ones (``deploy.replies``).
+* A failed operational or guard check FAILs the metric only after
   ``failure_limit`` failed checks in a row (Flagger's ``threshold``, Argo Rollouts'
   ``failureLimit``). Before that it is INCONCLUSIVE ("failed check k of N"). A passing
   check resets the count. The counts are input and output of :func:`analyze`, persisted by
@@ -34,10 +47,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from deploy.stats import msprt_interval, normal_cdf, two_proportion_z, wilson_interval  # noqa: F401 (re-exported)
+from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, noninferiority_bounds,  # noqa: F401
+                          normal_cdf, ratio_interval, two_proportion_z, wilson_interval)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
-GUARDS = ("completion_length", "no_answer", "truncated")
+GUARDS = ("completion_length", "no_answer", "truncated", "repetitive")
+VS_FIRST = "_vs_first"  # suffix of a guard checked against the first version
 
 
 class Outcome(str, Enum):
@@ -76,6 +91,11 @@ class ArmStats:
         completion_tokens: their completion tokens in all (count).
         no_answer: those with no answer (empty reply, or none the workload can parse) (count).
         truncated: those cut at ``max_tokens`` (``finish_reason == "length"``) (count).
+        repetitive: those that repeat themselves (:func:`deploy.replies.is_repetitive`) (count).
+        x_sum, xx_sum, xy_sum: CUPED sufficient statistics over the arm's votes of a covariate
+            ``x`` fixed before the canary started (the voting user's earlier thumbs-up rate):
+            ``sum x``, ``sum x^2``, ``sum x y`` with ``y`` = 1 for an up-vote (floats; None: no
+            covariate, the test uses the plain rates).
     """
 
     votes_up: int = 0
@@ -89,10 +109,14 @@ class ArmStats:
     completion_tokens: int = 0
     no_answer: int = 0
     truncated: int = 0
+    repetitive: int = 0
+    x_sum: float | None = None
+    xx_sum: float | None = None
+    xy_sum: float | None = None
 
     def __post_init__(self):
         for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
-                  "completion_tokens", "no_answer", "truncated"):
+                  "completion_tokens", "no_answer", "truncated", "repetitive"):
             v = getattr(self, f)
             if f == "latency_samples" and v is None:
                 continue
@@ -100,7 +124,7 @@ class ArmStats:
                 raise ValueError(f"{f}: must be an int >= 0, got {v!r}")
         if self.errors > self.requests:
             raise ValueError(f"errors: {self.errors} > requests {self.requests}")
-        for f in ("no_answer", "truncated"):
+        for f in ("no_answer", "truncated", "repetitive"):
             if getattr(self, f) > self.completions:
                 raise ValueError(f"{f}: {getattr(self, f)} > completions {self.completions}")
         for f in ("p99_ms", "tokens_per_s"):
@@ -108,9 +132,20 @@ class ArmStats:
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"{f}: must be a number >= 0 or None, got {v!r}")
 
+        cov = (self.x_sum, self.xx_sum, self.xy_sum)
+        if any(v is not None for v in cov):
+            if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in cov):
+                raise ValueError(f"x_sum, xx_sum, xy_sum: all three finite numbers or all None, got {cov}")
+            if self.xx_sum < 0:
+                raise ValueError(f"xx_sum: must be >= 0, got {self.xx_sum}")
+
     @property
     def votes(self) -> int:
         return self.votes_up + self.votes_down
+
+    @property
+    def has_covariate(self) -> bool:
+        return self.x_sum is not None
 
 
 @dataclass
@@ -120,9 +155,14 @@ class AnalysisConfig:
     Quality (thumbs-up, sequential test):
         min_votes: votes per arm before the test decides (burn-in, default 10).
         alpha: error level of the always-valid interval (default 0.05).
-        delta: non-inferiority margin in rate units (default 0.1): PASS when the interval's
-            lower bound of rate(candidate) - rate(stable) is above ``-delta``.
-        tau: mixing standard deviation of the mSPRT (default None = ``delta``).
+        delta: RELATIVE non-inferiority margin in (0, 1) (default 0.2): PASS when the
+            always-valid lower bound of ``rate(candidate) / rate(stable) - 1`` is above
+            ``-delta``, i.e. the candidate surely keeps more than ``1 - delta`` of the stable's
+            thumbs-up rate (0.2: more than 80 %, at any base rate).
+        tau: mixing standard deviation of the mSPRT on the log rate ratio (default None =
+            ``-log(1 - delta)``, the distance of a candidate exactly at the margin).
+        cuped: adjust each arm's rate by the votes' pre-canary covariate when both arms carry
+            one (default True; :func:`deploy.stats.cuped_rate`).
 
     Operational (error rate, p99 latency, tokens/s):
         min_requests: requests per arm before these are judged (default 20). Latency and
@@ -134,19 +174,24 @@ class AnalysisConfig:
         failure_limit: failed checks in a row before an operational metric or a guard
             fails the step (default 3; Flagger's threshold, Argo's failureLimit).
 
-    Reward-hacking guards (from the candidate's and stable's completions):
+    Reward-hacking guards (from each arm's completions; also against the first version):
         min_guard_completions: completions per arm before the guards are judged (default 10).
         max_length_ratio: allowed candidate/stable mean completion length (default 1.5).
+        min_length_ratio: required candidate/stable mean completion length (default 0.67):
+            replies that collapse to a bare answer or a format shortcut fail too.
         max_no_answer_increase: allowed absolute increase of the share of replies with no
             answer (default 0.15).
         max_truncated_increase: allowed absolute increase of the share cut at max_tokens
+            (default 0.15).
+        max_repetitive_increase: allowed absolute increase of the share of repetitive replies
             (default 0.15).
     """
 
     min_votes: int = 10
     alpha: float = 0.05
-    delta: float = 0.1
+    delta: float = 0.2
     tau: float | None = None
+    cuped: bool = True
     min_requests: int = 20
     max_error_rate_increase: float = 0.02
     max_p99_ratio: float = 1.5
@@ -154,8 +199,10 @@ class AnalysisConfig:
     failure_limit: int = 3
     min_guard_completions: int = 10
     max_length_ratio: float = 1.5
+    min_length_ratio: float = 0.67
     max_no_answer_increase: float = 0.15
     max_truncated_increase: float = 0.15
+    max_repetitive_increase: float = 0.15
 
     def __post_init__(self):
         for f in ("min_votes", "min_requests", "failure_limit", "min_guard_completions"):
@@ -164,14 +211,21 @@ class AnalysisConfig:
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha: must be in (0, 1), got {self.alpha}")
         if not 0 < self.delta < 1:
-            raise ValueError(f"delta: must be in (0, 1) (rate units), got {self.delta}")
+            raise ValueError(f"delta: must be in (0, 1) (relative margin: the candidate keeps more than "
+                             f"1 - delta of the stable's rate), got {self.delta}")
         if self.tau is not None and not self.tau > 0:
-            raise ValueError(f"tau: must be > 0 or None (= delta), got {self.tau}")
+            raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
+
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
-                  "max_no_answer_increase", "max_truncated_increase"):
+                  "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
+
+    @property
+    def mixing_tau(self) -> float:
+        """``tau`` or, when None, ``-log(1 - delta)``."""
+        return self.tau if self.tau is not None else margin_tau(self.delta)
 
 
 @dataclass
@@ -211,13 +265,44 @@ class Decision:
         return d
 
 
+def thumbs_bounds(up_c, n_c, up_s, n_s, cfg: AnalysisConfig, cov_c=None, cov_s=None):
+    """The always-valid decision bounds on ``rate_c / rate_s - 1``
+    (:func:`deploy.stats.noninferiority_bounds`) on scalars or arrays of counts (unchecked,
+    n > 0): the one implementation :func:`check_thumbs` judges with and ``bench/canary.py``
+    simulates, vectorised over canaries.
+
+    Args:
+        up_c, n_c, up_s, n_s: up-votes and votes per arm.
+        cfg: ``alpha``, ``delta``/``tau`` and ``cuped``.
+        cov_c, cov_s: ``(x_sum, xx_sum, xy_sum)`` per arm (see :class:`ArmStats`) or None.
+
+    Returns:
+        ``(rel, lo, hi, adjusted)``; ``adjusted`` when CUPED was applied (``cfg.cuped`` and
+        both arms carry the covariate).
+    """
+    if not (cfg.cuped and cov_c is not None and cov_s is not None):
+        return (*noninferiority_bounds(up_c, n_c, up_s, n_s, cfg.alpha, cfg.mixing_tau), False)
+    arms = [(n_c, up_c, *cov_c), (n_s, up_s, *cov_s)]
+    theta, mu_x = cuped_theta(arms)
+    (mc, vc), (ms, vs) = (cuped_rate(*a, theta, mu_x) for a in arms)
+    return (*noninferiority_bounds(up_c, n_c, up_s, n_s, cfg.alpha, cfg.mixing_tau, mc, vc, ms, vs), True)
+
+
+def thumbs_verdict(lo, hi, delta: float):
+    """``(passed, failed)`` of the sequential test from its bounds (scalars or arrays): FAIL
+    when ``hi < 0``, PASS when ``lo > -delta`` and not FAIL."""
+    failed = hi < 0
+    return (lo > -delta) & ~failed, failed
+
+
 def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     """The sequential thumbs-up test (module docstring): PASS when the always-valid lower
-    bound of rate_c - rate_s is above ``-delta``, FAIL when its upper bound is below 0."""
-    tau = cfg.tau if cfg.tau is not None else cfg.delta
+    bound of ``rate_c / rate_s - 1`` is above ``-delta``, FAIL when its upper bound is below 0."""
     nums = {"candidate_up": c.votes_up, "candidate_votes": c.votes, "stable_up": s.votes_up,
             "stable_votes": s.votes, "min_votes": cfg.min_votes, "alpha": cfg.alpha, "delta": cfg.delta,
-            "tau": tau, "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture"}
+            "tau": cfg.mixing_tau, "scale": "relative",
+            "method": "mSPRT (Johari, Pekelis, Walsh 2017), normal mixture: PASS on log(rate_c / rate_s), "
+                      "FAIL as a score test on rate_c - rate_s"}
     if c.votes:
         nums["candidate_rate"] = c.votes_up / c.votes
     if s.votes:
@@ -226,17 +311,21 @@ def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
         return MetricResult("thumbs_up", Check.INCONCLUSIVE,
                             f"too few votes: candidate {c.votes}, stable {s.votes}, need {cfg.min_votes} per arm",
                             nums)
-    d, lo, hi = msprt_interval(c.votes_up, c.votes, s.votes_up, s.votes, cfg.alpha, tau)
-    nums.update(diff=d, ci_lo=lo, ci_hi=hi)
+    cov = [(a.x_sum, a.xx_sum, a.xy_sum) if a.has_covariate else None for a in (c, s)]
+    rel, lo, hi, adjusted = (float(v) for v in thumbs_bounds(float(c.votes_up), float(c.votes), float(s.votes_up),
+                                                              float(s.votes), cfg, *cov))
+    adjusted = bool(adjusted)
+    passed, failed = thumbs_verdict(lo, hi, cfg.delta)
+    nums.update(diff=rel, ci_lo=lo, ci_hi=hi, abs_diff=nums["candidate_rate"] - nums["stable_rate"], cuped=adjusted)
     what = (f"thumbs-up {nums['candidate_rate']:.3f} ({c.votes_up}/{c.votes}) vs {nums['stable_rate']:.3f} "
-            f"({s.votes_up}/{s.votes}): diff {d:+.3f}, always-valid {1 - cfg.alpha:.0%} interval "
-            f"[{lo:+.3f}, {hi:+.3f}]")
-    if hi < 0:
+            f"({s.votes_up}/{s.votes}): relative {rel:+.1%}, always-valid {1 - cfg.alpha:.0%} interval "
+            f"[{lo:+.1%}, {hi:+.1%}]{' (CUPED)' if adjusted else ''}")
+    if failed:
         return MetricResult("thumbs_up", Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
-    if lo > -cfg.delta:
+    if passed:
         return MetricResult("thumbs_up", Check.PASS, f"{what}: not worse than the margin (lower bound > "
-                            f"-{cfg.delta:g})", nums)
-    return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:g}, "
+                            f"-{cfg.delta:.0%})", nums)
+    return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:.0%}, "
                         "upper bound >= 0)", nums)
 
 
@@ -277,26 +366,48 @@ def _ratio_check(name: str, cv, sv, limit: float, higher_is_worse: bool, unit: s
     return MetricResult(name, Check.PASS, f"{name} {cv:.1f} vs {sv:.1f} {unit}: ratio {r:.2f}", nums)
 
 
-def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[MetricResult]:
-    """Reward-hacking guards: the candidate's replies must not drift from stable's in length,
-    in the share with no answer, or in the share cut at ``max_tokens`` (module docstring)."""
+_SHARE_GUARDS = (("no_answer", "max_no_answer_increase", "replies with no answer"),
+                 ("truncated", "max_truncated_increase", "replies cut at max_tokens"),
+                 ("repetitive", "max_repetitive_increase", "repetitive replies"))
+
+
+def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = "",
+                 against: str = "stable") -> list[MetricResult]:
+    """Reward-hacking guards: the candidate's replies must not drift from the baseline ``s``
+    (the stable version, or the first version with ``suffix=VS_FIRST``) in length, either way,
+    nor in the shares with no answer, cut at ``max_tokens`` or repetitive (module docstring)."""
+    names = [g + suffix for g in GUARDS]
     n = (c.completions, s.completions)
     if c.completions == 0 and s.completions == 0:
-        return [MetricResult(g, Check.SKIPPED, f"{g} not measured") for g in GUARDS]
+        return [MetricResult(g, Check.SKIPPED, f"{g} not measured") for g in names]
     if min(n) < cfg.min_guard_completions:
-        why = f"{n[0]} vs {n[1]} completions, need {cfg.min_guard_completions} per arm"
-        return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "stable_n": n[1]})
-                for g in GUARDS]
-    out = [_ratio_check("completion_length", c.completion_tokens / c.completions,
-                        s.completion_tokens / s.completions, cfg.max_length_ratio, True, "tokens")]
-    for g, limit in (("no_answer", cfg.max_no_answer_increase), ("truncated", cfg.max_truncated_increase)):
-        rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
-        nums = {"candidate_share": rc, "stable_share": rs, "max_increase": limit, "candidate_n": n[0], "stable_n": n[1]}
-        label = "replies with no answer" if g == "no_answer" else "replies cut at max_tokens"
-        if rc - rs > limit:
-            out.append(MetricResult(g, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f}: +{rc - rs:.2f} > {limit}", nums))
+        why = f"{n[0]} vs {n[1]} completions ({against}), need {cfg.min_guard_completions} per arm"
+        return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "baseline_n": n[1]})
+                for g in names]
+    lc, ls = c.completion_tokens / c.completions, s.completion_tokens / s.completions
+    nums = {"candidate": lc, "baseline": ls, "against": against, "max_ratio": cfg.max_length_ratio,
+            "min_ratio": cfg.min_length_ratio, "candidate_n": n[0], "baseline_n": n[1]}
+    what = f"mean reply length {lc:.1f} vs {ls:.1f} tokens ({against})"
+    if ls == 0:
+        out = [MetricResult(names[0], Check.INCONCLUSIVE, f"{what}: baseline is 0 tokens", nums)]
+    else:
+        r = nums["ratio"] = lc / ls
+        if r > cfg.max_length_ratio:
+            out = [MetricResult(names[0], Check.FAIL, f"{what}: ratio {r:.2f} > {cfg.max_length_ratio}", nums)]
+        elif r < cfg.min_length_ratio:
+            out = [MetricResult(names[0], Check.FAIL, f"{what}: ratio {r:.2f} < {cfg.min_length_ratio}", nums)]
         else:
-            out.append(MetricResult(g, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f}", nums))
+            out = [MetricResult(names[0], Check.PASS, f"{what}: ratio {r:.2f}", nums)]
+    for (g, limit_f, label), name in zip(_SHARE_GUARDS, names[1:]):
+        limit = getattr(cfg, limit_f)
+        rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
+        nums = {"candidate_share": rc, "baseline_share": rs, "against": against, "max_increase": limit,
+                "candidate_n": n[0], "baseline_n": n[1]}
+        if rc - rs > limit:
+            out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
+                                    f"+{rc - rs:.2f} > {limit}", nums))
+        else:
+            out.append(MetricResult(name, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f} ({against})", nums))
     return out
 
 
@@ -316,7 +427,7 @@ def _apply_failure_limit(m: MetricResult, counts: dict[str, int], limit: int) ->
 
 def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = None,
             source_error: str | None = None, skipped: dict[str, str] | None = None,
-            failed_checks: dict[str, int] | None = None) -> Decision:
+            failed_checks: dict[str, int] | None = None, first: ArmStats | None = None) -> Decision:
     """Compare ``candidate`` with ``stable``; worst metric wins. Pure: same inputs, same output.
 
     Args:
@@ -329,6 +440,8 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
             reason. ``thumbs_up`` cannot be skipped (ValueError).
         failed_checks: failed checks in a row so far per operational metric and guard (the
             previous decision's ``failed_checks``; not modified).
+        first: the first version's guard figures (``completions`` ... ``repetitive``), or None:
+            each guard is then also checked against it (``<guard>_vs_first``).
 
     Returns:
         :class:`Decision` with per-metric numbers, a one-line reason, the updated
@@ -354,6 +467,7 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
                      cfg.min_tokens_per_s_ratio, False, "tokens/s", n_lat, cfg.min_requests),
         *check_guards(candidate, stable, cfg),
+        *(check_guards(candidate, first, cfg, VS_FIRST, "first version") if first is not None else []),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.
@@ -371,8 +485,9 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     decided_by = None
     if worst.check == Check.FAIL:
         outcome, tag = Outcome.ROLLBACK, "ROLLBACK"
-        first = bad[0].name
-        decided_by = "sequential_test" if first == "thumbs_up" else "guard" if first in GUARDS else "operational"
+        first_bad = bad[0].name
+        decided_by = ("sequential_test" if first_bad == "thumbs_up" else
+                      "guard" if first_bad.removesuffix(VS_FIRST) in GUARDS else "operational")
     elif worst.check == Check.ERROR:
         outcome, tag, decided_by = Outcome.HOLD, "HOLD (error)", "error"
     elif worst.check == Check.INCONCLUSIVE:

@@ -1,6 +1,13 @@
 """On-call CLI of ``deploy``: controller, status, versions, promote, rollback, canary,
 pause/resume (learner), runbook.
 
+Operator actions act on the fleet, not on one pod: each writes the intent into the fleet's
+desired-state record on the store's shared storage (:mod:`deploy.desired`), then brings every
+pod to it through the controller's own reconcile code (:mod:`deploy.operator`) and returns
+when every pod serves it or ``--timeout`` passes, printing each pod's outcome; the exit status
+is 0 only when every pod converged. ``canary start|abort`` record an intent the controller
+acts on at its next poll.
+
 Every action that changes traffic asks for confirmation unless ``--yes`` and is recorded in
 the ledger whether it succeeded or failed (decision ``X`` or ``X_FAILED``), with who ran it
 (``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``) and why (``--reason``). Every call to
@@ -9,6 +16,7 @@ a pod is bounded by ``--serving-timeout-s`` (else ``$FLYWHEEL_SERVING_TIMEOUT_S`
 
 from __future__ import annotations
 
+import functools
 import getpass
 import json
 import logging
@@ -26,13 +34,16 @@ from rich.table import Table
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.controller import (DEADLINE_OUTCOMES, ControllerConfig, RolloutController, RolloutPhase,
-                               RolloutStatus, current_status, read_intent, write_intent)
+                               RolloutStatus, current_status, write_intent)
+from deploy.desired import DesiredState, FleetRecord, LockTimeout
 from deploy.discovery import PodDiscovery
+from deploy.fleet import drift, observe_pods
+from deploy.operator import ActionResult, pod_specs, run_action
 from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdmin, ServingAdminError,
                                    check_timeout, timeout_from_env)
-from deploy.store import ModelStore
-from flywheel.output import OUTPUT, Format, dumps, resolve
+from deploy.store import CorruptVersionError, ModelStore
+from schemas.output import OUTPUT, Format, dumps, resolve
 from schemas import settings
 
 console = Console()
@@ -41,53 +52,55 @@ if not console.is_terminal and "COLUMNS" not in os.environ:
 
 
 def rollout_status_path() -> Path:
-    """Where the controller persists its :class:`RolloutStatus`."""
+    """Where the controller persists its :class:`RolloutStatus` (a cache of the ledger)."""
     return settings.home() / "deploy" / "rollout.json"
 
 
-def intent_path() -> Path:
-    """Where CLI commands record operator intent for the controller."""
-    return rollout_status_path().with_name("intent.json")
+def _fleet(store: ModelStore | None = None) -> FleetRecord:
+    """The desired-state record of the configured store."""
+    return FleetRecord(store or _store())
 
 
-def learner_pause_path() -> Path:
-    """Flag file the learner daemon checks before each cycle (JSON: actor, at, reason)."""
-    return settings.home() / "learner" / "paused"
-
-
-def learner_paused() -> dict | None:
-    """The pause record (``{"actor", "at" (ms), "reason"}``) or None when the learner runs."""
-    p = learner_pause_path()
-    if not p.exists():
-        return None
+def learner_paused(fleet: FleetRecord | None = None) -> dict | None:
+    """The pause (``{"actor", "at" (ms), "reason"}``) in the fleet's desired state, or None."""
     try:
-        return json.loads(p.read_text())
-    except ValueError:
-        return {"actor": "unknown", "at": int(p.stat().st_mtime * 1000), "reason": "unreadable pause record"}
+        return (fleet or _fleet()).read().paused
+    except ValueError as exc:  # unreadable record: say so rather than "running"
+        return {"actor": "unknown", "at": 0, "reason": f"desired-state record unreadable: {exc}"}
 
 
-def pause_learner(actor: str, reason: str = "") -> dict:
-    """Record the pause intent (atomic write of the flag file) and a PAUSE ledger row."""
+def pause_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None) -> dict:
+    """Record the pause in the fleet's desired state (one generation) and a PAUSE ledger row.
+    The learner reads the record before each cycle, wherever it runs."""
     rec = {"actor": actor, "at": int(time.time() * 1000), "reason": reason}
-    p = learner_pause_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".paused.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, p)
+
+    def fn(d: DesiredState) -> DesiredState:
+        d.paused = rec
+        return d
+    new = (fleet or _fleet()).change(fn, actor, "pause", reason)
     ledger.record(settings.ledger_path(), ledger.LedgerEntry(
         version="learner", stable=None, step=-1, weight=0.0, decision="PAUSE",
-        reason=f"learner paused by {actor}" + (f": {reason}" if reason else ""), actor=actor), _bootstrap())
+        reason=f"learner paused by {actor}" + (f": {reason}" if reason else ""), actor=actor,
+        numbers={"generation": new.generation}), _bootstrap())
     return rec
 
 
-def resume_learner(actor: str) -> dict | None:
-    """Remove the pause flag and record a RESUME ledger row; returns the pause it ended."""
-    prev = learner_paused()
-    learner_pause_path().unlink(missing_ok=True)
+def resume_learner(actor: str, fleet: FleetRecord | None = None) -> dict | None:
+    """Clear the pause in the desired state and record a RESUME ledger row; returns the pause it ended."""
+    fleet = fleet or _fleet()
+    prev = fleet.read().paused
+
+    def fn(d: DesiredState) -> DesiredState:
+        d.paused = None
+        return d
+    new = fleet.change(fn, actor, "resume")
     ledger.record(settings.ledger_path(), ledger.LedgerEntry(
         version="learner", stable=None, step=-1, weight=0.0, decision="RESUME",
-        reason=f"learner resumed by {actor}", numbers={"paused": prev or {}}, actor=actor), _bootstrap())
+        reason=f"learner resumed by {actor}", numbers={"paused": prev or {}, "generation": new.generation},
+        actor=actor), _bootstrap())
     return prev
+
+
 
 
 STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
@@ -131,6 +144,22 @@ def _admin(serving: str | None, timeout_s: float) -> ServingAdmin:
     return ServingAdmin(serving or settings.serving_url(), os.environ.get("FLYWHEEL_ADMIN_TOKEN"), timeout_s=timeout_s)
 
 
+def _pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float, quiet: bool = False) -> PodDiscovery:
+    """The fleet's pods: the specs the controller recorded in the desired state, else
+    ``--serving`` / ``$FLYWHEEL_SERVING_URL`` (:func:`deploy.operator.pod_specs`)."""
+    try:
+        d = fleet.read()
+    except ValueError:
+        d = DesiredState()
+    specs, note = pod_specs(d, serving, settings.serving_url())
+    if note and not quiet:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    try:
+        return PodDiscovery(specs, lambda u: _admin(u, timeout_s))
+    except ValueError as exc:
+        _fail(str(exc), usage=True)
+
+
 def _record_action(decision: str, version: str | None, stable: str | None, reason: str, actor: str,
                    numbers: dict | None = None) -> None:
     """One ledger row for an operator action (step -1, weight 0). A ledger that cannot be
@@ -161,11 +190,11 @@ def _because(reason: str, why: str) -> str:
     return reason + (f": {why}" if why else "")
 
 
-def status_warnings(slots, stable_record: dict | None) -> list[str]:
-    """What `flywheel status` flags for the on-call engineer: a slot whose served digest
-    differs from the store's manifest (``digest_ok`` False: the version's files changed
-    under the same id), and a served stable that is not the store's stable record (a
-    restarted pod would serve the record's version)."""
+def status_warnings(slots, desired: DesiredState | None) -> list[str]:
+    """What `flywheel status` flags for the on-call engineer about one pod: a slot whose
+    served digest differs from the store's manifest (``digest_ok`` False: the version's
+    files changed under the same id), and drift from the fleet's desired state (the
+    controller brings the pod back at its next poll; a restarted pod serves the record)."""
     out: list[str] = []
     if slots is None:
         return out
@@ -176,12 +205,16 @@ def status_warnings(slots, stable_record: dict | None) -> list[str]:
             out.append(f"pod {slots.pod}: {name} {si.version} serves weights digest {si.weights_digest[:12]} but the "
                        f"store's manifest now says {(si.manifest_digest or '')[:12]} (files changed under the same "
                        f"id): {fix}")
-    if stable_record and stable_record.get("version") != slots.stable.version:
-        rv = stable_record["version"]
-        out.append(f"pod {slots.pod} serves {slots.stable.version} as stable but the store's stable record says {rv} "
-                   f"(set by {stable_record.get('actor') or '?'} at {_ts(stable_record.get('at') or 0)} UTC): a "
-                   f"restarted pod would serve {rv}; to keep {slots.stable.version}, "
-                   f"`flywheel rollback --to {slots.stable.version} --yes`")
+    if desired is not None and desired.stable and desired.stable != slots.stable.version:
+        out.append(f"pod {slots.pod} serves {slots.stable.version} as stable but the fleet's desired state says "
+                   f"{desired.stable} (generation {desired.generation}, {desired.action or 'set'} by "
+                   f"{desired.actor or '?'} at {_ts(desired.updated_ms)} UTC): the controller brings it to "
+                   f"{desired.stable} at its next poll and a restarted pod serves {desired.stable}; to keep "
+                   f"{slots.stable.version}, `flywheel rollback --to {slots.stable.version} --yes`")
+    elif desired is not None:
+        for what in drift(slots, desired):
+            out.append(f"pod {slots.pod}: {what} (generation {desired.generation}): converging; if it stays, "
+                       "see `flywheel runbook` ('a pod does not converge')")
     return out
 
 
@@ -238,15 +271,15 @@ def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
 def register(app: typer.Typer) -> None:
     """Add ``controller``, ``status``, ``versions``, ``promote``, ``rollback``,
     ``canary start|abort``, ``pause``, ``resume`` and ``runbook``."""
-    canary = typer.Typer(help="Ask the controller to start or abort a canary (recorded intent).",
-                         no_args_is_help=True)
+    canary = typer.Typer(help="Ask the controller to start or abort a canary (intent recorded in the fleet's "
+                              "desired state).", no_args_is_help=True)
     app.add_typer(canary, name="canary")
 
     @canary.command("start")
     def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
                      actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Canary VERSION at the next reconcile (also one the controller skipped or rolled back)."""
+        """Canary VERSION at the controller's next reconcile (also one it skipped or rolled back)."""
         who = _actor(actor)
         store = _store()
         if version not in store.versions():
@@ -254,7 +287,7 @@ def register(app: typer.Typer) -> None:
                            f"version: {version!r} is not in the store (it has "
                            f"{', '.join(store.versions()) or 'none'})")
         _confirm(f"start a canary of {version}", yes)
-        write_intent(intent_path(), "start", who, version)
+        write_intent(_fleet(store), "start", who, version)
         _record_action("MANUAL_CANARY_START", version, None,
                        _because(f"canary start of {version} requested by {who}", reason), who, {"why": reason})
         console.print(f"recorded: start canary of {version}; the controller acts at its next reconcile")
@@ -262,7 +295,7 @@ def register(app: typer.Typer) -> None:
     @canary.command("abort")
     def canary_abort(actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Abort the canary in progress: the controller drops the candidate (all traffic to stable)."""
+        """Abort the canary in progress: the controller drops the candidate on every pod."""
         who = _actor(actor)
         st = current_status(rollout_status_path(), settings.ledger_path())
         if st.phase != RolloutPhase.CANARY:
@@ -270,7 +303,7 @@ def register(app: typer.Typer) -> None:
                            f"no canary in progress (phase {st.phase.value}); to drop a loaded candidate use "
                            "`flywheel rollback`")
         _confirm(f"abort the canary of {st.candidate} at {st.weight:.0%}", yes)
-        write_intent(intent_path(), "abort", who)
+        write_intent(_fleet(), "abort", who)
         _record_action("MANUAL_CANARY_ABORT", st.candidate, st.stable,
                        _because(f"abort of the canary of {st.candidate} requested by {who}", reason), who,
                        {"why": reason, "step": st.step, "weight": st.weight})
@@ -280,15 +313,15 @@ def register(app: typer.Typer) -> None:
     def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
                   actor: Optional[str] = _actor_opt(),
                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Pause the learner: its daemon publishes nothing new until `flywheel resume` (a cycle
-        already running finishes)."""
+        """Pause the learner (through the fleet's desired state, wherever the learner runs): it
+        publishes nothing new until `flywheel resume` (a cycle already running finishes)."""
         cur = learner_paused()
         if cur:
             console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
             return
         _confirm("pause the learner", yes)
         pause_learner(_actor(actor), reason)
-        console.print(f"learner paused by {_actor(actor)} (flag {learner_pause_path()})")
+        console.print(f"learner paused by {_actor(actor)} (fleet desired state, {_fleet().read().summary()})")
 
     @app.command("resume")
     def resume_cmd(actor: Optional[str] = _actor_opt(),
@@ -317,19 +350,22 @@ def register(app: typer.Typer) -> None:
             t.add_row(*row)
         console.print(t)
 
+
     @app.command("controller")
     def controller_cmd(
         serving: Optional[list[str]] = typer.Option(
-            None, help="serving base URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
-                       "(asked again before each step); repeat for several (default $FLYWHEEL_SERVING_URL)"),
+            None, help="serving pod URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
+                       "(asked again before each step); repeat for several; recorded in the fleet's desired state "
+                       "for operator commands (default: the pods recorded there, else $FLYWHEEL_SERVING_URL)"),
         once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, then exit"),
         steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated, "
                                    "increasing in (0, 1], ending in 1; the canary is analysed at each share "
                                    "below 1 and passing the last of them promotes (the final 1 is the "
                                    "promotion itself, docs/decisions.md D27)"),
         min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
-        delta: float = typer.Option(0.1, help="non-inferiority margin (rate units): advance when the always-valid "
-                                    "lower bound of rate(candidate) - rate(stable) is above -delta"),
+        delta: float = typer.Option(0.2, help="relative non-inferiority margin in (0, 1): advance when the "
+                                    "always-valid lower bound of rate(candidate) / rate(stable) - 1 is above -delta "
+                                    "(0.2: the candidate keeps more than 80 % of the stable's thumbs-up rate)"),
         alpha: float = typer.Option(0.05, help="error level of the always-valid interval"),
         failure_limit: int = typer.Option(3, help="failed checks in a row before an operational metric or a "
                                           "reward-hacking guard fails the step"),
@@ -347,8 +383,16 @@ def register(app: typer.Typer) -> None:
                                                      help="Prometheus base URL for --metrics-provider prometheus"),
         prometheus_selector: str = typer.Option("", help="label matchers added to every PromQL series, e.g. "
                                                 "job=\"flywheel-serving\""),
+        guards_from: str = typer.Option("samples", help="reward-hacking guards over 'samples' (voted completions) "
+                                        "or 'completions' (every served completion, read from the completions "
+                                        "topic; deploy/replies.py)"),
+        reply_judge: Optional[str] = typer.Option(None, help="module:attribute of the workload's has_answer "
+                                                  "judge for the no-answer guard (with --guards-from completions; "
+                                                  "default: an empty reply has no answer)"),
     ) -> None:
-        """Canary each newly published version: load, step traffic, analyze, promote or roll back."""
+        """Canary each newly published version (load, step traffic, analyze, promote or roll back)
+        and keep every pod on the fleet's desired state. `--once` exits 1 when the step it ran
+        failed (FAILED) or a pod did not converge."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         try:
             cfg = ControllerConfig(steps=_parse_steps(steps), step_deadline_s=deadline_s,
@@ -358,7 +402,19 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             _fail(str(exc), usage=True)
         timeout_s = _timeout(serving_timeout_s)
-        pods = PodDiscovery(serving or [settings.serving_url()], lambda u: _admin(u, timeout_s))
+        fleet = _fleet()
+        try:
+            recorded = fleet.read().pods
+        except ValueError as exc:
+            _fail(f"fleet desired-state record: {exc}")
+        specs = serving or recorded or [settings.serving_url()]  # --serving, else the pods recorded before
+        pods = PodDiscovery(specs, lambda u: _admin(u, timeout_s))
+        try:
+            if fleet.read().pods != specs:  # operator commands reach the pods the controller reaches
+                fleet.change(functools.partial(_with_pods, specs), "controller", "pods",
+                             f"serving specs {', '.join(specs)}")
+        except ValueError as exc:
+            _fail(f"fleet desired-state record: {exc}")
         try:
             admins = pods()
         except ValueError as exc:
@@ -375,79 +431,114 @@ def register(app: typer.Typer) -> None:
                                               selector=prometheus_selector)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--metrics-provider/--prometheus-url") from exc
+        served = None
+        if guards_from not in ("samples", "completions"):
+            raise typer.BadParameter(f"must be 'samples' or 'completions', got {guards_from!r}",
+                                     param_hint="--guards-from")
+        if guards_from == "completions":
+            from deploy.replies import ServedCompletions, load_judge
+
+            try:
+                judge = load_judge(reply_judge) if reply_judge else None
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--reply-judge") from exc
+            if _bootstrap() is None:
+                raise typer.BadParameter("needs a Kafka bootstrap (FLYWHEEL_KAFKA_BOOTSTRAP) to read the completions "
+                                         "topic", param_hint="--guards-from")
+            served = ServedCompletions(_bootstrap(), judge=judge).start()
         ctl = RolloutController(_store(), admins, settings.samples_dir(),
                                 settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap(),
-                                discover=pods if pods.dynamic else None, arm_metrics=arm_metrics)
+                                discover=pods, arm_metrics=arm_metrics, fleet=fleet, served=served)
         if metrics_port:
             ctl.exported.serve(metrics_port)
         if once:
-            try:
-                st = ctl.run_once()
-            except ServingAdminError as exc:
-                _fail(str(exc))
-            console.print(f"phase={st.phase.value} candidate={st.candidate} step={st.step} "
-                          f"weight={st.weight} last={st.last_outcome}: {st.last_reason}")
+            _controller_once(ctl)
             return
         ctl.run_forever(poll_s)
 
+
     @app.command("status")
-    def status_cmd(serving: Optional[str] = typer.Option(None, help="serving base URL"),
+    def status_cmd(serving: Optional[list[str]] = typer.Option(
+                       None, help="pod URL or dns+http:// spec, used when the fleet's desired state records no "
+                                  "pods (the controller records its own)"),
                    as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
                    output: Optional[Format] = OUTPUT,
                    last: int = typer.Option(10, min=1, help="decisions to show"),
                    serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
-        """Serving slots and weights (and whether each served digest equals the store's
-        manifest), the store's stable record, canary phase and step, last decisions."""
+        """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
+        from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
+        pod is unreachable."""
         fmt = resolve(output, as_json)
-        slots, err = None, None
+        err, desired, stable_rec = None, None, None
         try:
-            slots = _admin(serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S)).slots()
-        except ServingAdminError as exc:
-            err = str(exc)
-        try:
-            stable_rec = _store().stable_record()
+            store = _store()
+            stable_rec = store.stable_record()
+            fleet = _fleet(store)
+            desired = fleet.read()
         except Exception as exc:  # noqa: BLE001 - status must show what it can
-            stable_rec, err = None, err or f"model store unreadable: {exc}"
-        warnings = status_warnings(slots, stable_rec)
+            err = f"model store or desired-state record unreadable: {exc}"
+            fleet = None
+        rows = []
+        if fleet is not None:
+            pods = _pods(fleet, serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S), quiet=fmt != Format.table)
+            try:
+                rows = observe_pods(pods(), desired)
+            except ServingAdminError as exc:
+                err = str(exc)
+        errors = [e for _, _, e, _ in rows if e]
+        err = err or (errors[0] if errors else None) or (None if rows else "no serving pod found")
+        first = next((s for _, s, _, _ in rows if s is not None), None)
+        warnings = [w for _, s, _, _ in rows for w in status_warnings(s, desired)]
         st = current_status(rollout_status_path(), settings.ledger_path())
         decs = ledger.decisions(settings.ledger_path(), limit=last)
         if fmt in (Format.json, Format.yaml):
             sd = asdict(st)
             sd["phase"] = st.phase.value
-            typer.echo(dumps({"serving": slots.model_dump() if slots else None, "serving_error": err,
+            typer.echo(dumps({"desired": asdict(desired) if desired else None,
+                              "pods": [{"url": u, "slots": s.model_dump() if s else None, "error": e, "drift": dr}
+                                       for u, s, e, dr in rows],
+                              "converged": bool(rows) and all(not dr for _, _, _, dr in rows),
+                              "serving": first.model_dump() if first else None, "serving_error": err,
                               "stable_record": stable_rec, "warnings": warnings,
-                              "rollout": sd, "pending_intent": read_intent(intent_path()),
-                              "learner": {"paused": learner_paused()},
+                              "rollout": sd, "pending_intent": desired.intent if desired else None,
+                              "learner": {"paused": desired.paused if desired else None},
                               "decisions": [asdict(d) for d in decs]}, fmt))
             if err:
                 raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
             return
-        t = Table(title="serving")
-        for c in ("slot", "version", "weight", "weights digest", "digest = manifest", "loaded at (UTC)"):
-            t.add_column(c, no_wrap=True)
+        if desired is not None:
+            console.print(f"desired state: [bold]{desired.summary()}[/bold] (last change: {desired.action or '-'} "
+                          f"by {desired.actor or '-'} at {_ts(desired.updated_ms)} UTC)")
+        t = Table(title="serving pods")
+        for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
+            t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
         ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
-        if slots:
-            dig = None if fmt == Format.wide else 12  # -o wide: whole digests
-            t.add_row("stable", slots.stable.version, f"{1 - slots.candidate_weight:.0%}",
-                      slots.stable.weights_digest[:dig], ok[slots.stable.digest_ok], _ts(slots.stable.loaded_at))
-            if slots.candidate:
-                t.add_row("candidate", slots.candidate.version, f"{slots.candidate_weight:.0%}",
-                          slots.candidate.weights_digest[:dig], ok[slots.candidate.digest_ok],
-                          _ts(slots.candidate.loaded_at))
+        dig = None if fmt == Format.wide else 12  # -o wide: whole digests
+        for url, s, e, dr in rows:
+            if s is None:
+                t.add_row("?", url, "", "", "", "", "", "", f"[red]unreachable[/red]: {e}")
+                continue
+            t.add_row(s.pod, url, s.stable.version, s.stable.weights_digest[:dig], ok[s.stable.digest_ok],
+                      (s.candidate.version + (" [red]digest NO[/red]" if s.candidate.digest_ok is False else ""))
+                      if s.candidate else "-", f"{s.candidate_weight:.0%}",
+                      _ts(s.stable.loaded_at), "[red]" + "; ".join(dr) + "[/red]" if dr else "in sync")
         console.print(t)
+        n_ok = sum(1 for _, _, _, dr in rows if not dr)
+        console.print(f"{n_ok} of {len(rows)} pods serve the desired state" + ("" if n_ok == len(rows) and rows
+                                                                                  else " ([red]drift[/red])"))
         if err:
             console.print(f"[red]serving unreachable:[/red] {err}")
         if stable_rec:
             console.print(f"store stable record: {stable_rec['version']} (set by {stable_rec.get('actor') or '?'} "
-                          f"at {_ts(stable_rec.get('at') or 0)} UTC; what a restarted pod serves)")
+                          f"at {_ts(stable_rec.get('at') or 0)} UTC)")
         for w in warnings:
             console.print(f"[red]warning:[/red] {w}")
         console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
                       f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
-        lp = learner_paused()
+        lp = desired.paused if desired else None
         console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
                                      f"{lp.get('reason', '')}" if lp else "running (not paused)"))
-        pending = read_intent(intent_path())
+        pending = desired.intent if desired else None
         if pending:
             console.print(f"pending intent: {pending['action']} {pending.get('version') or ''} by {pending['actor']}")
         t = Table(title="last decisions")
@@ -466,17 +557,11 @@ def register(app: typer.Typer) -> None:
     @app.command("versions")
     def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
                      output: Optional[Format] = OUTPUT) -> None:
-        """Versions in the model store: parent, kind, size, delta ratio, status."""
+        """Versions in the model store: parent, kind, size, delta ratio, status (``corrupt`` when
+        the manifest cannot be read, with the reason)."""
         store = _store()
         stable = store.stable()
-        rows = []
-        for v in store.versions():
-            m = store.manifest(v)
-            rows.append({"version": v, "stable": v == stable, "parent": m.parent, "kind": m.kind, "created_at": m.created_at,
-                         "size_bytes": m.size_bytes, "snapshot_bytes": m.snapshot_bytes,
-                         "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.size_bytes else None,
-                         "status": m.status_history[-1].status if m.status_history else "",
-                         "digest": m.weights_digest, "metrics": m.metrics})
+        rows = [_version_row(store, v, stable) for v in store.versions()]
         fmt = resolve(output, as_json)
         if fmt in (Format.json, Format.yaml):
             typer.echo(dumps(rows, fmt))
@@ -487,6 +572,10 @@ def register(app: typer.Typer) -> None:
                   "created (UTC)") + (("metrics",) if wide else ()):
             t.add_column(c, no_wrap=c != "metrics", overflow="fold")
         for r in rows:
+            if r["status"] == "corrupt":
+                t.add_row(r["version"], "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
+                          r["error"], "")
+                continue
             t.add_row(r["version"], "*" if r["stable"] else "", r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
                       f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"],
                       r["digest"] if wide else r["digest"][:12], _ts(r["created_at"]),
@@ -494,105 +583,202 @@ def register(app: typer.Typer) -> None:
         console.print(t)
 
     @app.command("promote")
-    def promote_cmd(serving: Optional[str] = typer.Option(None, help="serving base URL"),
+    def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
-                    serving_timeout_s: Optional[float] = _timeout_opt(),
+                    serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Promote the loaded candidate to stable now (hot swap); it becomes the store's
-        stable record (what a restarted pod serves)."""
-        who, t0 = _actor(actor), time.monotonic()
-        admin = _admin(serving, _timeout(serving_timeout_s))
-        try:
-            slots = admin.slots()
-        except ServingAdminError as exc:
-            _action_failed("MANUAL_PROMOTE", "manual promote", None, None, who, reason, str(exc), exc, t0)
-        stable = slots.stable.version
-        if slots.candidate is None:
-            _action_failed("MANUAL_PROMOTE", "manual promote", None, stable, who, reason,
-                           "no candidate is loaded: nothing to promote")
-        cand = slots.candidate.version
-        _confirm(f"promote {cand} (replacing {stable})", yes)
-        t0 = time.monotonic()
-        try:
-            after = admin.promote()
-        except ServingAdminError as exc:
-            _action_failed("MANUAL_PROMOTE", f"manual promote of {cand}", cand, stable, who, reason, str(exc), exc, t0)
+        """Promote the fleet's candidate to stable on every pod (hot swap); it becomes the store's
+        stable record. Returns when every pod serves it or --timeout passes (exit 1), printing
+        each pod's outcome."""
+        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+        store, fleet = _store(), _fleet()
+        d = _read_desired(fleet, "MANUAL_PROMOTE", "manual promote", who, reason)
+        if d.candidate is None:
+            _action_failed("MANUAL_PROMOTE", "manual promote", None, d.stable, who, reason,
+                           "no candidate in the fleet's desired state: nothing to promote (`flywheel status` "
+                           "shows what each pod serves)")
+        cand, stable = d.candidate, d.stable
+        _confirm(f"promote {cand} (replacing {stable}) on every pod", yes)
         why = _because(f"manual promote by {who}", reason)
-        _store().set_status(cand, "promoted", why, actor=who)
-        _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", why)
-        _record_action("MANUAL_PROMOTE", cand, stable, why, who,
-                       {"why": reason, "elapsed_s": time.monotonic() - t0, "digest": after.stable.weights_digest})
-        console.print(f"promoted {cand}")
+
+        def change(x: DesiredState) -> DesiredState:
+            if x.candidate != cand:
+                raise ValueError(f"candidate: the desired state changed meanwhile (candidate now {x.candidate})")
+            x.stable, x.candidate, x.weight, x.reload_after_ms = cand, None, 0.0, 0
+            return x
+
+        def on_changed(before, after):
+            store.set_status(cand, "promoted", why, actor=who)
+            _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", why)
+
+        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_PROMOTE",
+                   f"manual promote of {cand}", cand, stable, who, reason, why)
+        _report(res, f"stable is now {cand}", cand)
 
     @app.command("rollback")
     def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to restore as stable"),
-                     serving: Optional[str] = typer.Option(None, help="serving base URL"),
+                     serving: Optional[list[str]] = _serving_opt(),
                      actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
-                     serving_timeout_s: Optional[float] = _timeout_opt(),
+                     serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Drop the candidate if one is loaded; otherwise (or with --to) restore stable to the
-        version stable before it (or VERSION), which becomes the store's stable record.
-        `--to` the version already stable reloads it from the store (verified)."""
-        who, t0 = _actor(actor), time.monotonic()
-        admin = _admin(serving, _timeout(serving_timeout_s))
-        store = _store()
+        """Drop the fleet's candidate if there is one; otherwise (or with --to) make stable the
+        version stable before it (or VERSION) on every pod, and the store's stable record.
+        `--to` the version already stable reloads it from the store on every pod (verified).
+        Returns when every pod serves it or --timeout passes (exit 1), printing each pod's outcome."""
+        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+        store, fleet = _store(), _fleet()
         if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
             try:
                 store.manifest(to)
             except (KeyError, ValueError) as exc:
                 _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {exc}")
-        try:
-            slots = admin.slots()
-        except ServingAdminError as exc:
-            _action_failed("MANUAL_ROLLBACK", "manual rollback", to, None, who, reason, str(exc), exc, t0)
-        stable = slots.stable.version
-        if to is None and slots.candidate is not None:
-            _drop_candidate(admin, store, slots, who, reason, yes)
+        d = _read_desired(fleet, "MANUAL_ROLLBACK", "manual rollback", who, reason)
+        stable, cand = d.stable, d.candidate
+        if to is None and cand is not None:
+            _confirm(f"drop candidate {cand} on every pod (stable {stable} keeps all traffic)", yes)
+            why = _because(f"manual rollback of candidate by {who}", reason)
+
+            def drop(x: DesiredState) -> DesiredState:
+                x.candidate, x.weight = None, 0.0
+                return x
+
+            def dropped(before, after):
+                store.set_status(cand, "rolled_back", why)
+                _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", why)
+
+            res = _run(fleet, serving, serving_timeout_s, timeout, drop, dropped, "MANUAL_ROLLBACK",
+                       f"manual rollback of candidate {cand}", cand, stable, who, reason, why)
+            _report(res, f"dropped candidate {cand}; stable is {stable}", stable)
             return
         if to is None:
             to = store.previous_stable(stable)
             if to is None:
                 _action_failed("MANUAL_ROLLBACK", "manual rollback", None, stable, who, reason,
                                f"no earlier stable version than {stable} to roll back to (see `flywheel versions`)")
-        try:
-            store.manifest(to)
-        except (KeyError, ValueError) as exc:
-            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, stable, who, reason, f"--to: {exc}")
-        _confirm(f"replace stable {stable} by {to}", yes)
-        t0 = time.monotonic()
-        try:
-            after = admin.rollback(to)
-        except ServingAdminError as exc:
-            _action_failed("MANUAL_ROLLBACK", f"manual rollback of stable {stable} to {to}", to, stable, who,
-                           reason, str(exc), exc, t0)
-        elapsed = time.monotonic() - t0
+        reload = to == stable
+        _confirm(f"reload stable {to} from the store on every pod" if reload else f"replace stable {stable} by {to}",
+                 yes)
         why = _because(f"manual rollback of stable {stable} to {to} by {who}", reason)
-        if to != stable:
-            store.set_status(stable, "rolled_back", why)
-        store.set_status(to, "promoted", why, actor=who)
-        if slots.candidate is not None:
-            store.set_status(slots.candidate.version, "rolled_back", why)
-            _end_rollout(slots.candidate.version, RolloutPhase.ABORTED, "ROLLBACK", why)
-        _record_action("MANUAL_ROLLBACK", to, stable, why, who,
-                       {"why": reason, "elapsed_s": elapsed, "from": stable, "digest": after.stable.weights_digest})
-        console.print(f"stable is now {after.stable.version} ({elapsed:.2f} s)")
+        asked_ms = int(time.time() * 1000)
+
+        def change(x: DesiredState) -> DesiredState:
+            x.stable, x.candidate, x.weight = to, None, 0.0
+            x.reload_after_ms = asked_ms if reload else 0
+            return x
+
+        def on_changed(before, after):
+            if before.stable != to and before.stable:
+                store.set_status(before.stable, "rolled_back", why)
+            store.set_status(to, "promoted", why, actor=who)
+            if before.candidate is not None:
+                store.set_status(before.candidate, "rolled_back", why)
+                _end_rollout(before.candidate, RolloutPhase.ABORTED, "ROLLBACK", why)
+
+        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_ROLLBACK",
+                   f"manual rollback of stable {stable} to {to}", to, stable, who, reason, why)
+        _report(res, f"stable is now {to}" + (" (reloaded from the store, verified)" if reload else ""), to)
 
 
-def _drop_candidate(admin: ServingAdmin, store: ModelStore, slots, who: str, reason: str, yes: bool) -> None:
-    """`flywheel rollback` with a candidate loaded: drop it; stable keeps all traffic."""
-    cand, stable = slots.candidate.version, slots.stable.version
-    _confirm(f"drop candidate {cand} (stable {stable} keeps all traffic)", yes)
-    t0 = time.monotonic()
+def _with_pods(specs: list[str], d: DesiredState) -> DesiredState:
+    d.pods = list(specs)
+    return d
+
+
+def _serving_opt():
+    return typer.Option(None, "--serving", help="pod URL or dns+http:// spec, used only when the fleet's desired "
+                        "state records no pods (the controller records the ones it discovers); repeatable")
+
+
+def _wait_opt():
+    return typer.Option(60.0, "--timeout", min=0.0, help="how long to wait for every pod to converge, retrying "
+                        "the ones that did not (s); the command exits 1 if they have not by then")
+
+
+def _read_desired(fleet: FleetRecord, decision: str, what: str, who: str, why: str) -> DesiredState:
     try:
-        admin.rollback()
-    except ServingAdminError as exc:
-        _action_failed("MANUAL_ROLLBACK", f"manual rollback of candidate {cand}", cand, stable, who, reason,
-                       str(exc), exc, t0)
-    why = _because(f"manual rollback of candidate by {who}", reason)
-    store.set_status(cand, "rolled_back", why)
-    _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", why)
-    _record_action("MANUAL_ROLLBACK", cand, stable, why, who, {"why": reason, "elapsed_s": time.monotonic() - t0})
-    console.print(f"dropped candidate {cand}; stable is {stable}")
+        return fleet.read()
+    except ValueError as exc:
+        _action_failed(decision, what, None, None, who, why, f"fleet desired-state record unreadable: {exc}")
+
+
+def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decision, what, version, stable, who,
+         why_flag, why) -> ActionResult:
+    """:func:`deploy.operator.run_action` with this CLI's pods, ledger rows and failures."""
+    pods = _pods(fleet, serving, serving_timeout_s)
+    t0 = time.monotonic()
+
+    def record(suffix: str, numbers: dict) -> None:
+        dec = {"": decision, "converged": "FLEET_CONVERGED", "not_converged": "FLEET_NOT_CONVERGED"}[suffix]
+        p = numbers.get("pods") or {}
+        _record_action(dec, version, stable, f"{why} ({p.get('converged', 0)} of {p.get('pods', 0)} pods converged)",
+                       who, {"why": why_flag, **numbers})
+
+    def statuses(before, after) -> None:  # the record changed: a status write that fails is reported, not fatal
+        try:
+            on_changed(before, after)
+        except Exception as exc:  # noqa: BLE001 - e.g. a corrupt manifest of the version replaced
+            console.print(f"[red]could not update the store's version statuses:[/red] {exc}")
+
+    try:
+        return run_action(fleet, pods, change, what=what, who=who, why=why, on_changed=statuses, record=record,
+                          timeout_s=timeout_s)
+    except ValueError as exc:
+        _action_failed(decision, what, version, stable, who, why_flag, str(exc), t0=t0)
+    except LockTimeout as exc:
+        _action_failed(decision, what, version, stable, who, why_flag, f"{exc}; nothing was changed", t0=t0)
+
+
+def _report(res: ActionResult, done: str, target: str) -> None:
+    """Print each pod's outcome and the end; exit 1 unless every pod converged."""
+    for o in res.outcomes:
+        console.print(("  [green]ok[/green] " if o.ok else "  [red]!![/red] ") + o.line())
+    if res.discovery_error:
+        console.print(f"[red]pods could not be listed:[/red] {res.discovery_error}")
+    n, k = len(res.outcomes), sum(o.ok for o in res.outcomes)
+    if res.superseded_by is not None:
+        s = res.superseded_by
+        console.print(f"[red]superseded:[/red] generation {s.generation} ({s.action} by {s.actor}) replaced this "
+                      f"action before every pod converged; the fleet now converges to: {s.summary()}")
+        raise typer.Exit(1)
+    if res.converged:
+        console.print(f"{done} on all {n} pods ({res.elapsed_s:.2f} s; desired state generation "
+                      f"{res.desired.generation})")
+        return
+    console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {k} of {n} pods "
+                  f"serve it after {res.elapsed_s:.1f} s. The controller keeps retrying the others at each poll "
+                  "(`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge').")
+    raise typer.Exit(1)
+
+
+def _controller_once(ctl: RolloutController) -> None:
+    """`flywheel controller --once`: reconcile, print, exit 1 when the step failed or a pod
+    did not converge."""
+    try:
+        st = ctl.run_once()
+    except (ServingAdminError, LockTimeout) as exc:
+        _fail(str(exc))
+    console.print(f"phase={st.phase.value} candidate={st.candidate} step={st.step} "
+                  f"weight={st.weight} last={st.last_outcome}: {st.last_reason}")
+    bad = [o for o in ctl.last_outcomes if not o.ok]
+    for o in bad:
+        console.print(f"[red]pod not converged:[/red] {o.line()}")
+    if st.last_outcome == "FAILED" or bad:
+        console.print(f"[red]error:[/red] the step failed ({st.last_outcome if st.last_outcome == 'FAILED' else ''}"
+                      f"{len(bad)} of {len(ctl.last_outcomes)} pods not converged)")
+        raise typer.Exit(1)
+
+
+def _version_row(store: ModelStore, v: str, stable: str | None) -> dict:
+    """One row of `flywheel versions`; a version whose manifest cannot be read is ``corrupt``."""
+    try:
+        m = store.manifest(v)
+    except CorruptVersionError as exc:
+        return {"version": v, "stable": v == stable, "status": "corrupt", "error": str(exc)}
+    return {"version": v, "stable": v == stable, "parent": m.parent, "kind": m.kind, "created_at": m.created_at,
+            "size_bytes": m.size_bytes, "snapshot_bytes": m.snapshot_bytes,
+            "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.size_bytes else None,
+            "status": m.status_history[-1].status if m.status_history else "",
+            "digest": m.weights_digest, "metrics": m.metrics}
 
 
 def _end_rollout(version: str, phase: RolloutPhase, outcome: str, reason: str) -> None:
@@ -603,4 +789,3 @@ def _end_rollout(version: str, phase: RolloutPhase, outcome: str, reason: str) -
     if st.candidate == version and not st.phase.is_terminal():
         st.phase, st.weight, st.last_outcome, st.last_reason = phase, 0.0, outcome, reason
         st.save(p)
-

@@ -1,5 +1,10 @@
 """Rollout controller: canary a newly published version, then promote or roll back.
 
+Every decision is first written into the fleet's desired-state record
+(:mod:`deploy.desired`); each reconcile step then brings every discovered pod to that record
+(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before, and
+operators' intents (canary start / abort) are read from the same record.
+
 Every decision goes to the ledger (DuckDB + ``flywheel.deployments``), and the ledger is
 the source of truth of the rollout: :func:`status_from_ledger` replays it into a
 :class:`RolloutStatus` (phase, candidate, step, weight, timestamps), so a controller killed
@@ -30,8 +35,12 @@ import duckdb
 from deploy import ledger
 from deploy.analysis import AnalysisConfig, ArmStats
 from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, decide_step
+from deploy.desired import DesiredState, FleetRecord
+from deploy.fleet import PodOutcome, reconcile_pods
+from deploy.fleet import summary as fleet_summary
+from deploy.history import user_history_covariate
 from deploy.serving_client import ServingAdmin, ServingAdminError
-from deploy.store import ModelStore
+from deploy.store import CorruptVersionError, ModelStore
 from schemas.manifest import version_number
 
 log = logging.getLogger(__name__)
@@ -146,6 +155,9 @@ _END_PHASE = {"PROMOTE": RolloutPhase.PROMOTED, "ROLLBACK": RolloutPhase.ROLLED_
               "MANUAL_PROMOTE": RolloutPhase.PROMOTED, "MANUAL_ROLLBACK": RolloutPhase.ABORTED}
 
 
+_NOT_ROLLOUT = ("RELOAD", "RECONCILE", "FLEET_CONVERGED", "FLEET_NOT_CONVERGED")  # pod repairs, no decision
+
+
 def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | None:
     """Replay ledger decisions (oldest first) into the rollout status they imply; None if
     no rollout was ever recorded.
@@ -154,7 +166,7 @@ def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | Non
     ADVANCE moves it to the recorded step and weight (``step_started_ms``); HOLD updates the
     last outcome; PROMOTE / ROLLBACK / FAILED / ABORT end it; MANUAL_PROMOTE of the candidate
     and any MANUAL_ROLLBACK (the CLI always drops the candidate) end it too. FAILED is
-    recorded without a START. RELOAD changes nothing.
+    recorded without a START. RELOAD, RECONCILE and FLEET_* (pod repairs and convergence reports) change nothing.
     """
     st = None
     for e in entries:
@@ -173,7 +185,7 @@ def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | Non
             st.phase, st.weight = _END_PHASE[d], 0.0
         elif d in ("MANUAL_PROMOTE", "MANUAL_ROLLBACK") and not in_canary:
             st.stable = e.version  # the version the operator made stable
-        if d != "RELOAD" and (e.version == st.candidate or d.startswith("MANUAL_")):
+        if d not in _NOT_ROLLOUT and (e.version == st.candidate or d.startswith("MANUAL_")):
             st.last_outcome, st.last_reason = d, e.reason
             nums = e.numbers or {}
             if d == "START":
@@ -296,10 +308,11 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
     return out
 
 
-def write_intent(path: Path, action: str, actor: str, version: str | None = None) -> dict:
-    """Record an operator's intent for the controller (``abort`` the canary in progress, or
-    ``start`` a canary of ``version``); the controller acts on it at its next reconcile and
-    clears it. Raises ValueError on an unknown action or ``start`` without a version."""
+def write_intent(fleet: FleetRecord, action: str, actor: str, version: str | None = None) -> dict:
+    """Record an operator's intent for the controller in the fleet's desired-state record
+    (``abort`` the canary in progress, or ``start`` a canary of ``version``); the controller
+    acts on it at its next reconcile and clears it. Raises ValueError on an unknown action
+    or ``start`` without a version."""
     if action not in ("abort", "start"):
         raise ValueError(f"action: must be 'abort' or 'start', got {action!r}")
     if action == "start":
@@ -307,17 +320,17 @@ def write_intent(path: Path, action: str, actor: str, version: str | None = None
             raise ValueError("version: required to start a canary")
         version_number(version)
     intent = {"action": action, "version": version, "actor": actor, "at": int(time.time() * 1000)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(json.dumps(intent))
-    os.replace(tmp, path)
+
+    def fn(d: DesiredState) -> DesiredState:
+        d.intent = intent
+        return d
+    fleet.change(fn, actor, f"canary {action} requested", version or "")
     return intent
 
 
-def read_intent(path: Path) -> dict | None:
-    path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else None
+def read_intent(fleet: FleetRecord) -> dict | None:
+    """The operator intent waiting in the desired-state record, or None."""
+    return fleet.read().intent
 
 
 class RolloutController:
@@ -334,8 +347,6 @@ class RolloutController:
         config: rollout policy.
         bootstrap: Kafka bootstrap for ``flywheel.deployments`` (None: ledger only).
         clock: returns ms since epoch (tests inject one).
-        intent_path: operator intents (:func:`write_intent`); default ``intent.json`` next
-            to ``status_path``.
         arm_metrics: ``f(status) -> (candidate, stable[, skipped])``: dicts of per-version
             ``errors``, ``requests``, ``p99_ms``, ``tokens_per_s`` since the canary started,
             and ``{metric: reason}`` for metrics not available. Default: a
@@ -343,30 +354,36 @@ class RolloutController:
             (baseline in ``metrics_baseline.json`` next to ``status_path``); metrics serving
             does not export per version are SKIPPED with the reason in the ledger. An
             exception counts as ERROR (HOLD). Pass ``False`` for thumbs-up only.
+        served: guard figures over every served completion (``counts(since_ms, versions)``,
+            :class:`deploy.replies.ServedCompletions`); None: from the voted samples.
         discover: ``f() -> [ServingAdmin]`` asked for the current pods before every
             reconcile step (a headless Service's DNS answer: :class:`deploy.discovery.PodDiscovery`);
             ``admin`` may then be empty. A failed lookup raises ServingAdminError (HOLD).
+        fleet: the desired-state record (default: the store's, :class:`deploy.desired.FleetRecord`).
+            Every decision is written there first; each step brings every pod to it.
     """
 
     def __init__(self, store: ModelStore, admin: ServingAdmin, samples_dir: Path, ledger_path: Path,
                  status_path: Path, config: ControllerConfig | None = None,
-                 bootstrap: str | None = None, clock=None, intent_path: Path | None = None,
-                 arm_metrics=None, discover=None):
+                 bootstrap: str | None = None, clock=None,
+                 arm_metrics=None, discover=None, fleet: FleetRecord | None = None, served=None):
         self.admins: list[ServingAdmin] = list(admin) if isinstance(admin, (list, tuple)) else [admin]
         self.discover = discover  # () -> [ServingAdmin]: the pods now (deploy.discovery.PodDiscovery)
         if not self.admins and discover is None:
             raise ValueError("admin: at least one serving pod is needed")
         self.store, self.admin = store, (self.admins[0] if self.admins else None)
+        self.fleet = fleet or FleetRecord(store)
+        self.last_outcomes: list[PodOutcome] = []  # the last reconcile pass, one per pod
         self.samples_dir, self.ledger_path, self.status_path = Path(samples_dir), Path(ledger_path), Path(status_path)
         self.config = config or ControllerConfig()
         self.bootstrap = bootstrap
         self.clock = clock or (lambda: int(time.time() * 1000))
-        self.intent_path = Path(intent_path) if intent_path else self.status_path.with_name("intent.json")
         if arm_metrics is None:
             from deploy.metrics import ServingMetricsSource
 
             arm_metrics = ServingMetricsSource(self.admins, self.status_path.with_name("metrics_baseline.json"))
         self.arm_metrics = arm_metrics or None
+        self.served = served  # deploy.replies.ServedCompletions, or None: guards from the samples
         from deploy.metrics import ControllerMetrics
 
         self.exported = ControllerMetrics(self.config)  # Prometheus (flywheel controller --metrics-port)
@@ -387,62 +404,104 @@ class RolloutController:
 
     def next_candidate(self, stable: str) -> str | None:
         """Newest published version newer than ``stable`` that was never rejected, rolled
-        back or failed; None if there is none."""
+        back or failed, and whose manifest is readable; None if there is none. A version whose
+        manifest is corrupt is recorded FAILED once (with the file and the reason) and skipped."""
         bad = {"rejected", "rolled_back", "failed", "aborted"}
         for v in reversed(self.store.versions()):
             if version_number(v) <= version_number(stable):
                 return None
-            if not bad & {s.status for s in self.store.manifest(v).status_history}:
+            try:
+                hist = self.store.manifest(v).status_history
+            except CorruptVersionError as exc:
+                self._corrupt_manifest(v, exc)
+                continue
+            if not bad & {s.status for s in hist}:
                 return v
         return None
 
-    def _each(self, op: str, *args) -> None:
-        """Apply one admin operation to every pod (ServingAdminError names the pod's URL)."""
-        for a in self.admins:
-            getattr(a, op)(*args)
-
-    def _promote_all(self, candidate: str) -> list[float]:
-        """Promote on every pod; returns each pod's reported swap pause (ms)."""
-        pauses = []
-        for a in self.admins:
-            if a.slots().stable.version == candidate:
-                continue  # already promoted there (a retry after a partial failure)
-            s = a.promote()
-            if s.last_swap_pause_ms is not None:
-                pauses.append(s.last_swap_pause_ms)
-        return pauses
+    def _corrupt_manifest(self, version: str, exc: CorruptVersionError) -> None:
+        """Record FAILED for a version whose manifest cannot be read (once per reason); the
+        manifest cannot carry the status itself, so the ledger does, and the controller
+        skips the version from then on."""
+        reason = f"{exc}: the version is skipped (republish it under a new id)"
+        last = ledger.decisions(self.ledger_path, version=version)
+        if last and last[-1].decision == "FAILED" and last[-1].reason == reason:
+            return
+        st = RolloutStatus(phase=RolloutPhase.FAILED, candidate=version, stable=None)
+        self._record(st, "FAILED", reason, {"file": f"versions/{version}/manifest.json", "failure": "corrupt"},
+                     version=version)
 
     def _refresh_pods(self) -> None:
         """Take the pod set from ``discover`` (in place: every holder of ``admins`` sees it)."""
         if self.discover is None:
             return
         self.admins[:] = self.discover()
-        self.admin = self.admins[0]
+        self.admin = self.admins[0] if self.admins else None
         if hasattr(self.arm_metrics, "admins"):
             self.arm_metrics.admins = list(self.admins)
 
-    def reconcile(self) -> RolloutStatus:
-        """One step acting on the stored phase; returns the new status (also persisted).
+    # -- the desired state and the pods ---------------------------------------------------------
+    def _desire(self, action: str, reason: str, actor: str = "controller", **fields) -> DesiredState:
+        """Write ``fields`` into the fleet's desired-state record (one new generation)."""
+        def fn(d: DesiredState) -> DesiredState:
+            for k, v in fields.items():
+                setattr(d, k, v)
+            return d
+        return self.fleet.change(fn, actor, action, reason)
 
-        Raises:
-            ServingAdminError: serving unreachable while reading slots (nothing changed).
+    def _pass(self, skip: set[str] = frozenset()) -> list[PodOutcome]:
+        """One reconcile pass of every pod (but ``skip``'s URLs) to the desired record."""
+        d = self.fleet.read()
+        outcomes = reconcile_pods([a for a in self.admins if a.base_url not in skip], d)
+        self.last_outcomes = outcomes
+        return outcomes
+
+    def _record_repairs(self, st: RolloutStatus, outcomes: list[PodOutcome]) -> None:
+        """A pass that had to change a pod (restarted, drifted, back from unreachable) is a
+        ledger row: RELOAD when it re-loaded the canary's candidate, else RECONCILE."""
+        for o in outcomes:
+            if not o.actions:
+                continue
+            nums = {"pod": o.url, "pod_name": o.pod, "actions": o.actions, "outcome": o.outcome}
+            if st.phase == RolloutPhase.CANARY and f"load {st.candidate}" in o.actions:
+                self._record(st, "RELOAD", f"pod {o.url} had lost candidate {st.candidate}: re-loaded at "
+                             f"{st.weight:.0%}", nums)
+            else:
+                d = self.fleet.read()
+                self._record(st, "RECONCILE", f"pod {o.pod or o.url} brought to the desired state "
+                             f"({'; '.join(o.actions)}): {o.outcome}", nums, version=d.stable or "")
+
+    def reconcile(self) -> RolloutStatus:
+        """One step: under the fleet lock, bring every pod to the desired-state record, act on
+        the stored phase (and an operator's intent from the record), which may change the
+        record and bring the pods to it again; returns the new status (also persisted).
+        Pods that do not converge are listed in :attr:`last_outcomes` and retried next step.
         """
         self._refresh_pods()
-        st = self.status
-        intent = read_intent(self.intent_path)
-        if intent is not None:  # consumed now; _abort re-records it if serving failed
-            self.intent_path.unlink(missing_ok=True)
-        try:
-            if intent and intent["action"] == "abort":
-                st = self._abort(st, intent)
-            elif st.phase == RolloutPhase.CANARY:
-                st = self._canary_step(st)
-            else:
-                st = self._maybe_start(st, intent)
-        except Exception:
-            if intent is not None and not self.intent_path.exists():  # not acted on: keep it
-                write_intent(self.intent_path, intent["action"], intent["actor"], intent.get("version"))
-            raise
+        with self.fleet.locked("controller reconcile", "controller"):
+            st = self.status
+            d = self.fleet.read()
+            intent = d.intent
+            if intent is not None:  # consumed now; re-recorded if the step fails
+                d = self._desire("intent taken", f"{intent['action']} by {intent['actor']}", intent=None)
+            try:
+                if st.phase == RolloutPhase.CANARY and (d.candidate != st.candidate or d.weight != st.weight):
+                    if d.candidate is None and d.stable != st.stable and d.stable == st.candidate:
+                        pass  # promoted by an operator; the ledger row ends the canary
+                    else:  # crash between the ledger row and the record: the ledger's rollout wins
+                        self._desire("resync", f"canary of {st.candidate} at {st.weight:.0%} (ledger)",
+                                     candidate=st.candidate, weight=st.weight)
+                self._record_repairs(st, self._pass())
+                if intent and intent["action"] == "abort":
+                    st = self._abort(st, intent)
+                elif st.phase == RolloutPhase.CANARY:
+                    st = self._canary_step(st)
+                else:
+                    st = self._maybe_start(st, intent)
+            except Exception:
+                if intent is not None and self.fleet.read().intent is None:
+                    self._desire("intent kept", "the step failed: retried next time", intent=intent)
+                raise
         st.save(self.status_path)
         self.exported.status(st)
         return st
@@ -452,27 +511,23 @@ class RolloutController:
             log.info("abort requested by %s but no canary is in progress", intent["actor"])
             return st
         reason = f"canary aborted by {intent['actor']} at step {st.step} ({st.weight:.0%})"
-        try:
-            self._each("rollback")
-        except ServingAdminError as exc:
-            st.last_outcome, st.last_reason = "HOLD", f"abort requested but serving failed: {exc}"
-            write_intent(self.intent_path, "abort", intent["actor"])  # keep the intent: retry next time
-            self._record(st, "HOLD", st.last_reason, actor=intent["actor"])
-            return st
+        self._desire("canary abort", reason, intent["actor"], candidate=None, weight=0.0)
+        outcomes = self._pass()
         st.phase, st.weight, st.last_outcome, st.last_reason = RolloutPhase.ABORTED, 0.0, "ABORT", reason
         self.store.set_status(st.candidate, "aborted", reason)
-        self._record(st, "ABORT", reason, actor=intent["actor"])
+        self._record(st, "ABORT", reason, {"pods": fleet_summary(outcomes)}, actor=intent["actor"])
         return st
 
     def _maybe_start(self, st: RolloutStatus, intent: dict | None = None) -> RolloutStatus:
-        slots = self.admin.slots()
-        stable = slots.stable.version
+        stable = self.fleet.read().stable
+        if stable is None:
+            return st
         actor = "controller"
         if intent and intent["action"] == "start":
             cand, actor = intent["version"], intent["actor"]
             try:
                 self.store.manifest(cand)
-            except KeyError as exc:
+            except (KeyError, CorruptVersionError) as exc:
                 log.warning("canary start by %s ignored: %s", actor, exc)
                 cand = None
             if cand == stable:
@@ -488,15 +543,11 @@ class RolloutController:
         now = self.clock()
         st = RolloutStatus(phase=RolloutPhase.CANARY, candidate=cand, stable=stable, step=0,
                            canary_started_ms=now, step_started_ms=now)
-        try:
-            for a in self.admins:
-                s = a.slots()
-                if s.candidate is not None and s.candidate.version != cand:
-                    a.rollback()
-                a.load(cand)
-            self._each("set_weight", self.config.steps[0])
-        except ServingAdminError as exc:
-            return self._load_failed(prev, st, cand, exc)
+        self._desire("canary start", f"canary of {cand}", actor, candidate=cand, weight=self.config.steps[0])
+        outcomes = self._pass()
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            return self._load_failed(prev, st, cand, failed[0])
         st.weight = self.config.steps[0]
         st.last_outcome, st.last_reason = "START", f"canary of {cand} against {stable} at {st.weight:.0%}"
         if actor != "controller":
@@ -504,34 +555,36 @@ class RolloutController:
         self.store.set_status(cand, "canary", st.last_reason)
         if hasattr(self.arm_metrics, "mark"):
             self.arm_metrics.mark(st)  # serving counters are measured from here
-        self._record(st, "START", st.last_reason, {"steps": list(self.config.steps)}, actor=actor)
+        self._record(st, "START", st.last_reason, {"steps": list(self.config.steps), "pods": fleet_summary(outcomes)},
+                     actor=actor)
         return st
 
-    def _load_failed(self, prev: RolloutStatus, st: RolloutStatus, cand: str,
-                     exc: ServingAdminError) -> RolloutStatus:
-        """A pod failed while the canary of ``cand`` was being set up: drop the candidate on
-        every other pod (the failing pod too when it answered; a pod that timed out is not
-        called again, so a wedged pod costs one timeout). A refused load (4xx: bad bytes,
-        hashes or parent) marks ``cand`` failed for good; a transport failure (timeout,
-        unreachable, 5xx) does not: the next reconcile retries it. Recorded as FAILED with
-        the failure kind, once per distinct reason."""
+    def _load_failed(self, prev: RolloutStatus, st: RolloutStatus, cand: str, o: PodOutcome) -> RolloutStatus:
+        """A pod failed while the canary of ``cand`` was being set up: take the candidate out
+        of the desired record and drop it on every other pod (the failing pod too when it
+        answered; a pod that timed out or could not be reached is not called again this step,
+        so a wedged pod costs one timeout). A refused load (4xx: bad bytes, hashes or parent)
+        marks ``cand`` failed for good; a transport failure (timeout, unreachable, 5xx) does
+        not: the next reconcile retries it. Recorded as FAILED with the failure kind, once
+        per distinct reason."""
+        exc = o.exc
         st.phase, st.weight, st.last_outcome = RolloutPhase.FAILED, 0.0, "FAILED"
-        if exc.transport:
+        if exc is None:  # the pod answered but ended elsewhere (a concurrent change)
+            st.last_reason = f"serving pod {o.url} did not converge while loading {cand}: {o.error}"
+        elif exc.transport:
             st.last_reason = (f"serving pod {exc.pod} failed while loading {cand} ({exc.kind}: {exc}); "
                               f"transport failure: {cand} is not marked failed and is retried at the next "
                               "reconcile")
         else:
             st.last_reason = f"serving pod {exc.pod} could not load {cand}: {exc.reason}"
             self.store.set_status(cand, "failed", st.last_reason)
-        for a in self.admins:  # abort everywhere: no pod keeps the candidate
-            if exc.transport and a.base_url == exc.pod:
-                continue
-            try:
-                a.rollback()
-            except ServingAdminError as e2:
-                log.warning("clean-up rollback of %s on %s failed: %s", cand, a.base_url, e2)
+        self._desire("canary failed", st.last_reason, candidate=None, weight=0.0)
+        skip = {o.url} if exc is not None and exc.transport else set()
+        for o2 in self._pass(skip):
+            if not o2.ok:
+                log.warning("clean-up of %s on %s: %s", cand, o2.url, o2.error)
         if not (prev.phase == RolloutPhase.FAILED and prev.candidate == cand and prev.last_reason == st.last_reason):
-            self._record(st, "FAILED", st.last_reason, exc.numbers())
+            self._record(st, "FAILED", st.last_reason, exc.numbers() if exc is not None else {"pod": o.url})
         return st
 
     def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None, dict[str, str], dict]:
@@ -546,6 +599,9 @@ class RolloutController:
         su, sd, _ = cc.votes.get(st.stable, (0, 0, 0))
         su_step, sd_step = cc.step_votes.get(st.candidate, (0, 0))
         gc, gs = cc.guards.get(st.candidate, {}), cc.guards.get(st.stable, {})
+        if self.served is not None:  # every served completion, not only the voted ones
+            sc = self.served.counts(st.canary_started_ms, (st.candidate, st.stable))
+            gc, gs = sc.get(st.candidate, {}), sc.get(st.stable, {})
         by_split = {split: {"candidate": list(counts.get(st.candidate, (0, 0))),
                             "stable": list(counts.get(st.stable, (0, 0)))} for split, counts in cc.by_split.items()}
         extra_c, extra_s, skipped = {}, {}, {}
@@ -556,33 +612,48 @@ class RolloutController:
                 skipped = dict(got[2]) if len(got) > 2 else {}
             except Exception as exc:  # noqa: BLE001 - any failure of the source is an ERROR
                 return ArmStats(), ArmStats(), 0, f"arm metrics: {type(exc).__name__}: {exc}", {}, by_split
+        try:  # CUPED covariate: the voting users' pre-canary thumbs-up rate (deploy.history)
+            cov = user_history_covariate(self.samples_dir, st.canary_started_ms, (st.candidate, st.stable))
+        except (duckdb.Error, OSError) as exc:
+            log.warning("user history unreadable (%s): the thumbs-up test uses the plain rates", exc)
+            cov = {}
+        cov_c, cov_s = (cov.get(st.candidate, {}), cov.get(st.stable, {})) if len(cov) == 2 else ({}, {})
         try:
-            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c)
-            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s)
+            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c, **cov_c)
+            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s, **cov_s)
         except (TypeError, ValueError) as exc:
             return ArmStats(), ArmStats(), 0, f"bad evidence: {exc}", {}, by_split
         return c, s, su_step + sd_step, None, skipped, by_split
 
-    def _ensure_loaded(self, st: RolloutStatus) -> None:
-        """Re-load the candidate on a pod that lost it (e.g. restarted) and restore the weight;
-        recorded as RELOAD. ServingAdminError propagates (the next reconcile retries)."""
-        for a in self.admins:
-            s = a.slots()
-            if s.stable.version == st.candidate or (s.candidate and s.candidate.version == st.candidate):
-                continue
-            a.load(st.candidate)
-            a.set_weight(st.weight)
-            self._record(st, "RELOAD", f"pod {a.base_url} had lost candidate {st.candidate}: re-loaded at "
-                         f"{st.weight:.0%}", {"pod": a.base_url})
-
     def evidence(self, st: RolloutStatus) -> Evidence:
         """Everything :func:`deploy.decide.decide_step` judges, read since the canary started."""
         c, s, step_votes, err, skipped, by_split = self.arm_stats(st)
-        return Evidence(c, s, step_votes, err, skipped, by_split)
+        return Evidence(c, s, step_votes, err, skipped, by_split, self.first_guards(st))
+
+    def first_guards(self, st: RolloutStatus) -> ArmStats | None:
+        """The first version's guard figures over all its completions (the guards' second
+        baseline, ``deploy.analysis``), or None when it is the stable or unknown."""
+        versions = self.store.versions()
+        first = versions[0] if versions else None
+        if first is None or first in (st.stable, st.candidate):
+            return None
+        try:
+            if self.served is not None:
+                g = self.served.counts(0, (first,)).get(first)
+            else:  # one full scan of the shards per canary, not per poll
+                key = (st.canary_started_ms, first)
+                if getattr(self, "_first_cache", (None,))[0] != key:
+                    self._first_cache = (key, canary_counts(self.samples_dir, 0, 0).guards.get(first))
+                g = self._first_cache[1]
+            return ArmStats(**g) if g else None
+        except (duckdb.Error, OSError, TypeError, ValueError) as exc:
+            log.warning("first version %s's guard figures unreadable: %s", first, exc)
+            return None
 
     def _canary_step(self, st: RolloutStatus) -> RolloutStatus:
-        """Decide (pure, :func:`deploy.decide.decide_step`), then apply the effects."""
-        self._ensure_loaded(st)
+        """Decide (pure, :func:`deploy.decide.decide_step`), write the decision into the
+        desired record, bring the pods to it, record the decision with each pod's outcome.
+        A pod that does not converge is retried at the next step."""
         now = self.clock()
         d = decide_step(st.step, st.step_started_ms, st.failed_checks, self.evidence(st), self.config.step_policy(),
                         now)
@@ -594,31 +665,26 @@ class RolloutController:
                 self._record(st, "HOLD", d.reason, numbers)
             return st
         if d.action == StepAction.ROLLBACK:
-            try:
-                self._each("rollback")
-            except ServingAdminError as exc:
-                st.last_outcome, st.last_reason = "HOLD", f"rollback requested but serving failed: {exc}"
-                self._record(st, "HOLD", st.last_reason, numbers)
-                return st
+            self._desire("canary rollback", d.reason, candidate=None, weight=0.0)
+            numbers["pods"] = fleet_summary(self._pass())
             st.phase, st.weight, st.decided_by = RolloutPhase.ROLLED_BACK, 0.0, d.decided_by
             st.last_outcome, st.last_reason = "ROLLBACK", d.reason
             self.store.set_status(st.candidate, "rolled_back", d.reason)
             self._record(st, "ROLLBACK", d.reason, numbers)
             return st
-        try:
-            if d.action == StepAction.ADVANCE:
-                self._each("set_weight", d.weight)
-                st.step, st.weight, st.step_started_ms = st.step + 1, d.weight, now
-                st.last_outcome, st.last_reason = "ADVANCE", d.reason
-                self._record(st, "ADVANCE", st.last_reason, numbers)
-                return st
-            pauses = self._promote_all(st.candidate)
-            if pauses:
-                numbers["swap_pause_ms"] = max(pauses)
-        except ServingAdminError as exc:
-            st.last_outcome, st.last_reason = "HOLD", f"serving refused: {exc}"
-            self._record(st, "HOLD", st.last_reason, numbers)
+        if d.action == StepAction.ADVANCE:
+            self._desire("canary advance", d.reason, weight=d.weight)
+            numbers["pods"] = fleet_summary(self._pass())
+            st.step, st.weight, st.step_started_ms = st.step + 1, d.weight, now
+            st.last_outcome, st.last_reason = "ADVANCE", d.reason
+            self._record(st, "ADVANCE", st.last_reason, numbers)
             return st
+        self._desire("canary promote", d.reason, stable=st.candidate, candidate=None, weight=0.0, reload_after_ms=0)
+        outcomes = self._pass()
+        pauses = [o.swap_pause_ms for o in outcomes if o.swap_pause_ms is not None]
+        if pauses:
+            numbers["swap_pause_ms"] = max(pauses)
+        numbers["pods"] = fleet_summary(outcomes)
         st.phase, st.weight, st.decided_by = RolloutPhase.PROMOTED, 0.0, d.decided_by
         st.last_outcome, st.last_reason = "PROMOTE", d.reason
         self.store.set_status(st.candidate, "promoted", d.reason, actor="controller")

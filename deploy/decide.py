@@ -44,6 +44,7 @@ class Evidence:
         skipped: ``{metric: reason}`` for metrics the sources do not provide.
         by_split: per-split figures for the ledger and the report, e.g.
             ``{"eval": {"candidate": [up, n], "stable": [up, n]}, "train": {...}}``.
+        first: the first version's guard figures (None: not known, or it is the stable).
     """
 
     candidate: ArmStats
@@ -52,6 +53,7 @@ class Evidence:
     source_error: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
     by_split: dict = field(default_factory=dict)
+    first: ArmStats | None = None
 
 
 @dataclass
@@ -120,7 +122,7 @@ def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], 
         :class:`StepDecision`. Pure: same inputs, same decision.
     """
     d = analyze(ev.candidate, ev.stable, policy.analysis, source_error=ev.source_error, skipped=ev.skipped,
-                failed_checks=failed_checks)
+                failed_checks=failed_checks, first=ev.first)
     waited_s = (now_ms - step_started_ms) / 1000.0
     weight = policy.steps[step]
     numbers = {**d.numbers(), "waited_s": waited_s, "step": step, "weight": weight,

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import duckdb
 
+from schemas.ledger import LedgerEntry
 from schemas.topics import DEPLOYMENTS
+
+__all__ = ["LedgerEntry", "record", "publish", "decisions"]
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +45,22 @@ CREATE TABLE IF NOT EXISTS decisions (
 """
 
 
-@dataclass
-class LedgerEntry:
-    """One row of the ledger."""
+def _finite(x):
+    """``x`` with every non-finite float (NaN, +-inf: no JSON value) replaced by None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
-    version: str
-    stable: str | None
-    step: int
-    weight: float
-    decision: str
-    reason: str
-    numbers: dict = field(default_factory=dict)
-    actor: str = "controller"
-    ts: int = 0
+
+def _json(x) -> str:
+    """Strict JSON of a row or its numbers: a ratio over zero votes (inf) or an undefined
+    interval (NaN) becomes null, never the non-JSON tokens ``Infinity``/``NaN`` that other
+    languages' consumers refuse."""
+    return json.dumps(_finite(json.loads(json.dumps(x, default=str))), allow_nan=False)
 
 
 def _connect(path: Path, read_only: bool = False, timeout_s: float = 10.0):
@@ -86,7 +93,7 @@ def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None) -> Ledg
     try:
         con.execute("INSERT INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [entry.ts, entry.version, entry.stable, entry.step, entry.weight, entry.decision,
-                     entry.reason, json.dumps(entry.numbers, default=str), entry.actor])
+                     entry.reason, _json(entry.numbers), entry.actor])
     finally:
         con.close()
     if bootstrap:
@@ -106,7 +113,7 @@ def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 10.0) -> None
     p = KafkaProducer(**kafka_client_config(bootstrap), acks="all", linger_ms=0)
     try:
         p.send(DEPLOYMENTS, key=entry.version.encode(),
-               value=json.dumps(asdict(entry), default=str).encode()).get(timeout=timeout_s)
+               value=_json(asdict(entry)).encode()).get(timeout=timeout_s)
     finally:
         p.close(timeout=timeout_s)
 

@@ -454,7 +454,7 @@ class ControllerMetrics:
         self.votes = Gauge("flywheel_canary_votes", "thumb votes since the canary started", ["arm", "vote"], registry=r)
         self.thumbs = Gauge("flywheel_canary_thumbs_up_rate", "thumbs-up share of the votes", ["arm"], registry=r)
         self.diff_bound = Gauge("flywheel_canary_thumbs_up_diff_bound", "always-valid interval of the thumbs-up "
-                                "difference candidate - stable", ["bound"], registry=r)
+                                "relative difference candidate / stable - 1", ["bound"], registry=r)
         self.errors = Gauge("flywheel_canary_error_rate", "server-side error share of requests", ["arm"], registry=r)
         self.p99 = Gauge("flywheel_canary_p99_latency_seconds", "p99 engine latency", ["arm"], registry=r)
         self.tps = Gauge("flywheel_canary_tokens_per_second", "decode rate: tokens after the first per second after "

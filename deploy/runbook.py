@@ -43,10 +43,39 @@ RUNBOOK: list[tuple[str, str, str]] = [
      "fix or restart the pod, then redo the command (`flywheel promote --yes`, `flywheel rollback --yes`); "
      "the controller retries by itself"),
     ("A pod serves another version after a restart than before (a rollback looks undone)",
-     "`flywheel status`: the 'store stable record' line (what a restarted pod serves) and a warning when the "
-     "pod's stable differs from it; `flywheel versions` marks the record's version with *",
-     "`flywheel rollback --to vNNNNNN --yes --reason '...'` moves the pod and the record together, so the next "
-     "restart keeps it; never promote by hand on /admin (the record would not move)"),
+     "`flywheel status`: the 'desired state' line (what every pod, restarted or not, is brought to) and a "
+     "warning per pod whose stable differs from it",
+     "`flywheel rollback --to vNNNNNN --yes --reason '...'` moves the desired state and every pod together; "
+     "never promote by hand on /admin (the controller undoes it at its next poll: drift)"),
+    ("An operator command prints 'not converged: ... k of n pods serve it' and exits 1",
+     "the lines above it name each pod and why (timeout, unreachable, HTTP 5xx, refused); the ledger rows "
+     "MANUAL_* and FLEET_NOT_CONVERGED carry numbers.pods.by_pod; `flywheel status` shows each pod and its drift",
+     "nothing to redo: the desired state is set and the controller retries every pod at each poll; a pod "
+     "that stays unreachable: restart or replace it (it reads the desired state before it is ready)"),
+    ("A pod does not converge (drift in `flywheel status` that stays)",
+     "`flywheel status -o wide` (the pod's slots and drift) and the controller's log/ledger RECONCILE rows: "
+     "'refused' means the pod cannot load the version (corrupt files on its copy of the store), "
+     "'load_balancer' means a Service URL was given as a pod",
+     "fix the store files or `flywheel rollback --to <a good version> --yes`; give the controller each pod "
+     "(`--serving URL` per pod, or `dns+http://` on a headless Service), never the load balancer's URL"),
+    ("Two operators acted at once / a command printed 'superseded'",
+     "`flywheel status`: the desired state's generation, action and actor; the last MANUAL_* ledger rows "
+     "(one per generation, in order)",
+     "the later action wins on every pod, the store's stable record and the ledger; re-run yours if it "
+     "should win"),
+    ("`flywheel versions` lists a version as corrupt, or the controller recorded FAILED naming manifest.json",
+     "the error names the version and the file (versions/vNNNNNN/manifest.json) and the first bad field; the "
+     "controller skips that version and canaries the next good one",
+     "republish the weights from the learner under a new id; restore or delete the bad version directory"),
+    ("`flywheel rollback --to <the current stable>` exits 1 with 'refused ... checksum'",
+     "the reload reads the version from the store and verifies every tensor: its files are corrupt; pods "
+     "keep serving the weights they verified at load",
+     "restore the version's files (the controller then reloads it) or `flywheel rollback --to` another good "
+     "version"),
+    ("`flywheel controller --once` (a CronJob) exits 1",
+     "its output: 'phase=failed' (a candidate could not be loaded; the reason names the pod) or 'pod not "
+     "converged' lines",
+     "as for the FAILED and 'not converged' rows above; the exit status is for scripts and CronJobs"),
     ("`flywheel status` shows 'digest = manifest: NO' or warns 'files changed under the same id'",
      "someone rewrote a published version's files (versions are immutable: republish under a new id); "
      "`flywheel versions` digest vs the served weights digest",
@@ -60,7 +89,8 @@ RUNBOOK: list[tuple[str, str, str]] = [
      "`flywheel rollback --yes`"),
     ("Learner publishes bad versions back to back, or must stop for maintenance",
      "`flywheel versions` (status rejected/rolled_back piling up); `flywheel status --json` learner.paused",
-     "`flywheel pause --reason '...' --yes`; later `flywheel resume --yes` (the daemon checks before each cycle)"),
+     "`flywheel pause --reason '...' --yes`; later `flywheel resume --yes` (written into the fleet's desired "
+     "state on the store; the learner daemon reads it before each cycle, wherever it runs)"),
     ("Need to test a specific version (also one rolled back earlier)",
      "`flywheel versions`: the version exists and its status",
      "`flywheel canary start vNNNNNN --yes`"),

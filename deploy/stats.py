@@ -9,6 +9,11 @@ report and the learning experiment import them from here. Pure functions on coun
 * :func:`two_proportion_z` - fixed-horizon one-sided pooled z-test (valid at ONE look only).
 * :func:`msprt_interval` - always-valid interval of a difference of two proportions (mSPRT,
   Johari, Pekelis and Walsh 2017), valid when looked at after every vote.
+* :func:`ratio_interval` - always-valid interval of the relative difference
+  ``rate_c / rate_s - 1`` (the same mixture boundary on the log of the rate ratio): the
+  canary's test, so that a margin means the same at every base rate.
+* :func:`cuped_rate` - a CUPED-adjusted rate (Deng, Xu, Kohavi, Walker 2013) from sufficient
+  statistics of a pre-canary covariate, for :func:`ratio_bounds_from_means`.
 """
 
 from __future__ import annotations
@@ -176,3 +181,163 @@ def msprt_bounds(up_c, n_c, up_s, n_s, alpha: float, tau: float):
     h = np.sqrt(2 * var * (var + t2) / t2 * np.log(np.sqrt((var + t2) / var) / alpha))
     d = up_c / n_c - up_s / n_s
     return d, np.maximum(-1.0, d - h), np.minimum(1.0, d + h)
+
+
+def mixture_halfwidth(var, alpha: float, tau: float):
+    """:func:`msprt_halfwidth` on arrays, unchecked (var > 0): the one formula of the
+    normal-mixture boundary, ``sqrt(2 V (V + tau^2) / tau^2 * log(sqrt((V + tau^2) / V) / alpha))``."""
+    t2 = tau * tau
+    return np.sqrt(2 * var * (var + t2) / t2 * np.log(np.sqrt((var + t2) / var) / alpha))
+
+
+def ratio_bounds_from_means(m_c, v_c, m_s, v_s, alpha: float, tau: float):
+    """Always-valid bounds of ``rate_c / rate_s - 1`` from each arm's estimated rate ``m``
+    (> 0) and the variance ``v`` of that estimate (arrays or scalars, unchecked).
+
+    The log rate ratio ``theta = log m_c - log m_s`` has delta-method variance
+    ``V = v_c / m_c^2 + v_s / m_s^2`` and the normal-mixture boundary of
+    :func:`mixture_halfwidth` is applied to it (the mSPRT of Johari, Pekelis and Walsh 2017
+    on an asymptotically normal statistic; an asymptotic confidence sequence in the sense of
+    Waudby-Smith, Arbour, Sinha, Kennedy and Ramdas 2021, "Time-uniform central limit theory
+    and asymptotic confidence sequences"). The bounds of ``theta`` are mapped back with
+    ``exp(.) - 1``, which is monotone, so the coverage is that of ``theta``.
+
+    Returns ``(rel, lo, hi)`` arrays (float64): ``rel = m_c / m_s - 1``, ``lo >= -1``.
+    """
+    m_c = np.maximum(m_c, 1e-9)
+    m_s = np.maximum(m_s, 1e-9)
+    var = np.maximum(v_c / (m_c * m_c) + v_s / (m_s * m_s), 1e-18)
+    theta = np.log(m_c) - np.log(m_s)
+    h = mixture_halfwidth(var, alpha, tau)
+    lo, hi = np.clip(theta - h, -50.0, 50.0), np.clip(theta + h, -50.0, 50.0)  # e^50: no overflow
+    return np.expm1(theta), np.expm1(lo), np.expm1(hi)
+
+
+def ratio_bounds(up_c, n_c, up_s, n_s, alpha: float, tau: float):
+    """:func:`ratio_interval` on arrays (or scalars) of counts, unchecked (n > 0): the one
+    implementation of the canary's test, used by :mod:`deploy.analysis` and, vectorised over
+    thousands of simulated canaries, by ``bench/canary.py``. Returns ``(rel, lo, hi)``."""
+    qc, qs = (up_c + 0.5) / (n_c + 1), (up_s + 0.5) / (n_s + 1)
+    return ratio_bounds_from_means(qc, qc * (1 - qc) / n_c, qs, qs * (1 - qs) / n_s, alpha, tau)
+
+
+def noninferiority_bounds(up_c, n_c, up_s, n_s, alpha: float, tau: float, m_c=None, v_c=None, m_s=None,
+                          v_s=None):
+    """The canary's two decision bounds on ``rate_c / rate_s - 1`` (arrays or scalars,
+    unchecked, n > 0).
+
+    * ``lo`` (PASS when > ``-delta``): :func:`ratio_bounds_from_means`'s lower bound, the
+      normal-mixture mSPRT on the log rate ratio with mixing sd ``tau``.
+    * ``hi`` (FAIL when < 0): "surely worse" is the same event on every scale, and it is
+      tested on the difference ``m_c - m_s`` as a score test: with the variance under
+      equal rates, ``V0 = p (1 - p) (1/n_c + 1/n_s)`` (``p`` the pooled rate shrunk by one
+      pseudo-vote; times CUPED's variance ratio ``(v_c + v_s) / Wald`` when adjusted), the
+      mSPRT of Johari, Pekelis and Walsh (2017) with mixing sd ``tau * p`` (the log-scale
+      ``tau`` in rate units), reported relative to the stable (``hi_diff / m_s``). On the
+      log scale an arm with no up-vote yet has an unbounded variance, so a candidate
+      nobody likes would wait for the deadline; the observed-rate variance of a difference
+      is too small when an arm has few up-votes by chance (false rollbacks above alpha at a
+      5 % share); the pooled variance has neither fault (``bench/canary.py``).
+
+    ``m``, ``v``: each arm's rate estimate and its variance (default: the shrunk rate
+    ``q = (up + 0.5) / (n + 1)`` and ``q (1 - q) / n``; CUPED's from :func:`cuped_rate`).
+
+    Returns ``(rel, lo, hi)`` (float64).
+    """
+    if m_c is None:
+        m_c = (up_c + 0.5) / (n_c + 1)
+        v_c = m_c * (1 - m_c) / n_c
+    if m_s is None:
+        m_s = (up_s + 0.5) / (n_s + 1)
+        v_s = m_s * (1 - m_s) / n_s
+    qc, qs = (up_c + 0.5) / (n_c + 1), (up_s + 0.5) / (n_s + 1)
+    wald = qc * (1 - qc) / n_c + qs * (1 - qs) / n_s
+    rel, lo, _ = ratio_bounds_from_means(m_c, v_c, m_s, v_s, alpha, tau)
+    p = (up_c + up_s + 1.0) / (n_c + n_s + 2.0)
+    v0 = p * (1 - p) * (1 / n_c + 1 / n_s) * np.minimum((v_c + v_s) / wald, 1.0)
+    hi_diff = m_c - m_s + mixture_halfwidth(np.maximum(v0, 1e-18), alpha, tau * p)
+    return rel, lo, np.maximum(hi_diff / np.maximum(m_s, 1e-9), -1.0)
+
+
+def margin_tau(delta: float) -> float:
+    """The mixing standard deviation a relative margin ``delta`` implies on the log scale:
+    ``-log(1 - delta)`` (the log-ratio distance of a candidate exactly at the margin)."""
+    return -math.log1p(-delta)
+
+
+def ratio_interval(up_c: int, n_c: int, up_s: int, n_s: int, alpha: float = 0.05,
+                   tau: float | None = None) -> tuple[float, float, float]:
+    """Always-valid (1 - alpha) interval of the relative difference ``rate_c / rate_s - 1``
+    (candidate over stable, minus one), valid when looked at after every vote.
+
+    Method: the rates are shrunk toward 1/2 by one pseudo-vote per arm,
+    ``q = (up + 0.5) / (n + 1)`` (an arm with no up-votes keeps a finite log), and the log
+    rate ratio ``log q_c - log q_s`` is treated as a normal mean with the delta-method
+    variance ``V = (1 - q_c) / (n_c q_c) + (1 - q_s) / (n_s q_s)``; the normal-mixture mSPRT
+    boundary (Johari, Pekelis and Walsh 2017, eq. 11; :func:`msprt_halfwidth`) gives a
+    confidence sequence for it, mapped back with ``exp(.) - 1``. A relative margin ``delta``
+    ("the candidate keeps at least ``1 - delta`` of the stable's thumbs-up rate") then means
+    the same at a 0.05 and at a 0.5 base rate. The guarantee is asymptotic (normal
+    approximation of the log ratio); its error rates at the vote counts a canary sees are
+    measured by simulation in ``bench/canary.py``.
+
+    Args:
+        up_c, n_c: candidate's thumbs-up votes and all its votes (counts).
+        up_s, n_s: the same for the stable version.
+        alpha: error level in (0, 1).
+        tau: mixing standard deviation on the log-ratio scale (> 0); None = 0.223, the
+            log-ratio distance of a candidate at 80 % of the stable's rate.
+
+    Returns:
+        ``(rel, lo, hi)``: ``rel = q_c / q_s - 1`` and its always-valid bounds, ``lo >= -1``.
+
+    Raises:
+        ValueError: an arm has ``n == 0``, ``up`` outside [0, n], or bad ``alpha``/``tau``.
+    """
+    if n_c <= 0 or n_s <= 0:
+        raise ValueError(f"ratio_interval: both arms need votes, got n_c={n_c}, n_s={n_s}")
+    _check_counts(up_c, n_c, "candidate")
+    _check_counts(up_s, n_s, "stable")
+    tau = margin_tau(0.2) if tau is None else tau
+    msprt_halfwidth(0.25, alpha, tau)  # validates alpha and tau
+    r, lo, hi = ratio_bounds(np.float64(up_c), np.float64(n_c), np.float64(up_s), np.float64(n_s), alpha, tau)
+    return float(r), float(lo), float(hi)
+
+
+def cuped_rate(n, sum_y, sum_x, sum_xx, sum_xy, theta, mu_x):
+    """CUPED-adjusted rate of one arm and the variance of that estimate, from sufficient
+    statistics (arrays or scalars, unchecked, n > 0).
+
+    Each vote ``i`` has outcome ``y_i`` (1 = thumbs up) and a covariate ``x_i`` measured
+    before the canary started (the voting user's earlier thumbs-up rate). The adjusted mean
+    is ``q - theta (xbar - mu_x)`` with ``q`` the shrunk rate (Deng, Xu, Kohavi and Walker 2013, "Improving the
+    sensitivity of online controlled experiments by utilizing pre-experiment data", eq. 2)
+    with ``theta`` and ``mu_x`` pooled over both arms (:func:`cuped_theta`); its variance is
+    ``(s_yy - 2 theta s_xy + theta^2 s_xx) / n`` with the arm's own (co)variances, ``s_yy``
+    from the rate shrunk by one pseudo-vote as in :func:`ratio_bounds`. Because ``x`` is
+    fixed before the arm is assigned, ``E[xbar_c - xbar_s] = 0`` and the adjustment removes
+    variance, not effect.
+
+    Returns ``(rate, var)``.
+    """
+    ybar, xbar = sum_y / n, sum_x / n
+    q = (sum_y + 0.5) / (n + 1)
+    s_xx = np.maximum(sum_xx / n - xbar * xbar, 0.0)
+    s_xy = sum_xy / n - xbar * ybar
+    var = np.maximum(q * (1 - q) - 2 * theta * s_xy + theta * theta * s_xx, 1e-12) / n
+    return np.maximum(q - theta * (xbar - mu_x), 1e-9), var
+
+
+def cuped_theta(arms):
+    """Pooled CUPED coefficient and covariate mean over arms given as tuples
+    ``(n, sum_y, sum_x, sum_xx, sum_xy)``: ``theta = sum_a S_xy,a / sum_a S_xx,a`` with each
+    arm's sums centred on its own means (so a true difference between the arms does not
+    leak into ``theta``), ``mu_x`` the mean of ``x`` over all votes. Returns
+    ``(theta, mu_x)``; theta is 0 where ``x`` does not vary."""
+    sxx = sum(s_xx - s_x * s_x / n for n, _, s_x, s_xx, _ in arms)
+    sxy = sum(s_xy - s_x * s_y / n for n, s_y, s_x, _, s_xy in arms)
+    n_all = sum(a[0] for a in arms)
+    mu_x = sum(a[2] for a in arms) / n_all
+    with np.errstate(divide="ignore", invalid="ignore"):
+        theta = np.where(sxx > 1e-12, sxy / np.where(sxx > 1e-12, sxx, 1.0), 0.0)
+    return theta, mu_x

@@ -72,6 +72,19 @@ class CorruptVersionError(ValueError):
         super().__init__(f"version {version}: tensor {tensor!r}: {reason}")
 
 
+class CorruptManifestError(CorruptVersionError):
+    """A version's ``manifest.json`` cannot be parsed (bad bytes, not JSON, fails the schema).
+
+    Attributes as :class:`CorruptVersionError` (``tensor`` is ``"manifest.json"``); ``path``
+    is the file relative to the store's root.
+    """
+
+    def __init__(self, version: str, reason: str):
+        self.version, self.tensor, self.reason = version, "manifest.json", reason
+        self.path = f"versions/{version}/manifest.json"
+        ValueError.__init__(self, f"version {version}: {self.path} is corrupt: {reason}")
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -357,13 +370,28 @@ class ModelStore:
                       if n.startswith("v") and n[1:].isdigit() and self._exists("versions", n, "manifest.json"))
 
     def manifest(self, version: str) -> VersionManifest:
-        """The manifest of ``version``; raises KeyError if it is not in the store."""
+        """The manifest of ``version``.
+
+        Raises:
+            KeyError: the version is not in the store.
+            CorruptManifestError: the file cannot be parsed; names the version, the file and
+                the first error (pydantic's location and message, or the decode error).
+        """
+        from pydantic import ValidationError
+
         version_number(version)
         try:
             raw = self._read("versions", version, "manifest.json")
         except FileNotFoundError:
             raise KeyError(f"version {version} is not in the store at {self.root}") from None
-        return VersionManifest.model_validate_json(raw)
+        try:
+            return VersionManifest.model_validate_json(raw)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            where = ".".join(str(x) for x in e.get("loc", ())) or "(document)"
+            raise CorruptManifestError(version, f"{where}: {e.get('msg')} ({exc.error_count()} error(s))") from None
+        except ValueError as exc:  # bytes that are not UTF-8
+            raise CorruptManifestError(version, str(exc)) from None
 
     def latest(self) -> str:
         """Newest version; raises LookupError on an empty store."""
@@ -373,9 +401,15 @@ class ModelStore:
         return vs[-1]
 
     # -- writes -------------------------------------------------------------------------
-    def init_base(self, model_dir: Path) -> VersionManifest:
+    def init_base(self, model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> VersionManifest:
         """Copy the HF checkpoint to ``base/`` and register it as ``v000000`` (snapshot,
-        status ``promoted``). Idempotent: returns the existing manifest if present."""
+        status ``promoted``) in the checkpoint's own dtype (``schemas.modelspec.load_model``).
+        Idempotent: returns the existing manifest if present.
+
+        Args:
+            state: the checkpoint's weights already loaded by the caller, as the model
+                names them (saves loading them again); default: loaded here.
+        """
         from schemas.modelspec import load_model
 
         v0 = version_name(0)
@@ -395,7 +429,8 @@ class ModelStore:
                 for f in sorted(model_dir.iterdir()):
                     if f.is_file():
                         self.fs.pipe_file(self._p("base", f.name), f.read_bytes())
-            state = load_model(model_dir).state_dict()
+            if state is None:
+                state = load_model(model_dir).state_dict()
             m = self._write(v0, None, state, None, {}, {}, "promoted", "base model")
             self._write_stable(v0, "init_base", "base model")
             return m
@@ -520,7 +555,7 @@ class ModelStore:
         def ok(v: str) -> bool:
             try:
                 h = self.manifest(v).status_history
-            except KeyError:
+            except (KeyError, CorruptVersionError):
                 return False
             return not (h and h[-1].status in BAD_STATUSES)
 
@@ -531,7 +566,7 @@ class ModelStore:
                     return ch["version"]
             return None
         for v in reversed(self.versions()):
-            if version_number(v) < version_number(stable):
+            if version_number(v) < version_number(stable) and ok(v):
                 h = self.manifest(v).status_history
                 if h and h[-1].status == "promoted":
                     return v

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel import supervise
 from schemas import settings
 from schemas.topics import DEFAULT_PARTITIONS, ensure_topics
 
@@ -95,7 +96,10 @@ class BrokerProcess:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone (so its
-        port is free for a broker restarted on it); idempotent."""
+        port is free for a broker restarted on it); idempotent (a broker it started and reaped is
+        never signalled again: its pid may be another process's by then)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return
         try:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -128,7 +132,7 @@ class BrokerProcess:
 
 
 def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_path: Path | None = None,
-          create_topics: bool = True, detach: bool = False) -> BrokerProcess:
+          create_topics: bool = True, detach: bool = False, die_with_parent: bool = False) -> BrokerProcess:
     """Start a Tansu broker on ``port`` (a free one if None) and create all topics.
 
     Args:
@@ -137,12 +141,16 @@ def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_pat
         log_path: where the broker's stdout/stderr go (default: discarded).
         create_topics: create the Flywheel topics once it listens.
         detach: start in a new session so it outlives the caller (``flywheel broker start``).
+        die_with_parent: the kernel SIGKILLs the broker when the caller dies, even by SIGKILL
+            (:func:`flywheel.supervise.die_with_parent`; ``flywheel demo``). Not with ``detach``.
 
     Raises:
         ValueError: bad ``port`` or ``partitions`` (:func:`validate`).
         RuntimeError: it did not start listening within 10 s.
     """
     validate(port, partitions)
+    if detach and die_with_parent:
+        raise ValueError("die_with_parent: a detached broker outlives its caller by design")
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -152,7 +160,8 @@ def spawn(port: int | None = None, partitions: int = DEFAULT_PARTITIONS, log_pat
          # each start is a new, empty cluster: its own id tells clients that what an
          # earlier one acked is gone (serving's event log re-sends it)
          "--cluster-id", f"flywheel-{uuid.uuid4().hex[:12]}"],
-        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=detach)
+        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=detach,
+        preexec_fn=supervise.die_with_parent() if die_with_parent else None)
     b = BrokerProcess(pid=proc.pid, port=port, proc=proc)
     try:
         wait_listening(port)

@@ -5,7 +5,7 @@ subcommand lives next to the code it drives (Flagger/Argo habit: a CLI records i
 the component does the work).
 
 Conventions (kubectl, the Argo Rollouts plugin):
-    * read commands take ``-o json|yaml|wide`` (:mod:`flywheel.output`; ``--json`` kept);
+    * read commands take ``-o json|yaml|wide`` (:mod:`schemas.output`; ``--json`` kept);
     * ``flywheel --version``; shell completion (``--install-completion`` / ``--show-completion``);
     * every command's help ends with an example (its docstring's ``Example:`` or :data:`EXAMPLES`);
     * exit status 0 ok, 1 a runtime or state error (unreachable pod, nothing to promote,
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from flywheel import DISTRIBUTION
 
 app = typer.Typer(help="Flywheel: keep a production MoE model learning from its users.",
                   no_args_is_help=True, add_completion=True)
@@ -66,7 +68,7 @@ EXAMPLES: dict[str, str] = {
 def _version_callback(value: bool) -> None:
     if value:
         try:
-            v = version("flywheel")
+            v = version(DISTRIBUTION)
         except PackageNotFoundError:  # running from a checkout that was never installed
             v = "unknown"
         typer.echo(f"flywheel {v}")

@@ -8,10 +8,10 @@ from typing import Optional
 
 import typer
 
-from flywheel.output import OUTPUT, Format, emit, resolve
+from schemas.output import OUTPUT, Format, emit, resolve
 
 broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)
-model_app = typer.Typer(help="The default model.", no_args_is_help=True)
+model_app = typer.Typer(help="The model: the default one, or your own checkpoint.", no_args_is_help=True)
 
 
 @broker_app.command("start")
@@ -60,10 +60,23 @@ def broker_status(output: Optional[Format] = OUTPUT):
 def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (default ~/.cache/flywheel/models/...)."),
                experts: int = typer.Option(4, min=1, max=64, help="Experts per MoE layer."),
                top_k: int = typer.Option(2, min=1, help="Experts per token."),
-               force: bool = typer.Option(False, help="Rebuild even if cached.")):
-    """Convert the packaged SmolLM2-135M-Instruct and sparse-upcycle it to a MoE."""
-    from flywheel.modelinit import init_model
+               force: bool = typer.Option(False, help="Rebuild even if cached."),
+               from_dir: Optional[Path] = typer.Option(
+                   None, "--from", help="Your own Hugging Face checkpoint dir (config.json, safetensors in bf16 or "
+                   "fp32, tokenizer with a chat template): checked and stored as v000000 of --store, as it is."),
+               store: Optional[str] = typer.Option(None, help="With --from: the model store to start (default "
+                                                   "$FLYWHEEL_STORE, else $FLYWHEEL_HOME/store); must be empty.")):
+    """Convert the packaged SmolLM2-135M-Instruct and sparse-upcycle it to a MoE, or (--from)
+    take your own checkpoint into the model store as v000000."""
     from schemas import settings
+
+    if from_dir is not None:
+        _model_init_from(from_dir, store or settings.store_dir(), out, experts, top_k, force)
+        return
+    if store is not None:
+        raise typer.BadParameter("only with --from (the default model is stored by `flywheel serve`)",
+                                 param_hint="--store")
+    from flywheel.modelinit import init_model
 
     if top_k > experts:
         raise typer.BadParameter(f"top_k={top_k} exceeds experts={experts}", param_hint="--top-k")
@@ -73,6 +86,20 @@ def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (de
         raise typer.BadParameter(str(exc).split(": ", 1)[1],
                                  param_hint="--out" if out else "FLYWHEEL_MODEL_DIR") from exc
     typer.echo(str(d))
+
+
+def _model_init_from(src: Path, store, out, experts: int, top_k: int, force: bool) -> None:
+    """``flywheel model init --from DIR``: check, then store as v000000 (prints where)."""
+    from flywheel.modelinit import CheckpointError, import_checkpoint
+
+    if out is not None or force or (experts, top_k) != (4, 2):
+        raise typer.BadParameter("--out, --experts, --top-k and --force build the default model; a checkpoint "
+                                 "given with --from is taken as it is", param_hint="--from")
+    try:
+        info, m = import_checkpoint(src, store, log=typer.echo)
+    except CheckpointError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--store" if exc.field == "--store" else "--from") from None
+    typer.echo(f"{m.version} ({info.dtype}, {len(m.tensors)} tensors) in {store}")
 
 
 # import names of what `pip install -e '.[demo]'` adds to the base install (pyproject.toml)
@@ -97,9 +124,11 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
          prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
          max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per HumanEval completion."),
          families: Optional[str] = typer.Option(
-             None, help="Task families asked, comma-separated (default basic_arithmetic,chain_sum,humaneval): "
-                        "humaneval and reasoning-gym's basic_arithmetic, chain_sum, gcd, letter_counting."),
-         held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on)."),
+             None, help="Task families asked, comma-separated (default basic_arithmetic,chain_sum,humaneval,"
+                        "chain_sum_3terms,gcd): humaneval, reasoning-gym's basic_arithmetic, chain_sum, gcd, "
+                        "letter_counting, and the harder variants chain_sum_3terms, basic_arithmetic_3terms."),
+         held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on; "
+                                                           "default gcd when asked)."),
          eval_share: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                                     help="Share of the other prompts in the eval split."),
          bad_candidate: bool = typer.Option(False, "--bad-candidate",

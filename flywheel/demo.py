@@ -28,8 +28,12 @@ import httpx
 from rich.console import Console
 
 from flywheel import report as rep
+from flywheel.supervise import StopSignals, die_with_parent
 from flywheel.users import UserBehaviour
 from flywheel.workload import Task, Workload
+
+
+DEFAULT_HELD_OUT = ("gcd",)  # the unseen kind: a family no version trains on
 
 
 @dataclass
@@ -44,11 +48,16 @@ class DemoConfig:
     prompts_per_phase: int = 240  # the first version's traffic, before the first learner cycle
     between_prompts: int = 128  # the stable version's traffic before each later cycle
     problems: int = 40
-    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured)
-    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval")
-    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 21
-    family_weights: dict[str, float] | None = field(default_factory=lambda: {"humaneval": 0.1})
-    held_out: tuple[str, ...] = ()
+    # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured), plus
+    # two kinds of prompt no version trains on besides the eval split's fresh instances
+    # (flywheel.workload.KINDS): a harder variant (chain_sum with three terms) and an unseen
+    # family (gcd, held out)
+    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd")
+    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 25;
+    # the harder and unseen kinds are asked half as often as a trained family
+    family_weights: dict[str, float] | None = field(
+        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5})
+    held_out: tuple[str, ...] = DEFAULT_HELD_OUT
     eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
     max_tokens: int = 160  # HumanEval replies
     max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
@@ -73,10 +82,18 @@ class DemoConfig:
     seal_after_s: float = 3.0
     canary_steps: str = "0.5,1.0"
     canary_min_votes: int = 20  # burn-in: votes per arm before the sequential test may decide
-    canary_delta: float = 0.2  # non-inferiority margin of the sequential test (rate units)
+    # relative non-inferiority margin: the candidate must keep more than half the stable's
+    # thumbs-up rate. ~360 votes per canary cannot show more (bench/canary.py, demo settings:
+    # a half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes)
+    canary_delta: float = 0.5
     canary_max_wait_s: float = 480.0  # the step deadline (s); an undecided step is rolled back
     seed: int = 0
     behaviour: UserBehaviour = field(default_factory=UserBehaviour)
+
+    def __post_init__(self):
+        # the default held-out family applies when it is asked (--families may leave it out)
+        if self.held_out == DEFAULT_HELD_OUT:
+            self.held_out = tuple(f for f in self.held_out if f in self.families)
 
     def weights(self) -> dict[str, float] | None:
         """``family_weights`` restricted to the families asked (None: uniform)."""
@@ -89,31 +106,38 @@ class DemoConfig:
             base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
                         learner_batch=4, learner_train_layers=2, canary_min_votes=2,
                         canary_max_wait_s=45.0, concurrency=8, final_prompts=0, between_prompts=0,
-                        learner_objective="kto", learner_lr=2e-5, family_weights=None, eval_share=0.25)
+                        learner_objective="kto", learner_lr=2e-5, eval_share=0.25,
+                        # a few harder and unseen prompts; the one short cycle keeps its train samples
+                        family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(out=out, quick=True, **base)
         return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
 
 
 def _canary_interval(decision: dict | None) -> dict | None:
-    """The sequential test's always-valid interval of rate(candidate) - rate(stable) at the
-    final decision (from the ledger row's numbers), or None."""
+    """The sequential test's always-valid interval of the relative difference
+    rate(candidate) / rate(stable) - 1 at the final decision (from the ledger row's numbers),
+    or None."""
     t = ((decision or {}).get("numbers") or {}).get("thumbs_up") or {}
     if "ci_lo" not in t:
         return None
     return {"diff": t["diff"], "lo": t["ci_lo"], "hi": t["ci_hi"], "alpha": t.get("alpha"), "delta": t.get("delta"),
+            "scale": t.get("scale", "absolute"), "abs_diff": t.get("abs_diff", t["diff"]),
             "candidate": [t["candidate_up"], t["candidate_votes"]], "stable": [t["stable_up"], t["stable_votes"]]}
 
 
 class Proc:
-    """A child process with its output in a log file; stopped with SIGTERM then SIGKILL."""
+    """A child process with its output in a log file; stopped with SIGTERM then SIGKILL, and
+    SIGKILLed by the kernel if the demo dies first (:func:`flywheel.supervise.die_with_parent`).
+    Its own session: a terminal's Ctrl-C or hang-up reaches the demo, which stops it."""
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
         self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
+                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                  preexec_fn=die_with_parent())
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -204,7 +228,7 @@ class Demo:
             ensure_topics(self.bootstrap)
             self.log(f"using external Kafka at {self.bootstrap}")
         else:
-            self.broker = spawn(log_path=self.logs / "broker.log")
+            self.broker = spawn(log_path=self.logs / "broker.log", die_with_parent=True)
             self.bootstrap = self.broker.bootstrap
             self.log(f"embedded Tansu broker on {self.bootstrap}, topics created (6 partitions)")
         os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"] = self.bootstrap
@@ -229,7 +253,9 @@ class Demo:
         self.controller = self._start("controller", _cli(
             "controller", "--serving", self.url, "--steps", cfg.canary_steps,
             "--min-votes", str(cfg.canary_min_votes), "--delta", str(cfg.canary_delta),
-            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5"), env)
+            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5",
+            # guards over every served completion, no answer as the workload's verifiers judge it
+            "--guards-from", "completions", "--reply-judge", "flywheel.workload:reply_judge"), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
 
@@ -272,7 +298,8 @@ class Demo:
         text = choice["message"]["content"] or ""
         passed = task.verifier.score(text)
         version = r.headers.get("x-flywheel-model-version", "?")
-        rec = {"version": version, "family": task.family, "split": task.split, "passed": passed,
+        rec = {"version": version, "family": task.family, "split": task.split, "kind": task.kind, "key": task.key,
+               "passed": passed,
                "has_answer": task.verifier.has_answer(text), "finish_reason": choice.get("finish_reason"),
                "tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
         with self.lock:
@@ -433,7 +460,8 @@ class Demo:
         if self.cfg.learner_objective == "kto":
             args.append("--balance-classes")  # few thumbs-up among many downs: KTO λ_D·n_D = λ_U·n_U
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
-            r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT)
+            r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT,
+                               preexec_fn=die_with_parent())
         if r.returncode != 0:
             raise RuntimeError(f"learner failed (exit {r.returncode}); see {self.logs}/learner-{cycle}.log")
         new = sorted(set(self.store.versions()) - before)
@@ -524,7 +552,9 @@ class Demo:
                 "train_samples": metrics.get("samples"),
             })
         family_of = {cid: r["family"] for cid, r in self.completions.items()}
-        figures = rep.split_figures(rep.votes_by_completion(self.samples_dir), family_of)
+        rows = rep.votes_by_completion(self.samples_dir)
+        figures = rep.split_figures(rows, family_of)
+        kinds = rep.kind_figures(rows, {cid: r.get("kind") for cid, r in self.completions.items()})
         for row in versions:
             v = row["version"]
             row["splits"] = figures.get(v, {})
@@ -536,9 +566,17 @@ class Demo:
                              "no_answer_share": (sum(not r["has_answer"] for r in mine) / len(mine)) if mine else 0.0,
                              "truncated_share": (sum(r["finish_reason"] == "length" for r in mine) / len(mine))
                              if mine else 0.0}
+            row["kinds"] = kinds.get(v, {})
+            row["replies"] = rep.reply_figures(mine)  # every served reply, with 95 % intervals
             row["degraded"] = bool((self.store.manifest(v).metrics or {}).get("degraded"))
         promoted = [r["version"] for r in versions if r["decision"] == "PROMOTE"]
         gain = rep.eval_gain(figures, versions[0]["version"], promoted[-1]) if promoted else None
+        if gain is not None:
+            gain["by_kind"] = self._gain_by_kind(rows, versions[0]["version"], promoted[-1])
+            boot = rep.cluster_bootstrap_gain([r for r in rows if (r["split"] or "train") == "eval"],
+                                              {cid: r.get("key") or cid for cid, r in self.completions.items()},
+                                              versions[0]["version"], promoted[-1], seed=self.cfg.seed)
+            gain["cluster_ci95"] = boot["ci95"] if boot else None
         ids = rep.event_ids_in_samples(self.samples_dir)
         uniq = set(ids)
         dead = self.dead_lettered_ids()
@@ -560,39 +598,68 @@ class Demo:
             "wall_s": time.time() - t0,
         }
 
+    def _gain_by_kind(self, rows: list[dict], first: str, last: str) -> dict:
+        """``eval_gain`` per kind of never-trained prompt (``fresh``, ``harder``, ``unseen``):
+        Newcombe's interval (votes independent) and the cluster bootstrap over prompts."""
+        kind_of = {cid: r.get("kind") for cid, r in self.completions.items()}
+        key_of = {cid: r.get("key") or cid for cid, r in self.completions.items()}
+        figs = rep.kind_figures(rows, kind_of)
+        out = {}
+        for kind in ("fresh", "harder", "unseen"):
+            a, b = (figs.get(first) or {}).get(kind), (figs.get(last) or {}).get(kind)
+            if not a or not b or not a["votes"] or not b["votes"]:
+                continue
+            d, lo, hi = rep.newcombe_interval(a["votes_up"], a["votes"], b["votes_up"], b["votes"])
+            boot = rep.cluster_bootstrap_gain([r for r in rows if kind_of.get(str(r["completion_id"])) == kind],
+                                              key_of, first, last, seed=self.cfg.seed)
+            out[kind] = {"up_from": a["votes_up"], "n_from": a["votes"], "up_to": b["votes_up"], "n_to": b["votes"],
+                         "diff": d, "ci95": [lo, hi], "cluster_ci95": boot["ci95"] if boot else None,
+                         "prompts": boot["prompts"] if boot else None}
+        return out
+
+    def stop_children(self) -> None:
+        """Stop every process this demo started (controller, ingest, serving, then the
+        broker); idempotent, never raises."""
+        stops = [(p.name, p.stop) for p in reversed(self.procs)]
+        if getattr(self, "broker", None) is not None:  # setup may have failed before the broker
+            stops.append(("broker", self.broker.stop))
+        for name, stop in stops:
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - the next child must still be stopped
+                try:
+                    self.console.log(f"[red]could not stop {name}: {exc}")
+                except OSError:  # a hung-up terminal
+                    pass
+
     def run(self) -> dict:
         t0 = time.time()
+        # every child is stopped once, however the run ends: on SIGINT, SIGTERM or SIGHUP first
+        # (then SystemExit(128 + signum); stopping them first also ends the traffic threads'
+        # requests at once), else when the run returns or raises
+        with StopSignals(self.stop_children):
+            return self._run(t0)
 
-        def _term(signum, _frame):  # SIGTERM (timeout, kill): leave through the finally below,
-            raise SystemExit(128 + signum)  # which stops serving, ingest, controller and the broker
-        prev = signal.signal(signal.SIGTERM, _term) if threading.current_thread() is threading.main_thread() else None
-        try:
-            self.setup()
-            self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
-            for cycle in range(1, self.cfg.cycles + 1):
-                if cycle > 1 and self.cfg.between_prompts:
-                    # the stable version's own traffic: a canary alone leaves the next cycle
-                    # too few samples, half of them from the version before (stale)
-                    self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
-                self.wait_votes_sealed(120)
-                v = self.learn(cycle)
-                if v is not None:
-                    self.canary(v)
-            if self.cfg.final_prompts:
-                self.traffic("after the last canary", self.cfg.final_prompts)
-            if self.cfg.bad_candidate:
-                self.canary(self.publish_degraded())
+    def _run(self, t0: float) -> dict:
+        self.setup()
+        self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
+        for cycle in range(1, self.cfg.cycles + 1):
+            if cycle > 1 and self.cfg.between_prompts:
+                # the stable version's own traffic: a canary alone leaves the next cycle
+                # too few samples, half of them from the version before (stale)
+                self.traffic(f"{self.store.stable() or 'stable'} traffic", self.cfg.between_prompts)
             self.wait_votes_sealed(120)
-            report = self.build_report(t0)
-            rep.write_report(report, self.cfg.out)
-            rep.print_report(report, self.console)
-            self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
-                               f"{self.cfg.out / 'thumbs_up_by_version.png'}")
-            return report
-        finally:
-            for p in reversed(self.procs):
-                p.stop()
-            if getattr(self, "broker", None) is not None:  # setup may have failed before the broker
-                self.broker.stop()
-            if prev is not None:
-                signal.signal(signal.SIGTERM, prev)
+            v = self.learn(cycle)
+            if v is not None:
+                self.canary(v)
+        if self.cfg.final_prompts:
+            self.traffic("after the last canary", self.cfg.final_prompts)
+        if self.cfg.bad_candidate:
+            self.canary(self.publish_degraded())
+        self.wait_votes_sealed(120)
+        report = self.build_report(t0)
+        rep.write_report(report, self.cfg.out)
+        rep.print_report(report, self.console)
+        self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
+                           f"{self.cfg.out / 'thumbs_up_by_version.png'}")
+        return report

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from flywheel.output import OUTPUT, Format, emit, resolve
+from schemas.output import OUTPUT, Format, emit, resolve
 
 topics_app = typer.Typer(help="Create or verify Flywheel's Kafka topics (FLYWHEEL_KAFKA_* settings).",
                          no_args_is_help=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -171,3 +172,339 @@ def init_model(out_dir: Path, num_experts: int = 4, top_k: int = 2, force: bool 
     tmp.rename(out_dir)
     log(f"wrote {out_dir} in {time.time() - t0:.1f}s")
     return out_dir
+
+
+# -- bring a checkpoint: `flywheel model init --from DIR` ---------------------------------
+
+# safetensors dtype names -> the dtype Flywheel keeps weights in (docs/decisions.md D41)
+SUPPORTED_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory Flywheel cannot take, and why.
+
+    Attributes:
+        field: what is at fault (``config.json``, ``weights``, ``chat_template``,
+            ``pad_token``, ``router adapter``, a file name, ...).
+        reason: what is wrong and, where there is one, how to fix it.
+    """
+
+    def __init__(self, field: str, reason: str):
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}")
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` found in a checkpoint directory.
+
+    Attributes:
+        path: the directory.
+        model_type: the config's ``model_type`` (``qwen3_moe``, ``llama``, ...).
+        architecture: the config's ``architectures[0]`` (``Qwen3MoeForCausalLM``).
+        dtype: ``"bfloat16"`` or ``"float32"``: the weights' dtype, kept by the store,
+            the learner and serving.
+        weight_files: the safetensors files (one, or the shards an index names).
+        num_experts: experts per MoE layer (0 for a dense model).
+        moe_layers: routers found (one per MoE layer; 0 for a dense model).
+        top_k: experts per token (0 for a dense model).
+        pad_fallback: the tokenizer has no pad token; its eos token pads
+            (:func:`schemas.modelspec.load_tokenizer`).
+    """
+
+    path: Path
+    model_type: str
+    architecture: str
+    dtype: str
+    weight_files: list[str]
+    num_experts: int = 0
+    moe_layers: int = 0
+    top_k: int = 0
+    pad_fallback: bool = False
+
+
+def config_num_experts(config: dict) -> int:
+    """Experts per MoE layer named by a ``config.json`` dict (any of :data:`EXPERT_KEYS`,
+    also under ``text_config``), 0 when it names none."""
+    for c in (config, config.get("text_config") or {}):
+        for k in EXPERT_KEYS:
+            if isinstance(c.get(k), int) and c[k] > 0:
+                return int(c[k])
+    return 0
+
+
+def _read_config(d: Path) -> dict:
+    f = d / "config.json"
+    if not f.is_file():
+        raise CheckpointError("config.json", f"missing from {d}: not a Hugging Face checkpoint directory")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError("config.json", f"not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict) or not cfg.get("model_type"):
+        raise CheckpointError("config.json", "has no model_type")
+    if cfg.get("quantization_config"):
+        method = (cfg["quantization_config"] or {}).get("quant_method", "?")
+        raise CheckpointError("config.json quantization_config", f"quantized weights ({method}) are not supported; "
+                              "Flywheel trains and serves bfloat16 or float32 weights: dequantize first")
+    return cfg
+
+
+def _weight_files(d: Path) -> list[Path]:
+    """The safetensors files of the checkpoint (the index's shards, or model.safetensors)."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(wmap.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(index.name, f"not a valid safetensors index ({type(exc).__name__}: {exc})") from None
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise CheckpointError("weights", f"{index.name} names {len(names)} shard files; missing: "
+                                  f"{', '.join(missing[:5])}")
+        return [d / n for n in names]
+    single = d / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt*"))
+    hint = (f"; found only {', '.join(pickles[:3])} (pickle): save it with save_pretrained(safe_serialization=True)"
+            if pickles else "")
+    raise CheckpointError("weights", f"no model.safetensors or model.safetensors.index.json in {d}{hint}")
+
+
+def read_safetensors_header(f: Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors file's header (``{name: {dtype, shape,
+    data_offsets}}``), checked against the file: the header must be valid JSON of at most
+    :data:`MAX_HEADER_BYTES` and the tensors' byte ranges must tile the data section exactly
+    (the format's own rule), so a truncated or garbled file is caught before any load.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong.
+    """
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f.name, f"not a safetensors file: {size} bytes, no header")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(f.name, f"not a safetensors file: header length {n} does not fit the file's "
+                                  f"{size} bytes (truncated or corrupt)")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f.name, f"corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f.name, "corrupt safetensors header (not a JSON object)")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        spans = sorted(tuple(v["data_offsets"]) for v in tensors.values())
+        ok = all(isinstance(v["dtype"], str) and isinstance(v["shape"], list) for v in tensors.values())
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f.name, f"corrupt safetensors header (entry without {exc})") from None
+    pos = 0
+    for a, b in spans:
+        ok = ok and a == pos and b >= a
+        pos = b
+    if not ok or pos != size - 8 - n:
+        raise CheckpointError(f.name, f"corrupt safetensors file: the tensors cover {pos} bytes, the data section "
+                              f"holds {size - 8 - n} (truncated or corrupt)")
+    return tensors
+
+
+def _weights_dtype(headers: dict[Path, dict], config: dict) -> str:
+    """The one floating-point dtype of every tensor, if supported and agreeing with the config."""
+    from collections import Counter
+
+    seen = Counter(v["dtype"] for h in headers.values() for v in h.values() if v["dtype"] in FLOAT_DTYPES)
+    if not seen:
+        raise CheckpointError("weights", "no floating-point tensor in the safetensors files")
+    if len(seen) > 1:
+        found = ", ".join(f"{dt} ({n} tensors)" for dt, n in seen.most_common())
+        raise CheckpointError("weights dtype", f"mixed dtypes {found}: Flywheel keeps one dtype per model; "
+                              "save the checkpoint in bfloat16 or float32")
+    (st,) = seen
+    if st not in SUPPORTED_WEIGHT_DTYPES:
+        raise CheckpointError("weights dtype", f"{st} is not supported; weights must be BF16 or F32 (training "
+                              "runs in bf16 with fp32 master weights, or fp32): convert the checkpoint")
+    dtype = SUPPORTED_WEIGHT_DTYPES[st]
+    named = config.get("dtype") or config.get("torch_dtype")
+    if str(named or "").removeprefix("torch.") != dtype:
+        raise CheckpointError("config.json dtype", f"says {named!r} but the weights are {dtype}; set "
+                              f"\"dtype\": \"{dtype}\" in config.json (Flywheel loads, trains and serves the "
+                              "model in the dtype its config names)")
+    return dtype
+
+
+def _transformers_config(d: Path, raw: dict):
+    """``AutoConfig`` of the checkpoint; an architecture transformers does not know is
+    refused, as a missing router adapter when its config has experts."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(d))
+    except (ValueError, KeyError, OSError) as exc:
+        arch = raw.get("model_type")
+        n = config_num_experts(raw)
+        if n > 1:
+            raise CheckpointError("router adapter", f"architecture {arch!r} has {n} experts per MoE layer but "
+                                  "no router adapter: Flywheel could not log or replay its expert routes (an MoE "
+                                  "model is never treated as dense). docs/models.md lists the supported "
+                                  "architectures and how to add one") from None
+        raise CheckpointError("config.json model_type", f"{arch!r} is not an architecture the installed "
+                              f"transformers knows ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def check_router_adapter(config) -> tuple[int, int]:
+    """``(num_experts, moe_layers)`` of the model ``config`` describes, checking that
+    Flywheel can log and replay its expert routes: ``(0, 0)`` for a dense model.
+
+    The one place bring-a-checkpoint asks the router registry
+    (:func:`schemas.modelspec.moe_routers`, on the model built on the meta device: no
+    weights are read or allocated).
+
+    Raises:
+        CheckpointError: the config has experts but no router is found (no adapter for
+            the architecture), or the registry refuses the architecture.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from schemas.modelspec import moe_routers
+
+    raw = config.to_dict()
+    n = config_num_experts(raw)
+    arch = getattr(config, "model_type", "?")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        routers = moe_routers(model)
+    except (ValueError, KeyError, LookupError, NotImplementedError) as exc:
+        raise CheckpointError("router adapter", f"architecture {arch!r}: {exc}") from None
+    if n > 1 and not routers:
+        raise CheckpointError("router adapter", f"architecture {arch!r} has {n} experts per MoE layer but no router "
+                              "adapter finds its routers: Flywheel could not log or replay its expert routes (an "
+                              "MoE model is never treated as dense). docs/models.md lists the supported "
+                              "architectures and how to add one")
+    return (n if routers else 0), len(routers)
+
+
+def _check_tokenizer(d: Path, vocab_size: int) -> bool:
+    """Tokenizer checks; returns True when the eos token stands in for a missing pad token."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        raise CheckpointError("tokenizer", f"cannot load the tokenizer from {d} ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); the checkpoint needs its tokenizer files") from None
+    if not getattr(tok, "chat_template", None):
+        raise CheckpointError("chat_template", "the tokenizer has none (tokenizer_config.json \"chat_template\" or "
+                              "chat_template.jinja): /v1/chat/completions renders conversations with it")
+    if tok.eos_token is None:
+        if tok.pad_token is None:
+            raise CheckpointError("pad_token", "the tokenizer has no pad token and no eos token to pad with: set "
+                                  "pad_token and eos_token in tokenizer_config.json")
+        raise CheckpointError("eos_token", "the tokenizer has none: serving ends a completion at it")
+    if len(tok) > vocab_size:
+        raise CheckpointError("tokenizer", f"{len(tok)} tokens but config.json vocab_size is {vocab_size}: "
+                              "token ids past the embedding would fail")
+    return tok.pad_token is None
+
+
+def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
+    """Check that a local Hugging Face checkpoint directory is one Flywheel can serve and
+    train, without loading its weights.
+
+    Checks, in order: ``config.json`` (valid, a ``model_type``, not quantized); the
+    safetensors files (``model.safetensors``, or an index and every shard it names; each
+    header valid and covering its file exactly); one weights dtype, bfloat16 or float32,
+    named by the config; an architecture transformers knows; for an MoE config, a router
+    adapter (:func:`check_router_adapter`); the tokenizer (loads, a chat template, an eos
+    token, fits the vocabulary). A tokenizer without a pad token pads with its eos token
+    (``pad_fallback``; the padding is masked, so its id never reaches a logit).
+
+    Raises:
+        CheckpointError: the first problem found, naming the field and the reason.
+    """
+    d = Path(src).expanduser()
+    if not d.is_dir():
+        raise CheckpointError("--from", f"{d} is not a directory")
+    raw = _read_config(d)
+    files = _weight_files(d)
+    headers = {f: read_safetensors_header(f) for f in files}
+    dtype = _weights_dtype(headers, raw)
+    config = _transformers_config(d, raw)
+    n_exp, moe_layers = check_router_adapter(config)
+    pad_fallback = _check_tokenizer(d, int(getattr(config, "vocab_size", 0) or raw.get("vocab_size") or 0))
+    return CheckpointInfo(path=d, model_type=str(raw["model_type"]),
+                          architecture=str((raw.get("architectures") or ["?"])[0]), dtype=dtype,
+                          weight_files=[f.name for f in files], num_experts=n_exp, moe_layers=moe_layers,
+                          top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if n_exp else 0,
+                          pad_fallback=pad_fallback)
+
+
+def load_checkpoint_state(info: CheckpointInfo) -> dict:
+    """The checkpoint's weights as the model names them (``{name: Tensor}`` in
+    ``info.dtype``), loaded once through transformers (which converts on-disk layouts,
+    e.g. per-expert tensors, to the model's).
+
+    Raises:
+        CheckpointError: tensors the model needs are missing from the files, or a tensor's
+            shape differs from the config's.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from schemas.modelspec import ATTN_IMPLEMENTATION
+
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            str(info.path), dtype=getattr(torch, info.dtype), attn_implementation=ATTN_IMPLEMENTATION,
+            output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - a shape mismatch, a bad tensor: name it
+        raise CheckpointError("weights", f"transformers could not load them ({type(exc).__name__}: "
+                              f"{str(exc)[:300]})") from None
+    missing = sorted(loading.get("missing_keys") or [])
+    if missing:
+        raise CheckpointError("weights", f"{len(missing)} tensors the model needs are not in "
+                              f"{', '.join(info.weight_files[:3])}: {', '.join(missing[:5])}")
+    bad = sorted(loading.get("mismatched_keys") or [])
+    if bad:
+        raise CheckpointError("weights", f"{len(bad)} tensors have another shape than config.json implies: "
+                              f"{', '.join(str(b) for b in bad[:5])}")
+    return model.state_dict()
+
+
+def import_checkpoint(src: str | Path, store_root, log=print):
+    """``flywheel model init --from``: check the checkpoint and make it ``v000000`` of the
+    model store at ``store_root`` (a directory or fsspec URL): its files become the store's
+    ``base/``, its weights the snapshot, in their own dtype.
+
+    Returns:
+        ``(CheckpointInfo, VersionManifest of v000000)``.
+
+    Raises:
+        CheckpointError: the checkpoint is refused (:func:`inspect_checkpoint`,
+            :func:`load_checkpoint_state`), or the store already holds versions.
+    """
+    from deploy.store import ModelStore
+
+    info = inspect_checkpoint(src)
+    store = ModelStore(store_root)
+    have = store.versions()
+    if have:
+        raise CheckpointError("--store", f"the model store {store_root} already holds {len(have)} versions "
+                              f"({have[0]}..{have[-1]}); a checkpoint starts a new store: choose an empty one")
+    kind = (f"MoE, {info.num_experts} experts, top-{info.top_k}, {info.moe_layers} MoE layers"
+            if info.moe_layers else "dense")
+    log(f"checkpoint {info.path}: {info.architecture} ({info.model_type}, {kind}), {info.dtype}, "
+        f"{len(info.weight_files)} safetensors file(s)"
+        + ("; no pad token: the eos token pads" if info.pad_fallback else ""))
+    state = load_checkpoint_state(info)
+    manifest = store.init_base(info.path, state=state)
+    return info, manifest

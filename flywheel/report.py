@@ -1,6 +1,13 @@
 """The demo's report: per-version thumbs-up rate with a 95 % interval, canary decisions,
 mismatch and delta figures, and the event accounting (accepted = in samples + dead-lettered
 + lost; lost must be 0). Written as ``report.json`` and ``thumbs_up_by_version.png``.
+
+Per version it also reports the votes by kind of prompt (``flywheel.workload.KINDS``:
+``train``; and never trained on: ``fresh``, ``harder``, ``unseen``), and over every served
+reply the mean length and the shares with no answer and cut at ``max_tokens``, each with a
+95 % interval. ``eval_gain`` compares the first version with the last promoted one on each
+kind, with Newcombe's interval (votes independent) and a cluster bootstrap over prompts
+(votes on the same prompt are correlated: :func:`cluster_bootstrap_gain`).
 """
 
 from __future__ import annotations
@@ -76,6 +83,81 @@ def split_figures(rows: list[dict], family_of: dict[str, str]) -> dict[str, dict
     return out
 
 
+def kind_figures(rows: list[dict], kind_of: dict[str, str]) -> dict[str, dict]:
+    """Per version: thumbs-up by kind of prompt, each with a 95 % Wilson interval.
+    ``kind_of`` maps completion_id -> kind (``train``/``fresh``/``harder``/``unseen``);
+    unknown ids count by their split (``train``, else ``fresh``).
+
+    Returns ``{version: {kind: {"votes_up", "votes", "rate", "ci95"}}}``."""
+    acc: dict = {}
+    for r in rows:
+        cid = str(r["completion_id"])
+        kind = kind_of.get(cid) or ("train" if (r["split"] or "train") == "train" else "fresh")
+        a = acc.setdefault(r["model_version"], {}).setdefault(kind, [0, 0])
+        up = int(r["votes_up"] or 0)
+        a[0] += up
+        a[1] += up + int(r["votes_down"] or 0)
+    return {v: {k: _rate(*x) for k, x in sorted(ks.items())} for v, ks in acc.items()}
+
+
+def reply_figures(replies: list[dict]) -> dict:
+    """Figures over served replies (every one, voted or not): ``{"n", "mean_tokens",
+    "mean_tokens_ci95", "no_answer", "truncated"}``; the mean's interval is the normal one,
+    ``mean +/- 1.96 s / sqrt(n)``; the shares are :func:`_rate` dicts (Wilson), counted
+    as ``votes_up`` = replies with no answer / cut at ``max_tokens`` of ``votes`` = n.
+    Each reply is ``{"tokens", "has_answer", "finish_reason"}``."""
+    n = len(replies)
+    toks = [float(r.get("tokens") or 0) for r in replies]
+    mean = sum(toks) / n if n else 0.0
+    sd = math.sqrt(sum((t - mean) ** 2 for t in toks) / (n - 1)) if n > 1 else 0.0
+    h = 1.959963984540054 * sd / math.sqrt(n) if n else 0.0
+    return {"n": n, "mean_tokens": mean, "mean_tokens_ci95": [mean - h, mean + h],
+            "no_answer": _rate(sum(not r.get("has_answer") for r in replies), n),
+            "truncated": _rate(sum(r.get("finish_reason") == "length" for r in replies), n)}
+
+
+def cluster_bootstrap_gain(rows: list[dict], key_of: dict[str, str], first: str, last: str,
+                           n_boot: int = 2000, seed: int = 0) -> dict | None:
+    """Thumbs-up rate of ``last`` minus ``first`` with a 95 % percentile interval from a
+    cluster bootstrap over prompts (Field and Welsh 2007; Cameron and Miller 2015, s. VI):
+    prompts, not votes, are resampled with replacement, each carrying every vote both
+    versions got on it, so repeated and correlated votes on one prompt widen the interval
+    as they should (Newcombe's interval treats them as independent). ``key_of`` maps
+    completion_id -> prompt key; ``rows`` as :func:`votes_by_completion` gives (filter them to
+    one kind first). Deterministic for a ``seed``. Resamples where a version has no vote are
+    dropped (counted in ``dropped``).
+
+    Returns ``{"from", "to", "diff", "ci95", "prompts", "n_boot", "dropped", "method"}``, or
+    None when either version has no vote.
+    """
+    import numpy as np
+
+    per: dict[str, list[int]] = {}
+    for r in rows:
+        v = r["model_version"]
+        if v not in (first, last):
+            continue
+        k = key_of.get(str(r["completion_id"]), str(r["completion_id"]))
+        a = per.setdefault(k, [0, 0, 0, 0])
+        up, n = int(r["votes_up"] or 0), int(r["votes_up"] or 0) + int(r["votes_down"] or 0)
+        i = 0 if v == first else 2
+        a[i] += up
+        a[i + 1] += n
+    m = np.array(list(per.values()), dtype=float).reshape(-1, 4)
+    if not len(m) or m[:, 1].sum() == 0 or m[:, 3].sum() == 0:
+        return None
+    diff = m[:, 2].sum() / m[:, 3].sum() - m[:, 0].sum() / m[:, 1].sum()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(m), (n_boot, len(m)))
+    s = m[idx].sum(axis=1)  # (n_boot, 4)
+    ok = (s[:, 1] > 0) & (s[:, 3] > 0)
+    d = s[ok, 2] / s[ok, 3] - s[ok, 0] / s[ok, 1]
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    return {"from": first, "to": last, "diff": float(diff), "ci95": [float(lo), float(hi)], "prompts": len(m),
+            "n_boot": n_boot, "dropped": int((~ok).sum()),
+            "method": "cluster bootstrap over prompts, 95 % percentile"}
+
+
 def eval_gain(figures: dict[str, dict], first: str, last: str) -> dict | None:
     """Thumbs-up on eval prompts, ``last`` minus ``first``, with Newcombe's 95 % interval
     (method 10) over independent votes: ``{"from", "to", "diff", "ci95", "n_from", "n_to",
@@ -140,6 +222,41 @@ def _fmt_rate(x: dict | None) -> str:
     return f"{x['rate']:.3f} ({x['votes_up']}/{x['votes']}) [{x['ci95'][0]:.2f},{x['ci95'][1]:.2f}]"
 
 
+def _fmt_mean(r: dict | None) -> str:
+    if not r or not r.get("n"):
+        return "-"
+    lo, hi = r["mean_tokens_ci95"]
+    return f"{r['mean_tokens']:.1f} [{lo:.1f},{hi:.1f}]"
+
+
+def _print_kinds(report: dict, console) -> None:
+    """Per version: votes by kind of prompt and the served replies' figures, with intervals;
+    then ``eval_gain`` per kind with Newcombe's and the cluster bootstrap's intervals."""
+    from rich.table import Table
+
+    if not any(v.get("kinds") or v.get("replies") for v in report["versions"]):
+        return
+    t = Table(title="Thumbs-up by kind of prompt (train; never trained on: fresh, harder, unseen) and every "
+                    "served reply")
+    for col in ("version", "all votes", "train", "fresh", "harder", "unseen", "reply tokens", "no answer",
+                "cut at max_tokens"):
+        t.add_column(col, overflow="fold")
+    for v in report["versions"]:
+        k, r = v.get("kinds") or {}, v.get("replies") or {}
+        n = v["votes_up"] + v["votes_down"]
+        allv = {"votes_up": v["votes_up"], "votes": n, "rate": v["thumbs_up_rate"], "ci95": v["ci95"]}
+        t.add_row(v["version"], _fmt_rate(allv), *(_fmt_rate(k.get(x)) for x in ("train", "fresh", "harder", "unseen")),
+                  _fmt_mean(r), _fmt_rate(r.get("no_answer")), _fmt_rate(r.get("truncated")))
+    console.print(t)
+    g = report.get("eval_gain") or {}
+    for kind, x in (g.get("by_kind") or {}).items():
+        cl = x.get("cluster_ci95")
+        console.print(f"eval gain on {kind} prompts {g['from']} -> {g['to']}: {x['up_from']}/{x['n_from']} -> "
+                      f"{x['up_to']}/{x['n_to']}, diff {x['diff']:+.3f}, Newcombe [{x['ci95'][0]:+.3f}, "
+                      f"{x['ci95'][1]:+.3f}]" + (f", cluster bootstrap over {x['prompts']} prompts "
+                                                  f"[{cl[0]:+.3f}, {cl[1]:+.3f}]" if cl else ""))
+
+
 def print_report(report: dict, console=None) -> None:
     """Rich table of the report."""
     from rich.console import Console
@@ -182,12 +299,15 @@ def print_report(report: dict, console=None) -> None:
                       (f"{g['mean_tokens']:.0f} / {g['no_answer_share']:.2f} / {g['truncated_share']:.2f}"
                        if g.get("n") else "-"))
         console.print(e)
+        _print_kinds(report, console)
         g = report.get("eval_gain")
         if g:
             verdict = "better at 95 %" if g["ci95"][0] > 0 else "not shown better at 95 %"
+            cl = g.get("cluster_ci95")
             console.print(f"eval gain {g['from']} -> {g['to']}: {g['up_from']}/{g['n_from']} -> {g['up_to']}/{g['n_to']}, "
-                          f"diff {g['diff']:+.3f}, 95 % Newcombe [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]: "
-                          f"[bold]{verdict}[/bold]")
+                          f"diff {g['diff']:+.3f}, 95 % Newcombe [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]"
+                          + (f", cluster bootstrap over prompts [{cl[0]:+.3f}, {cl[1]:+.3f}]" if cl else "")
+                          + f": [bold]{verdict}[/bold]")
         else:
             console.print("eval gain: not measured: no version after the first was promoted with eval votes "
                           "to compare (usual for --quick: one short cycle; the full run measures it)")

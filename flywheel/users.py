@@ -162,3 +162,13 @@ def humaneval_gate(problem_ids: list[int], tokenizer) -> tuple[list[list[int]], 
         return bool(code) and run_tests(problems[i], code)[0]
 
     return prompts, score
+
+
+def gate_verifier(spec: str, tokenizer) -> tuple[list[list[int]], "callable"]:
+    """The HumanEval workload's :class:`learner.gate.GateVerifier` (``flywheel learn
+    --gate-problems 120-163``): :func:`parse_problem_ids` then :func:`humaneval_gate`.
+
+    Raises:
+        ValueError: ``spec`` is not a list of indices or ranges in 0..163 (the bad part is named).
+    """
+    return humaneval_gate(parse_problem_ids(spec), tokenizer)

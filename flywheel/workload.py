@@ -11,9 +11,14 @@ guard's "no answer"). Families:
   ``score_answer``): every request is a fresh instance; right = the reply's last number,
   scored by the family's own verifier, gets full marks.
 
-The eval split (never trained on) is, per request: every task of a held-out family, and a
-stable share of the others chosen by :func:`schemas.split.choose_split` on the task's
-text (so a prompt is always in the same split). This module knows nothing of HTTP, Kafka
+The eval split (never trained on) is, per request: every task of a held-out family or of a
+harder variant, and a stable share of the others chosen by
+:func:`schemas.split.choose_split` on the task's text (so a prompt is always in the same
+split). Every task has a ``kind`` (:data:`KINDS`), one word each in the report, README and
+docs: ``train`` (trained on), and three kinds of prompt no version trains on: ``fresh`` (a
+fresh instance of a trained family, in the eval split), ``harder`` (a harder variant of a
+trained family, :data:`GYM_VARIANTS`: e.g. three terms instead of two) and ``unseen`` (a
+family no version trains on: a held-out family). This module knows nothing of HTTP, Kafka
 or the learner: the learner's gate uses a :class:`Verifier` through the same interface.
 """
 
@@ -37,6 +42,12 @@ GYM_FAMILIES: dict[str, dict] = {
     "gcd": dict(min_numbers=2, max_numbers=2, min_value=1, max_value=20),
     "letter_counting": dict(min_words=1, max_words=3),
 }
+# Harder variants of a trained family: ``name: (base family, settings)``; always eval.
+GYM_VARIANTS: dict[str, tuple[str, dict]] = {
+    "chain_sum_3terms": ("chain_sum", dict(min_terms=3, max_terms=3, min_digits=1, max_digits=1)),
+    "basic_arithmetic_3terms": ("basic_arithmetic", dict(min_terms=3, max_terms=3, min_digits=1, max_digits=1)),
+}
+KINDS = ("train", "fresh", "harder", "unseen")  # what a prompt is to the learner (module docstring)
 ANSWER_SUFFIX = "Reply with the answer as a number."
 
 
@@ -99,6 +110,7 @@ class Task:
         split: ``train`` or ``eval`` (sent as the request's ``metadata.flywheel_split``).
         verifier: judges the reply (:class:`Verifier`).
         key: a stable id of the prompt (HumanEval task id, or a hash of the question).
+        kind: ``train``, ``fresh``, ``harder`` or ``unseen`` (:data:`KINDS`).
     """
 
     family: str
@@ -106,6 +118,7 @@ class Task:
     split: str
     verifier: Verifier
     key: str
+    kind: str = "train"
 
 
 def _text_ids(text: str) -> list[int]:
@@ -119,8 +132,10 @@ class Workload:
     """A mixture of task families with a train/eval split.
 
     Args:
-        families: family names to ask (``humaneval`` and/or keys of :data:`GYM_FAMILIES`).
-        held_out: families whose every task is in the eval split (never trained on).
+        families: family names to ask (``humaneval``, keys of :data:`GYM_FAMILIES` and of
+            :data:`GYM_VARIANTS`; a variant's base family must be asked and not held out).
+        held_out: families whose every task is in the eval split (never trained on): kind
+            ``unseen``. Variants are always in the eval split too: kind ``harder``.
         eval_share: share of the other families' prompts in the eval split (stable hash).
         humaneval_problems: HumanEval indices asked (default: the first 40).
         seed: RNG seed of the instance generators.
@@ -145,8 +160,14 @@ class Workload:
 
     def __post_init__(self):
         for f in self.families:
-            if f != "humaneval" and f not in GYM_FAMILIES:
-                raise ValueError(f"families: unknown family {f!r} (known: humaneval, {', '.join(GYM_FAMILIES)})")
+            if f != "humaneval" and f not in GYM_FAMILIES and f not in GYM_VARIANTS:
+                raise ValueError(f"families: unknown family {f!r} (known: humaneval, "
+                                 f"{', '.join([*GYM_FAMILIES, *GYM_VARIANTS])})")
+            if f in GYM_VARIANTS:
+                base = GYM_VARIANTS[f][0]
+                if base not in self.families or base in self.held_out:
+                    raise ValueError(f"families: {f!r} is a harder variant of {base!r}, which must be asked and "
+                                     "trained on (not held out)")
         for f in self.held_out:
             if f not in self.families:
                 raise ValueError(f"held_out: {f!r} is not one of the families asked {self.families}")
@@ -172,7 +193,8 @@ class Workload:
         if key not in self._gens:
             seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{family}:{block}".encode()).digest()[:4], "big")
             self._gens = {k: v for k, v in self._gens.items() if k[0] != family}
-            self._gens[key] = reasoning_gym.create_dataset(family, size=256, seed=seed, **GYM_FAMILIES[family])
+            base, settings = GYM_VARIANTS.get(family, (family, GYM_FAMILIES.get(family)))
+            self._gens[key] = reasoning_gym.create_dataset(base, size=256, seed=seed, **settings)
         ds = self._gens[key]
         entry = ds[i % 256]
         q = f"{entry['question'].strip()} {ANSWER_SUFFIX}"
@@ -199,10 +221,46 @@ class Workload:
         else:
             messages, verifier, key = self._gym_task(family)
         if family in self.held_out:
-            split = "eval"
+            split, kind = "eval", "unseen"
+        elif family in GYM_VARIANTS:
+            split, kind = "eval", "harder"
         else:
             split = choose_split(_text_ids(key), self.eval_share)
-        return Task(family=family, messages=messages, split=split, verifier=verifier, key=key)
+            kind = "fresh" if split == "eval" else "train"
+        return Task(family=family, messages=messages, split=split, verifier=verifier, key=key, kind=kind)
+
+
+class WorkloadReplyJudge:
+    """The canary's no-answer guard for this workload (:class:`deploy.replies.ReplyJudge`):
+    the verifier's own ``has_answer`` for the prompt's family, chosen from the prompt text
+    (a HumanEval prompt starts with ``flywheel.users.PROMPT_HEADER``; every reasoning-gym
+    prompt ends with :data:`ANSWER_SUFFIX`).
+
+    Args:
+        decode: token ids -> text (the served model's tokenizer).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+
+    def has_answer(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> bool:
+        from flywheel.users import PROMPT_HEADER
+
+        reply = self.decode(completion_token_ids)
+        if PROMPT_HEADER in self.decode(prompt_token_ids):
+            return HumanEvalVerifier({}).has_answer(reply)
+        return last_number(reply) is not None  # GymVerifier.has_answer
+
+
+def reply_judge() -> WorkloadReplyJudge:
+    """``--reply-judge flywheel.workload:reply_judge``: a :class:`WorkloadReplyJudge` that
+    decodes with the base model's tokenizer (``schemas.settings.base_model_dir``)."""
+    from transformers import AutoTokenizer
+
+    from schemas import settings
+
+    tok = AutoTokenizer.from_pretrained(str(settings.base_model_dir()))
+    return WorkloadReplyJudge(lambda ids: tok.decode(ids, skip_special_tokens=True))
 
 
 def verifier_scorer(tasks: list[Task], decode: Callable[[list[int]], str]) -> Callable[[int, list[int]], bool]:

@@ -18,7 +18,7 @@ from schemas import settings, topics
 
 from ingest.join import JoinConfig
 
-APP_ID = topics.INGEST_GROUP  # consumer group id; bump the suffix if the state layout changes
+APP_ID = topics.INGEST_APP_ID  # the group is this under the topic prefix; bump a suffix if the state layout changes
 METADATA_MAX_AGE_MS = 5000  # the consumer refreshes topic metadata at least this often (ms)
 SESSION_TIMEOUT_S = 6.0  # group joins take ~half the session timeout on Tansu (DESIGN §3)
 
@@ -43,7 +43,8 @@ class IngestConfig:
             ``postgresql://`` URL: state scoped to partitions, workers on any host
             (``ingest.state_pg``; ``docs/decisions.md`` D16).
         catalog: the DuckDB catalog (default ``schemas.settings.catalog_path()``).
-        app_id: the Kafka consumer group (default ``APP_ID``); workers with the same id
+        app_id: names the Kafka consumer group (default ``APP_ID``; the group is
+            :attr:`group_id`, the app id under the topic prefix); workers with the same id
             split the partitions and must share ``state_path`` (the same file on one host,
             or the same database).
     """
@@ -72,6 +73,11 @@ class IngestConfig:
         self.state_path = state if state.startswith(("postgresql://", "postgres://")) else Path(state)
         self.catalog = Path(self.catalog or settings.catalog_path())
 
+    @property
+    def group_id(self) -> str:
+        """The consumer group: ``app_id`` under the topic prefix (:func:`schemas.topics.ingest_group`)."""
+        return topics.ingest_group(self.app_id)
+
 
 def consumer_settings(cfg: IngestConfig) -> dict:
     """``AIOKafkaConsumer`` keyword arguments of an ingest worker (``bench/ingest.py`` reads
@@ -86,7 +92,7 @@ def consumer_settings(cfg: IngestConfig) -> dict:
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
     return dict(
-        **settings.kafka_client_config(cfg.bootstrap, "aiokafka"), group_id=cfg.app_id, client_id=cfg.app_id,
+        **settings.kafka_client_config(cfg.bootstrap, "aiokafka"), group_id=cfg.group_id, client_id=cfg.app_id,
         enable_auto_commit=False, auto_offset_reset="earliest",
         session_timeout_ms=int(SESSION_TIMEOUT_S * 1000), heartbeat_interval_ms=1000,
         partition_assignment_strategy=(RangePartitionAssignor,),

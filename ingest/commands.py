@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from flywheel.output import OUTPUT, Format, dumps, resolve
+from schemas.output import OUTPUT, Format, dumps, resolve
 
 data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_help=True)
 
@@ -24,7 +24,8 @@ def ingest_cmd(
     reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
     reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
     loglevel: str = typer.Option("info", help="crit | error | warn | info | debug."),
-    app_id: str = typer.Option("flywheel-ingest", help="Consumer group; workers sharing it split the partitions."),
+    app_id: str = typer.Option("flywheel-ingest", help="Names the consumer group (the group is the topic prefix + "
+                                                       "this); workers sharing it split the partitions."),
     state: str = typer.Option("", help="Join state: a SQLite file shared by one host's workers (default "
                               "$FLYWHEEL_INGEST_STATE, else $FLYWHEEL_HOME/ingest/state.sqlite) or a postgresql:// "
                               "URL (workers on several hosts)."),

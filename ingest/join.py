@@ -58,7 +58,8 @@ import pydantic
 import pydantic_core
 
 from schemas import topics
-from schemas.events import MIN_EVENT_TIME_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample, now_ms
+from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
+                            FeedbackEvent, IdText, RewardedSample, clamp_event_time, now_ms)
 
 
 @dataclass(frozen=True)
@@ -228,12 +229,23 @@ def _raw_text(raw: bytes | str | None, ev) -> str:
     return _payload(raw) if raw is not None else ev.model_dump_json()
 
 
+def _text(s: str) -> str:
+    """``s`` with every lone surrogate written as its ``\\udXXX`` escape: a dead letter's
+    strings are always encodable as UTF-8 (its JSON on the topic, its Parquet row)."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def dead_letter(source_topic: str, key: bytes | str | None, fld: str, reason: str,
                 raw: bytes | str, at: int | None = None) -> DeadLetter:
-    """Build a :class:`schemas.events.DeadLetter` (payload kept as utf-8 with replacement)."""
-    k = _payload(key) if key is not None else None
-    return DeadLetter(source_topic=source_topic, key=k, field=fld, reason=reason,
-                      payload=_payload(raw), at=now_ms() if at is None else at)
+    """Build a :class:`schemas.events.DeadLetter` (payload kept as utf-8 with replacement;
+    lone surrogates in any of its strings escaped, so it can always be published)."""
+    k = _text(_payload(key)) if key is not None else None
+    return DeadLetter(source_topic=source_topic, key=k, field=_text(fld), reason=_text(reason),
+                      payload=_text(_payload(raw)), at=now_ms() if at is None else at)
 
 
 def parse_event(model: type[CompletionEvent] | type[FeedbackEvent], raw: bytes | str,
@@ -316,12 +328,56 @@ def _parse_event(model, raw: bytes | str, source_topic: str, key: bytes | str | 
     if "schema_version" in obj and obj["schema_version"] != SCHEMA_VERSION:
         return dead_letter(source_topic, key, "schema_version",
                            f"unknown schema_version {repr(obj['schema_version'])[:40]} (this worker reads {SCHEMA_VERSION})", raw)
+    bad = lone_surrogate(obj)
+    if bad is not None:
+        return dead_letter(source_topic, key, bad, "lone surrogate in a string (not valid Unicode text; "
+                           "it cannot be stored or written as UTF-8)", raw)
     try:
         return model.model_validate(obj)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "value"
         return dead_letter(source_topic, key, loc, f"{err['msg']} (input {str(err.get('input'))[:80]!r})", raw)
+
+
+def lone_surrogate(obj) -> str | None:
+    """The path (keys and list indices joined by ``.``) of the first string, key or value, of
+    a decoded JSON value that holds a lone surrogate (``"\\ud800"`` is valid JSON but not
+    Unicode text: UTF-8 cannot encode it, so the state, a shard or a dead letter would fail
+    on it), or None. Iterative, so any depth the decoder accepted is walked."""
+    stack = [(obj, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "value"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return _text(p)
+                stack.append((x, p))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v))
+    return None
+
+
+def check_clock(ev, raw: bytes | str, source_topic: str, key: bytes | str | None, now: int):
+    """The clock-skew rule (``schemas.events.clamp_event_time``) on a consumed event's
+    ``created_at`` (ms): more than ``MAX_FUTURE_SKEW_MS`` after ``now`` (the worker's clock,
+    ms) -> a :class:`DeadLetter` with field ``created_at``; else ``ev`` with ``created_at``
+    clamped to at most ``now``, so a vote from a fast clock never outranks the same user's
+    later vote. Never raises."""
+    if ev.created_at > now:  # (most events are in the past: nothing to do)
+        try:
+            ev.created_at = clamp_event_time("created_at", ev.created_at, now)
+        except ValueError as exc:
+            return dead_letter(source_topic, key, "created_at", f"future: {exc}", raw, now)
+    return ev
 
 
 class CompletionHead(pydantic.BaseModel):
@@ -331,8 +387,8 @@ class CompletionHead(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="ignore")
     schema_version: Literal[1] = SCHEMA_VERSION
     completion_id: uuid.UUID
-    created_at: int = pydantic.Field(ge=MIN_EVENT_TIME_MS)
-    model_version: str = pydantic.Field(min_length=1)
+    created_at: EventTimeMs  # the contract's own field types: refused here as at sealing
+    model_version: IdText
 
 
 _HEAD_END = b',"prompt_token_ids":'  # serving's layout: the id fields come first, then the token lists
@@ -376,6 +432,9 @@ class Joiner:
     def __init__(self, store, config: JoinConfig | None = None):
         self.store = store
         self.cfg = config or JoinConfig()
+        # the source topics named in dead letters, under the prefix of this process's settings
+        # (read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment)
+        self.tc, self.tf = topics.COMPLETIONS, topics.FEEDBACK
 
     # -- events ---------------------------------------------------------------------------
     def on_completion(self, ev: CompletionEvent, raw: bytes | str | None = None, now: int | None = None) -> str:
@@ -470,13 +529,13 @@ class Joiner:
                 if ev.created_at < horizon:
                     n["feedback_expired"] += 1
                     out.append(("expired", dead_letter(
-                        topics.FEEDBACK, cid, "created_at",
+                        self.tf, cid, "created_at",
                         f"expired: created_at {ev.created_at} ms is older than the dedupe horizon "
                         f"(dedupe_retention_s={self.cfg.dedupe_retention_s})", _raw_text(raw, ev), now)))
                     continue  # decided here: a later copy in ``items`` is a duplicate
                 if ev.kind != "thumb":
                     n["feedback_unsupported"] += 1
-                    out.append(("unsupported", dead_letter(topics.FEEDBACK, cid, "kind",
+                    out.append(("unsupported", dead_letter(self.tf, cid, "kind",
                                                            f"kind {ev.kind!r} is not used by the label yet", _raw_text(raw, ev), now)))
                     continue
                 st = states.get(cid)
@@ -485,7 +544,7 @@ class Joiner:
                 if cid in sealed or (st is not None and (st.claim or "").startswith(("shard:", "bad:"))):
                     n["feedback_late"] += 1
                     if self.cfg.late_policy == "deadletter":
-                        out.append(("late", dead_letter(topics.FEEDBACK, cid, "completion_id",
+                        out.append(("late", dead_letter(self.tf, cid, "completion_id",
                                                         f"late: label of completion {cid} already sealed", _raw_text(raw, ev), now)))
                     else:
                         dropped.append(eid)
@@ -524,16 +583,20 @@ class Joiner:
         validation of a completion's token ids, logprobs and routes (at consume time only its
         head is checked, :func:`parse_completion`). Returns the event, or a DeadLetter (source
         topic completions) naming the field and the reason; also when the body's
-        ``completion_id`` / ``created_at`` differ from the head the join used (a duplicated key)."""
-        ev = parse_event(CompletionEvent, st.completion, topics.COMPLETIONS, st.completion_id)
+        ``completion_id`` / ``created_at`` differ from the head the join used (a duplicated key).
+        The returned event's ``created_at`` is the one the join used: clamped to the worker's
+        clock at consume time (:func:`check_clock`) when it was ahead of it."""
+        ev = parse_event(CompletionEvent, st.completion, self.tc, st.completion_id)
         if isinstance(ev, DeadLetter):
             return ev
         for name, got, want in (("completion_id", str(ev.completion_id), st.completion_id),
                                 ("created_at", ev.created_at, st.created_at)):
-            if got != want:
-                return dead_letter(topics.COMPLETIONS, st.completion_id, name,
+            # (a created_at ahead of the worker's clock within the tolerance was clamped)
+            if got != want and not (name == "created_at" and want < got <= want + MAX_FUTURE_SKEW_MS):
+                return dead_letter(self.tc, st.completion_id, name,
                                    f"duplicate key: the body's {name} {got} differs from the first one {want}",
                                    st.completion)
+        ev.created_at = st.created_at
         return ev
 
     def seal(self, st: LabelState, now: int, ev: CompletionEvent | None = None) -> RewardedSample:
@@ -562,11 +625,33 @@ class Joiner:
         res.dead_letters.append(dl)
         for eid in st.event_ids:
             res.dead_letters.append(dead_letter(
-                topics.FEEDBACK, st.completion_id, "completion_id",
+                self.tf, st.completion_id, "completion_id",
                 f"malformed completion: {st.completion_id} failed validation ({dl.field}: {dl.reason})",
                 json.dumps({"event_id": eid, "completion_id": st.completion_id}), now))
             res.bad_event_ids.append(eid)
         res.bad_ids.append(st.completion_id)
+
+    def quarantine(self, bad: list[tuple[RewardedSample, str, str]], now: int | None = None) -> TickResult:
+        """Sealed samples that cannot be written (a value that passed the contract but that the
+        shard or the samples topic refuses), as ``(sample, field, reason)``: each label is claimed
+        ``"bad:"`` (so a shard holding the others, once written, never marks it sealed, also
+        after a crash: :meth:`recover` releases a dead owner's ``"bad:"`` claim and it is
+        quarantined again), and the returned :class:`TickResult` holds their dead letters (the
+        completion's, reason ``unwritable sample: ...`` with the field, and one per folded vote)
+        in ``dead_letters`` with ``bad_ids`` / ``bad_event_ids`` for :meth:`commit_dead`."""
+        now = now_ms() if now is None else now
+        res = TickResult()
+        with self.store.transaction():
+            for s, fld, reason in bad:
+                cid = str(s.completion_id)
+                st = self.store.get(cid)
+                body = st.completion if st is not None and st.completion else json.dumps({"completion_id": cid})
+                dl = dead_letter(self.tc, cid, fld, f"unwritable sample: {reason}", body, now)
+                st = st or LabelState(completion_id=cid, event_ids=list(s.event_ids))
+                self._malformed(st, dl, res, now)
+            self.store.claim_many([(cid, "bad:") for cid in res.bad_ids])
+            self.store.bump("samples_quarantined", len(res.bad_ids))
+        return res
 
     def tick(self, now: int | None = None, shard_for=None, limit: int = 10_000) -> TickResult:
         """Decide every state due by ``now``: seal, orphan, or drop.
@@ -593,7 +678,7 @@ class Joiner:
                 if st.completion is None:
                     for eid in st.event_ids:
                         res.dead_letters.append(dead_letter(
-                            topics.FEEDBACK, st.completion_id, "completion_id",
+                            self.tf, st.completion_id, "completion_id",
                             f"orphan: completion {st.completion_id} not seen within orphan_ttl_s="
                             f"{self.cfg.orphan_ttl_s:g}", st.pending_raw.get(eid, json.dumps({"event_id": eid})), now))
                         res.dead_event_ids.append(eid)

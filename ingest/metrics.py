@@ -67,9 +67,13 @@ _REASON_PREFIXES = (
     ("unparseable record", "unparseable"),
     ("bad json", "unparseable"),
     ("expected a json object", "unparseable"),
+    ("future:", "future"),
+    ("unwritable sample:", "quarantined"),
+    ("unfoldable:", "unfoldable"),
 )
 DEADLETTER_REASONS = ("orphan", "late", "expired", "malformed_completion", "duplicate_key", "tombstone",
-                      "unparseable", "unsupported_kind", "unsupported_schema_version", "invalid")
+                      "unparseable", "unsupported_kind", "unsupported_schema_version", "future", "quarantined",
+                      "unfoldable", "invalid")
 
 
 def reason_class(field: str, reason: str) -> str:
@@ -78,7 +82,9 @@ def reason_class(field: str, reason: str) -> str:
     ``orphan`` (votes whose completion never came), ``late`` (after sealing), ``expired``
     (older than the dedupe horizon), ``malformed_completion`` (a vote of a completion whose
     body failed validation), ``duplicate_key``, ``tombstone``, ``unparseable`` (not a JSON
-    object), ``unsupported_kind``, ``unsupported_schema_version``, else ``invalid`` (a field
+    object), ``unsupported_kind``, ``unsupported_schema_version``, ``future`` (``created_at``
+    beyond the clock-skew tolerance), ``quarantined`` (a sealed sample the shard or the samples
+    topic refused), ``unfoldable`` (a value the join state refused), else ``invalid`` (a field
     failed the event's schema; the dead letter names it).
     """
     r = reason.lower()

@@ -262,6 +262,24 @@ class _KafkaTransport:
             self.producer.close(timeout=self.timeout_s)
 
 
+def _fleet_salt() -> str:
+    """The serving fleet's salt from ``FLYWHEEL_USER_SALT`` / ``FLYWHEEL_USER_SALT_FILE``
+    (:func:`schemas.settings.user_salt`; never a generated per-home one).
+
+    Raises:
+        ValueError: neither is set, or the salt is unusable; the message starts ``user_salt:``.
+    """
+    from schemas.settings import SaltError, user_salt
+
+    if not (os.environ.get("FLYWHEEL_USER_SALT") or os.environ.get("FLYWHEEL_USER_SALT_FILE")):
+        raise ValueError("user_salt: required in Kafka mode (users are hashed before they leave): pass serving's "
+                         "salt, or set FLYWHEEL_USER_SALT or FLYWHEEL_USER_SALT_FILE as the serving pods have it")
+    try:
+        return user_salt(fleet=True, why="the feedback SDK's Kafka mode")
+    except SaltError as exc:
+        raise ValueError(f"user_salt: {exc}") from None
+
+
 class FeedbackClient:
     """Non-blocking feedback client (thread-safe; one per process is enough).
 
@@ -270,7 +288,9 @@ class FeedbackClient:
         api_key: an API key or a feedback-only key (``FLYWHEEL_FEEDBACK_KEYS``: it may post
             feedback and nothing else, so a browser may hold one), sent as
             ``Authorization: Bearer``. ``feedback_key`` is the same argument by its other name.
-        kafka_bootstrap / user_salt: direct-to-Kafka mode instead of HTTP.
+        kafka_bootstrap / user_salt: direct-to-Kafka mode instead of HTTP. ``user_salt`` must be
+            the serving fleet's salt (one user, one ``user_hash``); default
+            ``FLYWHEEL_USER_SALT`` or ``FLYWHEEL_USER_SALT_FILE``, as serving reads it.
         timeout_s: per-request timeout of the background sender (s).
         queue_size: most events waiting to be sent; beyond it, ``on_full``.
         enqueue_timeout_s: the longest a call waits for room in a full queue (s).
@@ -303,7 +323,7 @@ class FeedbackClient:
         if base_url is None and kafka_bootstrap is None:
             raise ValueError("base_url: required unless kafka_bootstrap is given")
         if kafka_bootstrap is not None and not user_salt:
-            raise ValueError("user_salt: required in Kafka mode (users are hashed before they leave)")
+            user_salt = _fleet_salt()
         if api_key and feedback_key:
             raise ValueError("feedback_key: give api_key or feedback_key, not both (both are the Bearer key)")
         for name, v in (("timeout_s", timeout_s), ("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):

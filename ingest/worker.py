@@ -87,6 +87,7 @@ import gc
 import json
 import logging
 import signal
+import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,13 +98,32 @@ from schemas.events import DeadLetter, FeedbackEvent, now_ms
 from ingest import catalog, writer
 from ingest.commit import CommitRefused, membership
 from ingest.commit import commit as commit_offsets
-from ingest.join import Joiner, TickResult, parse_completion, parse_event
+from ingest.join import Joiner, TickResult, check_clock, dead_letter, parse_completion, parse_event
 from ingest.metrics import IngestMetrics, serve_http
 from ingest.partition import SOURCE_HEADER, home_partitions, rekeyed_topic
 from ingest.state import open_store
 from ingest.state_pg import Fenced
 
 log = logging.getLogger("ingest")
+
+
+def _record_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that a record's values can cause in the state (a number beyond SQLite's or
+    PostgreSQL's integer, text that is not UTF-8, a JSON encoder refusing a value): a batch
+    failing with one is folded record by record and the culprit dead-lettered. Anything else
+    (the database is gone, a bug) stops the batch, uncommitted, as before."""
+    errs: list[type[BaseException]] = [OverflowError, ValueError, TypeError, UnicodeError, RecursionError,
+                                       sqlite3.DataError, sqlite3.IntegrityError]
+    try:
+        import psycopg
+
+        errs += [psycopg.DataError, psycopg.IntegrityError]
+    except ImportError:  # the PostgreSQL state is optional
+        pass
+    return tuple(errs)
+
+
+RECORD_ERRORS = _record_errors()
 
 BATCH_MAX_RECORDS = 2000  # records per getmany = one SQLite transaction = one offset commit
 POLL_TIMEOUT_MS = 200  # getmany waits at most this long for a first record (ms)
@@ -161,7 +181,7 @@ class Worker:
         self.cfg = cfg
         self.consumer_kw = consumer_settings or cs(cfg)
         self.producer_kw = producer_settings or ps(cfg)
-        self.store = open_store(cfg.state_path, cfg.app_id)
+        self.store = open_store(cfg.state_path, cfg.group_id)
         # a partition-scoped store (PostgreSQL) folds a label only in its home partition: records
         # found elsewhere are forwarded there through the internal topic (ingest.partition)
         self.scoped = bool(getattr(self.store, "scoped", False))
@@ -206,30 +226,36 @@ class Worker:
         """
         self.take_partitions()
         comps, fbs, dead = [], [], []
-        malformed = {"deadletter_malformed_completion": 0, "deadletter_malformed_feedback": 0}
+        malformed = {"deadletter_malformed_completion": 0, "deadletter_malformed_feedback": 0,
+                     "deadletter_future": 0}
         n = {"consumed_completions": 0, "consumed_feedback": 0, "forwarded_completions": 0, "forwarded_feedback": 0}
+        now = now_ms()
+        tc = self.joiner.tc
         for tp, recs in batch.items():
             for r in recs:
                 src = _source_topic(r) if tp.topic == self.rekeyed else tp.topic
-                is_c = src == T.COMPLETIONS
+                is_c = src == tc
                 n["consumed_completions" if is_c else "consumed_feedback"] += 1
                 # a completion: its head only (the body is validated once, at sealing)
                 ev = parse_completion(r.value, src, r.key) if is_c else parse_event(FeedbackEvent, r.value, src, r.key)
                 if isinstance(ev, DeadLetter):
                     dead.append(ev)
                     malformed["deadletter_malformed_completion" if is_c else "deadletter_malformed_feedback"] += 1
+                elif isinstance(ev := check_clock(ev, r.value, src, r.key, now), DeadLetter):
+                    dead.append(ev)
+                    malformed["deadletter_future"] += 1
                 else:
                     (comps if is_c else fbs).append((ev, r.value, tp))
         forward: list[tuple[int, bytes, bytes, str]] = []
-        comps = self._route(comps, T.COMPLETIONS, forward, n)
-        fbs = self._route(fbs, T.FEEDBACK, forward, n)
-        now = now_ms()
-        with self.store.transaction():  # completions first: fewer votes wait as orphans
-            self.store.fence({tp.partition for tp in batch})
-            outc = self.joiner.on_completions(comps, now)
-            outs = self.joiner.on_feedbacks(fbs, now)
-            for k, v in n.items():
-                self.store.bump(k, v)
+        comps = self._route(comps, tc, forward, n)
+        fbs = self._route(fbs, self.joiner.tf, forward, n)
+        parts = {tp.partition for tp in batch}
+        try:
+            outc, outs = self._fold_tx(comps, fbs, now, parts, n)
+        except RECORD_ERRORS as exc:  # a value the state refuses: find it, fold the others
+            log.warning("ingest: a batch of %d records could not be folded (%s: %s); folding them one by one",
+                        len(comps) + len(fbs), type(exc).__name__, exc)
+            outc, outs = self._fold_each(comps, fbs, now, parts, n, dead)
         self.metrics.folded(batch, outc, outs)
         eids = []
         for (ev, _), (_, dl) in zip(fbs, outs):
@@ -237,6 +263,44 @@ class Worker:
                 dead.append(dl)
                 eids.append(str(ev.event_id))
         return dead, eids, malformed, forward
+
+    def _fold_tx(self, comps: list, fbs: list, now: int, parts: set[int], n: dict[str, int]) -> tuple[list, list]:
+        """Fold parsed ``(event, raw)`` completions and feedback in one transaction (fenced to
+        ``parts``), counters ``n`` bumped in it; returns the join's outcomes."""
+        with self.store.transaction():  # completions first: fewer votes wait as orphans
+            self.store.fence(parts)
+            outc = self.joiner.on_completions(comps, now)
+            outs = self.joiner.on_feedbacks(fbs, now)
+            for k, v in n.items():
+                self.store.bump(k, v)
+        return outc, outs
+
+    def _fold_each(self, comps: list, fbs: list, now: int, parts: set[int], n: dict[str, int],
+                   dead: list[DeadLetter]) -> tuple[list, list]:
+        """:meth:`_fold_tx` record by record, after a batch failed with one of
+        :data:`RECORD_ERRORS`: a record whose own fold raises is dead-lettered (field
+        ``value``, reason ``unfoldable: <error>``; appended to ``dead``, a vote's outcome carries
+        its dead letter so that its event_id is recorded once published), the others are
+        folded, so nothing a record carries stops the join."""
+        outc, outs = [], []
+        self._fold_tx([], [], now, parts, n)
+        for item in comps:
+            try:
+                outc += self._fold_tx([item], [], now, parts, {})[0]
+            except RECORD_ERRORS as exc:
+                log.warning("ingest: completion %s dead-lettered: %s: %s", item[0].completion_id, type(exc).__name__, exc)
+                dead.append(dead_letter(self.joiner.tc, str(item[0].completion_id), "value",
+                                        f"unfoldable: {type(exc).__name__}: {str(exc)[:200]}", item[1], now))
+                outc.append("unfoldable")
+        for item in fbs:
+            try:
+                outs += self._fold_tx([], [item], now, parts, {})[1]
+            except RECORD_ERRORS as exc:
+                log.warning("ingest: feedback %s dead-lettered: %s: %s", item[0].event_id, type(exc).__name__, exc)
+                outs.append(("unfoldable", dead_letter(self.joiner.tf, str(item[0].completion_id), "value",
+                                                       f"unfoldable: {type(exc).__name__}: {str(exc)[:200]}",
+                                                       item[1], now)))
+        return outc, outs
 
     def _route(self, items: list, src: str, forward: list, n: dict[str, int]) -> list:
         """``(event, raw)`` of the ``(event, raw, TopicPartition)`` items to fold here; those
@@ -251,7 +315,7 @@ class Worker:
                 here.append((ev, raw))
             else:
                 forward.append((h, str(ev.completion_id).encode(), raw, src))
-                n["forwarded_completions" if src == T.COMPLETIONS else "forwarded_feedback"] += 1
+                n["forwarded_completions" if src == self.joiner.tc else "forwarded_feedback"] += 1
         return here
 
     def assigned(self, assigned) -> None:
@@ -442,15 +506,22 @@ class Worker:
                 break
         msgs: list[tuple[bytes, bytes]] = []
         for path, samples in shards.items():
+            samples, table, values, bad = writer.shard_parts(samples)
+            if bad:  # claimed "bad:" before the shard exists; dead-lettered with the orphans
+                log.warning("ingest: %d sample(s) of shard %s cannot be written, quarantined: %s", len(bad), path,
+                            "; ".join(f"{s.completion_id} {f}: {r}" for s, f, r in bad[:3]))
+                orphans.append(self.joiner.quarantine(bad))
+            if not samples:
+                continue
             try:
-                writer.write_shard(samples, path)
+                writer.write_table(table, path)
             except Exception:
                 log.exception("ingest: shard %s failed; labels released, retried next tick", path)
                 self.joiner.release([str(s.completion_id) for s in samples])
                 continue
             self.joiner.commit_sealed(samples, path)
             self.metrics.sealed(samples)
-            msgs.extend((str(s.completion_id).encode(), s.to_bytes()) for s in samples)
+            msgs.extend((str(s.completion_id).encode(), v) for s, v in zip(samples, values))
         self.metrics.seal_round.observe(time.perf_counter() - t0)
         return msgs, orphans, more
 

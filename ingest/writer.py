@@ -19,7 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.arrow import samples_to_table
+import pydantic_core
+
+from schemas.arrow import samples_to_table, unwritable_column
 from schemas.events import DeadLetter, RewardedSample
 
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
@@ -87,6 +89,41 @@ def write_shard(samples: list[RewardedSample], path: str | Path) -> Path:
     if not samples:
         raise ValueError("samples: empty, nothing to write")
     return write_table(samples_to_table(samples), path)
+
+
+def shard_parts(samples: list[RewardedSample]) -> tuple[list[RewardedSample], pa.Table | None, list[bytes],
+                                                        list[tuple[RewardedSample, str, str]]]:
+    """Split ``samples`` into what can be written and what cannot: ``(good samples, their
+    table, their JSON values for the samples topic, bad)``, ``bad`` as ``(sample, field,
+    reason)`` for :meth:`ingest.join.Joiner.quarantine`. One record the shard or the topic
+    refuses (a value Arrow or UTF-8 cannot hold that passed the contract) never holds back the
+    others; the whole list is converted at once, and one by one only when that fails."""
+    try:
+        return samples, samples_to_table(samples), [s.to_bytes() for s in samples], []
+    except Exception:  # noqa: BLE001 - found sample by sample below
+        pass
+    good, values, bad = [], [], []
+    for s in samples:
+        try:
+            samples_to_table([s])
+            values.append(s.to_bytes())
+        except Exception as exc:  # noqa: BLE001 - any refusal quarantines this sample only
+            at = unwritable_column(s)
+            fld, reason = at if at is not None else (_unserialisable_field(s), f"{type(exc).__name__}: {str(exc)[:200]}")
+            bad.append((s, fld, reason))
+        else:
+            good.append(s)
+    return good, (samples_to_table(good) if good else None), values, bad
+
+
+def _unserialisable_field(s: RewardedSample) -> str:
+    """The first field of ``s`` that its JSON encoding refuses (else ``"value"``)."""
+    for name in type(s).model_fields:
+        try:
+            pydantic_core.to_json(getattr(s, name))
+        except Exception:  # noqa: BLE001 - names the field
+            return name
+    return "value"
 
 
 def write_table(table: pa.Table, path: str | Path) -> Path:

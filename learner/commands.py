@@ -16,7 +16,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
                                                "else $FLYWHEEL_HOME/store)."),
            samples: Optional[Path] = typer.Option(None, help="RewardedSample Parquet root (default "
                                                   "$FLYWHEEL_HOME/data/samples)."),
-           state: Optional[Path] = typer.Option(None, help="Learner state dir (default $FLYWHEEL_HOME/learner)."),
+           state: Optional[Path] = typer.Option(None, help="Learner state dir: watermark, consumed shards, resume "
+                                                "checkpoint; on storage that outlives the pod (default "
+                                                "$FLYWHEEL_LEARNER_STATE, else $FLYWHEEL_HOME/learner)."),
            min_samples: int = typer.Option(1, help="Skip the cycle below this many trainable samples."),
            steps: int = typer.Option(4, help="Optimizer steps per cycle."),
            batch_size: int = typer.Option(8, help="Samples per step."),
@@ -38,8 +40,12 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            holdout_frac: float = typer.Option(0.0, help="Eval gate: fraction of new samples held out (0 = off)."),
            max_regression: float = typer.Option(0.0, help="Eval gate: allowed score drop vs the parent."),
            gate_problems: Optional[str] = typer.Option(
-               None, help="Eval gate on held-out HumanEval prompts scored as the demo's users score (code "
-                          "run against the tests in the sandbox), e.g. '120-163'; score = pass rate."),
+               None, help="Eval gate on held-out prompts the --gate-verifier selects and scores as the "
+                          "workload's users do (HumanEval: code run against the tests in the sandbox), "
+                          "e.g. '120-163'; score = pass rate."),
+           gate_verifier: str = typer.Option(
+               "flywheel.users:gate_verifier", help="Eval gate: the workload's verifier, MODULE:FUNCTION "
+                                                    "(learner.gate.GateVerifier); the default is HumanEval's."),
            gate_samples: int = typer.Option(2, min=1, help="Eval gate: completions per held-out prompt."),
            gate_max_tokens: int = typer.Option(128, min=1, help="Eval gate: new tokens per completion."),
            train_layers: int = typer.Option(0, help="Train only the last N decoder layers (0 = all)."),
@@ -56,8 +62,9 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
            poll_s: float = typer.Option(10.0, help="Daemon: seconds between checks for new samples."),
            micro_batch_size: int = typer.Option(0, min=0, help="Samples per forward/backward; a step's batch is "
                                                 "accumulated over micro-batches (0 = one micro-batch)."),
-           precision: str = typer.Option("fp32", help="fp32 | bf16 (bf16 weights and activations, fp32 master "
-                                         "weights and AdamW state under ZeRO)."),
+           precision: str = typer.Option("auto", help="auto | fp32 | bf16. auto: the parent version's dtype. "
+                                         "bf16: bf16 weights and activations, fp32 master weights and AdamW "
+                                         "state under ZeRO. The new version keeps the parent's dtype."),
            activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing",
                                                          help="Recompute layer activations in backward."),
            lateness_s: float = typer.Option(600.0, help="How late (s) a shard may appear after a newer one was "
@@ -97,25 +104,27 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         raise typer.Exit(1)
     evaluate = None
     if gate_problems:
-        from flywheel.users import humaneval_gate, parse_problem_ids
-        from learner.gate import generation_evaluator
+        from learner.gate import generation_evaluator, load_gate_verifier
         from schemas.modelspec import load_tokenizer
 
         try:
-            ids = parse_problem_ids(gate_problems)
+            verifier = load_gate_verifier(gate_verifier)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--gate-problems") from exc
+            raise typer.BadParameter(str(exc), param_hint="--gate-verifier") from exc
         tok = load_tokenizer(st.base_dir)
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         eos = tok.eos_token_id if eos is None or eos == tok.unk_token_id else eos
-        prompts, score = humaneval_gate(ids, tok)
+        try:
+            prompts, score = verifier(gate_problems, tok)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--gate-problems") from exc
         try:
             evaluate = generation_evaluator(prompts, score, int(eos), max_tokens=gate_max_tokens,
                                             samples_per_prompt=gate_samples, seed=seed)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     samples = samples or settings.samples_dir()
-    state = state or settings.home() / "learner"
+    state = state or settings.learner_state_dir()
     ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly
     from learner.metrics import LearnerMetrics, cycle_outcome
 
@@ -154,15 +163,21 @@ def _learn(once: bool = typer.Option(False, "--once", help="Run one cycle and ex
         cycle()
         return
     last = time.monotonic()
-    paused_flag = settings.home() / "learner" / "paused"  # written by `flywheel pause` (deploy)
+    from deploy.desired import FleetRecord
+
+    fleet = FleetRecord(st)  # `flywheel pause` writes the fleet's desired state on the store
     was_paused = False
     while True:  # daemon: every_h hours or every_n new samples, whichever first
-        # Operator pause (`flywheel pause` / `flywheel resume`): checked before each cycle; a
-        # cycle already running finishes. The flag file holds JSON {actor, at, reason}.
-        lm.paused.set(paused_flag.exists())
-        if paused_flag.exists():
+        # Operator pause (`flywheel pause` / `flywheel resume`): read from the fleet's desired
+        # state before each cycle, wherever this learner runs; a cycle already running finishes.
+        try:
+            paused = fleet.read().paused
+        except ValueError as exc:  # unreadable record: do not train on a pause we cannot see
+            paused = {"actor": "unknown", "reason": f"desired-state record unreadable: {exc}"}
+        lm.paused.set(bool(paused))
+        if paused:
             if not was_paused:
-                typer.echo(f"learn: paused by operator ({paused_flag.read_text().strip()}); waiting")
+                typer.echo(f"learn: paused by operator ({json.dumps(paused)}); waiting")
             was_paused = True
             time.sleep(poll_s)
             continue

@@ -6,14 +6,17 @@ The built-in score needs no generation: on held-out labelled samples (never trai
 raises it; one that learned the wrong direction lowers it. Any callable
 ``evaluate(model) -> {"score": float, ...}`` can replace it; :func:`generation_evaluator`
 is the one that scores held-out *prompts* the way users score: it samples completions from
-the model and passes each to a scorer (``flywheel learn --gate-problems`` wires the demo's
-users: run the code against the HumanEval tests in the sandbox); score = pass rate.
+the model and passes each to a scorer; score = pass rate. The prompts and the scorer come
+from the workload through :class:`GateVerifier`, named by ``flywheel learn --gate-verifier
+MODULE:FUNCTION`` and loaded by :func:`load_gate_verifier`: the learner never imports a
+workload (the default names the HumanEval workload's, run against the tests in the sandbox).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+import importlib
+from typing import Callable, Protocol
 
 import torch
 
@@ -122,3 +125,34 @@ def gate_decision(parent_eval: dict, candidate_eval: dict, max_regression: float
     if c < p - max_regression:
         return False, f"eval score {c:.6g} < parent {p:.6g} - max_regression {max_regression:g}"
     return True, f"eval score {c:.6g} vs parent {p:.6g} (max_regression {max_regression:g})"
+
+
+class GateVerifier(Protocol):
+    """A workload's held-out gate: ``(spec, tokenizer) -> (prompts, score)``.
+
+    ``spec`` is the workload's own selection of held-out items (for HumanEval ``"120-163"``);
+    ``prompts`` are chat-template token ids per item; ``score(i, completion_ids) -> bool`` says
+    whether item ``i``'s completion passes, as the workload's users would judge it. Raises
+    ``ValueError`` naming the bad part of ``spec``.
+    """
+
+    def __call__(self, spec: str, tokenizer) -> tuple[list[list[int]], Callable[[int, list[int]], bool]]: ...
+
+
+def load_gate_verifier(name: str) -> GateVerifier:
+    """Import ``MODULE:FUNCTION`` and return it as a :class:`GateVerifier`.
+
+    Raises:
+        ValueError: ``name`` is not ``MODULE:FUNCTION``, the module does not import, or it has no
+            such callable (the message names which).
+    """
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise ValueError(f"gate verifier: {name!r} is not MODULE:FUNCTION")
+    try:
+        fn = getattr(importlib.import_module(module), attr, None)
+    except ImportError as exc:
+        raise ValueError(f"gate verifier: module {module!r} does not import ({exc})") from exc
+    if not callable(fn):
+        raise ValueError(f"gate verifier: {module!r} has no callable {attr!r}")
+    return fn

@@ -45,7 +45,7 @@ from learner.replay import capture_routes, router_replay, stack_routes
 class LearnerConfig:
     """Configuration of one learner cycle; validated on construction.
 
-    Optimisation (DeepSpeed, CPU, gloo, fp32):
+    Optimisation (DeepSpeed, CPU, gloo; fp32 or bf16, see ``precision``):
         steps: K optimizer steps per cycle (>= 1).
         batch_size: samples per step (>= 1); sampled without replacement, reshuffled per epoch.
         lr: AdamW learning rate (>= 0; 0 leaves weights unchanged).
@@ -58,9 +58,11 @@ class LearnerConfig:
         micro_batch_size: samples per forward/backward; a step's ``batch_size`` samples are
             split into micro-batches whose gradients accumulate into the full-batch gradient
             (each weighted by its share of the step's loss normaliser). 0 = one micro-batch.
-        precision: ``"fp32"``, or ``"bf16"``: DeepSpeed bf16 weights, activations and
-            gradients with fp32 master weights and AdamW state in the ZeRO partitions; the
-            published version holds the bf16 weights cast to the parent's dtypes.
+        precision: ``"auto"`` (default): the parent version's dtype, so a bf16 model trains,
+            is stored and is served in bf16 and an fp32 one in fp32; ``"fp32"``; or
+            ``"bf16"``: DeepSpeed bf16 weights, activations and gradients with fp32 master
+            weights and AdamW state in the ZeRO partitions. The published version always
+            keeps the parent's dtypes (:func:`resolve_precision`, docs/decisions.md D41).
         activation_checkpointing: recompute each decoder layer's activations in backward
             (transformers gradient checkpointing, non-reentrant) instead of keeping them.
 
@@ -143,7 +145,7 @@ class LearnerConfig:
     train_layers: int = 0
     measure_free_max: int = 0
     micro_batch_size: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     lateness_s: float = 600.0
     activation_checkpointing: bool = False
 
@@ -173,7 +175,7 @@ class LearnerConfig:
             ("holdout_frac", 0 <= self.holdout_frac < 1, "must be in [0, 1)"),
             ("max_regression", self.max_regression >= 0, "must be >= 0"),
             ("micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0 = the whole step batch)"),
-            ("precision", self.precision in ("fp32", "bf16"), "must be 'fp32' or 'bf16'"),
+            ("precision", self.precision in ("auto", "fp32", "bf16"), "must be 'auto', 'fp32' or 'bf16'"),
             ("lateness_s", self.lateness_s >= 0, "must be >= 0"),
         ]
         for name, ok, why in checks:
@@ -386,6 +388,42 @@ def measure_start(model, batch: LearnerBatch, parent: str, chunk: int = 1,
     state = MeasureState.new()
     ref = measure_into(model, batch, parent, state, chunk, free_max)
     return ref, state.metrics()
+
+
+def resolve_precision(model, cfg: LearnerConfig) -> LearnerConfig:
+    """The cycle's training precision, with ``model`` (the parent's weights) made ready for it.
+
+    ``"auto"`` trains in the dtype of the model's floating-point parameters, i.e. the parent
+    version's: all bfloat16 -> ``"bf16"`` (DeepSpeed bf16: bf16 forward/backward, fp32 master
+    weights and AdamW state), all float32 -> ``"fp32"``. ``"fp32"`` on a bf16 model casts the
+    module to float32 here (exact), before the measure pass; ``"bf16"`` on an fp32 model is
+    cast by DeepSpeed at ``initialize`` (the measure pass then runs in fp32). Either way the
+    published tensors are cast back to the parent's dtypes (``learner.cycle``).
+
+    Args:
+        model: the causal LM holding the parent's weights.
+        cfg: the cycle's config.
+
+    Returns:
+        ``cfg`` with ``precision`` ``"fp32"`` or ``"bf16"``.
+
+    Raises:
+        ValueError: with ``"auto"``, the floating-point parameters are not all float32 or
+            all bfloat16 (e.g. float16, or mixed).
+    """
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    precision = cfg.precision
+    if precision == "auto":
+        if dtypes == {torch.bfloat16}:
+            precision = "bf16"
+        elif dtypes == {torch.float32}:
+            precision = "fp32"
+        else:
+            raise ValueError(f"precision: 'auto' needs the parent's weights all float32 or all bfloat16, found "
+                             f"{sorted(str(d) for d in dtypes)}; set precision to 'fp32' or 'bf16'")
+    if precision == "fp32" and dtypes != {torch.float32}:
+        model.float()
+    return cfg if precision == cfg.precision else LearnerConfig(**{**cfg.__dict__, "precision": precision})
 
 
 def freeze_for_training(model, train_layers: int) -> int:
@@ -689,7 +727,9 @@ def train(model, samples: list[RewardedSample] | SampleSource, parent: str, cfg:
     accumulates micro-batches of ``cfg.micro_batch_size`` (:func:`accumulate_step`).
 
     Args:
-        model: MoE (or dense) causal LM, fp32, weights = the parent version.
+        model: MoE (or dense) causal LM, weights = the parent version, float32 or bfloat16
+            (the training precision follows them unless ``cfg.precision`` says otherwise:
+            :func:`resolve_precision`).
         samples: candidate RewardedSamples (filtered here for staleness, split and routes;
             ``eval`` samples are refused and counted as ``data/dropped_eval_split``).
         parent: the parent version name (``v000003``).
@@ -712,6 +752,7 @@ def train(model, samples: list[RewardedSample] | SampleSource, parent: str, cfg:
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    cfg = resolve_precision(model, cfg)
     src = samples if hasattr(samples, "take") else InMemorySamples(samples)
     metrics: dict = {"data/n_candidates": len(src)}
     L, k, E = route_shape(model)  # L = num_hidden_layers for an MoE model (vLLM's route layout)

@@ -49,8 +49,10 @@ converted by :func:`upgrade_v1_table` (``flywheel data migrate``).
 
 from __future__ import annotations
 
+import binascii
 import datetime as dt
 import json
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -91,40 +93,91 @@ SAMPLE_SCHEMA = pa.schema([
 _SAMPLING_FIELDS = [f.name for f in SAMPLING_TYPE]
 
 
+_ZSTD = threading.local()  # one zstd decompression context per thread (a context is not thread-safe)
+
+
 def _routes_raw(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None, str | None]:
+    """``(little-endian C-order bytes, shape, dtype)`` of routes, or Nones for a dense model.
+
+    Raises:
+        ValueError: ``expert_routes``: the payload does not decode to exactly ``shape`` in ``dtype``
+            (the same check as :meth:`schemas.events.ExpertRoutes.to_array`)."""
     if r is None:
         return None, None, None
-    arr = r.to_array()  # validates the payload against its shape
-    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(), [int(x) for x in r.shape], r.dtype
+    import zstandard
+
+    shape = [int(x) for x in r.shape]
+    dt_ = np.dtype(r.dtype)
+    want = shape[0] * shape[1] * shape[2] * dt_.itemsize
+    dctx = getattr(_ZSTD, "d", None)
+    if dctx is None:
+        dctx = _ZSTD.d = zstandard.ZstdDecompressor()
+    try:
+        raw = dctx.decompress(binascii.a2b_base64(r.data), max_output_size=want + 1)
+    except (zstandard.ZstdError, binascii.Error) as exc:
+        raise ValueError(f"expert_routes: payload does not decode: {exc}") from exc
+    if len(raw) != want:
+        raise ValueError(f"expert_routes: payload has {len(raw) // dt_.itemsize} values, shape {tuple(shape)} "
+                         f"needs {want // dt_.itemsize}")
+    if dt_.itemsize > 1 and not np.little_endian:  # the column is little endian
+        raw = np.frombuffer(raw, dt_).astype(dt_.newbyteorder("<")).tobytes()
+    return raw, shape, r.dtype
 
 
 def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
     """RewardedSamples -> Arrow table with :data:`SAMPLE_SCHEMA` (times as UTC timestamps,
-    routes as raw bytes with their shape and dtype)."""
-    cols: dict[str, list] = {f.name: [] for f in SAMPLE_SCHEMA}
-    for s in samples:
+    routes as raw bytes with their shape and dtype). Built column by column (one Arrow
+    conversion per column).
+
+    Raises:
+        ValueError: a sample's routes do not decode to their shape (``expert_routes``).
+        pyarrow.ArrowInvalid / OverflowError / TypeError: a value its column cannot hold
+            (:func:`unwritable_column` names it)."""
+    routes = [_routes_raw(s.expert_routes) for s in samples]
+    sp = [s.sampling for s in samples]
+    sampling = pa.StructArray.from_arrays(
+        [pa.array([getattr(x, k) for x in sp], f.type) for k, f in zip(_SAMPLING_FIELDS, SAMPLING_TYPE)],
+        fields=list(SAMPLING_TYPE))
+
+    def col(name: str):
+        return [getattr(s, name) for s in samples]
+
+    cols = {
+        "completion_id": [str(s.completion_id) for s in samples],
+        "model_version": col("model_version"), "split": col("split"),
+        "created_at": col("created_at"), "sealed_at": col("sealed_at"), "user_hash": col("user_hash"),
+        "prompt_token_ids": col("prompt_token_ids"), "completion_token_ids": col("completion_token_ids"),
+        "behavior_logprobs": col("behavior_logprobs"), "sampling": sampling,
+        "expert_routes": [r[0] for r in routes], "expert_routes_shape": [r[1] for r in routes],
+        "expert_routes_dtype": [r[2] for r in routes], "finish_reason": col("finish_reason"),
+        "reward": col("reward"), "label": col("label"), "n_votes": col("n_votes"), "votes_up": col("votes_up"),
+        "votes_down": col("votes_down"), "event_ids": col("event_ids")}
+    return pa.Table.from_arrays([c if isinstance(c, pa.Array) else pa.array(c, f.type)
+                                 for f, c in zip(SAMPLE_SCHEMA, (cols[f.name] for f in SAMPLE_SCHEMA))],
+                                schema=SAMPLE_SCHEMA)
+
+
+def unwritable_column(s: RewardedSample) -> tuple[str, str] | None:
+    """The first column of :data:`SAMPLE_SCHEMA` whose value in ``s`` Arrow refuses, as
+    ``(column, reason)`` (e.g. a token id beyond int32, a string that is not UTF-8), or None
+    when every column converts. Used to name the field of a sample that cannot be written."""
+    try:
         raw, shape, dtype = _routes_raw(s.expert_routes)
-        cols["completion_id"].append(str(s.completion_id))
-        cols["model_version"].append(s.model_version)
-        cols["split"].append(s.split)
-        cols["created_at"].append(s.created_at)
-        cols["sealed_at"].append(s.sealed_at)
-        cols["user_hash"].append(s.user_hash)
-        cols["prompt_token_ids"].append(s.prompt_token_ids)
-        cols["completion_token_ids"].append(s.completion_token_ids)
-        cols["behavior_logprobs"].append(s.behavior_logprobs)
-        cols["sampling"].append({k: getattr(s.sampling, k) for k in _SAMPLING_FIELDS})
-        cols["expert_routes"].append(raw)
-        cols["expert_routes_shape"].append(shape)
-        cols["expert_routes_dtype"].append(dtype)
-        cols["finish_reason"].append(s.finish_reason)
-        cols["reward"].append(s.reward)
-        cols["label"].append(s.label)
-        cols["n_votes"].append(s.n_votes)
-        cols["votes_up"].append(s.votes_up)
-        cols["votes_down"].append(s.votes_down)
-        cols["event_ids"].append(s.event_ids)
-    return pa.table(cols, schema=SAMPLE_SCHEMA)
+    except Exception as exc:  # noqa: BLE001 - any refusal names the column
+        return "expert_routes", f"{type(exc).__name__}: {str(exc)[:200]}"
+    row = {"completion_id": str(s.completion_id), "model_version": s.model_version, "split": s.split,
+           "created_at": s.created_at, "sealed_at": s.sealed_at, "user_hash": s.user_hash,
+           "prompt_token_ids": s.prompt_token_ids, "completion_token_ids": s.completion_token_ids,
+           "behavior_logprobs": s.behavior_logprobs, "sampling": {k: getattr(s.sampling, k) for k in _SAMPLING_FIELDS},
+           "expert_routes": raw, "expert_routes_shape": shape, "expert_routes_dtype": dtype,
+           "finish_reason": s.finish_reason, "reward": s.reward, "label": s.label, "n_votes": s.n_votes,
+           "votes_up": s.votes_up, "votes_down": s.votes_down, "event_ids": s.event_ids}
+    for f in SAMPLE_SCHEMA:
+        try:
+            pa.array([row[f.name]], f.type)
+        except Exception as exc:  # noqa: BLE001 - any refusal names the column
+            return f.name, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
 
 
 def _ms(v) -> int:

@@ -50,10 +50,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # sampling seed (Arrow int64)
 FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: logprobs, rewards (Arrow float32)
 SCORE_MAX_ABS = 1e6  # a feedback score's |value|
 MAX_ID_CHARS = 256  # request_id, pod, user_hash, model_version, event ids, topic, field
-# Text: no NUL (U+0000) and no lone surrogate (U+D800..U+DFFF); ECMA-262 with the ``u`` flag
-# and Python's ``re`` both read the escapes. A JSON producer can still write any other
-# character, escaped or not.
-TEXT_PATTERN = r"^[^\u0000\ud800-\udfff]*$"
+# Text: no NUL (U+0000) and no lone surrogate (U+D800..U+DFFF), written as the allowed ranges
+# U+0001..U+D7FF and U+E000..U+10FFFF (the last endpoint a literal character, not an escape),
+# so one pattern means the same in Python's ``re`` (jsonschema), Rust's ``regex``
+# (jsonschema-rs: it refuses a surrogate escape) and ECMA-262 with the ``u`` flag (ajv).
+TEXT_PATTERN = "^[\\u0001-\\ud7ff\\ue000-\U0010ffff]*$"
 _UNSAFE_TEXT = re.compile("[\x00\ud800-\udfff]")
 
 
@@ -99,8 +100,9 @@ def _check_ms(v: int) -> int:
 
 #: Any text field: no NUL, no lone surrogate.
 Text = Annotated[str, AfterValidator(_check_text), _JsonKeywords(pattern=TEXT_PATTERN)]
-#: An identifier-like text field (ids, names, pods): 1 to MAX_ID_CHARS characters.
-IdText = Annotated[Text, Field(min_length=1, max_length=MAX_ID_CHARS)]
+#: An identifier-like text field (ids, names, pods): 1 to MAX_ID_CHARS characters, as :data:`Text`.
+IdText = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(_check_text),
+                   _JsonKeywords(pattern=TEXT_PATTERN)]
 #: An event time, ms since the epoch (UTC), within [MIN_EVENT_TIME_MS, MAX_EVENT_TIME_MS].
 EventTimeMs = Annotated[int, AfterValidator(_check_ms),
                         _JsonKeywords(minimum=MIN_EVENT_TIME_MS, maximum=MAX_EVENT_TIME_MS)]

@@ -66,7 +66,7 @@ class Contract:
 
 def contracts() -> list[Contract]:
     """Every value Flywheel writes to Kafka, in topic order."""
-    from deploy.ledger import LedgerEntry
+    from schemas.ledger import LedgerEntry
     from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample
 
     return [Contract("CompletionEvent", "completions", CompletionEvent),

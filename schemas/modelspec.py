@@ -48,13 +48,29 @@ def attention_window(config) -> int | None:
     return int(w)
 
 
+def checkpoint_dtype(config):
+    """The dtype a checkpoint's weights are kept, trained and served in: bfloat16 when its
+    config's ``dtype`` (``torch_dtype`` in older configs) says so, else float32 (a config
+    naming none, float32, or a dtype Flywheel does not train in, such as float16, which
+    ``flywheel model init --from`` refuses; docs/decisions.md D41).
+
+    Args:
+        config: a ``transformers`` config, or the ``config.json`` dict.
+    """
+    import torch
+
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    raw = get("dtype") or get("torch_dtype") or "float32"
+    return torch.bfloat16 if str(raw).removeprefix("torch.") == "bfloat16" else torch.float32
+
+
 def load_model(model_dir: str | Path, dtype=None):
     """Build the causal LM at ``model_dir`` (HF checkpoint dir) in eval mode.
 
     Args:
         model_dir: directory with ``config.json`` (+ weights, which callers may replace
             with ``load_state_dict`` from the model store).
-        dtype: torch dtype, default float32.
+        dtype: torch dtype, default the checkpoint's own (:func:`checkpoint_dtype`).
 
     Returns:
         ``transformers`` model (``MixtralForCausalLM`` for the default MoE).
@@ -64,7 +80,7 @@ def load_model(model_dir: str | Path, dtype=None):
 
     config = AutoConfig.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), config=config, dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
+        str(model_dir), config=config, dtype=dtype or checkpoint_dtype(config), attn_implementation=ATTN_IMPLEMENTATION,
         experts_implementation=experts_implementation(config))
     model.eval()
     return model

@@ -9,6 +9,10 @@ Environment:
     FLYWHEEL_KAFKA_*: security, topic prefix and topic settings of the Kafka cluster
         (:class:`KafkaSettings`); every Kafka client Flywheel runs takes its connection
         keywords from :func:`kafka_client_config`.
+    FLYWHEEL_USER_SALT / FLYWHEEL_USER_SALT_FILE: the fleet's user-id salt, given inline or
+        as a file (a mounted Kubernetes Secret) (:func:`user_salt`).
+    FLYWHEEL_LEARNER_STATE: the learner's state dir (watermark, consumed shards, resume
+        checkpoint); shared storage in a fleet (:func:`learner_state_dir`).
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ def ledger_path() -> Path:
     return home() / "ledger.duckdb"
 
 
+def learner_state_dir() -> Path:
+    """The learner's state: ``learner_state.json`` (watermark, consumed shards, cycles) and
+    ``ckpt/`` (the resumable DeepSpeed checkpoint): ``$FLYWHEEL_LEARNER_STATE``, else
+    ``$FLYWHEEL_HOME/learner``. A learner rescheduled onto another node finds its position only
+    if this is on storage that outlives the pod (the manifests put it on the shared volume)."""
+    raw = os.environ.get("FLYWHEEL_LEARNER_STATE")
+    return Path(raw) if raw else home() / "learner"
+
+
 def serving_url() -> str:
     return os.environ.get("FLYWHEEL_SERVING_URL", "http://127.0.0.1:8000")
 
@@ -85,6 +98,82 @@ def base_model_dir() -> Path:
     """
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flywheel"
     return Path(os.environ.get("FLYWHEEL_MODEL_DIR", cache / "models" / "smollm2-135m-moe"))
+
+
+SALT_MIN_CHARS = 16  # a fleet's salt: shorter ones make user ids guessable from their hashes
+
+
+class SaltError(ValueError):
+    """The user-id salt is missing or unusable; the message starts with the setting to fix
+    (``FLYWHEEL_USER_SALT`` or ``FLYWHEEL_USER_SALT_FILE``)."""
+
+
+def user_salt(fleet: bool = False, why: str = "") -> str:
+    """The user-id salt that :func:`schemas.events.hash_user` mixes into every ``user_hash``.
+
+    The sticky stable/candidate split and the join's one-vote-per-user rule both key on
+    ``user_hash``, so every pod of a fleet (and the feedback SDK's Kafka mode) must use one
+    salt, and it must survive restarts. Sources, first found wins:
+
+    1. ``FLYWHEEL_USER_SALT``: the salt itself.
+    2. ``FLYWHEEL_USER_SALT_FILE``: a file whose content (surrounding whitespace stripped) is
+       the salt: a Kubernetes Secret mounted as a file (``deploy/k8s/serving.yaml``).
+    3. One box only (``fleet=False``): ``$FLYWHEEL_HOME/user_salt``, generated once (32 hex
+       characters, mode 0600) and read back at every start.
+
+    Args:
+        fleet: the caller serves a fleet (``flywheel serve --fleet``, or a ``--host`` reachable
+            from other machines): a per-home generated salt is refused, and the salt must have
+            at least :data:`SALT_MIN_CHARS` characters.
+        why: what made the caller a fleet member, quoted in the error (``--host 0.0.0.0 ...``).
+
+    Raises:
+        SaltError: both variables set; the file missing, unreadable or empty; in a fleet, no
+            salt configured or one shorter than :data:`SALT_MIN_CHARS`. The message names the
+            variable.
+    """
+    inline, path = os.environ.get("FLYWHEEL_USER_SALT", ""), os.environ.get("FLYWHEEL_USER_SALT_FILE", "")
+    if inline and path:
+        raise SaltError("FLYWHEEL_USER_SALT: set one of FLYWHEEL_USER_SALT and FLYWHEEL_USER_SALT_FILE, not both")
+    if path:
+        try:
+            salt, name = Path(path).read_text().strip(), "FLYWHEEL_USER_SALT_FILE"
+        except OSError as exc:
+            raise SaltError(f"FLYWHEEL_USER_SALT_FILE: cannot read {path}: {exc.strerror or exc}") from None
+        if not salt:
+            raise SaltError(f"FLYWHEEL_USER_SALT_FILE: {path} is empty")
+    elif inline:
+        salt, name = inline, "FLYWHEEL_USER_SALT"
+    elif fleet:
+        raise SaltError(
+            f"FLYWHEEL_USER_SALT: this pod serves a fleet{f' ({why})' if why else ''}, and every pod must hash "
+            "users with the same salt or users get a different arm and a different identity on each pod: set "
+            "FLYWHEEL_USER_SALT, or FLYWHEEL_USER_SALT_FILE to a file holding it (a mounted Secret), to the "
+            f"fleet's secret of at least {SALT_MIN_CHARS} characters (docs/deploy.md)")
+    else:
+        return _generated_salt()
+    if fleet and len(salt) < SALT_MIN_CHARS:
+        raise SaltError(f"{name}: a fleet's salt needs at least {SALT_MIN_CHARS} characters, got {len(salt)} "
+                        "(a short salt lets anyone who sees a user_hash guess the user id)")
+    return salt
+
+
+def _generated_salt() -> str:
+    """``$FLYWHEEL_HOME/user_salt``, created once (mode 0600; a salt already there is kept)."""
+    import secrets
+
+    f = home() / "user_salt"
+    if not f.exists():
+        tmp = f.with_name(f"user_salt.{os.getpid()}.tmp")
+        tmp.write_text(secrets.token_hex(16))
+        tmp.chmod(0o600)
+        try:
+            os.link(tmp, f)  # never replaces: of two first starts, both read the one salt that won
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return f.read_text().strip()
 
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]

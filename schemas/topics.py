@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 DAY_MS = 24 * 3600 * 1000
 DEFAULT_PARTITIONS = 6
-# ingest's consumer group (``flywheel ingest --app-id`` default). Serving pods read its committed
-# offsets to know which acked events ingest has consumed (``serving.eventlog``).
-INGEST_GROUP = "flywheel-ingest"
+# ingest's app id (``flywheel ingest --app-id`` default). Its consumer group is the app id under
+# the topic prefix (:func:`ingest_group`; ``topics.INGEST_GROUP`` names the default one), so two
+# deployments that share a Kafka cluster under different prefixes never share a group. Serving
+# pods read that group's committed offsets to know which acked events ingest has consumed
+# (``serving.eventlog``).
+INGEST_APP_ID = "flywheel-ingest"
 
 
 @dataclass(frozen=True)
@@ -79,21 +82,38 @@ def topic_name(short: str, prefix: str | None = None) -> str:
     Other ``FLYWHEEL_KAFKA_*`` values that do not validate do not stop a name from being read
     (modules read names at import); the prefix is then taken as the environment gives it, and
     the first Kafka client or the CLI's settings check reports the bad value."""
-    if prefix is None:
-        from pydantic import ValidationError
-
-        from schemas.settings import kafka_settings
-
-        try:
-            prefix = kafka_settings().topic_prefix
-        except ValidationError:
-            prefix = os.environ.get("FLYWHEEL_KAFKA_TOPIC_PREFIX", "")
-    return prefix + SPECS[short].base
+    return (current_prefix() if prefix is None else prefix) + SPECS[short].base
 
 
-def __getattr__(name: str):  # COMPLETIONS, FEEDBACK, ..., ALL_TOPICS: names under the current prefix
+def current_prefix() -> str:
+    """The settings' ``topic_prefix`` (``FLYWHEEL_KAFKA_TOPIC_PREFIX``), read even when other
+    ``FLYWHEEL_KAFKA_*`` values do not validate (see :func:`topic_name`)."""
+    from pydantic import ValidationError
+
+    from schemas.settings import kafka_settings
+
+    try:
+        return kafka_settings().topic_prefix
+    except ValidationError:
+        return os.environ.get("FLYWHEEL_KAFKA_TOPIC_PREFIX", "")
+
+
+def ingest_group(app_id: str = INGEST_APP_ID, prefix: str | None = None) -> str:
+    """The Kafka consumer group of the ingest workers with ``app_id``: ``prefix + app_id``
+    (``prefix`` default: :func:`current_prefix`).
+
+    Every member of one deployment computes the same name (the workers join it; serving's
+    event log reads its committed offsets), and deployments with different prefixes on one
+    cluster get different groups. The PostgreSQL join state is keyed by it too
+    (``ingest.state_pg.schema_name``)."""
+    return (current_prefix() if prefix is None else prefix) + app_id
+
+
+def __getattr__(name: str):  # COMPLETIONS, ..., ALL_TOPICS, INGEST_GROUP: names under the current prefix
     if name in _CONSTANTS:
         return topic_name(_CONSTANTS[name])
+    if name == "INGEST_GROUP":
+        return ingest_group()
     if name == "ALL_TOPICS":
         return tuple(topic_name(s) for s in SPECS)
     raise AttributeError(f"module 'schemas.topics' has no attribute {name!r}")

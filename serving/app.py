@@ -10,9 +10,6 @@ Model names, completion ids and headers: :mod:`serving.http.serving_openai`; fee
 
 from __future__ import annotations
 
-import os
-import secrets
-
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -40,26 +37,54 @@ __all__ = ["create_app", "load_keys", "user_salt", "CID_HEADER", "CIDS_HEADER",
            "USER_HEADER", "VERSION_HEADER", "DEFAULT_SERVED_MODEL_NAME"]
 
 
-def user_salt() -> str:
-    """The pod's user-id salt: env ``FLYWHEEL_USER_SALT``, else ``$FLYWHEEL_HOME/user_salt``
-    (generated once, mode 0600)."""
-    env = os.environ.get("FLYWHEEL_USER_SALT")
-    if env:
-        return env
-    f = settings.home() / "user_salt"
-    if not f.exists():
-        tmp = f.with_name("user_salt.tmp")
-        tmp.write_text(secrets.token_hex(16))
-        tmp.chmod(0o600)
-        os.replace(tmp, f)
-    return f.read_text().strip()
+def user_salt(fleet: bool = False, why: str = "") -> str:
+    """The pod's user-id salt: :func:`schemas.settings.user_salt` (``FLYWHEEL_USER_SALT``,
+    ``FLYWHEEL_USER_SALT_FILE``, else, on one box only, ``$FLYWHEEL_HOME/user_salt``).
+
+    Raises:
+        schemas.settings.SaltError: see :func:`schemas.settings.user_salt`.
+    """
+    return settings.user_salt(fleet=fleet, why=why)
+
+
+class PortSplitMiddleware:
+    """Keeps the operator's paths off the product port (pure ASGI, outermost).
+
+    With an admin port, ``/admin/*`` and ``/metrics`` are answered only on connections to that
+    port, and the product paths (``/v1/*``, everything else) only on the others; ``/health``
+    and ``/healthz`` on both (probes). A path on the wrong port gets the 404 of an unknown
+    path, before auth, so the product port does not even say that ``/admin`` exists. The port
+    is the local one of the connection (ASGI ``scope["server"]``), so a Service that forwards
+    only the product port cannot reach ``/admin`` whatever path a client sends.
+
+    Args:
+        app: the ASGI app.
+        admin_port: the TCP port of ``/admin`` and ``/metrics``.
+    """
+
+    def __init__(self, app, admin_port: int):
+        self.app, self.admin_port = app, admin_port
+
+    @staticmethod
+    def is_ops_path(path: str) -> bool:
+        return path == "/metrics" or path == "/admin" or path.startswith("/admin/")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/healthz"):
+            port = (scope.get("server") or (None, None))[1]
+            if (port == self.admin_port) != self.is_ops_path(scope["path"]):
+                resp = errors.json_response(errors.error_body("Not Found", None, code="not_found"), 404)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", salt: str | None = None,
                api_keys: set[str] | None = None, admin_token: str | None = None,
                feedback_keys: set[str] | None = None, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
                eval_share: float = 0.0, cors_origins: list[str] | None = None, max_prompt_tokens: int = 8192,
-               default_max_tokens: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               default_max_tokens: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               admin_port: int | None = None) -> FastAPI:
     """The FastAPI app of one serving pod.
 
     Args:
@@ -79,6 +104,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
         max_body_bytes: larger request bodies get HTTP 413 (bytes); on the inference paths
             the bound is at most :func:`serving.http.limits.prompt_body_bytes` of ``max_prompt_tokens``.
+        admin_port: answer ``/admin/*`` and ``/metrics`` only on this local port and the product
+            paths only on others (:class:`PortSplitMiddleware`); None = every path on every port.
 
     Raises:
         ValueError: ``eval_share`` outside [0, 1].
@@ -119,4 +146,6 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-flywheel-user", "x-flywheel-split"],
                            expose_headers=[CID_HEADER, CIDS_HEADER, VERSION_HEADER, "x-flywheel-split"], max_age=600)
+    if admin_port is not None:  # outermost: a path on the wrong port is unknown there, before auth
+        app.add_middleware(PortSplitMiddleware, admin_port=admin_port)
     return app

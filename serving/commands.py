@@ -16,13 +16,47 @@ import typer
 log = logging.getLogger("flywheel.serving")
 
 
+def desired_state(store):
+    """The fleet's desired state (``deploy.desired.DesiredState``) for a model store, or None
+    for a one-version :class:`CheckpointStore` or an unreadable record (logged)."""
+    if not hasattr(store, "stable_record"):
+        return None
+    from deploy.desired import FleetRecord
+
+    try:
+        return FleetRecord(store).read()
+    except (OSError, ValueError) as exc:
+        log.warning("fleet desired state unreadable (%s): serving the store's stable record", exc)
+        return None
+
+
 def default_version(store) -> str:
-    """The version a pod serves at start: the store's stable record (``store.stable()``,
-    moved by every promote and rollback, so a restart never undoes an operator's action);
-    ``v000000`` when the store has none (or is a one-version :class:`CheckpointStore`)."""
+    """The version a pod serves at start: the fleet's desired stable (``deploy.desired``; the
+    controller and every operator action move it, so a restart never undoes them), else the
+    store's stable record; ``v000000`` when the store has none (or is a one-version
+    :class:`CheckpointStore`)."""
+    d = desired_state(store)
+    if d is not None and d.stable:
+        return d.stable
     stable = getattr(store, "stable", None)
     v = stable() if callable(stable) else None
     return v or "v000000"
+
+
+def start_desired_candidate(slots, store) -> None:
+    """At start, before the pod reports ready: load the fleet's desired candidate at its
+    weight, so a pod (re)started mid-canary serves the same split as the others. A candidate
+    that fails to load is logged; the controller retries it."""
+    d = desired_state(store)
+    if d is None or d.candidate is None or d.stable != slots.stable.version:
+        return
+    try:
+        slots.load_candidate(d.candidate)
+        slots.set_weight(d.weight)
+        log.info("fleet desired state generation %d: candidate %s at %.0f %%", d.generation, d.candidate,
+                 d.weight * 100)
+    except Exception as exc:  # noqa: BLE001 - serve stable; the controller reconciles the candidate
+        log.warning("desired candidate %s not loaded at start: %s", d.candidate, exc)
 
 
 def open_store(store_dir: Path | str, model_dir: Path | None = None):
@@ -93,7 +127,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
               app_options: dict | None = None, prefix_caching: bool = False,
               waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20,
               fused_join_pad_tokens: int = 64) -> Pod:
-    """Build a pod over ``store``, serving ``version`` (default :func:`default_version`).
+    """Build a pod over ``store``, serving ``version`` (default :func:`default_version`, and
+    then the fleet's desired candidate and weight, :func:`start_desired_candidate`).
 
     Args:
         bootstrap: Kafka bootstrap; None = ``schemas.settings.bootstrap()`` (journal only if
@@ -152,6 +187,8 @@ def build_pod(store, version: str | None = None, pod: str = "pod-0", max_batch: 
     slots = Slots(engine, store, pod=pod)
     try:
         slots.start(version or default_version(store))
+        if version is None:
+            start_desired_candidate(slots, store)
     except Exception:
         engine.close()
         raise
@@ -181,8 +218,42 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def check_listen(host: str, port: int) -> None:
-    """Raise ``typer.BadParameter`` naming ``--host``/``--port`` if ``host:port`` cannot be
+def fleet_salt(host: str, fleet: bool) -> str:
+    """The pod's user-id salt, read before the model load (:func:`schemas.settings.user_salt`).
+
+    A pod is a fleet member when started with ``--fleet`` (``FLYWHEEL_FLEET``) or on a
+    ``--host`` reachable from other machines (the shape a Kubernetes Service balances over):
+    then the salt must come from ``FLYWHEEL_USER_SALT`` or ``FLYWHEEL_USER_SALT_FILE``, never
+    from a salt generated in this pod's own home. One box on loopback keeps
+    ``$FLYWHEEL_HOME/user_salt``.
+
+    Raises:
+        typer.BadParameter: no usable salt; ``param_hint`` is the variable to set.
+    """
+    from schemas.settings import SaltError, user_salt
+
+    why = "--fleet" if fleet else ("" if is_loopback(host) else f"--host {host} is reachable from other machines")
+    try:
+        return user_salt(fleet=bool(why), why=why)
+    except SaltError as exc:
+        setting, _, msg = str(exc).partition(": ")
+        raise typer.BadParameter(msg, param_hint=setting) from None
+
+
+def listen_socket(host: str, port: int):
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), not yet listening."""
+    import socket
+
+    fam, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(addr)
+    s.set_inheritable(True)
+    return s
+
+
+def check_listen(host: str, port: int, flag: str = "--port") -> None:
+    """Raise ``typer.BadParameter`` naming ``--host`` or ``flag`` if ``host:port`` cannot be
     bound now (address in use, no such interface, privileged port)."""
     import socket
 
@@ -197,7 +268,7 @@ def check_listen(host: str, port: int) -> None:
             s.bind(addr)
         except OSError as exc:
             raise typer.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                                     param_hint="--port") from None
+                                     param_hint=flag) from None
 
 
 def register(app: typer.Typer) -> None:
@@ -283,6 +354,17 @@ def register(app: typer.Typer) -> None:
         tool_call_parser: Optional[str] = typer.Option(
             None, help="vLLM engine: how chat requests with tools are parsed into tool calls, as `vllm serve "
                        "--tool-call-parser` (hermes, llama3_json, mistral, pythonic, ...; default hermes)."),
+        admin_port: Optional[int] = typer.Option(
+            None, min=1, max=65535, help="Serve /admin/* and /metrics on this port only, and the product API "
+                                         "(/v1/*) only on --port, so a Service that exposes --port cannot "
+                                         "reach /admin (/health and /healthz on both). Default: every path on "
+                                         "--port."),
+        fleet: bool = typer.Option(False, "--fleet", envvar="FLYWHEEL_FLEET",
+                                   help="This pod is one of several behind one Service: it refuses to start "
+                                        "without the fleet's user salt (FLYWHEEL_USER_SALT or "
+                                        "FLYWHEEL_USER_SALT_FILE, >= 16 characters), so every pod gives a user "
+                                        "the same user_hash and canary arm. Implied by a --host reachable from "
+                                        "other machines."),
     ):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
         import asyncio
@@ -343,9 +425,14 @@ def register(app: typer.Typer) -> None:
                     raise typer.BadParameter(f"{tool_call_parser!r} is not a vLLM tool parser (one of "
                                              f"{', '.join(known)})", param_hint="--tool-call-parser")
         check_listen(host, port)  # fail before the (slow) model load, naming the flag
+        if admin_port is not None:
+            if admin_port == port:
+                raise typer.BadParameter(f"must differ from --port ({port})", param_hint="--admin-port")
+            check_listen(host, admin_port, "--admin-port")
         if not os.environ.get("FLYWHEEL_ADMIN_TOKEN") and not is_loopback(host):
             raise typer.BadParameter(f"{host} is reachable from other machines and /admin/* (load, promote, "
                                      "roll back) would have no auth: set FLYWHEEL_ADMIN_TOKEN", param_hint="--host")
+        salt = fleet_salt(host, fleet)
         if model_dir is not None and not (model_dir / "config.json").is_file():
             raise typer.BadParameter(f"{model_dir} holds no Hugging Face checkpoint (no config.json)",
                                      param_hint="--model-dir")
@@ -368,23 +455,27 @@ def register(app: typer.Typer) -> None:
         origins += [o.strip() for o in os.environ.get("FLYWHEEL_CORS_ORIGINS", "").split(",") if o.strip()]
         app_options = {"feedback_keys": load_keys("FLYWHEEL_FEEDBACK_KEYS", feedback_keys_file),
                        "served_model_name": served_model_name, "eval_share": eval_share,
-                       "cors_origins": origins or None}
+                       "cors_origins": origins or None, "salt": salt, "admin_port": admin_port}
         p = build_pod(st, version, pod=pod, max_batch=max_batch, app_options=app_options,
                       api_keys=load_keys("FLYWHEEL_API_KEYS", api_keys_file),
                       admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, threads=threads,
                       engine=engine, aligned_logprobs=aligned_logprobs, device=device, engine_options=vllm_opts,
                       prefix_caching=prefix_caching, waiting_served_ratio=waiting_served_ratio,
                       max_waiting_tokens=max_waiting_tokens, fused_join_pad_tokens=fused_join_pad_tokens)
-        typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port} (pod {pod})")
+        admin_at = f", /admin and /metrics on http://{host}:{admin_port}" if admin_port else ""
+        typer.echo(f"serving {p.slots.stable.version} on http://{host}:{port}{admin_at} (pod {pod})")
 
         def _exit(signum, _frame):  # uvicorn re-raises SIGTERM after its graceful shutdown
             raise SystemExit(0)
         signal.signal(signal.SIGTERM, _exit)
+        # with --admin-port one server listens on both sockets; the app tells them apart by the
+        # connection's local port (serving.app.PortSplitMiddleware)
+        sockets = [listen_socket(host, port), listen_socket(host, admin_port)] if admin_port else None
+        server = uvicorn.Server(uvicorn.Config(p.app, host=host, port=port, log_level="warning"))
         try:
             if loop is None:
-                uvicorn.run(p.app, host=host, port=port, log_level="warning")
+                server.run(sockets=sockets)
             else:
-                loop.run_until_complete(uvicorn.Server(uvicorn.Config(
-                    p.app, host=host, port=port, log_level="warning")).serve())
+                loop.run_until_complete(server.serve(sockets=sockets))
         finally:
             p.close()

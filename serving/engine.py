@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import concurrent.futures
+import json
 import logging
 import math
 import threading
@@ -28,7 +29,7 @@ from typing import Any, AsyncIterator
 
 from schemas.events import now_ms
 from schemas.manifest import digest_of_hashes, state_sha256
-from schemas.modelspec import attention_window, load_model, load_tokenizer
+from schemas.modelspec import attention_window, checkpoint_dtype, load_model, load_tokenizer
 from schemas.routers import route_shape, routed_layers
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 
@@ -302,7 +303,7 @@ class TorchEngine(Engine):
         model_dir: HF checkpoint dir (config + tokenizer; base weights).
         max_batch: requests running at once at most (all weights together).
         max_queue: waiting requests at most; beyond it ``submit`` raises a 429 error.
-        dtype: torch dtype of the weights (default float32).
+        dtype: torch dtype of the weights (default the checkpoint's, ``checkpoint_dtype``).
         device: torch device of the weights (``cpu``, ``cuda``); greedy picks and logprobs
             run on it, the draw of sampled rows on CPU (per-request ``torch.Generator``), so
             seeded outputs do not depend on the device's RNG.
@@ -374,7 +375,7 @@ class TorchEngine(Engine):
         self.scheduler = scheduler
         self.aligned_logprobs = bool(aligned_logprobs)
         self.prefix_caching = bool(prefix_caching)
-        self.dtype = dtype or torch.float32
+        self.dtype = dtype or checkpoint_dtype(json.loads((self.model_dir / "config.json").read_text()))
         if threads:
             torch.set_num_threads(threads)
         self.tokenizer = load_tokenizer(self.model_dir)

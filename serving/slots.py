@@ -76,6 +76,9 @@ def sticky_fraction(user_hash: str) -> float:
     return int(hashlib.sha256(f"slot:{user_hash}".encode()).hexdigest()[:12], 16) / float(16 ** 12)
 
 
+_BUILD_LOCK = threading.Lock()  # one model build at a time per process (several pods in one test process)
+
+
 class Slots:
     """Stable + candidate weights over one engine.
 
@@ -108,7 +111,8 @@ class Slots:
             manifest = self.store.manifest(version)
             state = self._load_state(version)
             expected = {k: v.sha256 for k, v in manifest.tensors.items()}
-            return self.engine.load_weights(state, version, expected_hashes=expected)
+            with _BUILD_LOCK:  # the engine builds modules under a process-wide torch patch
+                return self.engine.load_weights(state, version, expected_hashes=expected)
         except SlotError:
             raise
         except Exception as exc:  # noqa: BLE001 - CorruptVersionError, KeyError, FileNotFoundError...
@@ -127,9 +131,10 @@ class Slots:
         with self._lock:
             held = [lm for lm in (self.stable, self.candidate, self.previous) if lm is not None]
         # only weights that still equal the store's manifest: a version whose files changed
-        # under the same id is rebuilt from its files, never from the stale resident copy
+        # under the same id is rebuilt from its files, never from the stale resident copy;
+        # and never ``version`` itself: a load (a reload of the stable) reads it from the store
         resident = {lm.version: lm.model.state_dict() for lm in held
-                    if hasattr(lm.model, "state_dict") and self._digest_ok(lm)}
+                    if lm.version != version and hasattr(lm.model, "state_dict") and self._digest_ok(lm)}
         return self.store.load(version, resident=resident, cache=False)
 
     def start(self, version: str) -> None:
@@ -183,7 +188,8 @@ class Slots:
         that was stable before the last promote reuses its resident weights (instant)."""
         with self._admin_lock:
             prev = self.previous
-            if version and prev is not None and prev.version == version and self._digest_ok(prev):
+            reload = self.stable is not None and self.stable.version == version  # from the store, verified
+            if version and not reload and prev is not None and prev.version == version and self._digest_ok(prev):
                 lm = prev  # resident, verified at its own load, still what the store holds
             else:
                 lm = self.load_version(version) if version else None

@@ -15,6 +15,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+
+from flywheel import DISTRIBUTION
 import typer.main
 import yaml
 from typer.testing import CliRunner
@@ -95,7 +97,7 @@ def test_json_yaml_wide_show_the_same_data(fw_home):
 
 def test_version_flag():
     r = run("--version")
-    assert r.returncode == 0 and r.stdout.strip() == f"flywheel {version('flywheel')}"
+    assert r.returncode == 0 and r.stdout.strip() == f"flywheel {version(DISTRIBUTION)}"
 
 
 def test_shell_completion():

@@ -158,3 +158,16 @@ def test_the_shipped_example_is_valid_for_every_role(calls, monkeypatch):
     assert env["FLYWHEEL_KAFKA_REPLICATION_FACTOR"] == "3" and env["FLYWHEEL_STORE"] == "/shared/store"
     assert defaults["controller"]["serving"][0].startswith("dns+http://")
     assert isinstance(cfg, FlywheelConfig)
+
+
+def test_learner_state_location(tmp_path, monkeypatch):
+    """The learner's watermark and resume checkpoint: FLYWHEEL_LEARNER_STATE (shared storage
+    in a fleet), else under the home; the shipped example puts them on /shared."""
+    from schemas import settings
+
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FLYWHEEL_LEARNER_STATE", raising=False)
+    assert settings.learner_state_dir() == tmp_path / "home" / "learner"
+    monkeypatch.setenv("FLYWHEEL_LEARNER_STATE", str(tmp_path / "shared" / "learner"))
+    assert settings.learner_state_dir() == tmp_path / "shared" / "learner"
+    assert load_config(EXAMPLE).commands["learn"]["state"] == "/shared/learner"

@@ -61,11 +61,16 @@ def test_sigterm_stops_every_child(tiny_moe_dir, tmp_path):
             break
     kids = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
     assert kids, "".join(seen[-20:])
+    from tests.test_demo_signals import _children, _listening, _ports
+
+    ports = _ports(_children(p.pid))
+    assert len(ports) == 2 and all(_listening(x) for x in ports), ports  # the broker's and the pod's
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=120)
     time.sleep(1)
     alive = [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [psutil.Process(k).cmdline()[:4] for k in alive]
+    assert [x for x in ports if _listening(x)] == []
     # the demo used the given checkpoint as is: a model dir it did not write is never replaced
     assert (tiny_moe_dir / "config.json").read_text() == cfg_before
     assert json.loads(cfg_before)["hidden_size"] == 64

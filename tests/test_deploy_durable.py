@@ -107,9 +107,19 @@ def pod_env(tmp_path, tiny_moe_dir, monkeypatch):
     pod.close()
 
 
+def desire_candidate(root, version: str, weight: float = 0.0) -> None:
+    """Put ``version`` in the fleet's desired state as the candidate (what a canary start does)."""
+    from deploy.desired import FleetRecord
+
+    def fn(d):
+        d.candidate, d.weight = version, weight
+        return d
+    FleetRecord(ModelStore(root)).change(fn, "test", "candidate")
+
+
 def _reset(e, monkeypatch, i: int) -> None:
     """Fresh store files, ledger and home; the pod back on v000000 with no candidate."""
-    for name in ("versions", "stable.json"):
+    for name in ("versions", "stable.json", "fleet"):
         p = e.root / name
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     shutil.copytree(e.template / "versions", e.root / "versions")
@@ -123,7 +133,7 @@ def _reset(e, monkeypatch, i: int) -> None:
 def _run(e, action: str, ref: Reference) -> None:
     run = CliRunner().invoke
     if action == "promote":
-        e.admin.load(f"v{ref.next:06d}")
+        desire_candidate(e.root, f"v{ref.next:06d}")
         r = run(_cli(), ["promote", "--yes", "--reason", "seq test"])
     else:
         r = run(_cli(), action.split() + ["--yes"])
@@ -165,9 +175,9 @@ def test_issue_sequence_with_a_real_flywheel_serve_restart(pod_env, tiny_moe_dir
     """Load v2, promote, roll back --to v000000, restart `flywheel serve`: it serves v000000."""
     e = pod_env
     run = CliRunner().invoke
-    e.admin.load("v000001")
+    desire_candidate(e.root, "v000001")
     assert run(_cli(), ["promote", "--yes"]).exit_code == 0
-    e.admin.load("v000002")
+    desire_candidate(e.root, "v000002")
     assert run(_cli(), ["promote", "--yes"]).exit_code == 0
     r = run(_cli(), ["rollback", "--to", "v000000", "--yes", "--reason", "v2 answers worse", "--actor", "dave"])
     assert r.exit_code == 0, r.output

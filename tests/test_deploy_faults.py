@@ -28,6 +28,7 @@ from deploy.serving_client import TIMEOUT_ENV, ServingAdmin, ServingAdminError, 
 from deploy.store import ModelStore
 from flywheel.broker import free_port
 from tests.test_deploy_controller import TOKEN, make_admin_app, publish_v
+from tests.test_deploy_durable import desire_candidate
 
 T = 1.0  # the timeout these tests run under (s)
 
@@ -186,7 +187,7 @@ def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(en
     bad.faults["/admin/load"] = fault
     r, took, out = env.cli("controller", "--once", "--serving", healthy.url, "--serving", bad.url,
                            "--serving-timeout-s", str(T), "--steps", "0.5,1")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output  # the step failed: scripts and CronJobs see it (issue 22 defect 8)
     assert "phase=failed" in out and "is not marked failed" in out, out
     assert took < 2 * T + 1.5, took  # one timeout; a clean-up call to the same pod would add another
     assert bad.calls["/admin/load"] == 1 and bad.calls["/admin/rollback"] == 0
@@ -213,44 +214,52 @@ def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(en
 
 def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, monkeypatch):
     pod = env.pods[0]
-    # rollback --to on a pod whose /admin/rollback never answers: one timeout, named
+    # rollback --to (the current stable: a reload) on a pod whose /admin/rollback never answers:
+    # one timeout, named; the desired state is set, the pod did not converge (--timeout 0: one pass)
     pod.faults["/admin/rollback"] = "hang"
-    r, took, out = env.cli("rollback", "--to", "v000000", "--yes", "--serving-timeout-s", str(T),
+    r, took, out = env.cli("rollback", "--to", "v000000", "--yes", "--serving-timeout-s", str(T), "--timeout", "0",
                            "--actor", "frank", "--reason", "v1 breaks JSON mode")
     assert r.exit_code == 1 and f"no answer within {T:g} s" in out and "--serving-timeout-s" in out, out
+    assert "not converged" in out and "0 of 1 pods" in out and "stable is now" not in out, out
     assert took < 2 * T + 1.5, took
-    last = _last(env)
-    assert (last.decision, last.version, last.actor) == ("MANUAL_ROLLBACK_FAILED", "v000000", "frank")
+    act, last = ledger.decisions(env.ledger)[-2:]
+    assert (act.decision, act.version, act.actor) == ("MANUAL_ROLLBACK", "v000000", "frank")
+    assert (last.decision, last.version, last.actor) == ("FLEET_NOT_CONVERGED", "v000000", "frank")
     assert "v1 breaks JSON mode" in last.reason and last.numbers["why"] == "v1 breaks JSON mode"
-    assert (last.numbers["failure"], last.numbers["transport"], last.numbers["timeout_s"]) == ("timeout", True, T)
-    # a pod that answers nothing at all: the first read times out, once; the timeout from the env
+    assert last.numbers["pods"]["by_pod"][pod.url]["outcome"] == "timeout"
+    assert pod.calls["/admin/rollback"] == 1
+    # a rollback with nothing earlier to go to is refused before any pod is asked
     pod.faults["*"] = "hang"
     pod.calls.clear()
     monkeypatch.setenv(TIMEOUT_ENV, str(T))
     r, took, out = env.cli("rollback", "--yes")
-    assert r.exit_code == 1 and TIMEOUT_ENV in out and took < 2 * T + 1.5, (took, out)
-    assert pod.calls["/admin/slots"] == 1 and _last(env).decision == "MANUAL_ROLLBACK_FAILED"
+    assert r.exit_code == 1 and "no earlier stable version" in out and took < T, (took, out)
+    assert sum(pod.calls.values()) == 0 and _last(env).decision == "MANUAL_ROLLBACK_FAILED"
     assert _last(env).actor == "oncall-erin"  # $USER when no --actor
     r, took, out = env.cli("status", "--json")  # status: the same bound, exit 1, serving_error named
     assert r.exit_code == 1 and took < 2 * T + 3 and TIMEOUT_ENV in out
-    # promote on a pod that answers 500: recorded with the HTTP status; stable record unchanged
+    # promote on a pod that answers 500: the desired state moves (D33), the pod's outcome is
+    # recorded with the HTTP status, exit 1; the controller converges the pod once it is well
     pod.faults.clear()
     pod.release.set()
     monkeypatch.delenv(TIMEOUT_ENV)
+    desire_candidate(env.store.root, "v000001")
     ServingAdmin(pod.url, TOKEN).load("v000001")
     pod.faults["/admin/promote"] = "500"
-    r, _, out = env.cli("promote", "--yes", "--reason", "looks good")
-    assert r.exit_code == 1 and "HTTP 500" in out
-    last = _last(env)
-    assert (last.decision, last.version, last.numbers["http_status"], last.numbers["failure"]) == (
-        "MANUAL_PROMOTE_FAILED", "v000001", 500, "server")
-    assert env.store.stable() == "v000000"
-    assert env.store.manifest("v000001").status_history[-1].status == "published"
+    r, _, out = env.cli("promote", "--yes", "--reason", "looks good", "--timeout", "0")
+    assert r.exit_code == 1 and "HTTP 500" in out and "stable is now" not in out, out
+    act, last = ledger.decisions(env.ledger)[-2:]
+    assert (act.decision, act.version, act.actor, act.numbers["why"]) == (
+        "MANUAL_PROMOTE", "v000001", "oncall-erin", "looks good")
+    assert last.decision == "FLEET_NOT_CONVERGED"
+    assert last.numbers["pods"]["by_pod"][pod.url]["outcome"] == "server"
+    assert "HTTP 500" in last.numbers["pods"]["by_pod"][pod.url]["error"]
+    assert ServingAdmin(pod.url, TOKEN).slots().stable.version == "v000000"
     pod.faults.clear()
-    r, _, out = env.cli("promote", "--yes", "--reason", "looks good")
-    assert r.exit_code == 0 and env.store.stable() == "v000001"
-    last = _last(env)
-    assert (last.decision, last.actor, last.numbers["why"]) == ("MANUAL_PROMOTE", "oncall-erin", "looks good")
+    r, _, out = env.cli("controller", "--once")
+    assert r.exit_code == 0, out
+    assert ServingAdmin(pod.url, TOKEN).slots().stable.version == "v000001" and env.store.stable() == "v000001"
+    assert _last(env).decision == "RECONCILE" and _last(env).numbers["actions"] == ["promote"]
     # refused before any call: recorded as failed too, with the reason
     r, _, out = env.cli("promote", "--yes")
     assert r.exit_code == 1 and _last(env).decision == "MANUAL_PROMOTE_FAILED" and "no candidate" in _last(env).reason

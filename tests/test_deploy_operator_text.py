@@ -10,10 +10,9 @@ model store, through the real deploy CLI.
 from __future__ import annotations
 
 from deploy import ledger
-from deploy.serving_client import ServingAdmin
 from serving.commands import default_version
 from deploy.store import ModelStore
-from tests.test_deploy_controller import TOKEN
+from tests.test_deploy_durable import desire_candidate
 from tests.test_deploy_faults import env  # noqa: F401 - the fixture
 
 LATIN1_REASON = "caf\udce9 broke"  # b"caf\xe9 broke" from argv, as Python decodes it
@@ -21,8 +20,7 @@ LATIN1_ACTOR = "jos\udce9"
 
 
 def test_a_promote_and_a_rollback_with_non_utf8_text_are_recorded_and_survive_a_restart(env, monkeypatch):
-    pod = env.pods[0]
-    ServingAdmin(pod.url, TOKEN).load("v000001")
+    desire_candidate(env.store.root, "v000001")
     r, _, out = env.cli("promote", "--yes", "--reason", LATIN1_REASON, "--actor", LATIN1_ACTOR)
     assert r.exit_code == 0, (out, r.exception)
     assert default_version(ModelStore(env.store.root)) == "v000001"  # what a restarted pod serves

@@ -1,5 +1,7 @@
-"""`flywheel pause` / `resume`: recorded intent (flag file + ledger, with who ran it) that a
-real `flywheel learn` daemon process honours before each cycle."""
+"""`flywheel pause` / `resume`: recorded intent (the fleet's desired-state record on the model
+store + ledger, with who ran it) that a real `flywheel learn` daemon process honours before
+each cycle. The operator's `FLYWHEEL_HOME` and the learner's are different directories (as
+two pods are): the pause reaches the learner through the store alone."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import typer
 from typer.testing import CliRunner
 
 from deploy import ledger
-from deploy.commands import learner_pause_path, register
+from deploy.commands import register
+from deploy.desired import FleetRecord
 from deploy.store import ModelStore
 from schemas.modelspec import load_model
 
@@ -28,14 +31,17 @@ REPO = Path(__file__).resolve().parents[1]
 def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_path, fw_home, monkeypatch):
     monkeypatch.setenv("USER", "oncall-bob")
     monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    monkeypatch.setenv("FLYWHEEL_STORE", str(store.root))
     app = typer.Typer()
     register(app)
     run = CliRunner().invoke
     r = run(app, ["pause", "--reason", "disk full on the learner box", "--yes"])
     assert r.exit_code == 0, r.output
-    rec = json.loads(learner_pause_path().read_text())
-    assert learner_pause_path() == fw_home / "learner" / "paused"
+    rec = json.loads((store.root / "fleet" / "desired.json").read_text())["paused"]
     assert rec["actor"] == "oncall-bob" and rec["reason"] == "disk full on the learner box"
+    assert not (fw_home / "learner" / "paused").exists()  # no local flag file
     monkeypatch.setenv("FLYWHEEL_SERVING_URL", "http://127.0.0.1:9")  # nothing serves here
     r = run(app, ["status", "--json"])
     st = json.loads(r.output)
@@ -43,11 +49,9 @@ def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_p
     assert r.exit_code == 1 and st["serving"] is None and st["serving_error"]  # serving down: exit 1
     assert "already paused by oncall-bob" in run(app, ["pause", "--yes"]).output
 
-    store = ModelStore(tmp_path / "store")
-    store.init_base(tiny_moe_dir)
     samples = make_samples(load_model(tiny_moe_dir), 4, version="v000000", seed=21)
     write_shard(tmp_path / "samples", samples, "v000000", "a")  # enough to trigger a cycle
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLYWHEEL_HOME": str(tmp_path / "learner-home")}
     env.pop("MASTER_PORT", None)
     p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "learn", "--store", str(tmp_path / "store"),
                           "--samples", str(tmp_path / "samples"), "--every-n", "4", "--every-h", "10",
@@ -66,7 +70,7 @@ def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_p
         assert p.poll() is None and ModelStore(tmp_path / "store").versions() == ["v000000"]
         r = run(app, ["resume", "--yes"])
         assert r.exit_code == 0 and "resumed by oncall-bob" in r.output
-        assert not learner_pause_path().exists()
+        assert FleetRecord(store).read().paused is None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and ModelStore(tmp_path / "store").versions() == ["v000000"]:
             assert p.poll() is None, "".join(lines)[-3000:]

@@ -24,6 +24,7 @@ from schemas.manifest import digest_of_hashes, state_sha256
 from serving.commands import build_pod
 from serving.server import ServerThread
 from tests.test_deploy_controller import publish_v
+from tests.test_deploy_durable import desire_candidate
 
 TOKEN = "stale-admin"
 
@@ -90,6 +91,7 @@ def test_pod_flags_and_reloads_changed_files(pod_env, tmp_path, tiny_moe_dir):
     app = typer.Typer()
     register(app)
     run = CliRunner().invoke
+    desire_candidate(store.root, "v000001")
     s = admin.load("v000001")
     assert (s.candidate.weights_digest, s.candidate.digest_ok) == (m1.weights_digest, True)
     assert s.stable.digest_ok is True and s.stable.manifest_digest == store.manifest("v000000").weights_digest
@@ -127,10 +129,10 @@ def test_status_warns_when_served_stable_is_not_the_stable_record(pod_env):
     app = typer.Typer()
     register(app)
     admin.load("v000001")
-    admin.promote()  # by hand on the pod, not through the CLI: the store's record still says v000000
+    admin.promote()  # by hand on the pod, not through the CLI: the desired state still says v000000
     j = json.loads(CliRunner().invoke(app, ["status", "--json"]).output)
-    assert j["stable_record"]["version"] == "v000000"
-    assert any("serves v000001 as stable but the store's stable record says v000000" in w
+    assert j["stable_record"]["version"] == "v000000" and j["desired"]["stable"] == "v000000"
+    assert any("serves v000001 as stable but the fleet's desired state says v000000" in w
                and "flywheel rollback --to v000001 --yes" in w for w in j["warnings"]), j["warnings"]
 
 

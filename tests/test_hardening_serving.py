@@ -144,3 +144,14 @@ def test_an_overlong_request_id_is_400_not_a_lost_event(pod):
     r = httpx.post(pod["url"] + "/v1/completions", json={"model": "flywheel", "prompt": "x", "max_tokens": 1},
                    headers={"x-request-id": "r" * 300}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id", r.text
+
+
+def test_a_pod_name_no_event_can_carry_is_refused_at_start():
+    """Else every completion event of the pod fails to build and is lost (logged only)."""
+    from serving.http.completion_log import CompletionLogger
+
+    for bad, why in (("p" * 257, "at most 256"), ("pod\x00", "NUL"), ("", "at least 1")):
+        with pytest.raises(ValueError, match="pod: ") as exc:
+            CompletionLogger(None, bad)
+        assert why in str(exc.value)
+    assert CompletionLogger(None, "p" * 256).pod == "p" * 256

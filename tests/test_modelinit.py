@@ -1,4 +1,6 @@
-"""`flywheel model init`: the upcycled MoE computes the dense model's function."""
+"""`flywheel model init`: the upcycled MoE computes the dense model's function; `--from DIR`
+takes your own Hugging Face checkpoint into the store as v000000 (tiny random checkpoints
+saved by transformers' ``save_pretrained``), or refuses it naming the problem."""
 
 from __future__ import annotations
 
@@ -56,3 +58,212 @@ def test_upcycled_greedy_equals_dense(model_dir):
     n = enc["input_ids"].shape[1]
     assert b.shape[1] > n + 8
     assert a[0, n:].tolist() == b[0, n:].tolist()
+
+
+# -- bring a checkpoint (`flywheel model init --from DIR`) ------------------------------------
+
+def save_checkpoint(out, model, tok, **save_kw):
+    """``model`` and ``tok`` saved by transformers, as a team's own checkpoint would be."""
+    model.save_pretrained(out, safe_serialization=True, **save_kw)
+    tok.save_pretrained(out)
+    return out
+
+
+def tiny_qwen3_moe(tok, dtype=torch.bfloat16, seed=0):
+    """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2, norm_topk_prob) in ``dtype``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return Qwen3MoeForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny_llama(tok, seed=1):
+    """A tiny random dense Llama in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tiny_moe_dir):
+    """The tiny byte-level BPE tokenizer (ChatML template, pad and eos tokens)."""
+    return load_tokenizer(tiny_moe_dir)
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def test_init_from_dense_fp32_without_pad_token_then_serve(chat_tok, tmp_path, fw_home):
+    """A dense fp32 Llama whose tokenizer has no pad token (the eos token pads, said so):
+    stored as v000000 with the checkpoint's own weights, served over HTTP by a pod."""
+    import copy
+
+    import httpx
+
+    from deploy.store import ModelStore
+    from flywheel.modelinit import import_checkpoint
+    from serving.commands import build_pod
+    from serving.server import ServerThread
+
+    tok = copy.deepcopy(chat_tok)
+    tok.pad_token = None
+    model = tiny_llama(tok)
+    src = save_checkpoint(tmp_path / "llama", model, tok)
+    lines: list[str] = []
+    info, m0 = import_checkpoint(src, tmp_path / "store", log=lines.append)
+    assert (info.model_type, info.dtype, info.moe_layers, info.pad_fallback) == ("llama", "float32", 0, True)
+    assert "dense" in lines[0] and "no pad token: the eos token pads" in lines[0]
+    store = ModelStore(tmp_path / "store")
+    assert store.versions() == ["v000000"] and store.stable() == "v000000" and m0.kind == "snapshot"
+    v0 = store.load("v000000")
+    want = model.state_dict()
+    assert set(v0) == set(want) and all(torch.equal(_bits(v0[k]), _bits(want[k])) for k in want)
+    assert (store.base_dir / "tokenizer_config.json").exists()
+
+    pod = build_pod(ModelStore(store.root), pod="llama", max_batch=2, log_events=False)
+    srv = ServerThread(pod.app).start()
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "flywheel", "messages": [{"role": "user", "content": "hello world"}],
+                             "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        assert {p.dtype for p in pod.slots.stable.model.parameters()} == {torch.float32}
+    finally:
+        srv.stop()
+        pod.close()
+
+
+def _refusal_cases(good, chat_tok, tmp_path):
+    """``(name, dir, field, message part)`` per refusal, each a broken copy of ``good``."""
+    import copy
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def variant(name):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        return d
+
+    def edit_json(f, **kv):
+        cfg = json.loads(f.read_text())
+        cfg.update(kv)
+        f.write_text(json.dumps(cfg))
+
+    cases = []
+    tok = copy.deepcopy(chat_tok)
+    tok.chat_template = None
+    d = variant("no_template")
+    for f in d.glob("chat_template*"):
+        f.unlink()
+    tok.save_pretrained(d)
+    cases.append(("no chat template", d, "chat_template", "the tokenizer has none"))
+
+    d = variant("unknown_moe")
+    edit_json(d / "config.json", model_type="acme_moe", architectures=["AcmeMoeForCausalLM"],
+              num_local_experts=8, num_experts_per_tok=2)
+    cases.append(("MoE with no adapter", d, "router adapter", "'acme_moe' has 8 experts per MoE layer but no router"))
+
+    tok = copy.deepcopy(chat_tok)
+    tok.pad_token, tok.eos_token = None, None
+    d = variant("no_pad")
+    tok.save_pretrained(d)
+    cases.append(("no pad token, no eos", d, "pad_token", "no pad token and no eos token"))
+
+    d = variant("missing_shard")
+    shards = sorted(d.glob("model-*.safetensors"))
+    shards[1].unlink()
+    cases.append(("missing weights file", d, "weights", f"missing: {shards[1].name}"))
+
+    d = variant("no_weights")
+    for f in d.glob("model*.safetensors*"):
+        f.unlink()
+    cases.append(("no weights at all", d, "weights", "no model.safetensors or model.safetensors.index.json"))
+
+    d = variant("truncated")
+    f = sorted(d.glob("model-*.safetensors"))[0]
+    f.write_bytes(f.read_bytes()[:-100])
+    cases.append(("truncated safetensors", d, f.name, "truncated or corrupt"))
+
+    d = variant("garbled")
+    f = sorted(d.glob("model-*.safetensors"))[0]
+    raw = bytearray(f.read_bytes())
+    raw[8:20] = b"\xff" * 12
+    f.write_bytes(bytes(raw))
+    cases.append(("garbled safetensors header", d, f.name, "corrupt safetensors header"))
+
+    d = variant("fp16")
+    for f in d.glob("model-*.safetensors"):
+        save_file({k: v.half() for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    edit_json(d / "config.json", dtype="float16")
+    cases.append(("float16 weights", d, "weights dtype", "F16 is not supported"))
+
+    d = variant("dtype_says_fp32")
+    edit_json(d / "config.json", dtype="float32")
+    cases.append(("config dtype disagrees", d, "config.json dtype", "the weights are bfloat16"))
+    return cases
+
+
+def test_init_from_refusals(chat_tok, tmp_path):
+    """Every refusal names the field and the reason, and leaves the store empty; a
+    checkpoint that lacks a tensor the model needs is refused at load (never random-initialised)."""
+    from safetensors.torch import load_file, save_file
+
+    from deploy.store import ModelStore
+    from flywheel.modelinit import CheckpointError, import_checkpoint, inspect_checkpoint
+
+    good = save_checkpoint(tmp_path / "good", tiny_qwen3_moe(chat_tok), chat_tok, max_shard_size="100KB")
+    info = inspect_checkpoint(good)
+    assert (info.model_type, info.dtype, info.num_experts, info.moe_layers, info.top_k) == ("qwen3_moe", "bfloat16",
+                                                                                            4, 2, 2)
+    assert len(info.weight_files) > 1 and not info.pad_fallback
+    for name, d, field, part in _refusal_cases(good, chat_tok, tmp_path / "bad"):
+        with pytest.raises(CheckpointError) as ei:
+            import_checkpoint(d, tmp_path / "store", log=lambda s: None)
+        assert ei.value.field == field and part in str(ei.value), (name, str(ei.value))
+        assert ModelStore(tmp_path / "store").versions() == [], name
+
+    # a tensor missing from the files: transformers would initialise it at random
+    d = tmp_path / "bad" / "missing_tensor"
+    import shutil
+    shutil.copytree(good, d)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    gone = "model.layers.1.input_layernorm.weight"
+    f = d / idx["weight_map"][gone]
+    st = load_file(str(f))
+    save_file({k: v for k, v in st.items() if k != gone}, str(f), metadata={"format": "pt"})
+    del idx["weight_map"][gone]
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match="tensors the model needs are not in") as ei:
+        import_checkpoint(d, tmp_path / "store", log=lambda s: None)
+    assert ei.value.field == "weights" and gone in str(ei.value)
+
+    # through the CLI: exit 2, the option and the reason on stderr; a non-empty store is refused
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    def flat(out: str) -> str:  # rich draws the error in a box, wrapped
+        return " ".join(out.replace("│", " ").split())
+
+    bad = tmp_path / "bad" / "no_template"
+    r = CliRunner().invoke(app, ["model", "init", "--from", str(bad), "--store", str(tmp_path / "store")])
+    assert r.exit_code == 2 and "--from" in r.output and "chat_template: the tokenizer has none" in flat(r.output)
+    r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--store", str(tmp_path / "store")])
+    assert r.exit_code == 0, r.output
+    assert "Qwen3MoeForCausalLM (qwen3_moe, MoE, 4 experts, top-2, 2 MoE layers), bfloat16" in r.output
+    assert f"v000000 (bfloat16, 25 tensors) in {tmp_path / 'store'}" in r.output  # 25 = the model's state dict
+    r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--store", str(tmp_path / "store")])
+    assert r.exit_code == 2 and "--store" in r.output and "already holds 1 versions" in flat(r.output)
+    r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--experts", "8"])
+    assert r.exit_code == 2 and "taken as it is" in flat(r.output)

@@ -123,7 +123,9 @@ def test_consumer_lag_after_a_multi_record_batch(broker):
     from aiokafka.structs import TopicPartition
     from kafka import KafkaProducer
 
-    p = KafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=50, batch_size=1 << 20)
+    # one batch: the sends wait for flush() (a 50 ms linger split them into several batches
+    # on a loaded machine, and the end offset then read 98)
+    p = KafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=60_000, batch_size=1 << 20)
     for i in range(100):
         p.send(topics.DEADLETTER, key=b"k", value=b"x%d" % i, partition=0)
     p.flush()

@@ -4,7 +4,6 @@ metrics the published version's manifest recorded; the operator pause shows as a
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -93,9 +92,10 @@ def test_learn_daemon_exports_its_cycle(tiny_moe_dir, tmp_path):
         assert m[("flywheel_learner_last_publish_timestamp_seconds", ())] > time.time() - 300
         assert m[("flywheel_learner_samples_waiting", ())] == 0
         assert m[("flywheel_learner_paused", ())] == 0
-        flag = home / "learner" / "paused"
-        flag.parent.mkdir(parents=True, exist_ok=True)
-        flag.write_text(json.dumps({"actor": "test", "at": 0, "reason": "maintenance"}))
+        from deploy.desired import FleetRecord  # `flywheel pause` writes the fleet's desired state
+
+        FleetRecord(store).change(lambda d: (setattr(d, "paused", {"actor": "test", "at": 0, "reason": "maintenance"}),
+                                             d)[1], "test", "pause")
         deadline = time.monotonic() + 30
         while scrape(url)[("flywheel_learner_paused", ())] != 1:
             assert time.monotonic() < deadline, "the pause never showed"

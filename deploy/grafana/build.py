@@ -5,16 +5,23 @@ checks that the file equals this script's output and that every series a panel q
 exported by a Flywheel role or recorded by ``deploy/prometheus/recording_rules.yml``.
 
 One row per role (serving, ingest, learner, controller); every panel is a time series over
-the ``datasource`` variable (a Prometheus data source picked at import).
+the ``datasource`` variable (a Prometheus data source picked at import). The ``namespace``
+variable picks one deployment when several share the Prometheus: every series a panel reads
+is selected by ``namespace=~"$namespace"`` (:func:`scoped`), the label the recording rules keep
+(``deploy/prometheus/recording_rules.yml``). Series without the label (one deployment, no
+label configured) match the empty value.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 OUT = Path(__file__).with_name("flywheel.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
+NS_MATCHER = 'namespace=~"$namespace"'
+_SERIES = re.compile(r"\b(flywheel[:_][A-Za-z0-9_:]*)(\{)?")
 
 # (row title, [(panel title, unit, [(PromQL, legend)], description)])
 ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
@@ -104,13 +111,19 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
 ]
 
 
+def scoped(expr: str) -> str:
+    """``expr`` with every Flywheel series selected by the dashboard's deployment
+    (:data:`NS_MATCHER` added to its label matchers)."""
+    return _SERIES.sub(lambda m: m.group(1) + "{" + NS_MATCHER + (", " if m.group(2) else "}"), expr)
+
+
 def panel(pid: int, title: str, unit: str, targets: list[tuple[str, str]], desc: str, x: int, y: int) -> dict:
     return {
         "id": pid, "type": "timeseries", "title": title, "description": desc, "datasource": DS,
         "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
-        "targets": [{"datasource": DS, "expr": e, "legendFormat": leg, "refId": chr(ord("A") + i)}
+        "targets": [{"datasource": DS, "expr": scoped(e), "legendFormat": leg, "refId": chr(ord("A") + i)}
                     for i, (e, leg) in enumerate(targets)],
     }
 
@@ -130,8 +143,14 @@ def build() -> dict:
         "title": "Flywheel", "uid": "flywheel", "tags": ["flywheel"], "timezone": "utc",
         "schemaVersion": 39, "version": 1, "editable": True, "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"},
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                 "label": "Prometheus", "current": {}, "hide": 0}]},
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus",
+             "current": {}, "hide": 0},
+            {"name": "namespace", "type": "query", "label": "Deployment (namespace)", "datasource": DS,
+             "definition": 'label_values(up{job=~"flywheel-.+"}, namespace)',
+             "query": {"query": 'label_values(up{job=~"flywheel-.+"}, namespace)',
+                       "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+             "refresh": 2, "includeAll": False, "multi": False, "sort": 1, "current": {}, "hide": 0}]},
         "annotations": {"list": []},
         "panels": panels,
     }

@@ -15,7 +15,9 @@ import threading
 import uuid
 
 from schemas import topics
-from schemas.events import CompletionEvent, ExpertRoutes, SamplingParams
+from pydantic import TypeAdapter, ValidationError
+
+from schemas.events import CompletionEvent, ExpertRoutes, IdText, SamplingParams
 from serving.params import GenResult
 
 log = logging.getLogger("flywheel.serving.completion_log")
@@ -30,9 +32,17 @@ class CompletionLogger:
         event_log: a :class:`serving.eventlog.EventLog`, or None (logging off: benchmarks).
         pod: the pod name written into every event.
         on_emit: called with ``"completion"`` after each event (metrics).
+
+    Raises:
+        ValueError: ``pod`` is not a valid event ``pod`` (1-256 characters, no NUL or lone
+            surrogate): every event would fail to build.
     """
 
     def __init__(self, event_log, pod: str, on_emit=None):
+        try:
+            TypeAdapter(IdText).validate_python(pod)
+        except ValidationError as exc:
+            raise ValueError(f"pod: {pod[:80]!r} cannot name a pod in events: {exc.errors()[0]['msg']}") from None
         self.event_log = event_log
         self.pod = pod
         self.on_emit = on_emit

@@ -1,6 +1,10 @@
 """Output formats of read commands, kubectl's ``-o``: a table (default), ``wide`` (more
 columns), ``json`` or ``yaml`` (the same data, machine-readable, on stdout).
 
+A contract of every package's commands (deploy, ingest and the ``flywheel`` CLI print through
+it, and scripts parse what it prints), so it lives in ``schemas/``: packages import it from
+here, never from the CLI package (D52).
+
 A read command takes ``output: Optional[str] = OUTPUT`` (and may keep ``--json`` as an alias of
 ``-o json``), builds one plain dict or list, and calls :func:`emit` with a function that draws
 the table.

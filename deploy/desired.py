@@ -1,0 +1,250 @@
+"""The fleet's desired state: one persisted record on the model store's shared storage.
+
+What every serving pod should serve (stable version, candidate and its traffic share), what
+the learner should do (paused or not), and an operator's pending canary intent, with a
+generation number that grows by one at every change (Argo Rollouts' / Flagger's one object
+per rollout). The controller and the operator commands are its only writers, both through
+:meth:`FleetRecord.change`; every pod is brought to it by :mod:`deploy.fleet`, and a pod that
+starts reads it before it reports ready (``serving.commands.build_pod``).
+
+Layout under the store's root::
+
+    fleet/desired.json      the record (JSON of :class:`DesiredState`)
+    fleet/.lock             flock held by one writer or one reconcile pass at a time
+
+Concurrency: on a local (or NFS/RWX-mounted) store, a change and a reconcile pass hold an
+exclusive ``flock`` on ``fleet/.lock``, so two operator commands (or an operator and the
+controller) serialise: each reads the record, changes it and brings the pods to it while the
+other waits, and whichever ran last is what the pods, the store's stable record and the
+ledger all say. On an fsspec object store there is no cross-process lock: a change is a
+compare-and-swap on ``generation`` (re-read right before the one-PUT write; a lost race
+raises :class:`ConflictError`), which serialises writers but not reconcile passes.
+
+This module knows nothing about pods or HTTP.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+
+from schemas.manifest import version_number
+
+DESIRED_FILE = ("fleet", "desired.json")
+LOCK_FILE = ("fleet", ".lock")
+
+
+class ConflictError(RuntimeError):
+    """Another writer changed the record between our read and our write (object stores)."""
+
+
+class LockTimeout(TimeoutError):
+    """The fleet lock was not acquired in time; ``holder`` says who holds it (dict or None)."""
+
+    def __init__(self, timeout_s: float, holder: dict | None):
+        self.holder = holder
+        who = (f"{holder.get('who', '?')} ({holder.get('what', '?')}, pid {holder.get('pid', '?')})"
+               if holder else "another process")
+        super().__init__(f"fleet lock: {who} held it for more than {timeout_s:g} s")
+
+
+@dataclass
+class DesiredState:
+    """What the fleet should serve and do.
+
+    Fields:
+        generation: grows by one at every change (0: never written; the record is then
+            derived from the store's stable record).
+        stable: version every pod serves as stable (``vNNNNNN``).
+        candidate: version every pod holds in its candidate slot, or None.
+        weight: share of users (0..1) sent to the candidate; 0 without one.
+        reload_after_ms: a pod whose stable weights were loaded before this time (ms since
+            epoch, the pod's ``loaded_at``) reloads ``stable`` from the store, verified
+            (``flywheel rollback --to <the current stable>``); 0 = no reload asked.
+        paused: ``{"actor", "at" (ms), "reason"}`` while the learner is paused, else None.
+        intent: an operator's request the controller acts on at its next reconcile:
+            ``{"action": "start"|"abort", "version", "actor", "at" (ms)}``, or None.
+        pods: the serving specs the controller discovers pods from (URLs or
+            ``dns+http://`` specs, :mod:`deploy.discovery`), so an operator command on any
+            machine reaches the same pods; [] until a controller recorded them.
+        actor, action, reason: who made the last change, what it was, why.
+        updated_ms: when the last change was written (ms since epoch).
+    """
+
+    generation: int = 0
+    stable: str | None = None
+    candidate: str | None = None
+    weight: float = 0.0
+    reload_after_ms: int = 0
+    paused: dict | None = None
+    intent: dict | None = None
+    pods: list[str] = field(default_factory=list)
+    actor: str = ""
+    action: str = ""
+    reason: str = ""
+    updated_ms: int = 0
+
+    def validate(self) -> "DesiredState":
+        """Raise ValueError naming the field when the record is inconsistent; returns self."""
+        for name in ("stable", "candidate"):
+            v = getattr(self, name)
+            if v is not None:
+                try:
+                    version_number(v)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if not isinstance(self.weight, (int, float)) or not 0.0 <= float(self.weight) <= 1.0:
+            raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
+        if self.candidate is None and self.weight:
+            raise ValueError(f"weight: {self.weight} with no candidate")
+        if self.intent is not None and self.intent.get("action") not in ("start", "abort"):
+            raise ValueError(f"intent.action: must be 'start' or 'abort', got {self.intent.get('action')!r}")
+        return self
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "DesiredState":
+        """Parse the record. ValueError (naming the file and field) on bad bytes."""
+        try:
+            d = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"{'/'.join(DESIRED_FILE)}: not JSON: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{'/'.join(DESIRED_FILE)}: expected an object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{'/'.join(DESIRED_FILE)}: unknown field {unknown[0]!r}")
+        try:
+            return cls(**d).validate()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{'/'.join(DESIRED_FILE)}: {exc}") from None
+
+    def summary(self) -> str:
+        """One line: ``generation 7: stable v000002, candidate v000003 at 25 %, learner paused``."""
+        s = f"generation {self.generation}: stable {self.stable}"
+        if self.candidate:
+            s += f", candidate {self.candidate} at {self.weight:.0%}"
+        if self.paused:
+            s += ", learner paused"
+        return s
+
+
+class FleetRecord:
+    """The desired-state record of one model store (``deploy.store.ModelStore``).
+
+    Args:
+        store: the model store whose root holds ``fleet/`` (a directory or fsspec URL).
+        clock: ms since epoch (tests inject one).
+    """
+
+    _local_locks: dict[str, threading.RLock] = {}
+    _held = threading.local()  # per thread: {store root: depth}, shared by every instance
+
+    def __init__(self, store, clock=None):
+        self.store = store
+        self.clock = clock or (lambda: int(time.time() * 1000))
+        self._key = str(store.root)
+        self._tlock = FleetRecord._local_locks.setdefault(self._key, threading.RLock())
+
+    # -- reading ----------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return self.store._exists(*DESIRED_FILE)
+
+    def read(self) -> DesiredState:
+        """The record; before its first write, generation 0 with the store's stable record's
+        version as stable. ValueError when the file is unreadable (names the file)."""
+        try:
+            raw = self.store._read(*DESIRED_FILE)
+        except FileNotFoundError:
+            return DesiredState(generation=0, stable=self.store.stable())
+        return DesiredState.from_json(raw)
+
+    # -- locking ----------------------------------------------------------------------------
+    @contextmanager
+    def locked(self, what: str = "", who: str = "", timeout_s: float | None = None):
+        """Hold the fleet lock (re-entrant within a thread). ``what``/``who`` are shown to
+        whoever waits. Raises :class:`LockTimeout` after ``timeout_s`` (None: wait)."""
+        held = FleetRecord._held.__dict__.setdefault("depth", {})
+        if held.get(self._key, 0):  # this thread holds it already (any instance on this store)
+            held[self._key] += 1
+            try:
+                yield self
+            finally:
+                held[self._key] -= 1
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._tlock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise LockTimeout(timeout_s, None)
+        f = None
+        try:
+            if self.store.fs is None:
+                d = self.store.root / LOCK_FILE[0]
+                d.mkdir(parents=True, exist_ok=True)
+                f = open(d / LOCK_FILE[1], "a+")
+                while True:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise LockTimeout(timeout_s, self._holder(f)) from None
+                        time.sleep(0.05)
+                f.seek(0)
+                f.truncate()
+                f.write(json.dumps({"who": who, "what": what, "pid": os.getpid(), "since": self.clock()}))
+                f.flush()
+            held[self._key] = 1
+            try:
+                yield self
+            finally:
+                held[self._key] = 0
+        finally:
+            if f is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+            self._tlock.release()
+
+    @staticmethod
+    def _holder(f) -> dict | None:
+        try:
+            f.seek(0)
+            return json.loads(f.read() or "null")
+        except (OSError, ValueError):
+            return None
+
+    # -- writing ----------------------------------------------------------------------------
+    def change(self, fn, actor: str, action: str, reason: str = "", timeout_s: float | None = None) -> DesiredState:
+        """Apply ``fn(copy of the current record) -> new record`` under the lock and write it
+        with ``generation + 1``; returns the written record. ``fn`` raises ValueError to refuse
+        (nothing is written). A no-op change (same serving fields) still bumps the generation:
+        every operator action is one generation.
+
+        Raises:
+            ValueError: ``fn`` refused, or the new record is inconsistent (names the field).
+            ConflictError: object store only: another writer won the race.
+            LockTimeout: the lock was not acquired within ``timeout_s``.
+        """
+        with self.locked(action, actor, timeout_s):
+            cur = self.read()
+            new = fn(copy.deepcopy(cur))
+            new.validate()
+            new.generation = cur.generation + 1
+            new.actor, new.action, new.reason, new.updated_ms = actor, action, reason, self.clock()
+            if self.store.fs is not None:  # compare-and-swap on the generation (no flock there)
+                now = self.read()
+                if now.generation != cur.generation:
+                    raise ConflictError(f"fleet record changed under us: generation {cur.generation} -> "
+                                        f"{now.generation} ({now.action} by {now.actor})")
+            else:
+                (self.store.root / DESIRED_FILE[0]).mkdir(parents=True, exist_ok=True)
+            self.store._put_atomic(new.to_json(), *DESIRED_FILE)
+            return new

@@ -1,0 +1,283 @@
+"""One fleet, one truth (issue 19 item 1; issue 22 defects 6-8): operator actions and the
+controller act on the fleet's desired-state record, and every pod converges to it.
+
+Three real serving pods (torch engine, tiny MoE, uvicorn on their own ports) over one model
+store; the operator runs the real `flywheel` deploy CLI (in-process, and as concurrent
+subprocesses for the race); the ledger is a real DuckDB file. Expected states come from the
+action's rule (rollback --to X: every pod serves X), checked on each pod's `/admin/slots`
+and on real completions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from deploy import ledger
+from deploy.commands import register
+from deploy.desired import DesiredState, FleetRecord
+from deploy.serving_client import ServingAdmin
+from deploy.store import CorruptVersionError, ModelStore
+from serving.commands import build_pod
+from serving.server import ServerThread
+from tests.test_deploy_controller import publish_v
+
+TOKEN = "fleet-admin"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _with(**fields):
+    def fn(d: DesiredState) -> DesiredState:
+        for k, v in fields.items():
+            setattr(d, k, v)
+        return d
+    return fn
+
+
+class Fleet:
+    """Three pods over one store; ``restart(i)`` rebuilds pod i on its port (a fresh process's state)."""
+
+    def __init__(self, root: Path, n: int = 3):
+        self.root = root
+        self.pods = [None] * n
+        self.ports = [None] * n
+        for i in range(n):
+            self.start(i)
+        self.admins = [ServingAdmin(self.url(i), TOKEN, timeout_s=10) for i in range(n)]
+
+    def start(self, i: int) -> None:
+        pod = build_pod(ModelStore(self.root), pod=f"pod-{i}", max_batch=2, admin_token=TOKEN, log_events=False)
+        srv = ServerThread(pod.app, port=self.ports[i]).start()
+        self.pods[i], self.ports[i] = (pod, srv), srv.port
+
+    def stop(self, i: int) -> None:
+        pod, srv = self.pods[i]
+        srv.stop()
+        pod.close()
+        self.pods[i] = None
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    def serving(self) -> list[tuple[str, str | None, float]]:
+        out = []
+        for a in self.admins:
+            s = a.slots()
+            out.append((s.stable.version, s.candidate.version if s.candidate else None, s.candidate_weight))
+        return out
+
+    def close(self) -> None:
+        for a in self.admins:
+            a.close()
+        for i, p in enumerate(self.pods):
+            if p is not None:
+                self.stop(i)
+
+
+@pytest.fixture()
+def fleet(tmp_path, tiny_moe_dir, fw_home, monkeypatch):
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    publish_v(store, "v000000")
+    f = Fleet(store.root)
+    monkeypatch.delenv("FLYWHEEL_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("FLYWHEEL_STORE", str(store.root))
+    monkeypatch.setenv("FLYWHEEL_SAMPLES", str(tmp_path / "samples"))
+    monkeypatch.setenv("FLYWHEEL_SERVING_URL", f.url(0))  # one pod only: the record names all three
+    monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("USER", "oncall-fay")
+    FleetRecord(store).change(_with(pods=[f.url(i) for i in range(3)]), "test", "pods")
+    f.store, f.ledger = store, fw_home / "ledger.duckdb"
+    app = typer.Typer()
+    register(app)
+
+    def cli(*args):
+        r = CliRunner().invoke(app, list(args))
+        return r, " ".join(r.output.split())
+
+    f.cli = cli
+    yield f
+    f.close()
+
+
+def _rows(f, *decisions):
+    return [d for d in ledger.decisions(f.ledger) if not decisions or d.decision in decisions]
+
+
+def test_operator_actions_converge_every_pod_and_status_shows_drift(fleet):
+    f = fleet
+    m1 = f.store.manifest("v000001")
+    # a canary in the desired state (as the controller writes it); the pods are brought to it
+    r, out = f.cli("controller", "--once", "--steps", "0.5,1", "--min-votes", "5",
+                   *sum((["--serving", f.url(i)] for i in range(3)), []))
+    assert r.exit_code == 0, out
+    assert f.serving() == [("v000000", "v000001", 0.5)] * 3
+    # promote through one URL: the record lists all three pods, every pod promotes
+    r, out = f.cli("promote", "--yes", "--serving", f.url(1))
+    assert r.exit_code == 0 and "stable is now v000001 on all 3 pods" in out, out
+    assert f.serving() == [("v000001", None, 0.0)] * 3
+    assert {a.slots().stable.weights_digest for a in f.admins} == {m1.weights_digest}
+    row = _rows(f, "MANUAL_PROMOTE")[-1]
+    assert row.numbers["pods"]["converged"] == 3 and set(row.numbers["pods"]["by_pod"]) == {f.url(i) for i in range(3)}
+    # rollback --to: every pod, the store's stable record, the desired state and the ledger agree
+    r, out = f.cli("rollback", "--to", "v000000", "--yes")
+    assert r.exit_code == 0 and "stable is now v000000 on all 3 pods" in out, out
+    assert [s for s, _, _ in f.serving()] == ["v000000"] * 3
+    assert f.store.stable() == FleetRecord(f.store).read().stable == _rows(f, "MANUAL_ROLLBACK")[-1].version == "v000000"
+    for i in range(3):  # real completions say so too
+        rr = httpx.post(f.url(i) + "/v1/completions", json={"model": "flywheel", "prompt": [5, 6], "max_tokens": 1},
+                        timeout=60)
+        assert rr.headers["x-flywheel-model-version"] == "v000000"
+    # a pod changed by hand drifts: status flags it; the controller brings it back
+    f.admins[2].rollback("v000001")
+    r, out = f.cli("status", "--json")
+    j = json.loads(r.output)
+    assert r.exit_code == 0 and not j["converged"] and len(j["pods"]) == 3
+    assert [bool(p["drift"]) for p in j["pods"]] == [False, False, True]
+    assert any("pod pod-2 serves v000001 as stable but the fleet's desired state says v000000" in w
+               for w in j["warnings"]), j["warnings"]
+    r, out = f.cli("status")
+    assert "2 of 3 pods serve the desired state" in out, out
+    r, out = f.cli("controller", "--once")
+    assert r.exit_code == 0, out
+    assert [s for s, _, _ in f.serving()] == ["v000000"] * 3
+    assert _rows(f)[-1].decision == "RECONCILE" and _rows(f)[-1].numbers["pod"] == f.url(2)
+
+
+def test_an_unreachable_pod_is_reported_retried_and_converges_when_back(fleet):
+    f = fleet
+    f.stop(2)
+    t0 = time.monotonic()
+    r, out = f.cli("rollback", "--to", "v000001", "--yes", "--timeout", "1", "--serving-timeout-s", "2")
+    took = time.monotonic() - t0
+    assert r.exit_code == 1 and "not converged" in out and "2 of 3 pods" in out, out
+    assert "stable is now" not in out and took < 10, took
+    rows = _rows(f, "MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED")
+    assert [x.decision for x in rows] == ["MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED"]
+    by_pod = rows[-1].numbers["pods"]["by_pod"]
+    assert by_pod[f.url(2)]["outcome"] == "unreachable"
+    assert by_pod[f.url(0)]["outcome"] == by_pod[f.url(1)]["outcome"] == "converged"
+    # the pod comes back: it reads the desired state before it is ready, no action needed
+    f.start(2)
+    assert [s for s, _, _ in f.serving()] == ["v000001"] * 3
+    # mid-canary, a restarted pod joins the same split
+    FleetRecord(f.store).change(_with(stable="v000000", candidate="v000001", weight=0.25), "test", "canary")
+    r, out = f.cli("controller", "--once", "--steps", "0.25,1")
+    f.stop(1)
+    f.start(1)
+    assert f.admins[1].slots().candidate.version == "v000001" and f.admins[1].slots().candidate_weight == 0.25
+
+
+def test_two_rollbacks_at_once_end_in_one_state_that_pods_record_and_ledger_agree_on(fleet):
+    """Both commands start while a publish holds the store's lock; whichever runs last is
+    what every pod, the desired state, the store's stable record and the ledger say."""
+    f = fleet
+    publish_v(f.store, "v000001")  # v000002
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "flywheel.cli", "rollback", "--yes", "--timeout", "30", "--to"]
+    for run in range(2):
+        with f.store._lock():  # a publish in progress
+            procs = [subprocess.Popen(cmd + [v], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for v in ("v000000", "v000002")]
+            time.sleep(1.0)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        d = FleetRecord(f.store).read()
+        last = _rows(f, "MANUAL_ROLLBACK")[-1]
+        assert [s for s, _, _ in f.serving()] == [d.stable] * 3, (run, outs)
+        assert f.store.stable() == last.version == d.stable, (run, outs)
+
+
+def test_corrupt_manifest_is_named_listed_and_skipped_by_the_controller(fleet):
+    """Issue 22 defect 6: one corrupt byte in a manifest."""
+    f = fleet
+    publish_v(f.store, "v000001")  # v000002
+    p = f.store.root / "versions" / "v000002" / "manifest.json"
+    raw = bytearray(p.read_bytes())
+    raw[raw.index(b'"kind"') + 1] = ord("X")  # one byte: the key becomes "Xind"
+    p.write_bytes(bytes(raw))
+    with pytest.raises(CorruptVersionError) as ei:
+        f.store.manifest("v000002")
+    assert "v000002" in str(ei.value) and "versions/v000002/manifest.json" in str(ei.value)
+    r, out = f.cli("versions", "--json")
+    rows = {x["version"]: x for x in json.loads(r.output)}
+    assert r.exit_code == 0 and rows["v000002"]["status"] == "corrupt" and "manifest.json" in rows["v000002"]["error"]
+    r, out = f.cli("versions")
+    assert r.exit_code == 0 and "corrupt" in out
+    # the controller records the version FAILED (once) and canaries the next good one
+    for _ in range(2):
+        r, out = f.cli("controller", "--once", "--steps", "0.5,1", "--min-votes", "5")
+        assert r.exit_code == 0 and "candidate=v000001" in out, out
+    failed = [x for x in _rows(f, "FAILED") if x.version == "v000002"]
+    assert len(failed) == 1 and "manifest.json" in failed[0].reason
+
+
+def test_rollback_to_the_current_stable_reloads_from_the_store(fleet):
+    """Issue 22 defect 7: with its weights file corrupt, the reload fails on every pod and the
+    command says so (exit 1); with good files every pod reloads it, verified."""
+    f = fleet
+    before = [a.slots().stable.loaded_at for a in f.admins]
+    r, out = f.cli("rollback", "--to", "v000000", "--yes")
+    assert r.exit_code == 0 and "reloaded from the store" in out, out
+    after = [a.slots() for a in f.admins]
+    assert all(s.stable.loaded_at > b for s, b in zip(after, before))
+    assert {s.stable.weights_digest for s in after} == {f.store.manifest("v000000").weights_digest}
+    pay = f.store.root / "versions" / "v000000" / "payload.bin"
+    raw = bytearray(pay.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    pay.write_bytes(bytes(raw))
+    r, out = f.cli("rollback", "--to", "v000000", "--yes", "--timeout", "5")
+    assert r.exit_code == 1 and "checksum" in out and "0 of 3 pods" in out and "stable is now" not in out, out
+    by_pod = _rows(f, "FLEET_NOT_CONVERGED")[-1].numbers["pods"]["by_pod"]
+    assert {p["outcome"] for p in by_pod.values()} == {"refused"}
+
+
+def test_controller_once_exits_nonzero_when_its_step_failed(fleet):
+    """Issue 22 defect 8."""
+    f = fleet
+    pay = f.store.root / "versions" / "v000001" / "payload.bin"
+    raw = bytearray(pay.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    pay.write_bytes(bytes(raw))
+    r, out = f.cli("controller", "--once", "--steps", "0.5,1")
+    assert r.exit_code == 1 and "phase=failed" in out and "the step failed" in out, out
+    assert _rows(f)[-1].decision == "FAILED"
+    assert f.serving() == [("v000000", None, 0.0)] * 3
+
+
+def test_desired_record_names_bad_fields_and_a_lost_race_on_an_object_store(tiny_moe_dir, fw_home):
+    from deploy.desired import ConflictError
+
+    store = ModelStore(f"memory://fleet-{time.monotonic_ns()}")
+    store.init_base(tiny_moe_dir)
+    rec = FleetRecord(store)
+    assert (rec.read().generation, rec.read().stable) == (0, "v000000")  # derived from the stable record
+    for bad, field in (({"weight": 1.5, "candidate": "v000001"}, "weight"), ({"weight": 0.5}, "weight"),
+                       ({"stable": "latest"}, "stable"), ({"intent": {"action": "nuke"}}, "intent.action")):
+        with pytest.raises(ValueError, match=field):
+            rec.change(_with(**bad), "t", "bad")
+    assert not rec.exists()  # nothing was written
+    store._put_atomic(b'{"generation": 3, "stable": "v000000", "colour": "red"}', "fleet", "desired.json")
+    with pytest.raises(ValueError, match="fleet/desired.json: unknown field 'colour'"):
+        rec.read()
+    store._put_atomic(b"{not json", "fleet", "desired.json")
+    with pytest.raises(ValueError, match="fleet/desired.json: not JSON"):
+        rec.read()
+    store._put_atomic(DesiredState(generation=3, stable="v000000").to_json(), "fleet", "desired.json")
+
+    def racing(d):  # another writer (no cross-process lock on an object store) wins meanwhile
+        FleetRecord(store).change(_with(paused={"actor": "x", "at": 0, "reason": ""}), "other", "pause")
+        d.weight = 0.0
+        return d
+    with pytest.raises(ConflictError, match="generation 3 -> 4"):
+        rec.change(racing, "t", "mine")
+    assert rec.read().generation == 4 and rec.read().paused["actor"] == "x"

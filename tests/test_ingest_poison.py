@@ -1,0 +1,196 @@
+"""Records that stopped the join (Hardening II, defects 1-3) and a sample that cannot be
+written, through the worker's own fold and seal round (``ingest.worker.Worker.fold`` /
+``seal_round``) on a real SQLite state and real Parquet shards. The consumer is left out:
+records are handed to ``fold`` as the batch ``getmany`` returns (the Kafka path end to end is
+``tests/test_ingest_fuzz.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import namedtuple
+
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.app import IngestConfig
+from ingest.join import JoinConfig
+from ingest.worker import Worker
+from schemas import topics
+from schemas.events import MAX_FUTURE_SKEW_MS, CompletionEvent, DeadLetter, now_ms
+
+TP = namedtuple("TP", "topic partition")
+Rec = namedtuple("Rec", "key value offset headers")
+
+
+def completion(cid: str, **kw) -> bytes:
+    d = dict(schema_version=1, completion_id=cid, request_id="r", created_at=now_ms(), model_version="v0001",
+             pod="p0", user_hash="author", prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5, 6],
+             behavior_logprobs=[-0.5, -1.25, -0.3],
+             sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": None},
+             finish_reason="stop", ttft_ms=1.0, latency_ms=2.0)
+    d.update(kw)
+    return json.dumps(d, separators=(",", ":")).encode()  # serving's layout: the head first
+
+
+def vote(cid: str, user: str = "u1", value: int = 1, **kw) -> bytes:
+    d = dict(schema_version=1, event_id=str(uuid.uuid4()), completion_id=cid, user_hash=user, kind="thumb",
+             value=value, created_at=now_ms())
+    d.update(kw)
+    return json.dumps(d).encode()
+
+
+def batch(*items: tuple[str, bytes]) -> dict:
+    """``{TopicPartition: [records]}`` as ``getmany`` returns, one partition per topic."""
+    out: dict = {}
+    for i, (topic, value) in enumerate(items):
+        out.setdefault(TP(topic, 0), []).append(Rec(b"k", value, i, ()))
+    return out
+
+
+@pytest.fixture
+def worker(tmp_path):
+    cfg = IngestConfig(join=JoinConfig(seal_after_s=0.001, max_label_age_s=3600, orphan_ttl_s=600),
+                       bootstrap="127.0.0.1:1", samples_dir=tmp_path / "samples",
+                       state_path=tmp_path / "state.sqlite", catalog=tmp_path / "catalog.duckdb")
+    w = Worker(cfg)
+    yield w
+    w._pool.shutdown()
+    w._fold_pool.shutdown()
+    w.store.close()
+
+
+def seal(w: Worker):
+    """One seal round after the labels are due: ``(rows in shards, dead letters)``."""
+    import time
+
+    time.sleep(0.01)
+    msgs, orphans, _ = w.seal_round()
+    rows = {}
+    for f in (w.cfg.samples_dir).glob("**/*.parquet"):
+        for r in pq.read_table(f).to_pylist():
+            rows[r["completion_id"]] = r
+    dead = [d for res in orphans for d in res.dead_letters]
+    for res in orphans:
+        w.joiner.commit_dead(res)
+    return rows, dead, msgs
+
+
+def test_created_at_beyond_any_integer_is_dead_lettered_and_the_batch_folds(worker):
+    """Defect 1: created_at = 10**19 raised OverflowError out of the fold at every restart."""
+    ok, bad, ahead = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
+    dead, eids, _, _ = worker.fold(batch(
+        (topics.COMPLETIONS, completion(bad, created_at=10**19)), (topics.COMPLETIONS, completion(ok)),
+        (topics.COMPLETIONS, completion(ahead, created_at=now_ms() + MAX_FUTURE_SKEW_MS + 600_000)),
+        (topics.FEEDBACK, vote(ok))))
+    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "created_at")] * 2
+    assert "2100" in dead[0].reason and str(10**19) in dead[0].payload  # the contract's bound
+    assert dead[1].reason.startswith("future:") and ahead in dead[1].payload  # the clock rule
+    rows, dead, _ = seal(worker)
+    assert list(rows) == [ok] and rows[ok]["votes_up"] == 1 and not dead
+
+
+def test_a_value_the_state_refuses_is_dead_lettered_alone(worker, monkeypatch):
+    """Whatever a record carries that the state refuses (here an integer SQLite cannot hold,
+    past the contract's bounds and the clock rule, both taken away) costs that record only:
+    the batch is folded record by record, the culprit dead-lettered (``unfoldable``)."""
+    ok, bad = str(uuid.uuid4()), str(uuid.uuid4())
+    from ingest import join
+
+    monkeypatch.setattr("ingest.worker.check_clock", lambda ev, *a: ev)
+    monkeypatch.setattr(join, "_HEAD_VALIDATOR", join.pydantic.TypeAdapter(dict).validator)
+    real = join.parse_completion
+
+    def unbounded(raw, *a):  # the head as an unchecked object: 10**19 reaches the state
+        ev = real(raw, *a)
+        return ev if isinstance(ev, DeadLetter) else type("Head", (), {
+            "completion_id": uuid.UUID(ev["completion_id"]), "created_at": ev["created_at"]})()
+
+    monkeypatch.setattr("ingest.worker.parse_completion", unbounded)
+    dead, _, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(bad, created_at=10**19)),
+                                      (topics.COMPLETIONS, completion(ok)), (topics.FEEDBACK, vote(ok))))
+    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "value")]
+    assert dead[0].reason.startswith("unfoldable: OverflowError")
+    monkeypatch.undo()
+    rows, _, _ = seal(worker)
+    assert list(rows) == [ok]
+
+
+def test_lone_surrogates_are_dead_lettered_naming_the_field(worker):
+    """Defect 2: a vote whose user_hash is a lone surrogate crashed the worker
+    (PydanticSerializationError), a completion's wedged its shard."""
+    cid, cid2 = str(uuid.uuid4()), str(uuid.uuid4())
+    raw_vote = vote(cid, user="\ud800")  # json.dumps writes the escape "\\ud800": valid JSON
+    assert b"\\ud800" in raw_vote
+    dead, eids, _, _ = worker.fold(batch(
+        (topics.COMPLETIONS, completion(cid)), (topics.COMPLETIONS, completion(cid2, user_hash="a\udfffb")),
+        (topics.FEEDBACK, raw_vote), (topics.FEEDBACK, vote(cid)), (topics.FEEDBACK, vote(cid2)),
+        (topics.FEEDBACK, vote(cid, user="x", metadata={"\udc80": "v"}))))
+    assert sorted((d.source_topic, d.field) for d in dead) == [
+        (topics.COMPLETIONS, "user_hash"), (topics.FEEDBACK, "metadata.\\udc80"), (topics.FEEDBACK, "user_hash")]
+    assert all("surrogate" in d.reason for d in dead)
+    for d in dead:
+        d.to_bytes()  # publishable
+    rows, dead, msgs = seal(worker)
+    # the good label is written; the refused completion's vote waits as an orphan (dead-lettered
+    # after orphan_ttl_s, like any vote whose completion never came)
+    assert list(rows) == [cid] and len(msgs) == 1 and rows[cid]["votes_up"] == 1 and not dead
+    assert worker.stats()["open_labels"] == 1
+
+
+def test_a_future_dated_vote_never_outranks_the_users_later_vote(worker):
+    """Defect 3: a vote stamped ahead of the worker's clock kept the label against the same
+    user's later real vote. Within MAX_FUTURE_SKEW_MS it is clamped to the worker's clock;
+    beyond it, dead-lettered with field created_at."""
+    cid = str(uuid.uuid4())
+    t = now_ms()
+    early = vote(cid, value=1, created_at=t + MAX_FUTURE_SKEW_MS // 2)  # a fast clock, within the tolerance
+    far = vote(cid, user="u2", value=1, created_at=t + MAX_FUTURE_SKEW_MS + 60_000)
+    dead, eids, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(cid, created_at=t + 1000)),
+                                         (topics.FEEDBACK, early), (topics.FEEDBACK, far)))
+    assert [(d.field, d.reason.split(":")[0]) for d in dead] == [("created_at", "future")]
+    import time
+
+    time.sleep(0.005)
+    later = vote(cid, value=-1, created_at=now_ms())  # the same user's real, later vote
+    worker.fold(batch((topics.FEEDBACK, later)))
+    rows, dead, _ = seal(worker)
+    r = rows[cid]
+    assert (r["votes_up"], r["votes_down"], r["reward"]) == (0, 1, -1.0)
+    assert sorted(r["event_ids"]) == sorted(json.loads(v)["event_id"] for v in (early, later))
+    # the completion's created_at ahead of the clock was clamped too, and its body still seals
+    assert r["created_at"].timestamp() * 1000 <= t + 1000 and not dead
+
+
+def test_a_sample_that_cannot_be_written_is_quarantined_and_its_shard_written(worker, monkeypatch):
+    """One write failure never blocks others: a sample whose value Arrow refuses (a token id
+    beyond int32 that the contract let through) is dead-lettered with its votes, field named,
+    and the rest of its shard is written in the same round (it used to be retried forever,
+    holding the shard back)."""
+    cids = [str(uuid.uuid4()) for _ in range(4)]
+    bad = cids[1]
+    items = [(topics.COMPLETIONS, completion(c)) for c in cids]
+    items += [(topics.FEEDBACK, vote(c, user=u)) for c in cids for u in ("u1", "u2")]
+    worker.fold(batch(*items))
+    from ingest.join import Joiner
+
+    real = Joiner.validate
+
+    def validate(self, st):  # the body passes the contract, but with a value no shard can hold
+        ev = real(self, st)
+        if isinstance(ev, CompletionEvent) and str(ev.completion_id) == bad:
+            ev.prompt_token_ids = [1, 2**40, 3]
+        return ev
+
+    monkeypatch.setattr(Joiner, "validate", validate)
+    rows, dead, msgs = seal(worker)
+    assert sorted(rows) == sorted(c for c in cids if c != bad) and len(msgs) == 3
+    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "prompt_token_ids")] + [
+        (topics.FEEDBACK, "completion_id")] * 2
+    assert dead[0].reason.startswith("unwritable sample:") and bad in dead[0].payload
+    assert all(isinstance(d, DeadLetter) and d.key == bad for d in dead)
+    # decided: nothing is left open or claimed, and a replayed vote is a duplicate
+    c = worker.stats()
+    assert c["open_labels"] == 0 and c["samples"] == 3 and c["samples_quarantined"] == 1
+    assert worker.store.sealed_among([bad]) == {bad}
