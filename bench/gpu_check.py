@@ -48,7 +48,7 @@ def perturb(state: dict) -> dict:
     so both interpreters build bit-identical v1 weights; routes change almost everywhere)."""
     out = {}
     for k, v in state.items():
-        if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # transformers 5 / 4 names
+        if k.endswith(("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight")):  # 5 / 4 names
             out[k] = -v
         elif ".experts." in k:
             out[k] = v * 1.25
@@ -98,7 +98,7 @@ def side_vllm(a) -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="float32")
     tied = bool(hf.config.tie_word_embeddings)
-    items = [(k, v.contiguous()) for k, v in to_checkpoint_names(perturb(hf.state_dict()))
+    items = [(k, v.contiguous()) for k, v in to_checkpoint_names(perturb(hf.state_dict()), hf.config)
              if not (tied and k == "lm_head.weight")]
     t1 = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
@@ -127,6 +127,8 @@ def side_torch(a) -> int:
     lm = eng.load_base()
     tol_mean, tol_max = (2e-3, 5e-2) if data["dtype"] == "float32" else (3e-2, 0.5)
     ok = compare("", data["rows"], lm, dev, tol_mean, tol_max, shape_check=True)
+    if a.replay:
+        ok += replay_check(data["rows"], lm, dev, tol_max)
     lm1 = eng.load_weights(perturb(lm.model.state_dict()), "v1")
     ok += compare("after_inplace_update_", data["rows_v1"], lm1, dev, tol_mean, tol_max, shape_check=False)
     moved = float(np.mean([a_ != b_ for r0, r1 in zip(data["rows"], data["rows_v1"])
@@ -144,7 +146,9 @@ def compare(prefix: str, rows: list[dict], lm, dev: str, tol_mean: float, tol_ma
     import numpy as np
     import torch
 
-    k = lm.model.config.num_experts_per_tok
+    from schemas.routers import route_shape
+
+    k = route_shape(lm.model)[1]
     lp_diffs, agree, total, shape_ok, n_with_routes = [], 0, 0, 0, 0
     for row in rows:
         seq = row["prompt"] + row["completion"]
@@ -156,7 +160,7 @@ def compare(prefix: str, rows: list[dict], lm, dev: str, tol_mean: float, tol_ma
         ours = [float(logp[P - 1 + j, t]) for j, t in enumerate(row["completion"])]
         lp_diffs += [abs(x - y) for x, y in zip(ours, row["logprobs"])]
         T = len(seq)
-        torch_routes = torch.stack([b.view(T, k) for b in lm.route_buf], 1).cpu().numpy()  # (T, L, k)
+        torch_routes = torch.stack([b.view(T, k) for b in lm.layer_routes()], 1).cpu().numpy()  # (T, L, k)
         want = T - 1  # routes of every token that went through the model
         re_ = row["routes"]
         if re_ is None:
@@ -185,6 +189,65 @@ def compare(prefix: str, rows: list[dict], lm, dev: str, tol_mean: float, tol_ma
     print(f"RESULT {prefix}routes_topk_set_agreement={agree_frac:.4f} frac target>=0.99")
     ok.append(total > 0 and agree_frac >= 0.99)
     return ok
+
+
+def replay_check(rows: list[dict], lm, dev: str, tol_max: float) -> list[bool]:
+    """Router replay against vLLM's routes (D38), per architecture: each row's prompt +
+    completion teacher-forced in the learner's layout (batch 1, ``learner.replay``) with (1)
+    free routing, capturing the routes, (2) the captured routes replayed: must be bitwise
+    equal to (1) on this device, (3) vLLM's ``routed_experts`` replayed (dense layers'
+    columns must be 0): its logprobs vs vLLM's behavior logprobs, the mismatch replay leaves
+    (target: within the logprob tolerance; reported beside free routing's)."""
+    import numpy as np
+    import torch
+
+    from learner.replay import capture_routes, router_replay, stack_routes
+    from schemas.modelspec import teacher_forced_inputs, token_logprobs
+    from schemas.routers import routed_layers
+
+    model = lm.model
+    moe = {r.layer for r in routed_layers(model)}
+    exact, dense_zero, free_d, rep_d, n = True, True, [], [], 0
+    for row in rows:
+        if row["routes"] is None:
+            continue
+        n += 1
+        x = {k_: v.to(dev) for k_, v in teacher_forced_inputs(row["prompt"], row["completion"]).items()}
+        fw = dict(input_ids=x["input_ids"], attention_mask=x["attention_mask"], position_ids=x["position_ids"])
+        C, T = len(row["completion"]), x["input_ids"].shape[1]
+        cap: list = []
+        with torch.inference_mode(), capture_routes(model, cap):
+            free = model(**fw).logits
+        with torch.inference_mode(), router_replay(model, stack_routes(cap, 1, T)):
+            exact &= bool(torch.equal(model(**fw).logits, free))
+        vr = np.asarray(row["routes"])[:T]  # (T, L, k), vLLM's layout
+        dense_zero &= all(not vr[:, i].any() for i in range(vr.shape[1]) if i not in moe)
+        with torch.inference_mode(), router_replay(model, torch.as_tensor(vr.astype(np.int64)).unsqueeze(0).to(dev)):
+            rep = model(**fw).logits
+        beh = torch.tensor(row["logprobs"], device=dev)
+        free_d.append(float((token_logprobs(free, x["target_ids"])[0, -C:] - beh).abs().max()))
+        rep_d.append(float((token_logprobs(rep, x["target_ids"])[0, -C:] - beh).abs().max()))
+    print(f"RESULT replay_of_own_capture_bitwise={int(exact and n > 0)} bool target==1")
+    print(f"RESULT vllm_routes_dense_layer_columns_zero={int(dense_zero and n > 0)} bool target==1")
+    fmax, rmax = (max(free_d), max(rep_d)) if n else (math.nan, math.nan)
+    print(f"RESULT learner_free_routing_vs_vllm_max={fmax:.2e} nats target=report")
+    print(f"RESULT learner_replaying_vllm_routes_vs_vllm_max={rmax:.2e} nats target<={tol_max}")
+    return [exact and n > 0, dense_zero and n > 0, n > 0 and rmax <= tol_max]
+
+
+def side_zoo(a) -> int:
+    """Tiny random checkpoints of every architecture in ``schemas.routers`` (and the dense
+    control), head_dim 64 (vLLM's attention kernels), under ``--out``/<arch>."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import make_tiny_moe
+    from test_models_zoo import ARCHS, DENSE, make_arch
+
+    out = Path(a.out)
+    tok = make_tiny_moe(out / "_tokenizer")
+    for arch in ARCHS + [DENSE]:
+        make_arch(arch, out / arch, tok, head_dim=64)
+        print(f"zoo: {out / arch}")
+    return 0
 
 
 def side_learner(a) -> int:
@@ -228,7 +291,7 @@ def side_learner(a) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--side", choices=["vllm", "torch", "learner"], required=True)
+    ap.add_argument("--side", choices=["vllm", "torch", "learner", "zoo"], required=True)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32")
@@ -238,7 +301,10 @@ def main() -> int:
                                                               "routed experts); the routes targets then fail")
     ap.add_argument("--skip-update", action="store_true", help="vllm side: no in-place update (mismatch run)")
     ap.add_argument("--batch-invariant", action="store_true", help="learner side: vLLM's batch-invariant kernels")
+    ap.add_argument("--replay", action="store_true", help="torch side: also replay vLLM's routes in the learner")
     a = ap.parse_args()
+    if a.side == "zoo":
+        return side_zoo(a)
     if a.side == "vllm":
         side_vllm(a)
         return 0

@@ -3,7 +3,7 @@
 # Under 5 minutes on one H100/H200 with vLLM available. Prints RESULT lines; exits non-zero
 # (loudly) on any failure or missed target.
 #   (a) expert routes: vLLM enable_return_routed_experts=True, CompletionOutput.routed_experts
-#       expected (prompt + completion - 1, moe_layers, top_k) (vLLM's layout; the last sampled
+#       expected (prompt + completion - 1, num_hidden_layers, top_k) (vLLM's layout; the last sampled
 #       token never goes through the model) and the same top-k expert sets per (token, layer) as
 #       our torch engine's route capture on the same tokens (>= 99 %; near-tied router logits
 #       may flip under different kernels).
@@ -13,6 +13,11 @@
 #   (d) learner-vs-serving mismatch (issue 5): the learner's layout (one left-padded batch)
 #       teacher-forcing vLLM's completions, without and with VLLM_BATCH_INVARIANT=1 on both
 #       sides (vLLM's batch-invariant kernels); reported, not a target.
+#   (f) per architecture (docs/models.md, D38): tiny random Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+#       gpt-oss, DeepSeek-V3, GLM-4.5 (head_dim 64; DeepSeek/GLM with a dense layer 0): (a) and
+#       (b) on each, the in-place update through transformers' reverse weight mapping, and the
+#       learner replaying vLLM's routed_experts (global layer index; dense columns 0): replay of
+#       its own capture bitwise, replayed-vLLM-routes logprobs within (b)'s max tolerance.
 #   (e) serving side by side (issue 14, bench/serving.py): `flywheel serve --engine vllm` (routed
 #       experts on) vs vLLM's own OpenAI server on the same checkpoint and Poisson load; the
 #       torch engine's continuous vs static scheduler on the GPU (--device cuda); logging on vs
@@ -69,6 +74,24 @@ VLLM_BATCH_INVARIANT=1 PYTHONPATH=. timeout 150 "$VLLM_PYTHON" bench/gpu_check.p
   && PYTHONPATH=. timeout 90 "$VLLM_PYTHON" bench/gpu_check.py --side learner --batch-invariant \
        --model-dir "$MODEL_DIR" --out "$OUT/vllm_bi.pkl" \
   || echo "batch-invariant mismatch run failed (reported, not a target)"
+echo "== (f) per architecture (docs/models.md): routes, replay and in-place update on tiny random models"
+# ARCHS: space-separated model types (default: every adapter in schemas.routers); "none" skips.
+ARCHS=${ARCHS:-mixtral qwen2_moe qwen3_moe olmoe gpt_oss deepseek_v3 glm4_moe}
+FAILED_ARCHS=""
+if [ "$ARCHS" != "none" ]; then
+  PYTHONPATH=. timeout 120 "$REPO_PYTHON" bench/gpu_check.py --side zoo --model-dir "$OUT/zoo" --out "$OUT/zoo" \
+    || die "building the tiny architecture zoo failed"
+  for arch in $ARCHS; do
+    echo "-- $arch"
+    if PYTHONPATH=. timeout 240 "$VLLM_PYTHON" bench/gpu_check.py --side vllm --model-dir "$OUT/zoo/$arch" \
+         --out "$OUT/zoo_$arch.pkl" --dtype float32 --max-tokens 16 --max-model-len 256 \
+       && PYTHONPATH=. timeout 120 "$REPO_PYTHON" bench/gpu_check.py --side torch --replay --model-dir "$OUT/zoo/$arch" \
+         --out "$OUT/zoo_$arch.pkl" | sed "s/^RESULT /RESULT ${arch}_/"; then :
+    else FAILED_ARCHS="$FAILED_ARCHS $arch"; fi
+  done
+fi
+echo "RESULT arch_failures=$(echo $FAILED_ARCHS | wc -w) count target==0 ($FAILED_ARCHS )"
+
 echo "== (e) serving side by side: flywheel serve --engine vllm (routes on) vs vLLM's server; torch engine on cuda"
 # 64 requests per rate, 32 tokens, 64 running per engine; each vLLM server gets 0.3 of the GPU
 PYTHONPATH=. timeout 600 "$REPO_PYTHON" bench/serving.py --model-dir "$MODEL_DIR" --vllm --vllm-python "$VLLM_PYTHON" \
@@ -76,4 +99,5 @@ PYTHONPATH=. timeout 600 "$REPO_PYTHON" bench/serving.py --model-dir "$MODEL_DIR
   --device cuda --no-hf-and-swap --rss-layers 8 2>&1 | tee "$OUT/serving.txt" || die "bench/serving.py failed"
 grep -q "vllm_engine_vs_vllm_server_throughput" "$OUT/serving.txt" || die "no vLLM comparison figure"
 echo "RESULT gpu_check_wall_s=$(( $(date +%s) - T0 )) s target<=300"
+[ -z "$FAILED_ARCHS" ] || die "per-architecture checks failed for:$FAILED_ARCHS"
 grep "^RESULT " "$OUT/serving.txt" | grep -E "continuous_vs_static_throughput=|vllm_engine_vs_vllm_server|logging_overhead_ratio|serve_peak_rss_vs_budget"

@@ -32,7 +32,7 @@ import torch
 
 from schemas.events import RewardedSample
 from schemas.manifest import version_number
-from schemas.modelspec import moe_routers, moe_top_k
+from schemas.routers import route_shape
 from learner.batch import LearnerBatch, build_batch, filter_samples
 from learner.extensions import clear_stale_locks
 from learner.data import InMemorySamples, RefLogprobs, SampleSource
@@ -755,9 +755,7 @@ def train(model, samples: list[RewardedSample] | SampleSource, parent: str, cfg:
     cfg = resolve_precision(model, cfg)
     src = samples if hasattr(samples, "take") else InMemorySamples(samples)
     metrics: dict = {"data/n_candidates": len(src)}
-    routers = moe_routers(model)
-    L, k = len(routers), moe_top_k(model)
-    E = routers[0].num_experts if routers else 0
+    L, k, E = route_shape(model)  # L = num_hidden_layers for an MoE model (vLLM's route layout)
     kept, counts, all_routes = _filter_pass(src, parent, cfg, L, k, E)
     for reason, n in counts.items():
         key = "data/newer_than_parent" if reason == "newer_than_parent" else f"data/dropped_{reason}"

@@ -3,8 +3,10 @@
 Both sides build the model with :func:`load_model` (same dtype, same attention and experts
 implementation) and lay batches out with :func:`left_pad` and :func:`position_ids` so that
 the learner's recomputed logprobs line up with the behavior logprobs serving logged.
-Expert routes follow vLLM's layout: ``(prompt_len + completion_len - 1, moe_layers, top_k)``,
-one row per token that went through a forward pass, in sequence order.
+Expert routes follow vLLM's layout: ``(prompt_len + completion_len - 1, num_hidden_layers,
+top_k)``, one row per token that went through a forward pass, in sequence order, one column
+per transformer layer (dense layers' columns hold 0); the router adapters that find,
+capture and replay each architecture's routers are in ``schemas.routers`` (D38).
 """
 
 from __future__ import annotations
@@ -20,9 +22,30 @@ EXPERTS_IMPLEMENTATION = "grouped_mm"
 def experts_implementation(config) -> str:
     """The experts implementation for a model ``config``: :data:`EXPERTS_IMPLEMENTATION`
     for a mixture-of-experts model, ``"eager"`` for a dense one (transformers refuses any
-    other value on a model without experts)."""
-    n = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-    return EXPERTS_IMPLEMENTATION if int(n) > 1 else "eager"
+    other value on a model without experts).
+
+    Raises:
+        schemas.routers.UnsupportedArchitectureError: ``config`` declares experts but its
+            architecture has no router adapter (so no model is ever built as if dense).
+    """
+    from schemas.routers import adapter_for, num_experts
+
+    return EXPERTS_IMPLEMENTATION if adapter_for(config) is not None and num_experts(config) > 1 else "eager"
+
+
+def attention_window(config) -> int | None:
+    """The sliding attention window (tokens) of a model whose layers use one (gpt-oss's
+    ``sliding_attention`` layers, Mistral-style ``sliding_window``), else None.
+
+    The torch engine keeps a full KV cache and serves at most this many positions, so the
+    window never binds and batched, joined and padded rows attend exactly as the learner's
+    unpadded forward does (docs/decisions.md D39).
+    """
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not w or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(w)
 
 
 def checkpoint_dtype(config):
@@ -77,13 +100,23 @@ def load_tokenizer(model_dir: str | Path):
 def moe_routers(model) -> list:
     """The router modules (one per MoE layer, in layer order); empty for dense models.
 
-    A router maps hidden states ``(N, H)`` to ``(logits (N, E), gates (N, k), indices (N, k))``.
+    Found through the architecture's adapter (``schemas.routers``); a router maps hidden
+    states ``(N, H)`` to ``(logits (N, E), gates (N, k), indices (N, k))``. Their global
+    layer indices: ``schemas.routers.routed_layers``.
+
+    Raises:
+        schemas.routers.UnsupportedArchitectureError: an MoE model with no adapter.
     """
-    return [m for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    from schemas.routers import routed_layers
+
+    return [r.router for r in routed_layers(model)]
 
 
 def moe_top_k(model) -> int:
-    return int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+    """Experts per token of an MoE model (0 for a dense one)."""
+    from schemas.routers import route_shape
+
+    return route_shape(model)[1]
 
 
 def left_pad(seqs: list[list[int]], pad_id: int):

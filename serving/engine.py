@@ -29,7 +29,8 @@ from typing import Any, AsyncIterator
 
 from schemas.events import now_ms
 from schemas.manifest import digest_of_hashes, state_sha256
-from schemas.modelspec import checkpoint_dtype, load_model, load_tokenizer, moe_routers
+from schemas.modelspec import attention_window, checkpoint_dtype, load_model, load_tokenizer
+from schemas.routers import route_shape, routed_layers
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 
 log = logging.getLogger("flywheel.serving.engine")
@@ -125,8 +126,10 @@ class LoadedModel:
         hashes: ``{tensor name: sha256}`` verified at load (``schemas.manifest.state_sha256``).
         weights_digest: ``digest_of_hashes(hashes)``.
         loaded_at: ms since epoch; load_ms: time to build + verify (ms).
-        routers / route_buf: the MoE router modules and, per layer, the expert indices
-            ``(N, k)`` of the last forward (filled by forward hooks).
+        routers / route_buf: the MoE router modules and, per transformer layer (global
+            index, vLLM's layout; None for dense layers), the expert indices ``(N, k)`` of
+            the last forward (filled by forward hooks); empty for a dense model. Read them
+            with :meth:`layer_routes`. route_dims: ``(L, k, E)`` of the routes it logs.
         prefix_cache: this version's :class:`serving.prefix_cache.PrefixCache`, or None when
             the engine runs without prefix caching.
     """
@@ -138,8 +141,17 @@ class LoadedModel:
     loaded_at: int
     load_ms: float
     routers: list = field(default_factory=list)
-    route_buf: list = field(default_factory=list)  # per MoE layer: last indices (N, k)
+    route_buf: list = field(default_factory=list)  # per layer: last indices (N, k), None = dense
+    route_dims: tuple = (0, 0, 0)  # (L, k, E): schemas.routers.route_shape of the model
     prefix_cache: Any = None  # serving.prefix_cache.PrefixCache of these weights, or None (off)
+
+    def layer_routes(self) -> list:
+        """The last forward's routes per transformer layer: ``num_hidden_layers`` tensors
+        ``(N, k)`` int64, zeros for dense layers (as vLLM reports them)."""
+        import torch
+
+        ref = next(b for b in self.route_buf if b is not None)
+        return [torch.zeros_like(ref) if b is None else b for b in self.route_buf]
 
 
 @dataclass
@@ -429,20 +441,23 @@ class TorchEngine(Engine):
 
     def _wrap(self, model, version: str, t0: float) -> LoadedModel:
         hashes = state_sha256(model.state_dict())
-        routers = moe_routers(model)
+        layers, dims = routed_layers(model), route_shape(model)
         lm = LoadedModel(version=version, model=model, hashes=hashes,
                          weights_digest=digest_of_hashes(hashes), loaded_at=now_ms(),
-                         load_ms=(time.perf_counter() - t0) * 1000, routers=routers,
-                         route_buf=[None] * len(routers))
+                         load_ms=(time.perf_counter() - t0) * 1000, routers=[r.router for r in layers],
+                         route_buf=[None] * dims[0], route_dims=dims)
         if self.prefix_caching:
             from serving.prefix_cache import PrefixCache
 
             lm.prefix_cache = PrefixCache()
-        for i, r in enumerate(routers):
-            def hook(_mod, _inp, out, i=i, buf=lm.route_buf):
+        for rl in layers:
+            def hook(_mod, _inp, out, i=rl.layer, buf=lm.route_buf):
                 buf[i] = out[2]  # (N, k) selected experts
-            r.register_forward_hook(hook)
+            rl.router.register_forward_hook(hook)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        window = attention_window(model.config)
+        if window is not None:  # full KV cache, window never binds (D39)
+            self.max_positions = min(self.max_positions or window, window)
         return lm
 
     def _score_aligned(self, lm: LoadedModel, prompt: list[int], completion: list[int]):
@@ -645,7 +660,7 @@ def _score_aligned_impl(lm: LoadedModel, prompt: list[int], completion: list[int
     routes = None
     if lm.route_buf:
         T = x["input_ids"].shape[1]
-        routes = torch.stack([b.view(T, -1) for b in lm.route_buf], dim=1).cpu().numpy()  # (P + C - 1, L, k)
+        routes = torch.stack([b.view(T, -1) for b in lm.layer_routes()], dim=1).cpu().numpy()  # (P + C - 1, L, k)
     return lp.cpu().tolist(), routes
 
 

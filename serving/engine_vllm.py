@@ -18,7 +18,7 @@ Numbers it returns:
   logits: temperature 1, no top-p/top-k), the same definition as the torch engine and
   ``SamplingParams.logprobs_kind == "raw"``.
 - expert routes: ``CompletionOutput.routed_experts`` with ``enable_return_routed_experts=True``,
-  shaped ``(prompt + completion - 1, moe_layers, top_k)`` (vLLM's layout, as in DESIGN §2: the
+  shaped ``(prompt + completion - 1, num_hidden_layers, top_k)`` (vLLM's layout, DESIGN §2, D38: the
   last sampled token is never run through the model), on the request's last output. When vLLM
   cannot give them (the CPU build: routed-experts capture needs Triton; a dense model; an
   aborted or stop-string-cut request; a shape we do not expect) routes are None and
@@ -156,10 +156,14 @@ class VLLMEngine(Engine):
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = AutoConfig.from_pretrained(self.model_dir)
         self.max_positions = int(max_model_len or getattr(cfg, "max_position_embeddings", 0) or 0) or None
-        self.moe_layers = int(getattr(cfg, "num_hidden_layers", 0)) if getattr(cfg, "num_local_experts", 0) else 0
-        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        from schemas.routers import adapter_for, num_experts
+
+        moe = adapter_for(cfg) is not None  # refuses an MoE architecture with no router adapter
+        # vLLM's routed_experts: one column per transformer layer (dense layers' stay 0), D38
+        self.moe_layers = int(cfg.num_hidden_layers) if moe else 0
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if moe else 0
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.route_dtype = np.uint8 if int(getattr(cfg, "num_local_experts", 0) or 0) <= 256 else np.uint16
+        self.route_dtype = np.uint8 if num_experts(cfg) <= 256 else np.uint16
         self.pad_id = int(self.tokenizer.pad_token_id)
         eos = self.tokenizer.convert_tokens_to_ids(CHAT_STOP)
         if eos is None or eos == self.tokenizer.unk_token_id:

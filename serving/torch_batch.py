@@ -1,7 +1,7 @@
 """The torch engine's running batch: iteration-level (continuous) batching on one set of weights.
 
 A :class:`RunningBatch` holds the sequences generating on one :class:`serving.engine.LoadedModel`,
-their KV cache (HF ``DynamicCache``, ``(B, heads, W, head_dim)`` per layer), the attention mask
+their KV cache (HF ``DynamicCache`` of full layers, ``(B, heads, W, head_dim)`` per layer), the attention mask
 ``(B, W)``, each row's next position ``(B, 1)`` and the logits of each row's next token
 ``(B, V)``. Layout invariants (DESIGN §4, ``schemas.modelspec``):
 
@@ -81,6 +81,19 @@ def _left_pad_cols(x, width: int, dim: int):
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim=dim)
 
 
+def _full_cache():
+    """An empty HF ``DynamicCache`` whose every layer keeps all its keys and values.
+
+    Built without the model config on purpose: a config with sliding-window layers (gpt-oss)
+    would make those layers drop old columns, breaking ``mask.shape[1] == cache length``;
+    the engine serves such models up to the window only (``schemas.modelspec.attention_window``,
+    docs/decisions.md D39), where the window masks nothing.
+    """
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
 class RunningBatch:
     """The sequences running on one LoadedModel (see module docstring).
 
@@ -101,13 +114,8 @@ class RunningBatch:
         self.logits = None  # (B, V) float32
         self._filter_key: tuple | None = None
         self._filter = None
-        model = lm.model
-        self.n_layers = len(lm.routers)
-        from schemas.modelspec import moe_top_k
-
-        self.top_k = moe_top_k(model) if self.n_layers else 0
-        wide = int(getattr(model.config, "num_local_experts", 0) or 0) > 256
-        self.route_dtype = np.uint16 if wide else np.uint8
+        self.n_layers, self.top_k, n_experts = lm.route_dims  # L = num_hidden_layers (vLLM's layout)
+        self.route_dtype = np.uint16 if n_experts > 256 else np.uint8
 
     # ------------------------------------------------------------------ membership
     def join(self, items: list, now: float) -> None:
@@ -153,16 +161,16 @@ class RunningBatch:
             s.cached = p
         ids, mask0 = left_pad([pr[p:] for pr in prompts], eng.pad_id)  # (Bn, Tn) int64: the suffixes
         Bn, Tn = ids.shape
-        cache = None
+        cache = _full_cache()
         pos_ids = position_ids(mask0)
         if entry is not None:  # layout [prefix | left padding | suffix]; positions go on from p
-            cache = entry.cache_for(Bn, lm.model.config)
+            cache = entry.cache_for(Bn, None)
             pos_ids = pos_ids + p
             mask0 = torch.cat([torch.ones((Bn, p), dtype=mask0.dtype), mask0], dim=1)
         out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=pos_ids.to(dev),
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
         if self.n_layers:  # (Bn, Tn, L, k): every prefilled token's expert selection
-            pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.route_buf], dim=2).cpu().numpy()
+            pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.layer_routes()], dim=2).cpu().numpy()
             for j, s in enumerate(seqs):
                 if entry is not None:
                     s.routes[:p] = entry.routes
@@ -207,11 +215,11 @@ class RunningBatch:
         n = len(tokens)
         out = lm.model(input_ids=new, attention_mask=torch.ones((1, n), dtype=torch.long, device=dev),
                        position_ids=torch.arange(b, n, device=dev).unsqueeze(0),
-                       past_key_values=base.cache_for(1, lm.model.config) if base is not None else None,
+                       past_key_values=base.cache_for(1, None) if base is not None else _full_cache(),
                        use_cache=True, logits_to_keep=1)
         routes = None
         if self.n_layers:
-            rt = torch.stack([x.view(n - b, self.top_k) for x in lm.route_buf], dim=1).cpu().numpy()
+            rt = torch.stack([x.view(n - b, self.top_k) for x in lm.layer_routes()], dim=1).cpu().numpy()
             rt = rt.astype(self.route_dtype)
             routes = np.concatenate([base.routes, rt]) if base is not None else rt
         kv = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in out.past_key_values.layers]
@@ -393,7 +401,7 @@ class RunningBatch:
         self.pos = self.pos + 1
         self.logits = out.logits[:, -1, :].float()
         if self.n_layers:  # (B, L, k): routes of the tokens just fed
-            rt = torch.stack([b.view(B, self.top_k) for b in self.lm.route_buf], dim=1).cpu().numpy()
+            rt = torch.stack([b.view(B, self.top_k) for b in self.lm.layer_routes()], dim=1).cpu().numpy()
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j]
 
@@ -434,7 +442,7 @@ class RunningBatch:
         self.cache = out.past_key_values
         B = R + J
         if self.n_layers:  # (B, T, L, k): routes of every token fed
-            rt = torch.stack([b.view(B, T, self.top_k) for b in self.lm.route_buf], dim=2).cpu().numpy()
+            rt = torch.stack([b.view(B, T, self.top_k) for b in self.lm.layer_routes()], dim=2).cpu().numpy()
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j, -1]
             for j, s in enumerate(joining):

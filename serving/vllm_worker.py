@@ -19,14 +19,30 @@ log = logging.getLogger("flywheel.serving.vllm_worker")
 _FUSED = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$")
 
 
-def to_checkpoint_names(state: dict) -> list[tuple[str, object]]:
-    """transformers-5 Mixtral state dict -> the on-disk (vLLM ``load_weights``) layout.
+def to_checkpoint_names(state: dict, config=None) -> list[tuple[str, object]]:
+    """transformers-5 state dict -> the on-disk (vLLM ``load_weights``) layout.
+
+    With ``config`` (the model's transformers config): transformers' own reverse of its
+    load-time weight conversion for that architecture
+    (``transformers.core_model_loading.revert_weight_conversion`` on a meta-device model),
+    the names and tensors ``save_pretrained`` writes, for every architecture in
+    ``schemas.routers``. Without it, the Mixtral map below (the same result for Mixtral).
+
+    Mixtral:
 
     ``*.mlp.gate.weight`` -> ``*.block_sparse_moe.gate.weight``;
     ``*.mlp.experts.gate_up_proj`` ``(E, 2I, H)`` -> per expert ``w1`` = rows ``[:I]`` (gate),
     ``w3`` = rows ``[I:]`` (up); ``*.mlp.experts.down_proj`` ``(E, H, I)`` -> per expert ``w2``.
     Other names pass through. Returns ``[(name, tensor)]`` (views of ``state``'s tensors).
     """
+    if config is not None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.core_model_loading import revert_weight_conversion
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        return list(dict(revert_weight_conversion(meta, dict(state))).items())
     out = []
     for k, v in state.items():
         m = _FUSED.match(k)
@@ -160,7 +176,8 @@ class FlywheelWorkerExtension:
         from safetensors.torch import load_file
 
         state = load_file(path)
-        items = [(k, v.contiguous()) for k, v in to_checkpoint_names(state)
+        config = self.model_runner.model_config.hf_config
+        items = [(k, v.contiguous()) for k, v in to_checkpoint_names(state, config)
                  if not (tied and k == "lm_head.weight")]
         self.reload_weights(weights_iterator=items, is_checkpoint_format=True)
         res = repack_cpu_experts(self.model_runner.get_model(), state)
