@@ -31,7 +31,7 @@ sampling                    struct<temperature: double,    the request's samplin
                             int64, logprobs_kind: string>
 expert_routes               binary (null for dense)        C-order bytes of the routes array,
                                                            little endian, dtype below
-expert_routes_shape         list<int32> (3 values)         (P + C - 1, moe_layers, top_k)
+expert_routes_shape         list<int32> (3 values)         (P + C - 1, num_hidden_layers, top_k)
 expert_routes_dtype         string                         ``uint8`` or ``uint16``
 finish_reason               string (dictionary)            stop | length | abort
 reward                      float32                        shaped reward

@@ -188,9 +188,10 @@ BASE64_PATTERN = r"^[A-Za-z0-9+/]*={0,2}$"  # RFC 4648 base64, padded
 class ExpertRoutes(_Event):
     """Expert routes of one completion, vLLM's layout.
 
-    ``to_array()`` gives a ``(prompt_len + completion_len - 1, moe_layers, top_k)`` array of
-    dtype uint8 (uint16 when there are more than 256 experts): the experts selected for
-    every token that went through a forward pass, in order.
+    ``to_array()`` gives a ``(prompt_len + completion_len - 1, num_hidden_layers, top_k)``
+    array of dtype uint8 (uint16 when there are more than 256 experts): the experts selected
+    for every token that went through a forward pass, one column per transformer layer in
+    order (a dense layer's column is 0 and is never read; D38).
     """
 
     shape: tuple[Count, Count, Count]
@@ -231,7 +232,7 @@ class CompletionEvent(_Event):
     """One served completion, as the serving pod logged it (key: completion_id).
 
     Shapes: ``behavior_logprobs`` has one float32 per completion token;
-    ``expert_routes`` is ``(len(prompt) + len(completion) - 1, moe_layers, top_k)`` or None
+    ``expert_routes`` is ``(len(prompt) + len(completion) - 1, num_hidden_layers, top_k)`` or None
     for dense models. Times: ``created_at`` ms since epoch UTC; ``ttft_ms``/``latency_ms`` ms.
 
     Bounds (also in the exported JSON Schema): ``created_at`` in [10**12, 4102444800000]

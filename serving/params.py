@@ -124,8 +124,8 @@ class GenResult:
         behavior_logprobs: float32 log p of each sampled token under the raw distribution
             (temperature 1, unfiltered), one per completion token.
         top_logprobs: per step, ``[(token_id, logprob), ...]`` (k most likely, raw) or [].
-        expert_routes: uint8/uint16 ndarray ``(prompt_len + completion_len - 1, moe_layers,
-            top_k)``, or None for dense models.
+        expert_routes: uint8/uint16 ndarray ``(prompt_len + completion_len - 1,
+            num_hidden_layers, top_k)`` (dense layers' columns 0; D38), or None for dense models.
         finish_reason: ``stop`` | ``length`` | ``abort``.
         ttft_ms / latency_ms: time from submit to the first token / to the end (ms).
         queue_ms: time from submit until its batch started (ms), part of both above.
