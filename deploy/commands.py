@@ -327,8 +327,7 @@ def register(app: typer.Typer) -> None:
         res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_START", what,
                    version, d.stable, who, reason, why,
                    row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
-        _report(res, f"canary of {version} at {weight:.0%} started (the controller analyses and advances it)",
-                version, hint="to take the candidate back: `flywheel canary abort --yes`")
+        _report(res, f"canary of {version} at {weight:.0%} started", version, hint="to take the candidate back: `flywheel canary abort --yes`")
 
     @canary.command("abort")
     def canary_abort(serving: Optional[list[str]] = _serving_opt(),
