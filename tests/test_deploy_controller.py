@@ -582,6 +582,24 @@ def test_canary_abort_and_start_act_on_the_pod_and_the_controller_carries_on(env
     assert env.admin.slots().candidate_weight == 0.5
 
 
+def test_a_candidate_in_the_record_with_no_canary_in_the_ledger_is_opened_not_left_unjudged(env):
+    """`canary start` changed the record and the pod but its ledger row was lost (the ledger
+    could not be written): the controller opens the canary of that candidate, even one it
+    would not pick itself (rolled back before), instead of leaving it serving unanalysed."""
+    publish_v(env.store, "v000000")
+    env.store.set_status("v000001", "rolled_back", "earlier canary")
+    FleetRecord(env.store).change(lambda d: (setattr(d, "candidate", "v000001"), setattr(d, "weight", 0.3), d)[-1],
+                                  "oncall-bob", "canary start of v000001")
+    assert not ledger.decisions(env.ledger)
+    st = controller(env, Clock(), steps=(0.25, 0.5, 1.0)).reconcile()
+    assert (st.phase, st.candidate, st.step, st.weight) == (RolloutPhase.CANARY, "v000001", 0, 0.25)
+    assert "started by oncall-bob" in st.last_reason
+    s = env.admin.slots()
+    assert (s.candidate.version, s.candidate_weight) == ("v000001", 0.25)
+    row = ledger.decisions(env.ledger)[-1]
+    assert (row.decision, row.actor, row.version) == ("START", "oncall-bob", "v000001")
+
+
 def test_controller_processes_resume_from_the_persisted_phase(env):
     """Two separate `flywheel controller --once` processes: the second resumes the canary."""
     import os
