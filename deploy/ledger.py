@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,6 +43,24 @@ CREATE TABLE IF NOT EXISTS decisions (
     actor VARCHAR         -- 'controller' or the user who ran a CLI command
 )
 """
+
+
+def _finite(x):
+    """``x`` with every non-finite float (NaN, +-inf: no JSON value) replaced by None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _json(x) -> str:
+    """Strict JSON of a row or its numbers: a ratio over zero votes (inf) or an undefined
+    interval (NaN) becomes null, never the non-JSON tokens ``Infinity``/``NaN`` that other
+    languages' consumers refuse."""
+    return json.dumps(_finite(json.loads(json.dumps(x, default=str))), allow_nan=False)
 
 
 def _connect(path: Path, read_only: bool = False, timeout_s: float = 10.0):
@@ -74,7 +93,7 @@ def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None) -> Ledg
     try:
         con.execute("INSERT INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [entry.ts, entry.version, entry.stable, entry.step, entry.weight, entry.decision,
-                     entry.reason, json.dumps(entry.numbers, default=str), entry.actor])
+                     entry.reason, _json(entry.numbers), entry.actor])
     finally:
         con.close()
     if bootstrap:
@@ -94,7 +113,7 @@ def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 10.0) -> None
     p = KafkaProducer(**kafka_client_config(bootstrap), acks="all", linger_ms=0)
     try:
         p.send(DEPLOYMENTS, key=entry.version.encode(),
-               value=json.dumps(asdict(entry), default=str).encode()).get(timeout=timeout_s)
+               value=_json(asdict(entry)).encode()).get(timeout=timeout_s)
     finally:
         p.close(timeout=timeout_s)
 

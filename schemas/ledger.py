@@ -10,6 +10,23 @@ because it is shared by the writer (``deploy/``) and every reader (D52).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+
+from schemas.events import INT32_MAX, EventTimeMs, IdText, Text
+
+#: Canary step index: -1 outside a canary, else 0..INT32_MAX.
+Step = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+#: The candidate's traffic share, 0..1.
+Weight = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+def _published_rows_carry_ts(schema: dict) -> None:
+    """In the exported schema ``ts`` is required and has no default: 0 is the in-process
+    placeholder that ``deploy.ledger.record`` replaces before a row is written or published."""
+    schema["properties"]["ts"].pop("default", None)
+    schema["required"] = [*schema.get("required", []), "ts"]
 
 
 @dataclass
@@ -27,15 +44,21 @@ class LedgerEntry:
         reason: why, in words.
         numbers: the decision's figures (JSON object): counts, intervals, per-pod outcomes.
         actor: ``controller`` or the user who ran a CLI command.
-        ts: ms since the epoch (UTC); 0 = stamped by ``deploy.ledger.record``.
+        ts: ms since the epoch (UTC); 0 until ``deploy.ledger.record`` stamps it, so every
+            published row carries an event time (the exported schema requires one).
+
+    Bounds are stated as for every event (``schemas.events``: times, ids, text without NUL or
+    lone surrogates) and exported in the JSON Schema; ``numbers`` is a free-form JSON object.
     """
 
-    version: str
-    stable: str | None
-    step: int
-    weight: float
-    decision: str
-    reason: str
+    __pydantic_config__ = ConfigDict(json_schema_extra=_published_rows_carry_ts)
+
+    version: IdText
+    stable: IdText | None
+    step: Step
+    weight: Weight
+    decision: IdText
+    reason: Text
     numbers: dict = field(default_factory=dict)
-    actor: str = "controller"
-    ts: int = 0
+    actor: IdText = "controller"
+    ts: EventTimeMs = 0

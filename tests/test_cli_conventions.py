@@ -107,7 +107,7 @@ def test_shell_completion():
     r = CliRunner().invoke(app, [], env=env, prog_name="flywheel")
     assert r.stdout.split() == ["table", "wide", "json", "yaml"]
     r = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="flywheel")
-    assert r.exit_code == 0 and "_FLYWHEEL_COMPLETE=complete_bash" in r.stdout
+    assert r.exit_code == 0 and "_FLYWHEEL_COMPLETE=complete_bash" in r.stdout, (r.output, r.exception)
     assert "complete -o default -F _flywheel_completion flywheel" in r.stdout
 
 

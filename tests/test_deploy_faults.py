@@ -189,7 +189,9 @@ def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(en
                            "--serving-timeout-s", str(T), "--steps", "0.5,1")
     assert r.exit_code == 1, r.output  # the step failed: scripts and CronJobs see it (issue 22 defect 8)
     assert "phase=failed" in out and "is not marked failed" in out, out
-    assert took < 2 * T + 1.5, took  # one timeout; a clean-up call to the same pod would add another
+    # bounded: one timeout at most (a loaded CI box adds seconds of in-process work, so the call
+    # counts below are the exact check that no second call, nor a clean-up call, went to pod 2)
+    assert took < 3 * T + 3.0, took
     assert bad.calls["/admin/load"] == 1 and bad.calls["/admin/rollback"] == 0
     assert healthy.calls["/admin/load"] == 1 and healthy.calls["/admin/rollback"] == 1
     assert env.store.manifest("v000001").status_history[-1].status == "published"
