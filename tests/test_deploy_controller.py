@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
-from deploy.commands import register, rollout_status_path
+from deploy.commands import register
 from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, canary_counts, vote_counts
 from deploy.desired import FleetRecord
 from deploy.serving_client import ServingAdmin, ServingAdminError
