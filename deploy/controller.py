@@ -2,8 +2,10 @@
 
 Every decision is first written into the fleet's desired-state record
 (:mod:`deploy.desired`); each reconcile step then brings every discovered pod to that record
-(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before, and
-operators' intents (canary start / abort) are read from the same record.
+(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before. A
+canary an operator started (``flywheel canary start``: candidate and weight in the record, a
+MANUAL_CANARY_START ledger row) is analysed and advanced like the controller's own; a
+request left in the record's ``intent`` field is acted on at the next reconcile.
 
 Every decision goes to the ledger (DuckDB + ``flywheel.deployments``), and the ledger is
 the source of truth of the rollout: :func:`status_from_ledger` replays it into a
