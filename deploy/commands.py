@@ -5,8 +5,9 @@ Operator actions act on the fleet, not on one pod: each writes the intent into t
 desired-state record on the store's shared storage (:mod:`deploy.desired`), then brings every
 pod to it through the controller's own reconcile code (:mod:`deploy.operator`) and returns
 when every pod serves it or ``--timeout`` passes, printing each pod's outcome; the exit status
-is 0 only when every pod converged. ``canary start|abort`` record an intent the controller
-acts on at its next poll.
+is 0 only when every pod converged. ``canary start|abort`` do the same with the candidate
+(load it at the first weight, or drop it); the controller analyses and advances a canary an
+operator started like its own.
 
 Every action that changes traffic asks for confirmation unless ``--yes`` and is recorded in
 the ledger whether it succeeded or failed (decision ``X`` or ``X_FAILED``), with who ran it
@@ -33,8 +34,8 @@ from rich.table import Table
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
-from deploy.controller import (DEADLINE_OUTCOMES, ControllerConfig, RolloutController, RolloutPhase,
-                               RolloutStatus, current_status, write_intent)
+from deploy.controller import (DEADLINE_OUTCOMES, DEFAULT_STEPS, ControllerConfig, RolloutController,
+                               RolloutPhase, RolloutStatus, current_status)
 from deploy.desired import DesiredState, FleetRecord, LockTimeout
 from deploy.discovery import PodDiscovery
 from deploy.fleet import drift, observe_pods
@@ -161,12 +162,13 @@ def _pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float, quiet
 
 
 def _record_action(decision: str, version: str | None, stable: str | None, reason: str, actor: str,
-                   numbers: dict | None = None) -> None:
-    """One ledger row for an operator action (step -1, weight 0). A ledger that cannot be
-    written is reported, never hides the action's own outcome."""
+                   numbers: dict | None = None, step: int = -1, weight: float = 0.0) -> None:
+    """One ledger row for an operator action (step -1, weight 0 unless given: a canary start
+    is step 0 at its weight). A ledger that cannot be written is reported, never hides the
+    action's own outcome."""
     try:
         ledger.record(settings.ledger_path(), ledger.LedgerEntry(
-            version=version or "", stable=stable, step=-1, weight=0.0, decision=decision, reason=reason,
+            version=version or "", stable=stable, step=step, weight=weight, decision=decision, reason=reason,
             numbers=numbers or {}, actor=actor), _bootstrap())
     except Exception as exc:  # noqa: BLE001 - the operator must still see what happened
         console.print(f"[red]could not record {decision} in the ledger {settings.ledger_path()}:[/red] {exc}")
@@ -254,6 +256,13 @@ def previous_promoted(store: ModelStore, stable: str) -> str | None:
     return store.previous_stable(stable)
 
 
+def _share(w: float) -> float:
+    """A candidate traffic share for ``--weight``: in (0, 1), else a usage error."""
+    if not 0.0 < w < 1.0:
+        raise typer.BadParameter(f"must be in (0, 1) (a share of users; 1 would leave the stable arm empty), got {w}")
+    return w
+
+
 def _actor_opt():
     return typer.Option(None, "--actor", callback=_text,
                         help="who does this, recorded in the ledger (default $FLYWHEEL_ACTOR, else $USER)")
@@ -271,43 +280,91 @@ def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
 def register(app: typer.Typer) -> None:
     """Add ``controller``, ``status``, ``versions``, ``promote``, ``rollback``,
     ``canary start|abort``, ``pause``, ``resume`` and ``runbook``."""
-    canary = typer.Typer(help="Ask the controller to start or abort a canary (intent recorded in the fleet's "
-                              "desired state).", no_args_is_help=True)
+    canary = typer.Typer(help="Start or abort a canary on every pod (the fleet's desired state); the controller "
+                              "analyses and advances it.", no_args_is_help=True)
     app.add_typer(canary, name="canary")
 
     @canary.command("start")
     def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
+                     weight: float = typer.Option(DEFAULT_STEPS[0], "--weight", callback=_share, help="share of users sent to VERSION at the "
+                                                  "first step, in (0, 1) (the controller's default first step)"),
+                     serving: Optional[list[str]] = _serving_opt(),
                      actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                     serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Canary VERSION at the controller's next reconcile (also one it skipped or rolled back)."""
-        who = _actor(actor)
-        store = _store()
+        """Load VERSION as the candidate on every pod at --weight (also a version the controller
+        skipped or rolled back); the controller then analyses and advances it like its own.
+        Refused while a canary is in progress. Returns when every pod serves it or --timeout
+        passes (exit 1), printing each pod's outcome."""
+        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+        store, fleet = _store(), _fleet()
+        what = f"canary start of {version}"
         if version not in store.versions():
-            _action_failed("MANUAL_CANARY_START", f"canary start of {version}", version, None, who, reason,
+            _action_failed("MANUAL_CANARY_START", what, version, None, who, reason,
                            f"version: {version!r} is not in the store (it has "
                            f"{', '.join(store.versions()) or 'none'})")
-        _confirm(f"start a canary of {version}", yes)
-        write_intent(_fleet(store), "start", who, version)
-        _record_action("MANUAL_CANARY_START", version, None,
-                       _because(f"canary start of {version} requested by {who}", reason), who, {"why": reason})
-        console.print(f"recorded: start canary of {version}; the controller acts at its next reconcile")
+        try:
+            store.manifest(version)
+        except CorruptVersionError as exc:
+            _action_failed("MANUAL_CANARY_START", what, version, None, who, reason, f"version: {exc}")
+        d = _read_desired(fleet, "MANUAL_CANARY_START", what, who, reason)
+        _confirm(f"start a canary of {version} at {weight:.0%} on every pod (stable {d.stable})", yes)
+        why = _because(f"canary of {version} against {d.stable} at {weight:.0%}, started by {who}", reason)
+
+        def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
+            if x.candidate is not None:
+                raise ValueError(f"candidate: a canary of {x.candidate} at {x.weight:.0%} is in progress "
+                                 f"(generation {x.generation}, {x.action or 'set'} by {x.actor or '?'}); "
+                                 "`flywheel canary abort --yes` first")
+            if x.stable == version:
+                raise ValueError(f"version: {version} is the fleet's stable version")
+            x.candidate, x.weight = version, weight
+            return x
+
+        def on_changed(before, after):
+            store.set_status(version, "canary", why, actor=who)
+
+        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_START", what,
+                   version, d.stable, who, reason, why,
+                   row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
+        _report(res, f"canary of {version} at {weight:.0%} started", version, hint="to take the candidate back: `flywheel canary abort --yes`")
 
     @canary.command("abort")
-    def canary_abort(actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+    def canary_abort(serving: Optional[list[str]] = _serving_opt(),
+                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                     serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                      yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Abort the canary in progress: the controller drops the candidate on every pod."""
-        who = _actor(actor)
+        """Abort the canary in progress: drop the candidate on every pod (stable takes all
+        traffic) and mark it aborted (the controller does not start it again by itself).
+        Returns when every pod dropped it or --timeout passes (exit 1), printing each pod's outcome."""
+        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+        store, fleet = _store(), _fleet()
+        d = _read_desired(fleet, "MANUAL_CANARY_ABORT", "canary abort", who, reason)
         st = current_status(rollout_status_path(), settings.ledger_path())
-        if st.phase != RolloutPhase.CANARY:
-            _action_failed("MANUAL_CANARY_ABORT", "canary abort", st.candidate, st.stable, who, reason,
-                           f"no canary in progress (phase {st.phase.value}); to drop a loaded candidate use "
-                           "`flywheel rollback`")
-        _confirm(f"abort the canary of {st.candidate} at {st.weight:.0%}", yes)
-        write_intent(_fleet(), "abort", who)
-        _record_action("MANUAL_CANARY_ABORT", st.candidate, st.stable,
-                       _because(f"abort of the canary of {st.candidate} requested by {who}", reason), who,
-                       {"why": reason, "step": st.step, "weight": st.weight})
-        console.print(f"recorded: abort canary of {st.candidate}; the controller acts at its next reconcile")
+        cand = d.candidate or (st.candidate if st.phase == RolloutPhase.CANARY else None)
+        if cand is None:
+            _action_failed("MANUAL_CANARY_ABORT", "canary abort", st.candidate, d.stable, who, reason,
+                           f"no canary in progress (phase {st.phase.value}, no candidate in the fleet's desired "
+                           "state); to drop a loaded candidate use `flywheel rollback`")
+        _confirm(f"abort the canary of {cand} at {d.weight:.0%} on every pod (stable {d.stable} takes all traffic)",
+                 yes)
+        why = _because(f"canary of {cand} aborted by {who} at step {st.step} ({d.weight:.0%})", reason)
+
+        def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
+            if x.candidate != d.candidate:
+                raise ValueError(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
+                                 f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
+            x.candidate, x.weight = None, 0.0
+            return x
+
+        def on_changed(before, after):
+            store.set_status(cand, "aborted", why)
+            _end_rollout(cand, RolloutPhase.ABORTED, "MANUAL_CANARY_ABORT", why)
+
+        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_ABORT",
+                   f"canary abort of {cand}", cand, d.stable, who, reason, why,
+                   row=lambda after: {"stable": after.stable, "step": st.step, "weight": 0.0})
+        _report(res, f"aborted the canary of {cand}; stable {d.stable} serves all traffic", d.stable)
 
     @app.command("pause")
     def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
@@ -702,18 +759,23 @@ def _read_desired(fleet: FleetRecord, decision: str, what: str, who: str, why: s
 
 
 def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decision, what, version, stable, who,
-         why_flag, why) -> ActionResult:
-    """:func:`deploy.operator.run_action` with this CLI's pods, ledger rows and failures."""
+         why_flag, why, row=None) -> ActionResult:
+    """:func:`deploy.operator.run_action` with this CLI's pods, ledger rows and failures.
+    ``row(after) -> {"stable", "step", "weight"}`` overrides the ledger rows' fields from the
+    record as written (under the lock)."""
     pods = _pods(fleet, serving, serving_timeout_s)
     t0 = time.monotonic()
+    fields = {"stable": stable}
 
     def record(suffix: str, numbers: dict) -> None:
         dec = {"": decision, "converged": "FLEET_CONVERGED", "not_converged": "FLEET_NOT_CONVERGED"}[suffix]
         p = numbers.get("pods") or {}
-        _record_action(dec, version, stable, f"{why} ({p.get('converged', 0)} of {p.get('pods', 0)} pods converged)",
-                       who, {"why": why_flag, **numbers})
+        _record_action(dec, version, reason=f"{why} ({p.get('converged', 0)} of {p.get('pods', 0)} pods converged)",
+                       actor=who, numbers={"why": why_flag, **numbers}, **fields)
 
     def statuses(before, after) -> None:  # the record changed: a status write that fails is reported, not fatal
+        if row is not None:
+            fields.update(row(after))
         try:
             on_changed(before, after)
         except Exception as exc:  # noqa: BLE001 - e.g. a corrupt manifest of the version replaced
@@ -728,8 +790,9 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
         _action_failed(decision, what, version, stable, who, why_flag, f"{exc}; nothing was changed", t0=t0)
 
 
-def _report(res: ActionResult, done: str, target: str) -> None:
-    """Print each pod's outcome and the end; exit 1 unless every pod converged."""
+def _report(res: ActionResult, done: str, target: str, hint: str = "") -> None:
+    """Print each pod's outcome and the end (``hint`` too when not every pod converged);
+    exit 1 unless every pod converged."""
     for o in res.outcomes:
         console.print(("  [green]ok[/green] " if o.ok else "  [red]!![/red] ") + o.line())
     if res.discovery_error:
@@ -746,7 +809,8 @@ def _report(res: ActionResult, done: str, target: str) -> None:
         return
     console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {k} of {n} pods "
                   f"serve it after {res.elapsed_s:.1f} s. The controller keeps retrying the others at each poll "
-                  "(`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge').")
+                  "(`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
+                  (f" {hint[0].upper()}{hint[1:]}." if hint else ""))
     raise typer.Exit(1)
 
 

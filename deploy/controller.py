@@ -2,8 +2,10 @@
 
 Every decision is first written into the fleet's desired-state record
 (:mod:`deploy.desired`); each reconcile step then brings every discovered pod to that record
-(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before, and
-operators' intents (canary start / abort) are read from the same record.
+(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before. A
+canary an operator started (``flywheel canary start``: candidate and weight in the record, a
+MANUAL_CANARY_START ledger row) is analysed and advanced like the controller's own; a
+request left in the record's ``intent`` field is acted on at the next reconcile.
 
 Every decision goes to the ledger (DuckDB + ``flywheel.deployments``), and the ledger is
 the source of truth of the rollout: :func:`status_from_ledger` replays it into a
@@ -152,7 +154,8 @@ class ControllerConfig:
 
 _END_PHASE = {"PROMOTE": RolloutPhase.PROMOTED, "ROLLBACK": RolloutPhase.ROLLED_BACK,
               "FAILED": RolloutPhase.FAILED, "ABORT": RolloutPhase.ABORTED,
-              "MANUAL_PROMOTE": RolloutPhase.PROMOTED, "MANUAL_ROLLBACK": RolloutPhase.ABORTED}
+              "MANUAL_PROMOTE": RolloutPhase.PROMOTED, "MANUAL_ROLLBACK": RolloutPhase.ABORTED,
+              "MANUAL_CANARY_ABORT": RolloutPhase.ABORTED}
 
 
 _NOT_ROLLOUT = ("RELOAD", "RECONCILE", "FLEET_CONVERGED", "FLEET_NOT_CONVERGED")  # pod repairs, no decision
@@ -162,16 +165,22 @@ def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | Non
     """Replay ledger decisions (oldest first) into the rollout status they imply; None if
     no rollout was ever recorded.
 
-    START opens a canary (candidate, stable, step 0, weight, ``canary_started_ms``);
+    START, and MANUAL_CANARY_START (``flywheel canary start``, which puts the candidate on
+    every pod itself), open a canary (candidate, stable, step 0, weight, ``canary_started_ms``);
     ADVANCE moves it to the recorded step and weight (``step_started_ms``); HOLD updates the
-    last outcome; PROMOTE / ROLLBACK / FAILED / ABORT end it; MANUAL_PROMOTE of the candidate
-    and any MANUAL_ROLLBACK (the CLI always drops the candidate) end it too. FAILED is
-    recorded without a START. RELOAD, RECONCILE and FLEET_* (pod repairs and convergence reports) change nothing.
+    last outcome; PROMOTE / ROLLBACK / FAILED / ABORT end it; MANUAL_PROMOTE and
+    MANUAL_CANARY_ABORT of the candidate and any MANUAL_ROLLBACK (the CLI always drops the
+    candidate) end it too. FAILED is recorded without a START. RELOAD, RECONCILE and FLEET_*
+    (pod repairs and convergence reports) change nothing. Rows ``MANUAL_CANARY_*`` without
+    ``numbers["pods"]`` are requests an earlier CLI recorded for the controller to act on
+    (its own START / ABORT row followed): they change nothing either.
     """
     st = None
     for e in entries:
         d = e.decision
-        if d == "START" or (d == "FAILED" and (st is None or st.phase != RolloutPhase.CANARY)):
+        if d in ("MANUAL_CANARY_START", "MANUAL_CANARY_ABORT") and "pods" not in (e.numbers or {}):
+            continue  # a request, not an action (see above)
+        if d in ("START", "MANUAL_CANARY_START") or (d == "FAILED" and (st is None or st.phase != RolloutPhase.CANARY)):
             st = RolloutStatus(phase=RolloutPhase.CANARY, candidate=e.version, stable=e.stable, step=e.step,
                                weight=e.weight, canary_started_ms=e.ts, step_started_ms=e.ts)
         if st is None:
@@ -188,7 +197,7 @@ def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | Non
         if d not in _NOT_ROLLOUT and (e.version == st.candidate or d.startswith("MANUAL_")):
             st.last_outcome, st.last_reason = d, e.reason
             nums = e.numbers or {}
-            if d == "START":
+            if d in ("START", "MANUAL_CANARY_START"):
                 st.failed_checks, st.decided_by = {}, None
             elif isinstance(nums.get("failed_checks"), dict):
                 st.failed_checks = dict(nums["failed_checks"])
@@ -519,11 +528,19 @@ class RolloutController:
         return st
 
     def _maybe_start(self, st: RolloutStatus, intent: dict | None = None) -> RolloutStatus:
-        stable = self.fleet.read().stable
+        desired = self.fleet.read()
+        stable = desired.stable
         if stable is None:
             return st
         actor = "controller"
-        if intent and intent["action"] == "start":
+        if intent is None and desired.candidate is not None:
+            # a candidate in the record while the ledger has no canary of it (the ledger row of
+            # `flywheel canary start`, or of this controller's START, was not written): open the
+            # canary of it, so it is analysed rather than left serving unjudged
+            cand = desired.candidate
+            if desired.action.startswith("canary start") and desired.actor:
+                actor = desired.actor
+        elif intent and intent["action"] == "start":
             cand, actor = intent["version"], intent["actor"]
             try:
                 self.store.manifest(cand)

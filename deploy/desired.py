@@ -1,7 +1,7 @@
 """The fleet's desired state: one persisted record on the model store's shared storage.
 
 What every serving pod should serve (stable version, candidate and its traffic share), what
-the learner should do (paused or not), and an operator's pending canary intent, with a
+the learner should do (paused or not), and a pending canary request for the controller, with a
 generation number that grows by one at every change (Argo Rollouts' / Flagger's one object
 per rollout). The controller and the operator commands are its only writers, both through
 :meth:`FleetRecord.change`; every pod is brought to it by :mod:`deploy.fleet`, and a pod that
@@ -68,8 +68,10 @@ class DesiredState:
             epoch, the pod's ``loaded_at``) reloads ``stable`` from the store, verified
             (``flywheel rollback --to <the current stable>``); 0 = no reload asked.
         paused: ``{"actor", "at" (ms), "reason"}`` while the learner is paused, else None.
-        intent: an operator's request the controller acts on at its next reconcile:
+        intent: a request the controller acts on at its next reconcile (:func:`deploy.controller.write_intent`):
             ``{"action": "start"|"abort", "version", "actor", "at" (ms)}``, or None.
+            ``flywheel canary start|abort`` do not use it: they change ``candidate`` and
+            ``weight`` and converge the pods themselves (:mod:`deploy.operator`).
         pods: the serving specs the controller discovers pods from (URLs or
             ``dns+http://`` specs, :mod:`deploy.discovery`), so an operator command on any
             machine reaches the same pods; [] until a controller recorded them.

@@ -24,8 +24,9 @@ from typer.testing import CliRunner
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
-from deploy.commands import register, rollout_status_path
+from deploy.commands import register
 from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, canary_counts, vote_counts
+from deploy.desired import FleetRecord
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import CorruptVersionError, ModelStore
 from flywheel.broker import free_port
@@ -522,7 +523,10 @@ def test_ledger_waits_for_another_process_holding_the_lock(tmp_path):
     assert [(r.decision, r.step, r.numbers) for r in rows] == [("START", 0, {}), ("ADVANCE", 1, {"z": 0.5})]
 
 
-def test_canary_abort_and_start_are_recorded_intents(env):
+def test_canary_abort_and_start_act_on_the_pod_and_the_controller_carries_on(env):
+    """`canary abort|start` change the desired state and the pod before they return; the
+    controller analyses and advances a canary the operator started, and does not restart one
+    the operator aborted."""
     app = typer.Typer()
     register(app)
     run = CliRunner().invoke
@@ -531,27 +535,69 @@ def test_canary_abort_and_start_are_recorded_intents(env):
     assert r.exit_code == 1 and "no canary in progress" in r.output
     clock = Clock()
     controller(env, clock).reconcile()
+    assert env.admin.slots().candidate.version == "v000001"
     r = run(app, ["canary", "abort", "--yes"])
-    assert r.exit_code == 0, r.output
-    # the CLI only recorded intent: serving still has the candidate until the controller acts
-    assert env.admin.slots().candidate is not None
-    assert json.loads(run(app, ["status", "--json"]).output)["pending_intent"]["action"] == "abort"
+    out = " ".join(r.output.split())
+    assert r.exit_code == 0 and "aborted the canary of v000001" in out and "on all 1 pods" in out, out
+    assert env.admin.slots().candidate is None  # done by the command, not left for the controller
+    row = ledger.decisions(env.ledger)[-1]
+    assert (row.decision, row.actor, row.version, row.stable) == ("MANUAL_CANARY_ABORT", "oncall-alice", "v000001",
+                                                                 "v000000")
+    assert row.numbers["pods"]["converged"] == 1 and row.numbers["pods"]["by_pod"][env.url]["actions"] == [
+        "drop v000001"]
+    # the controller sees the canary ended and does not start the aborted version again
     st = controller(env, clock).reconcile()
     assert st.phase == RolloutPhase.ABORTED and "aborted by oncall-alice" in st.last_reason
-    assert env.admin.slots().candidate is None
-    rows = [(d.decision, d.actor) for d in ledger.decisions(env.ledger)]
-    assert ("MANUAL_CANARY_ABORT", "oncall-alice") in rows  # the operator's request, with who
-    assert ("ABORT", "oncall-alice") in rows  # the controller's action on it
-    # an aborted version is not restarted by the controller, but an operator can start it
-    assert controller(env, clock).reconcile().phase == RolloutPhase.ABORTED
+    assert env.admin.slots().candidate is None and FleetRecord(env.store).read().candidate is None
     for bad in ("v000007", "garbage"):
         r = run(app, ["canary", "start", bad, "--yes"])
         out = " ".join(r.output.split())
         assert r.exit_code == 1 and f"version: '{bad}' is not in the store (it has v000000, v000001)" in out, out
-    assert run(app, ["canary", "start", "v000001", "--yes"]).exit_code == 0
-    st = controller(env, clock).reconcile()
-    assert st.phase == RolloutPhase.CANARY and st.candidate == "v000001" and "started by oncall-alice" in st.last_reason
-    assert env.admin.slots().candidate.version == "v000001"
+    r = run(app, ["canary", "start", "v000000", "--yes"])
+    assert r.exit_code == 1 and "v000000 is the fleet's stable version" in " ".join(r.output.split())
+    # an operator can start it: the pod serves it at --weight when the command returns
+    r = run(app, ["canary", "start", "v000001", "--yes", "--weight", "0.25", "--reason", "retry"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 0 and "canary of v000001 at 25% started" in out and "on all 1 pods" in out, out
+    s = env.admin.slots()
+    assert (s.candidate.version, s.candidate_weight) == ("v000001", 0.25)
+    row = ledger.decisions(env.ledger)[-1]
+    assert (row.decision, row.version, row.stable, row.step, row.weight, row.numbers["why"]) == (
+        "MANUAL_CANARY_START", "v000001", "v000000", 0, 0.25, "retry")
+    assert env.store.manifest("v000001").status_history[-1].status == "canary"
+    r = run(app, ["canary", "start", "v000001", "--yes"])  # one canary at a time
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1 and "a canary of v000001 at 25% is in progress" in out, out
+    assert ledger.decisions(env.ledger)[-1].decision == "MANUAL_CANARY_START_FAILED"
+    # the controller takes it as its own canary at step 0: holds without votes, advances with them
+    clock.t = int(time.time() * 1000) + 1000
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
+    assert (st.phase, st.candidate, st.step, st.weight, st.last_outcome) == (
+        RolloutPhase.CANARY, "v000001", 0, 0.25, "HOLD")
+    write_votes(env.samples, "v000001", 12, 13, clock.t)
+    write_votes(env.samples, "v000000", 11, 14, clock.t)
+    clock.t += 1000
+    st = controller(env, clock, steps=(0.25, 0.5, 1.0)).reconcile()
+    assert (st.last_outcome, st.step, st.weight) == ("ADVANCE", 1, 0.5)
+    assert env.admin.slots().candidate_weight == 0.5
+
+
+def test_a_candidate_in_the_record_with_no_canary_in_the_ledger_is_opened_not_left_unjudged(env):
+    """`canary start` changed the record and the pod but its ledger row was lost (the ledger
+    could not be written): the controller opens the canary of that candidate, even one it
+    would not pick itself (rolled back before), instead of leaving it serving unanalysed."""
+    publish_v(env.store, "v000000")
+    env.store.set_status("v000001", "rolled_back", "earlier canary")
+    FleetRecord(env.store).change(lambda d: (setattr(d, "candidate", "v000001"), setattr(d, "weight", 0.3), d)[-1],
+                                  "oncall-bob", "canary start of v000001")
+    assert not ledger.decisions(env.ledger)
+    st = controller(env, Clock(), steps=(0.25, 0.5, 1.0)).reconcile()
+    assert (st.phase, st.candidate, st.step, st.weight) == (RolloutPhase.CANARY, "v000001", 0, 0.25)
+    assert "started by oncall-bob" in st.last_reason
+    s = env.admin.slots()
+    assert (s.candidate.version, s.candidate_weight) == ("v000001", 0.25)
+    row = ledger.decisions(env.ledger)[-1]
+    assert (row.decision, row.actor, row.version) == ("START", "oncall-bob", "v000001")
 
 
 def test_controller_processes_resume_from_the_persisted_phase(env):

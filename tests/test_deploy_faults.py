@@ -269,7 +269,7 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     assert r.exit_code == 1 and (_last(env).decision, _last(env).actor) == ("MANUAL_CANARY_START_FAILED", "gina")
     r, _, out = env.cli("canary", "abort", "--yes")
     assert r.exit_code == 1 and _last(env).decision == "MANUAL_CANARY_ABORT_FAILED"
-    r, _, out = env.cli("canary", "start", "v000001", "--yes", "--reason", "retry after fix")
+    r, _, out = env.cli("canary", "start", "v000000", "--yes", "--reason", "retry after fix")
     assert r.exit_code == 0 and _last(env).decision == "MANUAL_CANARY_START"
     assert _last(env).numbers["why"] == "retry after fix"
     r, _, out = env.cli("rollback", "--yes", "--serving-timeout-s", "0")

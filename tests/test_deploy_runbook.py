@@ -50,9 +50,9 @@ def test_every_command_and_flag_in_the_runbook_exists():
     assert seen >= 20
 
 
-def E(decision, version="v000002", step=0, weight=0.05, ts=0, stable="v000001"):
+def E(decision, version="v000002", step=0, weight=0.05, ts=0, stable="v000001", numbers=None):
     return LedgerEntry(version=version, stable=stable, step=step, weight=weight, decision=decision,
-                       reason=decision.lower(), ts=ts)
+                       reason=decision.lower(), ts=ts, numbers=numbers or {})
 
 
 def test_status_from_ledger_table():
@@ -73,6 +73,16 @@ def test_status_from_ledger_table():
          (RolloutPhase.PROMOTED, "v000002", 0, 0.0, 10, 10, "MANUAL_PROMOTE")),
         ([E("START", ts=10), E("MANUAL_ROLLBACK", version="v000000", step=-1, weight=0.0, ts=20)],
          (RolloutPhase.ABORTED, "v000002", 0, 0.0, 10, 10, "MANUAL_ROLLBACK")),
+        # `flywheel canary start|abort` (rows with per-pod outcomes) open and end a canary
+        ([E("MANUAL_CANARY_START", step=0, weight=0.25, ts=10, numbers={"pods": {}}), E("HOLD", step=0, ts=20)],
+         (RolloutPhase.CANARY, "v000002", 0, 0.25, 10, 10, "HOLD")),
+        ([E("START", ts=10), E("MANUAL_CANARY_ABORT", step=0, weight=0.0, ts=20, numbers={"pods": {}})],
+         (RolloutPhase.ABORTED, "v000002", 0, 0.0, 10, 10, "MANUAL_CANARY_ABORT")),
+        # ... rows without them are requests an earlier CLI left for the controller: no change
+        ([E("START", ts=10), E("MANUAL_CANARY_ABORT", step=-1, weight=0.0, ts=20)],
+         (RolloutPhase.CANARY, "v000002", 0, 0.05, 10, 10, "START")),
+        ([E("MANUAL_CANARY_START", version="v000003", step=-1, weight=0.0, ts=5), E("START", ts=10)],
+         (RolloutPhase.CANARY, "v000002", 0, 0.05, 10, 10, "START")),
         # an ADVANCE of another version does not move this canary; a new START replaces it
         ([E("START", ts=10), E("ADVANCE", version="v000009", step=2, ts=20)],
          (RolloutPhase.CANARY, "v000002", 0, 0.05, 10, 10, "START")),

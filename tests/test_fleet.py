@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -195,6 +196,70 @@ def test_two_rollbacks_at_once_end_in_one_state_that_pods_record_and_ledger_agre
         last = _rows(f, "MANUAL_ROLLBACK")[-1]
         assert [s for s, _, _ in f.serving()] == [d.stable] * 3, (run, outs)
         assert f.store.stable() == last.version == d.stable, (run, outs)
+
+
+def test_canary_start_and_abort_converge_every_pod_and_retry_one_that_comes_back(fleet):
+    """`canary start|abort` act like promote/rollback: every pod, per-pod outcomes printed and
+    in the ledger, a pod down during the action retried until --timeout, exit 1 naming a pod
+    still down; the controller analyses the operator's canary and leaves the aborted one."""
+    f = fleet
+    f.stop(2)  # down when the command starts, back 1.5 s later: the command's retry reaches it
+    back = threading.Timer(1.5, f.start, (2,))
+    back.start()
+    r, out = f.cli("canary", "start", "v000001", "--yes", "--weight", "0.25", "--timeout", "30",
+                   "--serving-timeout-s", "2")
+    back.join()
+    assert r.exit_code == 0 and "canary of v000001 at 25% started" in out and "on all 3 pods" in out, out
+    assert f.serving() == [("v000000", "v000001", 0.25)] * 3
+    act, done = _rows(f, "MANUAL_CANARY_START", "FLEET_CONVERGED", "FLEET_NOT_CONVERGED")
+    assert (act.decision, act.version, act.stable, act.step, act.weight) == ("MANUAL_CANARY_START", "v000001",
+                                                                             "v000000", 0, 0.25)
+    first = act.numbers["pods"]["by_pod"]
+    assert first[f.url(2)]["outcome"] == "unreachable" and act.numbers["pods"]["converged"] == 2
+    assert [first[f.url(i)]["actions"] for i in (0, 1)] == [["load v000001", "weight 0.25"]] * 2
+    assert done.decision == "FLEET_CONVERGED" and done.numbers["pods"]["converged"] == 3
+    # the controller takes the operator's canary as its own (step 0 at 25 %, holds without votes)
+    r, out = f.cli("controller", "--once", "--steps", "0.25,1", "--min-votes", "5")
+    assert r.exit_code == 0 and "phase=canary candidate=v000001 step=0 weight=0.25" in out, out
+    assert f.serving() == [("v000000", "v000001", 0.25)] * 3
+    # abort with pod 1 down for longer than --timeout: exit 1, the pod named, never "aborted ... on all"
+    f.stop(1)
+    r, out = f.cli("canary", "abort", "--yes", "--timeout", "1", "--serving-timeout-s", "2")
+    assert r.exit_code == 1 and "not converged" in out and "2 of 3 pods" in out and "on all" not in out, out
+    assert f"({f.url(1)}): NOT converged (unreachable" in out, out
+    act, end = _rows(f, "MANUAL_CANARY_ABORT", "FLEET_NOT_CONVERGED")[-2:]
+    assert (act.decision, end.decision) == ("MANUAL_CANARY_ABORT", "FLEET_NOT_CONVERGED")
+    assert end.numbers["pods"]["by_pod"][f.url(1)]["outcome"] == "unreachable"
+    assert [end.numbers["pods"]["by_pod"][f.url(i)]["candidate"] for i in (0, 2)] == [None, None]
+    f.start(1)  # back: it reads the desired state (no candidate) before it is ready
+    assert f.serving() == [("v000000", None, 0.0)] * 3
+    r, out = f.cli("controller", "--once", "--steps", "0.25,1", "--min-votes", "5")
+    assert r.exit_code == 0 and "phase=aborted" in out, out  # not restarted by the controller
+    assert f.serving() == [("v000000", None, 0.0)] * 3
+    assert f.store.manifest("v000001").status_history[-1].status == "aborted"
+
+
+def test_two_canary_starts_at_once_end_in_one_canary(fleet):
+    """Two operators start different canaries while another action holds the fleet lock:
+    one wins, the other is refused; pods, desired state and ledger name the same candidate."""
+    f = fleet
+    publish_v(f.store, "v000001")  # v000002
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "flywheel.cli", "canary", "start", "--yes", "--timeout", "30"]
+    with FleetRecord(f.store).locked("test", "another operator"):
+        procs = [subprocess.Popen(cmd + [v], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for v in ("v000001", "v000002")]
+        time.sleep(1.0)
+    outs = [" ".join(p.communicate(timeout=120)[0].split()) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 1], outs
+    won = ("v000001", "v000002")[[p.returncode for p in procs].index(0)]
+    lost = outs[[p.returncode for p in procs].index(1)]
+    assert f"a canary of {won} at 5% is in progress" in lost, outs
+    assert f.serving() == [("v000000", won, 0.05)] * 3
+    assert FleetRecord(f.store).read().candidate == won
+    rows = _rows(f, "MANUAL_CANARY_START", "MANUAL_CANARY_START_FAILED")
+    assert sorted((x.decision, x.version) for x in rows) == sorted(
+        [("MANUAL_CANARY_START", won), ("MANUAL_CANARY_START_FAILED", ({"v000001", "v000002"} - {won}).pop())])
 
 
 def test_corrupt_manifest_is_named_listed_and_skipped_by_the_controller(fleet):
