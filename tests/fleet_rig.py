@@ -6,8 +6,10 @@ shared model store, one ``FLYWHEEL_USER_SALT`` (the fleet secret), a real
 Tansu broker; HAProxy (Debian ``haproxy``) round-robin in front as the Kubernetes Service
 stand-in, adding ``X-Served-By: <server>`` so a test knows which pod answered; the
 controller (`flywheel controller`) discovering the three pods; two ingest workers with their
-join state in a real PostgreSQL server. The learner is not under test: its versions are
-published with the store API (``publish_v``).
+join state in a real PostgreSQL server; the learner daemon (`flywheel learn`) in its own
+home, its watermark and checkpoints on the shared volume, which must see the operator's pause
+through the desired-state record. The versions the canary and the rollback move between are
+published with the store API (``publish_v``), so no DeepSpeed cycle runs in the incident.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class FleetRig:
         self.pods: list[subprocess.Popen | None] = [None] * n_pods
         self.others: list[subprocess.Popen] = []
         self.controller: subprocess.Popen | None = None
+        self.learner: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.op_home = self.tmp / "controller-home"  # operator commands run where the controller's ledger is
 
@@ -130,6 +133,16 @@ backend pods
                 [sys.executable, "-m", "ingest", "--seal-after-s", "3", "--orphan-ttl-s", "30", "--tick-s", "0.5"],
                 cwd=ROOT, env=self.env(self.tmp / f"ingest-{i}-home", **extra),
                 stdout=open(self.tmp / f"ingest-{i}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True))
+
+    def start_learner(self) -> None:
+        """The learner daemon on its own home (another node): checks every 0.5 s and trains only
+        after 10,000 new samples, so in a test it idles unless paused."""
+        self.learner = subprocess.Popen(
+            [sys.executable, "-m", "flywheel.cli", "learn", "--poll-s", "0.5", "--every-n", "10000"],
+            cwd=ROOT, env=self.env(self.tmp / "learner-home",
+                                   FLYWHEEL_LEARNER_STATE=str(self.tmp / "shared" / "learner")),
+            stdout=open(self.tmp / "learner.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.others.append(self.learner)
 
     def operator(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
         """Run a `flywheel` command as the on-call engineer (the controller's home, the Service URL)."""

@@ -1,6 +1,7 @@
 """Issue 19 item 6: a fleet on one box with real parts (tests/fleet_rig.py), and the scripted
-incident: a canary in progress; the operator rolls back through the load balancer's URL; one
-pod is SIGKILLed during the rollback and restarted; another is SIGSTOPped and resumed.
+incident: a canary in progress; the operator pauses the learner (a daemon on another home sees
+it) and rolls back through the load balancer's URL; one pod is SIGKILLed during the rollback
+and restarted; another is SIGSTOPped and resumed.
 
 Asserted: every pod converges to the desired stable; users keep one arm on every pod
 (measured through HAProxy, which says which pod answered); every accepted vote is in exactly
@@ -73,6 +74,7 @@ def test_rollback_through_the_service_reaches_every_pod_through_a_sigkill_and_a_
         for i in range(3):
             rig.start_pod(i)
         rig.start_workers(2)
+        rig.start_learner()
         for i in range(3):
             rig.wait_pod(i)
         rig.start_haproxy()
@@ -94,6 +96,13 @@ def test_rollback_through_the_service_reaches_every_pod_through_a_sigkill_and_a_
                 eids.append(eid)
                 if k % 4 == 0:
                     rig.vote(c, cid, 1 if k % 3 else -1, event_id=eid)
+
+        # the on-call engineer pauses the learner first: the daemon on its own home sees it
+        r = rig.operator("pause", "--yes", "--reason", "incident: v1 and v2 regress")
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_for(lambda: "learn: paused by operator" in (tmp_path / "learner.log").read_text(), 60,
+                 "the learner to see the pause", rig)
+        assert rig.learner.poll() is None
 
         # the incident: rollback through the Service's URL; pod-1 SIGKILLed, pod-2 SIGSTOPped
         op = rig.operator_bg("rollback", "--to", "v000000", "--yes", "--serving", rig.lb, "--timeout", "150",
@@ -128,6 +137,7 @@ def test_rollback_through_the_service_reaches_every_pod_through_a_sigkill_and_a_
         assert {e: got[e] for e in eids} == {e: 1 for e in eids}
         assert len(got) == len(eids)
         assert all(p.poll() is None for p in rig.workers)
+        assert rig.learner.poll() is None and "published" not in (tmp_path / "learner.log").read_text()
     finally:
         rig.close()
         pg.stop()
