@@ -99,6 +99,9 @@ def _model_init_from(src: Path, store, out, experts: int, top_k: int, force: boo
         info, m = import_checkpoint(src, store, log=typer.echo)
     except CheckpointError as exc:
         raise typer.BadParameter(str(exc), param_hint="--store" if exc.field == "--store" else "--from") from None
+    except OSError as exc:  # the store cannot be written there (a file, no such parent, permissions)
+        raise typer.BadParameter(f"{store}: cannot write the model store there ({exc.strerror or exc})",
+                                 param_hint="--store") from None
     typer.echo(f"{m.version} ({info.dtype}, {len(m.tensors)} tensors) in {store}")
 
 

@@ -347,7 +347,15 @@ def _transformers_config(d: Path, raw: dict):
 
     try:
         return AutoConfig.from_pretrained(str(d))
-    except (ValueError, KeyError, OSError) as exc:
+    except (TypeError, AttributeError) as exc:  # a field of the wrong type (e.g. num_experts "four")
+        raise CheckpointError("config.json", f"transformers refuses it: {type(exc).__name__}: "
+                              f"{str(exc)[:300]}") from None
+    except Exception as exc:  # noqa: BLE001 - strict config dataclasses raise their own kinds
+        if not isinstance(exc, (ValueError, KeyError, OSError)) and "Validation" in type(exc).__name__:
+            raise CheckpointError("config.json", f"transformers refuses it: {type(exc).__name__}: "
+                                  f"{str(exc)[:300]}") from None
+        if not isinstance(exc, (ValueError, KeyError, OSError)):
+            raise
         arch = raw.get("model_type")
         n = config_num_experts(raw)
         if n > 1:
@@ -385,6 +393,10 @@ def check_router_adapter(config) -> tuple[int, int]:
         routers = moe_routers(model)
     except (ValueError, KeyError, LookupError, NotImplementedError) as exc:
         raise CheckpointError("router adapter", f"architecture {arch!r}: {exc}") from None
+    k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0) or 0) if n > 1 else 0
+    if n > 1 and not 1 <= k <= n:
+        raise CheckpointError("config.json num_experts_per_tok", f"{k} experts per token with {n} experts per "
+                              f"MoE layer: top-k must lie in 1..{n}")
     if n > 1 and not routers:
         raise CheckpointError("router adapter", f"architecture {arch!r} has {n} experts per MoE layer but no router "
                               "adapter finds its routers: Flywheel could not log or replay its expert routes (an "
@@ -402,9 +414,23 @@ def _check_tokenizer(d: Path, vocab_size: int) -> bool:
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
         raise CheckpointError("tokenizer", f"cannot load the tokenizer from {d} ({type(exc).__name__}: "
                               f"{str(exc)[:200]}); the checkpoint needs its tokenizer files") from None
+    if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")) or len(tok) < 2:
+        raise CheckpointError("tokenizer", f"no tokenizer files in {d} (tokenizer.json, tokenizer.model or "
+                              f"vocab.json; the tokenizer loaded holds {len(tok)} tokens): every prompt would "
+                              "tokenise to nothing")
     if not getattr(tok, "chat_template", None):
         raise CheckpointError("chat_template", "the tokenizer has none (tokenizer_config.json \"chat_template\" or "
                               "chat_template.jinja): /v1/chat/completions renders conversations with it")
+    try:
+        ids = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                      tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - jinja2 and transformers raise many kinds here
+        raise CheckpointError("chat_template", f"does not render a one-message conversation "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    if hasattr(ids, "keys"):  # a BatchEncoding on some tokenizers
+        ids = ids["input_ids"]
+    if not ids:
+        raise CheckpointError("chat_template", "renders a one-message conversation to no tokens")
     if tok.eos_token is None:
         if tok.pad_token is None:
             raise CheckpointError("pad_token", "the tokenizer has no pad token and no eos token to pad with: set "

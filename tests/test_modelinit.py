@@ -180,6 +180,28 @@ def _refusal_cases(good, chat_tok, tmp_path):
     tok.save_pretrained(d)
     cases.append(("no pad token, no eos", d, "pad_token", "no pad token and no eos token"))
 
+    d = variant("no_tokenizer_files")  # AutoTokenizer would build an empty one: every prompt -> no tokens
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model"):
+        (d / f).unlink(missing_ok=True)
+    cases.append(("no tokenizer files", d, "tokenizer", "no tokenizer files"))
+
+    d = variant("broken_template")
+    for f in d.glob("chat_template*"):
+        f.unlink()
+    tok = copy.deepcopy(chat_tok)
+    tok.chat_template = "{% for m in messages %}{{ m[ }}"
+    tok.save_pretrained(d)
+    cases.append(("a chat template that does not render", d, "chat_template", "does not render"))
+
+    for k in (9, 0):
+        d = variant(f"top_{k}")
+        edit_json(d / "config.json", num_experts_per_tok=k)
+        cases.append((f"top-{k} of 4 experts", d, "config.json num_experts_per_tok", "top-k must lie in 1..4"))
+
+    d = variant("experts_as_text")
+    edit_json(d / "config.json", num_experts="four")
+    cases.append(("a config field of the wrong type", d, "config.json", "transformers refuses it"))
+
     d = variant("missing_shard")
     shards = sorted(d.glob("model-*.safetensors"))
     shards[1].unlink()
@@ -265,5 +287,10 @@ def test_init_from_refusals(chat_tok, tmp_path):
     assert f"v000000 (bfloat16, 25 tensors) in {tmp_path / 'store'}" in r.output  # 25 = the model's state dict
     r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--store", str(tmp_path / "store")])
     assert r.exit_code == 2 and "--store" in r.output and "already holds 1 versions" in flat(r.output)
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--store", str(afile / "store")])
+    assert r.exit_code == 2 and "--store" in r.output and "cannot write the model store there" in flat(r.output), \
+        r.output
     r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--experts", "8"])
     assert r.exit_code == 2 and "taken as it is" in flat(r.output)
