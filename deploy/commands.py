@@ -70,6 +70,18 @@ def learner_paused(fleet: FleetRecord | None = None) -> dict | None:
         return {"actor": "unknown", "at": 0, "reason": f"desired-state record unreadable: {exc}"}
 
 
+RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable "
+                 "record, unpaused, with no candidate, and the controller reconciles every pod to that")
+
+
+def _paused_or_fail() -> dict | None:
+    """The pause in the desired state; exit 1 naming the file when the record is unreadable."""
+    try:
+        return _fleet().read().paused
+    except ValueError as exc:
+        _fail(f"{exc}; nothing was changed ({RECORD_REPAIR})")
+
+
 def pause_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None) -> dict:
     """Record the pause in the fleet's desired state (one generation) and a PAUSE ledger row.
     The learner reads the record before each cycle, wherever it runs."""
@@ -168,7 +180,7 @@ def _record_action(decision: str, version: str | None, stable: str | None, reaso
     action's own outcome."""
     try:
         ledger.record(settings.ledger_path(), ledger.LedgerEntry(
-            version=version or "", stable=stable, step=step, weight=weight, decision=decision, reason=reason,
+            version=version or "-", stable=stable, step=step, weight=weight, decision=decision, reason=reason,
             numbers=numbers or {}, actor=actor), _bootstrap())
     except Exception as exc:  # noqa: BLE001 - the operator must still see what happened
         console.print(f"[red]could not record {decision} in the ledger {settings.ledger_path()}:[/red] {exc}")
@@ -372,7 +384,7 @@ def register(app: typer.Typer) -> None:
                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Pause the learner (through the fleet's desired state, wherever the learner runs): it
         publishes nothing new until `flywheel resume` (a cycle already running finishes)."""
-        cur = learner_paused()
+        cur = _paused_or_fail()
         if cur:
             console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
             return
@@ -384,7 +396,7 @@ def register(app: typer.Typer) -> None:
     def resume_cmd(actor: Optional[str] = _actor_opt(),
                    yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
         """Resume the learner after `flywheel pause`."""
-        cur = learner_paused()
+        cur = _paused_or_fail()
         if not cur:
             console.print("learner is not paused")
             return
@@ -526,15 +538,19 @@ def register(app: typer.Typer) -> None:
         from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
         pod is unreachable."""
         fmt = resolve(output, as_json)
-        err, desired, stable_rec = None, None, None
+        err, desired, stable_rec, record_err = None, None, None, None
         try:
             store = _store()
             stable_rec = store.stable_record()
             fleet = _fleet(store)
-            desired = fleet.read()
         except Exception as exc:  # noqa: BLE001 - status must show what it can
-            err = f"model store or desired-state record unreadable: {exc}"
+            err = f"model store unreadable: {exc}"
             fleet = None
+        if fleet is not None:
+            try:
+                desired = fleet.read()
+            except ValueError as exc:  # the pods are still shown, without drift (there is nothing to compare)
+                record_err = f"{exc} ({RECORD_REPAIR})"
         rows = []
         if fleet is not None:
             pods = _pods(fleet, serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S), quiet=fmt != Format.table)
@@ -559,8 +575,9 @@ def register(app: typer.Typer) -> None:
                               "stable_record": stable_rec, "warnings": warnings,
                               "rollout": sd, "pending_intent": desired.intent if desired else None,
                               "learner": {"paused": desired.paused if desired else None},
+                              "desired_error": record_err,
                               "decisions": [asdict(d) for d in decs]}, fmt))
-            if err:
+            if err or record_err:
                 raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
             return
         if desired is not None:
@@ -593,8 +610,12 @@ def register(app: typer.Typer) -> None:
         console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
                       f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
         lp = desired.paused if desired else None
-        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
-                                     f"{lp.get('reason', '')}" if lp else "running (not paused)"))
+        if record_err:
+            console.print(f"[red]desired-state record unreadable:[/red] {record_err}")
+            console.print("learner: unknown (a learner that cannot read the record does not train)")
+        else:
+            console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
+                                         f"{lp.get('reason', '')}" if lp else "running (not paused)"))
         pending = desired.intent if desired else None
         if pending:
             console.print(f"pending intent: {pending['action']} {pending.get('version') or ''} by {pending['actor']}")
@@ -608,7 +629,7 @@ def register(app: typer.Typer) -> None:
             t.add_row(_ts(d.ts), d.version, d.stable or "", str(d.step), f"{d.weight:.0%}", d.decision,
                       d.actor, d.reason, *([json.dumps(d.numbers, default=str)] if fmt == Format.wide else []))
         console.print(t)
-        if err:
+        if err or record_err:
             raise typer.Exit(1)
 
     @app.command("versions")

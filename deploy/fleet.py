@@ -162,14 +162,15 @@ def reconcile_pods(admins: list[ServingAdmin], d: DesiredState) -> list[PodOutco
         return list(ex.map(lambda a: reconcile_pod(a, d), admins))
 
 
-def observe_pods(admins: list[ServingAdmin], d: DesiredState) -> list[tuple[str, object, str | None, list[str]]]:
-    """Read-only: ``(url, slots or None, error or None, drift)`` per pod, in parallel."""
+def observe_pods(admins: list[ServingAdmin], d: DesiredState | None) -> list[tuple[str, object, str | None, list[str]]]:
+    """Read-only: ``(url, slots or None, error or None, drift)`` per pod, in parallel; no drift
+    is computed when the desired state ``d`` is unknown (None: its record is unreadable)."""
     def one(a):
         try:
             s = a.slots()
         except ServingAdminError as exc:
             return a.base_url, None, str(exc), ["unreachable"]
-        return a.base_url, s, None, drift(s, d)
+        return a.base_url, s, None, (drift(s, d) if d is not None else [])
 
     if not admins:
         return []

@@ -346,3 +346,21 @@ def test_desired_record_names_bad_fields_and_a_lost_race_on_an_object_store(tiny
     with pytest.raises(ConflictError, match="generation 3 -> 4"):
         rec.change(racing, "t", "mine")
     assert rec.read().generation == 4 and rec.read().paused["actor"] == "x"
+
+
+def test_an_unreadable_desired_state_is_an_error_every_command_names(fleet):
+    """One NUL byte in fleet/desired.json (found by a hostile trial): pause said "already paused
+    by unknown" and exited 0, resume raised a traceback, status showed "0 of 0 pods" and "learner:
+    running". Each now names the file, changes nothing and exits 1; status still shows the pods."""
+    f = fleet
+    raw = f.store._read("fleet", "desired.json")
+    f.store._put_atomic(raw[:5] + b"\x00" + raw[6:], "fleet", "desired.json")
+    for args in (("pause", "--yes", "--reason", "incident"), ("resume", "--yes")):
+        r, out = f.cli(*args)
+        assert r.exit_code == 1 and "fleet/desired.json" in out and "nothing was changed" in out, (args, out)
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, r.exception)
+    r, out = f.cli("status", *sum((["--serving", f.url(i)] for i in range(3)), []))
+    assert r.exit_code == 1 and "desired-state record unreadable" in out and "learner: unknown" in out, out
+    assert "running (not paused)" not in out and all(f"127.0.0.1:{p}" in out for p in f.ports), out
+    assert f.store._read("fleet", "desired.json")[5:6] == b"\x00"  # nothing written over it
+    assert not [d for d in ledger.decisions(f.ledger) if d.decision in ("PAUSE", "RESUME")]
