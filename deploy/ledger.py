@@ -104,13 +104,18 @@ def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None) -> Ledg
     return entry
 
 
-def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 10.0) -> None:
-    """Send one decision to ``flywheel.deployments`` (key = version, value = JSON)."""
+def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 5.0) -> None:
+    """Send one decision to ``flywheel.deployments`` (key = version, value = JSON), waiting at
+    most about ``timeout_s`` seconds for the broker in all (metadata, send, close): the DuckDB
+    row is the source of truth, and an on-call rollback during a Kafka outage must not wait on
+    its copy (it waited ~10 s per row)."""
     from kafka import KafkaProducer
 
     from schemas.settings import kafka_client_config
 
-    p = KafkaProducer(**kafka_client_config(bootstrap), acks="all", linger_ms=0)
+    ms = int(timeout_s * 1000)
+    p = KafkaProducer(**kafka_client_config(bootstrap), acks="all", linger_ms=0, max_block_ms=ms,
+                      request_timeout_ms=ms, bootstrap_timeout_ms=ms)
     try:
         p.send(DEPLOYMENTS, key=entry.version.encode(),
                value=_json(asdict(entry)).encode()).get(timeout=timeout_s)
