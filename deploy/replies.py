@@ -157,6 +157,8 @@ class ServedCompletions:
     def _run(self) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
+        from schemas.settings import kafka_client_config
+
         consumer = None
         while not self._stop.is_set():
             try:
@@ -164,7 +166,7 @@ class ServedCompletions:
                     with self._lock:  # (re)reading from the topic's start: count every record once
                         self._buckets.clear()
                         self.records = self.skipped = 0
-                    consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
+                    consumer = KafkaConsumer(**kafka_client_config(self.bootstrap), group_id=None,
                                              enable_auto_commit=False, auto_offset_reset="earliest")
                     parts = [TopicPartition(self.topic, p) for p in (consumer.partitions_for_topic(self.topic) or [])]
                     if not parts:

@@ -136,8 +136,9 @@ def test_huge_prompt_is_413_at_once_and_healthz_never_waits(pod):
     assert took["declared"] < 3.0 and took["chunked"] < 3.0, took
     assert not probe.failures, probe.failures[:3]
     assert len(probe.latencies) >= 5 and max(probe.latencies) < HEALTHZ_BOUND_S, (max(probe.latencies), took)
-    # the allowed prompt kept a tokeniser busy for longer than the probe bound: it had something to wait behind
-    assert took["allowed"] > HEALTHZ_BOUND_S, took
+    # the allowed prompt kept a tokeniser busy for longer than any probe waited: /healthz had
+    # something to wait behind, and did not (on a quiet box it tokenises in ~0.3 s)
+    assert took["allowed"] > 2 * max(probe.latencies), (took, max(probe.latencies))
 
 
 def test_an_overlong_request_id_is_400_not_a_lost_event(pod):
