@@ -106,9 +106,10 @@ def test_shell_completion():
     env.update(COMP_WORDS="flywheel topics check -o ", COMP_CWORD="4")
     r = CliRunner().invoke(app, [], env=env, prog_name="flywheel")
     assert r.stdout.split() == ["table", "wide", "json", "yaml"]
-    # the installed entry point, as a user runs it (in-process, typer read the shell from
-    # state earlier tests of a full run left behind: "Shell  not supported")
-    r = run("--show-completion", "bash")
+    # `--show-completion` is a flag that detects the shell from the parent processes
+    # (shellingham), which a CI runner may not have ("Shell  not supported"); typer's own test
+    # switch makes it take the shell as its value, as `--show-completion bash` reads
+    r = run("--show-completion", "bash", env={"_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})
     assert r.returncode == 0 and "_FLYWHEEL_COMPLETE=complete_bash" in r.stdout, (r.stdout, r.stderr)
     assert "complete -o default -F _flywheel_completion flywheel" in r.stdout
 
