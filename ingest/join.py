@@ -59,7 +59,8 @@ import pydantic_core
 
 from schemas import topics
 from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
-                            FeedbackEvent, IdText, RewardedSample, clamp_event_time, now_ms)
+                            FeedbackEvent, IdText, RewardedSample, clamp_event_time, escape_text,
+                            now_ms)
 
 
 @dataclass(frozen=True)
@@ -229,23 +230,12 @@ def _raw_text(raw: bytes | str | None, ev) -> str:
     return _payload(raw) if raw is not None else ev.model_dump_json()
 
 
-def _text(s: str) -> str:
-    """``s`` with every lone surrogate written as its ``\\udXXX`` escape: a dead letter's
-    strings are always encodable as UTF-8 (its JSON on the topic, its Parquet row)."""
-    try:
-        s.encode("utf-8")
-        return s
-    except UnicodeEncodeError:
-        return s.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def dead_letter(source_topic: str, key: bytes | str | None, fld: str, reason: str,
                 raw: bytes | str, at: int | None = None) -> DeadLetter:
-    """Build a :class:`schemas.events.DeadLetter` (payload kept as utf-8 with replacement;
-    lone surrogates in any of its strings escaped, so it can always be published)."""
-    k = _text(_payload(key)) if key is not None else None
-    return DeadLetter(source_topic=source_topic, key=k, field=_text(fld), reason=_text(reason),
-                      payload=_text(_payload(raw)), at=now_ms() if at is None else at)
+    """Build a :class:`schemas.events.DeadLetter` (payload kept as utf-8 with replacement; the
+    model escapes NUL and lone surrogates in any of its strings, so it can always be published)."""
+    return DeadLetter(source_topic=source_topic, key=_payload(key) if key is not None else None, field=fld,
+                      reason=reason, payload=_payload(raw), at=now_ms() if at is None else at)
 
 
 def parse_event(model: type[CompletionEvent] | type[FeedbackEvent], raw: bytes | str,
@@ -359,7 +349,7 @@ def lone_surrogate(obj) -> str | None:
                 try:
                     k.encode("utf-8")
                 except UnicodeEncodeError:
-                    return _text(p)
+                    return escape_text(p)
                 stack.append((x, p))
         elif isinstance(v, list):
             stack.extend((x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v))
