@@ -67,7 +67,12 @@ def make_tiny_moe(out: Path, num_layers: int = 2, num_experts: int = 4, top_k: i
                         num_experts_per_tok=top_k, tie_word_embeddings=True,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                         bos_token_id=None, router_aux_loss_coef=0.0)
-    model = MixtralForCausalLM(cfg).float()
+    return save_tiny_checkpoint(MixtralForCausalLM(cfg).float(), tok, out)
+
+
+def save_tiny_checkpoint(model, tok, out: Path) -> Path:
+    """Save ``model`` and ``tok`` to ``out`` as a Hugging Face checkpoint (safetensors), with
+    the tokenizer's eos and pad ids in the generation config; returns ``out``."""
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import save_tiny_checkpoint
+
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe"]
 DENSE = "qwen3"  # the dense control: no routers, no routes
 
@@ -80,12 +82,7 @@ def make_arch(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, head_dim
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("router.bias") or name.endswith("e_score_correction_bias"):
                 t.copy_(torch.randn(t.shape, generator=g) * 0.1)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_checkpoint(model, tok, out)
 
 
 @pytest.fixture(scope="session")
