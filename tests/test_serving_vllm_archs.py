@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from test_models_zoo import ARCHS, DENSE, make_arch, zoo  # noqa: F401 - zoo is a fixture
+from test_serving_vllm import _teacher_forced
 
 REPO = Path(__file__).resolve().parents[1]
 VPY = REPO / ".venv-vllm" / "bin" / "python"
@@ -109,13 +110,6 @@ CHILD = textwrap.dedent('''
     if __name__ == "__main__":
         main()
 ''')
-
-
-def _teacher_forced(model, prompt: list[int], toks: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + toks])
-    with torch.inference_mode():
-        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-    return [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(toks)]
 
 
 @pytest.mark.skipif(not VPY.exists(), reason=f"no vLLM venv at {VPY.parent.parent}")
