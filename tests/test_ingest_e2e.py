@@ -94,9 +94,12 @@ def produce(bootstrap, comps, fb, bad: list[bytes] = ()):
     p.close()
 
 
-def start_worker(env, log: Path) -> subprocess.Popen:
+def start_worker(env, log: Path, orphan_ttl_s: float = 4) -> subprocess.Popen:
+    """An ingest worker subprocess (seal 3 s after the last vote, tick 0.5 s). ``orphan_ttl_s``
+    must exceed the longest time a vote can be folded before its completion: a rebalance after
+    a broker restart re-reads both topics from the start (tests that cause one pass 30)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "ingest", "--seal-after-s", "3", "--orphan-ttl-s", "4", "--tick-s", "0.5"],
+        [sys.executable, "-m", "ingest", "--seal-after-s", "3", "--orphan-ttl-s", f"{orphan_ttl_s:g}", "--tick-s", "0.5"],
         cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

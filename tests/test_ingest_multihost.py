@@ -252,7 +252,10 @@ def test_three_hosts_sigkill_and_broker_restart_equal_reference_join(pg, tmp_pat
     comps1, fb1 = make_traffic(45, seed=31)
     comps2, fb2 = make_traffic(30, seed=32)
     fb1a, fb1b = _split_traffic(comps1, fb1)  # votes of comps1's second half come after the restart
-    procs = [start_worker(_env(tmp_path / f"host{i}", b.bootstrap, pg.url, shared), lg) for i, lg in enumerate(logs)]
+    # a vote re-read after the restart can be folded well before its completion is re-read
+    # (the rebalance on the new broker takes seconds on a loaded box): orphans wait 30 s, not 4
+    procs = [start_worker(_env(tmp_path / f"host{i}", b.bootstrap, pg.url, shared), lg, orphan_ttl_s=30)
+             for i, lg in enumerate(logs)]
     try:
         wait_for(lambda: all(len(_owned(lg)) == 1 for lg in logs) and len(set().union(*map(_owned, logs))) == 3,
                  90, "three hosts owning one partition each", procs[0], logs[0])
