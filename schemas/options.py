@@ -1,0 +1,172 @@
+"""CLI options generated from config models: each setting is declared once, in its model.
+
+A component's configuration is one validated model (a pydantic ``BaseModel`` or a
+``pydantic.dataclasses.dataclass``) whose fields carry default, type, bounds (``ge``, ``gt``,
+``le``, ``lt``), unit and help (``Field(..., description=...)``). :func:`config_options`
+turns a typer command that takes such a model into one whose options are the model's fields,
+the way vLLM's ``EngineArgs.add_cli_args`` and TRL's ``HfArgumentParser`` derive arguments
+from a dataclass. ``flywheel.toml``'s ``[command]`` tables and ``FLYWHEEL_<COMMAND>__<OPTION>``
+variables reach the same options through click's ``default_map`` (``schemas.config``), so a
+file, a variable, a flag and a program that builds the model directly all meet one default.
+
+A field's ``json_schema_extra`` may hold:
+    ``flags``: the option's declarations instead of ``--field-name`` (a bool field may say
+        ``"--replay/--no-replay"``);
+    ``unit``: shown after the help text (``"s"``, ``"ms"``, ``"h"``, ``"tokens"``);
+    ``cli``: ``False`` keeps the field off the command line (set by programs only).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from typing import Any, Callable
+
+import typer
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+CONFIG_MODELS: dict[str, type] = {}  # qualified name -> model, every model a command takes
+
+
+def model_fields(model: type) -> dict[str, FieldInfo]:
+    """``{name: FieldInfo}`` of a pydantic model or pydantic dataclass.
+
+    Raises:
+        TypeError: ``model`` is neither.
+    """
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return dict(model.model_fields)
+    fields = getattr(model, "__pydantic_fields__", None)
+    if fields is None:
+        raise TypeError(f"{model!r}: not a pydantic model or pydantic dataclass")
+    return dict(fields)
+
+
+def field_default(info: FieldInfo) -> Any:
+    """The field's default (a ``default_factory`` is called); ``...`` when it is required."""
+    if info.default_factory is not None:
+        return info.default_factory()
+    return ... if info.is_required() else info.default
+
+
+def _extra(info: FieldInfo) -> dict:
+    extra = info.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def cli_fields(model: type) -> dict[str, FieldInfo]:
+    """The fields of ``model`` that are command-line options (``cli`` not ``False``)."""
+    return {k: v for k, v in model_fields(model).items() if _extra(v).get("cli", True) is not False}
+
+
+def _bounds(info: FieldInfo) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in info.metadata:
+        for attr, key, clamp_open in (("ge", "min", False), ("gt", "min", True), ("le", "max", False),
+                                      ("lt", "max", True)):
+            v = getattr(m, attr, None)
+            if v is not None:
+                out[key] = v
+                if clamp_open:
+                    out[f"{key}_open"] = True
+    return out
+
+
+def _help(info: FieldInfo) -> str:
+    text = (info.description or "").strip()
+    unit = _extra(info).get("unit")
+    return f"{text} [unit: {unit}]" if unit else text
+
+
+def option_for(name: str, info: FieldInfo, annotation: Any) -> typer.models.OptionInfo:
+    """The ``typer.Option`` of one field: its default, flag(s), help (with unit) and bounds."""
+    flags = _extra(info).get("flags") or ("--" + name.replace("_", "-"),)
+    if isinstance(flags, str):
+        flags = (flags,)
+    base = typing.get_origin(annotation)
+    numeric = annotation in (int, float) or (base is typing.Union and set(typing.get_args(annotation)) <= {int, float, type(None)})
+    return typer.Option(field_default(info), *flags, help=_help(info), show_default=True,
+                        **(_bounds(info) if numeric else {}))
+
+
+def _annotation(model: type, name: str, info: FieldInfo) -> Any:
+    hints = typing.get_type_hints(model)
+    return hints.get(name, info.annotation)
+
+
+def config_options(**configs: type) -> Callable[[Callable], Callable]:
+    """Decorator: a typer command ``f(cfg: Model, ..., other options)`` becomes one whose
+    command-line options are the fields of each ``Model`` (keyword name -> model class), and
+    which receives the validated model instances.
+
+    The decorated function keeps its other parameters (flags of the command itself, such as
+    ``--once``). Two models, or a model and the function, may not share an option name.
+
+    Raises:
+        TypeError: a model is not a pydantic model or dataclass, or option names collide
+            (at decoration time).
+        typer.BadParameter: at run time, a value the model refuses; the message names the
+            flag and the model's reason (exit code 2).
+    """
+
+    def wrap(func: Callable) -> Callable:
+        sig = inspect.signature(func)
+        own = [p for p in sig.parameters.values() if p.name not in configs]
+        params: list[inspect.Parameter] = []
+        owner: dict[str, str] = {}
+        for key, model in configs.items():
+            CONFIG_MODELS[f"{model.__module__}.{model.__qualname__}"] = model
+            for name, info in cli_fields(model).items():
+                if name in owner or name in sig.parameters:
+                    raise TypeError(f"{func.__name__}: option {name!r} of {model.__name__} is declared twice")
+                owner[name] = key
+                ann = _annotation(model, name, info)
+                params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
+                                                default=option_for(name, info, ann)))
+        flags = {name: (_extra(info).get("flags") or ("--" + name.replace("_", "-"),))
+                 for model in configs.values() for name, info in cli_fields(model).items()}
+
+        @functools.wraps(func)
+        def command(**kwargs):
+            built = {}
+            for key, model in configs.items():
+                values = {k: kwargs.pop(k) for k in list(kwargs) if owner.get(k) == key}
+                try:
+                    built[key] = model(**values)
+                except ValidationError as exc:
+                    e = exc.errors()[0]
+                    name = str(e["loc"][0]) if e["loc"] else ""
+                    hint = flags.get(name, (name,))
+                    hint = hint if isinstance(hint, str) else hint[0]
+                    raise typer.BadParameter(e["msg"].removeprefix("Value error, "),
+                                             param_hint=hint.split("/")[0] if hint else None) from None
+                except ValueError as exc:  # a model's own __post_init__ check
+                    raise typer.BadParameter(str(exc)) from None
+            return func(**kwargs, **built)
+
+        command.__signature__ = sig.replace(parameters=[*(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own),
+                                                        *params])
+        command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()}
+        del command.__wrapped__  # typer reads __signature__, never the wrapped function's
+        command.__flywheel_configs__ = dict(configs)
+        return command
+
+    return wrap
+
+
+def overrides(model: type, values: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """Check a demo's or experiment's overrides of ``model`` by field name and return them.
+
+    Raises:
+        ValueError: a key that is no field of ``model`` (``where`` names the override), or a
+            value equal to the model's default (a restated default is a second declaration).
+    """
+    fields = model_fields(model)
+    for k, v in values.items():
+        if k not in fields:
+            raise ValueError(f"{where}: {k!r} is no setting of {model.__name__}")
+        if v == field_default(fields[k]):
+            raise ValueError(f"{where}: {k}={v!r} restates {model.__name__}'s default; drop it")
+    return dict(values)
