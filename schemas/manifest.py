@@ -25,6 +25,9 @@ def version_name(n: int) -> str:
     return f"v{n:06d}"
 
 
+BASE_VERSION = version_name(0)  # "v000000": the base model, published by `serve` or `model init`
+
+
 def version_number(name: str) -> int:
     """``'v000007' -> 7``; raises ValueError on anything else."""
     if not (name.startswith("v") and name[1:].isdigit()):
