@@ -62,22 +62,21 @@ def cli_fields(model: type) -> dict[str, FieldInfo]:
 
 
 def _bounds(info: FieldInfo) -> dict[str, Any]:
+    """click's ``min``/``max`` for ``ge``/``le`` bounds; an open bound (``gt``, ``lt``) is left
+    to the model, whose error names the flag (click has no open interval)."""
     out: dict[str, Any] = {}
     for m in info.metadata:
-        for attr, key, clamp_open in (("ge", "min", False), ("gt", "min", True), ("le", "max", False),
-                                      ("lt", "max", True)):
-            v = getattr(m, attr, None)
-            if v is not None:
-                out[key] = v
-                if clamp_open:
-                    out[f"{key}_open"] = True
+        if getattr(m, "ge", None) is not None:
+            out["min"] = m.ge
+        if getattr(m, "le", None) is not None:
+            out["max"] = m.le
     return out
 
 
 def _help(info: FieldInfo) -> str:
     text = (info.description or "").strip()
     unit = _extra(info).get("unit")
-    return f"{text} [unit: {unit}]" if unit else text
+    return f"{text} (unit: {unit})" if unit else text
 
 
 def option_for(name: str, info: FieldInfo, annotation: Any) -> typer.models.OptionInfo:
@@ -113,7 +112,12 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
 
     def wrap(func: Callable) -> Callable:
         sig = inspect.signature(func)
-        own = [p for p in sig.parameters.values() if p.name not in configs]
+        try:  # string annotations (``from __future__ import annotations``), resolved where written
+            hints = typing.get_type_hints(func, include_extras=True)
+        except NameError:
+            hints = {}
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+               if p.name not in configs]
         params: list[inspect.Parameter] = []
         owner: dict[str, str] = {}
         for key, model in configs.items():
@@ -128,6 +132,14 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
         flags = {name: (_extra(info).get("flags") or ("--" + name.replace("_", "-"),))
                  for model in configs.values() for name, info in cli_fields(model).items()}
 
+        def hint_for(name: str, msg: str) -> str | None:
+            """The flag of field ``name``, else of the field a ``"field: reason"`` message names."""
+            name = name or msg.split(":", 1)[0].strip()
+            decl = flags.get(name)
+            if decl is None:
+                return None
+            return (decl if isinstance(decl, str) else decl[0]).split("/")[0]
+
         @functools.wraps(func)
         def command(**kwargs):
             built = {}
@@ -137,13 +149,10 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                     built[key] = model(**values)
                 except ValidationError as exc:
                     e = exc.errors()[0]
-                    name = str(e["loc"][0]) if e["loc"] else ""
-                    hint = flags.get(name, (name,))
-                    hint = hint if isinstance(hint, str) else hint[0]
-                    raise typer.BadParameter(e["msg"].removeprefix("Value error, "),
-                                             param_hint=hint.split("/")[0] if hint else None) from None
+                    msg = e["msg"].removeprefix("Value error, ")
+                    raise typer.BadParameter(msg, param_hint=hint_for(str(e["loc"][0]) if e["loc"] else "", msg)) from None
                 except ValueError as exc:  # a model's own __post_init__ check
-                    raise typer.BadParameter(str(exc)) from None
+                    raise typer.BadParameter(str(exc), param_hint=hint_for("", str(exc))) from None
             return func(**kwargs, **built)
 
         command.__signature__ = sig.replace(parameters=[*(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own),
