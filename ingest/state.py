@@ -66,6 +66,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ingest.join import LabelState
+from schemas import topics
 
 
 def _now_ms() -> int:
@@ -555,13 +556,13 @@ class StateStore:
         return out
 
 
-def open_store(spec: str | Path, app_id: str = "flywheel-ingest", owner: str | None = None):
+def open_store(spec: str | Path, app_id: str | None = None, owner: str | None = None):
     """The join state named by ``spec``: a ``postgresql://`` (or ``postgres://``) URL opens
     :class:`ingest.state_pg.PgStateStore` (workers on several hosts; tables in the schema of
-    consumer group ``app_id``), anything else is the SQLite file of :class:`StateStore`
+    consumer group ``app_id``, default ``schemas.topics.INGEST_APP_ID``), anything else is the SQLite file of :class:`StateStore`
     (every worker on one host; the zero-setup default)."""
     if str(spec).startswith(("postgresql://", "postgres://")):
         from ingest.state_pg import PgStateStore, schema_name
 
-        return PgStateStore(str(spec), schema=schema_name(app_id), owner=owner)
+        return PgStateStore(str(spec), schema=schema_name(app_id or topics.INGEST_APP_ID), owner=owner)
     return StateStore(spec, owner=owner)
