@@ -35,8 +35,13 @@ def _root_command() -> click.Command:
     return typer.main.get_command(app)
 
 
+def _is_option(p) -> bool:
+    # typer vendors its own click (typer._click): isinstance(p, click.Option) is always False
+    return getattr(p, "param_type_name", None) == "option"
+
+
 def _walk(cmd: click.Command, path: str = ""):
-    if isinstance(cmd, click.Group):
+    if hasattr(cmd, "commands"):  # a group, of click or of typer's vendored click
         for name, sub in cmd.commands.items():
             yield from _walk(sub, f"{path} {name}".strip())
     else:
@@ -53,7 +58,7 @@ def test_generated_options_carry_their_models_defaults():
     generated = 0
     for path, cmd in _walk(root):
         for model in _configs_of(cmd).values():
-            opts = {p.name: p for p in cmd.params if isinstance(p, click.Option)}
+            opts = {p.name: p for p in cmd.params if _is_option(p)}
             for name, info in cli_fields(model).items():
                 assert name in opts, f"flywheel {path}: {model.__name__}.{name} has no option"
                 assert opts[name].default == field_default(info), \
@@ -141,7 +146,7 @@ def test_k8s_example_sets_only_what_it_changes():
             if sub not in cmds:
                 visit(value, sub)
                 continue
-            opts = {p.name: p for p in cmds[sub].params if isinstance(p, click.Option)}
+            opts = {p.name: p for p in cmds[sub].params if _is_option(p)}
             for k, v in value.items():
                 opt = opts.get(k.replace("-", "_"))
                 if opt is None:
