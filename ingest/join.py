@@ -1,9 +1,9 @@
 """The join: completions + feedback -> sealed RewardedSamples (pure logic, no Kafka).
 
 What it knows: per ``completion_id`` one :class:`LabelState` (the CompletionEvent, each
-user's last vote, every folded ``event_id``, vote times), kept in a
-:class:`ingest.state.StateStore` (SQLite) so that a killed worker restarts with the exact
-state it had. What it does not know: topics, offsets, partitions, files. The runtime
+user's last vote, every folded ``event_id``, vote times), kept in an
+:class:`ingest.store.JoinStore` (SQLite or PostgreSQL) so that a killed worker restarts with
+the exact state it had. What it does not know: topics, offsets, partitions, files. The runtime
 (``ingest.worker``) feeds it parsed events and a clock, and writes what :meth:`Joiner.tick`
 hands back.
 
@@ -59,6 +59,7 @@ import pydantic_core
 from pydantic import Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from ingest.store import JoinStore
 from schemas import topics
 from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
                             FeedbackEvent, IdText, RewardedSample, clamp_event_time, escape_text,
@@ -434,14 +435,21 @@ class Joiner:
     """Folds parsed events into :class:`LabelState` s and seals them.
 
     Args:
-        store: the durable state (:class:`ingest.state.StateStore`); every method leaves it
-            consistent, so a crash between two calls loses nothing.
+        store: the durable state, an :class:`ingest.store.JoinStore` (SQLite
+            :class:`ingest.state.StateStore` or PostgreSQL :class:`ingest.state_pg.PgStateStore`);
+            every method leaves it consistent, so a crash between two calls loses nothing.
         config: :class:`JoinConfig`.
 
     Times passed as ``now`` are processing time in ms since the epoch (UTC).
+
+    Raises:
+        TypeError: ``store`` lacks a method of :class:`ingest.store.JoinStore` (named).
     """
 
-    def __init__(self, store, config: JoinConfig | None = None):
+    def __init__(self, store: JoinStore, config: JoinConfig | None = None):
+        if not isinstance(store, JoinStore):
+            missing = sorted(m for m in dir(JoinStore) if not m.startswith("_") and not hasattr(store, m))
+            raise TypeError(f"store: {type(store).__name__} is not a JoinStore (missing {', '.join(missing)})")
         self.store = store
         self.cfg = config or JoinConfig()
         # the source topics named in dead letters, under the prefix of this process's settings
