@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ingest.app import IngestConfig
-from ingest.join import JoinConfig
+from ingest.join import JoinConfig, RewardShaping
 from schemas.options import config_options, model_fields, option_for
 from schemas.output import OUTPUT, Format, dumps, resolve
 
@@ -17,9 +17,8 @@ data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_
 
 def _shaping_option(name: str, field: str):
     """``--reward-up`` / ``--reward-down``: the ``typer.Option`` of a :class:`ingest.join.RewardShaping`
-    field (its default, help and bounds) under the flag name ``name``."""
-    from ingest.join import RewardShaping
-
+    field (its default, help and bounds) under the flag name ``name`` (the model's field
+    names, ``up`` and ``down``, would be unclear among the worker's options)."""
     info = model_fields(RewardShaping)[field]
     return option_for(name, info, info.annotation)
 
@@ -37,7 +36,6 @@ def ingest_cmd(
 ) -> None:
     """Run the ingest worker: join completions and feedback into RewardedSample shards."""
     from ingest.app import run_worker
-    from ingest.join import RewardShaping
 
     try:
         join = dataclasses.replace(join, shaping=RewardShaping(up=reward_up, down=reward_down))
