@@ -1,18 +1,36 @@
 """``flywheel topics create|check`` and ``flywheel schemas export``: the Kafka side of a
 deployment on a team's own cluster (``docs/kafka.md``)."""
 
-from __future__ import annotations
+# no ``from __future__ import annotations``: schemas.options.config_options evaluates the
+# commands' own annotations in its module, where ``Optional`` and ``Format`` are not defined
 
 from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.options import config_options
 from schemas.output import OUTPUT, Format, emit, resolve
 
 topics_app = typer.Typer(help="Create or verify Flywheel's Kafka topics (FLYWHEEL_KAFKA_* settings).",
                          no_args_is_help=True)
 schemas_app = typer.Typer(help="Published JSON Schemas of every Kafka event.", no_args_is_help=True)
+
+
+class ClusterConfig(BaseModel):
+    """Which cluster ``flywheel topics create|check`` talk to, and how long they wait for it
+    (the one declaration of both options; the topics' own settings are
+    :class:`schemas.settings.KafkaSettings`, from ``FLYWHEEL_KAFKA_*`` or ``[kafka]``).
+
+    Raises:
+        pydantic.ValidationError: ``timeout_s`` below 0.1 s.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    bootstrap: Optional[str] = Field(None, description="host:port of the cluster (default FLYWHEEL_KAFKA_BOOTSTRAP).")
+    timeout_s: float = Field(30.0, ge=0.1, description="How long to wait for the cluster.",
+                             json_schema_extra={"unit": "s"})
 
 
 def _settings():
@@ -70,10 +88,8 @@ def _report(rows: list[dict], result: dict, fmt: Format, title: str) -> None:
 
 
 @topics_app.command("create")
-def topics_create(bootstrap: Optional[str] = typer.Option(None, help="host:port of the cluster "
-                                                                     "(default FLYWHEEL_KAFKA_BOOTSTRAP)."),
-                  timeout_s: float = typer.Option(30.0, min=0.1, help="How long to wait for the cluster (s)."),
-                  output: Optional[Format] = OUTPUT):
+@config_options(cluster=ClusterConfig)
+def topics_create(cluster: ClusterConfig, *, output: Optional[Format] = OUTPUT):
     """Create the missing topics with the settings' prefix, partitions, replication factor,
     retention and max message size; then verify every topic. An existing topic that differs is
     never altered: it is reported and the command exits 1."""
@@ -81,7 +97,7 @@ def topics_create(bootstrap: Optional[str] = typer.Option(None, help="host:port 
 
     s = _settings()
     try:
-        res = create_topics(bootstrap, settings=s, timeout_s=timeout_s)
+        res = create_topics(cluster.bootstrap, settings=s, timeout_s=cluster.timeout_s)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -91,10 +107,8 @@ def topics_create(bootstrap: Optional[str] = typer.Option(None, help="host:port 
 
 
 @topics_app.command("check")
-def topics_check(bootstrap: Optional[str] = typer.Option(None, help="host:port of the cluster "
-                                                                    "(default FLYWHEEL_KAFKA_BOOTSTRAP)."),
-                 timeout_s: float = typer.Option(30.0, min=0.1, help="How long to wait for the cluster (s)."),
-                 output: Optional[Format] = OUTPUT,
+@config_options(cluster=ClusterConfig)
+def topics_check(cluster: ClusterConfig, *, output: Optional[Format] = OUTPUT,
                  as_json: bool = typer.Option(False, "--json", help="Same as -o json.")):
     """Verify that every topic exists as the settings say; exit 1 on a missing topic or a
     mismatch (partitions, replication factor, a config the broker reports). Changes nothing."""
@@ -103,7 +117,7 @@ def topics_check(bootstrap: Optional[str] = typer.Option(None, help="host:port o
     fmt = resolve(output, as_json)
     s = _settings()
     try:
-        res = check_topics(bootstrap, settings=s, timeout_s=timeout_s)
+        res = check_topics(cluster.bootstrap, settings=s, timeout_s=cluster.timeout_s)
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -135,5 +149,6 @@ def schemas_export(out: Path = typer.Argument(Path("flywheel-schemas"), help="Di
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``topics create|check`` and ``schemas export`` to the ``flywheel`` CLI."""
     app.add_typer(topics_app, name="topics")
     app.add_typer(schemas_app, name="schemas")

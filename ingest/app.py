@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from schemas import settings, topics
 
@@ -25,13 +28,20 @@ SESSION_TIMEOUT_S = 6.0  # group joins take ~half the session timeout on Tansu (
 log = logging.getLogger("ingest")
 
 
-@dataclass
+LOGLEVELS = {"crit": logging.CRITICAL, "error": logging.ERROR, "warn": logging.WARNING,
+             "info": logging.INFO, "debug": logging.DEBUG}
+_PROGRAM = {"cli": False}  # set by programs (tests, the demo); the CLI has no flag for it
+
+
+@pydantic_dataclass
 class IngestConfig:
-    """Everything one ingest worker needs.
+    """Everything one ingest worker needs: the one declaration of each worker setting
+    (``flywheel ingest``'s options, ``[ingest]`` in ``flywheel.toml`` and
+    ``FLYWHEEL_INGEST__<FIELD>`` come from these fields, ``schemas.options.config_options``).
 
     Args:
         join: :class:`ingest.join.JoinConfig` (seal/orphan/age timings, policies, shaping).
-        tick_s: how often the seal timer runs (s).
+        tick_s: how often the seal timer runs (s, > 0).
         worker_host: interface of the worker's HTTP port (``0.0.0.0`` for a Prometheus on
             another host).
         worker_port: HTTP port on ``worker_host``: ``GET /metrics`` in the Prometheus text format
@@ -41,31 +51,41 @@ class IngestConfig:
         state_path: the join state: a SQLite file, shared by the workers of one host (default
             ``$FLYWHEEL_INGEST_STATE``, else ``$FLYWHEEL_HOME/ingest/state.sqlite``), or a
             ``postgresql://`` URL: state scoped to partitions, workers on any host
-            (``ingest.state_pg``; ``docs/decisions.md`` D16).
+            (``ingest.state_pg``; ``docs/decisions.md`` D16). The CLI's ``--state``.
         catalog: the DuckDB catalog (default ``schemas.settings.catalog_path()``).
         app_id: names the Kafka consumer group (default ``APP_ID``; the group is
             :attr:`group_id`, the app id under the topic prefix); workers with the same id
             split the partitions and must share ``state_path`` (the same file on one host,
             or the same database).
+        loglevel: the ``ingest`` logger's level, one of :data:`LOGLEVELS`.
+
+    Raises:
+        pydantic.ValidationError (a ValueError): a field out of its bounds or pattern; the
+            message names the field.
     """
 
-    join: JoinConfig = field(default_factory=JoinConfig)
-    tick_s: float = 1.0
-    worker_port: int = 0
-    worker_host: str = "127.0.0.1"
-    bootstrap: str | None = None
-    samples_dir: Path | None = None
-    state_path: Path | str | None = None
-    catalog: Path | None = None
-    app_id: str = APP_ID
+    join: JoinConfig = Field(default_factory=JoinConfig, description="Join timings and policies.",
+                             json_schema_extra=_PROGRAM)
+    tick_s: float = Field(1.0, description="Seal timer period.", json_schema_extra={"unit": "s"})
+    worker_port: int = Field(0, ge=0, le=65535, description=(
+        "HTTP port on --worker-host: GET /metrics in the Prometheus text format, other paths the counters as "
+        "JSON (0: none)."))
+    worker_host: str = Field("127.0.0.1", description="Interface of --worker-port (0.0.0.0 for a Prometheus on "
+                             "another host).")
+    bootstrap: str | None = Field(None, description="Kafka host:port.", json_schema_extra=_PROGRAM)
+    samples_dir: Path | None = Field(None, description="Shard root.", json_schema_extra=_PROGRAM)
+    state_path: Path | str | None = Field(None, description="Join state: SQLite file or postgresql:// URL.",
+                                          json_schema_extra=_PROGRAM)
+    catalog: Path | None = Field(None, description="DuckDB catalog.", json_schema_extra=_PROGRAM)
+    app_id: str = Field(APP_ID, pattern=r"^[A-Za-z0-9._-]+$", description=(
+        "Names the consumer group (the group is the topic prefix + this); workers sharing it split the "
+        "partitions."))
+    loglevel: Literal["crit", "error", "warn", "info", "debug"] = Field(
+        "info", description="crit | error | warn | info | debug.")
 
     def __post_init__(self):
-        if not self.app_id or not self.app_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise ValueError(f"app_id: must be non-empty [A-Za-z0-9._-], got {self.app_id!r}")
-        if not self.tick_s > 0:
+        if not self.tick_s > 0:  # not Field(gt=0): see ingest.join.JoinConfig.__post_init__
             raise ValueError(f"tick_s: must be > 0 seconds, got {self.tick_s}")
-        if not 0 <= self.worker_port < 65536:
-            raise ValueError(f"worker_port: must be 0..65535, got {self.worker_port}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or
@@ -112,21 +132,20 @@ def producer_settings(cfg: IngestConfig) -> dict:
                 linger_ms=5, max_batch_size=1 << 20, max_request_size=settings.kafka_settings().max_message_bytes)
 
 
-LOGLEVELS = {"crit": logging.CRITICAL, "error": logging.ERROR, "warn": logging.WARNING,
-             "info": logging.INFO, "debug": logging.DEBUG}
-
-
-def run_worker(cfg: IngestConfig, loglevel: str = "info") -> None:
-    """Run the ingest worker (``ingest.worker``) in this process until SIGTERM/SIGINT.
+def run_worker(cfg: IngestConfig, loglevel: str | None = None) -> None:
+    """Run the ingest worker (``ingest.worker``) in this process until SIGTERM/SIGINT: the
+    ingest role's assembly, which ``flywheel ingest`` and ``python -m ingest`` call.
 
     ``loglevel``: one of :data:`LOGLEVELS` for the ``ingest`` logger (assignment, recovery
-    and stats lines are INFO); the Kafka client logs at WARNING or above.
+    and stats lines are INFO), default ``cfg.loglevel``; the Kafka client logs at WARNING or
+    above.
 
     Raises:
         ValueError: unknown ``loglevel``.
     """
     from ingest import worker
 
+    loglevel = loglevel or cfg.loglevel
     if loglevel not in LOGLEVELS:
         raise ValueError(f"loglevel: must be one of {' | '.join(LOGLEVELS)}, got {loglevel!r}")
     level = LOGLEVELS[loglevel]

@@ -2,52 +2,48 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import typer
 
+from ingest.app import IngestConfig
+from ingest.join import JoinConfig, RewardShaping
+from schemas.options import config_options, model_fields, option_for
 from schemas.output import OUTPUT, Format, dumps, resolve
 
 data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_help=True)
 
 
+def _shaping_option(name: str, field: str):
+    """``--reward-up`` / ``--reward-down``: the ``typer.Option`` of a :class:`ingest.join.RewardShaping`
+    field (its default, help and bounds) under the flag name ``name`` (the model's field
+    names, ``up`` and ``down``, would be unclear among the worker's options)."""
+    info = model_fields(RewardShaping)[field]
+    return option_for(name, info, info.annotation)
+
+
+@config_options(join=JoinConfig, worker=IngestConfig)
 def ingest_cmd(
-    seal_after_s: float = typer.Option(600.0, help="Seal a label after this long without a new vote (s)."),
-    max_label_age_s: float = typer.Option(3600.0, help="Seal (or drop, with no vote) completions this old (s)."),
-    orphan_ttl_s: float = typer.Option(600.0, help="How long feedback waits for its completion (s)."),
-    tick_s: float = typer.Option(1.0, help="Seal timer period (s)."),
-    worker_port: int = typer.Option(0, help="HTTP port on --worker-host: GET /metrics in the Prometheus text format, other "
-                                     "paths the counters as JSON (0: none)."),
-    worker_host: str = typer.Option("127.0.0.1", help="Interface of --worker-port (0.0.0.0 for a Prometheus on "
-                                    "another host)."),
-    late_policy: str = typer.Option("deadletter", help="Feedback after sealing: deadletter | drop."),
-    reward_up: float = typer.Option(1.0, help="Reward of an up-vote."),
-    reward_down: float = typer.Option(-1.0, help="Reward of a down-vote."),
-    loglevel: str = typer.Option("info", help="crit | error | warn | info | debug."),
-    app_id: str = typer.Option("flywheel-ingest", help="Names the consumer group (the group is the topic prefix + "
-                                                       "this); workers sharing it split the partitions."),
+    join: JoinConfig,
+    worker: IngestConfig,
+    *,
+    reward_up: float = _shaping_option("reward_up", "up"),
+    reward_down: float = _shaping_option("reward_down", "down"),
     state: str = typer.Option("", help="Join state: a SQLite file shared by one host's workers (default "
                               "$FLYWHEEL_INGEST_STATE, else $FLYWHEEL_HOME/ingest/state.sqlite) or a postgresql:// "
                               "URL (workers on several hosts)."),
 ) -> None:
     """Run the ingest worker: join completions and feedback into RewardedSample shards."""
-    from ingest.app import IngestConfig, run_worker
-    from ingest.join import JoinConfig, RewardShaping
+    from ingest.app import run_worker
 
-    from ingest.app import LOGLEVELS
-
-    if loglevel not in LOGLEVELS:
-        raise typer.BadParameter(f"must be one of {' | '.join(LOGLEVELS)}, got {loglevel!r}", param_hint="--loglevel")
     try:
-        cfg = IngestConfig(
-            join=JoinConfig(seal_after_s=seal_after_s, max_label_age_s=max_label_age_s,
-                            orphan_ttl_s=orphan_ttl_s, late_policy=late_policy,
-                            shaping=RewardShaping(up=reward_up, down=reward_down)),
-            tick_s=tick_s, worker_port=worker_port, worker_host=worker_host, app_id=app_id, state_path=state or None)
-    except (ValueError, RuntimeError) as exc:
+        join = dataclasses.replace(join, shaping=RewardShaping(up=reward_up, down=reward_down))
+        cfg = dataclasses.replace(worker, join=join, state_path=state or None)
+    except ValueError as exc:  # (pydantic's ValidationError is one)
         raise typer.BadParameter(str(exc)) from exc
     try:
-        run_worker(cfg, loglevel=loglevel)
+        run_worker(cfg)
     except Exception as exc:
         if not _is_pg_connection_error(exc, cfg.state_path):
             raise

@@ -1,9 +1,9 @@
 """The join: completions + feedback -> sealed RewardedSamples (pure logic, no Kafka).
 
 What it knows: per ``completion_id`` one :class:`LabelState` (the CompletionEvent, each
-user's last vote, every folded ``event_id``, vote times), kept in a
-:class:`ingest.state.StateStore` (SQLite) so that a killed worker restarts with the exact
-state it had. What it does not know: topics, offsets, partitions, files. The runtime
+user's last vote, every folded ``event_id``, vote times), kept in an
+:class:`ingest.store.JoinStore` (SQLite or PostgreSQL) so that a killed worker restarts with
+the exact state it had. What it does not know: topics, offsets, partitions, files. The runtime
 (``ingest.worker``) feeds it parsed events and a clock, and writes what :meth:`Joiner.tick`
 hands back.
 
@@ -56,30 +56,34 @@ from typing import Literal
 
 import pydantic
 import pydantic_core
+from pydantic import Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from ingest.store import JoinStore
 from schemas import topics
 from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
                             FeedbackEvent, IdText, RewardedSample, clamp_event_time, escape_text,
                             now_ms)
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True)
 class RewardShaping:
     """How a label's votes become the scalar ``reward``.
 
     ``reward = (up * votes_up + down * votes_down) / (votes_up + votes_down)`` (mean over
     users' last votes) with ``aggregate="mean"``, or the plain sum with ``"sum"``.
     Default ±1 averaged, i.e. reward in [-1, 1]; e.g. ``up=0.75, down=-0.25`` for an
-    asymmetric shaping.
+    asymmetric shaping. ``flywheel ingest`` sets ``up`` and ``down`` with ``--reward-up`` and
+    ``--reward-down`` (``ingest.commands``).
+
+    Raises:
+        pydantic.ValidationError (a ValueError): an ``aggregate`` other than mean or sum.
     """
 
-    up: float = 1.0
-    down: float = -1.0
-    aggregate: Literal["mean", "sum"] = "mean"
-
-    def __post_init__(self):
-        if self.aggregate not in ("mean", "sum"):
-            raise ValueError(f"aggregate: must be 'mean' or 'sum', got {self.aggregate!r}")
+    up: float = Field(1.0, description="Reward of an up-vote.")
+    down: float = Field(-1.0, description="Reward of a down-vote.")
+    aggregate: Literal["mean", "sum"] = Field(
+        "mean", description="mean: the votes' average; sum: their sum.", json_schema_extra={"cli": False})
 
     def reward(self, votes_up: int, votes_down: int) -> float:
         total = self.up * votes_up + self.down * votes_down
@@ -87,32 +91,53 @@ class RewardShaping:
         return total / n if self.aggregate == "mean" and n else float(total)
 
 
-@dataclass(frozen=True)
-class JoinConfig:
-    """Join timing and policies.
+_S = {"unit": "s"}
 
-    Timing (seconds):
-        seal_after_s: seal a label when no new vote arrived for this long (default 600).
+
+@pydantic_dataclass(frozen=True)
+class JoinConfig:
+    """Join timing and policies: the one declaration of each (``flywheel ingest``'s options,
+    ``[ingest]`` in ``flywheel.toml`` and ``FLYWHEEL_INGEST__<FIELD>`` come from these fields
+    through ``schemas.options.config_options``).
+
+    Timing (seconds, each > 0):
+        seal_after_s: seal a label when no new vote arrived for this long.
         max_label_age_s: seal (or drop, with no votes) once the completion's
-            ``created_at`` is this old (default 3600).
+            ``created_at`` is this old.
         orphan_ttl_s: how long feedback waits for its completion before it is
-            dead-lettered (default 600).
+            dead-lettered.
         dedupe_retention_s: how long an event_id / sealed completion is remembered for
-            dedupe (default 7 days); must exceed ``max_label_age_s + orphan_ttl_s``.
+            dedupe (7 days, Kafka's default topic retention); must exceed
+            ``max_label_age_s + orphan_ttl_s``. Set by programs only.
     Policies:
-        late_policy: feedback after its label was sealed: ``"deadletter"`` (default) or
-            ``"drop"`` (counted in ``late`` either way).
-        shaping: :class:`RewardShaping`.
+        late_policy: feedback after its label was sealed: ``"deadletter"`` or ``"drop"``
+            (counted in ``late`` either way).
+        shaping: :class:`RewardShaping` (set by programs; the CLI's ``--reward-up`` and
+            ``--reward-down``).
+
+    Raises:
+        pydantic.ValidationError (a ValueError): a field out of its bounds, an unknown
+            ``late_policy``, or ``dedupe_retention_s`` not above ``max_label_age_s +
+            orphan_ttl_s``; the message names the field.
     """
 
-    seal_after_s: float = 600.0
-    max_label_age_s: float = 3600.0
-    orphan_ttl_s: float = 600.0
-    late_policy: Literal["deadletter", "drop"] = "deadletter"
-    shaping: RewardShaping = field(default_factory=RewardShaping)
-    dedupe_retention_s: float = 7 * 24 * 3600.0
+    seal_after_s: float = Field(600.0, description="Seal a label after this long without a new vote.",
+                                json_schema_extra=_S)
+    max_label_age_s: float = Field(3600.0, description="Seal (or drop, with no vote) completions this old.",
+                                   json_schema_extra=_S)
+    orphan_ttl_s: float = Field(600.0, description="How long feedback waits for its completion.",
+                                json_schema_extra=_S)
+    late_policy: Literal["deadletter", "drop"] = Field(
+        "deadletter", description="Feedback after sealing: deadletter | drop.")
+    shaping: RewardShaping = Field(default_factory=RewardShaping, description="How votes become the reward.",
+                                   json_schema_extra={"cli": False})
+    dedupe_retention_s: float = Field(
+        7 * 24 * 3600.0, description="How long an event id / sealed completion is remembered for dedupe.",
+        json_schema_extra={"unit": "s", "cli": False})
 
     def __post_init__(self):
+        # "> 0" is checked here, not by Field(gt=0): schemas.options.option_for turns gt into
+        # typer.Option(min_open=True), which typer does not take (a TypeError at import)
         for name in ("seal_after_s", "max_label_age_s", "orphan_ttl_s", "dedupe_retention_s"):
             v = getattr(self, name)
             if not v > 0:
@@ -121,8 +146,6 @@ class JoinConfig:
             raise ValueError(f"dedupe_retention_s: must exceed max_label_age_s + orphan_ttl_s = "
                              f"{self.max_label_age_s + self.orphan_ttl_s:g} s (a redelivery within a "
                              f"label's life must still dedupe), got {self.dedupe_retention_s:g}")
-        if self.late_policy not in ("deadletter", "drop"):
-            raise ValueError(f"late_policy: must be 'deadletter' or 'drop', got {self.late_policy!r}")
 
 
 @dataclass
@@ -412,14 +435,21 @@ class Joiner:
     """Folds parsed events into :class:`LabelState` s and seals them.
 
     Args:
-        store: the durable state (:class:`ingest.state.StateStore`); every method leaves it
-            consistent, so a crash between two calls loses nothing.
+        store: the durable state, an :class:`ingest.store.JoinStore` (SQLite
+            :class:`ingest.state.StateStore` or PostgreSQL :class:`ingest.state_pg.PgStateStore`);
+            every method leaves it consistent, so a crash between two calls loses nothing.
         config: :class:`JoinConfig`.
 
     Times passed as ``now`` are processing time in ms since the epoch (UTC).
+
+    Raises:
+        TypeError: ``store`` lacks a method of :class:`ingest.store.JoinStore` (named).
     """
 
-    def __init__(self, store, config: JoinConfig | None = None):
+    def __init__(self, store: JoinStore, config: JoinConfig | None = None):
+        if not isinstance(store, JoinStore):
+            missing = sorted(m for m in dir(JoinStore) if not m.startswith("_") and not hasattr(store, m))
+            raise TypeError(f"store: {type(store).__name__} is not a JoinStore (missing {', '.join(missing)})")
         self.store = store
         self.cfg = config or JoinConfig()
         # the source topics named in dead letters, under the prefix of this process's settings

@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
-from pathlib import Path
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
@@ -96,17 +94,6 @@ def reason_class(field: str, reason: str) -> str:
     if field == "schema_version":
         return "unsupported_schema_version"
     return "invalid"
-
-
-def _dir_bytes(p: Path) -> int:
-    total = 0
-    if p.is_dir():
-        for f in p.rglob("*"):
-            try:
-                total += f.stat().st_size if f.is_file() else 0
-            except OSError:  # removed meanwhile (segment collection)
-                pass
-    return total
 
 
 class IngestMetrics:
@@ -168,7 +155,7 @@ class IngestMetrics:
             self.seal_delay.observe(max(s.sealed_at - s.created_at, 0) / 1000.0)
 
     def observe_state(self, store) -> None:
-        """Refresh the state-size gauges from ``store`` (``ingest.state.StateStore``), at most
+        """Refresh the state-size gauges from ``store`` (an ``ingest.store.JoinStore``), at most
         every ``STATE_EVERY_S``; runs in the seal thread (takes the store's lock briefly)."""
         if time.monotonic() - self._state_at < STATE_EVERY_S:
             return
@@ -178,11 +165,7 @@ class IngestMetrics:
             events, sealed = store.dedupe_sizes()
         self.dedupe_rows.labels("events").set(events)
         self.dedupe_rows.labels("sealed").set(sealed)
-        if hasattr(store, "size_bytes"):  # PostgreSQL (ingest.state_pg): the schema's tables
-            self.state_bytes.set(store.size_bytes())
-        elif store.path != ":memory:":
-            size = sum(os.path.getsize(p) for p in (store.path, store.path + "-wal") if os.path.exists(p))
-            self.state_bytes.set(size + _dir_bytes(store.bodies_dir))
+        self.state_bytes.set(store.size_bytes())
 
     async def refresh_lag(self, consumer) -> None:
         """Read each assigned partition's lag (high watermark - position) from the

@@ -57,19 +57,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import sqlite3
-import threading
 import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
+from schemas import topics
+
 from ingest.join import LabelState
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+from ingest.store import JoinStore, StoreBase, default_owner
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL,
@@ -108,21 +103,26 @@ def _body(completion: bytes | str) -> bytes:
     return completion.encode() if isinstance(completion, str) else bytes(completion)
 
 
-class StateStore:
-    """SQLite-backed join state (see module docstring). ``path=":memory:"`` for tests.
+class StateStore(StoreBase):
+    """SQLite-backed join state (see module docstring); a :class:`ingest.store.JoinStore`,
+    whose docstrings hold each method's contract. ``path=":memory:"`` for tests.
 
-    ``owner``: this worker's claim-owner id (default ``<host>-<pid>-<random>``); a file store
-    holds the owner's lock until :meth:`close` or process exit.
+    ``owner``: this worker's claim-owner id (default :func:`ingest.store.default_owner`); a
+    file store holds the owner's lock until :meth:`close` or process exit.
 
     All mutators must run inside :meth:`transaction` (re-entrant; the outermost one
     commits, or rolls back on an exception).
+
+    Raises:
+        ValueError: an ``owner`` that cannot be a file name.
+        sqlite3.OperationalError: the file cannot be opened or stays locked 30 s.
     """
 
     scoped = False  # one file shared by the host's workers: a label is found from any partition
 
     def __init__(self, path: str | Path = ":memory:", owner: str | None = None):
         self.path = str(path)
-        self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.owner = owner or default_owner()
         if "/" in self.owner or self.owner.startswith("."):
             raise ValueError(f"owner: {self.owner!r} cannot be a file name")
         self._owner_fd: int | None = None
@@ -165,10 +165,8 @@ class StateStore:
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        self._depth = 0
-        self._lock = threading.RLock()
+        self._init_base()
         self._batch, self._batch_n, self._batch_t = False, 0, 0.0
-        self._pending: dict[str, int] = {}  # counter deltas of the open batch, written at flush
         self._seg_fds: dict[str, int] = {}  # read handles of body segments
         self._seg_n, self._seg_name, self._seg_file, self._seg_pos = 0, None, None, 0
         self._parts: list[int] = []
@@ -256,39 +254,38 @@ class StateStore:
         if owner and owner != self.owner and self.path != ":memory:":
             (self.owners_dir / f"{owner}.lock").unlink(missing_ok=True)
 
-    @contextmanager
-    def transaction(self):
-        """One atomic unit (thread-safe: the whole unit holds the store's lock). Inside an
-        open batch (:meth:`begin_batch`) it joins the batch and becomes durable at the next
-        :meth:`flush`. Counter bumps inside it are written once, at its commit."""
-        with self._lock:
-            outer = self._depth == 0
-            if outer:  # in a batch, a SAVEPOINT: a failing unit never undoes the batch
-                self.db.execute("SAVEPOINT unit" if self._batch else "BEGIN IMMEDIATE")
-                pending = dict(self._pending)
-            self._depth += 1
-            try:
-                yield
-            except BaseException:
-                self._depth -= 1
-                if outer:
-                    self._pending = pending
-                    self.db.execute("ROLLBACK TO unit" if self._batch else "ROLLBACK")
-                    if self._batch:
-                        self.db.execute("RELEASE unit")
-                raise
-            self._depth -= 1
-            if outer:
-                if self._batch:
-                    self.db.execute("RELEASE unit")
-                else:
-                    try:
-                        self._write_counters()
-                        self.db.execute("COMMIT")
-                    except BaseException:
-                        self._pending = pending
-                        self.db.execute("ROLLBACK")
-                        raise
+    def size_bytes(self) -> int:
+        """Bytes of the file, its WAL and the body segments (0 for ``:memory:``)."""
+        if self.path == ":memory:":
+            return 0
+        size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
+        if self.bodies_dir.is_dir():
+            for f in self.bodies_dir.rglob("*"):
+                try:
+                    size += f.stat().st_size if f.is_file() else 0
+                except OSError:  # removed meanwhile (segment collection)
+                    pass
+        return size
+
+    # -- transactions (the skeleton is StoreBase.transaction) -------------------------------
+    # Inside an open batch (begin_batch) a unit is a SAVEPOINT: it joins the batch, a failing
+    # unit never undoes the batch, and it becomes durable at the next flush.
+    def _begin(self) -> None:
+        self.db.execute("SAVEPOINT unit" if self._batch else "BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        if self._batch:
+            self.db.execute("RELEASE unit")  # counters stay pending until the batch's flush
+        else:
+            self._write_counters()
+            self.db.execute("COMMIT")
+
+    def _abort(self) -> None:
+        if self._batch:
+            self.db.execute("ROLLBACK TO unit")
+            self.db.execute("RELEASE unit")
+        else:
+            self.db.execute("ROLLBACK")
 
     def begin_batch(self) -> None:
         """Group the following transactions into one SQLite commit (group commit) until
@@ -403,10 +400,6 @@ class StateStore:
                 out[cid] = LabelState.from_json(state, "" if has else None, claim)
         return out
 
-    def put(self, st: LabelState, due_at: int) -> None:
-        """Upsert ``st`` (see :meth:`put_many`)."""
-        self.put_many([(st, due_at)])
-
     def put_many(self, items: list[tuple[LabelState, int]]) -> None:
         """Upsert ``(state, due_at ms)`` pairs. A state's completion (bytes or str) is stored
         only if none is stored yet (first wins); ``""``/None store nothing."""
@@ -430,11 +423,8 @@ class StateStore:
             rows = [(st.completion_id, *loc, None) for st, loc in zip(new, self._append_bodies(bodies))]
         self.db.executemany("INSERT INTO completions(completion_id, seg, off, len, body) VALUES(?,?,?,?,?)", rows)
 
-    def delete(self, cid: str) -> None:
-        """Remove the open state of ``cid`` and its completion."""
-        self.delete_many([cid])
-
     def delete_many(self, cids: list[str]) -> None:
+        """Remove the open states of ``cids`` and their completions."""
         rows = [(c,) for c in cids]
         self.db.executemany("DELETE FROM labels WHERE completion_id=?", rows)
         self.db.executemany("DELETE FROM completions WHERE completion_id=?", rows)
@@ -446,30 +436,12 @@ class StateStore:
                                "l.claim IS NULL ORDER BY l.due_at LIMIT ?", (now, limit)).fetchall()
         return [LabelState.from_json(r[1], self._body_at(r[0], *r[2:])) for r in rows]
 
-    def claim(self, cid: str, claim: str) -> None:
-        """Claim ``cid`` for this owner (``claim``: ``"shard:<path>"`` or ``"dead:"``)."""
-        self.claim_many([(cid, claim)])
-
-    def claim_many(self, claims: list[tuple[str, str]]) -> None:
-        """Claim each ``(completion_id, claim)`` for this owner."""
-        self.db.executemany("UPDATE labels SET claim=?, owner=? WHERE completion_id=?",
-                            [(claim, self.owner, cid) for cid, claim in claims])
-
-    def unclaim(self, cid: str) -> None:
-        self.db.execute("UPDATE labels SET claim=NULL, owner=NULL WHERE completion_id=?", (cid,))
-
     def claims(self) -> list[tuple[str, str, str | None]]:
         """Every open claim as ``(completion_id, claim, owner)``."""
         return [tuple(r) for r in self.db.execute(
             "SELECT completion_id, claim, owner FROM labels WHERE claim IS NOT NULL").fetchall()]
 
-    def open_count(self) -> int:
-        return self.db.execute("SELECT count(*) FROM labels").fetchone()[0]
-
     # -- dedupe and sealed ----------------------------------------------------------------
-    def event_seen(self, eid: str) -> bool:
-        return self.db.execute("SELECT 1 FROM events WHERE event_id=?", (eid,)).fetchone() is not None
-
     def _present(self, table: str, column: str, keys) -> set[str]:
         """Those of ``keys`` that have a row in ``table`` (looked up by ``column``, chunked)."""
         out: set[str] = set()
@@ -482,86 +454,29 @@ class StateStore:
         """Those of ``eids`` already folded or dead-lettered."""
         return self._present("events", "event_id", eids)
 
-    def add_event(self, eid: str, cid: str, at: int | None = None) -> None:
-        """Record ``eid`` folded into ``cid`` at ``at`` ms (default now)."""
-        self.add_events([(eid, cid, _now_ms() if at is None else at)])
-
-    def add_events(self, rows: list[tuple[str, str, int]]) -> None:
-        """Record ``(event_id, completion_id, at ms)`` rows as folded."""
-        if rows:
-            self.db.executemany("INSERT OR IGNORE INTO events(event_id, completion_id, at) VALUES(?,?,?)", rows)
-
-    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
-        """Record ``eids`` dead-lettered at ``at`` ms (default now)."""
-        at = _now_ms() if at is None else at
-        self.db.executemany("INSERT OR IGNORE INTO events(event_id, completion_id, at) VALUES(?, NULL, ?)",
-                            [(e, at) for e in eids])
-
-    def is_sealed(self, cid: str) -> bool:
-        return self.db.execute("SELECT 1 FROM sealed WHERE completion_id=?", (cid,)).fetchone() is not None
-
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
         return self._present("sealed", "completion_id", cids)
 
-    def mark_sealed(self, cid: str, sealed_at: int, shard: str) -> None:
-        self.mark_sealed_many([(cid, sealed_at, shard)])
-
-    def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
-        """Record ``(completion_id, sealed_at ms, shard path)`` rows as sealed."""
-        self.db.executemany("INSERT OR REPLACE INTO sealed(completion_id, sealed_at, shard) VALUES(?,?,?)", rows)
-
-    def prune(self, before_ms: int) -> tuple[int, int]:
-        """Delete ``sealed`` rows sealed before ``before_ms``, and ``events`` rows recorded
-        before it whose label is neither open nor sealed at/after it (an event is remembered
-        at least as long as its label). Returns ``(events_deleted, sealed_deleted)``. Rows
-        from an earlier layout (no ``at``) are kept."""
-        ne = self.db.execute(
-            "DELETE FROM events WHERE at < ? AND NOT EXISTS (SELECT 1 FROM labels l WHERE "
-            "l.completion_id = events.completion_id) AND NOT EXISTS (SELECT 1 FROM sealed s WHERE "
-            "s.completion_id = events.completion_id AND s.sealed_at >= ?)", (before_ms, before_ms)).rowcount
-        ns = self.db.execute("DELETE FROM sealed WHERE sealed_at < ?", (before_ms,)).rowcount
-        return ne, ns
-
-    def dedupe_sizes(self) -> tuple[int, int]:
-        """``(rows in events, rows in sealed)``."""
-        return (self.db.execute("SELECT count(*) FROM events").fetchone()[0],
-                self.db.execute("SELECT count(*) FROM sealed").fetchone()[0])
-
     # -- counters -------------------------------------------------------------------------
-    def bump(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to counter ``name`` (inside a transaction or batch: kept in memory, written
-        at its commit or flush, undone with a failing unit)."""
-        if not n:
-            return
-        if self._batch or self._depth:
-            self._pending[name] = self._pending.get(name, 0) + n
-        else:
-            self.db.execute("INSERT INTO counters(name, value) VALUES(?,?) "
-                            "ON CONFLICT(name) DO UPDATE SET value=value+excluded.value", (name, n))
-
     def _write_counters(self) -> None:
         if self._pending:
             self.db.executemany("INSERT INTO counters(name, value) VALUES(?,?) ON CONFLICT(name) DO UPDATE "
                                 "SET value=value+excluded.value", list(self._pending.items()))
             self._pending = {}
 
-    def counters(self) -> dict[str, int]:
-        """Every counter (durable values plus the open batch's deltas)."""
-        with self._lock:
-            out = dict(self.db.execute("SELECT name, value FROM counters").fetchall())
-            for k, v in self._pending.items():
-                out[k] = out.get(k, 0) + v
-        return out
+    def _stored_counters(self) -> dict[str, int]:
+        return dict(self.db.execute("SELECT name, value FROM counters").fetchall())
 
 
-def open_store(spec: str | Path, app_id: str = "flywheel-ingest", owner: str | None = None):
+def open_store(spec: str | Path, app_id: str | None = None, owner: str | None = None) -> JoinStore:
     """The join state named by ``spec``: a ``postgresql://`` (or ``postgres://``) URL opens
     :class:`ingest.state_pg.PgStateStore` (workers on several hosts; tables in the schema of
-    consumer group ``app_id``), anything else is the SQLite file of :class:`StateStore`
+    consumer group ``app_id``, default ``schemas.topics.INGEST_APP_ID``), anything else is the
+    SQLite file of :class:`StateStore`
     (every worker on one host; the zero-setup default)."""
     if str(spec).startswith(("postgresql://", "postgres://")):
         from ingest.state_pg import PgStateStore, schema_name
 
-        return PgStateStore(str(spec), schema=schema_name(app_id), owner=owner)
+        return PgStateStore(str(spec), schema=schema_name(app_id or topics.INGEST_APP_ID), owner=owner)
     return StateStore(spec, owner=owner)

@@ -47,20 +47,14 @@ Tables live in the PostgreSQL schema named after the consumer group (``schema``)
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import socket
-import threading
-import time
-import uuid
-from contextlib import contextmanager
+
+from schemas import topics
 
 from ingest.join import LabelState
 from ingest.partition import home_partitions
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+from ingest.store import StoreBase, default_owner, now_ms
 
 
 _SCHEMA = """
@@ -98,14 +92,15 @@ def schema_name(app_id: str) -> str:
     return "ingest_" + re.sub(r"[^a-z0-9_]", "_", app_id.lower())
 
 
-class PgStateStore:
-    """Join state in PostgreSQL (see the module docstring).
+class PgStateStore(StoreBase):
+    """Join state in PostgreSQL (see the module docstring); a :class:`ingest.store.JoinStore`,
+    whose docstrings hold each method's contract.
 
     Args:
         url: libpq connection URL, ``postgresql://user@host:port/db``.
         schema: the PostgreSQL schema holding the tables (default: :func:`schema_name` of
-            ``flywheel-ingest``); created if missing.
-        owner: this worker's owner id (default ``<host>-<pid>-<random>``).
+            ``schemas.topics.INGEST_APP_ID``); created if missing.
+        owner: this worker's owner id (default :func:`ingest.store.default_owner`).
         takeover_wait_s: longest wait of :meth:`assign` for the previous owner (s, > 0).
         idle_in_transaction_s: the server ends this session when it idles that long inside a
             transaction (s, > 0): a frozen worker releases its partitions and counts as dead.
@@ -120,6 +115,7 @@ class PgStateStore:
         RuntimeError: ``owner`` is held by a live worker.
     """
 
+    _PARAM = "%s"
     scoped = True  # labels belong to partitions: the worker forwards records to their home partition
 
     def __init__(self, url: str, schema: str | None = None, owner: str | None = None,
@@ -132,15 +128,13 @@ class PgStateStore:
                              f"{idle_in_transaction_s}")
         self.takeover_wait_s = takeover_wait_s
         self.path = url  # for messages; never a file
-        self.schema = schema or schema_name("flywheel-ingest")
-        self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.schema = schema or schema_name(topics.INGEST_APP_ID)
+        self.owner = owner or default_owner()
         self.db = psycopg.connect(url, autocommit=True, application_name=f"flywheel-ingest {self.owner}")
         # a worker frozen inside a transaction (SIGSTOP, a VM pause) loses its session, its
         # locks and its advisory lock: its partitions can be taken over, its claims recovered
         self.db.execute(f"SET idle_in_transaction_session_timeout = {int(idle_in_transaction_s * 1000)}")
-        self._lock = threading.RLock()
-        self._depth = 0
-        self._pending: dict[str, int] = {}
+        self._init_base()
         self._epochs: dict[int, int] = {}  # partition -> the epoch this store took it at
         self._n: int | None = None  # partitions of the consumed topics
         with self.db.transaction():
@@ -154,7 +148,7 @@ class PgStateStore:
         if not self.db.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
             raise RuntimeError(f"owner: {self.owner!r} is already held by a live worker")
         self.db.execute("INSERT INTO owners(owner, lock_key, host, started_at) VALUES(%s,%s,%s,%s) "
-                        "ON CONFLICT(owner) DO NOTHING", (self.owner, key, socket.gethostname(), _now_ms()))
+                        "ON CONFLICT(owner) DO NOTHING", (self.owner, key, socket.gethostname(), now_ms()))
 
     def close(self) -> None:
         """Close the connection (drops this owner's advisory lock)."""
@@ -172,39 +166,22 @@ class PgStateStore:
     def flush(self) -> None:
         """Nothing to do: every :meth:`transaction` commits."""
 
-    # -- transactions ----------------------------------------------------------------------
-    @contextmanager
-    def transaction(self):
-        """One atomic unit holding the store's lock; counter bumps are written at its commit."""
-        with self._lock:
-            outer = self._depth == 0
-            if outer:
-                self.db.execute("BEGIN")
-                pending = dict(self._pending)
-            self._depth += 1
-            try:
-                yield
-            except BaseException:
-                self._depth -= 1
-                if outer:
-                    self._pending = pending
-                    self.db.execute("ROLLBACK")
-                raise
-            self._depth -= 1
-            if outer:
-                try:
-                    self._write_counters()
-                    self.db.execute("COMMIT")
-                except BaseException:
-                    self._pending = pending
-                    if not self.db.closed:
-                        self.db.execute("ROLLBACK")
-                    raise
+    # -- transactions (the skeleton is StoreBase.transaction) -------------------------------
+    def _begin(self) -> None:
+        self.db.execute("BEGIN")
 
-    def _many(self, q: str, rows: list) -> None:
-        if rows:
+    def _commit(self) -> None:
+        self._write_counters()
+        self.db.execute("COMMIT")
+
+    def _abort(self) -> None:
+        if not self.db.closed:  # (a session the server ended has nothing to roll back)
+            self.db.execute("ROLLBACK")
+
+    def _execmany(self, q: str, rows: list) -> None:
+        if rows:  # psycopg: executemany is a cursor's
             with self.db.cursor() as cur:
-                cur.executemany(q, rows)
+                cur.executemany(self._sql(q), rows)
 
     # -- partitions ------------------------------------------------------------------------
     def assign(self, parts, n: int) -> dict[int, int]:
@@ -320,9 +297,6 @@ class PgStateStore:
             "FOR UPDATE OF l", (list(set(cids)),)).fetchall()
         return {cid: LabelState.from_json(state, "" if has else None, claim) for cid, state, has, claim in rows}
 
-    def put(self, st: LabelState, due_at: int) -> None:
-        self.put_many([(st, due_at)])
-
     def put_many(self, items: list[tuple[LabelState, int]]) -> None:
         """Upsert ``(state, due_at ms)`` pairs in their home partitions; a completion body is
         stored only if none is (first wins).
@@ -335,15 +309,12 @@ class PgStateStore:
         foreign = sorted(set(parts) - set(self._epochs))
         if foreign:  # the worker forwards such records to their home partition first
             raise Fenced(f"partitions {foreign}: labels there belong to their owner, not to {self.owner}")
-        self._many("INSERT INTO labels(completion_id, part, state, due_at) VALUES(%s,%s,%s,%s) ON CONFLICT"
+        self._execmany("INSERT INTO labels(completion_id, part, state, due_at) VALUES(%s,%s,%s,%s) ON CONFLICT"
                    "(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at",
                    [(st.completion_id, p, st.to_json(), due) for (st, due), p in zip(items, parts)])
         bodies = [(st.completion_id, st.completion.encode() if isinstance(st.completion, str) else bytes(st.completion))
                   for st, _ in items if st.completion]
-        self._many("INSERT INTO completions(completion_id, body) VALUES(%s,%s) ON CONFLICT DO NOTHING", bodies)
-
-    def delete(self, cid: str) -> None:
-        self.delete_many([cid])
+        self._execmany("INSERT INTO completions(completion_id, body) VALUES(%s,%s) ON CONFLICT DO NOTHING", bodies)
 
     def delete_many(self, cids: list[str]) -> None:
         """Remove the open states of ``cids`` and their completions."""
@@ -362,17 +333,6 @@ class PgStateStore:
             "FOR UPDATE OF l SKIP LOCKED", (self.owned(), now, limit)).fetchall()
         return [LabelState.from_json(state, body) for _, state, body in rows]
 
-    def claim(self, cid: str, claim: str) -> None:
-        self.claim_many([(cid, claim)])
-
-    def claim_many(self, claims: list[tuple[str, str]]) -> None:
-        """Claim each ``(completion_id, claim)`` for this owner."""
-        self._many("UPDATE labels SET claim=%s, owner=%s WHERE completion_id=%s",
-                   [(claim, self.owner, cid) for cid, claim in claims])
-
-    def unclaim(self, cid: str) -> None:
-        self.db.execute("UPDATE labels SET claim=NULL, owner=NULL WHERE completion_id=%s", (cid,))
-
     def claims(self) -> list[tuple[str, str, str | None]]:
         """Open claims in owned partitions as ``(completion_id, claim, owner)`` (rows locked)."""
         if not self._epochs:
@@ -381,86 +341,28 @@ class PgStateStore:
             "SELECT completion_id, claim, owner FROM labels WHERE claim IS NOT NULL AND part = ANY(%s) "
             "ORDER BY completion_id FOR UPDATE", (self.owned(),)).fetchall()]
 
-    def open_count(self) -> int:
-        """Open labels in every partition."""
-        return self.db.execute("SELECT count(*) FROM labels").fetchone()[0]
-
     # -- dedupe and sealed -----------------------------------------------------------------
-    def event_seen(self, eid: str) -> bool:
-        return bool(self.events_seen([eid]))
-
     def events_seen(self, eids) -> set[str]:
         """Those of ``eids`` already folded or dead-lettered."""
         return {r[0] for r in self.db.execute("SELECT event_id FROM events WHERE event_id = ANY(%s)",
                                               (list(set(eids)),))}
-
-    def add_event(self, eid: str, cid: str, at: int | None = None) -> None:
-        self.add_events([(eid, cid, _now_ms() if at is None else at)])
-
-    def add_events(self, rows: list[tuple[str, str, int]]) -> None:
-        """Record ``(event_id, completion_id, at ms)`` rows as folded."""
-        self._many("INSERT INTO events(event_id, completion_id, at) VALUES(%s,%s,%s) ON CONFLICT DO NOTHING", rows)
-
-    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
-        """Record ``eids`` dead-lettered at ``at`` ms (default now)."""
-        at = _now_ms() if at is None else at
-        self._many("INSERT INTO events(event_id, completion_id, at) VALUES(%s, NULL, %s) ON CONFLICT DO NOTHING",
-                   [(e, at) for e in eids])
-
-    def is_sealed(self, cid: str) -> bool:
-        return bool(self.sealed_among([cid]))
 
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
         return {r[0] for r in self.db.execute("SELECT completion_id FROM sealed WHERE completion_id = ANY(%s)",
                                               (list(set(cids)),))}
 
-    def mark_sealed(self, cid: str, sealed_at: int, shard: str) -> None:
-        self.mark_sealed_many([(cid, sealed_at, shard)])
-
-    def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
-        """Record ``(completion_id, sealed_at ms, shard path)`` rows as sealed."""
-        self._many("INSERT INTO sealed(completion_id, sealed_at, shard) VALUES(%s,%s,%s) ON CONFLICT(completion_id) "
-                   "DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard", rows)
-
-    def prune(self, before_ms: int) -> tuple[int, int]:
-        """As :meth:`ingest.state.StateStore.prune`, by one worker at a time (the others skip it:
-        two concurrent range deletes could deadlock). Returns ``(events_deleted, sealed_deleted)``."""
-        if not self.db.execute("SELECT pg_try_advisory_xact_lock(%s)", (_PRUNE_LOCK,)).fetchone()[0]:
-            return 0, 0
-        ne = self.db.execute(
-            "DELETE FROM events WHERE at < %s AND NOT EXISTS (SELECT 1 FROM labels l WHERE "
-            "l.completion_id = events.completion_id) AND NOT EXISTS (SELECT 1 FROM sealed s WHERE "
-            "s.completion_id = events.completion_id AND s.sealed_at >= %s)", (before_ms, before_ms)).rowcount
-        ns = self.db.execute("DELETE FROM sealed WHERE sealed_at < %s", (before_ms,)).rowcount
-        return ne, ns
-
-    def dedupe_sizes(self) -> tuple[int, int]:
-        """``(rows in events, rows in sealed)``."""
-        return (self.db.execute("SELECT count(*) FROM events").fetchone()[0],
-                self.db.execute("SELECT count(*) FROM sealed").fetchone()[0])
+    def _may_prune(self) -> bool:
+        # one worker at a time (the others skip it): two concurrent range deletes could deadlock
+        return self.db.execute("SELECT pg_try_advisory_xact_lock(%s)", (_PRUNE_LOCK,)).fetchone()[0]
 
     # -- counters --------------------------------------------------------------------------
-    def bump(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to counter ``name`` (written at the enclosing transaction's commit)."""
-        if not n:
-            return
-        with self._lock:
-            self._pending[name] = self._pending.get(name, 0) + n
-            if not self._depth:
-                self._write_counters()
-
     def _write_counters(self) -> None:
         if self._pending:
-            self._many("INSERT INTO counters(owner, name, value) VALUES(%s,%s,%s) ON CONFLICT(owner, name) "
+            self._execmany("INSERT INTO counters(owner, name, value) VALUES(%s,%s,%s) ON CONFLICT(owner, name) "
                        "DO UPDATE SET value=counters.value+excluded.value",
                        [(self.owner, k, v) for k, v in self._pending.items()])
             self._pending = {}
 
-    def counters(self) -> dict[str, int]:
-        """Every counter summed over all workers (plus this store's uncommitted deltas)."""
-        with self._lock:
-            out = {k: int(v) for k, v in self.db.execute("SELECT name, sum(value) FROM counters GROUP BY name")}
-            for k, v in self._pending.items():
-                out[k] = out.get(k, 0) + v
-        return out
+    def _stored_counters(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.db.execute("SELECT name, sum(value) FROM counters GROUP BY name")}
