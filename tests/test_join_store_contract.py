@@ -8,6 +8,7 @@ docstring in ``ingest/store.py``; the last tests run the Joiner over the interfa
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -63,7 +64,15 @@ class Backend:
             os.close(s._owner_fd)  # the kernel drops the flock; the lock file stays
             s._owner_fd = None
         else:
-            s.db.close()  # the server drops the advisory lock; the owners row stays
+            import psycopg
+
+            pid = s.db.info.backend_pid
+            s.db.close()  # the server drops the advisory lock when the backend exits; the owners row stays
+            deadline = time.monotonic() + 10  # the backend exits after the client's Terminate, not with it
+            with psycopg.connect(self.spec, autocommit=True) as c:
+                while c.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+                    assert time.monotonic() < deadline, f"backend {pid} still runs 10 s after its client closed"
+                    time.sleep(0.02)
 
     def close(self) -> None:
         for s in self.opened:
