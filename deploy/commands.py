@@ -341,7 +341,8 @@ def _end_rollout(version: str, phase: RolloutPhase, outcome: str, reason: str) -
 
 
 def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
-                 weight: float = typer.Option(DEFAULT_STEPS[0], "--weight", callback=_share, help="share of users sent to VERSION at the "
+                 weight: float = typer.Option(DEFAULT_STEPS[0], "--weight", callback=_share,
+                                              help="share of users sent to VERSION at the "
                                               "first step, in (0, 1) (the controller's default first step)"),
                  serving: Optional[list[str]] = _serving_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
@@ -382,7 +383,8 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
     res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_START", what,
                version, d.stable, who, reason, why,
                row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
-    _report(res, f"canary of {version} at {weight:.0%} started", version, hint="to take the candidate back: `flywheel canary abort --yes`")
+    _report(res, f"canary of {version} at {weight:.0%} started", version,
+            hint="to take the candidate back: `flywheel canary abort --yes`")
 
 def canary_abort(serving: Optional[list[str]] = _serving_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),

@@ -112,7 +112,10 @@ def _discovery(fleet: FleetRecord, serving: list[str] | None, timeout_s: float) 
     except ValueError as exc:
         raise SetupError(f"fleet desired-state record: {exc}") from None
     specs = serving or recorded or [settings.serving_url()]
-    pods = PodDiscovery(specs, lambda u: admin(u, timeout_s))
+    try:
+        pods = PodDiscovery(specs, lambda u: admin(u, timeout_s))
+    except ValueError as exc:
+        raise SetupError(str(exc), usage=True) from None
     try:
         if fleet.read().pods != specs:  # operator commands reach the pods the controller reaches
             fleet.change(functools.partial(_with_pods, specs), "controller", "pods", f"serving specs {', '.join(specs)}")
