@@ -23,8 +23,9 @@ covariate. Rules, side by side on the SAME vote streams:
   margin (``deploy.stats.msprt_bounds``, tau = margin), at the demo's 0.2 / production 0.1.
 
 Settings (``SETTINGS``): the demo's (one analysed share of 50 %, 20-vote burn-in, ~360-vote
-deadline, a look every vote) and production's (shares 5/25/50 %, 10-vote burn-in, a
-7,200-vote step deadline = the controller's 3,600 s deadline at 2 votes/s, a look every 10
+deadline, a look every vote: ``flywheel.demo.DemoConfig``) and production's (the controller's
+defaults, ``deploy.controller.ControllerConfig``: shares 5/25/50 %, 10-vote burn-in, a
+36,000-vote step deadline = the 3,600 s deadline at an assumed 10 votes/s, a look every 50
 votes = 5 s polls). Base rates 0.05, 0.2, 0.5; candidates equal, better by the margin
 (ratio 1 + delta), worse by half the margin, by the margin, by twice it, and half as good.
 Figures: promotion rate with its Wilson 95 % interval and the number of canaries, the rollback
@@ -45,15 +46,26 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy.analysis import AnalysisConfig, thumbs_bounds, thumbs_verdict  # noqa: E402
+from deploy.controller import ControllerConfig, parse_steps  # noqa: E402
+from deploy.wiring import ControllerRunConfig  # noqa: E402
+from flywheel.demo import DemoConfig  # noqa: E402
 from deploy.stats import msprt_bounds, wilson_interval  # noqa: E402
 
 PROMOTE, ROLLBACK, DEADLINE_ROLLBACK = 1, 2, 3
 RULES = ("relative", "relative_cuped", "absolute")
 
 
+# Votes per second the settings assume: the demo's ~0.75 (its traffic), production's 10.
+DEMO_VOTES_PER_S = 0.75
+PRODUCTION_VOTES_PER_S = 10.0
+_DEMO = DemoConfig(out=Path("flywheel-demo"))  # the demo's canary settings (flywheel/demo.py), its overrides of the controller's
+_PRODUCTION = ControllerConfig()  # the controller's defaults (deploy/controller.py, deploy/analysis.py)
+
+
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated rollout policy (units: votes; rates in [0, 1]).
+    """One simulated rollout policy (units: votes; rates in [0, 1]); the defaults are the
+    demo's settings, read from ``flywheel.demo.DemoConfig`` and the controller's models.
 
     Fields:
         shares: the analysed candidate shares (the final 1.0, the promotion, is not simulated).
@@ -66,13 +78,13 @@ class SimConfig:
         history: each user's votes before the canary (the CUPED covariate's sample size).
     """
 
-    shares: tuple[float, ...] = (0.5,)
-    min_votes: int = 20
-    min_votes_per_step: int = 20
-    step_deadline_votes: int = 360
+    shares: tuple[float, ...] = parse_steps(_DEMO.canary_steps)[:-1]
+    min_votes: int = _DEMO.canary_min_votes
+    min_votes_per_step: int = _DEMO.canary_min_votes  # the demo sets no --min-votes-per-step
+    step_deadline_votes: int = round(_DEMO.canary_max_wait_s * DEMO_VOTES_PER_S)
     every: int = 1
-    alpha: float = 0.05
-    delta: float = 0.5
+    alpha: float = _PRODUCTION.analysis.alpha  # the demo keeps the controller's
+    delta: float = _DEMO.canary_delta
     abs_delta: float = 0.2
     kappa: float = 4.0
     history: int = 10
@@ -81,12 +93,15 @@ class SimConfig:
         return AnalysisConfig(min_votes=self.min_votes, alpha=self.alpha, delta=self.delta, cuped=cuped)
 
 
-# The demo's settings (flywheel/demo.py DemoConfig: canary_steps "0.5,1.0", canary_min_votes 20,
-# canary_delta, canary_max_wait_s 480 s at ~0.75 votes/s) and production's (the CLI defaults).
+# The demo's settings (flywheel/demo.py DemoConfig: canary_steps, canary_min_votes, canary_delta,
+# canary_max_wait_s at ~0.75 votes/s) and production's (the controller's defaults at 10 votes/s).
 SETTINGS = {
     "demo": SimConfig(),
-    "production": SimConfig(shares=(0.05, 0.25, 0.5), min_votes=10, min_votes_per_step=10,
-                            step_deadline_votes=36000, every=50, delta=0.2, abs_delta=0.1),
+    "production": SimConfig(shares=_PRODUCTION.steps[:-1], min_votes=_PRODUCTION.analysis.min_votes,
+                            min_votes_per_step=_PRODUCTION.votes_per_step,
+                            step_deadline_votes=round(_PRODUCTION.deadline_s * PRODUCTION_VOTES_PER_S),
+                            every=round(ControllerRunConfig().poll_s * PRODUCTION_VOTES_PER_S),
+                            alpha=_PRODUCTION.analysis.alpha, delta=_PRODUCTION.analysis.delta, abs_delta=0.1),
 }
 BASES = (0.05, 0.2, 0.5)
 

@@ -7,7 +7,10 @@ Public API: ``deploy.store.ModelStore`` / ``CorruptVersionError``,
 ``deploy.controller.RolloutController`` / ``status_from_ledger`` / ``current_status``,
 ``deploy.desired.FleetRecord`` / ``DesiredState`` (the fleet's desired state on the store),
 ``deploy.fleet.reconcile_pods`` (every pod to it), ``deploy.operator.run_action`` (an operator
-action: record, converge, per-pod outcomes), ``deploy.commands.register`` (and
-``pause_learner`` / ``resume_learner`` / ``learner_paused``).
+action: record, converge, per-pod outcomes), ``deploy.wiring.build_controller`` (the
+controller's assembly from ``ControllerRunConfig``, ``deploy.controller.ControllerConfig`` and
+``deploy.analysis.AnalysisConfig``, the config models its CLI options come from),
+``deploy.status.gather_status`` (what ``flywheel status`` shows), ``deploy.commands.register``
+(and ``pause_learner`` / ``resume_learner`` / ``learner_paused``).
 Benchmarks live in ``bench/delta.py`` and ``bench/rollback.py``.
 """

@@ -46,6 +46,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Optional
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass as config_dataclass
 
 from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, noninferiority_bounds,  # noqa: F401
                           normal_cdf, ratio_interval, two_proportion_z, wilson_interval)
@@ -148,66 +152,68 @@ class ArmStats:
         return self.x_sum is not None
 
 
-@dataclass
+def _f(default, description, unit=None, cli=True, **bounds):
+    """A :class:`AnalysisConfig` field: default, help, unit and bounds (one declaration)."""
+    extra = {"unit": unit} if unit else {}
+    if not cli:
+        extra["cli"] = False
+    return Field(default, description=description, json_schema_extra=extra or None, **bounds)
+
+
+@config_dataclass
 class AnalysisConfig:
-    """Thresholds of the canary analysis.
+    """Thresholds of the canary analysis; each field's ``description`` is its help (the
+    ``flywheel controller`` option of the same name, ``[controller]`` in ``flywheel.toml``).
 
-    Quality (thumbs-up, sequential test):
-        min_votes: votes per arm before the test decides (burn-in, default 10).
-        alpha: error level of the always-valid interval (default 0.05).
-        delta: RELATIVE non-inferiority margin in (0, 1) (default 0.2): PASS when the
-            always-valid lower bound of ``rate(candidate) / rate(stable) - 1`` is above
-            ``-delta``, i.e. the candidate surely keeps more than ``1 - delta`` of the stable's
-            thumbs-up rate (0.2: more than 80 %, at any base rate).
-        tau: mixing standard deviation of the mSPRT on the log rate ratio (default None =
-            ``-log(1 - delta)``, the distance of a candidate exactly at the margin).
-        cuped: adjust each arm's rate by the votes' pre-canary covariate when both arms carry
-            one (default True; :func:`deploy.stats.cuped_rate`).
+    Quality (thumbs-up, sequential test): ``min_votes`` (burn-in), ``alpha``, ``delta`` (the
+    RELATIVE non-inferiority margin: PASS when the always-valid lower bound of
+    ``rate(candidate) / rate(stable) - 1`` is above ``-delta``, i.e. the candidate surely
+    keeps more than ``1 - delta`` of the stable's thumbs-up rate, at any base rate), ``tau``
+    and ``cuped`` (:func:`deploy.stats.cuped_rate`).
 
-    Operational (error rate, p99 latency, tokens/s):
-        min_requests: requests per arm before these are judged (default 20). Latency and
-            tokens/s are gated on ``latency_samples`` when the source gives it, else on
-            ``requests``; only a source that counts neither has them judged as given.
-        max_error_rate_increase: allowed absolute error-rate increase (default 0.02).
-        max_p99_ratio: allowed candidate/stable p99 latency ratio (default 1.5).
-        min_tokens_per_s_ratio: required candidate/stable tokens/s ratio (default 0.67).
-        failure_limit: failed checks in a row before an operational metric or a guard
-            fails the step (default 3; Flagger's threshold, Argo's failureLimit).
+    Operational (error rate, p99 latency, tokens/s): ``min_requests`` per arm before these
+    are judged (latency and tokens/s are gated on ``latency_samples`` when the source gives
+    it, else on ``requests``; only a source that counts neither has them judged as given),
+    the limits ``max_error_rate_increase``, ``max_p99_ratio``, ``min_tokens_per_s_ratio``,
+    and ``failure_limit`` (Flagger's threshold, Argo's failureLimit).
 
     Reward-hacking guards (from each arm's completions; also against the first version):
-        min_guard_completions: completions per arm before the guards are judged (default 10).
-        max_length_ratio: allowed candidate/stable mean completion length (default 1.5).
-        min_length_ratio: required candidate/stable mean completion length (default 0.67):
-            replies that collapse to a bare answer or a format shortcut fail too.
-        max_no_answer_increase: allowed absolute increase of the share of replies with no
-            answer (default 0.15).
-        max_truncated_increase: allowed absolute increase of the share cut at max_tokens
-            (default 0.15).
-        max_repetitive_increase: allowed absolute increase of the share of repetitive replies
-            (default 0.15).
+    ``min_guard_completions`` and the limits on length, no-answer, truncated and repetitive
+    replies.
+
+    Raises:
+        ValueError (pydantic's ValidationError): a value out of its bounds or not finite,
+            naming the field.
     """
 
-    min_votes: int = 10
-    alpha: float = 0.05
-    delta: float = 0.2
-    tau: float | None = None
-    cuped: bool = True
-    min_requests: int = 20
-    max_error_rate_increase: float = 0.02
-    max_p99_ratio: float = 1.5
-    min_tokens_per_s_ratio: float = 0.67
-    failure_limit: int = 3
-    min_guard_completions: int = 10
-    max_length_ratio: float = 1.5
-    min_length_ratio: float = 0.67
-    max_no_answer_increase: float = 0.15
-    max_truncated_increase: float = 0.15
-    max_repetitive_increase: float = 0.15
+    min_votes: int = _f(10, "votes per arm before the sequential thumbs-up test decides (burn-in)", "votes", ge=1)
+    alpha: float = _f(0.05, "error level of the always-valid interval, in (0, 1)")
+    delta: float = _f(0.2, "relative non-inferiority margin in (0, 1): advance when the always-valid lower bound "
+                      "of rate(candidate) / rate(stable) - 1 is above -delta (0.2: the candidate keeps more than "
+                      "80 % of the stable's thumbs-up rate)")
+    tau: Optional[float] = _f(None, "mixing standard deviation of the mSPRT on the log rate ratio (default "
+                              "-log(1 - delta): the distance of a candidate exactly at the margin); > 0")
+    cuped: bool = Field(True, description="adjust each arm's thumbs-up rate by the voting users' pre-canary "
+                        "thumbs-up rate when both arms carry it (CUPED)", json_schema_extra={"flags": "--cuped/--no-cuped"})
+    min_requests: int = _f(20, "requests per arm before error rate, p99 latency and tokens/s are judged",
+                           "requests", ge=1)
+    max_error_rate_increase: float = _f(0.02, "allowed absolute error-rate increase of the candidate", ge=0)
+    max_p99_ratio: float = _f(1.5, "allowed candidate/stable p99 latency ratio", ge=0)
+    min_tokens_per_s_ratio: float = _f(0.67, "required candidate/stable tokens/s ratio", ge=0)
+    failure_limit: int = _f(3, "failed checks in a row before an operational metric or a reward-hacking guard "
+                            "fails the step", "checks", ge=1)
+    min_guard_completions: int = _f(10, "completions per arm before the reward-hacking guards are judged",
+                                    "completions", ge=1)
+    max_length_ratio: float = _f(1.5, "allowed candidate/stable mean completion length", ge=0)
+    min_length_ratio: float = _f(0.67, "required candidate/stable mean completion length (replies that collapse "
+                                 "to a bare answer or a format shortcut fail too)", ge=0)
+    max_no_answer_increase: float = _f(0.15, "allowed absolute increase of the share of replies with no answer",
+                                       ge=0)
+    max_truncated_increase: float = _f(0.15, "allowed absolute increase of the share of replies cut at max_tokens",
+                                       ge=0)
+    max_repetitive_increase: float = _f(0.15, "allowed absolute increase of the share of repetitive replies", ge=0)
 
-    def __post_init__(self):
-        for f in ("min_votes", "min_requests", "failure_limit", "min_guard_completions"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"{f}: must be an int >= 1, got {getattr(self, f)!r}")
+    def __post_init__(self):  # open bounds: schemas.options cannot give click gt/lt yet
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha: must be in (0, 1), got {self.alpha}")
         if not 0 < self.delta < 1:
@@ -215,11 +221,10 @@ class AnalysisConfig:
                              f"1 - delta of the stable's rate), got {self.delta}")
         if self.tau is not None and not self.tau > 0:
             raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
-
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
                   "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase"):
             v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if not math.isfinite(v):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
 
     @property

@@ -17,15 +17,12 @@ a pod is bounded by ``--serving-timeout-s`` (else ``$FLYWHEEL_SERVING_TIMEOUT_S`
 
 from __future__ import annotations
 
-import functools
 import getpass
 import json
 import logging
 import os
 import time
-from dataclasses import asdict
-from datetime import datetime, timezone
-from pathlib import Path
+from dataclasses import replace
 from typing import Optional
 
 import typer
@@ -34,27 +31,27 @@ from rich.table import Table
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
-from deploy.controller import (DEADLINE_OUTCOMES, DEFAULT_STEPS, ControllerConfig, RolloutController,
-                               RolloutPhase, RolloutStatus, current_status)
+from deploy.controller import (DEFAULT_STEPS, ControllerConfig, RolloutController, RolloutPhase, RolloutStatus,
+                               current_status, format_steps)
 from deploy.desired import DesiredState, FleetRecord, LockTimeout
 from deploy.discovery import PodDiscovery
-from deploy.fleet import drift, observe_pods
-from deploy.operator import ActionResult, pod_specs, run_action
+from deploy.operator import ActionResult, run_action
 from deploy.runbook import RUNBOOK
-from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdmin, ServingAdminError,
-                                   check_timeout, timeout_from_env)
+from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
+                                   timeout_from_env)
+from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, discover_pods, gather_status,  # noqa: F401
+                           status_warnings)
+from deploy.status import ts as _ts
 from deploy.store import CorruptVersionError, ModelStore
-from schemas.output import OUTPUT, Format, dumps, resolve
+from deploy.wiring import ControllerRunConfig, SetupError, build_controller, rollout_status_path
+from deploy.wiring import bootstrap as _bootstrap
 from schemas import settings
+from schemas.options import config_options, model_fields
+from schemas.output import OUTPUT, Format, dumps, resolve
 
 console = Console()
 if not console.is_terminal and "COLUMNS" not in os.environ:
     console = Console(width=200)  # piped to a file or a pager: do not cut tables at 80 columns
-
-
-def rollout_status_path() -> Path:
-    """Where the controller persists its :class:`RolloutStatus` (a cache of the ledger)."""
-    return settings.home() / "deploy" / "rollout.json"
 
 
 def _fleet(store: ModelStore | None = None) -> FleetRecord:
@@ -68,10 +65,6 @@ def learner_paused(fleet: FleetRecord | None = None) -> dict | None:
         return (fleet or _fleet()).read().paused
     except ValueError as exc:  # unreadable record: say so rather than "running"
         return {"actor": "unknown", "at": 0, "reason": f"desired-state record unreadable: {exc}"}
-
-
-RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable "
-                 "record, unpaused, with no candidate, and the controller reconciles every pod to that")
 
 
 def _paused_or_fail() -> dict | None:
@@ -114,11 +107,6 @@ def resume_learner(actor: str, fleet: FleetRecord | None = None) -> dict | None:
     return prev
 
 
-
-
-STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
-
-
 def _text(s: str | None) -> str | None:
     """Operator text (``--reason``, ``--actor``, ``$FLYWHEEL_ACTOR``) as valid UTF-8: bytes a
     non-UTF-8 terminal sent (Python holds them as lone surrogates) become U+FFFD. A lone
@@ -153,24 +141,16 @@ def _timeout(flag: float | None, default: float = DEFAULT_TIMEOUT_S) -> float:
         _fail(str(exc), usage=True)
 
 
-def _admin(serving: str | None, timeout_s: float) -> ServingAdmin:
-    return ServingAdmin(serving or settings.serving_url(), os.environ.get("FLYWHEEL_ADMIN_TOKEN"), timeout_s=timeout_s)
-
-
 def _pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float, quiet: bool = False) -> PodDiscovery:
-    """The fleet's pods: the specs the controller recorded in the desired state, else
-    ``--serving`` / ``$FLYWHEEL_SERVING_URL`` (:func:`deploy.operator.pod_specs`)."""
+    """The fleet's pods (:func:`deploy.status.discover_pods`); prints where they came from
+    unless ``quiet``; exit 2 on a pod spec that is no URL or ``dns+http://`` spec."""
     try:
-        d = fleet.read()
-    except ValueError:
-        d = DesiredState()
-    specs, note = pod_specs(d, serving, settings.serving_url())
+        pods, note = discover_pods(fleet, serving, timeout_s)
+    except SetupError as exc:
+        _fail(str(exc), usage=True)
     if note and not quiet:
         console.print(f"[yellow]note:[/yellow] {note}")
-    try:
-        return PodDiscovery(specs, lambda u: _admin(u, timeout_s))
-    except ValueError as exc:
-        _fail(str(exc), usage=True)
+    return pods
 
 
 def _record_action(decision: str, version: str | None, stable: str | None, reason: str, actor: str,
@@ -202,52 +182,6 @@ def _action_failed(decision: str, what: str, version: str | None, stable: str | 
 
 def _because(reason: str, why: str) -> str:
     return reason + (f": {why}" if why else "")
-
-
-def status_warnings(slots, desired: DesiredState | None) -> list[str]:
-    """What `flywheel status` flags for the on-call engineer about one pod: a slot whose
-    served digest differs from the store's manifest (``digest_ok`` False: the version's
-    files changed under the same id), and drift from the fleet's desired state (the
-    controller brings the pod back at its next poll; a restarted pod serves the record)."""
-    out: list[str] = []
-    if slots is None:
-        return out
-    for name, si in (("stable", slots.stable), ("candidate", slots.candidate)):
-        if si is not None and si.digest_ok is False:
-            fix = (f"`flywheel rollback --to {si.version} --yes` reloads it from the store" if name == "stable"
-                   else f"`flywheel rollback --yes` drops it, then `flywheel canary start {si.version} --yes`")
-            out.append(f"pod {slots.pod}: {name} {si.version} serves weights digest {si.weights_digest[:12]} but the "
-                       f"store's manifest now says {(si.manifest_digest or '')[:12]} (files changed under the same "
-                       f"id): {fix}")
-    if desired is not None and desired.stable and desired.stable != slots.stable.version:
-        out.append(f"pod {slots.pod} serves {slots.stable.version} as stable but the fleet's desired state says "
-                   f"{desired.stable} (generation {desired.generation}, {desired.action or 'set'} by "
-                   f"{desired.actor or '?'} at {_ts(desired.updated_ms)} UTC): the controller brings it to "
-                   f"{desired.stable} at its next poll and a restarted pod serves {desired.stable}; to keep "
-                   f"{slots.stable.version}, `flywheel rollback --to {slots.stable.version} --yes`")
-    elif desired is not None:
-        for what in drift(slots, desired):
-            out.append(f"pod {slots.pod}: {what} (generation {desired.generation}): converging; if it stays, "
-                       "see `flywheel runbook` ('a pod does not converge')")
-    return out
-
-
-def _bootstrap() -> str | None:
-    try:
-        return settings.bootstrap()
-    except RuntimeError:
-        return None
-
-
-def _ts(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%m-%d %H:%M:%S")
-
-
-def _parse_steps(s: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError as exc:
-        raise typer.BadParameter(f"--steps: {s!r} is not a comma-separated list of numbers") from exc
 
 
 def _confirm(what: str, yes: bool) -> None:
@@ -289,479 +223,6 @@ def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
                         help=f"bound on each call to a pod (s; default ${TIMEOUT_ENV}, else {default_s:g})")
 
 
-def register(app: typer.Typer) -> None:
-    """Add ``controller``, ``status``, ``versions``, ``promote``, ``rollback``,
-    ``canary start|abort``, ``pause``, ``resume`` and ``runbook``."""
-    canary = typer.Typer(help="Start or abort a canary on every pod (the fleet's desired state); the controller "
-                              "analyses and advances it.", no_args_is_help=True)
-    app.add_typer(canary, name="canary")
-
-    @canary.command("start")
-    def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
-                     weight: float = typer.Option(DEFAULT_STEPS[0], "--weight", callback=_share, help="share of users sent to VERSION at the "
-                                                  "first step, in (0, 1) (the controller's default first step)"),
-                     serving: Optional[list[str]] = _serving_opt(),
-                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
-                     serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
-                     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Load VERSION as the candidate on every pod at --weight (also a version the controller
-        skipped or rolled back); the controller then analyses and advances it like its own.
-        Refused while a canary is in progress. Returns when every pod serves it or --timeout
-        passes (exit 1), printing each pod's outcome."""
-        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
-        store, fleet = _store(), _fleet()
-        what = f"canary start of {version}"
-        if version not in store.versions():
-            _action_failed("MANUAL_CANARY_START", what, version, None, who, reason,
-                           f"version: {version!r} is not in the store (it has "
-                           f"{', '.join(store.versions()) or 'none'})")
-        try:
-            store.manifest(version)
-        except CorruptVersionError as exc:
-            _action_failed("MANUAL_CANARY_START", what, version, None, who, reason, f"version: {exc}")
-        d = _read_desired(fleet, "MANUAL_CANARY_START", what, who, reason)
-        _confirm(f"start a canary of {version} at {weight:.0%} on every pod (stable {d.stable})", yes)
-        why = _because(f"canary of {version} against {d.stable} at {weight:.0%}, started by {who}", reason)
-
-        def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
-            if x.candidate is not None:
-                raise ValueError(f"candidate: a canary of {x.candidate} at {x.weight:.0%} is in progress "
-                                 f"(generation {x.generation}, {x.action or 'set'} by {x.actor or '?'}); "
-                                 "`flywheel canary abort --yes` first")
-            if x.stable == version:
-                raise ValueError(f"version: {version} is the fleet's stable version")
-            x.candidate, x.weight = version, weight
-            return x
-
-        def on_changed(before, after):
-            store.set_status(version, "canary", why, actor=who)
-
-        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_START", what,
-                   version, d.stable, who, reason, why,
-                   row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
-        _report(res, f"canary of {version} at {weight:.0%} started", version, hint="to take the candidate back: `flywheel canary abort --yes`")
-
-    @canary.command("abort")
-    def canary_abort(serving: Optional[list[str]] = _serving_opt(),
-                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
-                     serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
-                     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Abort the canary in progress: drop the candidate on every pod (stable takes all
-        traffic) and mark it aborted (the controller does not start it again by itself).
-        Returns when every pod dropped it or --timeout passes (exit 1), printing each pod's outcome."""
-        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
-        store, fleet = _store(), _fleet()
-        d = _read_desired(fleet, "MANUAL_CANARY_ABORT", "canary abort", who, reason)
-        st = current_status(rollout_status_path(), settings.ledger_path())
-        cand = d.candidate or (st.candidate if st.phase == RolloutPhase.CANARY else None)
-        if cand is None:
-            _action_failed("MANUAL_CANARY_ABORT", "canary abort", st.candidate, d.stable, who, reason,
-                           f"no canary in progress (phase {st.phase.value}, no candidate in the fleet's desired "
-                           "state); to drop a loaded candidate use `flywheel rollback`")
-        _confirm(f"abort the canary of {cand} at {d.weight:.0%} on every pod (stable {d.stable} takes all traffic)",
-                 yes)
-        why = _because(f"canary of {cand} aborted by {who} at step {st.step} ({d.weight:.0%})", reason)
-
-        def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
-            if x.candidate != d.candidate:
-                raise ValueError(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
-                                 f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
-            x.candidate, x.weight = None, 0.0
-            return x
-
-        def on_changed(before, after):
-            store.set_status(cand, "aborted", why)
-            _end_rollout(cand, RolloutPhase.ABORTED, "MANUAL_CANARY_ABORT", why)
-
-        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_ABORT",
-                   f"canary abort of {cand}", cand, d.stable, who, reason, why,
-                   row=lambda after: {"stable": after.stable, "step": st.step, "weight": 0.0})
-        _report(res, f"aborted the canary of {cand}; stable {d.stable} serves all traffic", d.stable)
-
-    @app.command("pause")
-    def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
-                  actor: Optional[str] = _actor_opt(),
-                  yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Pause the learner (through the fleet's desired state, wherever the learner runs): it
-        publishes nothing new until `flywheel resume` (a cycle already running finishes)."""
-        cur = _paused_or_fail()
-        if cur:
-            console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
-            return
-        _confirm("pause the learner", yes)
-        pause_learner(_actor(actor), reason)
-        console.print(f"learner paused by {_actor(actor)} (fleet desired state, {_fleet().read().summary()})")
-
-    @app.command("resume")
-    def resume_cmd(actor: Optional[str] = _actor_opt(),
-                   yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Resume the learner after `flywheel pause`."""
-        cur = _paused_or_fail()
-        if not cur:
-            console.print("learner is not paused")
-            return
-        _confirm(f"resume the learner (paused by {cur['actor']})", yes)
-        resume_learner(_actor(actor))
-        console.print(f"learner resumed by {_actor(actor)}")
-
-    @app.command("runbook")
-    def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
-                    output: Optional[Format] = OUTPUT) -> None:
-        """On-call runbook: symptom -> what to check -> which command."""
-        fmt = resolve(output, as_json)
-        if fmt in (Format.json, Format.yaml):
-            typer.echo(dumps([{"symptom": a, "check": b, "command": c} for a, b, c in RUNBOOK], fmt))
-            return
-        t = Table(title="flywheel runbook", show_lines=True)
-        for c in ("symptom", "what to check", "command"):
-            t.add_column(c)
-        for row in RUNBOOK:
-            t.add_row(*row)
-        console.print(t)
-
-
-    @app.command("controller")
-    def controller_cmd(
-        serving: Optional[list[str]] = typer.Option(
-            None, help="serving pod URL, or dns+http://SERVICE:PORT for every pod behind a headless Service "
-                       "(asked again before each step); repeat for several; recorded in the fleet's desired state "
-                       "for operator commands (default: the pods recorded there, else $FLYWHEEL_SERVING_URL)"),
-        once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, then exit"),
-        steps: str = typer.Option("0.05,0.25,0.5,1", help="candidate traffic shares, comma-separated, "
-                                   "increasing in (0, 1], ending in 1; the canary is analysed at each share "
-                                   "below 1 and passing the last of them promotes (the final 1 is the "
-                                   "promotion itself, docs/decisions.md D27)"),
-        min_votes: int = typer.Option(10, help="votes per arm before the sequential thumbs-up test decides"),
-        delta: float = typer.Option(0.2, help="relative non-inferiority margin in (0, 1): advance when the "
-                                    "always-valid lower bound of rate(candidate) / rate(stable) - 1 is above -delta "
-                                    "(0.2: the candidate keeps more than 80 % of the stable's thumbs-up rate)"),
-        alpha: float = typer.Option(0.05, help="error level of the always-valid interval"),
-        failure_limit: int = typer.Option(3, help="failed checks in a row before an operational metric or a "
-                                          "reward-hacking guard fails the step"),
-        min_votes_per_step: Optional[int] = typer.Option(None, help="new candidate votes a step needs before "
-                                                         "it advances (default: --min-votes)"),
-        deadline_s: float = typer.Option(3600.0, help="a step still undecided after this takes --deadline-outcome (s)"),
-        deadline_outcome: str = typer.Option("rollback", help=f"one of {DEADLINE_OUTCOMES}"),
-        poll_s: float = typer.Option(5.0, help="seconds between reconcile steps"),
-        serving_timeout_s: Optional[float] = _timeout_opt(),
-        metrics_port: int = typer.Option(0, min=0, max=65535, help="serve the controller's Prometheus /metrics "
-                                         "on this port (0 = off)"),
-        metrics_provider: str = typer.Option("scrape", help="canary metrics from 'scrape' (every pod's /metrics, "
-                                             "the default) or 'prometheus' (PromQL on --prometheus-url)"),
-        prometheus_url: Optional[str] = typer.Option(None, envvar="FLYWHEEL_PROMETHEUS_URL",
-                                                     help="Prometheus base URL for --metrics-provider prometheus"),
-        prometheus_selector: str = typer.Option("", help="label matchers added to every PromQL series, e.g. "
-                                                "job=\"flywheel-serving\""),
-        guards_from: str = typer.Option("samples", help="reward-hacking guards over 'samples' (voted completions) "
-                                        "or 'completions' (every served completion, read from the completions "
-                                        "topic; deploy/replies.py)"),
-        reply_judge: Optional[str] = typer.Option(None, help="module:attribute of the workload's has_answer "
-                                                  "judge for the no-answer guard (with --guards-from completions; "
-                                                  "default: an empty reply has no answer)"),
-    ) -> None:
-        """Canary each newly published version (load, step traffic, analyze, promote or roll back)
-        and keep every pod on the fleet's desired state. `--once` exits 1 when the step it ran
-        failed (FAILED) or a pod did not converge."""
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-        try:
-            cfg = ControllerConfig(steps=_parse_steps(steps), step_deadline_s=deadline_s,
-                                   deadline_outcome=deadline_outcome, min_votes_per_step=min_votes_per_step,
-                                   analysis=AnalysisConfig(min_votes=min_votes, delta=delta, alpha=alpha,
-                                                           failure_limit=failure_limit))
-        except ValueError as exc:
-            _fail(str(exc), usage=True)
-        timeout_s = _timeout(serving_timeout_s)
-        fleet = _fleet()
-        try:
-            recorded = fleet.read().pods
-        except ValueError as exc:
-            _fail(f"fleet desired-state record: {exc}")
-        specs = serving or recorded or [settings.serving_url()]  # --serving, else the pods recorded before
-        pods = PodDiscovery(specs, lambda u: _admin(u, timeout_s))
-        try:
-            if fleet.read().pods != specs:  # operator commands reach the pods the controller reaches
-                fleet.change(functools.partial(_with_pods, specs), "controller", "pods",
-                             f"serving specs {', '.join(specs)}")
-        except ValueError as exc:
-            _fail(f"fleet desired-state record: {exc}")
-        try:
-            admins = pods()
-        except ValueError as exc:
-            _fail(str(exc), usage=True)
-        except ServingAdminError as exc:  # no ready pod yet: the controller asks again each step
-            logging.getLogger(__name__).warning("%s", exc)
-            admins = []
-        arm_metrics = None  # the controller's default: the scrape provider over the pods
-        if metrics_provider != "scrape":
-            from deploy.metrics import metric_provider
-
-            try:
-                arm_metrics = metric_provider(metrics_provider, prometheus_url=prometheus_url,
-                                              selector=prometheus_selector)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--metrics-provider/--prometheus-url") from exc
-        served = None
-        if guards_from not in ("samples", "completions"):
-            raise typer.BadParameter(f"must be 'samples' or 'completions', got {guards_from!r}",
-                                     param_hint="--guards-from")
-        if guards_from == "completions":
-            from deploy.replies import ServedCompletions, load_judge
-
-            try:
-                judge = load_judge(reply_judge) if reply_judge else None
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--reply-judge") from exc
-            if _bootstrap() is None:
-                raise typer.BadParameter("needs a Kafka bootstrap (FLYWHEEL_KAFKA_BOOTSTRAP) to read the completions "
-                                         "topic", param_hint="--guards-from")
-            served = ServedCompletions(_bootstrap(), judge=judge).start()
-        ctl = RolloutController(_store(), admins, settings.samples_dir(),
-                                settings.ledger_path(), rollout_status_path(), cfg, bootstrap=_bootstrap(),
-                                discover=pods, arm_metrics=arm_metrics, fleet=fleet, served=served)
-        if metrics_port:
-            ctl.exported.serve(metrics_port)
-        if once:
-            _controller_once(ctl)
-            return
-        ctl.run_forever(poll_s)
-
-
-    @app.command("status")
-    def status_cmd(serving: Optional[list[str]] = typer.Option(
-                       None, help="pod URL or dns+http:// spec, used when the fleet's desired state records no "
-                                  "pods (the controller records its own)"),
-                   as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
-                   output: Optional[Format] = OUTPUT,
-                   last: int = typer.Option(10, min=1, help="decisions to show"),
-                   serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
-        """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
-        from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
-        pod is unreachable."""
-        fmt = resolve(output, as_json)
-        err, desired, stable_rec, record_err = None, None, None, None
-        try:
-            store = _store()
-            stable_rec = store.stable_record()
-            fleet = _fleet(store)
-        except Exception as exc:  # noqa: BLE001 - status must show what it can
-            err = f"model store unreadable: {exc}"
-            fleet = None
-        if fleet is not None:
-            try:
-                desired = fleet.read()
-            except ValueError as exc:  # the pods are still shown, without drift (there is nothing to compare)
-                record_err = f"{exc} ({RECORD_REPAIR})"
-        rows = []
-        if fleet is not None:
-            pods = _pods(fleet, serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S), quiet=fmt != Format.table)
-            try:
-                rows = observe_pods(pods(), desired)
-            except ServingAdminError as exc:
-                err = str(exc)
-        errors = [e for _, _, e, _ in rows if e]
-        err = err or (errors[0] if errors else None) or (None if rows else "no serving pod found")
-        first = next((s for _, s, _, _ in rows if s is not None), None)
-        warnings = [w for _, s, _, _ in rows for w in status_warnings(s, desired)]
-        st = current_status(rollout_status_path(), settings.ledger_path())
-        decs = ledger.decisions(settings.ledger_path(), limit=last)
-        if fmt in (Format.json, Format.yaml):
-            sd = asdict(st)
-            sd["phase"] = st.phase.value
-            typer.echo(dumps({"desired": asdict(desired) if desired else None,
-                              "pods": [{"url": u, "slots": s.model_dump() if s else None, "error": e, "drift": dr}
-                                       for u, s, e, dr in rows],
-                              "converged": bool(rows) and all(not dr for _, _, _, dr in rows),
-                              "serving": first.model_dump() if first else None, "serving_error": err,
-                              "stable_record": stable_rec, "warnings": warnings,
-                              "rollout": sd, "pending_intent": desired.intent if desired else None,
-                              "learner": {"paused": desired.paused if desired else None},
-                              "desired_error": record_err,
-                              "decisions": [asdict(d) for d in decs]}, fmt))
-            if err or record_err:
-                raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
-            return
-        if desired is not None:
-            console.print(f"desired state: [bold]{desired.summary()}[/bold] (last change: {desired.action or '-'} "
-                          f"by {desired.actor or '-'} at {_ts(desired.updated_ms)} UTC)")
-        t = Table(title="serving pods")
-        for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
-            t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
-        ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
-        dig = None if fmt == Format.wide else 12  # -o wide: whole digests
-        for url, s, e, dr in rows:
-            if s is None:
-                t.add_row("?", url, "", "", "", "", "", "", f"[red]unreachable[/red]: {e}")
-                continue
-            t.add_row(s.pod, url, s.stable.version, s.stable.weights_digest[:dig], ok[s.stable.digest_ok],
-                      (s.candidate.version + (" [red]digest NO[/red]" if s.candidate.digest_ok is False else ""))
-                      if s.candidate else "-", f"{s.candidate_weight:.0%}",
-                      _ts(s.stable.loaded_at), "[red]" + "; ".join(dr) + "[/red]" if dr else "in sync")
-        console.print(t)
-        n_ok = sum(1 for _, _, _, dr in rows if not dr)
-        console.print(f"{n_ok} of {len(rows)} pods serve the desired state" + ("" if n_ok == len(rows) and rows
-                                                                                  else " ([red]drift[/red])"))
-        if err:
-            console.print(f"[red]serving unreachable:[/red] {err}")
-        if stable_rec:
-            console.print(f"store stable record: {stable_rec['version']} (set by {stable_rec.get('actor') or '?'} "
-                          f"at {_ts(stable_rec.get('at') or 0)} UTC)")
-        for w in warnings:
-            console.print(f"[red]warning:[/red] {w}")
-        console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
-                      f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
-        lp = desired.paused if desired else None
-        if record_err:
-            console.print(f"[red]desired-state record unreadable:[/red] {record_err}")
-            console.print("learner: unknown (a learner that cannot read the record does not train)")
-        else:
-            console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
-                                         f"{lp.get('reason', '')}" if lp else "running (not paused)"))
-        pending = desired.intent if desired else None
-        if pending:
-            console.print(f"pending intent: {pending['action']} {pending.get('version') or ''} by {pending['actor']}")
-        t = Table(title="last decisions")
-        for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
-            t.add_column(c, no_wrap=True)
-        t.add_column("reason", ratio=1, overflow="fold")
-        if fmt == Format.wide:
-            t.add_column("numbers", overflow="fold")
-        for d in decs:
-            t.add_row(_ts(d.ts), d.version, d.stable or "", str(d.step), f"{d.weight:.0%}", d.decision,
-                      d.actor, d.reason, *([json.dumps(d.numbers, default=str)] if fmt == Format.wide else []))
-        console.print(t)
-        if err or record_err:
-            raise typer.Exit(1)
-
-    @app.command("versions")
-    def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
-                     output: Optional[Format] = OUTPUT) -> None:
-        """Versions in the model store: parent, kind, size, delta ratio, status (``corrupt`` when
-        the manifest cannot be read, with the reason)."""
-        store = _store()
-        stable = store.stable()
-        rows = [_version_row(store, v, stable) for v in store.versions()]
-        fmt = resolve(output, as_json)
-        if fmt in (Format.json, Format.yaml):
-            typer.echo(dumps(rows, fmt))
-            return
-        wide = fmt == Format.wide  # whole digests and the manifests' metrics
-        t = Table(title=f"model store {store.root}")
-        for c in ("version", "stable", "parent", "kind", "size", "snapshot/size", "status", "digest",
-                  "created (UTC)") + (("metrics",) if wide else ()):
-            t.add_column(c, no_wrap=c != "metrics", overflow="fold")
-        for r in rows:
-            if r["status"] == "corrupt":
-                t.add_row(r["version"], "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
-                          r["error"], "")
-                continue
-            t.add_row(r["version"], "*" if r["stable"] else "", r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
-                      f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"],
-                      r["digest"] if wide else r["digest"][:12], _ts(r["created_at"]),
-                      *([json.dumps(r["metrics"], default=str)] if wide else []))
-        console.print(t)
-
-    @app.command("promote")
-    def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
-                    actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
-                    serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
-                    yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Promote the fleet's candidate to stable on every pod (hot swap); it becomes the store's
-        stable record. Returns when every pod serves it or --timeout passes (exit 1), printing
-        each pod's outcome."""
-        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
-        store, fleet = _store(), _fleet()
-        d = _read_desired(fleet, "MANUAL_PROMOTE", "manual promote", who, reason)
-        if d.candidate is None:
-            _action_failed("MANUAL_PROMOTE", "manual promote", None, d.stable, who, reason,
-                           "no candidate in the fleet's desired state: nothing to promote (`flywheel status` "
-                           "shows what each pod serves)")
-        cand, stable = d.candidate, d.stable
-        _confirm(f"promote {cand} (replacing {stable}) on every pod", yes)
-        why = _because(f"manual promote by {who}", reason)
-
-        def change(x: DesiredState) -> DesiredState:
-            if x.candidate != cand:
-                raise ValueError(f"candidate: the desired state changed meanwhile (candidate now {x.candidate})")
-            x.stable, x.candidate, x.weight, x.reload_after_ms = cand, None, 0.0, 0
-            return x
-
-        def on_changed(before, after):
-            store.set_status(cand, "promoted", why, actor=who)
-            _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", why)
-
-        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_PROMOTE",
-                   f"manual promote of {cand}", cand, stable, who, reason, why)
-        _report(res, f"stable is now {cand}", cand)
-
-    @app.command("rollback")
-    def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to restore as stable"),
-                     serving: Optional[list[str]] = _serving_opt(),
-                     actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
-                     serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
-                     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
-        """Drop the fleet's candidate if there is one; otherwise (or with --to) make stable the
-        version stable before it (or VERSION) on every pod, and the store's stable record.
-        `--to` the version already stable reloads it from the store on every pod (verified).
-        Returns when every pod serves it or --timeout passes (exit 1), printing each pod's outcome."""
-        who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
-        store, fleet = _store(), _fleet()
-        if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
-            try:
-                store.manifest(to)
-            except (KeyError, ValueError) as exc:
-                _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {exc}")
-        d = _read_desired(fleet, "MANUAL_ROLLBACK", "manual rollback", who, reason)
-        stable, cand = d.stable, d.candidate
-        if to is None and cand is not None:
-            _confirm(f"drop candidate {cand} on every pod (stable {stable} keeps all traffic)", yes)
-            why = _because(f"manual rollback of candidate by {who}", reason)
-
-            def drop(x: DesiredState) -> DesiredState:
-                x.candidate, x.weight = None, 0.0
-                return x
-
-            def dropped(before, after):
-                store.set_status(cand, "rolled_back", why)
-                _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", why)
-
-            res = _run(fleet, serving, serving_timeout_s, timeout, drop, dropped, "MANUAL_ROLLBACK",
-                       f"manual rollback of candidate {cand}", cand, stable, who, reason, why)
-            _report(res, f"dropped candidate {cand}; stable is {stable}", stable)
-            return
-        if to is None:
-            to = store.previous_stable(stable)
-            if to is None:
-                _action_failed("MANUAL_ROLLBACK", "manual rollback", None, stable, who, reason,
-                               f"no earlier stable version than {stable} to roll back to (see `flywheel versions`)")
-        reload = to == stable
-        _confirm(f"reload stable {to} from the store on every pod" if reload else f"replace stable {stable} by {to}",
-                 yes)
-        why = _because(f"manual rollback of stable {stable} to {to} by {who}", reason)
-        asked_ms = int(time.time() * 1000)
-
-        def change(x: DesiredState) -> DesiredState:
-            x.stable, x.candidate, x.weight = to, None, 0.0
-            x.reload_after_ms = asked_ms if reload else 0
-            return x
-
-        def on_changed(before, after):
-            if before.stable != to and before.stable:
-                store.set_status(before.stable, "rolled_back", why)
-            store.set_status(to, "promoted", why, actor=who)
-            if before.candidate is not None:
-                store.set_status(before.candidate, "rolled_back", why)
-                _end_rollout(before.candidate, RolloutPhase.ABORTED, "ROLLBACK", why)
-
-        res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_ROLLBACK",
-                   f"manual rollback of stable {stable} to {to}", to, stable, who, reason, why)
-        _report(res, f"stable is now {to}" + (" (reloaded from the store, verified)" if reload else ""), to)
-
-
-def _with_pods(specs: list[str], d: DesiredState) -> DesiredState:
-    d.pods = list(specs)
-    return d
-
-
 def _serving_opt():
     return typer.Option(None, "--serving", help="pod URL or dns+http:// spec, used only when the fleet's desired "
                         "state records no pods (the controller records the ones it discovers); repeatable")
@@ -771,6 +232,9 @@ def _wait_opt():
     return typer.Option(60.0, "--timeout", min=0.0, help="how long to wait for every pod to converge, retrying "
                         "the ones that did not (s); the command exits 1 if they have not by then")
 
+
+def _yes_opt():
+    return typer.Option(False, "--yes", help="do not ask for confirmation")
 
 def _read_desired(fleet: FleetRecord, decision: str, what: str, who: str, why: str) -> DesiredState:
     try:
@@ -874,3 +338,400 @@ def _end_rollout(version: str, phase: RolloutPhase, outcome: str, reason: str) -
     if st.candidate == version and not st.phase.is_terminal():
         st.phase, st.weight, st.last_outcome, st.last_reason = phase, 0.0, outcome, reason
         st.save(p)
+
+
+def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
+                 weight: float = typer.Option(DEFAULT_STEPS[0], "--weight", callback=_share,
+                                              help="share of users sent to VERSION at the "
+                                              "first step, in (0, 1) (the controller's default first step)"),
+                 serving: Optional[list[str]] = _serving_opt(),
+                 actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                 serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
+                 yes: bool = _yes_opt()) -> None:
+    """Load VERSION as the candidate on every pod at --weight (also a version the controller
+    skipped or rolled back); the controller then analyses and advances it like its own.
+    Refused while a canary is in progress. Returns when every pod serves it or --timeout
+    passes (exit 1), printing each pod's outcome."""
+    who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    store, fleet = _store(), _fleet()
+    what = f"canary start of {version}"
+    if version not in store.versions():
+        _action_failed("MANUAL_CANARY_START", what, version, None, who, reason,
+                       f"version: {version!r} is not in the store (it has "
+                       f"{', '.join(store.versions()) or 'none'})")
+    try:
+        store.manifest(version)
+    except CorruptVersionError as exc:
+        _action_failed("MANUAL_CANARY_START", what, version, None, who, reason, f"version: {exc}")
+    d = _read_desired(fleet, "MANUAL_CANARY_START", what, who, reason)
+    _confirm(f"start a canary of {version} at {weight:.0%} on every pod (stable {d.stable})", yes)
+    why = _because(f"canary of {version} against {d.stable} at {weight:.0%}, started by {who}", reason)
+
+    def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
+        if x.candidate is not None:
+            raise ValueError(f"candidate: a canary of {x.candidate} at {x.weight:.0%} is in progress "
+                             f"(generation {x.generation}, {x.action or 'set'} by {x.actor or '?'}); "
+                             "`flywheel canary abort --yes` first")
+        if x.stable == version:
+            raise ValueError(f"version: {version} is the fleet's stable version")
+        x.candidate, x.weight = version, weight
+        return x
+
+    def on_changed(before, after):
+        store.set_status(version, "canary", why, actor=who)
+
+    res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_START", what,
+               version, d.stable, who, reason, why,
+               row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
+    _report(res, f"canary of {version} at {weight:.0%} started", version,
+            hint="to take the candidate back: `flywheel canary abort --yes`")
+
+def canary_abort(serving: Optional[list[str]] = _serving_opt(),
+                 actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                 serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
+                 yes: bool = _yes_opt()) -> None:
+    """Abort the canary in progress: drop the candidate on every pod (stable takes all
+    traffic) and mark it aborted (the controller does not start it again by itself).
+    Returns when every pod dropped it or --timeout passes (exit 1), printing each pod's outcome."""
+    who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    store, fleet = _store(), _fleet()
+    d = _read_desired(fleet, "MANUAL_CANARY_ABORT", "canary abort", who, reason)
+    st = current_status(rollout_status_path(), settings.ledger_path())
+    cand = d.candidate or (st.candidate if st.phase == RolloutPhase.CANARY else None)
+    if cand is None:
+        _action_failed("MANUAL_CANARY_ABORT", "canary abort", st.candidate, d.stable, who, reason,
+                       f"no canary in progress (phase {st.phase.value}, no candidate in the fleet's desired "
+                       "state); to drop a loaded candidate use `flywheel rollback`")
+    _confirm(f"abort the canary of {cand} at {d.weight:.0%} on every pod (stable {d.stable} takes all traffic)",
+             yes)
+    why = _because(f"canary of {cand} aborted by {who} at step {st.step} ({d.weight:.0%})", reason)
+
+    def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
+        if x.candidate != d.candidate:
+            raise ValueError(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
+                             f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
+        x.candidate, x.weight = None, 0.0
+        return x
+
+    def on_changed(before, after):
+        store.set_status(cand, "aborted", why)
+        _end_rollout(cand, RolloutPhase.ABORTED, "MANUAL_CANARY_ABORT", why)
+
+    res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_ABORT",
+               f"canary abort of {cand}", cand, d.stable, who, reason, why,
+               row=lambda after: {"stable": after.stable, "step": st.step, "weight": 0.0})
+    _report(res, f"aborted the canary of {cand}; stable {d.stable} serves all traffic", d.stable)
+
+def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
+              actor: Optional[str] = _actor_opt(),
+              yes: bool = _yes_opt()) -> None:
+    """Pause the learner (through the fleet's desired state, wherever the learner runs): it
+    publishes nothing new until `flywheel resume` (a cycle already running finishes)."""
+    cur = _paused_or_fail()
+    if cur:
+        console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
+        return
+    _confirm("pause the learner", yes)
+    pause_learner(_actor(actor), reason)
+    console.print(f"learner paused by {_actor(actor)} (fleet desired state, {_fleet().read().summary()})")
+
+def resume_cmd(actor: Optional[str] = _actor_opt(),
+               yes: bool = _yes_opt()) -> None:
+    """Resume the learner after `flywheel pause`."""
+    cur = _paused_or_fail()
+    if not cur:
+        console.print("learner is not paused")
+        return
+    _confirm(f"resume the learner (paused by {cur['actor']})", yes)
+    resume_learner(_actor(actor))
+    console.print(f"learner resumed by {_actor(actor)}")
+
+def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
+                output: Optional[Format] = OUTPUT) -> None:
+    """On-call runbook: symptom -> what to check -> which command."""
+    fmt = resolve(output, as_json)
+    if fmt in (Format.json, Format.yaml):
+        typer.echo(dumps([{"symptom": a, "check": b, "command": c} for a, b, c in RUNBOOK], fmt))
+        return
+    t = Table(title="flywheel runbook", show_lines=True)
+    for c in ("symptom", "what to check", "command"):
+        t.add_column(c)
+    for row in RUNBOOK:
+        t.add_row(*row)
+    console.print(t)
+
+
+def _model_error(exc: ValueError) -> str:
+    """The first reason of a config model's error, without pydantic's framing."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    e = errors()[0]
+    msg = e["msg"].removeprefix("Value error, ")
+    return msg if not e["loc"] or msg.startswith(f"{e['loc'][0]}:") else f"{e['loc'][0]}: {msg}"
+
+
+def _setup_failed(exc: SetupError) -> None:
+    """Exit for a controller that cannot be assembled: 2 for a bad setting (naming the flag), else 1."""
+    if exc.param_hint:
+        raise typer.BadParameter(str(exc), param_hint=exc.param_hint)
+    _fail(str(exc), usage=exc.usage)
+
+
+# its own options are annotated `X | None`, not Optional[X]: config_options' wrapper resolves
+# them in schemas.options' namespace
+@config_options(run=ControllerRunConfig, policy=ControllerConfig, analysis=AnalysisConfig)
+def controller_cmd(run: ControllerRunConfig, policy: ControllerConfig, analysis: AnalysisConfig, *,
+                   once: bool = typer.Option(False, "--once", help="reconcile until terminal, idle or holding, "
+                                             "then exit"),
+                   steps: str | None = typer.Option(None, "--steps", help=model_fields(ControllerConfig)["steps"]
+                                                       .description + f" (default {format_steps(DEFAULT_STEPS)})"),
+                   serving_timeout_s: float | None = _timeout_opt()) -> None:
+    """Canary each newly published version (load, step traffic, analyze, promote or roll back)
+    and keep every pod on the fleet's desired state. `--once` exits 1 when the step it ran
+    failed (FAILED) or a pod did not converge."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        policy = replace(policy, analysis=analysis, **({} if steps is None else {"steps": steps}))
+    except ValueError as exc:
+        msg = _model_error(exc)
+        if msg.startswith("steps:") and "not a comma-separated" in msg:
+            raise typer.BadParameter(msg.removeprefix("steps: "), param_hint="--steps") from None
+        _fail(msg, usage=True)
+    timeout_s = _timeout(serving_timeout_s)
+    try:
+        ctl = build_controller(run, policy, timeout_s)
+    except SetupError as exc:
+        _setup_failed(exc)
+    if once:
+        _controller_once(ctl)
+        return
+    ctl.run_forever(run.poll_s)
+
+
+def status_cmd(serving: Optional[list[str]] = typer.Option(
+                   None, help="pod URL or dns+http:// spec, used when the fleet's desired state records no "
+                              "pods (the controller records its own)"),
+               as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
+               output: Optional[Format] = OUTPUT,
+               last: int = typer.Option(10, min=1, help="decisions to show"),
+               serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
+    """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
+    from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
+    pod is unreachable."""
+    fmt = resolve(output, as_json)
+    try:
+        s = gather_status(serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S), last)
+    except SetupError as exc:
+        _fail(str(exc), usage=True)
+    if fmt in (Format.json, Format.yaml):
+        typer.echo(dumps(s.to_dict(), fmt))
+    else:
+        if s.note and fmt == Format.table:
+            console.print(f"[yellow]note:[/yellow] {s.note}")
+        _print_pods(s, fmt)
+        _print_rollout(s, fmt)
+    if s.failed():
+        raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
+
+
+def _print_pods(s: FleetStatus, fmt: Format) -> None:
+    """`flywheel status`'s desired state, pods table, drift count, errors and warnings."""
+    desired = s.desired
+    if desired is not None:
+        console.print(f"desired state: [bold]{desired.summary()}[/bold] (last change: {desired.action or '-'} "
+                      f"by {desired.actor or '-'} at {_ts(desired.updated_ms)} UTC)")
+    t = Table(title="serving pods")
+    for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
+        t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
+    ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
+    dig = None if fmt == Format.wide else 12  # -o wide: whole digests
+    for url, p, e, dr in s.rows:
+        if p is None:
+            t.add_row("?", url, "", "", "", "", "", "", f"[red]unreachable[/red]: {e}")
+            continue
+        t.add_row(p.pod, url, p.stable.version, p.stable.weights_digest[:dig], ok[p.stable.digest_ok],
+                  (p.candidate.version + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
+                  if p.candidate else "-", f"{p.candidate_weight:.0%}",
+                  _ts(p.stable.loaded_at), "[red]" + "; ".join(dr) + "[/red]" if dr else "in sync")
+    console.print(t)
+    n_ok = sum(1 for _, _, _, dr in s.rows if not dr)
+    console.print(f"{n_ok} of {len(s.rows)} pods serve the desired state" + ("" if n_ok == len(s.rows) and s.rows
+                                                                              else " ([red]drift[/red])"))
+    if s.err:
+        console.print(f"[red]serving unreachable:[/red] {s.err}")
+    if s.stable_rec:
+        console.print(f"store stable record: {s.stable_rec['version']} (set by {s.stable_rec.get('actor') or '?'} "
+                      f"at {_ts(s.stable_rec.get('at') or 0)} UTC)")
+    for w in s.warnings:
+        console.print(f"[red]warning:[/red] {w}")
+
+
+def _print_rollout(s: FleetStatus, fmt: Format) -> None:
+    """`flywheel status`'s rollout line, learner state, pending intent and decisions table."""
+    st, desired = s.rollout, s.desired
+    console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
+                  f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
+    lp = desired.paused if desired else None
+    if s.record_err:
+        console.print(f"[red]desired-state record unreadable:[/red] {s.record_err}")
+        console.print("learner: unknown (a learner that cannot read the record does not train)")
+    else:
+        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
+                                     f"{lp.get('reason', '')}" if lp else "running (not paused)"))
+    pending = desired.intent if desired else None
+    if pending:
+        console.print(f"pending intent: {pending['action']} {pending.get('version') or ''} by {pending['actor']}")
+    t = Table(title="last decisions")
+    for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
+        t.add_column(c, no_wrap=True)
+    t.add_column("reason", ratio=1, overflow="fold")
+    if fmt == Format.wide:
+        t.add_column("numbers", overflow="fold")
+    for d in s.decisions:
+        t.add_row(_ts(d.ts), d.version, d.stable or "", str(d.step), f"{d.weight:.0%}", d.decision,
+                  d.actor, d.reason, *([json.dumps(d.numbers, default=str)] if fmt == Format.wide else []))
+    console.print(t)
+
+
+def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
+                 output: Optional[Format] = OUTPUT) -> None:
+    """Versions in the model store: parent, kind, size, delta ratio, status (``corrupt`` when
+    the manifest cannot be read, with the reason)."""
+    store = _store()
+    stable = store.stable()
+    rows = [_version_row(store, v, stable) for v in store.versions()]
+    fmt = resolve(output, as_json)
+    if fmt in (Format.json, Format.yaml):
+        typer.echo(dumps(rows, fmt))
+        return
+    wide = fmt == Format.wide  # whole digests and the manifests' metrics
+    t = Table(title=f"model store {store.root}")
+    for c in ("version", "stable", "parent", "kind", "size", "snapshot/size", "status", "digest",
+              "created (UTC)") + (("metrics",) if wide else ()):
+        t.add_column(c, no_wrap=c != "metrics", overflow="fold")
+    for r in rows:
+        if r["status"] == "corrupt":
+            t.add_row(r["version"], "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
+                      r["error"], "")
+            continue
+        t.add_row(r["version"], "*" if r["stable"] else "", r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
+                  f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"],
+                  r["digest"] if wide else r["digest"][:12], _ts(r["created_at"]),
+                  *([json.dumps(r["metrics"], default=str)] if wide else []))
+    console.print(t)
+
+def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
+                actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
+                yes: bool = _yes_opt()) -> None:
+    """Promote the fleet's candidate to stable on every pod (hot swap); it becomes the store's
+    stable record. Returns when every pod serves it or --timeout passes (exit 1), printing
+    each pod's outcome."""
+    who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    store, fleet = _store(), _fleet()
+    d = _read_desired(fleet, "MANUAL_PROMOTE", "manual promote", who, reason)
+    if d.candidate is None:
+        _action_failed("MANUAL_PROMOTE", "manual promote", None, d.stable, who, reason,
+                       "no candidate in the fleet's desired state: nothing to promote (`flywheel status` "
+                       "shows what each pod serves)")
+    cand, stable = d.candidate, d.stable
+    _confirm(f"promote {cand} (replacing {stable}) on every pod", yes)
+    why = _because(f"manual promote by {who}", reason)
+
+    def change(x: DesiredState) -> DesiredState:
+        if x.candidate != cand:
+            raise ValueError(f"candidate: the desired state changed meanwhile (candidate now {x.candidate})")
+        x.stable, x.candidate, x.weight, x.reload_after_ms = cand, None, 0.0, 0
+        return x
+
+    def on_changed(before, after):
+        store.set_status(cand, "promoted", why, actor=who)
+        _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", why)
+
+    res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_PROMOTE",
+               f"manual promote of {cand}", cand, stable, who, reason, why)
+    _report(res, f"stable is now {cand}", cand)
+
+def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to restore as stable"),
+                 serving: Optional[list[str]] = _serving_opt(),
+                 actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
+                 serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
+                 yes: bool = _yes_opt()) -> None:
+    """Drop the fleet's candidate if there is one; otherwise (or with --to) make stable the
+    version stable before it (or VERSION) on every pod, and the store's stable record.
+    `--to` the version already stable reloads it from the store on every pod (verified).
+    Returns when every pod serves it or --timeout passes (exit 1), printing each pod's outcome."""
+    who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    store, fleet = _store(), _fleet()
+    if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
+        try:
+            store.manifest(to)
+        except (KeyError, ValueError) as exc:
+            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {exc}")
+    d = _read_desired(fleet, "MANUAL_ROLLBACK", "manual rollback", who, reason)
+    stable, cand = d.stable, d.candidate
+    if to is None and cand is not None:
+        _drop_candidate(store, fleet, d, serving, serving_timeout_s, timeout, who, reason, yes)
+        return
+    if to is None:
+        to = store.previous_stable(stable)
+        if to is None:
+            _action_failed("MANUAL_ROLLBACK", "manual rollback", None, stable, who, reason,
+                           f"no earlier stable version than {stable} to roll back to (see `flywheel versions`)")
+    reload = to == stable
+    _confirm(f"reload stable {to} from the store on every pod" if reload else f"replace stable {stable} by {to}",
+             yes)
+    why = _because(f"manual rollback of stable {stable} to {to} by {who}", reason)
+    asked_ms = int(time.time() * 1000)
+
+    def change(x: DesiredState) -> DesiredState:
+        x.stable, x.candidate, x.weight = to, None, 0.0
+        x.reload_after_ms = asked_ms if reload else 0
+        return x
+
+    def on_changed(before, after):
+        if before.stable != to and before.stable:
+            store.set_status(before.stable, "rolled_back", why)
+        store.set_status(to, "promoted", why, actor=who)
+        if before.candidate is not None:
+            store.set_status(before.candidate, "rolled_back", why)
+            _end_rollout(before.candidate, RolloutPhase.ABORTED, "ROLLBACK", why)
+
+    res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_ROLLBACK",
+               f"manual rollback of stable {stable} to {to}", to, stable, who, reason, why)
+    _report(res, f"stable is now {to}" + (" (reloaded from the store, verified)" if reload else ""), to)
+
+
+def _drop_candidate(store: ModelStore, fleet: FleetRecord, d: DesiredState, serving, serving_timeout_s: float,
+                    timeout: float, who: str, reason: str, yes: bool) -> None:
+    """`flywheel rollback` with a candidate in the desired state ``d``: drop it on every pod."""
+    stable, cand = d.stable, d.candidate
+    _confirm(f"drop candidate {cand} on every pod (stable {stable} keeps all traffic)", yes)
+    why = _because(f"manual rollback of candidate by {who}", reason)
+
+    def drop(x: DesiredState) -> DesiredState:
+        x.candidate, x.weight = None, 0.0
+        return x
+
+    def dropped(before, after):
+        store.set_status(cand, "rolled_back", why)
+        _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", why)
+
+    res = _run(fleet, serving, serving_timeout_s, timeout, drop, dropped, "MANUAL_ROLLBACK",
+               f"manual rollback of candidate {cand}", cand, stable, who, reason, why)
+    _report(res, f"dropped candidate {cand}; stable is {stable}", stable)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``controller``, ``status``, ``versions``, ``promote``, ``rollback``,
+    ``canary start|abort``, ``pause``, ``resume`` and ``runbook``."""
+    canary = typer.Typer(help="Start or abort a canary on every pod (the fleet's desired state); the controller "
+                              "analyses and advances it.", no_args_is_help=True)
+    app.add_typer(canary, name="canary")
+    canary.command("start")(canary_start)
+    canary.command("abort")(canary_abort)
+    for name, fn in (("pause", pause_cmd), ("resume", resume_cmd), ("runbook", runbook_cmd),
+                     ("controller", controller_cmd), ("status", status_cmd), ("versions", versions_cmd),
+                     ("promote", promote_cmd), ("rollback", rollback_cmd)):
+        app.command(name)(fn)

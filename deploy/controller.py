@@ -31,8 +31,11 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Annotated, Optional
 
 import duckdb
+from pydantic import AliasChoices, BeforeValidator, ConfigDict, Field
+from pydantic.dataclasses import dataclass as config_dataclass
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig, ArmStats
@@ -102,34 +105,63 @@ class RolloutStatus:
         os.replace(tmp, path)
 
 
-@dataclass
+def parse_steps(value):
+    """``steps`` as given on the command line or in ``flywheel.toml`` (``"0.05,0.25,0.5,1"``)
+    or by a program (a sequence of numbers) -> a tuple of floats.
+
+    Raises:
+        ValueError: text that is not a comma-separated list of numbers (names ``steps``).
+    """
+    if isinstance(value, str):
+        try:
+            return tuple(float(x) for x in value.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"steps: {value!r} is not a comma-separated list of numbers") from None
+    return value
+
+
+def format_steps(steps) -> str:
+    """The ``--steps`` text of a tuple of shares (``0.05,0.25,0.5,1``)."""
+    return ",".join(f"{s:g}" for s in steps)
+
+
+@config_dataclass(config=ConfigDict(validate_by_name=True, validate_by_alias=True))
 class ControllerConfig:
-    """Rollout policy.
+    """Rollout policy; each field's ``description`` is its help (the ``flywheel controller``
+    option of the same name, ``[controller]`` in ``flywheel.toml``).
 
     Fields:
         steps: candidate traffic shares, increasing, in (0, 1]; at least two, the last 1.0,
             which is the promotion itself: a canary is analysed at the shares before it, where
-            the stable version still serves (``deploy.decide.next_share``).
-        step_deadline_s: a step still undecided after this long takes ``deadline_outcome`` (s).
+            the stable version still serves (``deploy.decide.next_share``). Also given as
+            text, ``"0.05,0.25,0.5,1"`` (``--steps``).
+        deadline_s: a step still undecided after this long takes ``deadline_outcome`` (s);
+            ``step_deadline_s`` is accepted as its name too (and read as a property).
         deadline_outcome: ``rollback`` (default, production) or ``promote``; a step whose
             data could not be judged (ERROR) rolls back either way.
         analysis: thresholds, incl. ``min_votes`` per arm (counted since the canary started).
         min_votes_per_step: new candidate votes needed within a step before it may advance
-            (None = ``analysis.min_votes``); a failing analysis rolls back regardless.
+            (None = ``analysis.min_votes``, :attr:`votes_per_step`); a failing analysis rolls
+            back regardless.
+
+    Raises:
+        ValueError (pydantic's ValidationError): a value out of bounds, naming the field.
     """
 
-    steps: tuple[float, ...] = DEFAULT_STEPS
-    step_deadline_s: float = 3600.0
-    deadline_outcome: str = "rollback"
-    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
-    min_votes_per_step: int | None = None
+    steps: Annotated[tuple[float, ...], BeforeValidator(parse_steps)] = Field(
+        DEFAULT_STEPS, description="candidate traffic shares, comma-separated, increasing in (0, 1], ending in 1; "
+        "the canary is analysed at each share below 1 and passing the last of them promotes (the final 1 is the "
+        "promotion itself, docs/decisions.md D27)", json_schema_extra={"cli": False})
+    deadline_s: float = Field(3600.0, validation_alias=AliasChoices("deadline_s", "step_deadline_s"),
+                              description="a step still undecided after this takes --deadline-outcome (> 0)",
+                              json_schema_extra={"unit": "s"})
+    deadline_outcome: str = Field("rollback", description=f"one of {DEADLINE_OUTCOMES}")
+    analysis: AnalysisConfig = Field(default_factory=AnalysisConfig, description="the canary analysis' thresholds "
+                                     "(the options of AnalysisConfig)", json_schema_extra={"cli": False})
+    min_votes_per_step: Optional[int] = Field(None, ge=0, description="new candidate votes a step needs before "
+                                              "it advances (default: --min-votes)", json_schema_extra={"unit": "votes"})
 
     def __post_init__(self):
-        if self.min_votes_per_step is None:
-            self.min_votes_per_step = self.analysis.min_votes
-        if self.min_votes_per_step < 0:
-            raise ValueError(f"min_votes_per_step: must be >= 0, got {self.min_votes_per_step}")
-        self.steps = tuple(float(s) for s in self.steps)
         if not self.steps:
             raise ValueError("steps: at least one step is needed")
         if any(not 0 < s <= 1 for s in self.steps):
@@ -141,15 +173,24 @@ class ControllerConfig:
         if len(self.steps) < 2:
             raise ValueError("steps: needs a share below 1.0 before the final 1.0: at 100 % the stable version "
                              "serves nobody, so there is nothing to compare the candidate with")
-        if self.step_deadline_s <= 0:
-            raise ValueError(f"step_deadline_s: must be > 0, got {self.step_deadline_s}")
+        if not self.deadline_s > 0:  # an open bound: schemas.options cannot give click gt yet
+            raise ValueError(f"step_deadline_s: must be > 0, got {self.deadline_s}")
         if self.deadline_outcome not in DEADLINE_OUTCOMES:
             raise ValueError(f"deadline_outcome: must be one of {DEADLINE_OUTCOMES}, got {self.deadline_outcome!r}")
 
+    @property
+    def step_deadline_s(self) -> float:
+        """``deadline_s`` under its earlier name (s)."""
+        return self.deadline_s
+
+    @property
+    def votes_per_step(self) -> int:
+        """``min_votes_per_step``, else ``analysis.min_votes`` (votes)."""
+        return self.analysis.min_votes if self.min_votes_per_step is None else self.min_votes_per_step
+
     def step_policy(self) -> StepPolicy:
         """The part of this policy :func:`deploy.decide.decide_step` reads."""
-        return StepPolicy(self.steps, self.step_deadline_s, self.deadline_outcome, self.min_votes_per_step,
-                          self.analysis)
+        return StepPolicy(self.steps, self.deadline_s, self.deadline_outcome, self.votes_per_step, self.analysis)
 
 
 _END_PHASE = {"PROMOTE": RolloutPhase.PROMOTED, "ROLLBACK": RolloutPhase.ROLLED_BACK,
@@ -718,7 +759,7 @@ class RolloutController:
             st = self.reconcile()
         return st
 
-    def run_forever(self, poll_s: float = 5.0, stop=None) -> None:
+    def run_forever(self, poll_s: float, stop=None) -> None:
         """Reconcile every ``poll_s`` seconds until ``stop()`` returns True; any error
         (serving unreachable, ledger locked too long, ...) is logged and retried on the next
         poll. A failed step leaves the persisted phase as it was and is redone; each step

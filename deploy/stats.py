@@ -135,7 +135,7 @@ def msprt_halfwidth(var: float, alpha: float, tau: float) -> float:
     return math.sqrt(2 * var * (var + t2) / t2 * math.log(math.sqrt((var + t2) / var) / alpha))
 
 
-def msprt_interval(up_c: int, n_c: int, up_s: int, n_s: int, alpha: float = 0.05,
+def msprt_interval(up_c: int, n_c: int, up_s: int, n_s: int, alpha: float,
                    tau: float = 0.1) -> tuple[float, float, float]:
     """Always-valid (1 - alpha) interval of ``rate_c - rate_s`` (candidate minus stable).
 
@@ -265,7 +265,7 @@ def margin_tau(delta: float) -> float:
     return -math.log1p(-delta)
 
 
-def ratio_interval(up_c: int, n_c: int, up_s: int, n_s: int, alpha: float = 0.05,
+def ratio_interval(up_c: int, n_c: int, up_s: int, n_s: int, alpha: float,
                    tau: float | None = None) -> tuple[float, float, float]:
     """Always-valid (1 - alpha) interval of the relative difference ``rate_c / rate_s - 1``
     (candidate over stable, minus one), valid when looked at after every vote.

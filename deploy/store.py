@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
-from schemas.manifest import (StatusChange, TensorMeta, VersionManifest, tensor_sha256,
+from schemas.manifest import (BASE_VERSION, StatusChange, TensorMeta, VersionManifest, tensor_sha256,
                               version_name, version_number)
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: the `flywheel` command imports this
@@ -402,7 +402,7 @@ class ModelStore:
 
     # -- writes -------------------------------------------------------------------------
     def init_base(self, model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> VersionManifest:
-        """Copy the HF checkpoint to ``base/`` and register it as ``v000000`` (snapshot,
+        """Copy the HF checkpoint to ``base/`` and register it as ``schemas.manifest.BASE_VERSION`` (snapshot,
         status ``promoted``) in the checkpoint's own dtype (``schemas.modelspec.load_model``).
         Idempotent: returns the existing manifest if present.
 
@@ -412,7 +412,7 @@ class ModelStore:
         """
         from schemas.modelspec import load_model
 
-        v0 = version_name(0)
+        v0 = BASE_VERSION
         with self._lock():
             if self._exists("versions", v0, "manifest.json"):
                 return self.manifest(v0)

@@ -11,6 +11,8 @@ from deploy.analysis import thumbs_bounds
 from deploy.stats import (margin_tau, msprt_interval, newcombe_interval, ratio_interval, two_proportion_z,
                           wilson_interval)
 
+ALPHA = AnalysisConfig().alpha  # the canary's error level (its one declaration)
+
 
 def test_two_proportion_z_matches_hand_computation():
     # 30/100 vs 45/100: pooled p = 75/200 = 0.375; se = sqrt(.375*.625*(1/100+1/100)) = 0.0684653
@@ -42,11 +44,11 @@ def test_msprt_interval_matches_hand_computation():
     assert d == pytest.approx(-0.25)
     assert lo == pytest.approx(-0.38819, abs=1e-5) and hi == pytest.approx(-0.11181, abs=1e-5)
     # symmetric when the arms are equal; wider at a smaller n (45/100: h = 0.22920)
-    assert msprt_interval(45, 100, 45, 100) == pytest.approx((0.0, -0.22920, 0.22920), abs=1e-5)
+    assert msprt_interval(45, 100, 45, 100, ALPHA) == pytest.approx((0.0, -0.22920, 0.22920), abs=1e-5)
     with pytest.raises(ValueError, match="both arms need votes"):
-        msprt_interval(0, 0, 1, 2)
+        msprt_interval(0, 0, 1, 2, ALPHA)
     with pytest.raises(ValueError, match="tau"):
-        msprt_interval(1, 2, 1, 2, tau=0)
+        msprt_interval(1, 2, 1, 2, ALPHA, tau=0)
 
 
 def test_ratio_interval_matches_hand_computation():
@@ -60,9 +62,9 @@ def test_ratio_interval_matches_hand_computation():
     assert r == pytest.approx(-0.552486, abs=1e-6)
     assert lo == pytest.approx(-0.726472, abs=1e-6) and hi == pytest.approx(-0.267832, abs=1e-6)
     with pytest.raises(ValueError, match="both arms need votes"):
-        ratio_interval(0, 0, 1, 2)
+        ratio_interval(0, 0, 1, 2, ALPHA)
     with pytest.raises(ValueError, match="tau"):
-        ratio_interval(1, 2, 1, 2, tau=0)
+        ratio_interval(1, 2, 1, 2, ALPHA, tau=0)
 
 
 def test_relative_margin_means_the_same_at_every_base_rate():
@@ -75,7 +77,7 @@ def test_relative_margin_means_the_same_at_every_base_rate():
         t = d.numbers()["thumbs_up"]
         assert t["diff"] == pytest.approx(-0.2, abs=2e-3) and t["ci_lo"] < -0.2 < t["ci_hi"] < 0
         assert d.outcome == Outcome.ROLLBACK  # surely worse (upper bound < 0), never promoted
-    assert msprt_interval(400, 10_000, 500, 10_000, tau=0.1)[1] > -0.1  # the absolute rule would pass it
+    assert msprt_interval(400, 10_000, 500, 10_000, ALPHA, tau=0.1)[1] > -0.1  # the absolute rule would pass it
 
 
 def test_cuped_matches_a_per_vote_reference_and_narrows_the_interval():
@@ -273,9 +275,12 @@ def test_config_docstrings_name_every_field():
 
     from deploy.controller import ControllerConfig
 
+    from schemas.options import model_fields
+
     for cls in (AnalysisConfig, ArmStats, ControllerConfig):
-        for f in dataclasses.fields(cls):
-            assert f"{f.name}" in cls.__doc__, f"{cls.__name__}.{f.name} is not documented"
+        helps = {k: v.description for k, v in model_fields(cls).items()} if hasattr(cls, "__pydantic_fields__") else {}
+        for f in dataclasses.fields(cls):  # a config model's field is documented by its help (Field description)
+            assert helps.get(f.name) or f"{f.name}" in cls.__doc__, f"{cls.__name__}.{f.name} is not documented"
 
 
 def test_latency_and_tokens_need_min_requests_per_arm():

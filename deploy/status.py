@@ -1,0 +1,164 @@
+"""What ``flywheel status`` shows, gathered: the fleet's desired state, every pod with its
+drift from it, the store's stable record, the rollout status and the last decisions.
+
+:func:`gather_status` reads; it never changes anything and shows what it can when a part
+cannot be read (the part's error is in the result). Rendering stays in ``deploy.commands``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from deploy import ledger
+from deploy.controller import RolloutStatus, current_status
+from deploy.desired import DesiredState, FleetRecord
+from deploy.discovery import PodDiscovery
+from deploy.fleet import drift, observe_pods
+from deploy.operator import pod_specs
+from deploy.serving_client import ServingAdminError
+from deploy.store import ModelStore
+from deploy.wiring import SetupError, admin, rollout_status_path
+from schemas import settings
+
+STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
+
+RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable "
+                 "record, unpaused, with no candidate, and the controller reconciles every pod to that")
+
+
+def ts(ms: int) -> str:
+    """``MM-DD HH:MM:SS`` (UTC) of a time in ms since the epoch."""
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%m-%d %H:%M:%S")
+
+
+def discover_pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float) -> tuple[PodDiscovery, str | None]:
+    """The fleet's pods: the specs the controller recorded in the desired state, else
+    ``serving`` / ``$FLYWHEEL_SERVING_URL`` (:func:`deploy.operator.pod_specs`), each call
+    bounded by ``timeout_s`` (s); and the note to show about where they came from, or None.
+
+    Raises:
+        SetupError: a pod spec that is no URL or ``dns+http://`` spec (``usage``).
+    """
+    try:
+        d = fleet.read()
+    except ValueError:
+        d = DesiredState()
+    specs, note = pod_specs(d, serving, settings.serving_url())
+    try:
+        return PodDiscovery(specs, lambda u: admin(u, timeout_s)), note
+    except ValueError as exc:
+        raise SetupError(str(exc), usage=True) from None
+
+
+def status_warnings(slots, desired: DesiredState | None) -> list[str]:
+    """What `flywheel status` flags for the on-call engineer about one pod: a slot whose
+    served digest differs from the store's manifest (``digest_ok`` False: the version's
+    files changed under the same id), and drift from the fleet's desired state (the
+    controller brings the pod back at its next poll; a restarted pod serves the record)."""
+    out: list[str] = []
+    if slots is None:
+        return out
+    for name, si in (("stable", slots.stable), ("candidate", slots.candidate)):
+        if si is not None and si.digest_ok is False:
+            fix = (f"`flywheel rollback --to {si.version} --yes` reloads it from the store" if name == "stable"
+                   else f"`flywheel rollback --yes` drops it, then `flywheel canary start {si.version} --yes`")
+            out.append(f"pod {slots.pod}: {name} {si.version} serves weights digest {si.weights_digest[:12]} but the "
+                       f"store's manifest now says {(si.manifest_digest or '')[:12]} (files changed under the same "
+                       f"id): {fix}")
+    if desired is not None and desired.stable and desired.stable != slots.stable.version:
+        out.append(f"pod {slots.pod} serves {slots.stable.version} as stable but the fleet's desired state says "
+                   f"{desired.stable} (generation {desired.generation}, {desired.action or 'set'} by "
+                   f"{desired.actor or '?'} at {ts(desired.updated_ms)} UTC): the controller brings it to "
+                   f"{desired.stable} at its next poll and a restarted pod serves {desired.stable}; to keep "
+                   f"{slots.stable.version}, `flywheel rollback --to {slots.stable.version} --yes`")
+    elif desired is not None:
+        for what in drift(slots, desired):
+            out.append(f"pod {slots.pod}: {what} (generation {desired.generation}): converging; if it stays, "
+                       "see `flywheel runbook` ('a pod does not converge')")
+    return out
+
+
+@dataclass
+class FleetStatus:
+    """Everything ``flywheel status`` shows.
+
+    Fields:
+        desired: the fleet's desired state (None when unreadable: ``record_err`` says why).
+        stable_rec: the store's stable record (None when the store is unreadable: ``err``).
+        rows: ``(url, slots or None, error or None, drift lines)`` per pod.
+        err: the first error reaching the store or a pod ("no serving pod found" when none).
+        record_err: why the desired-state record cannot be read, with how to repair it.
+        warnings: :func:`status_warnings` of every pod.
+        rollout: the controller's rollout status; decisions: the last ledger rows.
+        note: where the pods came from, when worth saying (table output only).
+    """
+
+    desired: DesiredState | None = None
+    stable_rec: dict | None = None
+    rows: list = field(default_factory=list)
+    err: str | None = None
+    record_err: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    rollout: RolloutStatus = field(default_factory=RolloutStatus)
+    decisions: list = field(default_factory=list)
+    note: str | None = None
+
+    @property
+    def first(self):
+        """The slots of the first pod that answered, or None."""
+        return next((s for _, s, _, _ in self.rows if s is not None), None)
+
+    def failed(self) -> bool:
+        """True when a pod or the store is unreachable or the record unreadable (exit 1)."""
+        return bool(self.err or self.record_err)
+
+    def to_dict(self) -> dict:
+        """The ``-o json|yaml`` document."""
+        sd = asdict(self.rollout)
+        sd["phase"] = self.rollout.phase.value
+        d, first = self.desired, self.first
+        return {"desired": asdict(d) if d else None,
+                "pods": [{"url": u, "slots": s.model_dump() if s else None, "error": e, "drift": dr}
+                         for u, s, e, dr in self.rows],
+                "converged": bool(self.rows) and all(not dr for _, _, _, dr in self.rows),
+                "serving": first.model_dump() if first else None, "serving_error": self.err,
+                "stable_record": self.stable_rec, "warnings": self.warnings,
+                "rollout": sd, "pending_intent": d.intent if d else None,
+                "learner": {"paused": d.paused if d else None},
+                "desired_error": self.record_err,
+                "decisions": [asdict(x) for x in self.decisions]}
+
+
+def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S, last: int = 10) -> FleetStatus:
+    """Read the fleet's status: the store at ``schemas.settings.store_dir()``, its desired-state
+    record, every pod (``serving`` when the record lists none; each call bounded by
+    ``timeout_s``, s), the rollout status and the ``last`` ledger decisions.
+
+    Raises:
+        SetupError: a pod spec that is no URL or ``dns+http://`` spec (``usage``).
+    """
+    out = FleetStatus()
+    try:
+        store = ModelStore(settings.store_dir())
+        out.stable_rec = store.stable_record()
+        fleet = FleetRecord(store)
+    except Exception as exc:  # noqa: BLE001 - status must show what it can
+        out.err = f"model store unreadable: {exc}"
+        fleet = None
+    if fleet is not None:
+        try:
+            out.desired = fleet.read()
+        except ValueError as exc:  # the pods are still shown, without drift (there is nothing to compare)
+            out.record_err = f"{exc} ({RECORD_REPAIR})"
+        pods, out.note = discover_pods(fleet, serving, timeout_s)
+        try:
+            out.rows = observe_pods(pods(), out.desired)
+        except ServingAdminError as exc:
+            out.err = str(exc)
+    errors = [e for _, _, e, _ in out.rows if e]
+    out.err = out.err or (errors[0] if errors else None) or (None if out.rows else "no serving pod found")
+    out.warnings = [w for _, s, _, _ in out.rows for w in status_warnings(s, out.desired)]
+    out.rollout = current_status(rollout_status_path(), settings.ledger_path())
+    out.decisions = ledger.decisions(settings.ledger_path(), limit=last)
+    return out
