@@ -18,6 +18,12 @@ Split (``train``/``eval``, see :mod:`schemas.split`): the request's
 hash of the prompt token ids against the pod's ``eval_share``. Raw user ids are hashed with
 the pod's salt before any event is written and never leave the pod.
 
+Every choice runs through the engine's async protocol (:class:`serving.engine_base.Engine`),
+as vLLM's serving classes drive its ``EngineClient``: one task per choice iterates
+``engine.generate(req)`` (``final_only`` for a JSON answer), a client that goes away ends
+the choices with ``engine.abort``, ``/healthz`` asks ``engine.check_health``. The ``n``
+choices are admitted all or none (:meth:`OpenAIServing._start`).
+
 CPU work on a request's prompt (the chat template, tokenisation) runs in a small thread pool
 (:data:`TOKENIZE_WORKERS` threads; the Rust tokenizer releases the GIL), never on the event
 loop: a large prompt never delays ``/healthz`` or another request's stream.
@@ -393,6 +399,8 @@ class _Run:
                 VERSION_HEADER: self.lm.version, SPLIT_HEADER: self.split}
 
     def abort(self, engine, unfinished_only: bool = False) -> None:
+        """``engine.abort`` every choice (``unfinished_only``: those still running); each still
+        ends through its ``generate`` iteration and logs its event."""
         for g, task in zip(self.greqs, self.tasks):
             if not (unfinished_only and task.done()):
                 engine.abort(g)
