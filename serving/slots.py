@@ -17,10 +17,14 @@ import hashlib
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas.admin import SlotInfo, SlotsStatus
-from schemas.manifest import TensorMeta, VersionManifest, state_sha256
-from serving.engine import LoadedModel, TorchEngine
+from schemas.manifest import BASE_VERSION, TensorMeta, VersionManifest, state_sha256
+from serving.engine_base import Engine
+
+if TYPE_CHECKING:
+    from serving.engine import LoadedModel
 
 
 class SlotError(RuntimeError):
@@ -34,7 +38,7 @@ class CheckpointStore:
     its hashes (computed at first use).
     """
 
-    def __init__(self, model_dir: str | Path, version: str = "v000000"):
+    def __init__(self, model_dir: str | Path, version: str = BASE_VERSION):
         self.base_dir = Path(model_dir)
         self.version = version
         self._manifest: VersionManifest | None = None
@@ -83,12 +87,12 @@ class Slots:
     """Stable + candidate weights over one engine.
 
     Args:
-        engine: builds and runs the weights.
+        engine: builds and runs the weights (any :class:`serving.engine_base.Engine`).
         store: model store (see module docstring).
         pod: this pod's name (reported in :class:`SlotsStatus`).
     """
 
-    def __init__(self, engine: TorchEngine, store, pod: str = "pod-0"):
+    def __init__(self, engine: Engine, store, pod: str = "pod-0"):
         self.engine = engine
         self.store = store
         self.pod = pod

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from schemas.manifest import BASE_VERSION
 from serving.app import create_app
 from serving.engine import TorchEngine
 from serving.server import ServerThread
@@ -20,7 +21,7 @@ from serving.slots import CheckpointStore, Slots
 def served(tiny_moe_dir):
     eng = TorchEngine(tiny_moe_dir, max_batch=8)
     slots = Slots(eng, CheckpointStore(tiny_moe_dir))
-    slots.start("v000000")
+    slots.start(BASE_VERSION)
     app = create_app(slots, None, pod="stream-test", salt="s")
     srv = ServerThread(app).start()
     yield eng, srv

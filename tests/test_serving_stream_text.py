@@ -1,5 +1,5 @@
 """Streaming text without a whole-completion decode per token: :class:`serving.http.prompts.TextStream`
-(incremental detokenization, stop strings) and :class:`serving.http.streaming.LoopInbox` (engine
+(incremental detokenization, stop strings) and :class:`serving.engine_base.LoopInbox` (engine
 steps handed to the event loop in bursts, in order)."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_text_stream_equals_whole_decode_token_by_token(tok, stops, per_step):
     TOK_STRS.update({t: tok.convert_ids_to_tokens(t) for t in ids})
     assert len(ids) > len(TEXT.encode()) // 4  # multi-byte characters really are split over tokens
     assert any(_reference(ids[:k], []).endswith("\ufffd") for k in range(1, len(ids)))
-    pb = PromptBuilder(tok, 256)
+    pb = PromptBuilder(tok, 256, 8192)
     s = pb.text_stream(stops)
     assert isinstance(s, TextStream) and s._ds is not None  # the incremental path is the one tested
     shown = ""
@@ -76,7 +76,7 @@ def test_text_stream_stop_that_starts_earlier_wins(tok):
     """A longer stop string completed later but starting before an earlier-found one moves the
     cut back (as the whole-text search does)."""
     ids = _ids(tok, "xabcd tail")
-    pb = PromptBuilder(tok, 256)
+    pb = PromptBuilder(tok, 256, 8192)
     s = pb.text_stream(["bc", "abcd"])
     got = [s.add([t]) for t in ids]
     assert got[-1] == "x" == pb.text(ids, ["bc", "abcd"])
@@ -86,7 +86,7 @@ def test_text_stream_stop_that_starts_earlier_wins(tok):
 
 def test_text_stream_skips_special_tokens_and_falls_back_without_backend(tok):
     ids = _ids(tok, "hello wörld") + [tok.convert_tokens_to_ids("<|im_end|>")] + _ids(tok, " fox")
-    pb = PromptBuilder(tok, 256)
+    pb = PromptBuilder(tok, 256, 8192)
     fast, slow = pb.text_stream([]), TextStream(tok, ["fox"])
     assert slow._ds is None
     for t in ids:
@@ -99,7 +99,7 @@ def test_choice_streams_with_text_stream_send_the_same_text(tok):
     from serving.params import GenResult, StepOutput
 
     ids = _ids(tok, TEXT)
-    pb = PromptBuilder(tok, 256)
+    pb = PromptBuilder(tok, 256, 8192)
     stops = ["brown"]
 
     def run(text_stream):
@@ -129,7 +129,7 @@ def test_choice_streams_with_text_stream_send_the_same_text(tok):
 def test_loop_inbox_keeps_order_and_batches_wakeups():
     """Items put from another thread reach their queues in order, before a callback that thread
     scheduled after its puts; one burst wakes the loop about once."""
-    from serving.http.streaming import LoopInbox
+    from serving.engine_base import LoopInbox
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -182,7 +182,7 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts(tok, stops):
     from serving.params import GenResult, StepOutput
 
     ids = _ids(tok, TEXT)
-    pb = PromptBuilder(tok, 256)
+    pb = PromptBuilder(tok, 256, 8192)
     final = _cut(TEXT, stops)
     for text_stream in (lambda: pb.text_stream(stops), None):
         s = ChoiceStreams("r", ["c0"], 0, "v1", chat=False, text=lambda x: pb.text(x, stops), token_str=pb.token_str,

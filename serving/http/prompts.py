@@ -32,7 +32,7 @@ class PromptBuilder:
         max_prompt_tokens: longer prompts are refused with 413 (tokens).
     """
 
-    def __init__(self, tokenizer, max_positions: int | None, max_prompt_tokens: int = 8192):
+    def __init__(self, tokenizer, max_positions: int | None, max_prompt_tokens: int):
         self.tok = tokenizer
         self.max_positions = max_positions or 10**9
         self.max_prompt_tokens = max_prompt_tokens

@@ -18,6 +18,12 @@ Split (``train``/``eval``, see :mod:`schemas.split`): the request's
 hash of the prompt token ids against the pod's ``eval_share``. Raw user ids are hashed with
 the pod's salt before any event is written and never leave the pod.
 
+Every choice runs through the engine's async protocol (:class:`serving.engine_base.Engine`),
+as vLLM's serving classes drive its ``EngineClient``: one task per choice iterates
+``engine.generate(req)`` (``final_only`` for a JSON answer), a client that goes away ends
+the choices with ``engine.abort``, ``/healthz`` asks ``engine.check_health``. The ``n``
+choices are admitted all or none (:meth:`OpenAIServing._start`).
+
 CPU work on a request's prompt (the chat template, tokenisation) runs in a small thread pool
 (:data:`TOKENIZE_WORKERS` threads; the Rust tokenizer releases the GIL), never on the event
 loop: a large prompt never delays ``/healthz`` or another request's stream.
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import inspect
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,8 +49,8 @@ from serving.http.completion_log import CompletionLogger
 from serving.http.errors import error_body, json_response
 from serving.http.metrics import ServingMetrics
 from serving.http.prompts import PromptBuilder
-from serving.http.streaming import ChoiceStreams, LoopInbox
-from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
+from serving.http.streaming import ChoiceStreams
+from serving.params import GenRequest, GenResult, ServingValidationError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.slots import Slots
 
@@ -80,7 +88,7 @@ class OpenAIServing:
 
     def __init__(self, slots: Slots, prompts: PromptBuilder, completions_log: CompletionLogger,
                  metrics: ServingMetrics, *, salt: str, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
-                 eval_share: float = 0.0, default_max_tokens: int = 256):
+                 eval_share: float, default_max_tokens: int):
         self.slots = slots
         self.engine = slots.engine
         self.prompts = prompts
@@ -91,7 +99,9 @@ class OpenAIServing:
         self.eval_share = eval_share
         self.default_max_tokens = default_max_tokens
         self.inflight = 0  # choices submitted and not finished (event loop only)
-        self._inbox: LoopInbox | None = None  # engine steps -> streamed requests' queues
+        # an engine on the base protocol (serving.engine_base.Engine) takes final_only; one whose
+        # generate(req) predates it streams every step, and a JSON answer reads only the last
+        self._final_only = "final_only" in inspect.signature(self.engine.generate).parameters
         self._cpu = concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="flywheel-tokenize")
 
     async def off_loop(self, fn, *args):
@@ -222,50 +232,81 @@ class OpenAIServing:
         # choice i samples with seed + i: n copies of one seeded draw would be surprising
         run.sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i})
                    for i in range(run.n)]
-        self._submit(run, top_logprobs)
-        run.tasks = [asyncio.ensure_future(self._finish(run, i)) for i in range(run.n)]
+        run.greqs = [GenRequest(prompt_token_ids=run.prompt, sampling=run.sps[i], model=run.lm,
+                                stop_token_ids=(self.engine.eos_id,), top_logprobs=top_logprobs,
+                                stop_check=self.prompts.stop_check(run.stops), structured=run.structured)
+                     for i in range(run.n)]
+        await self._start(run)
         if run.q is None:
             return await self._json(run, body, chat, request)
         return self._stream(run, body, chat)
 
-    def _submit(self, run: "_Run", top_logprobs: int) -> None:
-        """Queue the ``n`` requests, all or none (a 429 leaves nothing queued or logged)."""
-        engine, metrics, version = self.engine, self.metrics, run.lm.version
-        inbox = self._inbox
-        if inbox is None or inbox.loop is not asyncio.get_running_loop():
-            inbox = self._inbox = LoopInbox(asyncio.get_running_loop())
+    async def _start(self, run: "_Run") -> None:
+        """Start the ``n`` choices (:meth:`_choice`, each iterating ``engine.generate``), all
+        or none: a choice the engine refuses (429 queue full, 400, engine closed) stops the
+        others before they made a token, nothing is logged, and the refusal is raised.
+
+        The engine admits or refuses a request when its ``generate`` starts, before it first
+        suspends (:meth:`serving.engine_base.Engine.generate`), so one pass of the event loop
+        after the choices started tells which were refused.
+
+        Raises:
+            ServingValidationError: the engine refused a choice (status 429, 400...).
+            RuntimeError: the engine is closed.
+        """
+        metrics, version = self.metrics, run.lm.version
         # counted when routed, so errors <= requests per version (error rate = errors / requests)
         metrics.version_requests.labels(version).inc(run.n)
         metrics.version_errors.labels(version)  # export 0 errors, not "no data", for this version
+        run.tasks = [asyncio.ensure_future(self._choice(run, i)) for i in range(run.n)]
         try:
-            for i in range(run.n):
-                def on_step(out: StepOutput, i=i) -> None:
-                    inbox.put(run.q, (i, out, None))
-
-                run.greqs.append(GenRequest(prompt_token_ids=run.prompt, sampling=run.sps[i], model=run.lm,
-                                            stop_token_ids=(engine.eos_id,), top_logprobs=top_logprobs,
-                                            on_step=on_step if run.q is not None else None,
-                                            stop_check=self.prompts.stop_check(run.stops),
-                                            structured=run.structured))
-                run.futs.append(engine.submit(run.greqs[-1]))  # raises 429 here, before anything is logged
-        except ServingValidationError as exc:
-            for g, f in zip(run.greqs, run.futs):
-                f.cancel()
-                engine.abort(g)
-            if exc.status == 429:
-                metrics.version_errors.labels(version).inc(run.n)  # all n choices failed
+            await asyncio.sleep(0)  # every choice runs up to its admission
+        except asyncio.CancelledError:
+            run.abort(self.engine)  # nobody will read the answer; the choices still log their events
             raise
-        self.inflight += run.n
+        refused = [t.exception() for t in run.tasks if t.done() and not t.cancelled() and t.exception()]
+        if not refused:
+            run.admitted = True
+            return
+        others = [t for t in run.tasks if not t.done()]
+        for t in others:
+            t.cancel()  # leaving engine.generate aborts its request
+        await asyncio.gather(*others, return_exceptions=True)
+        if isinstance(refused[0], ServingValidationError) and refused[0].status == 429:
+            metrics.version_errors.labels(version).inc(run.n)  # all n choices failed
+        raise refused[0]
 
-    async def _finish(self, run: "_Run", i: int) -> GenResult:
-        """Await choice ``i``, log its event, observe it. Runs to the end even if the client
-        goes away: one completion, one event."""
+    def _generate(self, req: GenRequest, final: bool):
+        """``engine.generate(req)``; ``final``: only the last output is wanted (JSON answers)."""
+        if final and self._final_only:
+            return self.engine.generate(req, final_only=True)
+        return self.engine.generate(req)
+
+    async def _choice(self, run: "_Run", i: int) -> GenResult:
+        """Choice ``i`` through ``engine.generate``: its steps to the stream (if any), then its
+        event logged and observed. Once admitted it runs to its end even if the client goes
+        away (an abort ends it early): one completion, one event.
+
+        Raises:
+            ServingValidationError, RuntimeError: the engine refused it (before admission).
+            Exception: the engine failed it (counted as an error of its version).
+        """
+        self.inflight += 1
+        res = None
         try:
-            res = await asyncio.wrap_future(run.futs[i])
+            async with contextlib.aclosing(self._generate(run.greqs[i], final=run.q is None)) as outs:
+                async for out in outs:
+                    if run.q is not None and (out.token_ids or not out.finished):
+                        run.q.put_nowait((i, out, None))
+                    if out.finished:
+                        res = out.result
+            if res is None:
+                raise RuntimeError(f"the engine ended choice {i} without a finished output")
         except BaseException as exc:
-            self.metrics.version_errors.labels(run.lm.version).inc()
-            if run.q is not None:
-                run.q.put_nowait((i, None, exc))
+            if run.admitted:  # a refusal is counted, all n at once, by _start
+                self.metrics.version_errors.labels(run.lm.version).inc()
+                if run.q is not None:
+                    run.q.put_nowait((i, None, exc))
             raise
         finally:
             self.inflight -= 1
@@ -273,7 +314,7 @@ class OpenAIServing:
                         run.split)  # built off the loop
         self.metrics.observe(res, len(run.prompt))
         if run.q is not None:
-            run.q.put_nowait((i, None, res))  # after every step of choice i (same loop, FIFO)
+            run.q.put_nowait((i, None, res))  # after every step of choice i
         return res
 
     async def _json(self, run: "_Run", body, chat: bool, request: Request | None = None):
@@ -347,8 +388,8 @@ class _Run:
     cids: list[uuid.UUID] = field(default_factory=list)
     sps: list = field(default_factory=list)
     greqs: list[GenRequest] = field(default_factory=list)
-    futs: list = field(default_factory=list)
-    tasks: list = field(default_factory=list)
+    tasks: list = field(default_factory=list)  # one asyncio task per choice (OpenAIServing._choice)
+    admitted: bool = False  # every choice was admitted by the engine (OpenAIServing._start)
 
     def __post_init__(self):
         self.cids = [uuid.uuid4() for _ in range(self.n)]
@@ -358,6 +399,8 @@ class _Run:
                 VERSION_HEADER: self.lm.version, SPLIT_HEADER: self.split}
 
     def abort(self, engine, unfinished_only: bool = False) -> None:
+        """``engine.abort`` every choice (``unfinished_only``: those still running); each still
+        ends through its ``generate`` iteration and logs its event."""
         for g, task in zip(self.greqs, self.tasks):
             if not (unfinished_only and task.done()):
                 engine.abort(g)

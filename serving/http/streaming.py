@@ -12,49 +12,10 @@ text is decoded from its whole completion once (:meth:`ChoiceStreams.on_finish`)
 from __future__ import annotations
 
 import asyncio
-import collections
-import threading
 from typing import AsyncIterator, Callable
 
 from serving.http import wire
 from serving.params import GenResult, StepOutput
-
-
-class LoopInbox:
-    """Hands items from engine threads to ``asyncio.Queue``s of one event loop, waking the loop
-    once per burst instead of once per item: every step of every running request that an
-    engine emits in one iteration costs one ``call_soon_threadsafe`` (one self-pipe write and
-    one loop wake-up), not one each.
-
-    Order: items reach their queues in the order :meth:`put` was called, and before any
-    callback that the putting thread schedules on the loop after its :meth:`put` (e.g. a
-    future resolved after a request's last step, awaited with ``asyncio.wrap_future``).
-
-    Args:
-        loop: the event loop that owns the queues.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._items: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-        self._scheduled = False
-
-    def put(self, q: asyncio.Queue, item) -> None:
-        """From any thread: ``q.put_nowait(item)`` on the loop, soon."""
-        with self._lock:
-            self._items.append((q, item))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        self.loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        with self._lock:
-            items, self._items = self._items, collections.deque()
-            self._scheduled = False
-        for q, item in items:
-            q.put_nowait(item)
 
 
 def stop_prefix_len(text: str, stops: list[str]) -> int:
