@@ -140,8 +140,9 @@ class VLLMEngine(Engine):
     def __init__(self, model_dir: str | Path, config: VLLMConfig | None = None, *, batch: EngineConfig | None = None,
                  engine_kwargs: dict | None = None, loop: asyncio.AbstractEventLoop | None = None, **settings):
         batch, config = split_settings(settings, batch or EngineConfig(), config or VLLMConfig(), where="VLLMEngine")
-        for name, why in batch.torch_only_changed():
-            raise ValueError(f"{name}: torch engine only ({why})")
+        torch_only = batch.torch_only_changed()
+        if torch_only:
+            raise ValueError(f"{torch_only[0][0]}: torch engine only ({torch_only[0][1]})")
         import vllm  # noqa: F401 - fail early and clearly when vLLM is missing
         from transformers import AutoConfig
 

@@ -137,12 +137,10 @@ def engine_mismatch(engine: str, eng: EngineConfig, vllm: VLLMConfig) -> tuple[s
     """``(field, reason)`` for the first setting that does not apply to ``engine`` (a torch-only
     one changed on vLLM, a vLLM option changed on torch), None when all apply."""
     if engine == "vllm":
-        for name, why in eng.torch_only_changed():
-            return name, f"torch engine only ({why})"
-    else:
-        for name in vllm.changed():
-            return name, f"vLLM engine only (this pod runs --engine {engine})"
-    return None
+        torch_only = eng.torch_only_changed()
+        return (torch_only[0][0], f"torch engine only ({torch_only[0][1]})") if torch_only else None
+    vllm_only = vllm.changed()
+    return (vllm_only[0], f"vLLM engine only (this pod runs --engine {engine})") if vllm_only else None
 
 
 def make_engine(model_dir: Path, engine: str, eng: EngineConfig, vllm: VLLMConfig, loop=None):
