@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from schemas import settings
 from schemas.split import check_share
+from serving.config import DEFAULT_POD, ServeConfig
 from serving.eventlog import EventLog
 from serving.http import errors
 from serving.http.auth import AuthMiddleware, AuthPolicy, load_keys
@@ -79,30 +80,34 @@ class PortSplitMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", salt: str | None = None,
+def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = None, salt: str | None = None,
                api_keys: set[str] | None = None, admin_token: str | None = None,
-               feedback_keys: set[str] | None = None, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
-               eval_share: float = 0.0, cors_origins: list[str] | None = None, max_prompt_tokens: int = 8192,
-               default_max_tokens: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               admin_port: int | None = None) -> FastAPI:
+               feedback_keys: set[str] | None = None, served_model_name: str | None = None,
+               eval_share: float | None = None, cors_origins: list[str] | None = None,
+               max_prompt_tokens: int | None = None, default_max_tokens: int | None = None,
+               max_body_bytes: int | None = None, admin_port: int | None = None) -> FastAPI:
     """The FastAPI app of one serving pod.
 
     Args:
         slots: stable/candidate weights over the engine (stable must be loaded).
         event_log: where events go; None turns event logging off (benchmarks only).
-        pod: pod name written into every CompletionEvent.
+        pod: pod name written into every CompletionEvent (default ``serving.config.DEFAULT_POD``).
         salt: user-id salt (default :func:`user_salt`).
         api_keys: Bearer keys accepted for ``/v1/*``; None = no auth.
         admin_token: Bearer token for ``/admin/*``; None = no auth (local use only).
         feedback_keys: Bearer keys accepted for the feedback paths only (a browser may hold one).
         served_model_name: the ``model`` name that routes by the sticky split (label
-            ``model_name`` on the metrics).
-        eval_share: share of untagged prompts in the eval split, [0, 1] (:mod:`schemas.split`).
+            ``model_name`` on the metrics; default :class:`serving.config.ServeConfig`'s).
+        eval_share: share of untagged prompts in the eval split, [0, 1] (:mod:`schemas.split`;
+            default :class:`serving.config.ServeConfig`'s).
         cors_origins: browser origins allowed to call the API (CORS; ``["*"]`` for any), so a web
             page can post feedback with a feedback-only key; None = no CORS headers.
-        max_prompt_tokens: longer prompts get HTTP 413 (tokens).
-        default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
-        max_body_bytes: larger request bodies get HTTP 413 (bytes); on the inference paths
+        max_prompt_tokens: longer prompts get HTTP 413 (tokens; default
+            :class:`serving.http.prompts.PromptBuilder`'s).
+        default_max_tokens: chat ``max_tokens`` when the request sets none (tokens; default
+            :class:`serving.http.serving_openai.OpenAIServing`'s).
+        max_body_bytes: larger request bodies get HTTP 413 (bytes; default
+            ``serving.http.limits.DEFAULT_MAX_BODY_BYTES``); on the inference paths
             the bound is at most :func:`serving.http.limits.prompt_body_bytes` of ``max_prompt_tokens``.
         admin_port: answer ``/admin/*`` and ``/metrics`` only on this local port and the product
             paths only on others (:class:`PortSplitMiddleware`); None = every path on every port.
@@ -110,7 +115,11 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
     Raises:
         ValueError: ``eval_share`` outside [0, 1].
     """
-    eval_share = check_share(eval_share)
+    serve_defaults = ServeConfig()
+    pod = DEFAULT_POD if pod is None else pod
+    served_model_name = serve_defaults.served_model_name if served_model_name is None else served_model_name
+    eval_share = check_share(serve_defaults.eval_share if eval_share is None else eval_share)
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes
     engine = slots.engine
     salt = salt or user_salt()
     openai_box: list[OpenAIServing] = []  # the gauges read it once it exists
@@ -119,9 +128,11 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
         running=lambda: openai_box[0].running() if openai_box else 0.0,
         swap_pause_s=lambda: None if slots.last_swap_pause_ms is None else slots.last_swap_pause_ms / 1000)
     completions_log = CompletionLogger(event_log, pod, on_emit=lambda kind: metrics.events_accepted.labels(kind).inc())
-    prompts = PromptBuilder(engine.tokenizer, engine.max_positions, max_prompt_tokens)
+    prompts = PromptBuilder(engine.tokenizer, engine.max_positions,
+                            **({} if max_prompt_tokens is None else {"max_prompt_tokens": max_prompt_tokens}))
     openai = OpenAIServing(slots, prompts, completions_log, metrics, salt=salt, served_model_name=served_model_name,
-                           eval_share=eval_share, default_max_tokens=default_max_tokens)
+                           eval_share=eval_share,
+                           **({} if default_max_tokens is None else {"default_max_tokens": default_max_tokens}))
     openai_box.append(openai)
     feedback = FeedbackServing(event_log, completions_log, metrics, salt)
 
@@ -134,7 +145,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str = "pod-0", 
     for r in (v1_router, feedback_router, admin_router, ops_router):
         app.include_router(r)
     errors.install(app)  # CatchAllMiddleware: innermost of the middlewares below
-    prompt_limit = min(max_body_bytes, prompt_body_bytes(max_prompt_tokens))
+    prompt_limit = min(max_body_bytes, prompt_body_bytes(prompts.max_prompt_tokens))
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,  # only after auth
                        path_limits={p: prompt_limit for p in PROMPT_PATHS})
     policy = AuthPolicy(api_keys=frozenset(api_keys) if api_keys else None,

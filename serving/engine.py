@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from schemas.events import now_ms
-from schemas.manifest import digest_of_hashes, state_sha256
+from schemas.manifest import BASE_VERSION, digest_of_hashes, state_sha256
 from schemas.modelspec import attention_window, checkpoint_dtype, load_model, load_tokenizer
 from schemas.routers import route_shape, routed_layers
+from serving.config import EngineConfig, split_settings
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 
 log = logging.getLogger("flywheel.serving.engine")
@@ -301,6 +302,9 @@ class TorchEngine(Engine):
 
     Args:
         model_dir: HF checkpoint dir (config + tokenizer; base weights).
+        config: the engine's settings (:class:`serving.config.EngineConfig`, where each
+            default and bound is declared); ``**settings`` overrides its fields by name
+            (``TorchEngine(d, max_batch=4)``). The fields:
         max_batch: requests running at once at most (all weights together).
         max_queue: waiting requests at most; beyond it ``submit`` raises a 429 error.
         dtype: torch dtype of the weights (default the checkpoint's, ``checkpoint_dtype``).
@@ -345,39 +349,32 @@ class TorchEngine(Engine):
             one-token prompts). Not with prefix caching (its joins keep their own forward).
 
     Raises:
-        ValueError: unknown ``scheduler``; ``waiting_served_ratio`` < 0 or not finite;
-            ``max_waiting_tokens`` < 1; ``fused_join_pad_tokens`` < 0.
+        ValueError (pydantic.ValidationError, naming the field): unknown ``scheduler``;
+            ``waiting_served_ratio`` < 0 or not finite; ``max_waiting_tokens`` < 1;
+            ``fused_join_pad_tokens`` < 0; ``max_batch`` or ``max_queue`` < 1.
+        TypeError: a keyword that is no field of :class:`EngineConfig`.
     """
 
-    def __init__(self, model_dir: str | Path, max_batch: int = 8, max_queue: int = 256, dtype=None,
-                 threads: int | None = None, device: str = "cpu", aligned_logprobs: bool = False,
-                 scheduler: str = "continuous", prefix_caching: bool = False,
-                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 20,
-                 fused_join_pad_tokens: int = 64):
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *, dtype=None, **settings: Any):
         import torch
 
-        if scheduler not in ("continuous", "static"):
-            raise ValueError(f"scheduler: must be 'continuous' or 'static', got {scheduler!r}")
-        if not math.isfinite(waiting_served_ratio) or waiting_served_ratio < 0:
-            raise ValueError(f"waiting_served_ratio: must be a finite number >= 0, got {waiting_served_ratio!r}")
-        if int(max_waiting_tokens) < 1:
-            raise ValueError(f"max_waiting_tokens: must be >= 1, got {max_waiting_tokens!r}")
-        if int(fused_join_pad_tokens) < 0:
-            raise ValueError(f"fused_join_pad_tokens: must be >= 0, got {fused_join_pad_tokens!r}")
-        self.fused_join_pad_tokens = int(fused_join_pad_tokens)
-        self.waiting_served_ratio = float(waiting_served_ratio)
-        self.max_waiting_tokens = int(max_waiting_tokens)
+        if settings:  # keyword settings by field name, as programs and tests pass them
+            (config,) = split_settings(settings, config or EngineConfig(), where="TorchEngine")
+        self.config = config = config or EngineConfig()
+        self.fused_join_pad_tokens = config.fused_join_pad_tokens
+        self.waiting_served_ratio = config.waiting_served_ratio
+        self.max_waiting_tokens = config.max_waiting_tokens
         self._steps_since_join = 0  # decode iterations since waiting requests last joined
-        self.device = torch.device(device)
+        self.device = torch.device(config.device)
         self.model_dir = Path(model_dir)
-        self.max_batch = int(max_batch)
-        self.max_queue = int(max_queue)
-        self.scheduler = scheduler
-        self.aligned_logprobs = bool(aligned_logprobs)
-        self.prefix_caching = bool(prefix_caching)
+        self.max_batch = config.max_batch
+        self.max_queue = config.max_queue
+        self.scheduler = config.scheduler
+        self.aligned_logprobs = config.aligned_logprobs
+        self.prefix_caching = config.prefix_caching
         self.dtype = dtype or checkpoint_dtype(json.loads((self.model_dir / "config.json").read_text()))
-        if threads:
-            torch.set_num_threads(threads)
+        if config.threads:
+            torch.set_num_threads(config.threads)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = int(self.tokenizer.pad_token_id)
         eos = self.tokenizer.convert_tokens_to_ids(CHAT_STOP)
@@ -399,7 +396,7 @@ class TorchEngine(Engine):
         self._thread.start()
 
     # ------------------------------------------------------------------ weights
-    def load_base(self, version: str = "v000000") -> LoadedModel:
+    def load_base(self, version: str = BASE_VERSION) -> LoadedModel:
         """The checkpoint at ``model_dir`` as served weights (hashes computed, not checked)."""
         t0 = time.perf_counter()
         model = load_model(self.model_dir, dtype=self.dtype).to(self.device)

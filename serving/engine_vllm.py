@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 
 from schemas.events import now_ms
-from schemas.manifest import digest_of_hashes, state_sha256
+from schemas.manifest import BASE_VERSION, digest_of_hashes, state_sha256
+from serving.config import EngineConfig, VLLMConfig, split_settings
 from serving.engine import CHAT_STOP, Engine, LoadedModel, WeightsMismatchError, check_request
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 from serving.vllm_worker import repack_cpu_experts, to_checkpoint_names  # noqa: F401 - re-exported
@@ -103,9 +104,13 @@ class VLLMEngine(Engine):
 
     Args:
         model_dir: HF checkpoint dir (config, tokenizer, base weights).
-        max_batch: vLLM's ``max_num_seqs`` (requests running at once per instance).
-        max_queue: requests waiting beyond the running ones at most; beyond it ``submit``
-            raises a 429 error.
+        config: the vLLM options (:class:`serving.config.VLLMConfig`, where each default is
+            declared; its fields are listed below).
+        batch: the batch settings every engine has (:class:`serving.config.EngineConfig`):
+            ``max_batch`` is vLLM's ``max_num_seqs`` (requests running at once per instance),
+            ``max_queue`` the requests waiting beyond the running ones at most (beyond it
+            ``submit`` raises a 429 error); its torch-only fields must keep their defaults.
+        **settings: fields of either model by name (``VLLMEngine(d, max_batch=8, max_model_len=128)``).
         dtype: vLLM dtype string (``float32`` on CPU, ``bfloat16``/``float32`` on GPU).
         max_model_len: context length (tokens); default the model's.
         max_instances: ``AsyncLLM`` instances at most (3 = stable + candidate + the previous
@@ -126,36 +131,40 @@ class VLLMEngine(Engine):
 
     Raises:
         ImportError: vLLM is not installed in this interpreter.
+        ValueError: a value a model refuses (naming the field), or a torch-only setting.
+        TypeError: a keyword that is no field of either model.
     """
 
     supports_structured = True  # GenRequest.structured and parse_tool_calls
 
-    def __init__(self, model_dir: str | Path, max_batch: int = 64, max_queue: int = 256, dtype: str = "float32",
-                 max_model_len: int | None = None, max_instances: int = 3,
-                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 quantization: str | None = None, return_routes: bool = True, engine_kwargs: dict | None = None,
-                 tool_call_parser: str = "hermes", loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, model_dir: str | Path, config: VLLMConfig | None = None, *, batch: EngineConfig | None = None,
+                 engine_kwargs: dict | None = None, loop: asyncio.AbstractEventLoop | None = None, **settings):
+        batch, config = split_settings(settings, batch or EngineConfig(), config or VLLMConfig(), where="VLLMEngine")
+        torch_only = batch.torch_only_changed()
+        if torch_only:
+            raise ValueError(f"{torch_only[0][0]}: torch engine only ({torch_only[0][1]})")
         import vllm  # noqa: F401 - fail early and clearly when vLLM is missing
         from transformers import AutoConfig
 
         from schemas.modelspec import load_tokenizer
 
+        self.config = config
         self.model_dir = Path(model_dir)
-        self.max_batch = int(max_batch)
-        self.max_queue = int(max_queue)
-        self.dtype = dtype
-        self.max_instances = int(max_instances)
-        self.tensor_parallel_size = int(tensor_parallel_size)
-        self.quantization = quantization
+        self.max_batch = batch.max_batch
+        self.max_queue = batch.max_queue
+        self.dtype = config.dtype
+        self.max_instances = config.max_instances
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.quantization = config.quantization
         import torch
 
-        self.gpu_memory_utilization = gpu_memory_utilization or (
+        self.gpu_memory_utilization = config.gpu_memory_utilization or (
             0.9 / self.max_instances if torch.cuda.is_available() else 0.05)
         self.engine_kwargs = dict(engine_kwargs or {})
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = config.tool_call_parser
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = AutoConfig.from_pretrained(self.model_dir)
-        self.max_positions = int(max_model_len or getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.max_positions = int(config.max_model_len or getattr(cfg, "max_position_embeddings", 0) or 0) or None
         from schemas.routers import adapter_for, num_experts
 
         moe = adapter_for(cfg) is not None  # refuses an MoE architecture with no router adapter
@@ -171,7 +180,7 @@ class VLLMEngine(Engine):
         self.eos_id = int(eos)
         self.routes_missing: collections.Counter[str] = collections.Counter()
         self.reload_repairs: collections.Counter[str] = collections.Counter()
-        self.return_routes = bool(return_routes and self.moe_layers)
+        self.return_routes = bool(config.return_routes and self.moe_layers)
         self._routes_off_reason: str | None = None
         if self.return_routes and not _has_triton():
             self.return_routes = False
@@ -262,7 +271,7 @@ class VLLMEngine(Engine):
             self._base_hashes = state_sha256(load_model(self.model_dir).state_dict())
         return digest_of_hashes(self._base_hashes)
 
-    def load_base(self, version: str = "v000000") -> LoadedModel:
+    def load_base(self, version: str = BASE_VERSION) -> LoadedModel:
         """The checkpoint at ``model_dir`` as served weights."""
         from schemas.modelspec import load_model
 

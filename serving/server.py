@@ -14,17 +14,20 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread.
+    """uvicorn serving ``app`` on ``host`` (default ``flywheel serve``'s, loopback):``port`` in a
+    daemon thread.
 
     ``start()`` returns once the port accepts connections (RuntimeError after ``timeout_s``);
     ``stop()`` asks uvicorn to exit and joins.
     """
 
-    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
+    def __init__(self, app, port: int | None = None, host: str | None = None):
         import uvicorn
 
+        from serving.config import ServeConfig
+
         self.port = port or free_port()
-        self.host = host
+        self.host = ServeConfig.model_fields["host"].default if host is None else host
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
                                                     lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)

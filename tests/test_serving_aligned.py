@@ -66,7 +66,7 @@ def test_aligned_logprobs_make_the_learner_mismatch_exactly_zero(tiny_moe_dir):
 
 
 def test_aligned_logprobs_refused_with_vllm():
-    from serving.commands import build_pod
+    from serving.pod import build_pod
 
     class _Store:
         base_dir = "/nonexistent"

@@ -16,7 +16,7 @@ import pytest
 from schemas import topics
 from schemas.events import CompletionEvent, FeedbackEvent, hash_user
 from schemas.modelspec import load_tokenizer
-from serving.commands import build_pod
+from serving.pod import build_pod
 from serving.server import ServerThread
 from serving.slots import CheckpointStore
 

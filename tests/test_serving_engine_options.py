@@ -32,7 +32,7 @@ def test_cuda_device_needs_cuda():
 
 
 def test_build_pod_passes_device_and_scheduler(tiny_moe_dir):
-    from serving.commands import build_pod
+    from serving.pod import build_pod
     from serving.slots import CheckpointStore
 
     p = build_pod(CheckpointStore(tiny_moe_dir), pod="t", log_events=False, device="cpu", scheduler="static")

@@ -129,7 +129,7 @@ def test_metrics_count_prefix_cache_queries_and_hits():
 
 
 def test_prefix_caching_refused_with_vllm():
-    from serving.commands import build_pod
+    from serving.pod import build_pod
 
     class _Store:
         base_dir = "/nonexistent"

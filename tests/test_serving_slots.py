@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from schemas.modelspec import load_model
-from serving.commands import build_pod, default_version
+from serving.pod import build_pod, default_version
 from serving.server import ServerThread
 
 ModelStore = pytest.importorskip("deploy.store").ModelStore

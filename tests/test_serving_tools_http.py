@@ -165,14 +165,14 @@ def test_tool_call_parser_is_a_vllm_engine_option(tmp_path):
 VLLM_CHILD = """
 import json, sys
 from typer.testing import CliRunner
-import serving.commands
+import serving.pod
 from flywheel.cli import app
 got = {}
 def build_pod(*a, **kw):  # what the serve command hands the pod, without loading a model
-    got.update(kw["engine_options"])
-    got["loop"] = type(got["loop"]).__module__  # the loop the HTTP server will run on
+    got.update(kw["vllm_config"].model_dump())
+    got["loop"] = type(kw["loop"]).__module__  # the loop the HTTP server will run on
     raise SystemExit(0)
-serving.commands.build_pod = build_pod
+serving.pod.build_pod = build_pod
 out = {}
 for parser in ("pythonic", "nope"):
     r = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--model-dir", sys.argv[1], "--port", sys.argv[2],

@@ -283,7 +283,8 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
     port = free_port()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "FLYWHEEL_HOME": str(tmp_path / "home"),
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap, "FLYWHEEL_API_KEYS": "k-vllm",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}  # this checkout's code, whichever repo the vLLM venv's .pth names
     log = open(tmp_path / "serve.log", "w")
     p = subprocess.Popen([str(VPY), "-m", "flywheel.cli", "serve", "--engine", "vllm", "--model-dir", str(d),
                           "--port", str(port)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
