@@ -1,5 +1,5 @@
-"""Inference engines: one async protocol (:class:`Engine`, vLLM's ``EngineClient`` shape), a
-torch implementation with continuous batching, KV cache, behavior logprobs and expert-route
+"""Inference engines: the async protocol (:class:`serving.engine_base.Engine`, vLLM's
+``EngineClient`` shape, re-exported here) and its torch implementation with continuous batching, KV cache, behavior logprobs and expert-route
 capture (:class:`TorchEngine`, its running batch in :mod:`serving.torch_batch`).
 
 The engine knows nothing about HTTP, Kafka or the model store: it turns token ids into
@@ -13,8 +13,6 @@ padding with ``position_ids = cumsum(mask) - 1``, so the learner's recompute lin
 
 from __future__ import annotations
 
-import abc
-import asyncio
 import collections
 import contextlib
 import concurrent.futures
@@ -25,14 +23,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from schemas.events import now_ms
 from schemas.manifest import BASE_VERSION, digest_of_hashes, state_sha256
 from schemas.modelspec import attention_window, checkpoint_dtype, load_model, load_tokenizer
 from schemas.routers import route_shape, routed_layers
 from serving.config import EngineConfig, split_settings
-from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
+from serving.engine_base import Engine  # noqa: F401 - the protocol TorchEngine implements
+from serving.params import GenRequest, GenResult, ServingValidationError
 
 log = logging.getLogger("flywheel.serving.engine")
 
@@ -170,118 +169,6 @@ def check_request(req: GenRequest) -> None:
         raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
     if req.model is None:
         raise ServingValidationError("model", None, "no weights to run on")
-
-
-class Engine(abc.ABC):
-    """The async engine protocol the HTTP layer uses, modelled on vLLM's ``EngineClient``
-    (``vllm/engine/protocol.py``): :meth:`generate` streams per-step outputs, :meth:`abort`
-    ends a request by id, :meth:`check_health`, :meth:`load_weights`, :meth:`pause` /
-    :meth:`resume`.
-
-    Implementations provide :meth:`submit` (thread-safe: queue a request, get a
-    ``concurrent.futures.Future`` of its :class:`GenResult`; every new token goes to
-    ``req.emit_step`` before the future resolves); :meth:`generate`, :meth:`generate_sync`
-    are built on it. Attributes every engine has: ``tokenizer``, ``eos_id``, ``pad_id``,
-    ``max_positions`` (context length in tokens, or None).
-    """
-
-    tokenizer: Any
-    eos_id: int
-    max_positions: int | None
-
-    @abc.abstractmethod
-    def submit(self, req: GenRequest) -> concurrent.futures.Future:
-        """Queue ``req``; the future resolves to its :class:`GenResult`.
-
-        Raises:
-            ServingValidationError: 429 when the queue is full; 400 for an empty prompt, a
-                missing model or a parameter the engine cannot honour.
-            RuntimeError: the engine is closed.
-        """
-
-    @abc.abstractmethod
-    def abort(self, request: "str | GenRequest") -> None:
-        """End a request (by ``request_id`` or the request itself) at its next step: it
-        leaves the running batch, frees its KV cache, and resolves with finish reason
-        ``abort`` and the tokens made so far. Unknown or finished ids are ignored."""
-
-    @abc.abstractmethod
-    def check_health(self) -> dict:
-        """Raise RuntimeError if the engine cannot serve; else a dict of facts."""
-
-    @abc.abstractmethod
-    def load_weights(self, state: dict, version: str, expected_hashes: dict[str, str] | None = None
-                     ) -> LoadedModel:
-        """Build servable weights from ``state`` off the request path and verify their hashes."""
-
-    @abc.abstractmethod
-    def pause(self) -> None:
-        """Admit no new request (running ones go on to their end)."""
-
-    @abc.abstractmethod
-    def resume(self) -> None:
-        """Undo :meth:`pause`."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Stop; waiting and running requests fail with RuntimeError."""
-
-    def queue_depth(self) -> int:
-        """Requests waiting to join a running batch."""
-        return 0
-
-    def num_running(self) -> int:
-        """Requests in a running batch."""
-        return 0
-
-    async def generate(self, req: GenRequest) -> AsyncIterator[StepOutput]:
-        """Run ``req``, yielding one :class:`StepOutput` per engine step with its new tokens
-        and raw logprobs; the last one has ``finished=True`` and the whole ``result``
-        (routes, finish reason, timings). Leaving the iteration early (the consumer is
-        cancelled, e.g. its HTTP client went away, or ``aclose()``) aborts the request, so
-        it leaves the batch at the engine's next step.
-
-        Raises:
-            ServingValidationError, RuntimeError: as :meth:`submit` (before the first output);
-            the engine's error if the request fails.
-        """
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        prev = req.on_step
-
-        def on_step(out: StepOutput) -> None:
-            if prev is not None:
-                prev(out)
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-        req.on_step = on_step
-        fut = self.submit(req)
-        fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(q.put_nowait, None))
-        try:
-            while True:
-                out = await q.get()
-                if out is not None:
-                    yield out
-                    continue
-                res = fut.result()  # the engine's exception, if it failed
-                yield StepOutput(request_id=req.request_id, token_ids=[], logprobs=[], finished=True, result=res)
-                return
-        finally:
-            if not fut.done():
-                self.abort(req.request_id)
-
-    async def generate_result(self, req: GenRequest) -> GenResult:
-        """Await the whole :class:`GenResult`; cancelling the await aborts the request."""
-        fut = self.submit(req)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            self.abort(req.request_id)
-            raise
-
-    def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
-        """Blocking run of ``req`` for scripts and tests."""
-        return self.submit(req).result(timeout_s)
 
 
 class TorchEngine(Engine):

@@ -31,6 +31,13 @@ KUST = yaml.safe_load((K8S / "kustomization.yaml").read_text())
 CONFIG = tomllib.loads((K8S / "flywheel.toml").read_text())
 
 
+def _serve_port() -> int:
+    """The product port the example serves on: its `[serve] port`, else ServeConfig's default."""
+    from serving.config import ServeConfig
+
+    return CONFIG["serve"].get("port", ServeConfig.model_fields["port"].default)
+
+
 def docs() -> list[dict]:
     """Every resource ``kubectl apply -k deploy/k8s`` creates (the generated ConfigMap too),
     with the kustomization's namespace."""
@@ -148,7 +155,7 @@ def test_serving_has_a_gpu_and_the_engine_options():
     assert c["image"] == "flywheel/serve-vllm"
     serve = CONFIG["serve"]
     assert serve["engine"] == "vllm" and {"dtype", "max_model_len", "gpu_memory_utilization"} <= set(serve)
-    assert c["ports"][0]["containerPort"] == serve["port"]
+    assert c["ports"][0]["containerPort"] == _serve_port()
     learner = _pod(by_kind("Deployment")["flywheel-learner"])["spec"]["containers"][0]
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
@@ -266,7 +273,7 @@ def test_admin_and_metrics_are_off_the_product_service():
     sts = _role("flywheel-serving")
     (c,) = _pod(sts)["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": CONFIG["serve"]["port"], "admin": CONFIG["serve"]["admin_port"]}
+    assert ports == {"http": _serve_port(), "admin": CONFIG["serve"]["admin_port"]}
     svc = by_kind("Service")
     assert [p["targetPort"] for p in svc["flywheel-serving"]["spec"]["ports"]] == ["http"]
     assert [p["targetPort"] for p in svc["flywheel-serving-pods"]["spec"]["ports"]] == ["admin"]
