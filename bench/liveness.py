@@ -47,7 +47,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from tests.servers import ServerThread
     from serving.slots import CheckpointStore
     from tests.conftest import make_tiny_moe
     from tests.test_hardening_serving import _Prober

@@ -92,7 +92,7 @@ def main() -> None:
     a = ap.parse_args()
     import httpx
 
-    from serving.server import free_port
+    from schemas.settings import free_port
 
     work = a.keep or Path(tempfile.mkdtemp(prefix="fw-mem-"))
     work.mkdir(parents=True, exist_ok=True)

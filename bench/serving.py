@@ -251,7 +251,7 @@ def continuous_vs_static(model_dir: Path, bootstrap: str, tmp: Path, n_req: int,
     lengths = [rng.randint(4, max_tokens) for _ in range(n_req)] if mixed else max_tokens
     suffix = "_mixed_lengths" if mixed else ""
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from tests.servers import ServerThread
     from serving.slots import CheckpointStore
 
     pods, srvs = {}, {}
@@ -337,7 +337,7 @@ def vllm_vs_vllm_server(model_dir: Path, vpy: Path, tmp: Path, n_req: int, max_t
     Flywheel's serving path, not Kafka's)."""
     import os
 
-    from serving.server import free_port
+    from schemas.settings import free_port
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo), FLYWHEEL_HOME=str(tmp / "fw-home"), FLYWHEEL_USER_SALT="x")
@@ -405,7 +405,7 @@ def logging_overhead(model_dir: Path, bootstrap: str, tmp: Path, n_req: int, max
 
     from serving.app import create_app
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from tests.servers import ServerThread
     from serving.slots import CheckpointStore
 
     res: dict[str, float] = {}
@@ -438,7 +438,7 @@ def swap_under_load(model_dir: Path, bootstrap: str, tmp: Path) -> dict[str, flo
     import httpx
 
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from tests.servers import ServerThread
     from serving.slots import CheckpointStore
 
     pod = build_pod(CheckpointStore(model_dir), pod="bench-swap", bootstrap=bootstrap, journal=tmp / "js")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flywheel import supervise
 from schemas import settings
+from schemas.settings import free_port  # re-exported: tests and scripts take it from here too
 from schemas.topics import DEFAULT_PARTITIONS, ensure_topics
 
 
@@ -63,12 +64,6 @@ def validate(port: int | None, partitions: int) -> None:
     if not (isinstance(partitions, int) and partitions >= 1):
         raise ValueError(f"partitions: must be an integer >= 1 (every Flywheel topic gets this many), "
                          f"got {partitions!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_listening(port: int, timeout_s: float = 10.0) -> None:

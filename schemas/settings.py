@@ -27,6 +27,16 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` now (the kernel's choice; another process may
+    take it before the caller binds it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def home() -> Path:
     """Root of Flywheel's local state; created on first use."""
     p = Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).absolute()

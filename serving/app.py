@@ -84,7 +84,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
                api_keys: set[str] | None = None, admin_token: str | None = None,
                feedback_keys: set[str] | None = None, served_model_name: str | None = None,
                eval_share: float | None = None, cors_origins: list[str] | None = None,
-               max_prompt_tokens: int | None = None, default_max_tokens: int | None = None,
+               max_prompt_tokens: int = 8192, default_max_tokens: int = 256,
                max_body_bytes: int | None = None, admin_port: int | None = None) -> FastAPI:
     """The FastAPI app of one serving pod.
 
@@ -102,10 +102,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
             default :class:`serving.config.ServeConfig`'s).
         cors_origins: browser origins allowed to call the API (CORS; ``["*"]`` for any), so a web
             page can post feedback with a feedback-only key; None = no CORS headers.
-        max_prompt_tokens: longer prompts get HTTP 413 (tokens; default
-            :class:`serving.http.prompts.PromptBuilder`'s).
-        default_max_tokens: chat ``max_tokens`` when the request sets none (tokens; default
-            :class:`serving.http.serving_openai.OpenAIServing`'s).
+        max_prompt_tokens: longer prompts get HTTP 413 (tokens).
+        default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
         max_body_bytes: larger request bodies get HTTP 413 (bytes; default
             ``serving.http.limits.DEFAULT_MAX_BODY_BYTES``); on the inference paths
             the bound is at most :func:`serving.http.limits.prompt_body_bytes` of ``max_prompt_tokens``.
@@ -128,11 +126,9 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
         running=lambda: openai_box[0].running() if openai_box else 0.0,
         swap_pause_s=lambda: None if slots.last_swap_pause_ms is None else slots.last_swap_pause_ms / 1000)
     completions_log = CompletionLogger(event_log, pod, on_emit=lambda kind: metrics.events_accepted.labels(kind).inc())
-    prompts = PromptBuilder(engine.tokenizer, engine.max_positions,
-                            **({} if max_prompt_tokens is None else {"max_prompt_tokens": max_prompt_tokens}))
+    prompts = PromptBuilder(engine.tokenizer, engine.max_positions, max_prompt_tokens)
     openai = OpenAIServing(slots, prompts, completions_log, metrics, salt=salt, served_model_name=served_model_name,
-                           eval_share=eval_share,
-                           **({} if default_max_tokens is None else {"default_max_tokens": default_max_tokens}))
+                           eval_share=eval_share, default_max_tokens=default_max_tokens)
     openai_box.append(openai)
     feedback = FeedbackServing(event_log, completions_log, metrics, salt)
 

@@ -35,7 +35,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def test_bf16_base_cycle_delta_and_serve(bf16_dir, tmp_path, fw_home):
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from servers import ServerThread
 
     from transformers import AutoModelForCausalLM
 

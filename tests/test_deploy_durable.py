@@ -31,7 +31,7 @@ from deploy.serving_client import ServingAdmin
 from deploy.store import ModelStore
 from flywheel.broker import free_port
 from serving.commands import build_pod, default_version
-from serving.server import ServerThread
+from servers import ServerThread
 from tests.test_deploy_controller import publish_v
 
 TOKEN = "durable-admin"

@@ -22,7 +22,7 @@ from deploy.serving_client import ServingAdmin
 from deploy.store import CorruptVersionError, ModelStore
 from schemas.manifest import digest_of_hashes, state_sha256
 from serving.commands import build_pod
-from serving.server import ServerThread
+from servers import ServerThread
 from tests.test_deploy_controller import publish_v
 from tests.test_deploy_durable import desire_candidate
 

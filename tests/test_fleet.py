@@ -29,7 +29,7 @@ from deploy.desired import DesiredState, FleetRecord
 from deploy.serving_client import ServingAdmin
 from deploy.store import CorruptVersionError, ModelStore
 from serving.commands import build_pod
-from serving.server import ServerThread
+from servers import ServerThread
 from tests.test_deploy_controller import publish_v
 
 TOKEN = "fleet-admin"

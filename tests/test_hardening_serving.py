@@ -27,7 +27,7 @@ HEALTHZ_BOUND_S = 0.5
 def pod(tiny_moe_dir, tmp_path_factory):
     from flywheel.broker import spawn
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from servers import ServerThread
     from serving.slots import CheckpointStore
 
     b = spawn(partitions=2)

@@ -415,7 +415,7 @@ def test_against_the_real_serving_pod(tiny_moe_dir, broker, tmp_path):
     from serving.app import create_app
     from serving.engine import TorchEngine
     from serving.eventlog import EventLog
-    from serving.server import ServerThread
+    from servers import ServerThread
     from serving.slots import CheckpointStore, Slots
 
     eng = TorchEngine(tiny_moe_dir, max_batch=2, threads=1)

@@ -112,7 +112,7 @@ def test_init_from_dense_fp32_without_pad_token_then_serve(chat_tok, tmp_path, f
     from deploy.store import ModelStore
     from flywheel.modelinit import import_checkpoint
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from servers import ServerThread
 
     tok = copy.deepcopy(chat_tok)
     tok.pad_token = None

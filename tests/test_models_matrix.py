@@ -188,7 +188,7 @@ def _sample(ev: CompletionEvent, label: bool) -> RewardedSample:
 def test_serve_route_learn_delta_swap(zoo, arch, broker_mod, tmp_path, monkeypatch):  # noqa: F811
     from deploy.store import ModelStore, decode_state, encode_state
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from servers import ServerThread
 
     monkeypatch.setenv("FLYWHEEL_USER_SALT", SALT)
     store = ModelStore(tmp_path / "store")

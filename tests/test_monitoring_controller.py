@@ -11,7 +11,7 @@ from deploy.analysis import AnalysisConfig, ArmStats, analyze
 from deploy.controller import ControllerConfig, RolloutPhase, RolloutStatus
 from deploy.metrics import (ControllerMetrics, PrometheusMetricsSource, PrometheusQueryError,
                             ServingMetricsSource, metric_provider)
-from serving.server import free_port
+from schemas.settings import free_port
 
 
 def scrape(url: str) -> dict:

@@ -28,7 +28,7 @@ from deploy.controller import ControllerConfig, RolloutController, RolloutPhase,
 from deploy.metrics import PrometheusMetricsSource, PrometheusQueryError, ServingMetricsSource
 from deploy.serving_client import ServingAdmin
 from deploy.store import ModelStore
-from serving.server import free_port
+from schemas.settings import free_port
 from tests.test_deploy_controller import publish_v
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ingest.metrics import DEADLETTER_REASONS, IngestMetrics, reason_class
 from schemas import topics
 from schemas.events import FeedbackEvent, now_ms
-from serving.server import free_port
+from schemas.settings import free_port
 from tests.test_ingest_e2e import ROOT, _completion, produce, stop, wait_for
 
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from learner.metrics import LearnerMetrics, cycle_outcome
 from schemas.modelspec import load_model
-from serving.server import free_port
+from schemas.settings import free_port
 from tests.test_learner_cycle import write_shard
 from tests.test_learner_replay import make_samples
 

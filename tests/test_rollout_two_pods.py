@@ -18,7 +18,7 @@ from deploy.ledger import decisions
 from deploy.serving_client import ServingAdmin
 from deploy.store import ModelStore
 from serving.commands import build_pod
-from serving.server import ServerThread
+from servers import ServerThread
 from tests.test_deploy_controller import Clock, publish_v, write_votes
 
 TOKEN = "admin-secret"

@@ -62,7 +62,7 @@ def real_events(tiny_moe_dir, tmp_path_factory):
     """A completion and a feedback from a real pod, read back from Kafka as raw bytes."""
     from flywheel.broker import spawn
     from serving.commands import build_pod
-    from serving.server import ServerThread
+    from servers import ServerThread
     from serving.slots import CheckpointStore
 
     b = spawn(partitions=2)

@@ -17,7 +17,7 @@ from schemas import topics
 from schemas.events import CompletionEvent, FeedbackEvent, hash_user
 from schemas.modelspec import load_tokenizer
 from serving.pod import build_pod
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore
 
 SALT = "test-salt-123"

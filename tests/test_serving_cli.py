@@ -16,7 +16,7 @@ import openai
 
 from schemas import topics
 from schemas.events import CompletionEvent
-from serving.server import free_port
+from schemas.settings import free_port
 from tests.test_serving_app import consume
 
 

@@ -75,7 +75,7 @@ def test_a_setting_of_the_other_engine_is_named():
 
 
 def test_check_serve_is_callable_without_the_command_line(monkeypatch):
-    from serving.server import free_port
+    from schemas.settings import free_port
 
     port = free_port()
     with pytest.raises(SettingError) as exc:

@@ -19,7 +19,7 @@ from serving.app import create_app
 from serving.engine import TorchEngine
 from serving.engine_base import Engine, LoopInbox
 from serving.params import GenRequest
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore, Slots
 
 

@@ -20,7 +20,7 @@ from schemas import topics
 from serving.app import create_app
 from serving.engine import TorchEngine
 from serving.eventlog import EventLog
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore, Slots
 
 

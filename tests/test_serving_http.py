@@ -25,7 +25,7 @@ from schemas.events import CompletionEvent, FeedbackEvent
 from serving.app import create_app
 from serving.engine import TorchEngine
 from serving.eventlog import EventLog
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore, Slots
 from tests.test_serving_app import consume
 

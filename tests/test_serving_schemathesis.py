@@ -16,7 +16,7 @@ import pytest
 from serving.app import create_app
 from serving.engine import TorchEngine
 from serving.eventlog import EventLog
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore, Slots
 
 pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")

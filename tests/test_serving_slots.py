@@ -12,7 +12,7 @@ import torch
 
 from schemas.modelspec import load_model
 from serving.pod import build_pod, default_version
-from serving.server import ServerThread
+from servers import ServerThread
 
 ModelStore = pytest.importorskip("deploy.store").ModelStore
 TOKEN = "admin-secret"

@@ -13,7 +13,7 @@ import pytest
 from schemas.manifest import BASE_VERSION
 from serving.app import create_app
 from serving.engine import TorchEngine
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore, Slots
 
 

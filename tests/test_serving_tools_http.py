@@ -23,7 +23,7 @@ import pytest
 
 from serving.app import create_app
 from serving.engine import TorchEngine
-from serving.server import ServerThread
+from servers import ServerThread
 from serving.slots import CheckpointStore, Slots
 
 # a chat template that renders tools, an assistant's tool calls and tool results (Hermes-like)
@@ -154,7 +154,7 @@ def test_tool_call_parser_is_a_vllm_engine_option(tmp_path):
     from typer.testing import CliRunner
 
     from flywheel.cli import app
-    from serving.server import free_port
+    from schemas.settings import free_port
 
     r = CliRunner().invoke(app, ["serve", "--tool-call-parser", "pythonic", "--model-dir", str(tmp_path),
                                  "--port", str(free_port())])
@@ -191,7 +191,7 @@ def test_tool_call_parser_reaches_the_vllm_engine_and_an_unknown_one_is_refused(
     import subprocess
     from pathlib import Path
 
-    from serving.server import free_port
+    from schemas.settings import free_port
 
     root = Path(__file__).resolve().parents[1]
     vpy = root / ".venv-vllm" / "bin" / "python"

@@ -1,16 +1,12 @@
-"""Run an app under a real uvicorn server on a port, in a background thread (tests, bench)."""
+"""Test and bench helper: run an app under a real uvicorn server on a port, in a background
+thread (``from servers import ServerThread`` in tests, ``from tests.servers import ...`` in bench)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from schemas.settings import free_port
 
 
 class ServerThread:
