@@ -137,7 +137,7 @@ class AbsStats:
     exact; p99 is exact up to :data:`RESERVOIR` values, then over a uniform reservoir sample
     of that size (Vitter's algorithm R, seeded)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int):
         self.n, self.sum, self.max = 0, 0.0, 0.0
         self._res: list[torch.Tensor] = []
         self._kept = 0
@@ -369,7 +369,7 @@ def step_loss(model, b: LearnerBatch, cfg: LearnerConfig, z0: torch.Tensor | Non
     else:
         base = b.baselines if b.baselines is not None else loo_baseline(b.rewards)
         loss, met = reinforce_loss(tok, b.behavior_logprobs, b.ref_logprobs, m, b.rewards,
-                                   base, cfg.is_cap, cfg.is_level, cfg.kl_coef)
+                                   base, cfg.is_cap, cfg.is_level, kl_coef=cfg.kl_coef)
         met["pg/loss"] = float(loss.detach())
     kl = kl_to_reference(tok, b.ref_logprobs, m)
     met["kl/k1"], met["kl/k3"] = kl["k1"], kl["k3"]

@@ -413,4 +413,4 @@ def test_generation_gate_scores_held_out_prompts_like_a_user(tiny_moe_dir, tmp_p
     assert last["rejected"].startswith("eval score")
     assert last["eval"]["candidate"]["score"] < last["eval"]["parent"]["score"]
     with pytest.raises(ValueError, match="prompts"):
-        generation_evaluator([], lambda i, c: True, eos)
+        generation_evaluator([], lambda i, c: True, eos, max_tokens=4, samples_per_prompt=1, seed=0)
