@@ -36,7 +36,7 @@ def _root_command() -> click.Command:
 
 
 def _walk(cmd: click.Command, path: str = ""):
-    if isinstance(cmd, click.Group):
+    if hasattr(cmd, "commands"):  # a group (typer vendors click: no isinstance(click.Group))
         for name, sub in cmd.commands.items():
             yield from _walk(sub, f"{path} {name}".strip())
     else:
@@ -53,7 +53,7 @@ def test_generated_options_carry_their_models_defaults():
     generated = 0
     for path, cmd in _walk(root):
         for model in _configs_of(cmd).values():
-            opts = {p.name: p for p in cmd.params if isinstance(p, click.Option)}
+            opts = {p.name: p for p in cmd.params if p.param_type_name == "option"}
             for name, info in cli_fields(model).items():
                 assert name in opts, f"flywheel {path}: {model.__name__}.{name} has no option"
                 assert opts[name].default == field_default(info), \
@@ -141,7 +141,7 @@ def test_k8s_example_sets_only_what_it_changes():
             if sub not in cmds:
                 visit(value, sub)
                 continue
-            opts = {p.name: p for p in cmds[sub].params if isinstance(p, click.Option)}
+            opts = {p.name: p for p in cmds[sub].params if p.param_type_name == "option"}
             for k, v in value.items():
                 opt = opts.get(k.replace("-", "_"))
                 if opt is None:
