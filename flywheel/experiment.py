@@ -31,9 +31,9 @@ import random
 import subprocess
 import sys
 import time
+import typing
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-import typing
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -81,8 +81,7 @@ class ExperimentConfig:
                                                                "`problems`.", json_schema_extra=_PROGRAM)
     samples_per_problem: int = Field(4, ge=1, description="Completions per problem per round.")
     max_tokens: int = Field(HUMANEVAL_MAX_TOKENS, ge=1, description="New tokens per completion.")
-    temperature: float = Field(TEMPERATURE, description="Sampling temperature, in (0, 2] (sampling, "
-                                                                   "not greedy).")
+    temperature: float = Field(TEMPERATURE, description="Sampling temperature, in (0, 2] (sampling, not greedy).")
     top_p: float = Field(TOP_P, description="Nucleus sampling, in (0, 1].")
     seed: Optional[int] = Field(None, description="Sampling seeds; learner cycle r trains with seed + r (default: "
                                                   "the learner's seed, LearnerConfig.seed).")
