@@ -138,7 +138,7 @@ _FAMILIES_HELP = ("Task families asked, comma-separated (default {}): humaneval,
 def demo(ctx: typer.Context, cfg: DemoConfig, *,
          families: str | None = typer.Option(None, help=_FAMILIES_HELP),
          held_out: str | None = typer.Option(None, help="Families asked only in the eval split (never trained on; "
-                                                           "default gcd when asked).")):
+                                                        "default gcd when asked).")):
     """Run the whole loop on product traffic from simulated users and write a report.
 
     Example: flywheel demo --quick --out /tmp/demo
