@@ -1,13 +1,20 @@
-"""Top-level commands: ``broker``, ``model init``, ``demo``."""
+"""Top-level commands: ``broker``, ``model init``, ``demo``, ``experiment``.
+
+``demo`` and ``experiment`` take their options from ``flywheel.demo.DemoConfig`` and
+``flywheel.experiment.ExperimentConfig`` (``schemas.options.config_options``)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from flywheel.demo import DemoConfig
+from flywheel.experiment import ExperimentConfig, ExperimentLearnerOptions
+from schemas.options import cli_fields, config_options
 from schemas.output import OUTPUT, Format, emit, resolve
 
 broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu).", no_args_is_help=True)
@@ -121,41 +128,47 @@ def require_demo_extra() -> None:
         raise typer.Exit(1)
 
 
-def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory."),
-         quick: bool = typer.Option(False, "--quick", help="Small run (about 4 min on 2 cores; one cycle)."),
-         cycles: Optional[int] = typer.Option(None, min=1, help="Learner cycles, each canaried (default 2; --quick 1)."),
-         prompts: Optional[int] = typer.Option(None, min=1, help="Requests per traffic phase."),
-         max_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per HumanEval completion."),
-         families: Optional[str] = typer.Option(
-             None, help="Task families asked, comma-separated (default basic_arithmetic,chain_sum,humaneval,"
-                        "chain_sum_3terms,gcd): humaneval, reasoning-gym's basic_arithmetic, chain_sum, gcd, "
-                        "letter_counting, and the harder variants chain_sum_3terms, basic_arithmetic_3terms."),
-         held_out: Optional[str] = typer.Option(None, help="Families asked only in the eval split (never trained on; "
-                                                           "default gcd when asked)."),
-         eval_share: Optional[float] = typer.Option(None, min=0.0, max=1.0,
-                                                    help="Share of the other prompts in the eval split."),
-         bad_candidate: bool = typer.Option(False, "--bad-candidate",
-                                            help="End with a deliberately degraded candidate; its canary must "
-                                                 "roll it back on evidence."),
-         seed: int = typer.Option(0)):
+_FAMILIES_HELP = ("Task families asked, comma-separated (default {}): humaneval, reasoning-gym's basic_arithmetic, "
+                  "chain_sum, gcd, letter_counting, and the harder variants chain_sum_3terms, "
+                  "basic_arithmetic_3terms.").format(",".join(DemoConfig.families))
+
+
+# config_options resolves the other parameters' annotations in schemas.options: builtins and typer only
+@config_options(cfg=DemoConfig)
+def demo(ctx: typer.Context, cfg: DemoConfig, *,
+         families: str | None = typer.Option(None, help=_FAMILIES_HELP),
+         held_out: str | None = typer.Option(None, help="Families asked only in the eval split (never trained on; "
+                                                        "default gcd when asked).")):
     """Run the whole loop on product traffic from simulated users and write a report.
 
     Example: flywheel demo --quick --out /tmp/demo
     """
     require_demo_extra()
-    from flywheel.demo import Demo, DemoConfig
+    from flywheel.workload import Workload
 
-    split = (lambda x: tuple(f.strip() for f in x.split(",") if f.strip()) if x is not None else None)
+    split = (lambda x: tuple(f.strip() for f in x.split(",") if f.strip()))
+    lists = {k: split(v) for k, v in (("families", families), ("held_out", held_out)) if v is not None}
     try:
-        cfg = DemoConfig.for_mode(out, quick, cycles=cycles, prompts_per_phase=prompts, max_tokens=max_tokens,
-                                  seed=seed, families=split(families), held_out=split(held_out),
-                                  eval_share=eval_share, bad_candidate=bad_candidate or None)
-        from flywheel.workload import Workload
-
+        cfg = replace(cfg, **lists) if lists else cfg
+        if cfg.quick:  # the small sizing, except what the user chose (a flag, the config file)
+            cfg = cfg.sized({n for n in cli_fields(DemoConfig) if _given(ctx, n)} | set(lists))
         Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share, weights=cfg.weights())
     except ValueError as exc:
-        name = str(exc).split(":", 1)[0].replace("_", "-")
-        raise typer.BadParameter(str(exc), param_hint=f"--{name}") from exc
+        msg = exc.errors()[0]["msg"].removeprefix("Value error, ") if hasattr(exc, "errors") else str(exc)
+        raise typer.BadParameter(msg, param_hint="--" + msg.split(":", 1)[0].replace("_", "-")) from exc
+    _run_demo(cfg)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was set (command line, environment, config file), not defaulted."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _run_demo(cfg) -> None:
+    """Run the demo; a runtime failure exits 1, lost events too."""
+    from flywheel.demo import Demo
+
     try:
         report = Demo(cfg).run()
     except ValueError as exc:
@@ -167,44 +180,35 @@ def demo(out: Path = typer.Option(Path("flywheel-demo"), help="Report directory.
         raise typer.Exit(1)
 
 
-def experiment(out: Path = typer.Option(Path("flywheel-experiment"), help="Output directory."),
-               rounds: int = typer.Option(2, help="Learner cycles (versions evaluated = rounds + 1)."),
-               problems: int = typer.Option(40, help="The first N HumanEval problems."),
-               problem_ids: Optional[str] = typer.Option(None, help="HumanEval indices, e.g. '0,5,20-39' "
+@config_options(cfg=ExperimentConfig, learner=ExperimentLearnerOptions)
+def experiment(cfg: ExperimentConfig, learner, *,
+               problem_ids: str | None = typer.Option(None, help="HumanEval indices, e.g. '0,5,20-39' "
                                                                     "(overrides --problems)."),
-               samples_per_problem: int = typer.Option(4, help="Completions per problem per round."),
-               max_tokens: int = typer.Option(160), temperature: float = typer.Option(0.8),
-               top_p: float = typer.Option(0.95), steps: int = typer.Option(8, help="Learner steps per cycle."),
-               batch_size: int = typer.Option(16), lr: float = typer.Option(2e-5),
-               train_layers: int = typer.Option(4, help="Train the last N decoder layers (0 = all)."),
-               beta: float = typer.Option(0.1, help="KTO beta."),
-               balance_classes: bool = typer.Option(True, help="KTO lambda_D*n_D = lambda_U*n_U per cycle."),
-               objective: str = typer.Option("kto", help="kto | reinforce."),
-               baseline: str = typer.Option("batch", help="REINFORCE baseline: batch | prompt (per-prompt LOO)."),
-               seed: int = typer.Option(0), max_batch: int = typer.Option(16, help="Engine batch size."),
-               eval_only: Optional[str] = typer.Option(
+               eval_only: str | None = typer.Option(
                    None, help="No training: serve these comma-separated versions of OUT's store again "
                               "(use a new --seed) and pool the votes with experiment.json.")):
     """Does the loop improve the model? Serve -> users vote (sandboxed tests) -> learn, for N
     rounds; thumbs-up rate per version with 95 % intervals, plot and experiment.json."""
-    from flywheel.experiment import ExperimentConfig, run
+    from flywheel.experiment import learner_changes
+    from flywheel.users import parse_problem_ids
 
     try:
-        from flywheel.users import parse_problem_ids
-
         ids = parse_problem_ids(problem_ids) if problem_ids else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--problem-ids") from exc
     try:
-        cfg = ExperimentConfig(out=out, rounds=rounds, problems=problems, problem_ids=ids,
-                               samples_per_problem=samples_per_problem, max_tokens=max_tokens,
-                               temperature=temperature, top_p=top_p, steps=steps, batch_size=batch_size, lr=lr,
-                               train_layers=train_layers, beta=beta, balance_classes=balance_classes,
-                               objective=objective, baseline=baseline, seed=seed, max_batch=max_batch)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    from flywheel.experiment import evaluate
+        cfg = replace(cfg, problem_ids=ids, learner=learner_changes(learner))
+    except ValueError as exc:  # LearnerConfig refuses a combination: "learner: <field>: <why>"
+        msg = (exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc)).removeprefix("learner: ")
+        raise typer.BadParameter(msg, param_hint="--" + msg.split(":", 1)[0].replace("_", "-")) from exc
+    _run_experiment(cfg, eval_only)
 
+
+def _run_experiment(cfg, eval_only: str | None) -> None:
+    """Run the experiment (or with ``eval_only`` its evaluation) and print the comparison."""
+    from flywheel.experiment import evaluate, run
+
+    out, seed = cfg.out, cfg.seed
     try:
         if eval_only:
             rep = evaluate(cfg, [v.strip() for v in eval_only.split(",") if v.strip()])

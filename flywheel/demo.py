@@ -21,76 +21,133 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, Optional
 
 import httpx
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 from rich.console import Console
 
 from flywheel import report as rep
 from flywheel.supervise import StopSignals, die_with_parent
 from flywheel.users import UserBehaviour
 from flywheel.workload import Task, Workload
+from learner.config import LearnerConfig, check_learner, learn_flags
 
 
 DEFAULT_HELD_OUT = ("gcd",)  # the unseen kind: a family no version trains on
+_PROGRAM = {"cli": False}  # a setting programs change (DemoConfig(...), for_mode); not a flag of `flywheel demo`
+
+# How the simulated users ask, in the demo and in the experiment (flywheel.experiment), which
+# serves the same users: declared here once, the default of both configs' fields.
+HUMANEVAL_PROBLEMS = 40  # the first N HumanEval problems are asked
+HUMANEVAL_MAX_TOKENS = 160  # new tokens per HumanEval reply
+TEMPERATURE = 0.8
+TOP_P = 0.95
+
+# The learner's settings the demo changes, by LearnerConfig field name (`flywheel learn` flags of
+# the same names); every other learner setting is LearnerConfig's default. REINFORCE with a
+# leave-one-out batch baseline: the pilot's settings (docs/experiments.md, experiment 3); the
+# last 8 decoder layers train (docs/decisions.md D6); the reference pass takes 8 samples per
+# forward (57-89 s per cycle one at a time); 2 samples get a replay-off forward (route flips).
+DEMO_LEARNER = {"objective": "reinforce", "steps": 8, "batch_size": 12, "train_layers": 8, "lr": 3e-5,
+                "measure_free_max": 2, "measure_chunk": 8}
+# --quick: one short cycle of KTO (the learner's default objective); few thumbs-up among many
+# downs, so KTO lambda_D*n_D = lambda_U*n_U
+QUICK_LEARNER = {"balance_classes": True, "steps": 2, "batch_size": 4, "train_layers": 2,
+                 "lr": 2e-5, "measure_free_max": 2, "measure_chunk": 8}
+# --quick sizes the run down (about 4 min, one cycle, too few votes for the canary to decide);
+# a setting given on the command line or to for_mode wins
+QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1, canary_min_votes=2, canary_max_wait_s=45.0,
+             concurrency=8, final_prompts=0, between_prompts=0, eval_share=0.25, learner=QUICK_LEARNER,
+             # a few harder and unseen prompts; the one short cycle keeps its train samples
+             family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
 
 
 @dataclass
 class DemoConfig:
     """Knobs of one demo run. The defaults are the full run (experiment 3 in
-    docs/experiments.md: 25-28 min on 2 cores); ``quick`` is the small sizing (about 4 min,
-    one cycle, too few votes for the canary to decide)."""
+    docs/experiments.md: 25-28 min on 2 cores); ``quick`` is the small sizing (:data:`QUICK`).
+    Fields whose ``json_schema_extra`` says ``cli: False`` are set by programs, not by flags.
 
-    out: Path
-    quick: bool = False
-    cycles: int = 2
-    prompts_per_phase: int = 240  # the first version's traffic, before the first learner cycle
-    between_prompts: int = 128  # the stable version's traffic before each later cycle
-    problems: int = 40
+    Raises:
+        pydantic.ValidationError: (a ``ValueError``) a value out of bounds, or ``learner``
+            names no ``LearnerConfig`` field, restates its default or is refused by it; the
+            message starts with the field's name.
+    """
+
+    out: Path = Field(Path("flywheel-demo"), description="Report directory.")
+    quick: bool = Field(False, description="Small run (about 4 min on 2 cores; one cycle).",
+                        json_schema_extra={"flags": "--quick"})
+    cycles: int = Field(2, ge=1, description="Learner cycles, each canaried (--quick: 1).")
+    prompts_per_phase: int = Field(240, ge=1, description="Requests per traffic phase (the first version's "
+                                                          "traffic, before the first learner cycle; --quick: 8).",
+                                   json_schema_extra={"flags": "--prompts"})
+    between_prompts: int = Field(128, description="The stable version's traffic before each later cycle.",
+                                 json_schema_extra=_PROGRAM)
+    problems: int = Field(HUMANEVAL_PROBLEMS, description="HumanEval problems asked (the first N).",
+                          json_schema_extra=_PROGRAM)
     # the families where v000000 is right 10-60 % of the time (docs/demo.md, measured), plus
     # two kinds of prompt no version trains on besides the eval split's fresh instances
     # (flywheel.workload.KINDS): a harder variant (chain_sum with three terms) and an unseen
     # family (gcd, held out)
-    families: tuple[str, ...] = ("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd")
+    families: tuple[str, ...] = Field(("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd"),
+                                      description="Task families asked.", json_schema_extra=_PROGRAM)
     # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 25;
     # the harder and unseen kinds are asked half as often as a trained family
-    family_weights: dict[str, float] | None = field(
-        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5})
-    held_out: tuple[str, ...] = DEFAULT_HELD_OUT
-    eval_share: float = 0.5  # half the prompts are never trained on: the eval figures need the votes
-    max_tokens: int = 160  # HumanEval replies
-    max_tokens_short: int = 48  # reasoning-gym replies (a number, perhaps with a sentence)
-    bad_candidate: bool = False  # end with a deliberately degraded candidate (the canary must roll it back)
-    final_prompts: int = 224  # requests served after the last canary: the last stable's eval figures
-    temperature: float = 0.8
-    top_p: float = 0.95
+    family_weights: Optional[dict[str, float]] = Field(
+        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5},
+        description="Relative weight of a family (1 when absent; None: uniform).", json_schema_extra=_PROGRAM)
+    held_out: tuple[str, ...] = Field(DEFAULT_HELD_OUT, description="Families asked only in the eval split (the "
+                                                                    "default: gcd when asked).",
+                                      json_schema_extra=_PROGRAM)
+    # half the prompts are never trained on: the eval figures need the votes
+    eval_share: float = Field(0.5, ge=0, le=1, description="Share of the other prompts in the eval split.")
+    max_tokens: int = Field(HUMANEVAL_MAX_TOKENS, ge=1, description="New tokens per HumanEval completion.")
+    max_tokens_short: int = Field(48, description="New tokens per reasoning-gym reply (a number, perhaps with a "
+                                                  "sentence).", json_schema_extra=_PROGRAM)
+    bad_candidate: bool = Field(False, description="End with a deliberately degraded candidate; its canary must "
+                                                   "roll it back on evidence.",
+                                json_schema_extra={"flags": "--bad-candidate"})
+    final_prompts: int = Field(224, description="Requests served after the last canary: the last stable's eval "
+                                                "figures.", json_schema_extra=_PROGRAM)
+    temperature: float = Field(TEMPERATURE, description="Sampling temperature of the users' requests.",
+                               json_schema_extra=_PROGRAM)
+    top_p: float = Field(TOP_P, description="Nucleus sampling of the users' requests.", json_schema_extra=_PROGRAM)
     # requests in flight, and the pod's --max-batch: a CPU decode step reads every expert's
     # weights whatever the batch, so 32 rows cost 11.3 ms per token against 15.9 ms at 16
-    concurrency: int = 32
+    concurrency: int = Field(32, description="Requests in flight, and the pod's --max-batch.",
+                             json_schema_extra=_PROGRAM)
     # joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default):
     # runs F and G of experiment 3 used it; bench/joins.py measured no throughput gain on CPU (D28)
-    waiting_served_ratio: float = 0.3
-    users: int = 32
-    # REINFORCE with a leave-one-out batch baseline: the pilot's settings (docs/experiments.md, experiment 3)
-    learner_objective: str = "reinforce"
-    learner_baseline: str = "batch"
-    learner_steps: int = 8
-    learner_batch: int = 12
-    learner_train_layers: int = 8  # last N decoder layers train; see docs/decisions.md D6
-    learner_lr: float = 3e-5
-    seal_after_s: float = 3.0
-    canary_steps: str = "0.5,1.0"
-    canary_min_votes: int = 20  # burn-in: votes per arm before the sequential test may decide
+    waiting_served_ratio: float = Field(0.3, description="The pod's --waiting-served-ratio.",
+                                        json_schema_extra=_PROGRAM)
+    users: int = Field(32, description="Simulated users.", json_schema_extra=_PROGRAM)
+    learner: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_LEARNER),
+                                    description="LearnerConfig fields the demo changes, by name (DEMO_LEARNER).",
+                                    json_schema_extra=_PROGRAM)
+    seal_after_s: float = Field(3.0, description="The ingest worker's --seal-after-s.",
+                                json_schema_extra={"cli": False, "unit": "s"})
+    canary_steps: str = Field("0.5,1.0", description="The controller's --steps.", json_schema_extra=_PROGRAM)
+    canary_min_votes: int = Field(20, description="Burn-in: votes per arm before the sequential test may decide.",
+                                  json_schema_extra=_PROGRAM)
     # relative non-inferiority margin: the candidate must keep more than half the stable's
     # thumbs-up rate. ~360 votes per canary cannot show more (bench/canary.py, demo settings:
     # a half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes)
-    canary_delta: float = 0.5
-    canary_max_wait_s: float = 480.0  # the step deadline (s); an undecided step is rolled back
-    seed: int = 0
-    behaviour: UserBehaviour = field(default_factory=UserBehaviour)
+    canary_delta: float = Field(0.5, description="The controller's --delta.", json_schema_extra=_PROGRAM)
+    canary_max_wait_s: float = Field(480.0, description="The step deadline; an undecided step is rolled back.",
+                                     json_schema_extra={"cli": False, "unit": "s"})
+    seed: Optional[int] = Field(None, description="RNG seed of the workload and the users; learner cycle c trains "
+                                                  "with seed + c (default: the learner's seed, LearnerConfig.seed).")
+    behaviour: UserBehaviour = Field(default_factory=UserBehaviour, description="How the users vote.",
+                                     json_schema_extra=_PROGRAM)
 
     def __post_init__(self):
+        if self.seed is None:  # the run's seed starts where the learner's does
+            self.seed = LearnerConfig.seed
+        check_learner(self.learner)
         # the default held-out family applies when it is asked (--families may leave it out)
         if self.held_out == DEFAULT_HELD_OUT:
             self.held_out = tuple(f for f in self.held_out if f in self.families)
@@ -100,18 +157,25 @@ class DemoConfig:
         w = {f: x for f, x in (self.family_weights or {}).items() if f in self.families}
         return w or None
 
+    def learner_setting(self, name: str):
+        """The learner's value of LearnerConfig field ``name`` in this run (override or default)."""
+        return self.learner.get(name, getattr(LearnerConfig, name))
+
+    def sized(self, keep: set[str] = frozenset()) -> "DemoConfig":
+        """This config with ``quick`` set and :data:`QUICK`'s sizing, except the fields in ``keep``
+        (the ones a user chose).
+
+        Raises:
+            pydantic.ValidationError: the result is refused (see the class).
+        """
+        return replace(self, quick=True, **{k: v for k, v in QUICK.items() if k not in keep})
+
     @classmethod
     def for_mode(cls, out: Path, quick: bool, **kw) -> "DemoConfig":
-        if quick:
-            base = dict(prompts_per_phase=8, problems=8, max_tokens=64, learner_steps=2, cycles=1,
-                        learner_batch=4, learner_train_layers=2, canary_min_votes=2,
-                        canary_max_wait_s=45.0, concurrency=8, final_prompts=0, between_prompts=0,
-                        learner_objective="kto", learner_lr=2e-5, eval_share=0.25,
-                        # a few harder and unseen prompts; the one short cycle keeps its train samples
-                        family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
-            base.update({k: v for k, v in kw.items() if v is not None})
-            return cls(out=out, quick=True, **base)
-        return cls(out=out, **{k: v for k, v in kw.items() if v is not None})
+        """The full run, or with ``quick`` :data:`QUICK`'s; ``kw`` (None values ignored) wins."""
+        kw = {k: v for k, v in kw.items() if v is not None}
+        cfg = cls(out=out, **kw)
+        return cfg.sized(set(kw)) if quick else cfg
 
 
 def _canary_interval(decision: dict | None) -> dict | None:
@@ -449,16 +513,9 @@ class Demo:
     # ---------------------------------------------------------------- cycles
     def learn(self, cycle: int) -> str | None:
         before = set(self.store.versions())
-        self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, {self.cfg.learner_objective}, router replay) ...")
-        args = _cli("learn", "--once", "--steps", str(self.cfg.learner_steps), "--lr", str(self.cfg.learner_lr),
-                    "--batch-size", str(self.cfg.learner_batch),
-                    "--train-layers", str(self.cfg.learner_train_layers), "--measure-free-max", "2",
-                    # the reference pass 8 samples per forward: 57-89 s per cycle one at a time
-                    "--measure-chunk", "8",
-                    "--seed", str(self.cfg.seed + cycle), "--min-samples", "1",
-                    "--objective", self.cfg.learner_objective, "--baseline", self.cfg.learner_baseline)
-        if self.cfg.learner_objective == "kto":
-            args.append("--balance-classes")  # few thumbs-up among many downs: KTO λ_D·n_D = λ_U·n_U
+        objective = self.cfg.learner_setting("objective")
+        self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, {objective}, router replay) ...")
+        args = _cli("learn", "--once", *learn_flags(self.cfg.learner), "--seed", str(self.cfg.seed + cycle))
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
             r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT,
                                preexec_fn=die_with_parent())

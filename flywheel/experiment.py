@@ -31,69 +31,118 @@ import random
 import subprocess
 import sys
 import time
+import typing
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import Field, create_model, model_validator
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
 
 from deploy.stats import newcombe_interval, two_proportion_z, wilson_interval
+from flywheel.demo import HUMANEVAL_MAX_TOKENS, HUMANEVAL_PROBLEMS, TEMPERATURE, TOP_P
+from learner.config import LearnerConfig, check_learner, learn_flags, readable_errors
+from schemas.options import model_fields
+
+
+# The learner's settings the experiment changes, by LearnerConfig field name (`flywheel learn`
+# flags of the same names); every other learner setting is LearnerConfig's default.
+EXPERIMENT_LEARNER = {"steps": 8, "batch_size": 16, "lr": 2e-5, "train_layers": 4, "balance_classes": True,
+                      "measure_free_max": 2}
+# the learner settings `flywheel experiment` takes as flags (EXPERIMENT_LEARNER's values, or
+# LearnerConfig's, are their defaults)
+LEARNER_FLAGS = ("steps", "batch_size", "lr", "train_layers", "beta", "balance_classes", "objective", "baseline")
+_PROGRAM = {"cli": False}  # set by programs (ExperimentConfig(...)), not a flag of `flywheel experiment`
 
 
 @dataclass
 class ExperimentConfig:
-    """Knobs of one experiment; validated on construction (ValueError names the field).
+    """Knobs of one experiment; validated on construction.
 
-    Fields:
-        out: output directory (store, samples, logs, ``experiment.json``, the plot).
-        rounds: learner cycles; versions evaluated = rounds + 1 (>= 1).
-        problems: the first N HumanEval problems (1..164), or ``problem_ids``.
-        samples_per_problem: completions per problem per round (>= 1).
-        max_tokens, temperature, top_p: sampling, as the demo's users are served.
-        steps, batch_size, lr, train_layers, beta, balance_classes, objective, baseline: the learner
-            cycle (``flywheel learn`` flags of the same names).
-        seed: sampling seeds and learner seed.
-        max_batch: engine batch size (requests per batch).
+    Each field's ``description`` is its help (``flywheel experiment --help``). The sampling
+    (``max_tokens``, ``temperature``, ``top_p``) and ``problems`` default to the demo's
+    (``flywheel.demo``): the experiment serves the demo's users. ``learner`` holds the
+    ``LearnerConfig`` fields the experiment changes (:data:`EXPERIMENT_LEARNER`).
+
+    Raises:
+        pydantic.ValidationError: (a ``ValueError``) a value out of bounds, or ``learner``
+            names no ``LearnerConfig`` field, restates its default or is refused by it; the
+            message starts with the field's name.
     """
 
-    out: Path
-    rounds: int = 2
-    problems: int = 40
-    problem_ids: list[int] | None = None
-    samples_per_problem: int = 4
-    max_tokens: int = 160
-    temperature: float = 0.8
-    top_p: float = 0.95
-    steps: int = 8
-    batch_size: int = 16
-    lr: float = 2e-5
-    train_layers: int = 4
-    beta: float = 0.1
-    balance_classes: bool = True
-    objective: str = "kto"
-    baseline: str = "batch"
-    seed: int = 0
-    max_batch: int = 16
-    extra: dict = field(default_factory=dict)
+    out: Path = Field(Path("flywheel-experiment"), description="Output directory (store, samples, logs, "
+                                                               "experiment.json, the plot).")
+    rounds: int = Field(2, ge=1, description="Learner cycles (versions evaluated = rounds + 1).")
+    problems: int = Field(HUMANEVAL_PROBLEMS, ge=1, le=164, description="The first N HumanEval problems.")
+    problem_ids: Optional[list[int]] = Field(None, description="HumanEval indices (0..163), instead of the first "
+                                                               "`problems`.", json_schema_extra=_PROGRAM)
+    samples_per_problem: int = Field(4, ge=1, description="Completions per problem per round.")
+    max_tokens: int = Field(HUMANEVAL_MAX_TOKENS, ge=1, description="New tokens per completion.")
+    temperature: float = Field(TEMPERATURE, description="Sampling temperature, in (0, 2] (sampling, not greedy).")
+    top_p: float = Field(TOP_P, description="Nucleus sampling, in (0, 1].")
+    seed: Optional[int] = Field(None, description="Sampling seeds; learner cycle r trains with seed + r (default: "
+                                                  "the learner's seed, LearnerConfig.seed).")
+    max_batch: int = Field(16, ge=1, description="Engine batch size (requests per batch).")
+    learner: dict[str, Any] = Field(default_factory=lambda: dict(EXPERIMENT_LEARNER),
+                                    description="LearnerConfig fields the experiment changes, by name.",
+                                    json_schema_extra=_PROGRAM)
+    extra: dict = Field(default_factory=dict, description="Free-form notes kept with the config.",
+                        json_schema_extra=_PROGRAM)
+
+    _readable = model_validator(mode="wrap")(classmethod(readable_errors))
 
     def __post_init__(self):
         self.out = Path(self.out)
-        checks = [("rounds", self.rounds >= 1, "must be >= 1"),
-                  ("problems", 1 <= self.problems <= 164, "must be in 1..164"),
-                  ("samples_per_problem", self.samples_per_problem >= 1, "must be >= 1"),
-                  ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-                  ("temperature", 0 < self.temperature <= 2, "must be in (0, 2] (sampling, not greedy)"),
+        if self.seed is None:  # the experiment's seed starts where the learner's does
+            self.seed = LearnerConfig.seed
+        checks = [("temperature", 0 < self.temperature <= 2, "must be in (0, 2] (sampling, not greedy)"),
                   ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-                  ("max_batch", self.max_batch >= 1, "must be >= 1")]
+                  ("problem_ids", self.problem_ids is None or all(0 <= i < 164 for i in self.problem_ids),
+                   "each must be in 0..163")]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
-        from learner.trainer import LearnerConfig  # the learner's own rules for the learner's fields
+        check_learner(self.learner)
 
-        LearnerConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, beta=self.beta,
-                      train_layers=self.train_layers, balance_classes=self.balance_classes,
-                      objective=self.objective, baseline=self.baseline)
-        if self.problem_ids is not None and not all(0 <= i < 164 for i in self.problem_ids):
-            raise ValueError(f"problem_ids: each must be in 0..163, got {self.problem_ids!r}")
+    def learner_setting(self, name: str):
+        """The learner's value of LearnerConfig field ``name`` in this experiment."""
+        return self.learner.get(name, getattr(LearnerConfig, name))
+
+
+def _learner_options() -> type:
+    """The model of ``flywheel experiment``'s learner flags (:data:`LEARNER_FLAGS`): each
+    LearnerConfig field as declared there (type, bounds, help), with the experiment's value
+    (:data:`EXPERIMENT_LEARNER`) as its default where it has one, else None (the learner's
+    own default, not declared a second time)."""
+    fields, hints = model_fields(LearnerConfig), typing.get_type_hints(LearnerConfig)
+    spec = {}
+    for n in LEARNER_FLAGS:
+        if n not in EXPERIMENT_LEARNER:
+            info = FieldInfo.merge_field_infos(fields[n], default=None, description=(
+                f"{fields[n].description} Default: the learner's ({fields[n].default!r})."))
+            spec[n] = (Optional[hints[n]], info)
+            continue
+        info = FieldInfo.merge_field_infos(fields[n], default=EXPERIMENT_LEARNER[n])
+        if info.default is True and "flags" not in (info.json_schema_extra or {}):  # on by default: --no-x turns it off
+            flag = n.replace("_", "-")
+            info = FieldInfo.merge_field_infos(info, json_schema_extra={**(info.json_schema_extra or {}),
+                                                                        "flags": f"--{flag}/--no-{flag}"})
+        spec[n] = (hints[n], info)
+    return create_model("ExperimentLearnerOptions", __module__=__name__, **spec)
+
+
+ExperimentLearnerOptions = _learner_options()
+
+
+def learner_changes(options) -> dict:
+    """``ExperimentConfig.learner`` from the learner flags (an ``ExperimentLearnerOptions``):
+    :data:`EXPERIMENT_LEARNER` with the flags' values, less what equals LearnerConfig's default
+    (or is None: left to the learner)."""
+    values = {**EXPERIMENT_LEARNER, **{k: v for k, v in options.model_dump().items() if v is not None}}
+    return {k: v for k, v in values.items() if v != getattr(LearnerConfig, k)}
 
 
 # ------------------------------------------------------------------ statistics
@@ -359,15 +408,11 @@ def evaluate(cfg: ExperimentConfig, versions: list[str], console=None) -> dict:
 
 def _learn(cfg: ExperimentConfig, r: int, logs: Path, store, console) -> str:
     before = set(store.versions())
-    args = [sys.executable, "-m", "flywheel.cli", "learn", "--once", "--parent", "latest",
-            "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr),
-            "--train-layers", str(cfg.train_layers), "--beta", str(cfg.beta), "--objective", cfg.objective,
-            "--baseline", cfg.baseline,
-            "--seed", str(cfg.seed + r), "--measure-free-max", "2", "--min-samples", "1"]
-    if cfg.balance_classes:
-        args.append("--balance-classes")
-    console.print(f"round {r}: learner cycle ({cfg.objective}, {cfg.steps} steps x {cfg.batch_size}, lr {cfg.lr}, "
-                  f"last {cfg.train_layers} layers) ...")
+    args = [sys.executable, "-m", "flywheel.cli", "learn", "--once", "--parent", "latest", *learn_flags(cfg.learner),
+            "--seed", str(cfg.seed + r)]
+    get = cfg.learner_setting
+    console.print(f"round {r}: learner cycle ({get('objective')}, {get('steps')} steps x {get('batch_size')}, "
+                  f"lr {get('lr')}, last {get('train_layers')} layers) ...")
     t0 = time.time()
     log = logs / f"learner-{r}.log"
     with open(log, "ab") as f:

@@ -36,6 +36,7 @@ from ingest.catalog import Shard, count_rows, find_shards, read_shards
 from schemas.arrow import table_to_samples
 from schemas.events import RewardedSample
 from schemas.manifest import VersionManifest
+from learner.daemon import DaemonConfig
 from learner.data import SpilledSamples
 from learner.gate import Evaluator, gate_decision, in_holdout, preference_margin_evaluator
 from learner.trainer import LearnerConfig, train
@@ -168,7 +169,7 @@ def parent_version(store, which: str = "stable") -> str | None:
 
 
 def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config: LearnerConfig,
-              show_progress: bool = True, parent: str = "stable", evaluate: Evaluator | None = None
+              show_progress: bool = True, parent: str = DaemonConfig.parent, evaluate: Evaluator | None = None
               ) -> VersionManifest | None:
     """Train on the sealed samples of the shards not yet consumed and publish one new version.
 
@@ -178,7 +179,8 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
         state_dir: where the learner keeps ``learner_state.json`` (watermark, consumed shards).
         config: :class:`learner.trainer.LearnerConfig`.
         show_progress: draw a rich progress bar on stderr.
-        parent: which version to train from, ``"stable"`` or ``"latest"`` (:func:`parent_version`).
+        parent: which version to train from, ``"stable"`` or ``"latest"`` (:func:`parent_version`;
+            default: ``DaemonConfig``'s).
         evaluate: evaluation gate ``evaluate(model) -> {"score": float, ...}`` run on the
             parent and on the candidate; default: with ``config.holdout_frac > 0``, the
             preference margin on held-out new ``train`` samples (:mod:`learner.gate`), else no gate.

@@ -76,9 +76,9 @@ def preference_margin_evaluator(holdout: list[RewardedSample], pad_id: int, chun
     return evaluate
 
 
-def generation_evaluator(prompts: list[list[int]], score: Callable[[int, list[int]], bool], eos_id: int,
-                         max_tokens: int = 128, samples_per_prompt: int = 2, temperature: float = 0.8,
-                         top_p: float = 0.95, seed: int = 0) -> Evaluator:
+def generation_evaluator(prompts: list[list[int]], score: Callable[[int, list[int]], bool], eos_id: int, *,
+                         max_tokens: int, samples_per_prompt: int, seed: int, temperature: float = 0.8,
+                         top_p: float = 0.95) -> Evaluator:
     """``evaluate(model) -> {"score": pass rate in [0, 1], "passed", "n"}`` on held-out prompts.
 
     For each prompt (token ids, unpadded), ``samples_per_prompt`` completions are sampled with
@@ -86,7 +86,8 @@ def generation_evaluator(prompts: list[list[int]], score: Callable[[int, list[in
     ``eos_id``; free routing, as serving will run the candidate) and ``score(prompt_index,
     completion_ids) -> bool`` judges each. The RNG is re-seeded per prompt with ``seed`` +
     index, so parent and candidate draw with the same random numbers (common random numbers:
-    the difference of their scores has less variance than two independent draws).
+    the difference of their scores has less variance than two independent draws). ``flywheel
+    learn`` passes ``DaemonConfig.gate_max_tokens``, ``gate_samples`` and ``LearnerConfig.seed``.
 
     Raises:
         ValueError: no prompts, or a bad sampling value (the parameter is named).

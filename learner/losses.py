@@ -28,8 +28,7 @@ def sequence_logprobs(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor,
-             beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             beta: float, desirable_weight: float, undesirable_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample KTO loss (Ethayarajh et al. 2024, arXiv:2402.01306, eq. 8; TRL ``kto_loss``).
 
     r = log πθ(y|x) − log π_ref(y|x); z0 = max(kl, 0), detached;
@@ -143,7 +142,7 @@ def group_loo_baseline(rewards: torch.Tensor, groups: list) -> torch.Tensor:
 
 def reinforce_loss(token_logps: torch.Tensor, behavior_logps: torch.Tensor, ref_logps: torch.Tensor,
                    mask: torch.Tensor, rewards: torch.Tensor, baseline: torch.Tensor, cap: float = 2.0,
-                   level: ISLevel = "token", kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+                   level: ISLevel = "token", *, kl_coef: float) -> tuple[torch.Tensor, dict]:
     """REINFORCE with a baseline, truncated IS and a k3 KL penalty to the reference.
 
     Per token: ℓ_t = −w · A_i · log πθ(y_t) + kl_coef · k3_t, with A_i = r_i − b_i, w the TIS

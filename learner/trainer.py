@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
@@ -38,149 +38,8 @@ from learner.extensions import clear_stale_locks
 from learner.data import InMemorySamples, RefLogprobs, SampleSource
 from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs)
+from learner.config import LearnerConfig  # declared there (no torch); imported from here as well
 from learner.replay import capture_routes, router_replay, stack_routes
-
-
-@dataclass
-class LearnerConfig:
-    """Configuration of one learner cycle; validated on construction.
-
-    Optimisation (DeepSpeed, CPU, gloo; fp32 or bf16, see ``precision``):
-        steps: K optimizer steps per cycle (>= 1).
-        batch_size: samples per step (>= 1); sampled without replacement, reshuffled per epoch.
-        lr: AdamW learning rate (>= 0; 0 leaves weights unchanged).
-        grad_clip: global grad-norm clip (> 0).
-        weight_decay: AdamW decoupled weight decay (>= 0).
-        zero_stage: ZeRO stage, 1 or 2.
-        seed: RNG seed (sample order, torch).
-
-    Memory (a cycle of any size runs in bounded memory: samples are read per micro-batch):
-        micro_batch_size: samples per forward/backward; a step's ``batch_size`` samples are
-            split into micro-batches whose gradients accumulate into the full-batch gradient
-            (each weighted by its share of the step's loss normaliser). 0 = one micro-batch.
-        precision: ``"auto"`` (default): the parent version's dtype, so a bf16 model trains,
-            is stored and is served in bf16 and an fp32 one in fp32; ``"fp32"``; or
-            ``"bf16"``: DeepSpeed bf16 weights, activations and gradients with fp32 master
-            weights and AdamW state in the ZeRO partitions. The published version always
-            keeps the parent's dtypes (:func:`resolve_precision`, docs/decisions.md D41).
-        activation_checkpointing: recompute each decoder layer's activations in backward
-            (transformers gradient checkpointing, non-reentrant) instead of keeping them.
-
-    Objective:
-        objective: ``"kto"`` (Ethayarajh et al. 2024, arXiv:2402.01306) or ``"reinforce"``
-            (REINFORCE with leave-one-out baseline, Kool et al. 2019).
-        beta: KTO β (> 0).
-        desirable_weight, undesirable_weight: KTO λ_D, λ_U (> 0).
-        balance_classes: set λ_D, λ_U per cycle so that λ_D·n_D = λ_U·n_U (the minority
-            class's weight is raised; the other stays as given). The KTO paper (§4.2,
-            arXiv:2402.01306) recommends λ_D·n_D / (λ_U·n_U) in [1, 4/3]; product feedback
-            is mostly one class (a 10 % thumbs-up rate gives 9 undesirable per desirable),
-            and unbalanced KTO then mostly pushes sampled completions down.
-        kl_coef: REINFORCE k3 KL penalty to the reference (>= 0).
-        baseline: REINFORCE baseline. ``"batch"``: leave-one-out mean of the step's batch
-            (Kool et al. 2019). ``"prompt"``: leave-one-out mean of the other completions of
-            the same prompt in the whole cycle (RLOO, arXiv:2402.14740), so prompts whose
-            completions all got the same vote contribute no gradient; a prompt seen once
-            falls back to the cycle's LOO mean.
-
-    Off-policy correction:
-        is_cap: truncation of the importance ratio exp(log πθ − log μ) (> 0).
-        is_level: ``"sequence"`` or ``"token"`` (KTO supports ``"sequence"`` only).
-        max_staleness: samples produced by a version more than this many versions older
-            than the parent are dropped and counted (>= 0).
-        min_samples: skip the cycle (publish nothing, consume nothing) below this many
-            trainable samples (>= 1).
-        lateness_s: how long after a newer shard was consumed a shard may still appear and
-            be found (the watermark's allowed lateness, ``learner.cycle``; >= 0 s).
-        measure_chunk: samples per forward in the start-of-cycle reference/mismatch pass
-            (1 = each sample alone, unpadded).
-        measure_free_max: samples that also get a replay-off forward for the route-flip
-            and free-routing mismatch figures (0 = all; each costs one more forward).
-
-    Trainable set:
-        train_layers: 0 trains every parameter; N > 0 trains only the last N decoder layers
-            (attention, router and experts) and freezes the rest (embeddings, earlier
-            layers, final norm). Frozen layers keep no activations and get no optimizer
-            state, so memory and backward time shrink roughly by N / num_layers; frozen
-            tensors are bit-identical in the new version, so the delta skips them.
-        checkpoint_every: write a resumable DeepSpeed checkpoint every this many steps
-            (0 = never).
-
-    Evaluation gate (``learner.gate``):
-        holdout_frac: fraction of new samples held out (by completion-id hash) to score
-            parent and candidate; 0 = no built-in gate.
-        max_regression: the candidate is not published if its score is below the parent's
-            minus this (score units: nats/token for the built-in preference margin).
-
-    Router replay:
-        router_replay: replay logged expert routes in the training forward.
-        allow_free_routing: train samples without usable routes on free routing instead of
-            refusing them (off by default: such samples are refused and counted).
-    """
-
-    steps: int = 4
-    batch_size: int = 8
-    lr: float = 1e-5
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    zero_stage: int = 2
-    seed: int = 0
-    objective: Literal["kto", "reinforce"] = "kto"
-    beta: float = 0.1
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-    balance_classes: bool = False
-    kl_coef: float = 0.0
-    baseline: Literal["batch", "prompt"] = "batch"
-    is_cap: float = 2.0
-    is_level: Literal["sequence", "token"] = "sequence"
-    max_staleness: int = 4
-    measure_chunk: int = 1
-    checkpoint_every: int = 0
-    holdout_frac: float = 0.0
-    max_regression: float = 0.0
-    router_replay: bool = True
-    allow_free_routing: bool = False
-    min_samples: int = 1
-    train_layers: int = 0
-    measure_free_max: int = 0
-    micro_batch_size: int = 0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    lateness_s: float = 600.0
-    activation_checkpointing: bool = False
-
-    def __post_init__(self):
-        checks = [
-            ("steps", self.steps >= 1, "must be >= 1"), ("batch_size", self.batch_size >= 1, "must be >= 1"),
-            ("lr", self.lr >= 0, "must be >= 0"), ("grad_clip", self.grad_clip > 0, "must be > 0"),
-            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
-            ("zero_stage", self.zero_stage in (1, 2), "must be 1 or 2"),
-            ("objective", self.objective in ("kto", "reinforce"), "must be 'kto' or 'reinforce'"),
-            ("beta", self.beta > 0, "must be > 0"),
-            ("desirable_weight", self.desirable_weight > 0, "must be > 0"),
-            ("undesirable_weight", self.undesirable_weight > 0, "must be > 0"),
-            ("kl_coef", self.kl_coef >= 0, "must be >= 0"), ("is_cap", self.is_cap > 0, "must be > 0"),
-            ("baseline", self.baseline in ("batch", "prompt"), "must be 'batch' or 'prompt'"),
-            ("baseline", self.objective == "reinforce" or self.baseline == "batch",
-             "is REINFORCE's baseline: use it with objective 'reinforce'"),
-            ("is_level", self.is_level in ("sequence", "token"), "must be 'sequence' or 'token'"),
-            ("is_level", not (self.objective == "kto" and self.is_level == "token"),
-             "KTO's loss is per sequence: use 'sequence'"),
-            ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
-            ("min_samples", self.min_samples >= 1, "must be >= 1"),
-            ("train_layers", self.train_layers >= 0, "must be >= 0 (0 = all)"),
-            ("measure_free_max", self.measure_free_max >= 0, "must be >= 0 (0 = all)"),
-            ("measure_chunk", self.measure_chunk >= 1, "must be >= 1"),
-            ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0"),
-            ("holdout_frac", 0 <= self.holdout_frac < 1, "must be in [0, 1)"),
-            ("max_regression", self.max_regression >= 0, "must be >= 0"),
-            ("micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0 = the whole step batch)"),
-            ("precision", self.precision in ("auto", "fp32", "bf16"), "must be 'auto', 'fp32' or 'bf16'"),
-            ("lateness_s", self.lateness_s >= 0, "must be >= 0"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
 
 def free_port() -> int:
@@ -278,7 +137,7 @@ class AbsStats:
     exact; p99 is exact up to :data:`RESERVOIR` values, then over a uniform reservoir sample
     of that size (Vitter's algorithm R, seeded)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int):
         self.n, self.sum, self.max = 0, 0.0, 0.0
         self._res: list[torch.Tensor] = []
         self._kept = 0
@@ -510,7 +369,7 @@ def step_loss(model, b: LearnerBatch, cfg: LearnerConfig, z0: torch.Tensor | Non
     else:
         base = b.baselines if b.baselines is not None else loo_baseline(b.rewards)
         loss, met = reinforce_loss(tok, b.behavior_logprobs, b.ref_logprobs, m, b.rewards,
-                                   base, cfg.is_cap, cfg.is_level, cfg.kl_coef)
+                                   base, cfg.is_cap, cfg.is_level, kl_coef=cfg.kl_coef)
         met["pg/loss"] = float(loss.detach())
     kl = kl_to_reference(tok, b.ref_logprobs, m)
     met["kl/k1"], met["kl/k3"] = kl["k1"], kl["k3"]

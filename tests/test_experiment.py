@@ -45,8 +45,10 @@ def test_cluster_bootstrap_by_construction():
 
 def test_config_rejects_bad_values(tmp_path):
     for kw, name in (({"rounds": 0}, "rounds"), ({"temperature": 0.0}, "temperature"),
-                     ({"problem_ids": [200]}, "problem_ids"), ({"objective": "dpo"}, "objective"),
-                     ({"baseline": "prompt"}, "baseline")):  # the prompt baseline is REINFORCE's
+                     ({"problem_ids": [200]}, "problem_ids"),
+                     ({"learner": {"objective": "dpo"}}, "objective"),
+                     ({"learner": {"baseline": "prompt"}}, "baseline"),  # the prompt baseline is REINFORCE's
+                     ({"learner": {"stepz": 3}}, "stepz"), ({"learner": {"steps": 4}}, "restates")):
         with pytest.raises(ValueError, match=name):
             ExperimentConfig(out=tmp_path, **kw)
 
@@ -66,7 +68,8 @@ def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("FLYWHEEL_STORE", raising=False)
     monkeypatch.delenv("FLYWHEEL_SAMPLES", raising=False)
     cfg = ExperimentConfig(out=tmp_path / "exp", rounds=1, problem_ids=[0, 23], samples_per_problem=3,
-                           max_tokens=6, steps=1, batch_size=4, lr=1e-3, train_layers=0, max_batch=8)
+                           max_tokens=6, learner={"steps": 1, "batch_size": 4, "lr": 1e-3, "balance_classes": True},
+                           max_batch=8)
     rep = run(cfg)
     v0, v1 = rep["versions"]
     assert (v0["version"], v1["version"]) == ("v000000", "v000001")

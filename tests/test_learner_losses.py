@@ -39,7 +39,7 @@ def test_kto_loss_values_eq8():
 def test_kto_negative_kl_clamped_and_detached():
     pol = torch.tensor([-1.0], requires_grad=True)
     kl = torch.tensor(-0.3, requires_grad=True)
-    losses, _ = kto_loss(pol, torch.tensor([-1.2]), torch.tensor([True]), kl, beta=0.1)
+    losses, _ = kto_loss(pol, torch.tensor([-1.2]), torch.tensor([True]), kl, 0.1, 1.0, 1.0)
     assert float(losses[0].detach()) == pytest.approx(1 - sig(0.1 * 0.2), abs=1e-7)  # z0 = 0, not -0.3
     losses.sum().backward()
     assert kl.grad is None  # z0 carries no gradient

@@ -1,0 +1,61 @@
+"""``flywheel demo``'s settings (issue 21): DemoConfig is the one declaration; --quick resizes
+what the user did not choose; the learner's settings are overrides by LearnerConfig name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flywheel.cli import app
+from flywheel.demo import DEMO_LEARNER, QUICK, QUICK_LEARNER, DemoConfig
+from learner.config import LearnerConfig
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """Run ``flywheel demo ARGS`` up to the run; returns ``(result, DemoConfig or None)``."""
+    import flywheel.commands as fc
+
+    got: dict = {}
+    monkeypatch.setattr(fc, "require_demo_extra", lambda: None)
+    monkeypatch.setattr(fc, "_run_demo", lambda cfg: got.update(cfg=cfg))
+
+    def run(*args: str):
+        got.clear()
+        return CliRunner().invoke(app, ["demo", *args]), got.get("cfg")
+
+    return run
+
+
+def test_quick_resizes_only_what_the_user_did_not_choose(parsed):
+    r, cfg = parsed("--quick", "--cycles", "3", "--families", "chain_sum,gcd", "--out", "/tmp/d")
+    assert r.exit_code == 0, r.output
+    assert cfg.quick and cfg.cycles == 3 and cfg.families == ("chain_sum", "gcd") and cfg.out == Path("/tmp/d")
+    assert (cfg.prompts_per_phase, cfg.max_tokens, cfg.learner) == (QUICK["prompts_per_phase"], QUICK["max_tokens"],
+                                                                     QUICK_LEARNER)
+    assert cfg.held_out == ("gcd",) and cfg.seed == LearnerConfig.seed
+
+
+def test_the_full_run_is_the_models_defaults(parsed):
+    r, cfg = parsed()
+    assert r.exit_code == 0, r.output
+    assert cfg == DemoConfig() and cfg.learner == DEMO_LEARNER and not cfg.quick
+    assert DemoConfig.for_mode(Path("flywheel-demo"), False) == cfg
+
+
+@pytest.mark.parametrize("args, flag", [(("--held-out", "nope"), "--held-out"), (("--cycles", "0"), "--cycles"),
+                                        (("--families", "nope"), "--families"),
+                                        (("--eval-share", "2"), "--eval-share")])
+def test_a_refused_value_is_a_usage_error_naming_its_flag(parsed, args, flag):
+    r, cfg = parsed(*args)
+    assert r.exit_code == 2 and flag in r.output and cfg is None, r.output
+
+
+def test_learner_overrides_are_checked_by_name():
+    with pytest.raises(ValueError, match="restates LearnerConfig's default"):
+        DemoConfig(learner={"objective": "kto"})
+    with pytest.raises(ValueError, match="no setting of LearnerConfig"):
+        DemoConfig(learner={"learner_steps": 8})
+    assert DemoConfig(learner={"steps": 3}).learner_setting("objective") == LearnerConfig.objective
