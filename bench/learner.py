@@ -94,7 +94,8 @@ def _worker(mode: str, model_dir: Path, n: int, prompt_len: int, completion_len:
     def loss_of(m):
         lp = forward_token_logprobs(m, batch, replay=True)
         pol = sequence_logprobs(lp, batch.completion_mask)
-        losses, _ = kto_loss(pol, ref_seq, batch.labels, torch.tensor(0.0), beta=0.1)
+        losses, _ = kto_loss(pol, ref_seq, batch.labels, torch.tensor(0.0), beta=cfg.beta,
+                             desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
         return losses.mean()
 
     if mode == "deepspeed":

@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,15 +37,9 @@ from learner.extensions import clear_stale_locks
 from learner.data import InMemorySamples, RefLogprobs, SampleSource
 from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs)
+from schemas.settings import free_port  # noqa: F401 - MASTER_PORT's default; re-exported for callers
 from learner.config import LearnerConfig  # declared there (no torch); imported from here as well
 from learner.replay import capture_routes, router_replay, stack_routes
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def skip_shm_comm_op(deepspeed) -> None:

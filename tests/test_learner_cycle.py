@@ -354,7 +354,7 @@ def test_two_processes_torchrun_match_one(tiny_moe_dir, tmp_path):
 
 
 def _port() -> int:
-    from learner.trainer import free_port
+    from schemas.settings import free_port
 
     return free_port()
 

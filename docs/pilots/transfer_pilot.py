@@ -40,8 +40,10 @@ from ingest.writer import shard_path, write_shard
 from schemas import settings
 from rich.console import Console
 con = Console()
-cfg = ExperimentConfig(out=out, rounds=a.rounds, steps=a.steps, batch_size=a.batch, lr=a.lr, train_layers=a.layers,
-                       objective=a.objective, baseline=a.baseline, balance_classes=(a.objective=="kto"))
+cfg = ExperimentConfig(out=out, rounds=a.rounds,
+                       learner={"steps": a.steps, "batch_size": a.batch, "lr": a.lr, "train_layers": a.layers,
+                                "objective": a.objective, "baseline": a.baseline,
+                                **({"balance_classes": True} if a.objective == "kto" else {})})
 store, model_dir = _setup(cfg)
 eng = TorchEngine(model_dir, max_batch=32, max_queue=10000)
 tok = eng.tokenizer
