@@ -78,13 +78,13 @@ class SimConfig:
         history: each user's votes before the canary (the CUPED covariate's sample size).
     """
 
-    shares: tuple[float, ...] = parse_steps(_DEMO.canary_steps)[:-1]
-    min_votes: int = _DEMO.canary_min_votes
-    min_votes_per_step: int = _DEMO.canary_min_votes  # the demo sets no --min-votes-per-step
-    step_deadline_votes: int = round(_DEMO.canary_max_wait_s * DEMO_VOTES_PER_S)
+    shares: tuple[float, ...] = parse_steps(_DEMO.controller["steps"])[:-1]
+    min_votes: int = _DEMO.controller["min_votes"]
+    min_votes_per_step: int = _DEMO.controller["min_votes"]  # the demo sets no --min-votes-per-step
+    step_deadline_votes: int = round(_DEMO.controller["deadline_s"] * DEMO_VOTES_PER_S)
     every: int = 1
     alpha: float = _PRODUCTION.analysis.alpha  # the demo keeps the controller's
-    delta: float = _DEMO.canary_delta
+    delta: float = _DEMO.controller["delta"]
     abs_delta: float = 0.2
     kappa: float = 4.0
     history: int = 10
@@ -93,8 +93,8 @@ class SimConfig:
         return AnalysisConfig(min_votes=self.min_votes, alpha=self.alpha, delta=self.delta, cuped=cuped)
 
 
-# The demo's settings (flywheel/demo.py DemoConfig: canary_steps, canary_min_votes, canary_delta,
-# canary_max_wait_s at ~0.75 votes/s) and production's (the controller's defaults at 10 votes/s).
+# The demo's settings (flywheel/demo.py DEMO_CONTROLLER: steps, min_votes, delta, deadline_s at
+# ~0.75 votes/s) and production's (the controller's defaults at 10 votes/s).
 SETTINGS = {
     "demo": SimConfig(),
     "production": SimConfig(shares=_PRODUCTION.steps[:-1], min_votes=_PRODUCTION.analysis.min_votes,

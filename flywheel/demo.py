@@ -35,6 +35,7 @@ from flywheel.supervise import StopSignals, die_with_parent
 from flywheel.users import UserBehaviour
 from flywheel.workload import Task, Workload
 from learner.config import LearnerConfig, check_learner, learn_flags
+from schemas.options import check_overrides, flags_for
 
 
 DEFAULT_HELD_OUT = ("gcd",)  # the unseen kind: a family no version trains on
@@ -58,12 +59,46 @@ DEMO_LEARNER = {"objective": "reinforce", "steps": 8, "batch_size": 12, "train_l
 # downs, so KTO lambda_D*n_D = lambda_U*n_U
 QUICK_LEARNER = {"balance_classes": True, "steps": 2, "batch_size": 4, "train_layers": 2,
                  "lr": 2e-5, "measure_free_max": 2, "measure_chunk": 8}
+# the other roles' settings the demo changes, by field name (checked against each role's models
+# in DemoConfig.__post_init__, passed as the generated flags)
+# joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default):
+# runs F and G of experiment 3 used it; bench/joins.py measured no throughput gain on CPU (D28)
+DEMO_SERVE = {"prefix_caching": True, "waiting_served_ratio": 0.3}
+# votes arrive within seconds of their reply; a label lives 15 min, an orphan vote waits 2 min
+DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "orphan_ttl_s": 120.0}
+# the relative non-inferiority margin 0.5: the candidate must keep more than half the stable's
+# thumbs-up rate; ~360 votes per canary cannot show more (bench/canary.py, demo settings: a
+# half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes). The step
+# deadline 480 s (an undecided step is rolled back); 20 votes per arm of burn-in.
+# Guards read every served completion; "no answer" is judged by the workload's verifiers.
+DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_s": 480.0,
+                   "guards_from": "completions", "reply_judge": "flywheel.workload:reply_judge"}
 # --quick sizes the run down (about 4 min, one cycle, too few votes for the canary to decide);
 # a setting given on the command line or to for_mode wins
-QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1, canary_min_votes=2, canary_max_wait_s=45.0,
+QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1,
+             controller={**DEMO_CONTROLLER, "min_votes": 2, "deadline_s": 45.0},
              concurrency=8, final_prompts=0, between_prompts=0, eval_share=0.25, learner=QUICK_LEARNER,
              # a few harder and unseen prompts; the one short cycle keeps its train samples
              family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
+
+
+def role_models(role: str) -> list[type]:
+    """The config models of ``flywheel <role>``, whose fields the demo's overrides name
+    (``serve``, ``ingest``, ``controller``)."""
+    if role == "serve":
+        from serving.config import EngineConfig, ServeConfig
+
+        return [EngineConfig, ServeConfig]
+    if role == "ingest":
+        from ingest.app import IngestConfig
+        from ingest.join import JoinConfig
+
+        return [JoinConfig, IngestConfig]
+    from deploy.analysis import AnalysisConfig
+    from deploy.controller import ControllerConfig
+    from deploy.wiring import ControllerRunConfig
+
+    return [ControllerRunConfig, ControllerConfig, AnalysisConfig]
 
 
 @dataclass
@@ -120,25 +155,19 @@ class DemoConfig:
     # weights whatever the batch, so 32 rows cost 11.3 ms per token against 15.9 ms at 16
     concurrency: int = Field(32, description="Requests in flight, and the pod's --max-batch.",
                              json_schema_extra=_PROGRAM)
-    # joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default):
-    # runs F and G of experiment 3 used it; bench/joins.py measured no throughput gain on CPU (D28)
-    waiting_served_ratio: float = Field(0.3, description="The pod's --waiting-served-ratio.",
-                                        json_schema_extra=_PROGRAM)
     users: int = Field(32, description="Simulated users.", json_schema_extra=_PROGRAM)
     learner: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_LEARNER),
                                     description="LearnerConfig fields the demo changes, by name (DEMO_LEARNER).",
                                     json_schema_extra=_PROGRAM)
-    seal_after_s: float = Field(3.0, description="The ingest worker's --seal-after-s.",
-                                json_schema_extra={"cli": False, "unit": "s"})
-    canary_steps: str = Field("0.5,1.0", description="The controller's --steps.", json_schema_extra=_PROGRAM)
-    canary_min_votes: int = Field(20, description="Burn-in: votes per arm before the sequential test may decide.",
-                                  json_schema_extra=_PROGRAM)
-    # relative non-inferiority margin: the candidate must keep more than half the stable's
-    # thumbs-up rate. ~360 votes per canary cannot show more (bench/canary.py, demo settings:
-    # a half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes)
-    canary_delta: float = Field(0.5, description="The controller's --delta.", json_schema_extra=_PROGRAM)
-    canary_max_wait_s: float = Field(480.0, description="The step deadline; an undecided step is rolled back.",
-                                     json_schema_extra={"cli": False, "unit": "s"})
+    serve: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_SERVE),
+                                  description="`flywheel serve` settings the demo changes, by name (DEMO_SERVE; "
+                                              "the pod's --max-batch is `concurrency`).", json_schema_extra=_PROGRAM)
+    ingest: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_INGEST),
+                                   description="`flywheel ingest` settings the demo changes, by name (DEMO_INGEST).",
+                                   json_schema_extra=_PROGRAM)
+    controller: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_CONTROLLER),
+                                       description="`flywheel controller` settings the demo changes, by name "
+                                                   "(DEMO_CONTROLLER).", json_schema_extra=_PROGRAM)
     seed: Optional[int] = Field(None, description="RNG seed of the workload and the users; learner cycle c trains "
                                                   "with seed + c (default: the learner's seed, LearnerConfig.seed).")
     behaviour: UserBehaviour = Field(default_factory=UserBehaviour, description="How the users vote.",
@@ -148,6 +177,8 @@ class DemoConfig:
         if self.seed is None:  # the run's seed starts where the learner's does
             self.seed = LearnerConfig.seed
         check_learner(self.learner)
+        for where, values in (("serve", self.serve), ("ingest", self.ingest), ("controller", self.controller)):
+            check_overrides(role_models(where), values, where=where)
         # the default held-out family applies when it is asked (--families may leave it out)
         if self.held_out == DEFAULT_HELD_OUT:
             self.held_out = tuple(f for f in self.held_out if f in self.families)
@@ -308,18 +339,11 @@ class Demo:
         self.store.init_base(model_dir)
         self.samples_dir = settings.samples_dir()
         env = self._env()
-        self.serving = self._start("serving", _cli("serve", "--port", str(self.port), "--pod", "pod-0",
-                                                   "--max-batch", str(cfg.concurrency), "--prefix-caching",
-                                                   "--waiting-served-ratio", str(cfg.waiting_served_ratio)), env)
-        self.ingest = self._start("ingest", _cli("ingest", "--seal-after-s", str(cfg.seal_after_s),
-                                                 "--tick-s", "0.5", "--max-label-age-s", "900",
-                                                 "--orphan-ttl-s", "120"), env)
+        serve = flags_for(role_models("serve"), {"max_batch": cfg.concurrency, **cfg.serve})
+        self.serving = self._start("serving", _cli("serve", "--port", str(self.port), "--pod", "pod-0", *serve), env)
+        self.ingest = self._start("ingest", _cli("ingest", *flags_for(role_models("ingest"), cfg.ingest)), env)
         self.controller = self._start("controller", _cli(
-            "controller", "--serving", self.url, "--steps", cfg.canary_steps,
-            "--min-votes", str(cfg.canary_min_votes), "--delta", str(cfg.canary_delta),
-            "--deadline-s", str(cfg.canary_max_wait_s), "--deadline-outcome", "rollback", "--poll-s", "5",
-            # guards over every served completion, no answer as the workload's verifiers judge it
-            "--guards-from", "completions", "--reply-judge", "flywheel.workload:reply_judge"), env)
+            "controller", "--serving", self.url, *flags_for(role_models("controller"), cfg.controller)), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
 
@@ -556,7 +580,7 @@ class Demo:
         from schemas import settings
 
         ledger = Ledger(settings.ledger_path())
-        deadline = time.monotonic() + max(600.0, 6 * self.cfg.canary_max_wait_s)
+        deadline = time.monotonic() + max(600.0, 6 * self.cfg.controller["deadline_s"])
         # canary traffic only makes sense once the controller has loaded the candidate
         while time.monotonic() < deadline and ledger.final_decision(version) is None:
             slots = httpx.get(self.url + "/admin/slots", timeout=10).json()

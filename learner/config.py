@@ -164,44 +164,25 @@ class LearnerConfig:
 def learn_flags(values: dict) -> list[str]:
     """The ``flywheel learn`` arguments that set these :class:`LearnerConfig` fields (by name),
     as the generated options spell them: ``{"steps": 8, "router_replay": False}`` ->
-    ``["--steps", "8", "--no-replay"]`` (a bool off by default and given False adds nothing).
+    ``["--steps", "8", "--no-replay"]`` (:func:`schemas.options.flags_for`).
 
     Raises:
         ValueError: a key that is no field of LearnerConfig, or a bool with no flag for its value.
     """
-    from schemas.options import model_fields
+    from schemas.options import flags_for
 
-    fields, out = model_fields(LearnerConfig), []
-    for name, value in values.items():
-        if name not in fields:
-            raise ValueError(f"{name}: no setting of LearnerConfig")
-        extra = fields[name].json_schema_extra if isinstance(fields[name].json_schema_extra, dict) else {}
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):  # a flag; `flywheel learn` has a --no- form only where declared
-            on, _, off = (extra.get("flags") or flag).partition("/")
-            if value or off:
-                out.append(on if value else off)
-            elif fields[name].default is not False:
-                raise ValueError(f"{name}: `flywheel learn` has no flag that turns it off")
-        else:
-            out += [extra.get("flags") or flag, str(value)]
-    return out
+    return flags_for([LearnerConfig], values)
 
 
 def check_learner(values: dict, where: str = "learner") -> dict:
     """Check a program's changes to the learner (a demo's, an experiment's): each key a
     :class:`LearnerConfig` field whose default it does not restate, and the result a config
-    the learner accepts. Returns ``values``.
+    the learner accepts (:func:`schemas.options.check_overrides`). Returns ``values``.
 
     Raises:
         ValueError: the first problem, prefixed with ``where`` (``"learner: steps: must be >= 1,
             got 0"``).
     """
-    from schemas.options import overrides
+    from schemas.options import check_overrides
 
-    overrides(LearnerConfig, values, where=where)
-    try:
-        LearnerConfig(**values)
-    except ValidationError as exc:
-        raise ValueError(f"{where}: {exc.errors()[0]['msg']}") from None
-    return values
+    return check_overrides([LearnerConfig], values, where=where)

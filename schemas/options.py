@@ -21,10 +21,10 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Sequence
 
 import typer
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 CONFIG_MODELS: dict[str, type] = {}  # qualified name -> model, every model a command takes
@@ -179,3 +179,81 @@ def overrides(model: type, values: dict[str, Any], *, where: str) -> dict[str, A
         if v == field_default(fields[k]):
             raise ValueError(f"{where}: {k}={v!r} restates {model.__name__}'s default; drop it")
     return dict(values)
+
+
+def _field_owner(models: Sequence[type], name: str) -> tuple[type, FieldInfo] | None:
+    for model in models:
+        info = model_fields(model).get(name)
+        if info is not None:
+            return model, info
+    return None
+
+
+def check_overrides(models: Sequence[type], values: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """Check a program's changes to a role's settings (a demo's, an experiment's), by field
+    name across the role's models (``[ControllerRunConfig, ControllerConfig, AnalysisConfig]``
+    for ``flywheel controller``): each key a field of one of them, no value restating its
+    default (:func:`overrides`), and each model accepting its share. Returns ``values``.
+
+    Raises:
+        ValueError: the first problem, prefixed with ``where`` (``"controller: delta: must be
+            in (0, 1), got 2"``).
+    """
+    shares: dict[type, dict[str, Any]] = {}
+    for name, value in values.items():
+        owner = _field_owner(models, name)
+        if owner is None:
+            raise ValueError(f"{where}: {name!r} is no setting of {', '.join(m.__name__ for m in models)}")
+        shares.setdefault(owner[0], {})[name] = value
+    for model, share in shares.items():
+        overrides(model, share, where=where)
+        fields = model_fields(model)
+        try:
+            for name, value in share.items():  # each value by its own field's type and bounds
+                info = fields[name]
+                adapter = TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
+                try:
+                    adapter.validate_python(value)
+                except ValidationError as exc:
+                    msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+                    msg = msg if msg.startswith(f"{name}:") else f"{name}: {msg}"
+                    raise ValueError(msg if "got " in msg else f"{msg}, got {value!r}") from None
+            model(**share)  # and the model's checks across fields
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            loc = ".".join(map(str, e["loc"]))
+            msg = e["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{where}: {loc + ': ' if loc and not msg.startswith(loc) else ''}{msg}") from None
+        except ValueError as exc:  # a model's own __post_init__ check
+            raise ValueError(f"{where}: {exc}") from None
+        except RuntimeError:  # the model also reads its surroundings (a broker's address): fields checked
+            pass
+    return dict(values)
+
+
+def flags_for(models: Sequence[type], values: dict[str, Any]) -> list[str]:
+    """The command-line arguments that set these fields (by name) as the options generated
+    from ``models`` spell them: ``{"max_batch": 32, "prefix_caching": True}`` ->
+    ``["--max-batch", "32", "--prefix-caching"]``. A bool uses the field's ``flags``
+    declaration (``"--replay/--no-replay"``); one off by default and given False adds nothing.
+
+    Raises:
+        ValueError: a key that is no field of ``models``, or a bool with no flag for its value.
+    """
+    out: list[str] = []
+    for name, value in values.items():
+        owner = _field_owner(models, name)
+        if owner is None:
+            raise ValueError(f"{name}: no setting of {', '.join(m.__name__ for m in models)}")
+        info = owner[1]
+        decl = _extra(info).get("flags") or "--" + name.replace("_", "-")
+        decl = decl if isinstance(decl, str) else decl[0]
+        if isinstance(value, bool):
+            on, _, off = decl.partition("/")
+            if value or off:
+                out.append(on if value else off)
+            elif info.default is not False:
+                raise ValueError(f"{name}: no flag turns it off")
+        else:
+            out += [decl.split("/")[0], str(value)]
+    return out

@@ -59,3 +59,34 @@ def test_learner_overrides_are_checked_by_name():
     with pytest.raises(ValueError, match="no setting of LearnerConfig"):
         DemoConfig(learner={"learner_steps": 8})
     assert DemoConfig(learner={"steps": 3}).learner_setting("objective") == LearnerConfig.objective
+
+
+@pytest.mark.parametrize("role, bad, match", [
+    ("controller", {"delta": 2.0}, r"controller: delta: must be in \(0, 1\)"),
+    ("controller", {"min_votes": 10}, "controller: min_votes=10 restates AnalysisConfig's default"),
+    ("ingest", {"tick_s": "x"}, "ingest: tick_s: .*valid number"),
+    ("ingest", {"seal_after_s": -1}, "ingest: seal_after_s: must be > 0"),
+    ("serve", {"max_batchx": 3}, "serve: 'max_batchx' is no setting of EngineConfig, ServeConfig"),
+    ("serve", {"max_batch": 0}, "serve: max_batch: .*greater than or equal to 1")])
+def test_other_roles_overrides_are_checked_by_their_models(role, bad, match):
+    with pytest.raises(ValueError, match=match):
+        DemoConfig(**{role: bad})
+
+
+@pytest.mark.parametrize("role", ["serve", "ingest", "controller"])
+def test_the_flags_the_demo_passes_parse_to_its_values_in_the_real_command(role):
+    """Each role's overrides become flags that the role's own command (the click command a
+    user runs) parses back to the same values: nothing is spelled twice."""
+    import typer
+
+    from flywheel.cli import app
+    from flywheel.demo import role_models
+    from schemas.options import flags_for
+
+    cfg = DemoConfig()
+    values = {"max_batch": cfg.concurrency, **cfg.serve} if role == "serve" else getattr(cfg, role)
+    cmd = typer.main.get_command(app).commands[role]
+    ctx = cmd.make_context(role, flags_for(role_models(role), values))
+    for name, value in values.items():
+        got = ctx.params[name]
+        assert got == value or str(got) == str(value), (name, got, value)
