@@ -13,7 +13,9 @@ A field's ``json_schema_extra`` may hold:
     ``flags``: the option's declarations instead of ``--field-name`` (a bool field may say
         ``"--replay/--no-replay"``);
     ``unit``: shown after the help text (``"s"``, ``"ms"``, ``"h"``, ``"tokens"``);
-    ``cli``: ``False`` keeps the field off the command line (set by programs only).
+    ``cli``: ``False`` keeps the field off the command line (set by programs only);
+    ``envvar``: an environment variable click reads for the option (a flag wins over it, it
+        wins over ``flywheel.toml``), for a setting that had one before it was a field.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def option_for(name: str, info: FieldInfo, annotation: Any) -> typer.models.Opti
     base = typing.get_origin(annotation)
     numeric = annotation in (int, float) or (base is typing.Union and set(typing.get_args(annotation)) <= {int, float, type(None)})
     return typer.Option(field_default(info), *flags, help=_help(info), show_default=True,
-                        **(_bounds(info) if numeric else {}))
+                        envvar=_extra(info).get("envvar"), **(_bounds(info) if numeric else {}))
 
 
 def _annotation(model: type, name: str, info: FieldInfo) -> Any:

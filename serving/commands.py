@@ -7,29 +7,15 @@ The command only parses: its options are generated from the models of :mod:`serv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
-
 import typer
 
-from schemas.options import config_options, model_fields
+from schemas.options import config_options
 from serving.config import EngineConfig, ServeConfig, SettingError, VLLMConfig
 # the pod's assembly, as programs and tests have imported it from here
 from serving.pod import (  # noqa: F401 - re-exported
     Pod, build_pod, check_listen, default_version, desired_state, fleet_salt, is_loopback, listen_socket, open_store,
     start_desired_candidate,
 )
-
-
-def with_envvars(command: Callable) -> Callable:
-    """Give each generated option whose field names an ``envvar`` (``json_schema_extra``) that
-    environment variable, as click reads it (a flag wins over it, it wins over
-    ``flywheel.toml``)."""
-    envvars = {name: (info.json_schema_extra or {}).get("envvar")
-               for model in command.__flywheel_configs__.values() for name, info in model_fields(model).items()}
-    for p in command.__signature__.parameters.values():
-        if envvars.get(p.name) and getattr(p.default, "envvar", "absent") is None:
-            p.default.envvar = envvars[p.name]
-    return command
 
 
 def register(app: typer.Typer) -> None:
@@ -48,7 +34,6 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1) from exc
 
     @app.command("serve")
-    @with_envvars
     @config_options(cfg=ServeConfig, eng=EngineConfig, vllm=VLLMConfig)
     def serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
