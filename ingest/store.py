@@ -36,6 +36,7 @@ interleave inside one). Reads may run outside one. Times are ms since the epoch 
 
 from __future__ import annotations
 
+import abc
 import os
 import socket
 import threading
@@ -242,7 +243,7 @@ class JoinStore(Protocol):
         uncommitted bumps."""
 
 
-class StoreBase:
+class StoreBase(abc.ABC):
     """What :class:`ingest.state.StateStore` and :class:`ingest.state_pg.PgStateStore` share:
     the single-item methods (each calls its batch form), the transaction skeleton and the
     counters' in-memory deltas, and the statements that are the same SQL on both.
@@ -307,14 +308,17 @@ class StoreBase:
                     self._abort()
                     raise
 
+    @abc.abstractmethod
     def _begin(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _commit(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _abort(self) -> None:
-        raise NotImplementedError
+        ...
 
     # -- single items: their batch forms -------------------------------------------------
     def put(self, st: LabelState, due_at: int) -> None:
@@ -412,8 +416,10 @@ class StoreBase:
                 out[k] = out.get(k, 0) + v
         return out
 
+    @abc.abstractmethod
     def _write_counters(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _stored_counters(self) -> dict[str, int]:
-        raise NotImplementedError
+        ...
