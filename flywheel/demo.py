@@ -740,6 +740,7 @@ class Demo:
         self.wait_votes_sealed(120)
         report = self.build_report(t0)
         rep.write_report(report, self.cfg.out)
+        rep.write_votes(rep.votes_by_completion(self.samples_dir), self.completions, self.cfg.out / "votes.jsonl")
         rep.print_report(report, self.console)
         self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
                            f"{self.cfg.out / 'thumbs_up_by_version.png'}")

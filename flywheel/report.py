@@ -211,6 +211,28 @@ def write_report(report: dict, out: Path) -> None:
     write_plot(report, out / "thumbs_up_by_version.png")
 
 
+def write_votes(rows: list[dict], completions: dict[str, dict], path: Path) -> int:
+    """Write one JSON line per voted completion: ``completion_id``, ``version``, ``family``,
+    ``split``, ``kind``, ``key`` (the prompt's stable id), ``votes_up``, ``votes_down``, and the
+    served reply's ``has_answer``, ``finish_reason`` and ``tokens``. ``rows`` as
+    :func:`votes_by_completion` gives; ``completions`` maps completion_id -> the demo's record of
+    the reply. What ``flywheel demo-pool`` reads to pool several runs by prompt. Returns the
+    number of lines written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "w") as f:
+        for r in rows:
+            c = completions.get(str(r["completion_id"])) or {}
+            f.write(json.dumps({"completion_id": str(r["completion_id"]), "version": r["model_version"],
+                                "family": c.get("family"), "split": r["split"] or c.get("split"),
+                                "kind": c.get("kind"), "key": c.get("key"),
+                                "votes_up": int(r["votes_up"] or 0), "votes_down": int(r["votes_down"] or 0),
+                                "has_answer": c.get("has_answer"), "finish_reason": c.get("finish_reason"),
+                                "tokens": c.get("tokens")}) + "\n")
+            n += 1
+    return n
+
+
 def _clip(text: str, n: int) -> str:
     """``text`` cut to ``n`` characters with a trailing ellipsis when cut (report.json keeps it whole)."""
     return text if len(text) <= n else text[: n - 1] + "…"
