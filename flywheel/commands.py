@@ -1,4 +1,4 @@
-"""Top-level commands: ``broker``, ``model init``, ``demo``, ``experiment``.
+"""Top-level commands: ``broker``, ``model init``, ``demo``, ``demo-pool``, ``experiment``.
 
 ``demo`` and ``experiment`` take their options from ``flywheel.demo.DemoConfig`` and
 ``flywheel.experiment.ExperimentConfig`` (``schemas.options.config_options``)."""
@@ -229,8 +229,63 @@ def _run_experiment(cfg, eval_only: str | None) -> None:
                                                   if eval_only else f"{out}/experiment.json, {out}/learning_curve.png"))
 
 
+def _ci(c: dict | None, key: str) -> str:
+    return f"[{c[key][0]:+.3f}, {c[key][1]:+.3f}]" if c and c.get(key) else "-"
+
+
+def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each a full `flywheel demo --out`."),
+              out: Path = typer.Option(Path("flywheel-pool"), help="Where pool.json and pool.png go."),
+              seed: int = typer.Option(0, help="Seed of the bootstrap's generator."),
+              output: Optional[Format] = OUTPUT):
+    """Pool full demo runs: per run and pooled, the last promoted version minus the first on
+    each kind of prompt (train, fresh, harder, unseen, all votes), with Newcombe's interval and
+    a cluster bootstrap over prompts stratified by run; and every promotion's candidate
+    against the version it replaced (docs/experiments.md).
+
+    Example: flywheel demo-pool /tmp/seeds/s0 /tmp/seeds/s1 /tmp/seeds/s2 --out /tmp/pool
+    """
+    from flywheel.pool import KINDS, load_run, pool_runs, write_forest_plot
+
+    fmt = resolve(output)
+    try:
+        loaded = [load_run(r) for r in runs]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="RUNS") from exc
+    pool = pool_runs(loaded, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pool.json").write_text(json.dumps(pool, indent=2))
+    write_forest_plot(pool, out / "pool.png")
+
+    def table(wide: bool) -> None:
+        for r in pool["runs"]:
+            typer.echo(f"{r['dir']}: {r['first']} -> {r['last'] or '(no promotion)'}, "
+                       f"{(r['wall_s'] or 0) / 60:.1f} min, {r['events_lost']} of {r['events_accepted']} events lost")
+            for k in KINDS:
+                c = r["by_kind"].get(k)
+                if c:
+                    typer.echo(f"  {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
+                               f"Newcombe {_ci(c, 'ci95')} cluster {_ci(c, 'cluster_ci95')}")
+            for p in r["promotions"]:
+                typer.echo(f"  promoted {p['candidate']} over {p['replaced']} ({p['decided_by']}): own votes "
+                           f"{p['up_candidate']}/{p['n_candidate']} vs {p['up_replaced']}/{p['n_replaced']}"
+                           + (f" {p['diff']:+.3f} {_ci(p, 'ci95')}" if p["diff"] is not None else "")
+                           + (" SHOWN WORSE" if p["shown_worse"] else ""))
+        for k in KINDS:
+            c = pool["pooled"].get(k)
+            if c:
+                typer.echo(f"pooled {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
+                           f"Newcombe {_ci(c, 'ci95')} cluster (stratified by run) {_ci(c, 'cluster_ci95')}, "
+                           f"{c['prompts']} prompts")
+        typer.echo(f"every run positive on fresh: {pool['every_run_positive_on_fresh']}; pooled fresh cluster "
+                   f"interval excludes 0: {pool['pooled_fresh_cluster_excludes_0']}; promotions shown worse: "
+                   f"{len(pool['worse_promotions'])}; {out / 'pool.json'}, {out / 'pool.png'}")
+
+    emit(pool, fmt, table)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(broker_app, name="broker")
     app.add_typer(model_app, name="model")
     app.command("demo")(demo)
     app.command("experiment")(experiment)
+    app.command("demo-pool")(demo_pool)

@@ -1,0 +1,192 @@
+"""Pooling several full demo runs into one claim (``flywheel demo-pool``; docs/experiments.md).
+
+Each run directory holds the demo's ``report.json`` and ``votes.jsonl`` (one line per voted
+completion: version, kind, prompt key, votes). For each kind of prompt (``train``, ``fresh``,
+``harder``, ``unseen``) and for all votes, the pool compares each run's last promoted version
+with its first version:
+
+* per run: the difference of thumbs-up rates with Newcombe's interval (votes independent) and a
+  cluster bootstrap over that run's prompts;
+* pooled: the difference of the pooled rates (every run's votes summed) with Newcombe's
+  interval and a *stratified* cluster bootstrap: each resample draws, within each run, that
+  run's prompts with replacement (a prompt carries every vote both versions got on it), so
+  repeated votes on one prompt and the run-to-run split of votes both count (Field and Welsh
+  2007, s. 3; Cameron and Miller 2015, s. VI.A).
+
+It also checks every promotion: the candidate's own votes (all of them, every kind) against the
+version it replaced, with Newcombe's interval; a promotion whose candidate is *shown worse*
+(upper bound below 0) is listed in ``worse_promotions``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from deploy.stats import newcombe_interval
+
+KINDS = ("train", "fresh", "harder", "unseen", "all")
+
+
+def load_run(path: Path) -> dict:
+    """Read one run directory: ``{"dir", "report", "votes"}``.
+
+    Raises:
+        ValueError: ``report.json`` or ``votes.jsonl`` is missing or not what the demo writes
+            (the message names the file and the reason).
+    """
+    path = Path(path)
+    rp, vp = path / "report.json", path / "votes.jsonl"
+    for p in (rp, vp):
+        if not p.is_file():
+            raise ValueError(f"{p}: missing (a full `flywheel demo` run writes it)")
+    try:
+        report = json.loads(rp.read_text())
+        votes = [json.loads(line) for line in vp.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from exc
+    if not isinstance(report, dict) or "versions" not in report:
+        raise ValueError(f"{rp}: no 'versions' (not a demo report)")
+    for i, v in enumerate(votes, 1):
+        missing = {"version", "kind", "key", "votes_up", "votes_down"} - set(v)
+        if missing:
+            raise ValueError(f"{vp}: line {i}: missing {sorted(missing)}")
+    return {"dir": str(path), "report": report, "votes": votes}
+
+
+def _kind_of(v: dict) -> str:
+    return v.get("kind") or ("train" if (v.get("split") or "train") == "train" else "fresh")
+
+
+def _clusters(votes: list[dict], kind: str, first: str, last: str) -> np.ndarray:
+    """Per prompt key: ``[up_first, n_first, up_last, n_last]``, shape ``(prompts, 4)``, float64."""
+    per: dict[str, list[int]] = {}
+    for v in votes:
+        if v["version"] not in (first, last) or (kind != "all" and _kind_of(v) != kind):
+            continue
+        a = per.setdefault(str(v["key"] or v.get("completion_id")), [0, 0, 0, 0])
+        i = 0 if v["version"] == first else 2
+        a[i] += int(v["votes_up"])
+        a[i + 1] += int(v["votes_up"]) + int(v["votes_down"])
+    return np.array(list(per.values()), dtype=float).reshape(-1, 4)
+
+
+def stratified_cluster_bootstrap(strata: list[np.ndarray], n_boot: int = 4000, seed: int = 0) -> dict | None:
+    """Difference of pooled thumbs-up rates (last minus first) with a 95 % percentile interval
+    from a bootstrap that resamples prompts with replacement within each stratum (run).
+
+    Args:
+        strata: per run, an array ``(prompts, 4)`` of ``[up_first, n_first, up_last, n_last]``.
+        n_boot: resamples; seed: the generator's seed (deterministic).
+
+    Returns ``{"diff", "ci95", "prompts", "n_boot", "dropped", "method"}`` or None when either
+    version has no vote in the pool. Resamples where a version got no vote are dropped (counted).
+    """
+    strata = [s for s in strata if len(s)]
+    if not strata:
+        return None
+    tot = sum(s.sum(axis=0) for s in strata)
+    if tot[1] == 0 or tot[3] == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    acc = np.zeros((n_boot, 4))
+    for s in strata:
+        acc += s[rng.integers(0, len(s), (n_boot, len(s)))].sum(axis=1)
+    ok = (acc[:, 1] > 0) & (acc[:, 3] > 0)
+    d = acc[ok, 2] / acc[ok, 3] - acc[ok, 0] / acc[ok, 1]
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    return {"diff": float(tot[2] / tot[3] - tot[0] / tot[1]), "ci95": [float(lo), float(hi)],
+            "prompts": int(sum(len(s) for s in strata)), "n_boot": n_boot, "dropped": int((~ok).sum()),
+            "method": "cluster bootstrap over prompts, stratified by run, 95 % percentile"}
+
+
+def _compare(strata: list[np.ndarray], seed: int) -> dict | None:
+    tot = sum((s.sum(axis=0) for s in strata if len(s)), np.zeros(4))
+    if tot[1] == 0 or tot[3] == 0:
+        return None
+    d, lo, hi = newcombe_interval(int(tot[0]), int(tot[1]), int(tot[2]), int(tot[3]))  # last - first
+    boot = stratified_cluster_bootstrap(strata, seed=seed)
+    return {"up_from": int(tot[0]), "n_from": int(tot[1]), "up_to": int(tot[2]), "n_to": int(tot[3]),
+            "diff": d, "ci95": [lo, hi], "cluster_ci95": boot["ci95"] if boot else None,
+            "prompts": boot["prompts"] if boot else None}
+
+
+def promotion_checks(run: dict) -> list[dict]:
+    """Every promotion of a run: the candidate's own votes against the version it replaced
+    (the stable before it), all kinds, with Newcombe's 95 % interval (candidate minus
+    replaced); ``shown_worse`` when the interval's upper bound is below 0. Guard verdicts of
+    the canary are carried from the report's decision reason."""
+    out, stable = [], None
+    up_n: dict[str, list[int]] = {}
+    for v in run["votes"]:
+        a = up_n.setdefault(v["version"], [0, 0])
+        a[0] += int(v["votes_up"])
+        a[1] += int(v["votes_up"]) + int(v["votes_down"])
+    for row in run["report"]["versions"]:
+        if row.get("decision") == "base":
+            stable = row["version"]
+        elif row.get("decision") == "PROMOTE" and stable is not None:
+            a, b = up_n.get(stable, [0, 0]), up_n.get(row["version"], [0, 0])
+            d, lo, hi = newcombe_interval(a[0], a[1], b[0], b[1]) if a[1] and b[1] else (None, None, None)
+            out.append({"candidate": row["version"], "replaced": stable, "up_candidate": b[0], "n_candidate": b[1],
+                        "up_replaced": a[0], "n_replaced": a[1], "diff": d, "ci95": [lo, hi],
+                        "shown_worse": hi is not None and hi < 0, "decided_by": row.get("decided_by"),
+                        "reason": row.get("reason")})
+            stable = row["version"]
+    return out
+
+
+def pool_runs(runs: list[dict], seed: int = 0) -> dict:
+    """Pool runs as :func:`load_run` gives them: per run and pooled, last promoted minus first
+    version by kind (module docstring). A run with no promotion is reported and left out of
+    the pool (its gain is undefined). Returns a JSON-ready dict."""
+    per_run, strata = [], {k: [] for k in KINDS}
+    for run in runs:
+        rep = run["report"]
+        first = rep["versions"][0]["version"]
+        promoted = [r["version"] for r in rep["versions"] if r.get("decision") == "PROMOTE"]
+        entry = {"dir": run["dir"], "first": first, "last": promoted[-1] if promoted else None,
+                 "wall_s": rep.get("wall_s"), "events_accepted": rep.get("events_accepted"),
+                 "events_lost": rep.get("events_lost"), "promotions": promotion_checks(run), "by_kind": {}}
+        if promoted:
+            for k in KINDS:
+                s = _clusters(run["votes"], k, first, promoted[-1])
+                strata[k].append(s)
+                entry["by_kind"][k] = _compare([s], seed)
+        per_run.append(entry)
+    pooled = {k: _compare(strata[k], seed) for k in KINDS}
+    worse = [dict(p, dir=r["dir"]) for r in per_run for p in r["promotions"] if p["shown_worse"]]
+    fresh = [r["by_kind"].get("fresh") for r in per_run]
+    return {"runs": per_run, "pooled": pooled, "worse_promotions": worse,
+            "every_run_positive_on_fresh": all(f is not None and f["diff"] > 0 for f in fresh) and bool(fresh),
+            "pooled_fresh_cluster_excludes_0": bool(pooled["fresh"] and pooled["fresh"]["cluster_ci95"]
+                                                    and pooled["fresh"]["cluster_ci95"][0] > 0)}
+
+
+def write_forest_plot(pool: dict, path: Path) -> None:
+    """Forest plot: each run's and the pooled gain on ``fresh`` prompts and on all votes, with
+    the cluster bootstrap 95 % intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for k in ("fresh", "all"):
+        rows += [(f"{Path(r['dir']).name} ({k})", r["by_kind"].get(k)) for r in pool["runs"]]
+        rows.append((f"pooled ({k})", pool["pooled"].get(k)))
+    rows = [(n, c) for n, c in rows if c and c.get("cluster_ci95")]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    for i, (name, c) in enumerate(rows):
+        lo, hi = c["cluster_ci95"]
+        y = len(rows) - i
+        ax.plot([lo, hi], [y, y], color="black" if name.startswith("pooled") else "tab:blue")
+        ax.plot([c["diff"]], [y], "D" if name.startswith("pooled") else "o", color="black")
+    ax.axvline(0, color="grey", linestyle="--")
+    ax.set_yticks(range(len(rows), 0, -1), [n for n, _ in rows])
+    ax.set_xlabel("thumbs-up rate, last promoted minus first version (95% cluster bootstrap)")
+    ax.set_title("Flywheel demo runs pooled")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

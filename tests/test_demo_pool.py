@@ -1,0 +1,163 @@
+"""Pooling full demo runs (flywheel/pool.py, `flywheel demo-pool`): counts, Newcombe's interval
+and the stratified cluster bootstrap checked against formulas written out here, promotion
+checks, and the command on real files in a subprocess."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flywheel import report as rep
+from flywheel.pool import load_run, pool_runs, stratified_cluster_bootstrap
+
+Z = 1.959963984540054
+
+
+def wilson(x: int, n: int) -> tuple[float, float]:
+    p = x / n
+    c = (p + Z * Z / (2 * n)) / (1 + Z * Z / n)
+    h = Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n)) / (1 + Z * Z / n)
+    return c - h, c + h
+
+
+def newcombe(x1, n1, x2, n2):
+    """p2 - p1, Newcombe 1998 method 10, written out from the paper."""
+    p1, p2 = x1 / n1, x2 / n2
+    l1, u1 = wilson(x1, n1)
+    l2, u2 = wilson(x2, n2)
+    d = p2 - p1
+    return d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+
+
+def make_run(path: Path, rng: random.Random, p_first: float, p_last: float, prompts: int = 60,
+             votes_per_prompt: int = 2, versions=("v000000", "v000001"), decisions=("base", "PROMOTE"),
+             kind: str = "fresh") -> list[dict]:
+    path.mkdir(parents=True)
+    votes = []
+    for v, p in zip(versions, (p_first, p_last)):
+        for k in range(prompts):
+            for j in range(votes_per_prompt):
+                up = rng.random() < p
+                votes.append({"completion_id": f"{v}-{k}-{j}", "version": v, "family": "chain_sum", "split": "eval",
+                              "kind": kind, "key": f"q{k}", "votes_up": int(up), "votes_down": int(not up),
+                              "has_answer": True, "finish_reason": "stop", "tokens": 10})
+    report = {"versions": [{"version": v, "decision": d, "decided_by": "sequential_test" if d == "PROMOTE" else None,
+                            "reason": "test"} for v, d in zip(versions, decisions)],
+              "wall_s": 60.0, "events_accepted": len(votes), "events_lost": 0}
+    (path / "report.json").write_text(json.dumps(report))
+    (path / "votes.jsonl").write_text("".join(json.dumps(v) + "\n" for v in votes))
+    return votes
+
+
+def linearised_se(runs_votes: list[list[dict]], first: str, last: str) -> float:
+    """Cluster-robust standard error of the pooled difference by linearisation (Taylor),
+    prompts as clusters within runs as strata, without the small-sample factor (as the
+    bootstrap): Var = sum_h m_h * var0(z_i), z_i = (u_l - R_l n_l)/N_l - (u_f - R_f n_f)/N_f."""
+    cl = []
+    for h, votes in enumerate(runs_votes):
+        per = {}
+        for v in votes:
+            a = per.setdefault(v["key"], [0, 0, 0, 0])
+            i = 0 if v["version"] == first else 2
+            a[i] += v["votes_up"]
+            a[i + 1] += v["votes_up"] + v["votes_down"]
+        cl.append(np.array(list(per.values()), float))
+    tot = sum(c.sum(axis=0) for c in cl)
+    rf, rl = tot[0] / tot[1], tot[2] / tot[3]
+    var = 0.0
+    for c in cl:
+        z = (c[:, 2] - rl * c[:, 3]) / tot[3] - (c[:, 0] - rf * c[:, 1]) / tot[1]
+        var += len(c) * z.var()
+    return math.sqrt(var)
+
+
+def test_pooled_counts_and_newcombe_match_the_formula(tmp_path):
+    rng = random.Random(1)
+    a = make_run(tmp_path / "a", rng, 0.2, 0.3)
+    b = make_run(tmp_path / "b", rng, 0.25, 0.35, prompts=40)
+    pool = pool_runs([load_run(tmp_path / "a"), load_run(tmp_path / "b")])
+    c = pool["pooled"]["fresh"]
+    uf = sum(v["votes_up"] for v in a + b if v["version"] == "v000000")
+    ul = sum(v["votes_up"] for v in a + b if v["version"] == "v000001")
+    assert (c["up_from"], c["n_from"], c["up_to"], c["n_to"]) == (uf, 200, ul, 200)
+    d, lo, hi = newcombe(uf, 200, ul, 200)
+    assert c["diff"] == pytest.approx(d) and c["ci95"] == pytest.approx([lo, hi])
+    assert c["prompts"] == 100  # 60 + 40 prompt keys, each run's keys its own clusters
+    # per run, the same figures over that run's votes alone
+    ra = pool["runs"][0]["by_kind"]["fresh"]
+    assert ra["n_from"] == 120 and ra["diff"] == pytest.approx(
+        newcombe(sum(v["votes_up"] for v in a if v["version"] == "v000000"), 120,
+                 sum(v["votes_up"] for v in a if v["version"] == "v000001"), 120)[0])
+    assert pool["pooled"]["train"] is None  # no train votes in these runs
+
+
+def test_stratified_bootstrap_matches_the_linearised_cluster_se(tmp_path):
+    rng = random.Random(7)
+    runs = [make_run(tmp_path / f"r{i}", rng, 0.2, 0.3, prompts=80, votes_per_prompt=4) for i in range(3)]
+    pool = pool_runs([load_run(tmp_path / f"r{i}") for i in range(3)], seed=3)
+    lo, hi = pool["pooled"]["fresh"]["cluster_ci95"]
+    se = linearised_se(runs, "v000000", "v000001")
+    assert (hi - lo) / 2 == pytest.approx(Z * se, rel=0.12)
+
+
+def test_repeated_votes_on_one_prompt_widen_the_cluster_interval_not_newcombe():
+    """The same 240 votes per version, once spread over 240 prompts and once over 30 prompts
+    carrying 8 identical votes each: Newcombe's interval is the same, the cluster one is about
+    sqrt(8) times wider."""
+    rng = np.random.default_rng(0)
+    f, l = rng.random(30) < 0.2, rng.random(30) < 0.35
+    clustered = np.stack([8 * f, np.full(30, 8), 8 * l, np.full(30, 8)], axis=1).astype(float)
+    spread = np.repeat(np.stack([f, np.ones(30), l, np.ones(30)], axis=1).astype(float), 8, axis=0)
+    wc = np.diff(stratified_cluster_bootstrap([clustered], seed=1)["ci95"])[0]
+    ws = np.diff(stratified_cluster_bootstrap([spread], seed=1)["ci95"])[0]
+    assert wc / ws == pytest.approx(math.sqrt(8), rel=0.2)
+
+
+def test_a_promotion_whose_candidate_is_shown_worse_is_listed(tmp_path):
+    rng = random.Random(3)
+    make_run(tmp_path / "bad", rng, 0.6, 0.1, prompts=50, kind="train")
+    make_run(tmp_path / "ok", rng, 0.2, 0.25, prompts=50)
+    pool = pool_runs([load_run(tmp_path / "bad"), load_run(tmp_path / "ok")])
+    assert [p["candidate"] for p in pool["worse_promotions"]] == ["v000001"]
+    assert pool["worse_promotions"][0]["dir"].endswith("bad")
+    p = pool["runs"][0]["promotions"][0]
+    assert p["replaced"] == "v000000" and p["ci95"][1] < 0 and p["n_candidate"] == 100
+    assert pool["runs"][1]["promotions"][0]["shown_worse"] is False
+
+
+def test_write_votes_round_trips_through_load_run(tmp_path):
+    rows = [{"completion_id": "c1", "model_version": "v000000", "split": "eval", "votes_up": 1, "votes_down": 0},
+            {"completion_id": "c2", "model_version": "v000001", "split": "train", "votes_up": 0, "votes_down": 2}]
+    comps = {"c1": {"family": "chain_sum", "kind": "fresh", "key": "k1", "has_answer": True,
+                    "finish_reason": "stop", "tokens": 7}}
+    (tmp_path / "report.json").write_text(json.dumps({"versions": []}))
+    assert rep.write_votes(rows, comps, tmp_path / "votes.jsonl") == 2
+    got = load_run(tmp_path)["votes"]
+    assert got[0] == {"completion_id": "c1", "version": "v000000", "family": "chain_sum", "split": "eval",
+                      "kind": "fresh", "key": "k1", "votes_up": 1, "votes_down": 0, "has_answer": True,
+                      "finish_reason": "stop", "tokens": 7}
+    assert got[1]["kind"] is None and got[1]["votes_down"] == 2
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "flywheel.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "COLUMNS": "200"}, timeout=120)
+
+
+def test_demo_pool_command_writes_pool_and_plot_and_refuses_a_run_without_votes(tmp_path):
+    rng = random.Random(5)
+    for s in ("s0", "s1"):
+        make_run(tmp_path / s, rng, 0.2, 0.4, prompts=60)
+    r = _cli("demo-pool", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(tmp_path / "pool"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    pool = json.loads((tmp_path / "pool" / "pool.json").read_text())
+    assert (tmp_path / "pool" / "pool.png").stat().st_size > 1000
+    assert "pooled fresh" in r.stdout and pool["pooled"]["fresh"]["n_from"] == 240
+    (tmp_path / "s1" / "votes.jsonl").unlink()
+    r = _cli("demo-pool", str(tmp_path / "s0"), str(tmp_path / "s1"), cwd=tmp_path)
+    assert r.returncode == 2 and "votes.jsonl: missing" in r.stderr
