@@ -269,7 +269,10 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
                 typer.echo(f"  promoted {p['candidate']} over {p['replaced']} ({p['decided_by']}): own votes "
                            f"{p['up_candidate']}/{p['n_candidate']} vs {p['up_replaced']}/{p['n_replaced']}"
                            + (f" {p['diff']:+.3f} {_ci(p, 'ci95')}" if p["diff"] is not None else "")
-                           + (" SHOWN WORSE" if p["shown_worse"] else ""))
+                           + (" SHOWN WORSE" if p["shown_worse"] else "")
+                           + "".join(f"; {k} {c['candidate'][0]}/{c['candidate'][1]} vs {c['replaced'][0]}/"
+                                     f"{c['replaced'][1]}" + (" SHOWN WORSE" if k in p["guards_shown_worse"] else "")
+                                     for k, c in p["replies"].items()))
         for k in KINDS:
             c = pool["pooled"].get(k)
             if c:

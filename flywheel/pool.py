@@ -14,8 +14,9 @@ with its first version:
   2007, s. 3; Cameron and Miller 2015, s. VI.A).
 
 It also checks every promotion: the candidate's own votes (all of them, every kind) against the
-version it replaced, with Newcombe's interval; a promotion whose candidate is *shown worse*
-(upper bound below 0) is listed in ``worse_promotions``.
+version it replaced, and its no-answer and truncated shares over every served reply, each with
+Newcombe's interval; a promotion whose candidate is *shown worse* on any of them (the interval
+excludes 0 on the worse side) is listed in ``worse_promotions``.
 """
 from __future__ import annotations
 
@@ -123,17 +124,34 @@ def promotion_checks(run: dict) -> list[dict]:
         a = up_n.setdefault(v["version"], [0, 0])
         a[0] += int(v["votes_up"])
         a[1] += int(v["votes_up"]) + int(v["votes_down"])
+    rows = {row["version"]: row for row in run["report"]["versions"]}
     for row in run["report"]["versions"]:
         if row.get("decision") == "base":
             stable = row["version"]
         elif row.get("decision") == "PROMOTE" and stable is not None:
             a, b = up_n.get(stable, [0, 0]), up_n.get(row["version"], [0, 0])
             d, lo, hi = newcombe_interval(a[0], a[1], b[0], b[1]) if a[1] and b[1] else (None, None, None)
+            shares = _reply_shares(rows[stable], row)
             out.append({"candidate": row["version"], "replaced": stable, "up_candidate": b[0], "n_candidate": b[1],
                         "up_replaced": a[0], "n_replaced": a[1], "diff": d, "ci95": [lo, hi],
-                        "shown_worse": hi is not None and hi < 0, "decided_by": row.get("decided_by"),
-                        "reason": row.get("reason")})
+                        "shown_worse": hi is not None and hi < 0, "replies": shares,
+                        "guards_shown_worse": [k for k, c in shares.items() if c["ci95"][0] > 0],
+                        "decided_by": row.get("decided_by"), "reason": row.get("reason")})
             stable = row["version"]
+    return out
+
+
+def _reply_shares(replaced: dict, candidate: dict) -> dict:
+    """No-answer and truncated shares over every served reply (the report's ``replies``),
+    candidate minus replaced with Newcombe's 95 % interval; a lower bound above 0 shows the
+    candidate worse on that guard. Versions without reply figures are skipped."""
+    out = {}
+    for k in ("no_answer", "truncated"):
+        a, b = (replaced.get("replies") or {}).get(k), (candidate.get("replies") or {}).get(k)
+        if a and b and a.get("votes") and b.get("votes"):
+            d, lo, hi = newcombe_interval(a["votes_up"], a["votes"], b["votes_up"], b["votes"])
+            out[k] = {"replaced": [a["votes_up"], a["votes"]], "candidate": [b["votes_up"], b["votes"]],
+                      "diff": d, "ci95": [lo, hi]}
     return out
 
 
@@ -156,7 +174,8 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
                 entry["by_kind"][k] = _compare([s], seed)
         per_run.append(entry)
     pooled = {k: _compare(strata[k], seed) for k in KINDS}
-    worse = [dict(p, dir=r["dir"]) for r in per_run for p in r["promotions"] if p["shown_worse"]]
+    worse = [dict(p, dir=r["dir"]) for r in per_run for p in r["promotions"]
+             if p["shown_worse"] or p["guards_shown_worse"]]
     fresh = [r["by_kind"].get("fresh") for r in per_run]
     return {"runs": per_run, "pooled": pooled, "worse_promotions": worse,
             "every_run_positive_on_fresh": all(f is not None and f["diff"] > 0 for f in fresh) and bool(fresh),

@@ -161,3 +161,21 @@ def test_demo_pool_command_writes_pool_and_plot_and_refuses_a_run_without_votes(
     (tmp_path / "s1" / "votes.jsonl").unlink()
     r = _cli("demo-pool", str(tmp_path / "s0"), str(tmp_path / "s1"), cwd=tmp_path)
     assert r.returncode == 2 and "votes.jsonl: missing" in r.stderr
+
+
+def test_a_promotion_with_more_unanswered_replies_is_listed(tmp_path):
+    """Votes equal, but the candidate left 30 of 100 served replies without an answer against
+    the replaced version's 5 of 100: Newcombe's interval for the difference is above 0."""
+    make_run(tmp_path / "r", random.Random(2), 0.3, 0.3, prompts=50)
+    rp = tmp_path / "r" / "report.json"
+    report = json.loads(rp.read_text())
+    share = (lambda up, n: {"votes_up": up, "votes": n})
+    report["versions"][0]["replies"] = {"no_answer": share(5, 100), "truncated": share(2, 100)}
+    report["versions"][1]["replies"] = {"no_answer": share(30, 100), "truncated": share(3, 100)}
+    rp.write_text(json.dumps(report))
+    pool = pool_runs([load_run(tmp_path / "r")])
+    p = pool["runs"][0]["promotions"][0]
+    assert p["guards_shown_worse"] == ["no_answer"]
+    d, lo, hi = newcombe(5, 100, 30, 100)
+    assert p["replies"]["no_answer"]["ci95"] == pytest.approx([lo, hi]) and lo > 0
+    assert [w["candidate"] for w in pool["worse_promotions"]] == ["v000001"]
