@@ -20,7 +20,10 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
 * **operational** (error rate, p99 latency, tokens/s): each check compares candidate with
   stable.
 * **reward-hacking guards**: mean completion length (longer by more than
-  ``max_length_ratio`` or shorter than ``min_length_ratio`` times), and the shares of replies
+  ``max_length_ratio`` or shorter than ``min_length_ratio`` times; over the replies that
+  finished on their own when both arms give ``truncated_tokens``, so a candidate cut at
+  ``max_tokens`` less often is not called shorter for that: the truncated share has its own
+  guard; D60), and the shares of replies
   with no answer (the workload's own ``has_answer``), cut at ``max_tokens`` and repetitive
   (:func:`deploy.replies.is_repetitive`), each not to rise by more than its limit. Each is
   checked against the stable version and, when the analysis is given the first version's
@@ -96,6 +99,8 @@ class ArmStats:
         no_answer: those with no answer (empty reply, or none the workload can parse) (count).
         truncated: those cut at ``max_tokens`` (``finish_reason == "length"``) (count).
         repetitive: those that repeat themselves (:func:`deploy.replies.is_repetitive`) (count).
+        truncated_tokens: the completion tokens of the truncated ones (count), None if the
+            source does not say (the length guard then uses every reply).
         x_sum, xx_sum, xy_sum: CUPED sufficient statistics over the arm's votes of a covariate
             ``x`` fixed before the canary started (the voting user's earlier thumbs-up rate):
             ``sum x``, ``sum x^2``, ``sum x y`` with ``y`` = 1 for an up-vote (floats; None: no
@@ -114,15 +119,16 @@ class ArmStats:
     no_answer: int = 0
     truncated: int = 0
     repetitive: int = 0
+    truncated_tokens: int | None = None
     x_sum: float | None = None
     xx_sum: float | None = None
     xy_sum: float | None = None
 
     def __post_init__(self):
         for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
-                  "completion_tokens", "no_answer", "truncated", "repetitive"):
+                  "completion_tokens", "no_answer", "truncated", "repetitive", "truncated_tokens"):
             v = getattr(self, f)
-            if f == "latency_samples" and v is None:
+            if f in ("latency_samples", "truncated_tokens") and v is None:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{f}: must be an int >= 0, got {v!r}")
@@ -376,6 +382,16 @@ _SHARE_GUARDS = (("no_answer", "max_no_answer_increase", "replies with no answer
                  ("repetitive", "max_repetitive_increase", "repetitive replies"))
 
 
+def _mean_length(a: ArmStats) -> float | None:
+    """Mean length (tokens) of the replies that finished on their own (not cut at
+    ``max_tokens``), or None when the source gives no ``truncated_tokens`` or every reply
+    was cut."""
+    finished = a.completions - a.truncated
+    if a.truncated_tokens is None or finished <= 0:
+        return None
+    return (a.completion_tokens - a.truncated_tokens) / finished
+
+
 def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = "",
                  against: str = "stable") -> list[MetricResult]:
     """Reward-hacking guards: the candidate's replies must not drift from the baseline ``s``
@@ -389,10 +405,13 @@ def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = ""
         why = f"{n[0]} vs {n[1]} completions ({against}), need {cfg.min_guard_completions} per arm"
         return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "baseline_n": n[1]})
                 for g in names]
-    lc, ls = c.completion_tokens / c.completions, s.completion_tokens / s.completions
+    lc, ls, over = _mean_length(c), _mean_length(s), "finished"
+    if lc is None or ls is None:  # a source without truncated_tokens, or an arm with every reply cut
+        lc, ls, over = c.completion_tokens / c.completions, s.completion_tokens / s.completions, "all"
     nums = {"candidate": lc, "baseline": ls, "against": against, "max_ratio": cfg.max_length_ratio,
-            "min_ratio": cfg.min_length_ratio, "candidate_n": n[0], "baseline_n": n[1]}
-    what = f"mean reply length {lc:.1f} vs {ls:.1f} tokens ({against})"
+            "min_ratio": cfg.min_length_ratio, "candidate_n": n[0], "baseline_n": n[1], "over": over}
+    what = (f"mean reply length {lc:.1f} vs {ls:.1f} tokens ({against}"
+            + (", replies not cut at max_tokens)" if over == "finished" else ")"))
     if ls == 0:
         out = [MetricResult(names[0], Check.INCONCLUSIVE, f"{what}: baseline is 0 tokens", nums)]
     else:

@@ -310,9 +310,10 @@ class CanaryCounts:
     Fields (counts; versions are ``model_version`` strings):
         votes: ``{version: (votes_up, votes_down, samples)}`` since the canary started.
         step_votes: ``{version: (votes_up, votes_down)}`` since the current step started.
-        guards: ``{version: {completions, completion_tokens, no_answer, truncated}}`` since
-            the canary started: ``no_answer`` = replies of at most ``EMPTY_REPLY_TOKENS``
-            tokens, ``truncated`` = ``finish_reason == 'length'`` (cut at max_tokens).
+        guards: ``{version: {completions, completion_tokens, no_answer, truncated,
+            truncated_tokens}}`` since the canary started: ``no_answer`` = replies of at most
+            ``EMPTY_REPLY_TOKENS`` tokens, ``truncated`` = ``finish_reason == 'length'`` (cut at
+            max_tokens), ``truncated_tokens`` = the tokens of those cut replies.
         by_split: ``{split: {version: (votes_up, votes)}}`` since the canary started.
     """
 
@@ -338,20 +339,24 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
                 f"sum(votes_up) FILTER (WHERE t >= {s_at}), sum(votes_down) FILTER (WHERE t >= {s_at}), "
                 f"sum(len(completion_token_ids)) FILTER (WHERE t >= {c_at}), "
                 f"sum(CAST(len(completion_token_ids) <= {EMPTY_REPLY_TOKENS} AS INTEGER)) FILTER (WHERE t >= {c_at}), "
-                f"sum(CAST(finish_reason = 'length' AS INTEGER)) FILTER (WHERE t >= {c_at})")
+                f"sum(CAST(finish_reason = 'length' AS INTEGER)) FILTER (WHERE t >= {c_at}), "
+                f"sum(len(completion_token_ids)) FILTER (WHERE t >= {c_at} AND finish_reason = 'length')")
 
     out = CanaryCounts()
-    for v, sp, up, down, n, sup, sdown, toks, empty, trunc in _query_samples(samples_dir, select, "1, 2", since):
+    for v, sp, up, down, n, sup, sdown, toks, empty, trunc, trunc_toks in _query_samples(samples_dir, select, "1, 2",
+                                                                                          since):
         up, down, n, sup, sdown = (int(x or 0) for x in (up, down, n, sup, sdown))
         a = out.votes.get(v, (0, 0, 0))
         if n:
             out.votes[v] = (a[0] + up, a[1] + down, a[2] + n)
             out.by_split.setdefault(sp, {})[v] = (up, up + down)
-            g = out.guards.setdefault(v, {"completions": 0, "completion_tokens": 0, "no_answer": 0, "truncated": 0})
+            g = out.guards.setdefault(v, {"completions": 0, "completion_tokens": 0, "no_answer": 0, "truncated": 0,
+                                          "truncated_tokens": 0})
             g["completions"] += n
             g["completion_tokens"] += int(toks or 0)
             g["no_answer"] += int(empty or 0)
             g["truncated"] += int(trunc or 0)
+            g["truncated_tokens"] += int(trunc_toks or 0)
         if sup or sdown:
             b = out.step_votes.get(v, (0, 0))
             out.step_votes[v] = (b[0] + sup, b[1] + sdown)

@@ -6,7 +6,7 @@ Every completion a pod serves is on the completions topic (``schemas.topics.COMP
 the same record the stream processor joins), so :class:`ServedCompletions` reads that topic
 from its start in a background thread and keeps, per model version and second of
 ``created_at``, the guard counts of :class:`deploy.analysis.ArmStats`: ``completions``,
-``completion_tokens``, ``no_answer``, ``truncated``, ``repetitive``.
+``completion_tokens``, ``no_answer``, ``truncated``, ``repetitive``, ``truncated_tokens``.
 
 ``no_answer`` is the workload's notion (does the reply contain an answer its verifier could
 judge?): this package cannot know it, so it comes through the :class:`ReplyJudge` interface,
@@ -27,7 +27,7 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-GUARD_FIELDS = ("completions", "completion_tokens", "no_answer", "truncated", "repetitive")
+GUARD_FIELDS = ("completions", "completion_tokens", "no_answer", "truncated", "repetitive", "truncated_tokens")
 REP_N = 4  # n-gram order of the repetition measure
 REP_MAX = 0.5  # a reply whose seq-rep-4 exceeds this is repetitive
 REP_MIN_TOKENS = 8  # shorter replies are never called repetitive
@@ -136,12 +136,13 @@ class ServedCompletions:
         key = (str(event["model_version"]), int(event["created_at"]) // 1000)
         with self._lock:
             b = self._buckets[key]
-            for i, v in enumerate((1, tokens, no_ans, trunc, rep)):
+            for i, v in enumerate((1, tokens, no_ans, trunc, rep, tokens if trunc else 0)):
                 b[i] += v
             self.records += 1
 
     def counts(self, since_ms: int = 0, versions=None) -> dict[str, dict]:
-        """``{version: {completions, completion_tokens, no_answer, truncated, repetitive}}`` of
+        """``{version: {completions, completion_tokens, no_answer, truncated, repetitive,
+        truncated_tokens}}`` of
         completions created at or after ``since_ms`` (to the second), for ``versions`` (all
         when None)."""
         first_s = -(-int(since_ms) // 1000)  # ceil: whole seconds at or after since_ms

@@ -246,6 +246,41 @@ def test_guards_fail_a_candidate_that_games_length():
     assert d.outcome == Outcome.HOLD and d.inconclusive  # too few completions to judge a guard
 
 
+def test_a_candidate_cut_at_max_tokens_less_often_is_not_called_shorter():
+    """The full demo's case (seed 0, docs/experiments.md run H): the stable's replies are cut
+    at 48 tokens 17 % of the time, the candidate's 2 %; the replies that finish are 18 and 14
+    tokens long. Over every reply the candidate looks 0.64x as long (the rule over every
+    reply rolled it back); over the finished replies the ratio is 0.78 and the guard passes.
+    A candidate whose finished replies collapse to a bare answer still fails."""
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=20)
+    # stable: 166 finished replies of 18 tokens + 34 cut at 48; candidate: 196 of 14 + 4 cut
+    stable = ArmStats(40, 160, completions=200, completion_tokens=166 * 18 + 34 * 48, no_answer=10, truncated=34,
+                      truncated_tokens=34 * 48)
+    concise = ArmStats(40, 160, completions=200, completion_tokens=196 * 14 + 4 * 48, no_answer=10, truncated=4,
+                       truncated_tokens=4 * 48)
+    all_ratio = (concise.completion_tokens / 200) / (stable.completion_tokens / 200)
+    assert all_ratio < cfg.min_length_ratio  # what the guard measured over every reply
+    d = analyze(concise, stable, cfg)
+    m = {x.name: x for x in d.metrics}
+    assert m["completion_length"].check == Check.PASS
+    assert m["completion_length"].numbers["ratio"] == pytest.approx(14 / 18)
+    assert m["completion_length"].numbers["over"] == "finished"
+    bare = ArmStats(40, 160, completions=200, completion_tokens=190 * 3 + 10 * 48, no_answer=10, truncated=10,
+                    truncated_tokens=10 * 48)
+    d = analyze(bare, stable, cfg)
+    m = {x.name: x for x in d.metrics}
+    assert m["completion_length"].check == Check.FAIL and d.outcome == Outcome.ROLLBACK
+    assert m["completion_length"].numbers["ratio"] == pytest.approx(3 / 18)
+    assert "replies not cut at max_tokens" in m["completion_length"].reason
+    # a source without truncated_tokens: the mean over every reply, as before
+    old = ArmStats(40, 160, completions=200, completion_tokens=concise.completion_tokens, no_answer=10, truncated=4)
+    m = {x.name: x for x in analyze(old, stable, cfg).metrics}
+    assert m["completion_length"].check == Check.FAIL and m["completion_length"].numbers["over"] == "all"
+    assert m["completion_length"].numbers["ratio"] == pytest.approx(all_ratio)
+    with pytest.raises(ValueError, match="truncated_tokens"):
+        ArmStats(truncated_tokens=-1)
+
+
 def test_never_decides_on_empty_data_whatever_the_threshold():
     for mv in (1, 5, 100):
         d = analyze(ArmStats(), ArmStats(), AnalysisConfig(min_votes=mv))
@@ -423,12 +458,16 @@ def test_served_completions_reads_every_completion_from_the_topic(broker):
         served.stop()
     assert served.records == 4 and served.skipped == 1
     assert served.counts(0) == {
-        "v1": {"completions": 3, "completion_tokens": 13, "no_answer": 1, "truncated": 1, "repetitive": 1},
-        "v0": {"completions": 1, "completion_tokens": 2, "no_answer": 0, "truncated": 0, "repetitive": 0}}
+        "v1": {"completions": 3, "completion_tokens": 13, "no_answer": 1, "truncated": 1, "repetitive": 1,
+               "truncated_tokens": 10},
+        "v0": {"completions": 1, "completion_tokens": 2, "no_answer": 0, "truncated": 0, "repetitive": 0,
+               "truncated_tokens": 0}}
     # since 5.5 s: whole seconds from 6 s on
     assert served.counts(5_500) == {
-        "v1": {"completions": 1, "completion_tokens": 10, "no_answer": 0, "truncated": 1, "repetitive": 1},
-        "v0": {"completions": 1, "completion_tokens": 2, "no_answer": 0, "truncated": 0, "repetitive": 0}}
+        "v1": {"completions": 1, "completion_tokens": 10, "no_answer": 0, "truncated": 1, "repetitive": 1,
+               "truncated_tokens": 10},
+        "v0": {"completions": 1, "completion_tokens": 2, "no_answer": 0, "truncated": 0, "repetitive": 0,
+               "truncated_tokens": 0}}
     with pytest.raises(ValueError, match="module:attribute"):
         load_judge("flywheel.workload")
     with pytest.raises(ValueError, match="cannot load"):

@@ -374,9 +374,12 @@ def test_canary_counts_by_hand(env):
     assert cc.step_votes == {"v000001": (1, 0), "v000002": (2, 0)}
     # v000001 since 2000: 4 replies of 40 tokens cut at max_tokens and 1 of 7; v000000: four
     # 1-token replies (no answer); v000002: two of 3 tokens
-    assert cc.guards == {"v000001": {"completions": 5, "completion_tokens": 167, "no_answer": 0, "truncated": 4},
-                         "v000000": {"completions": 4, "completion_tokens": 4, "no_answer": 4, "truncated": 0},
-                         "v000002": {"completions": 2, "completion_tokens": 6, "no_answer": 0, "truncated": 0}}
+    assert cc.guards == {"v000001": {"completions": 5, "completion_tokens": 167, "no_answer": 0, "truncated": 4,
+                                     "truncated_tokens": 160},
+                         "v000000": {"completions": 4, "completion_tokens": 4, "no_answer": 4, "truncated": 0,
+                                     "truncated_tokens": 0},
+                         "v000002": {"completions": 2, "completion_tokens": 6, "no_answer": 0, "truncated": 0,
+                                     "truncated_tokens": 0}}
     assert cc.by_split == {"train": {"v000001": (3, 5), "v000000": (0, 4), "v000002": (2, 2)}}
     assert canary_counts(env.samples / "nothing", 0, 0) == type(cc)()
 
