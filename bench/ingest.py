@@ -64,9 +64,10 @@ with more workers (a quick run's 4-worker window made 4 hosts look 1.8x as effic
 
 8. ``--profile`` (issue 24): no broker. The same records handed to one in-process worker's
    own ``Worker.fold`` (getmany-sized batches) and ``Worker.seal_round`` (every label due), on
-   a fresh SQLite state and real shards, first unprofiled (CPU-s of the fold and of sealing,
-   records / labels per CPU-s), then under ``cProfile`` (the top functions by own and by
-   cumulative time, printed).
+   a fresh SQLite state and real shards, first unprofiled ``--profile-reps`` times (CPU-s of
+   the fold and of sealing, records / labels per CPU-s, and their medians), then once under
+   ``cProfile`` with a CPU clock, fold and sealing apart (``--profile-top`` functions by own
+   and by cumulative time).
 
     python bench/ingest.py [--quick] [--completions N] [--partitions P] [--hosts 1,2,4] [--faust-noop]
     python bench/ingest.py --fuzz 50000
