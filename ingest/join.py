@@ -431,6 +431,11 @@ def parse_completion(raw: bytes | str, source_topic: str = topics.COMPLETIONS, k
     return parse_event(CompletionEvent, raw, source_topic, key)
 
 
+# Joiner.seal copies this with every field replaced (RewardedSample.model_copy(update=...)):
+# never read as a sample itself
+_SAMPLE_TEMPLATE = RewardedSample.model_construct(**{name: None for name in RewardedSample.model_fields})
+
+
 class Joiner:
     """Folds parsed events into :class:`LabelState` s and seals them.
 
@@ -631,13 +636,15 @@ class Joiner:
                 raise ValueError(f"{ev.field}: {ev.reason}")
         up = sum(1 for v in st.votes.values() if v.value > 0)
         down = sum(1 for v in st.votes.values() if v.value < 0)
-        return RewardedSample.model_construct(
+        # every field given: a shallow copy of a template with all of them replaced is the
+        # model_construct result (no validation, every field set) at half its cost
+        return _SAMPLE_TEMPLATE.model_copy(update=dict(
             completion_id=ev.completion_id, model_version=ev.model_version, created_at=ev.created_at,
             user_hash=ev.user_hash, prompt_token_ids=ev.prompt_token_ids,
             completion_token_ids=ev.completion_token_ids, behavior_logprobs=ev.behavior_logprobs,
             sampling=ev.sampling, expert_routes=ev.expert_routes, finish_reason=ev.finish_reason,
             reward=self.cfg.shaping.reward(up, down), label=up > down, n_votes=up + down,
-            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now, split=ev.split)
+            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now, split=ev.split))
 
     def _malformed(self, st: LabelState, dl: DeadLetter, res: TickResult, now: int) -> None:
         """A completion whose body failed :meth:`validate`: its dead letter, and one per folded

@@ -479,3 +479,28 @@ def test_interim_inline_body_layout_migrates(tmp_path):
     assert set(got) == {c.completion_id, c2.completion_id}
     assert got[c.completion_id].behavior_logprobs == c.behavior_logprobs and got[c2.completion_id].label is False
     assert [f.name for f in j.store.bodies_dir.iterdir()] == [f"{j.store.owner}.1.seg"]
+
+
+def test_sealed_sample_is_the_constructed_sample_and_its_topic_value_is_to_bytes(j):
+    """Sealing's cheap paths (issue 24) give what the plain ones gave: the sample equals
+    ``RewardedSample.model_construct`` of the same values with every field set, it round-trips
+    through the contract, and the samples-topic values of ``shard_parts`` are ``to_bytes``."""
+    import numpy as np
+
+    from ingest import writer
+    from schemas.events import ExpertRoutes, RewardedSample
+
+    c = completion().model_copy(update={"split": "eval", "expert_routes": ExpertRoutes.from_array(
+        np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2))})
+    j.on_completion(c, now=T0)
+    vs = [vote(c.completion_id, "u1", 1), vote(c.completion_id, "u2", -1), vote(c.completion_id, "u1", -1, T0 + 5)]
+    for i, v in enumerate(vs):
+        j.on_feedback(v, now=T0 + i)
+    samples = j.tick(T0 + 2 + 10_000).samples
+    (s,) = samples
+    assert s == RewardedSample.model_construct(**s.__dict__)
+    assert s.model_fields_set == set(RewardedSample.model_fields)
+    assert (s.votes_up, s.votes_down, s.split, s.event_ids) == (0, 2, "eval", [str(v.event_id) for v in vs])
+    assert RewardedSample.model_validate_json(s.to_bytes()) == s
+    good, table, values, bad = writer.shard_parts(samples)
+    assert (good, bad, values) == (samples, [], [s.to_bytes()]) and table.num_rows == 1
