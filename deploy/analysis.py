@@ -393,24 +393,41 @@ def _mean_length(a: ArmStats) -> float | None:
 
 
 def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = "",
-                 against: str = "stable") -> list[MetricResult]:
+                 against: str = "stable", bridge: tuple[ArmStats, ArmStats] | None = None) -> list[MetricResult]:
     """Reward-hacking guards: the candidate's replies must not drift from the baseline ``s``
     (the stable version, or the first version with ``suffix=VS_FIRST``) in length, either way,
-    nor in the shares with no answer, cut at ``max_tokens`` or repetitive (module docstring)."""
+    nor in the shares with no answer, cut at ``max_tokens`` or repetitive (module docstring).
+
+    ``bridge``: ``(stable in the canary's window, stable over all its completions)``. The
+    candidate's figures come from the canary's window, a baseline's over its whole life, and a
+    window is not a fair sample of a version's replies (short replies finish first, so a
+    canary's first completions are short for both arms). With a bridge, the baseline is moved
+    into the window through the stable, which was served beside the candidate: length
+    ``l_s * l_stable_window / l_stable_all``, shares ``r_s + r_stable_window - r_stable_all``,
+    so the check compares the candidate with the stable in the same window and the stable's
+    whole life with the baseline's (drift still compounds into it) (D60)."""
     names = [g + suffix for g in GUARDS]
     n = (c.completions, s.completions)
     if c.completions == 0 and s.completions == 0:
         return [MetricResult(g, Check.SKIPPED, f"{g} not measured") for g in names]
-    if min(n) < cfg.min_guard_completions:
-        why = f"{n[0]} vs {n[1]} completions ({against}), need {cfg.min_guard_completions} per arm"
+    arms = [c, s, *(bridge or ())]
+    if min(a.completions for a in arms) < cfg.min_guard_completions:
+        why = (f"{n[0]} vs {n[1]} completions ({against}"
+               + (f", stable {bridge[0].completions} in the window)" if bridge else ")")
+               + f", need {cfg.min_guard_completions} per arm")
         return [MetricResult(g, Check.INCONCLUSIVE, f"{g}: {why}", {"candidate_n": n[0], "baseline_n": n[1]})
                 for g in names]
-    lc, ls, over = _mean_length(c), _mean_length(s), "finished"
-    if lc is None or ls is None:  # a source without truncated_tokens, or an arm with every reply cut
-        lc, ls, over = c.completion_tokens / c.completions, s.completion_tokens / s.completions, "all"
+    lengths, over = [_mean_length(a) for a in arms], "finished"
+    if any(x is None for x in lengths):  # a source without truncated_tokens, or an arm with every reply cut
+        lengths, over = [a.completion_tokens / a.completions for a in arms], "all"
+    lc, ls = lengths[0], lengths[1]
+    if bridge and lengths[3]:
+        ls = ls * lengths[2] / lengths[3]
     nums = {"candidate": lc, "baseline": ls, "against": against, "max_ratio": cfg.max_length_ratio,
-            "min_ratio": cfg.min_length_ratio, "candidate_n": n[0], "baseline_n": n[1], "over": over}
+            "min_ratio": cfg.min_length_ratio, "candidate_n": n[0], "baseline_n": n[1], "over": over,
+            "bridged": bridge is not None}
     what = (f"mean reply length {lc:.1f} vs {ls:.1f} tokens ({against}"
+            + (" through the stable's window" if bridge else "")
             + (", replies not cut at max_tokens)" if over == "finished" else ")"))
     if ls == 0:
         out = [MetricResult(names[0], Check.INCONCLUSIVE, f"{what}: baseline is 0 tokens", nums)]
@@ -425,8 +442,10 @@ def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = ""
     for (g, limit_f, label), name in zip(_SHARE_GUARDS, names[1:]):
         limit = getattr(cfg, limit_f)
         rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
+        if bridge:
+            rs += getattr(bridge[0], g) / bridge[0].completions - getattr(bridge[1], g) / bridge[1].completions
         nums = {"candidate_share": rc, "baseline_share": rs, "against": against, "max_increase": limit,
-                "candidate_n": n[0], "baseline_n": n[1]}
+                "candidate_n": n[0], "baseline_n": n[1], "bridged": bridge is not None}
         if rc - rs > limit:
             out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
                                     f"+{rc - rs:.2f} > {limit}", nums))
@@ -451,7 +470,8 @@ def _apply_failure_limit(m: MetricResult, counts: dict[str, int], limit: int) ->
 
 def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = None,
             source_error: str | None = None, skipped: dict[str, str] | None = None,
-            failed_checks: dict[str, int] | None = None, first: ArmStats | None = None) -> Decision:
+            failed_checks: dict[str, int] | None = None, first: ArmStats | None = None,
+            stable_all: ArmStats | None = None) -> Decision:
     """Compare ``candidate`` with ``stable``; worst metric wins. Pure: same inputs, same output.
 
     Args:
@@ -466,6 +486,9 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
             previous decision's ``failed_checks``; not modified).
         first: the first version's guard figures (``completions`` ... ``repetitive``), or None:
             each guard is then also checked against it (``<guard>_vs_first``).
+        stable_all: the stable version's guard figures over all its completions, or None: with
+            ``first``, the first version is compared through the stable's window
+            (:func:`check_guards`' ``bridge``).
 
     Returns:
         :class:`Decision` with per-metric numbers, a one-line reason, the updated
@@ -491,7 +514,9 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
                      cfg.min_tokens_per_s_ratio, False, "tokens/s", n_lat, cfg.min_requests),
         *check_guards(candidate, stable, cfg),
-        *(check_guards(candidate, first, cfg, VS_FIRST, "first version") if first is not None else []),
+        *(check_guards(candidate, first, cfg, VS_FIRST, "first version",
+                       bridge=(stable, stable_all) if stable_all is not None and stable_all.completions else None)
+          if first is not None else []),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.

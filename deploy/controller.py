@@ -691,7 +691,9 @@ class RolloutController:
     def evidence(self, st: RolloutStatus) -> Evidence:
         """Everything :func:`deploy.decide.decide_step` judges, read since the canary started."""
         c, s, step_votes, err, skipped, by_split = self.arm_stats(st)
-        return Evidence(c, s, step_votes, err, skipped, by_split, self.first_guards(st))
+        first = self.first_guards(st)
+        return Evidence(c, s, step_votes, err, skipped, by_split, first,
+                        self.lifetime_guards(st, st.stable) if first is not None else None)
 
     def first_guards(self, st: RolloutStatus) -> ArmStats | None:
         """The first version's guard figures over all its completions (the guards' second
@@ -700,17 +702,22 @@ class RolloutController:
         first = versions[0] if versions else None
         if first is None or first in (st.stable, st.candidate):
             return None
+        return self.lifetime_guards(st, first)
+
+    def lifetime_guards(self, st: RolloutStatus, version: str) -> ArmStats | None:
+        """``version``'s guard figures over all its completions, or None when unknown or
+        unreadable (the shards are scanned once per canary, not per poll)."""
         try:
             if self.served is not None:
-                g = self.served.counts(0, (first,)).get(first)
-            else:  # one full scan of the shards per canary, not per poll
-                key = (st.canary_started_ms, first)
-                if getattr(self, "_first_cache", (None,))[0] != key:
-                    self._first_cache = (key, canary_counts(self.samples_dir, 0, 0).guards.get(first))
-                g = self._first_cache[1]
+                g = self.served.counts(0, (version,)).get(version)
+            else:
+                key = st.canary_started_ms
+                if getattr(self, "_lifetime_cache", (None,))[0] != key:
+                    self._lifetime_cache = (key, canary_counts(self.samples_dir, 0, 0).guards)
+                g = self._lifetime_cache[1].get(version)
             return ArmStats(**g) if g else None
         except (duckdb.Error, OSError, TypeError, ValueError) as exc:
-            log.warning("first version %s's guard figures unreadable: %s", first, exc)
+            log.warning("guard figures of %s unreadable: %s", version, exc)
             return None
 
     def _canary_step(self, st: RolloutStatus) -> RolloutStatus:

@@ -45,6 +45,8 @@ class Evidence:
         by_split: per-split figures for the ledger and the report, e.g.
             ``{"eval": {"candidate": [up, n], "stable": [up, n]}, "train": {...}}``.
         first: the first version's guard figures (None: not known, or it is the stable).
+        stable_all: the stable's guard figures over all its completions (None: not known):
+            the first version is then compared through the stable's window.
     """
 
     candidate: ArmStats
@@ -54,6 +56,7 @@ class Evidence:
     skipped: dict[str, str] = field(default_factory=dict)
     by_split: dict = field(default_factory=dict)
     first: ArmStats | None = None
+    stable_all: ArmStats | None = None
 
 
 @dataclass
@@ -122,7 +125,7 @@ def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], 
         :class:`StepDecision`. Pure: same inputs, same decision.
     """
     d = analyze(ev.candidate, ev.stable, policy.analysis, source_error=ev.source_error, skipped=ev.skipped,
-                failed_checks=failed_checks, first=ev.first)
+                failed_checks=failed_checks, first=ev.first, stable_all=ev.stable_all)
     waited_s = (now_ms - step_started_ms) / 1000.0
     weight = policy.steps[step]
     numbers = {**d.numbers(), "waited_s": waited_s, "step": step, "weight": weight,

@@ -281,6 +281,46 @@ def test_a_candidate_cut_at_max_tokens_less_often_is_not_called_shorter():
         ArmStats(truncated_tokens=-1)
 
 
+def _arm(n, finished_mean, cut=0, cut_len=48, no_answer=0):
+    """ArmStats of ``n`` replies: ``n - cut`` finished with the given mean length, ``cut`` cut at ``cut_len``."""
+    return ArmStats(completions=n, completion_tokens=round((n - cut) * finished_mean) + cut * cut_len,
+                    truncated=cut, truncated_tokens=cut * cut_len, no_answer=no_answer)
+
+
+def test_the_first_version_is_compared_through_the_stables_window():
+    """Seed 1's case (docs/experiments.md run I): 12 completions into its canary, the
+    candidate's finished replies averaged 9.4 tokens against the first version's 17.8 over its
+    whole life (0.53: rolled back), while its whole canary averaged 24. Short replies finish
+    first, so a window's first completions are short for both arms: the stable's were 11.0
+    in the same window against 18.3 over its life. Through the stable the first version is
+    17.8 * 11.0 / 18.3 = 10.7 tokens in this window and the ratio 0.88 passes. Drift that
+    compounds (stable 0.7x the first over its life, candidate 0.7x the stable) still fails."""
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=10)
+    cand, st_win = _arm(12, 9.4), _arm(14, 11.0)
+    first, st_all = _arm(330, 17.8, cut=52), _arm(257, 18.3, cut=46)
+    direct = {m.name: m for m in analyze(cand, st_win, cfg, first=first).metrics}["completion_length_vs_first"]
+    assert direct.check == Check.FAIL and direct.numbers["ratio"] == pytest.approx(9.4 / 17.8, rel=5e-3)
+    d = analyze(cand, st_win, cfg, first=first, stable_all=st_all)
+    m = {x.name: x for x in d.metrics}["completion_length_vs_first"]
+    assert m.check == Check.PASS and m.numbers["bridged"] is True
+    assert m.numbers["ratio"] == pytest.approx((9.4 / 11.0) * (18.3 / 17.8), rel=5e-3)
+    assert "through the stable's window" in m.reason
+    # compounding drift: the stable is 0.7x the first over its life, the candidate 0.7x the stable
+    d = analyze(_arm(40, 0.7 * 12.6), _arm(40, 12.6), cfg, first=_arm(300, 18.0), stable_all=_arm(300, 12.6))
+    m = {x.name: x for x in d.metrics}
+    assert m["completion_length"].check == Check.PASS  # 0.70 against the stable alone
+    assert m["completion_length_vs_first"].check == Check.FAIL
+    assert m["completion_length_vs_first"].numbers["ratio"] == pytest.approx(0.49, abs=0.01)
+    # shares move the same way: the first version 0.05 no-answer, the stable 0.10 over its
+    # life and 0.10 in the window, the candidate 0.25: +0.20 against the first, over 0.15
+    d = analyze(_arm(40, 15, no_answer=10), _arm(40, 15, no_answer=4), cfg,
+                first=_arm(200, 15, no_answer=10), stable_all=_arm(200, 15, no_answer=20))
+    m = {x.name: x for x in d.metrics}
+    assert m["no_answer"].check == Check.PASS  # +0.15 against the stable in the window: not over 0.15
+    assert m["no_answer_vs_first"].check == Check.FAIL
+    assert m["no_answer_vs_first"].numbers["baseline_share"] == pytest.approx(0.05)
+
+
 def test_never_decides_on_empty_data_whatever_the_threshold():
     for mv in (1, 5, 100):
         d = analyze(ArmStats(), ArmStats(), AnalysisConfig(min_votes=mv))
