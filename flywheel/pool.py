@@ -49,10 +49,18 @@ def load_run(path: Path) -> dict:
         raise ValueError(f"{path}: not JSON: {exc}") from exc
     if not isinstance(report, dict) or "versions" not in report:
         raise ValueError(f"{rp}: no 'versions' (not a demo report)")
+    vs = report["versions"]
+    if not isinstance(vs, list) or not vs or not all(isinstance(r, dict) and "version" in r for r in vs):
+        raise ValueError(f"{rp}: versions: must be a non-empty list of versions (the run ended before its report?)")
     for i, v in enumerate(votes, 1):
+        if not isinstance(v, dict):
+            raise ValueError(f"{vp}: line {i}: not a JSON object")
         missing = {"version", "kind", "key", "votes_up", "votes_down"} - set(v)
         if missing:
             raise ValueError(f"{vp}: line {i}: missing {sorted(missing)}")
+        for f in ("votes_up", "votes_down"):
+            if not isinstance(v[f], int) or isinstance(v[f], bool) or v[f] < 0:
+                raise ValueError(f"{vp}: line {i}: {f}: must be an integer >= 0, got {v[f]!r}")
     return {"dir": str(path), "report": report, "votes": votes}
 
 

@@ -135,7 +135,7 @@ def test_write_votes_round_trips_through_load_run(tmp_path):
             {"completion_id": "c2", "model_version": "v000001", "split": "train", "votes_up": 0, "votes_down": 2}]
     comps = {"c1": {"family": "chain_sum", "kind": "fresh", "key": "k1", "has_answer": True,
                     "finish_reason": "stop", "tokens": 7}}
-    (tmp_path / "report.json").write_text(json.dumps({"versions": []}))
+    (tmp_path / "report.json").write_text(json.dumps({"versions": [{"version": "v000000", "decision": "base"}]}))
     assert rep.write_votes(rows, comps, tmp_path / "votes.jsonl") == 2
     got = load_run(tmp_path)["votes"]
     assert got[0] == {"completion_id": "c1", "version": "v000000", "family": "chain_sum", "split": "eval",
@@ -179,3 +179,19 @@ def test_a_promotion_with_more_unanswered_replies_is_listed(tmp_path):
     d, lo, hi = newcombe(5, 100, 30, 100)
     assert p["replies"]["no_answer"]["ci95"] == pytest.approx([lo, hi]) and lo > 0
     assert [w["candidate"] for w in pool["worse_promotions"]] == ["v000001"]
+
+
+@pytest.mark.parametrize("report,votes,msg", [
+    ({"versions": []}, "", "versions: must be a non-empty list"),
+    ([1, 2], "", "no 'versions'"),
+    ({"versions": [{"version": "v000000"}]}, '{"version": "v1"}\n', "line 1: missing"),
+    ({"versions": [{"version": "v000000"}]}, '[1]\n', "line 1: not a JSON object"),
+    ({"versions": [{"version": "v000000"}]},
+     '{"version": "v1", "kind": "fresh", "key": "k", "votes_up": -1, "votes_down": 0}\n', "votes_up: must be"),
+    ({"versions": [{"version": "v000000"}]}, '{"version": \n', "not JSON"),
+])
+def test_load_run_names_the_file_and_the_field(tmp_path, report, votes, msg):
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "votes.jsonl").write_text(votes)
+    with pytest.raises(ValueError, match=msg):
+        load_run(tmp_path)
