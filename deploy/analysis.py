@@ -28,7 +28,8 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   (:func:`deploy.replies.is_repetitive`), each not to rise by more than its limit. Each is
   checked against the stable version and, when the analysis is given the first version's
   figures (``first``), against it too (``<guard>_vs_first``), so drift cannot compound over
-  versions that each look close to their parent. The figures should cover every served
+  versions that each look close to their parent; given the stable's lifetime figures too
+  (``stable_all``), that check goes through the stable's window (:func:`check_guards`). The figures should cover every served
   completion of an arm, not only the voted ones (``deploy.replies``).
 * A failed operational or guard check FAILs the metric only after
   ``failure_limit`` failed checks in a row (Flagger's ``threshold``, Argo Rollouts'
