@@ -235,7 +235,7 @@ def _ci(c: dict | None, key: str) -> str:
 
 def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each a full `flywheel demo --out`."),
               out: Path = typer.Option(Path("flywheel-pool"), help="Where pool.json and pool.png go."),
-              seed: int = typer.Option(0, help="Seed of the bootstrap's generator."),
+              bootstrap_seed: int = typer.Option(0, help="Seed of the cluster bootstrap's generator."),
               output: Optional[Format] = OUTPUT):
     """Pool full demo runs: per run and pooled, the last promoted version minus the first on
     each kind of prompt (train, fresh, harder, unseen, all votes), with Newcombe's interval and
@@ -251,7 +251,7 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
         loaded = [load_run(r) for r in runs]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="RUNS") from exc
-    pool = pool_runs(loaded, seed=seed)
+    pool = pool_runs(loaded, seed=bootstrap_seed)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pool.json").write_text(json.dumps(pool, indent=2))
     write_forest_plot(pool, out / "pool.png")
