@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from deploy.stats import newcombe_interval
+from flywheel.report import stratified_cluster_bootstrap  # the one bootstrap (re-exported)
 
 KINDS = ("train", "fresh", "harder", "unseen", "all")
 
@@ -81,35 +82,6 @@ def _clusters(votes: list[dict], kind: str, first: str, last: str) -> np.ndarray
     return np.array(list(per.values()), dtype=float).reshape(-1, 4)
 
 
-def stratified_cluster_bootstrap(strata: list[np.ndarray], n_boot: int = 4000, seed: int = 0) -> dict | None:
-    """Difference of pooled thumbs-up rates (last minus first) with a 95 % percentile interval
-    from a bootstrap that resamples prompts with replacement within each stratum (run).
-
-    Args:
-        strata: per run, an array ``(prompts, 4)`` of ``[up_first, n_first, up_last, n_last]``.
-        n_boot: resamples; seed: the generator's seed (deterministic).
-
-    Returns ``{"diff", "ci95", "prompts", "n_boot", "dropped", "method"}`` or None when either
-    version has no vote in the pool. Resamples where a version got no vote are dropped (counted).
-    """
-    strata = [s for s in strata if len(s)]
-    if not strata:
-        return None
-    tot = sum(s.sum(axis=0) for s in strata)
-    if tot[1] == 0 or tot[3] == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    acc = np.zeros((n_boot, 4))
-    for s in strata:
-        acc += s[rng.integers(0, len(s), (n_boot, len(s)))].sum(axis=1)
-    ok = (acc[:, 1] > 0) & (acc[:, 3] > 0)
-    d = acc[ok, 2] / acc[ok, 3] - acc[ok, 0] / acc[ok, 1]
-    lo, hi = np.percentile(d, [2.5, 97.5])
-    return {"diff": float(tot[2] / tot[3] - tot[0] / tot[1]), "ci95": [float(lo), float(hi)],
-            "prompts": int(sum(len(s) for s in strata)), "n_boot": n_boot, "dropped": int((~ok).sum()),
-            "method": "cluster bootstrap over prompts, stratified by run, 95 % percentile"}
-
-
 def _compare(strata: list[np.ndarray], seed: int) -> dict | None:
     tot = sum((s.sum(axis=0) for s in strata if len(s)), np.zeros(4))
     if tot[1] == 0 or tot[3] == 0:
@@ -124,8 +96,8 @@ def _compare(strata: list[np.ndarray], seed: int) -> dict | None:
 def promotion_checks(run: dict) -> list[dict]:
     """Every promotion of a run: the candidate's own votes against the version it replaced
     (the stable before it), all kinds, with Newcombe's 95 % interval (candidate minus
-    replaced); ``shown_worse`` when the interval's upper bound is below 0. Guard verdicts of
-    the canary are carried from the report's decision reason."""
+    replaced); ``shown_worse`` when the interval's upper bound is below 0; and the no-answer
+    and truncated shares of every served reply (:func:`_reply_shares`)."""
     out, stable = [], None
     up_n: dict[str, list[int]] = {}
     for v in run["votes"]:

@@ -143,19 +143,42 @@ def cluster_bootstrap_gain(rows: list[dict], key_of: dict[str, str], first: str,
         i = 0 if v == first else 2
         a[i] += up
         a[i + 1] += n
-    m = np.array(list(per.values()), dtype=float).reshape(-1, 4)
-    if not len(m) or m[:, 1].sum() == 0 or m[:, 3].sum() == 0:
+    boot = stratified_cluster_bootstrap([np.array(list(per.values()), dtype=float).reshape(-1, 4)], n_boot, seed)
+    if boot is None:
         return None
-    diff = m[:, 2].sum() / m[:, 3].sum() - m[:, 0].sum() / m[:, 1].sum()
+    return {"from": first, "to": last, **boot, "method": "cluster bootstrap over prompts, 95 % percentile"}
+
+
+def stratified_cluster_bootstrap(strata: list, n_boot: int = 4000, seed: int = 0) -> dict | None:
+    """Difference of pooled thumbs-up rates (last minus first) with a 95 % percentile interval
+    from a bootstrap that resamples prompts with replacement within each stratum (run).
+
+    Args:
+        strata: per run, an array ``(prompts, 4)`` of ``[up_first, n_first, up_last, n_last]``.
+        n_boot: resamples; seed: the generator's seed (deterministic).
+
+    Returns ``{"diff", "ci95", "prompts", "n_boot", "dropped", "method"}`` or None when either
+    version has no vote in the pool. Resamples where a version got no vote are dropped (counted).
+    One stratum is the plain cluster bootstrap (:func:`cluster_bootstrap_gain`).
+    """
+    import numpy as np
+
+    strata = [s for s in strata if len(s)]
+    if not strata:
+        return None
+    tot = sum(s.sum(axis=0) for s in strata)
+    if tot[1] == 0 or tot[3] == 0:
+        return None
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(m), (n_boot, len(m)))
-    s = m[idx].sum(axis=1)  # (n_boot, 4)
-    ok = (s[:, 1] > 0) & (s[:, 3] > 0)
-    d = s[ok, 2] / s[ok, 3] - s[ok, 0] / s[ok, 1]
+    acc = np.zeros((n_boot, 4))
+    for s in strata:
+        acc += s[rng.integers(0, len(s), (n_boot, len(s)))].sum(axis=1)
+    ok = (acc[:, 1] > 0) & (acc[:, 3] > 0)
+    d = acc[ok, 2] / acc[ok, 3] - acc[ok, 0] / acc[ok, 1]
     lo, hi = np.percentile(d, [2.5, 97.5])
-    return {"from": first, "to": last, "diff": float(diff), "ci95": [float(lo), float(hi)], "prompts": len(m),
-            "n_boot": n_boot, "dropped": int((~ok).sum()),
-            "method": "cluster bootstrap over prompts, 95 % percentile"}
+    return {"diff": float(tot[2] / tot[3] - tot[0] / tot[1]), "ci95": [float(lo), float(hi)],
+            "prompts": int(sum(len(s) for s in strata)), "n_boot": n_boot, "dropped": int((~ok).sum()),
+            "method": "cluster bootstrap over prompts, stratified by run, 95 % percentile"}
 
 
 def eval_gain(figures: dict[str, dict], first: str, last: str) -> dict | None:
