@@ -69,9 +69,10 @@ DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "or
 # the relative non-inferiority margin 0.5: the candidate must keep more than half the stable's
 # thumbs-up rate; ~360 votes per canary cannot show more (bench/canary.py, demo settings: a
 # half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes). The step
-# deadline 480 s (an undecided step is rolled back); 20 votes per arm of burn-in.
+# deadline 600 s (an undecided step is rolled back; at the 0.37 votes/s of runs H-J an equal
+# candidate needs ~200 votes per arm, D61); 20 votes per arm of burn-in.
 # Guards read every served completion; "no answer" is judged by the workload's verifiers.
-DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_s": 480.0,
+DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_s": 600.0,
                    "guards_from": "completions", "reply_judge": "flywheel.workload:reply_judge"}
 # --quick sizes the run down (about 4 min, one cycle, too few votes for the canary to decide);
 # a setting given on the command line or to for_mode wins
@@ -155,7 +156,9 @@ class DemoConfig:
     # weights whatever the batch, so 32 rows cost 11.3 ms per token against 15.9 ms at 16
     concurrency: int = Field(32, description="Requests in flight, and the pod's --max-batch.",
                              json_schema_extra=_PROGRAM)
-    users: int = Field(32, description="Simulated users.", json_schema_extra=_PROGRAM)
+    # users are split between the arms by a salted hash (sticky): 256 keep a 50 % step's arms
+    # within a few % of even, where 32 gave 31/69 in run J (D61)
+    users: int = Field(256, description="Simulated users.", json_schema_extra=_PROGRAM)
     learner: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_LEARNER),
                                     description="LearnerConfig fields the demo changes, by name (DEMO_LEARNER).",
                                     json_schema_extra=_PROGRAM)
