@@ -72,7 +72,11 @@ DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "or
 # deadline 600 s (an undecided step is rolled back; at the 0.37 votes/s of runs H-J an equal
 # candidate needs ~200 votes per arm, D61); 20 votes per arm of burn-in.
 # Guards read every served completion; "no answer" is judged by the workload's verifiers.
+# min_length_ratio 0: the workload asks for "the answer as a number", so a candidate that learns
+# to answer directly is shorter by design; a reply that loses its answer fails the no-answer
+# guard (the verifiers' has_answer) instead (D62)
 DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_s": 600.0,
+                   "min_length_ratio": 0.0,
                    "guards_from": "completions", "reply_judge": "flywheel.workload:reply_judge"}
 # --quick sizes the run down (about 4 min, one cycle, too few votes for the canary to decide);
 # a setting given on the command line or to for_mode wins
