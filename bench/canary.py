@@ -22,7 +22,7 @@ covariate. Rules, side by side on the SAME vote streams:
 * ``absolute``: the rule before issue 23: mSPRT on ``rate_c - rate_s`` with an absolute
   margin (``deploy.stats.msprt_bounds``, tau = margin), at the demo's 0.2 / production 0.1.
 
-Settings (``SETTINGS``): the demo's (one analysed share of 50 %, 20-vote burn-in, ~360-vote
+Settings (``SETTINGS``): the demo's (one analysed share of 50 %, 20-vote burn-in, ~450-vote
 deadline, a look every vote: ``flywheel.demo.DemoConfig``) and production's (the controller's
 defaults, ``deploy.controller.ControllerConfig``: shares 5/25/50 %, 10-vote burn-in, a
 36,000-vote step deadline = the 3,600 s deadline at an assumed 10 votes/s, a look every 50

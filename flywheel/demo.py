@@ -67,7 +67,7 @@ DEMO_SERVE = {"prefix_caching": True, "waiting_served_ratio": 0.3}
 # votes arrive within seconds of their reply; a label lives 15 min, an orphan vote waits 2 min
 DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "orphan_ttl_s": 120.0}
 # the relative non-inferiority margin 0.5: the candidate must keep more than half the stable's
-# thumbs-up rate; ~360 votes per canary cannot show more (bench/canary.py, demo settings: a
+# thumbs-up rate; ~450 votes per canary cannot show more (bench/canary.py, demo settings: a
 # half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes). The step
 # deadline 600 s (an undecided step is rolled back; at the 0.37 votes/s of runs H-J an equal
 # candidate needs ~200 votes per arm, D61); 20 votes per arm of burn-in.
