@@ -75,9 +75,10 @@ DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "or
 # min_length_ratio 0: the workload asks for "the answer as a number", so a candidate that learns
 # to answer directly is shorter by design; a reply that loses its answer fails the no-answer
 # guard (the verifiers' has_answer) instead (D62)
-# max_p99_ratio 4: both arms share one pod and one batch, so a request's latency is its reply
-# length in decode steps; over ~100 requests an arm's p99 is its longest reply or two, and one
-# HumanEval reply (160 tokens) against none in the other arm (48) is a ratio of ~3.3 (D63)
+# max_p99_ratio 4: both arms share one pod whose engine steps both arms' batches every iteration,
+# so a request's latency is its reply length in decode steps; over ~100 requests an arm's p99 is
+# its longest reply or two, and one HumanEval reply (160 tokens) against none in the other arm
+# (48) is a ratio of ~3.3 (D63)
 DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_s": 600.0,
                    "min_length_ratio": 0.0, "max_p99_ratio": 4.0,
                    "guards_from": "completions", "reply_judge": "flywheel.workload:reply_judge"}
