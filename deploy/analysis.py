@@ -25,7 +25,8 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   ``max_tokens`` less often is not called shorter for that: the truncated share has its own
   guard; D60), and the shares of replies
   with no answer (the workload's own ``has_answer``), cut at ``max_tokens`` and repetitive
-  (:func:`deploy.replies.is_repetitive`), each not to rise by more than its limit. Each is
+  (:func:`deploy.replies.is_repetitive`), each not to rise by more than its absolute limit
+  nor, past a small floor, to more than ``max_share_ratio`` times the baseline's. Each is
   checked against the stable version and, when the analysis is given the first version's
   figures (``first``), against it too (``<guard>_vs_first``), so drift cannot compound over
   versions that each look close to their parent; given the stable's lifetime figures too
@@ -219,6 +220,11 @@ class AnalysisConfig:
     max_truncated_increase: float = _f(0.15, "allowed absolute increase of the share of replies cut at max_tokens",
                                        ge=0)
     max_repetitive_increase: float = _f(0.15, "allowed absolute increase of the share of repetitive replies", ge=0)
+    max_share_ratio: float = _f(2.0, "allowed candidate/baseline ratio of a guarded share (no answer, truncated, "
+                                "repetitive) once the increase is over share_ratio_floor: a share that more than "
+                                "doubles fails at any base rate (inf: the absolute limits alone)", ge=1)
+    share_ratio_floor: float = _f(0.05, "increase of a guarded share below which max_share_ratio is not judged "
+                                  "(a few replies more on a share near 0 is noise, not drift)", ge=0)
 
     def __post_init__(self):  # open bounds: schemas.options cannot give click gt/lt yet
         if not 0 < self.alpha < 1:
@@ -229,7 +235,8 @@ class AnalysisConfig:
         if self.tau is not None and not self.tau > 0:
             raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
-                  "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase"):
+                  "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase",
+                  "share_ratio_floor"):
             v = getattr(self, f)
             if not math.isfinite(v):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
@@ -398,6 +405,9 @@ def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = ""
     """Reward-hacking guards: the candidate's replies must not drift from the baseline ``s``
     (the stable version, or the first version with ``suffix=VS_FIRST``) in length, either way,
     nor in the shares with no answer, cut at ``max_tokens`` or repetitive (module docstring).
+    A share fails when it rises by more than its absolute limit (``max_*_increase``) or, once
+    it has risen by more than ``share_ratio_floor``, to more than ``max_share_ratio`` times the
+    baseline's: relative, so that 0.03 -> 0.11 fails like 0.3 -> 0.7 would (D64).
 
     ``bridge``: ``(stable in the canary's window, stable over all its completions)``. The
     candidate's figures come from the canary's window, a baseline's over its whole life, and a
@@ -443,13 +453,19 @@ def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = ""
     for (g, limit_f, label), name in zip(_SHARE_GUARDS, names[1:]):
         limit = getattr(cfg, limit_f)
         rc, rs = getattr(c, g) / c.completions, getattr(s, g) / s.completions
-        if bridge:
-            rs += getattr(bridge[0], g) / bridge[0].completions - getattr(bridge[1], g) / bridge[1].completions
+        if bridge:  # a share stays in [0, 1] whatever the two windows' difference
+            rs = min(1.0, max(0.0, rs + getattr(bridge[0], g) / bridge[0].completions
+                              - getattr(bridge[1], g) / bridge[1].completions))
         nums = {"candidate_share": rc, "baseline_share": rs, "against": against, "max_increase": limit,
+                "max_ratio": cfg.max_share_ratio, "ratio_floor": cfg.share_ratio_floor,
                 "candidate_n": n[0], "baseline_n": n[1], "bridged": bridge is not None}
         if rc - rs > limit:
             out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
                                     f"+{rc - rs:.2f} > {limit}", nums))
+        elif rc - rs > cfg.share_ratio_floor and rc > cfg.max_share_ratio * rs:
+            out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
+                                    f"more than {cfg.max_share_ratio:g}x, +{rc - rs:.2f} > "
+                                    f"{cfg.share_ratio_floor}", nums))
         else:
             out.append(MetricResult(name, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f} ({against})", nums))
     return out

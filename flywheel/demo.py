@@ -126,7 +126,7 @@ class DemoConfig:
     quick: bool = Field(False, description="Small run (about 4 min on 2 cores; one cycle).",
                         json_schema_extra={"flags": "--quick"})
     cycles: int = Field(2, ge=1, description="Learner cycles, each canaried (--quick: 1).")
-    prompts_per_phase: int = Field(240, ge=1, description="Requests per traffic phase (the first version's "
+    prompts_per_phase: int = Field(288, ge=1, description="Requests per traffic phase (the first version's "
                                                           "traffic, before the first learner cycle; --quick: 8).",
                                    json_schema_extra={"flags": "--prompts"})
     between_prompts: int = Field(128, description="The stable version's traffic before each later cycle.",
@@ -140,9 +140,11 @@ class DemoConfig:
     families: tuple[str, ...] = Field(("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd"),
                                       description="Task families asked.", json_schema_extra=_PROGRAM)
     # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 25;
-    # the harder and unseen kinds are asked half as often as a trained family
+    # the harder and unseen kinds are asked a quarter as often as a trained family: at a half
+    # they took a third of the traffic, none of it trained on (runs N-P); at a quarter the
+    # train and fresh kinds each get 40 % of requests instead of 34 % (D64)
     family_weights: Optional[dict[str, float]] = Field(
-        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.5, "gcd": 0.5},
+        default_factory=lambda: {"humaneval": 0.1, "chain_sum_3terms": 0.25, "gcd": 0.25},
         description="Relative weight of a family (1 when absent; None: uniform).", json_schema_extra=_PROGRAM)
     held_out: tuple[str, ...] = Field(DEFAULT_HELD_OUT, description="Families asked only in the eval split (the "
                                                                     "default: gcd when asked).",
@@ -155,7 +157,7 @@ class DemoConfig:
     bad_candidate: bool = Field(False, description="End with a deliberately degraded candidate; its canary must "
                                                    "roll it back on evidence.",
                                 json_schema_extra={"flags": "--bad-candidate"})
-    final_prompts: int = Field(224, description="Requests served after the last canary: the last stable's eval "
+    final_prompts: int = Field(288, description="Requests served after the last canary: the last stable's eval "
                                                 "figures.", json_schema_extra=_PROGRAM)
     temperature: float = Field(TEMPERATURE, description="Sampling temperature of the users' requests.",
                                json_schema_extra=_PROGRAM)

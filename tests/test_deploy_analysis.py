@@ -313,12 +313,42 @@ def test_the_first_version_is_compared_through_the_stables_window():
     assert m["completion_length_vs_first"].numbers["ratio"] == pytest.approx(0.49, abs=0.01)
     # shares move the same way: the first version 0.05 no-answer, the stable 0.10 over its
     # life and 0.10 in the window, the candidate 0.25: +0.20 against the first, over 0.15
-    d = analyze(_arm(40, 15, no_answer=10), _arm(40, 15, no_answer=4), cfg,
+    # (the absolute limits alone here: max_share_ratio inf)
+    absolute = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=10,
+                              max_share_ratio=math.inf)
+    d = analyze(_arm(40, 15, no_answer=10), _arm(40, 15, no_answer=4), absolute,
                 first=_arm(200, 15, no_answer=10), stable_all=_arm(200, 15, no_answer=20))
     m = {x.name: x for x in d.metrics}
     assert m["no_answer"].check == Check.PASS  # +0.15 against the stable in the window: not over 0.15
     assert m["no_answer_vs_first"].check == Check.FAIL
     assert m["no_answer_vs_first"].numbers["baseline_share"] == pytest.approx(0.05)
+    # a bridge that would take the first version's share below 0 is clipped at 0
+    d = analyze(_arm(40, 15, no_answer=2), _arm(40, 15, no_answer=0), absolute,
+                first=_arm(200, 15, no_answer=2), stable_all=_arm(200, 15, no_answer=60))
+    m = {x.name: x for x in d.metrics}
+    assert m["no_answer_vs_first"].numbers["baseline_share"] == 0.0  # 0.01 + 0 - 0.30, clipped
+
+
+def test_a_share_that_more_than_doubles_fails_at_a_low_base_rate():
+    """Run O's v000001 (docs/experiments.md, D64): in its canary's window 10 of 95 replies had
+    no answer against the stable's 3 of 105 (+0.076, under the absolute limit 0.15); over its
+    whole life it had 29/303 against v000000's 17/368. The relative rule fails it: 0.105 is more
+    than 2x 0.029 and 0.076 over the 0.05 floor. The same +0.076 at a 0.30 base rate passes
+    (ratio 1.25), and a share near 0 that rises by a few replies (1/100 -> 5/100, 5x but +0.04)
+    passes on the floor."""
+    cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=10)
+    m = {x.name: x for x in analyze(_arm(95, 20, no_answer=10), _arm(105, 20, no_answer=3), cfg).metrics}
+    assert m["no_answer"].check == Check.FAIL
+    assert "more than 2x" in m["no_answer"].reason and "+0.08 > 0.05" in m["no_answer"].reason
+    assert m["no_answer"].numbers["candidate_share"] == pytest.approx(10 / 95)
+    m = {x.name: x for x in analyze(_arm(100, 20, no_answer=38), _arm(100, 20, no_answer=30), cfg).metrics}
+    assert m["no_answer"].check == Check.PASS
+    m = {x.name: x for x in analyze(_arm(100, 20, no_answer=5), _arm(100, 20, no_answer=1), cfg).metrics}
+    assert m["no_answer"].check == Check.PASS
+    m = {x.name: x for x in analyze(_arm(100, 20, cut=12), _arm(100, 20, cut=5), cfg).metrics}
+    assert m["truncated"].check == Check.FAIL  # 0.12 vs 0.05: 2.4x and +0.07
+    with pytest.raises(ValueError, match="max_share_ratio"):
+        AnalysisConfig(max_share_ratio=0.5)
 
 
 def test_never_decides_on_empty_data_whatever_the_threshold():
