@@ -226,7 +226,8 @@ class AnalysisConfig:
                                 "share that more than doubles fails at any base rate (inf: the absolute limits "
                                 "alone)", ge=1)
     share_ratio_floor: float = _f(0.05, "increase of a guarded share below which max_share_ratio is not judged "
-                                  "(a few replies more on a share near 0 is noise, not drift)", ge=0)
+                                  "(a few replies more on a share near 0 is noise, not drift); in [0, 1], 1 turns "
+                                  "the relative rule off", ge=0, le=1)
 
     def __post_init__(self):  # open bounds: schemas.options cannot give click gt/lt yet
         if not 0 < self.alpha < 1:
@@ -404,8 +405,9 @@ def _mean_length(a: ArmStats) -> float | None:
 
 def _share_increase_lower(up_c: int, n_c: int, share_s: float, n_s: int) -> float:
     """Lower bound of Newcombe's 95 % interval (method 10) of a share's increase, candidate
-    ``up_c / n_c`` minus the baseline's ``share_s`` counted over its ``n_s`` completions (a
-    bridged share is rounded to a count at the baseline's own ``n``)."""
+    ``up_c / n_c`` minus the baseline's ``share_s`` counted over ``n_s`` completions (a
+    bridged share is rounded to a count at ``n_s``, the smallest of the arms it was moved
+    through, so the stable window's noise is in the interval)."""
     up_s = min(n_s, max(0, round(share_s * n_s)))
     return newcombe_interval(up_s, n_s, up_c, n_c)[1]
 
@@ -475,7 +477,8 @@ def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = ""
             out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
                                     f"+{rc - rs:.2f} > {limit}", nums))
         elif rc - rs > cfg.share_ratio_floor and rc > cfg.max_share_ratio * rs and (
-                lo := _share_increase_lower(getattr(c, g), c.completions, rs, s.completions)) > 0:
+                lo := _share_increase_lower(getattr(c, g), c.completions, rs,
+                                            min(a.completions for a in arms[1:]))) > 0:
             nums["increase_ci95_lo"] = lo
             out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
                                     f"more than {cfg.max_share_ratio:g}x, +{rc - rs:.2f} > "

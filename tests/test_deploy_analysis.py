@@ -360,6 +360,19 @@ def test_a_share_that_more_than_doubles_fails_at_a_low_base_rate():
     assert m["no_answer"].check == Check.PASS
     m = {x.name: x for x in analyze(_arm(300, 20, cut=36), _arm(300, 20, cut=15), cfg).metrics}
     assert m["truncated"].check == Check.FAIL  # 0.12 vs 0.05 over 300 each: 2.4x, +0.07, shown
+    # against the first version through a stable window of 50 with no no-answer by luck: the
+    # moved baseline 0.05 + 0 - 0.10 clips to 0, and is counted over the window's 50 replies,
+    # not the first version's 200, so 4/50 against it is not shown (Newcombe lower < 0)
+    m = {x.name: x for x in analyze(_arm(50, 20, no_answer=4), _arm(50, 20, no_answer=0), cfg,
+                                    first=_arm(200, 20, no_answer=10), stable_all=_arm(300, 20, no_answer=30)).metrics}
+    assert m["no_answer_vs_first"].numbers["baseline_share"] == 0.0
+    assert m["no_answer_vs_first"].check == Check.PASS
+    # the same over a stable window of 400 is shown: 32/400 against 0/400
+    m = {x.name: x for x in analyze(_arm(400, 20, no_answer=32), _arm(400, 20, no_answer=0), cfg,
+                                    first=_arm(800, 20, no_answer=40), stable_all=_arm(800, 20, no_answer=80)).metrics}
+    assert m["no_answer_vs_first"].check == Check.FAIL
+    with pytest.raises(ValueError, match="share_ratio_floor"):
+        AnalysisConfig(share_ratio_floor=5.0)
     with pytest.raises(ValueError, match="max_share_ratio"):
         AnalysisConfig(max_share_ratio=0.5)
 
