@@ -139,7 +139,7 @@ class DemoConfig:
     # family (gcd, held out)
     families: tuple[str, ...] = Field(("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd"),
                                       description="Task families asked.", json_schema_extra=_PROGRAM)
-    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 25;
+    # a HumanEval request costs ~4x an arithmetic one (160-token reply): asked 1 time in 26;
     # the harder and unseen kinds are asked a quarter as often as a trained family: at a half
     # they took a third of the traffic, none of it trained on (runs N-P); at a quarter the
     # train and fresh kinds each get 40 % of requests instead of 34 % (D64)
