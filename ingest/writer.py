@@ -21,15 +21,17 @@ import pyarrow.parquet as pq
 
 import pydantic_core
 
-from schemas.arrow import samples_to_table, unwritable_column
+from schemas.arrow import SAMPLE_SCHEMA, samples_to_table, unwritable_column
 from schemas.events import DeadLetter, RewardedSample
 
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
 HOUR_MS = 3_600_000
 # dictionary-encode only the repetitive columns: on the large unique ones (routes, token
 # lists) it slows the write and saves nothing
-DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype"]
-COMPRESSION = "zstd"  # routes are raw bytes now (format 2), so every column compresses
+DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype", "expert_routes_codec"]
+# every column zstd-compressed except the routes: since format 3 they are the zstd frame serving
+# wrote (D65), which Parquet's zstd would only spend CPU on again
+COMPRESSION = {f.name: "zstd" for f in SAMPLE_SCHEMA} | {"expert_routes": "none"}
 STATISTICS_COLUMNS = ["completion_id", "model_version", "split", "created_at", "sealed_at", "reward", "label",
                       "n_votes", "votes_up", "votes_down"]  # min/max for filters; none on the payloads
 SHARD_NAME = re.compile(r"^part-(\d{13})-[0-9a-zA-Z_-]+\.parquet$")

@@ -220,7 +220,10 @@ class ExpertRoutes(_Event):
         """
         import zstandard
 
-        raw = zstandard.ZstdDecompressor().decompress(base64.b64decode(self.data))
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(base64.b64decode(self.data))
+        except (zstandard.ZstdError, ValueError) as exc:  # (binascii.Error is a ValueError)
+            raise ValueError(f"expert_routes: payload does not decode: {exc}") from exc
         arr = np.frombuffer(raw, dtype=self.dtype)
         if arr.size != int(np.prod(self.shape)):
             raise ValueError(f"expert_routes: payload has {arr.size} values, shape {self.shape} needs "
