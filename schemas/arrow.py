@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import binascii
 import datetime as dt
+import itertools
 import json
 import threading
 
@@ -190,12 +191,24 @@ def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
     def col(name: str):
         return [getattr(s, name) for s in samples]
 
+    def lists(name: str, dtype) -> pa.Array:
+        """A list column through numpy: one flat array and the offsets (half the cost of
+        ``pa.array`` on the nested lists; a value beyond ``dtype`` raises OverflowError)."""
+        vals = col(name)
+        off = np.zeros(len(vals) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, vals), np.int64, len(vals)), out=off[1:])
+        if off[-1] > np.iinfo(np.int32).max:  # beyond list<> offsets: Arrow's own conversion decides
+            return pa.array(vals, pa.list_(pa.from_numpy_dtype(dtype)))
+        flat = np.fromiter(itertools.chain.from_iterable(vals), dtype, int(off[-1]))
+        return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(flat))
+
     cols = {
         "completion_id": [str(s.completion_id) for s in samples],
         "model_version": col("model_version"), "split": col("split"),
         "created_at": col("created_at"), "sealed_at": col("sealed_at"), "user_hash": col("user_hash"),
-        "prompt_token_ids": col("prompt_token_ids"), "completion_token_ids": col("completion_token_ids"),
-        "behavior_logprobs": col("behavior_logprobs"), "sampling": sampling,
+        "prompt_token_ids": lists("prompt_token_ids", np.int32),
+        "completion_token_ids": lists("completion_token_ids", np.int32),
+        "behavior_logprobs": lists("behavior_logprobs", np.float32), "sampling": sampling,
         "expert_routes": [r[0] for r in routes], "expert_routes_shape": [r[1] for r in routes],
         "expert_routes_dtype": [r[2] for r in routes], "finish_reason": col("finish_reason"),
         "reward": col("reward"), "label": col("label"), "n_votes": col("n_votes"), "votes_up": col("votes_up"),
