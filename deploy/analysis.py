@@ -26,7 +26,8 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   guard; D60), and the shares of replies
   with no answer (the workload's own ``has_answer``), cut at ``max_tokens`` and repetitive
   (:func:`deploy.replies.is_repetitive`), each not to rise by more than its absolute limit
-  nor, past a small floor, to more than ``max_share_ratio`` times the baseline's. Each is
+  nor, past a small floor and shown at 95 %, to more than ``max_share_ratio`` times the
+  baseline's. Each is
   checked against the stable version and, when the analysis is given the first version's
   figures (``first``), against it too (``<guard>_vs_first``), so drift cannot compound over
   versions that each look close to their parent; given the stable's lifetime figures too
@@ -57,7 +58,7 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass as config_dataclass
 
 from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, noninferiority_bounds,  # noqa: F401
-                          normal_cdf, ratio_interval, two_proportion_z, wilson_interval)
+                          newcombe_interval, normal_cdf, ratio_interval, two_proportion_z, wilson_interval)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
 GUARDS = ("completion_length", "no_answer", "truncated", "repetitive")
@@ -221,8 +222,9 @@ class AnalysisConfig:
                                        ge=0)
     max_repetitive_increase: float = _f(0.15, "allowed absolute increase of the share of repetitive replies", ge=0)
     max_share_ratio: float = _f(2.0, "allowed candidate/baseline ratio of a guarded share (no answer, truncated, "
-                                "repetitive) once the increase is over share_ratio_floor: a share that more than "
-                                "doubles fails at any base rate (inf: the absolute limits alone)", ge=1)
+                                "repetitive) once the increase is over share_ratio_floor and shown at 95 % (Newcombe): a "
+                                "share that more than doubles fails at any base rate (inf: the absolute limits "
+                                "alone)", ge=1)
     share_ratio_floor: float = _f(0.05, "increase of a guarded share below which max_share_ratio is not judged "
                                   "(a few replies more on a share near 0 is noise, not drift)", ge=0)
 
@@ -400,14 +402,24 @@ def _mean_length(a: ArmStats) -> float | None:
     return (a.completion_tokens - a.truncated_tokens) / finished
 
 
+def _share_increase_lower(up_c: int, n_c: int, share_s: float, n_s: int) -> float:
+    """Lower bound of Newcombe's 95 % interval (method 10) of a share's increase, candidate
+    ``up_c / n_c`` minus the baseline's ``share_s`` counted over its ``n_s`` completions (a
+    bridged share is rounded to a count at the baseline's own ``n``)."""
+    up_s = min(n_s, max(0, round(share_s * n_s)))
+    return newcombe_interval(up_s, n_s, up_c, n_c)[1]
+
+
 def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = "",
                  against: str = "stable", bridge: tuple[ArmStats, ArmStats] | None = None) -> list[MetricResult]:
     """Reward-hacking guards: the candidate's replies must not drift from the baseline ``s``
     (the stable version, or the first version with ``suffix=VS_FIRST``) in length, either way,
     nor in the shares with no answer, cut at ``max_tokens`` or repetitive (module docstring).
-    A share fails when it rises by more than its absolute limit (``max_*_increase``) or, once
-    it has risen by more than ``share_ratio_floor``, to more than ``max_share_ratio`` times the
-    baseline's: relative, so that 0.03 -> 0.11 fails like 0.3 -> 0.7 would (D64).
+    A share fails when it rises by more than its absolute limit (``max_*_increase``) or to more
+    than ``max_share_ratio`` times the baseline's, by more than ``share_ratio_floor``, with the
+    increase shown at 95 % (Newcombe's interval above 0): relative, so that 0.03 -> 0.11 over
+    ~100 replies fails like 0.3 -> 0.7 would, while 0/50 -> 3/50 in a canary's first
+    minutes does not (D64).
 
     ``bridge``: ``(stable in the canary's window, stable over all its completions)``. The
     candidate's figures come from the canary's window, a baseline's over its whole life, and a
@@ -462,10 +474,12 @@ def check_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig, suffix: str = ""
         if rc - rs > limit:
             out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
                                     f"+{rc - rs:.2f} > {limit}", nums))
-        elif rc - rs > cfg.share_ratio_floor and rc > cfg.max_share_ratio * rs:
+        elif rc - rs > cfg.share_ratio_floor and rc > cfg.max_share_ratio * rs and (
+                lo := _share_increase_lower(getattr(c, g), c.completions, rs, s.completions)) > 0:
+            nums["increase_ci95_lo"] = lo
             out.append(MetricResult(name, Check.FAIL, f"{label} {rc:.2f} vs {rs:.2f} ({against}): "
                                     f"more than {cfg.max_share_ratio:g}x, +{rc - rs:.2f} > "
-                                    f"{cfg.share_ratio_floor}", nums))
+                                    f"{cfg.share_ratio_floor}, 95 % lower bound +{lo:.3f}", nums))
         else:
             out.append(MetricResult(name, Check.PASS, f"{label} {rc:.2f} vs {rs:.2f} ({against})", nums))
     return out

@@ -333,20 +333,33 @@ def test_a_share_that_more_than_doubles_fails_at_a_low_base_rate():
     """Run O's v000001 (docs/experiments.md, D64): in its canary's window 10 of 95 replies had
     no answer against the stable's 3 of 105 (+0.076, under the absolute limit 0.15); over its
     whole life it had 29/303 against v000000's 17/368. The relative rule fails it: 0.105 is more
-    than 2x 0.029 and 0.076 over the 0.05 floor. The same +0.076 at a 0.30 base rate passes
-    (ratio 1.25), and a share near 0 that rises by a few replies (1/100 -> 5/100, 5x but +0.04)
-    passes on the floor."""
+    than 2x 0.029, +0.076 is over the 0.05 floor, and Newcombe's 95 % interval of the increase
+    is above 0 (lower bound +0.0065, computed by deploy.stats.newcombe_interval and by hand
+    below). Run S's first canary (3/50 against 0/50 in the first minutes): 6x and +0.06, but
+    the increase is not shown ([-0.021, +0.162]), so it passes. The same +0.076 at a 0.30 base
+    rate passes (ratio 1.25), and 1/100 -> 5/100 (5x, +0.04) passes on the floor."""
     cfg = AnalysisConfig(min_votes=20, delta=0.3, failure_limit=1, min_guard_completions=10)
     m = {x.name: x for x in analyze(_arm(95, 20, no_answer=10), _arm(105, 20, no_answer=3), cfg).metrics}
     assert m["no_answer"].check == Check.FAIL
     assert "more than 2x" in m["no_answer"].reason and "+0.08 > 0.05" in m["no_answer"].reason
     assert m["no_answer"].numbers["candidate_share"] == pytest.approx(10 / 95)
+    # Newcombe method 10 by hand: Wilson bounds of each share, then the hybrid lower bound
+    def wilson(x, n, z=1.959963984540054):
+        p = x / n
+        c, h = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return c - h, c + h
+    (l1, _), (_, u2) = wilson(10, 95), wilson(3, 105)
+    lo = 10 / 95 - 3 / 105 - math.sqrt((10 / 95 - l1) ** 2 + (u2 - 3 / 105) ** 2)
+    assert m["no_answer"].numbers["increase_ci95_lo"] == pytest.approx(lo) and lo > 0
+    assert m["no_answer"].check == Check.FAIL
+    m = {x.name: x for x in analyze(_arm(50, 20, no_answer=3), _arm(50, 20, no_answer=0), cfg).metrics}
+    assert m["no_answer"].check == Check.PASS  # 0 -> 0.06: more than 2x and +0.06, not shown at 95 %
     m = {x.name: x for x in analyze(_arm(100, 20, no_answer=38), _arm(100, 20, no_answer=30), cfg).metrics}
     assert m["no_answer"].check == Check.PASS
     m = {x.name: x for x in analyze(_arm(100, 20, no_answer=5), _arm(100, 20, no_answer=1), cfg).metrics}
     assert m["no_answer"].check == Check.PASS
-    m = {x.name: x for x in analyze(_arm(100, 20, cut=12), _arm(100, 20, cut=5), cfg).metrics}
-    assert m["truncated"].check == Check.FAIL  # 0.12 vs 0.05: 2.4x and +0.07
+    m = {x.name: x for x in analyze(_arm(300, 20, cut=36), _arm(300, 20, cut=15), cfg).metrics}
+    assert m["truncated"].check == Check.FAIL  # 0.12 vs 0.05 over 300 each: 2.4x, +0.07, shown
     with pytest.raises(ValueError, match="max_share_ratio"):
         AnalysisConfig(max_share_ratio=0.5)
 
