@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from ingest.writer import HOUR_MS, shard_time
 from schemas import settings
-from schemas.arrow import SAMPLE_SCHEMA, format_version, table_to_samples
+from schemas.arrow import ADDED_IN_3, SAMPLE_SCHEMA, format_version, table_to_samples
 from schemas.events import RewardedSample
 
 OLD_LAYOUT_PREFIX = "model_version="
@@ -100,9 +100,18 @@ def samples_sql(samples_dir: Path, base: Path | None = None) -> str:
         g = str(Path(root) / "**" / "*.parquet").replace("'", "''")
         hive = ("{'model_version': VARCHAR, 'date': VARCHAR}" if old_layout(samples_dir)
                 else "{'date': DATE, 'hour': INTEGER}")
-        return f"SELECT * FROM read_parquet('{g}', hive_partitioning=true, hive_types={hive})"
+        # union_by_name: format-2 files lack expert_routes_codec (read as null = raw routes); the
+        # empty typed SELECT gives the column its type when no file has it yet
+        return (f"SELECT * FROM read_parquet('{g}', hive_partitioning=true, hive_types={hive}, union_by_name=true)"
+                f" UNION ALL BY NAME ({_added_sql()})")
     cols = ", ".join(f"CAST(NULL AS {_sql_type(f.type)}) AS {f.name}" for f in SAMPLE_SCHEMA)
     return f"SELECT {cols}, CAST(NULL AS DATE) AS date, CAST(NULL AS INTEGER) AS hour LIMIT 0"
+
+
+def _added_sql() -> str:
+    """An empty SELECT of the columns added in format 3 (``schemas.arrow.ADDED_IN_3``), typed."""
+    return "SELECT " + ", ".join(f"CAST(NULL AS {_sql_type(SAMPLE_SCHEMA.field(c).type)}) AS {c}"
+                                 for c in ADDED_IN_3) + " LIMIT 0"
 
 
 def deadletters_dir(samples_dir: Path) -> Path:
@@ -294,7 +303,10 @@ def read_shards(shards: list[Shard] | list[Path], columns: list[str] | None = No
         return pa.schema([SAMPLE_SCHEMA.field(c) for c in cols]).empty_table()
     con = duckdb.connect()
     try:
-        sql = f"SELECT {', '.join(cols)} FROM read_parquet(?, hive_partitioning=false)"
+        src = "read_parquet(?, hive_partitioning=false, union_by_name=true)"
+        if any(c in ADDED_IN_3 for c in cols):  # absent from format-2 files: null (raw routes)
+            src = f"(SELECT * FROM {src} UNION ALL BY NAME ({_added_sql()}))"
+        sql = f"SELECT {', '.join(cols)} FROM {src}"
         return con.sql(sql + (f" WHERE {where}" if where else ""), params=[paths]).to_arrow_table()
     finally:
         con.close()

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ingest.catalog import OLD_LAYOUT_PREFIX
 from ingest.writer import shard_path, write_table
-from schemas.arrow import SAMPLE_SCHEMA, format_version, upgrade_v1_table
+from schemas.arrow import SAMPLE_SCHEMA, conform, format_version, upgrade_v1_table
 
 
 def _version_of(path: Path, root: Path) -> str:
@@ -31,8 +31,8 @@ def _version_of(path: Path, root: Path) -> str:
 
 
 def migrate(samples_dir: str | Path, dry_run: bool = False) -> dict[str, int]:
-    """Convert every shard under ``samples_dir/model_version=*/`` to format 2 in the new
-    layout and remove the old files and empty directories.
+    """Convert every shard under ``samples_dir/model_version=*/`` to the current format in the
+    new layout (routes stay raw bytes, ``expert_routes_codec`` null) and remove the old files and empty directories.
 
     Returns ``{"shards": files converted, "samples": rows, "already": files whose new copy
     existed (a rerun after a crash)}``. ``dry_run`` counts without writing.
@@ -52,6 +52,7 @@ def migrate(samples_dir: str | Path, dry_run: bool = False) -> dict[str, int]:
         if format_version(table.schema) < 2:
             table = upgrade_v1_table(table, version)
         else:
+            table = conform(table.select([f.name for f in SAMPLE_SCHEMA if f.name in table.column_names]))
             table = table.select([f.name for f in SAMPLE_SCHEMA]).cast(SAMPLE_SCHEMA)
         out["samples"] += table.num_rows
         out["shards"] += 1

@@ -21,15 +21,30 @@ import pyarrow.parquet as pq
 
 import pydantic_core
 
-from schemas.arrow import samples_to_table, unwritable_column
+from schemas.arrow import SAMPLE_SCHEMA, samples_to_table, unwritable_column
 from schemas.events import DeadLetter, RewardedSample
 
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
 HOUR_MS = 3_600_000
 # dictionary-encode only the repetitive columns: on the large unique ones (routes, token
 # lists) it slows the write and saves nothing
-DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype"]
-COMPRESSION = "zstd"  # routes are raw bytes now (format 2), so every column compresses
+DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype", "expert_routes_codec"]
+
+
+def _leaf_paths(t: pa.DataType, name: str) -> list[str]:
+    """Parquet's column paths under one field (what a per-column setting is keyed by)."""
+    if pa.types.is_list(t):
+        return _leaf_paths(t.value_type, f"{name}.list.element")
+    if pa.types.is_struct(t):
+        return [p for f in t for p in _leaf_paths(f.type, f"{name}.{f.name}")]
+    return [name]
+
+
+# every column zstd-compressed except the routes: since format 3 they are the zstd frame serving
+# wrote (D65), which Parquet's zstd would only spend CPU on again. Keyed by leaf path: a column
+# left out of the dict is written uncompressed.
+COMPRESSION = {p: "none" if p == "expert_routes" else "zstd"
+               for f in SAMPLE_SCHEMA for p in _leaf_paths(f.type, f.name)}
 STATISTICS_COLUMNS = ["completion_id", "model_version", "split", "created_at", "sealed_at", "reward", "label",
                       "n_votes", "votes_up", "votes_down"]  # min/max for filters; none on the payloads
 SHARD_NAME = re.compile(r"^part-(\d{13})-[0-9a-zA-Z_-]+\.parquet$")

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.arrow import SAMPLE_SCHEMA, table_to_samples
+from schemas.arrow import SAMPLE_SCHEMA, conform, table_to_samples
 from schemas.events import RewardedSample
 
 READ_ROWS = 64  # rows per Parquet read while spilling
@@ -124,8 +124,9 @@ class SpilledSamples:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SAMPLE_SCHEMA) as w:
             for sp in shard_paths:
                 pf = pq.ParquetFile(sp)
-                for rb in pf.iter_batches(batch_size=READ_ROWS, columns=cols):
-                    t = pa.Table.from_batches([rb]).cast(SAMPLE_SCHEMA)
+                have = set(pf.schema_arrow.names)  # a format-2 shard lacks the format-3 columns
+                for rb in pf.iter_batches(batch_size=READ_ROWS, columns=[c for c in cols if c in have]):
+                    t = conform(pa.Table.from_batches([rb])).select(cols).cast(SAMPLE_SCHEMA)
                     for i, s in enumerate(table_to_samples(t)):
                         cid = str(s.completion_id)
                         if cid in seen:

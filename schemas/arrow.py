@@ -29,8 +29,8 @@ sampling                    struct<temperature: double,    the request's samplin
                             top_p: double, top_k: int32,   (``schemas.events.SamplingParams``)
                             max_tokens: int32, seed:
                             int64, logprobs_kind: string>
-expert_routes               binary (null for dense)        C-order bytes of the routes array,
-                                                           little endian, dtype below
+expert_routes               binary (null for dense)        the routes: one zstd frame (codec
+                                                           ``zstd``) or raw bytes (codec null)
 expert_routes_shape         list<int32> (3 values)         (P + C - 1, num_hidden_layers, top_k)
 expert_routes_dtype         string                         ``uint8`` or ``uint16``
 finish_reason               string (dictionary)            stop | length | abort
@@ -39,18 +39,34 @@ label                       bool                           desirable (KTO)
 n_votes, votes_up,          int32                          each user's last vote counted
 votes_down
 event_ids                   list<string>                   every feedback event folded in
+expert_routes_codec         string (dictionary)            ``zstd`` or null (format 3)
 ==========================  =============================  ==================================
 
-Routes in numpy: ``np.frombuffer(row["expert_routes"], row["expert_routes_dtype"])
-.reshape(row["expert_routes_shape"])``. Format 1 (the earlier layout: JSON strings for
-sampling and routes, integer-ms times, ``model_version`` only in the directory name) is
-converted by :func:`upgrade_v1_table` (``flywheel data migrate``).
+Routes (format 3, D65): with ``expert_routes_codec = 'zstd'`` the cell is the zstd frame
+serving wrote (``ExpertRoutes.data``, base64-decoded, byte for byte); it decompresses to the
+C-order bytes of the array in ``expert_routes_dtype``. The worker decompresses every frame
+once at sealing to check that it holds exactly ``shape`` values (a frame that does not is
+quarantined, field ``expert_routes``) and does not compress it again: the column is written
+without Parquet compression. With the codec null (every format-2 shard, which lacks the
+column, and a format-1 shard upgraded by ``flywheel data migrate``) the cell is the raw
+little-endian C-order bytes. In numpy::
+
+    raw = row["expert_routes"]
+    if row.get("expert_routes_codec") == "zstd":
+        raw = zstandard.ZstdDecompressor().decompress(raw)
+    np.frombuffer(raw, row["expert_routes_dtype"]).reshape(row["expert_routes_shape"])
+
+:func:`table_to_samples` reads formats 2 and 3 (a table without the codec column is format 2).
+Format 1 (the earlier layout: JSON strings for sampling and routes, integer-ms times,
+``model_version`` only in the directory name) is converted by :func:`upgrade_v1_table`
+(``flywheel data migrate``).
 """
 
 from __future__ import annotations
 
 import binascii
 import datetime as dt
+import itertools
 import json
 import threading
 
@@ -60,7 +76,7 @@ import pyarrow.compute as pc
 
 from schemas.events import ExpertRoutes, RewardedSample, SamplingParams
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FORMAT_KEY = b"flywheel.samples.format"
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 SAMPLING_TYPE = pa.struct([
@@ -88,9 +104,13 @@ SAMPLE_SCHEMA = pa.schema([
     ("votes_up", pa.int32()),
     ("votes_down", pa.int32()),
     ("event_ids", pa.list_(pa.string())),
+    ("expert_routes_codec", pa.string()),  # format 3: "zstd" (the served frame) or null (raw bytes)
 ], metadata={FORMAT_KEY: str(FORMAT_VERSION).encode()})
 
 _SAMPLING_FIELDS = [f.name for f in SAMPLING_TYPE]
+#: Columns added after format 2: absent from format-2 files, read as nulls (:func:`conform`).
+ADDED_IN_3 = ("expert_routes_codec",)
+ROUTES_CODEC = "zstd"
 
 
 _ZSTD = threading.local()  # one zstd decompression context per thread (a context is not thread-safe)
@@ -124,16 +144,45 @@ def _routes_raw(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None,
     return raw, shape, r.dtype
 
 
+def _routes_frame(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None, str | None, str | None]:
+    """``(zstd frame as served, shape, dtype, codec)`` of routes for a format-3 row, or Nones
+    for a dense model. The frame is ``r.data`` base64-decoded, kept byte for byte; it is
+    decompressed once here, only to check it (the output is dropped), so a frame that does not
+    decode to exactly ``shape`` in ``dtype`` is refused at sealing, as in format 2.
+
+    Raises:
+        ValueError: ``expert_routes``: the payload does not decode to exactly ``shape`` in ``dtype``
+            (the same check as :meth:`schemas.events.ExpertRoutes.to_array`)."""
+    if r is None:
+        return None, None, None, None
+    import zstandard
+
+    shape = [int(x) for x in r.shape]
+    want = shape[0] * shape[1] * shape[2] * np.dtype(r.dtype).itemsize
+    dctx = getattr(_ZSTD, "d", None)
+    if dctx is None:
+        dctx = _ZSTD.d = zstandard.ZstdDecompressor()
+    try:
+        frame = binascii.a2b_base64(r.data)
+        n = len(dctx.decompress(frame, max_output_size=want + 1))
+    except (zstandard.ZstdError, binascii.Error) as exc:
+        raise ValueError(f"expert_routes: payload does not decode: {exc}") from exc
+    if n != want:
+        raise ValueError(f"expert_routes: payload has {n // np.dtype(r.dtype).itemsize} values, shape {tuple(shape)} "
+                         f"needs {want // np.dtype(r.dtype).itemsize}")
+    return frame, shape, r.dtype, ROUTES_CODEC
+
+
 def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
     """RewardedSamples -> Arrow table with :data:`SAMPLE_SCHEMA` (times as UTC timestamps,
-    routes as raw bytes with their shape and dtype). Built column by column (one Arrow
-    conversion per column).
+    routes as the served zstd frame with their shape, dtype and codec, format 3). Built
+    column by column (one Arrow conversion per column).
 
     Raises:
         ValueError: a sample's routes do not decode to their shape (``expert_routes``).
         pyarrow.ArrowInvalid / OverflowError / TypeError: a value its column cannot hold
             (:func:`unwritable_column` names it)."""
-    routes = [_routes_raw(s.expert_routes) for s in samples]
+    routes = [_routes_frame(s.expert_routes) for s in samples]
     sp = [s.sampling for s in samples]
     sampling = pa.StructArray.from_arrays(
         [pa.array([getattr(x, k) for x in sp], f.type) for k, f in zip(_SAMPLING_FIELDS, SAMPLING_TYPE)],
@@ -142,16 +191,29 @@ def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
     def col(name: str):
         return [getattr(s, name) for s in samples]
 
+    def lists(name: str, dtype) -> pa.Array:
+        """A list column through numpy: one flat array and the offsets (half the cost of
+        ``pa.array`` on the nested lists; a value beyond ``dtype`` raises OverflowError)."""
+        vals = col(name)
+        off = np.zeros(len(vals) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, vals), np.int64, len(vals)), out=off[1:])
+        if off[-1] > np.iinfo(np.int32).max:  # beyond list<> offsets: Arrow's own conversion decides
+            return pa.array(vals, pa.list_(pa.from_numpy_dtype(dtype)))
+        flat = np.fromiter(itertools.chain.from_iterable(vals), dtype, int(off[-1]))
+        return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(flat))
+
     cols = {
         "completion_id": [str(s.completion_id) for s in samples],
         "model_version": col("model_version"), "split": col("split"),
         "created_at": col("created_at"), "sealed_at": col("sealed_at"), "user_hash": col("user_hash"),
-        "prompt_token_ids": col("prompt_token_ids"), "completion_token_ids": col("completion_token_ids"),
-        "behavior_logprobs": col("behavior_logprobs"), "sampling": sampling,
+        "prompt_token_ids": lists("prompt_token_ids", np.int32),
+        "completion_token_ids": lists("completion_token_ids", np.int32),
+        "behavior_logprobs": lists("behavior_logprobs", np.float32), "sampling": sampling,
         "expert_routes": [r[0] for r in routes], "expert_routes_shape": [r[1] for r in routes],
         "expert_routes_dtype": [r[2] for r in routes], "finish_reason": col("finish_reason"),
         "reward": col("reward"), "label": col("label"), "n_votes": col("n_votes"), "votes_up": col("votes_up"),
-        "votes_down": col("votes_down"), "event_ids": col("event_ids")}
+        "votes_down": col("votes_down"), "event_ids": col("event_ids"),
+        "expert_routes_codec": [r[3] for r in routes]}
     return pa.Table.from_arrays([c if isinstance(c, pa.Array) else pa.array(c, f.type)
                                  for f, c in zip(SAMPLE_SCHEMA, (cols[f.name] for f in SAMPLE_SCHEMA))],
                                 schema=SAMPLE_SCHEMA)
@@ -162,7 +224,7 @@ def unwritable_column(s: RewardedSample) -> tuple[str, str] | None:
     ``(column, reason)`` (e.g. a token id beyond int32, a string that is not UTF-8), or None
     when every column converts. Used to name the field of a sample that cannot be written."""
     try:
-        raw, shape, dtype = _routes_raw(s.expert_routes)
+        raw, shape, dtype, codec = _routes_frame(s.expert_routes)
     except Exception as exc:  # noqa: BLE001 - any refusal names the column
         return "expert_routes", f"{type(exc).__name__}: {str(exc)[:200]}"
     row = {"completion_id": str(s.completion_id), "model_version": s.model_version, "split": s.split,
@@ -171,7 +233,8 @@ def unwritable_column(s: RewardedSample) -> tuple[str, str] | None:
            "behavior_logprobs": s.behavior_logprobs, "sampling": {k: getattr(s.sampling, k) for k in _SAMPLING_FIELDS},
            "expert_routes": raw, "expert_routes_shape": shape, "expert_routes_dtype": dtype,
            "finish_reason": s.finish_reason, "reward": s.reward, "label": s.label, "n_votes": s.n_votes,
-           "votes_up": s.votes_up, "votes_down": s.votes_down, "event_ids": s.event_ids}
+           "votes_up": s.votes_up, "votes_down": s.votes_down, "event_ids": s.event_ids,
+           "expert_routes_codec": codec}
     for f in SAMPLE_SCHEMA:
         try:
             pa.array([row[f.name]], f.type)
@@ -186,16 +249,24 @@ def _ms(v) -> int:
     return int(v)
 
 
-def routes_from_raw(raw: bytes | None, shape, dtype: str | None) -> ExpertRoutes | None:
-    """The :class:`ExpertRoutes` of a row's ``expert_routes`` bytes (None when null).
+def routes_from_raw(raw: bytes | None, shape, dtype: str | None, codec: str | None = None) -> ExpertRoutes | None:
+    """The :class:`ExpertRoutes` of a row's ``expert_routes`` cell (None when null): with
+    ``codec`` ``"zstd"`` (format 3) the cell is the served frame, handed back as the event's
+    ``data`` without decoding it (bit-exact; :meth:`ExpertRoutes.to_array` decodes it where
+    the routes are used); with ``codec`` None (format 2) the raw bytes, encoded anew.
 
     Raises:
-        ValueError: ``expert_routes``: the bytes do not fill ``shape`` in ``dtype``.
+        ValueError: ``expert_routes``: the bytes do not fill ``shape`` in ``dtype``;
+            ``expert_routes_codec``: a codec other than ``zstd``.
     """
     if raw is None:
         return None
     shape = tuple(int(x) for x in shape)
     dtype = dtype or "uint8"
+    if codec is not None:
+        if codec != ROUTES_CODEC:
+            raise ValueError(f"expert_routes_codec: {codec!r} is not {ROUTES_CODEC!r} (or null for raw bytes)")
+        return ExpertRoutes(shape=shape, dtype=dtype, codec=codec, data=binascii.b2a_base64(raw, newline=False).decode())
     arr = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
     if len(shape) != 3 or arr.size != int(np.prod(shape)):
         raise ValueError(f"expert_routes: {arr.size} values of {dtype}, shape {shape} needs "
@@ -204,7 +275,7 @@ def routes_from_raw(raw: bytes | None, shape, dtype: str | None) -> ExpertRoutes
 
 
 def row_to_sample(row: dict) -> RewardedSample:
-    """One row of a format-2 table (``Table.to_pylist()`` or DuckDB dicts: times may be
+    """One row of a format-2 or format-3 table (``Table.to_pylist()`` or DuckDB dicts: times may be
     datetimes or integer ms) -> RewardedSample.
 
     Raises:
@@ -218,15 +289,16 @@ def row_to_sample(row: dict) -> RewardedSample:
         completion_token_ids=list(row["completion_token_ids"]),
         behavior_logprobs=list(row["behavior_logprobs"]),
         sampling=SamplingParams.model_validate(row["sampling"]),
-        expert_routes=routes_from_raw(row["expert_routes"], row["expert_routes_shape"], row["expert_routes_dtype"]),
+        expert_routes=routes_from_raw(row["expert_routes"], row["expert_routes_shape"], row["expert_routes_dtype"],
+                                      row.get("expert_routes_codec")),
         finish_reason=row["finish_reason"], reward=row["reward"], label=row["label"],
         n_votes=row["n_votes"], votes_up=row["votes_up"], votes_down=row["votes_down"],
         event_ids=list(row["event_ids"]), sealed_at=_ms(row["sealed_at"]))
 
 
 def table_to_samples(table: pa.Table) -> list[RewardedSample]:
-    """A format-2 table (extra columns such as hive ``date``/``hour`` ignored) ->
-    RewardedSamples, in row order."""
+    """A format-2 or format-3 table (extra columns such as hive ``date``/``hour`` ignored; no
+    ``expert_routes_codec`` column: format 2, raw routes) -> RewardedSamples, in row order."""
     for name in ("created_at", "sealed_at"):
         if pa.types.is_timestamp(table.schema.field(name).type):
             i = table.schema.get_field_index(name)
@@ -236,12 +308,24 @@ def table_to_samples(table: pa.Table) -> list[RewardedSample]:
 
 
 def format_version(schema: pa.Schema) -> int:
-    """The shard format of ``schema``: 2 with :data:`FORMAT_KEY` or a ``sampling`` struct,
-    1 when ``sampling`` is a JSON string (the earlier layout)."""
+    """The shard format of ``schema``: the number under :data:`FORMAT_KEY`; without it, 1 when
+    ``sampling`` is a JSON string (the earlier layout), 3 with ``expert_routes_codec``, else 2."""
     meta = schema.metadata or {}
     if FORMAT_KEY in meta:
         return int(meta[FORMAT_KEY])
-    return 1 if schema.field("sampling").type == pa.string() else FORMAT_VERSION
+    if schema.field("sampling").type == pa.string():
+        return 1
+    return 3 if "expert_routes_codec" in schema.names else 2
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A format-2 or format-3 table (columns of :data:`SAMPLE_SCHEMA`, any subset is fine)
+    with the columns added in format 3 (:data:`ADDED_IN_3`) appended as nulls where absent,
+    so it casts to :data:`SAMPLE_SCHEMA`."""
+    for name in ADDED_IN_3:
+        if name not in table.column_names:
+            table = table.append_column(SAMPLE_SCHEMA.field(name), pa.nulls(table.num_rows, SAMPLE_SCHEMA.field(name).type))
+    return table
 
 
 def upgrade_v1_table(table: pa.Table, model_version: str) -> pa.Table:
@@ -276,6 +360,7 @@ def upgrade_v1_table(table: pa.Table, model_version: str) -> pa.Table:
         "expert_routes": pa.array(raw, pa.binary()),
         "expert_routes_shape": pa.array(shapes, pa.list_(pa.int32())),
         "expert_routes_dtype": pa.array(dtypes, pa.string()),
+        "expert_routes_codec": pa.nulls(n, pa.string()),  # raw bytes (a migrated shard keeps them raw)
     }
     return pa.table({f.name: cols[f.name] if f.name in cols else table.column(f.name).cast(f.type)
                      for f in SAMPLE_SCHEMA}, schema=SAMPLE_SCHEMA)

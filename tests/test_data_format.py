@@ -1,8 +1,9 @@
-"""Sample shards an analyst opens with plain pyarrow/DuckDB (format 2), and the one-time
+"""Sample shards an analyst opens with plain pyarrow/DuckDB (format 3), and the one-time
 migration of format-1 shards (JSON strings, integer-ms times, model_version in the path)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import uuid
@@ -13,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from ingest import catalog, writer
 from ingest.migrate import migrate
@@ -41,7 +43,7 @@ def test_one_file_read_alone_with_pyarrow_has_every_field(tmp_path):
     samples = make(3, split="eval")
     p = writer.write_shard(samples, writer.shard_path(tmp_path, samples[0].sealed_at))
     t = pq.read_table(p)  # the file alone: no directory names, no Flywheel decoder
-    assert t.schema.metadata[b"flywheel.samples.format"] == b"2"
+    assert t.schema.metadata[b"flywheel.samples.format"] == b"3"
     assert t.schema.field("created_at").type == pa.timestamp("ms", tz="UTC")
     assert t.schema.field("sealed_at").type == pa.timestamp("ms", tz="UTC")
     assert t.schema.field("expert_routes").type == pa.binary()
@@ -53,17 +55,18 @@ def test_one_file_read_alone_with_pyarrow_has_every_field(tmp_path):
         assert r["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 128,
                                  "seed": s.sampling.seed, "logprobs_kind": "raw"}
         if s.expert_routes is None:
-            assert r["expert_routes"] is None and r["expert_routes_shape"] is None
-        else:
-            arr = np.frombuffer(r["expert_routes"], r["expert_routes_dtype"]).reshape(r["expert_routes_shape"])
+            assert r["expert_routes"] is None and r["expert_routes_shape"] is None and r["expert_routes_codec"] is None
+        else:  # format 3: the zstd frame as served (D65)
+            assert r["expert_routes_codec"] == "zstd"
+            raw = zstandard.ZstdDecompressor().decompress(r["expert_routes"])
+            arr = np.frombuffer(raw, r["expert_routes_dtype"]).reshape(r["expert_routes_shape"])
             assert np.array_equal(arr, s.expert_routes.to_array()) and arr.dtype == s.expert_routes.to_array().dtype
     assert rows[1]["expert_routes_dtype"] == "uint16" and rows[0]["expert_routes_dtype"] == "uint8"
     # plain DuckDB on the same file: timestamps, struct fields, blob length
     con = duckdb.connect()
     got = con.execute("SELECT epoch_ms(sealed_at), sampling.top_k, octet_length(expert_routes), split "
                       "FROM read_parquet(?) ORDER BY sealed_at", [str(p)]).fetchall()
-    shape0 = samples[0].expert_routes.shape
-    assert got[0] == (T0, 20, shape0[0] * shape0[1] * shape0[2], "eval")
+    assert got[0] == (T0, 20, len(base64.b64decode(samples[0].expert_routes.data)), "eval")
 
 
 def write_v1(samples_dir: Path, samples: list[RewardedSample], version: str, day: str) -> Path:

@@ -194,3 +194,38 @@ def test_a_sample_that_cannot_be_written_is_quarantined_and_its_shard_written(wo
     c = worker.stats()
     assert c["open_labels"] == 0 and c["samples"] == 3 and c["samples_quarantined"] == 1
     assert worker.store.sealed_among([bad]) == {bad}
+
+
+@pytest.mark.parametrize("what", ["not zstd", "wrong size", "cut short"])
+def test_a_routes_frame_that_does_not_decode_is_quarantined_naming_expert_routes(worker, what):
+    """Format 3 keeps the routes' zstd frame as served (D65); the worker still decompresses it
+    once at sealing to check it: a frame that is not zstd, decodes to another size than its
+    shape, or is cut short passes the contract (base64, shape) but is dead-lettered with its
+    votes, field ``expert_routes``, and the rest of its shard is written."""
+    import base64
+
+    import zstandard
+
+    rows_, layers, k = 3 + 3 - 1, 2, 2  # prompt 3 + completion 3 - 1 token rows
+    good_frame = zstandard.ZstdCompressor(level=3).compress(bytes(range(rows_ * layers * k)))
+    frame = {"not zstd": b"\x00" * 40,
+             "wrong size": zstandard.ZstdCompressor(level=3).compress(bytes(rows_ * layers * k + 1)),
+             "cut short": good_frame[:-3]}[what]
+    routes = lambda f: {"shape": [rows_, layers, k], "dtype": "uint8", "codec": "zstd",  # noqa: E731
+                        "data": base64.b64encode(f).decode()}
+    cids = [str(uuid.uuid4()) for _ in range(3)]
+    bad = cids[1]
+    items = [(topics.COMPLETIONS, completion(c, expert_routes=routes(frame if c == bad else good_frame)))
+             for c in cids]
+    items += [(topics.FEEDBACK, vote(c)) for c in cids]
+    dead, _, _, _ = worker.fold(batch(*items))
+    assert dead == []  # the contract does not decode the routes
+    rows, dead, msgs = seal(worker)
+    assert sorted(rows) == sorted(c for c in cids if c != bad) and len(msgs) == 2
+    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "expert_routes"),
+                                                        (topics.FEEDBACK, "completion_id")]
+    assert dead[0].reason.startswith("unwritable sample:") and bad in dead[0].payload
+    for c in rows:  # the good ones: the served frame, byte for byte
+        assert rows[c]["expert_routes"] == good_frame and rows[c]["expert_routes_codec"] == "zstd"
+    c = worker.stats()
+    assert c["open_labels"] == 0 and c["samples"] == 2 and c["samples_quarantined"] == 1
