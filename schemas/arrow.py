@@ -116,29 +116,41 @@ ROUTES_CODEC = "zstd"
 _ZSTD = threading.local()  # one zstd decompression context per thread (a context is not thread-safe)
 
 
-def _routes_raw(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None, str | None]:
-    """``(little-endian C-order bytes, shape, dtype)`` of routes, or Nones for a dense model.
+def _checked_frame(r: ExpertRoutes) -> tuple[bytes, bytes, list[int]]:
+    """``(zstd frame as served, its decompressed C-order bytes, shape)`` of routes, the frame
+    checked to decode to exactly ``shape`` values in ``r.dtype``.
 
     Raises:
         ValueError: ``expert_routes``: the payload does not decode to exactly ``shape`` in ``dtype``
             (the same check as :meth:`schemas.events.ExpertRoutes.to_array`)."""
-    if r is None:
-        return None, None, None
     import zstandard
 
     shape = [int(x) for x in r.shape]
-    dt_ = np.dtype(r.dtype)
-    want = shape[0] * shape[1] * shape[2] * dt_.itemsize
+    size = np.dtype(r.dtype).itemsize
+    want = shape[0] * shape[1] * shape[2] * size
     dctx = getattr(_ZSTD, "d", None)
     if dctx is None:
         dctx = _ZSTD.d = zstandard.ZstdDecompressor()
     try:
-        raw = dctx.decompress(binascii.a2b_base64(r.data), max_output_size=want + 1)
+        frame = binascii.a2b_base64(r.data)
+        raw = dctx.decompress(frame, max_output_size=want + 1)
     except (zstandard.ZstdError, binascii.Error) as exc:
         raise ValueError(f"expert_routes: payload does not decode: {exc}") from exc
     if len(raw) != want:
-        raise ValueError(f"expert_routes: payload has {len(raw) // dt_.itemsize} values, shape {tuple(shape)} "
-                         f"needs {want // dt_.itemsize}")
+        raise ValueError(f"expert_routes: payload has {len(raw) // size} values, shape {tuple(shape)} "
+                         f"needs {want // size}")
+    return frame, raw, shape
+
+
+def _routes_raw(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None, str | None]:
+    """``(little-endian C-order bytes, shape, dtype)`` of routes, or Nones for a dense model.
+
+    Raises:
+        ValueError: ``expert_routes``: as :func:`_checked_frame`."""
+    if r is None:
+        return None, None, None
+    _, raw, shape = _checked_frame(r)
+    dt_ = np.dtype(r.dtype)
     if dt_.itemsize > 1 and not np.little_endian:  # the column is little endian
         raw = np.frombuffer(raw, dt_).astype(dt_.newbyteorder("<")).tobytes()
     return raw, shape, r.dtype
@@ -147,29 +159,14 @@ def _routes_raw(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None,
 def _routes_frame(r: ExpertRoutes | None) -> tuple[bytes | None, list[int] | None, str | None, str | None]:
     """``(zstd frame as served, shape, dtype, codec)`` of routes for a format-3 row, or Nones
     for a dense model. The frame is ``r.data`` base64-decoded, kept byte for byte; it is
-    decompressed once here, only to check it (the output is dropped), so a frame that does not
+    decompressed once, only to check it (the output is dropped), so a frame that does not
     decode to exactly ``shape`` in ``dtype`` is refused at sealing, as in format 2.
 
     Raises:
-        ValueError: ``expert_routes``: the payload does not decode to exactly ``shape`` in ``dtype``
-            (the same check as :meth:`schemas.events.ExpertRoutes.to_array`)."""
+        ValueError: ``expert_routes``: as :func:`_checked_frame`."""
     if r is None:
         return None, None, None, None
-    import zstandard
-
-    shape = [int(x) for x in r.shape]
-    want = shape[0] * shape[1] * shape[2] * np.dtype(r.dtype).itemsize
-    dctx = getattr(_ZSTD, "d", None)
-    if dctx is None:
-        dctx = _ZSTD.d = zstandard.ZstdDecompressor()
-    try:
-        frame = binascii.a2b_base64(r.data)
-        n = len(dctx.decompress(frame, max_output_size=want + 1))
-    except (zstandard.ZstdError, binascii.Error) as exc:
-        raise ValueError(f"expert_routes: payload does not decode: {exc}") from exc
-    if n != want:
-        raise ValueError(f"expert_routes: payload has {n // np.dtype(r.dtype).itemsize} values, shape {tuple(shape)} "
-                         f"needs {want // np.dtype(r.dtype).itemsize}")
+    frame, _, shape = _checked_frame(r)
     return frame, shape, r.dtype, ROUTES_CODEC
 
 
