@@ -35,7 +35,10 @@ vs 1) says whether splitting the partitions costs CPU per record.
 Prints, last, ``RESULT <metric>=<value> <unit> target<op><value>`` lines:
 ``joined_vs_raw_consume_ratio`` (wall, target >= 0.5), ``joined_vs_raw_cpu_efficiency``
 (per CPU-second, target >= 0.25), ``pipeline_vs_raw_cpu_efficiency`` (join + seal per
-CPU-second, target >= 0.25), ``two_worker_speedup`` (wall, target >= 1.5) and
+CPU-second, target >= 0.25; the worker's CPU while it waits between the last record and the
+first label due, ``--seal-after-s`` later, is left out: ~10 ms per second of an idle worker,
+0.15 CPU-s in a quick run; ``pipeline_with_idle_wait_vs_raw_cpu_efficiency`` counts it),
+``two_worker_speedup`` (wall, target >= 1.5) and
 ``two_worker_cpu_efficiency`` (per CPU-second, target >= 0.9): issue 24's targets.
 
 6. **Separate hosts** (``--hosts 1,2,4``, issue 12): 1, 2 and 4 workers, each with its own
@@ -304,6 +307,10 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
                     other[f] = others()
                     if f == 0.9:
                         samples_at_90 = c.get("samples", 0)
+            # no label is due before the first vote's fold + seal_after_s (the counters lag the
+            # fold by less than its batch): between all consumed and this reading the worker idles
+            if 1.0 in marks and "idle_end" not in marks and now >= marks[0.0][0] + args.seal_after_s - 0.5:
+                marks["idle_end"] = (now, c.get("samples", 0), cpu_s([p.pid for p in procs]))
             for k, want in (("first", 1), ("all", labels)):
                 if k not in sealed and c.get("samples", 0) >= want:
                     sealed[k] = (now, cpu_s([p.pid for p in procs]))
@@ -322,14 +329,20 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
         c = read()
         rebalances = sum(len(assignments(lg)) for lg in logs) - workers
         (tf, cf), (ta, ca) = sealed["first"], sealed["all"]
+        # the idle wait between all consumed and the first label due (--seal-after-s keeps the
+        # join window apart from sealing): neither joining nor sealing, left out of "pipeline"
+        ti, si, ci = marks.get("idle_end", (marks[1.0][0], 1, marks[1.0][2]))
+        idle = (ti - marks[1.0][0], ci - marks[1.0][2]) if si == 0 else (0.0, 0.0)
         return {"rate": (n9 - n1) / (t9 - t1), "per_cpu_s": (n9 - n1) / max(1e-9, c9 - c1),
                 "window": (n9 - n1, t9 - t1, c9 - c1), "samples_in_window": samples_at_90,
                 "consume_s": marks[1.0][0] - t_start, "sealed_s": ta - t_start, "samples": c.get("samples", 0),
                 # None: every label sealed within one reading (one seal round)
                 "seal_rate": c.get("samples", 0) / (ta - tf) if ta - tf >= 0.05 else None,
-                "seal_cpu_s": ca - marks[1.0][2],
-                # every record consumed + folded and every label sealed, per CPU-second (no start-up)
-                "pipeline_per_cpu_s": total / max(1e-9, ca - marks[0.0][2]),
+                "seal_cpu_s": ca - marks[1.0][2] - idle[1], "idle": idle,
+                # every record consumed + folded and every label sealed, per CPU-second (no
+                # start-up, no idle wait); and the same with the idle wait counted
+                "pipeline_per_cpu_s": total / max(1e-9, ca - marks[0.0][2] - idle[1]),
+                "pipeline_idle_per_cpu_s": total / max(1e-9, ca - marks[0.0][2]),
                 # first record to last, workers' CPU only / with the database's and the broker's
                 # from the group's settling (no batch in flight yet) to the last record; the 10-90 %
                 # window instead starts after a first commit, when the other workers' first
@@ -423,7 +436,8 @@ def report(name: str, r: dict) -> None:
           f"{'(one round)' if r['seal_rate'] is None else format(r['seal_rate'], ',.0f') + '/s'} "
           f"using {r['seal_cpu_s']:.2f} CPU-s, all sealed "
           f"{r['sealed_s']:.1f}s after start; pipeline (join + seal) {r['pipeline_per_cpu_s']:,.0f} records per "
-          f"CPU-s; rebalances after the first {r['rebalances']}; load average before {r['load']:.1f}", flush=True)
+          f"CPU-s (idle wait before sealing: {r['idle'][0]:.1f}s using {r['idle'][1]:.2f} CPU-s, left out; "
+          f"counted: {r['pipeline_idle_per_cpu_s']:,.0f}); rebalances after the first {r['rebalances']}; load average before {r['load']:.1f}", flush=True)
 
 
 def main() -> None:
@@ -452,6 +466,9 @@ def main() -> None:
                     help="profile the worker's fold and seal round in-process (no broker) instead")
     ap.add_argument("--profile-top", type=int, default=25, help="functions printed per profile table")
     ap.add_argument("--profile-reps", type=int, default=3, help="unprofiled runs before the profiled one")
+    ap.add_argument("--samples-value", choices=["notice", "sample", "both"], default="notice",
+                    help="--profile: the samples topic's value the worker encodes (IngestConfig.samples_value); "
+                         "both: alternate the two, --profile-reps runs each")
     args = ap.parse_args()
     if args.profile:
         return profile(args)
@@ -519,6 +536,7 @@ def main() -> None:
     print(f"RESULT joined_vs_raw_consume_ratio={one['rate'] / raw:.3f} x target>=0.5")
     print(f"RESULT joined_vs_raw_cpu_efficiency={one['per_cpu_s'] / raw_cpu:.3f} x target>=0.25")
     print(f"RESULT pipeline_vs_raw_cpu_efficiency={one['pipeline_per_cpu_s'] / raw_cpu:.3f} x target>=0.25")
+    print(f"RESULT pipeline_with_idle_wait_vs_raw_cpu_efficiency={one['pipeline_idle_per_cpu_s'] / raw_cpu:.3f} x")
     print(f"RESULT two_worker_speedup={two['rate'] / one['rate']:.2f} x target>=1.5")
     print(f"RESULT two_worker_cpu_efficiency={two['per_cpu_s'] / one['per_cpu_s']:.2f} x target>=0.9")
     if 1 in res:  # per CPU-second from the group's settling to the last record (every record, none in flight)
@@ -534,12 +552,13 @@ def main() -> None:
                       f"{res[w]['consume_all_per_cpu_s'] / res[1]['consume_all_per_cpu_s']:.2f} x target>=0.9")
 
 
-def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None)) -> dict:
+def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None), samples_value: str = "notice") -> dict:
     """Fold ``comps`` then ``fb`` (``(key, value)`` bytes) through a fresh in-process
     :class:`ingest.worker.Worker` (SQLite state under ``home``) in batches of ``batch_size``
     records, then seal every label. Returns ``{"fold_cpu_s", "seal_cpu_s", "records",
     "samples", "shards"}`` (CPU seconds of this process; ``profs``: two ``cProfile.Profile``
-    (or Nones), enabled around the fold and around the seal rounds)."""
+    (or Nones), enabled around the fold and around the seal rounds; ``samples_value``: the
+    worker's ``IngestConfig.samples_value``, what the seal rounds encode for the samples topic)."""
     from collections import namedtuple
 
     from ingest.app import IngestConfig
@@ -550,7 +569,7 @@ def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None)) -
     rec = namedtuple("Rec", "key value offset headers")
     cfg = IngestConfig(join=JoinConfig(seal_after_s=0.001, max_label_age_s=3600, orphan_ttl_s=600),
                        bootstrap="127.0.0.1:1", samples_dir=home / "samples", state_path=home / "state.sqlite",
-                       catalog=home / "catalog.duckdb")
+                       catalog=home / "catalog.duckdb", samples_value=samples_value)
     w = Worker(cfg)
     try:
         items = [(topics.COMPLETIONS, k, v) for k, v in comps] + [(topics.FEEDBACK, k, v) for k, v in fb]
@@ -603,25 +622,35 @@ def profile(args) -> None:
     labels = len({k for k, _ in fb})
     print(f"profile: {len(comps)} completions, {len(fb)} feedback -> {labels} labels, batches of "
           f"{BATCH_MAX_RECORDS}", flush=True)
-    runs = [("unprofiled", (None, None))] * args.profile_reps + [
-        ("cProfile", (cProfile.Profile(time.process_time), cProfile.Profile(time.process_time)))]
+    modes = ["notice", "sample"] if args.samples_value == "both" else [args.samples_value]
+    runs = [("unprofiled", (None, None), m) for _ in range(args.profile_reps) for m in modes] + [
+        ("cProfile", (cProfile.Profile(time.process_time), cProfile.Profile(time.process_time)), modes[0])]
     fold_s, seal_s = [], []
-    for name, profs in runs:
+    by_mode: dict[str, list[float]] = {m: [] for m in modes}
+    for name, profs, mode in runs:
         home = Path(tempfile.mkdtemp(prefix="fw-bench-profile-"))
         try:
-            r = _fold_and_seal(comps, fb, home, BATCH_MAX_RECORDS, profs)
+            r = _fold_and_seal(comps, fb, home, BATCH_MAX_RECORDS, profs, mode)
         finally:
             shutil.rmtree(home, ignore_errors=True)
         if r["samples"] != labels:
             raise RuntimeError(f"{r['samples']} samples, expected {labels}")
-        print(f"{name}: fold {r['fold_cpu_s']:.2f} CPU-s ({r['records'] / r['fold_cpu_s']:,.0f} records per CPU-s), "
+        if profs[0] is None:
+            by_mode[mode].append(r["seal_cpu_s"])
+        print(f"{name} (samples topic: {mode}): fold {r['fold_cpu_s']:.2f} CPU-s ({r['records'] / r['fold_cpu_s']:,.0f} records per CPU-s), "
               f"sealing {r['samples']} labels into {r['shards']} shard(s) {r['seal_cpu_s']:.2f} CPU-s "
               f"({1e3 * r['seal_cpu_s'] / r['samples']:.3f} ms per label); pipeline "
               f"{r['records'] / (r['fold_cpu_s'] + r['seal_cpu_s']):,.0f} records per CPU-s", flush=True)
         if profs[0] is None:
             fold_s.append(r["fold_cpu_s"])
             seal_s.append(r["seal_cpu_s"])
-            if len(fold_s) == args.profile_reps:
+            if len(fold_s) == args.profile_reps * len(modes):
+                if len(modes) > 1:  # alternated in this process: the samples topic's value alone
+                    med = {m: sorted(v)[len(v) // 2] for m, v in by_mode.items()}
+                    print("sealing by samples-topic value, median of "
+                          f"{args.profile_reps}: " + ", ".join(f"{m} {1e3 * v / r['samples']:.3f} ms per label"
+                                                              for m, v in med.items()), flush=True)
+                    print(f"RESULT seal_notice_vs_sample_cpu={med['notice'] / med['sample']:.3f} x")
                 f, sl = sorted(fold_s)[len(fold_s) // 2], sorted(seal_s)[len(seal_s) // 2]
                 print(f"median of {len(fold_s)}: fold {f:.2f} CPU-s ({r['records'] / f:,.0f} records per CPU-s), "
                       f"sealing {sl:.2f} CPU-s ({1e3 * sl / r['samples']:.3f} ms per label), pipeline "

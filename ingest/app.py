@@ -58,6 +58,10 @@ class IngestConfig:
             split the partitions and must share ``state_path`` (the same file on one host,
             or the same database).
         loglevel: the ``ingest`` logger's level, one of :data:`LOGLEVELS`.
+        samples_value: what ``flywheel.samples`` carries per sealed sample: ``"notice"`` (a
+            :class:`schemas.events.SampleNotice`: its shard and row, with the label; ~0.4 KiB)
+            or ``"sample"`` (the whole :class:`schemas.events.RewardedSample`, ~19 KiB);
+            ``docs/decisions.md`` D66.
 
     Raises:
         pydantic.ValidationError (a ValueError): a field out of its bounds or pattern; the
@@ -82,6 +86,9 @@ class IngestConfig:
         "partitions."))
     loglevel: Literal["crit", "error", "warn", "info", "debug"] = Field(
         "info", description="crit | error | warn | info | debug.")
+    samples_value: Literal["notice", "sample"] = Field(
+        "notice", description="flywheel.samples values: notice (the shard row and the label) | sample (the "
+        "whole RewardedSample).")
 
     def __post_init__(self):
         if not self.tick_s > 0:  # not Field(gt=0): see ingest.join.JoinConfig.__post_init__

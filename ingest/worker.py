@@ -506,7 +506,9 @@ class Worker:
                 break
         msgs: list[tuple[bytes, bytes]] = []
         for path, samples in shards.items():
-            samples, table, values, bad = writer.shard_parts(samples)
+            encode = (writer.notice_encoder(path, self.cfg.samples_dir) if self.cfg.samples_value == "notice"
+                      else writer.sample_json)
+            samples, table, values, bad = writer.shard_parts(samples, encode)
             if bad:  # claimed "bad:" before the shard exists; dead-lettered with the orphans
                 log.warning("ingest: %d sample(s) of shard %s cannot be written, quarantined: %s", len(bad), path,
                             "; ".join(f"{s.completion_id} {f}: {r}" for s, f, r in bad[:3]))

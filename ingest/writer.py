@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 
 import pydantic_core
 
-from schemas.arrow import SAMPLE_SCHEMA, samples_to_table, unwritable_column
-from schemas.events import DeadLetter, RewardedSample
+from schemas.arrow import FORMAT_VERSION, SAMPLE_SCHEMA, samples_to_table, unwritable_column
+from schemas.events import DeadLetter, RewardedSample, SampleNotice
 
 ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole groups
 HOUR_MS = 3_600_000
@@ -106,22 +106,26 @@ def write_shard(samples: list[RewardedSample], path: str | Path) -> Path:
     return write_table(samples_to_table(samples), path)
 
 
-def shard_parts(samples: list[RewardedSample]) -> tuple[list[RewardedSample], pa.Table | None, list[bytes],
-                                                        list[tuple[RewardedSample, str, str]]]:
+def shard_parts(samples: list[RewardedSample], encode=None) -> tuple[
+        list[RewardedSample], pa.Table | None, list[bytes], list[tuple[RewardedSample, str, str]]]:
     """Split ``samples`` into what can be written and what cannot: ``(good samples, their
-    table, their JSON values for the samples topic, bad)``, ``bad`` as ``(sample, field,
-    reason)`` for :meth:`ingest.join.Joiner.quarantine`. One record the shard or the topic
-    refuses (a value Arrow or UTF-8 cannot hold that passed the contract) never holds back the
-    others; the whole list is converted at once, and one by one only when that fails."""
+    table, their values for the samples topic, bad)``, ``bad`` as ``(sample, field, reason)``
+    for :meth:`ingest.join.Joiner.quarantine`. One record the shard or the topic refuses (a
+    value Arrow or UTF-8 cannot hold that passed the contract) never holds back the others;
+    the whole list is converted at once, and one by one only when that fails.
+
+    ``encode``: ``(sample, row) -> bytes``, a good sample's topic value given its 0-based row
+    in the table (:func:`notice_encoder`); default the whole sample's JSON (:func:`sample_json`)."""
+    encode = encode or sample_json
     try:
-        return samples, samples_to_table(samples), [_sample_json(s) for s in samples], []
+        return samples, samples_to_table(samples), [encode(s, i) for i, s in enumerate(samples)], []
     except Exception:  # noqa: BLE001 - found sample by sample below
         pass
     good, values, bad = [], [], []
     for s in samples:
         try:
             samples_to_table([s])
-            values.append(_sample_json(s))
+            values.append(encode(s, len(good)))
         except Exception as exc:  # noqa: BLE001 - any refusal quarantines this sample only
             at = unwritable_column(s)
             fld, reason = at if at is not None else (_unserialisable_field(s), f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -134,6 +138,35 @@ def shard_parts(samples: list[RewardedSample]) -> tuple[list[RewardedSample], pa
 # = RewardedSample.to_bytes (model_dump_json().encode()): the same bytes, straight from
 # pydantic-core, without the str in between (two copies of a ~19 KiB sample)
 _sample_json = RewardedSample.__pydantic_serializer__.to_json
+_notice_json = SampleNotice.__pydantic_serializer__.to_json
+_NOTICE_TEMPLATE = SampleNotice.model_construct(**{name: None for name in SampleNotice.model_fields})
+
+
+def sample_json(s: RewardedSample, row: int = 0) -> bytes:
+    """The whole sample as the samples topic's value (``samples_value = "sample"``):
+    ``RewardedSample.to_bytes``. ``row`` is not used."""
+    return _sample_json(s)
+
+
+def notice_encoder(path: str | Path, samples_dir: str | Path):
+    """A ``(sample, row) -> bytes`` giving the :class:`schemas.events.SampleNotice` JSON of a
+    sample at ``row`` of the shard ``path`` (under ``samples_dir``): the samples topic's value
+    by default (D66).
+
+    Raises:
+        ValueError: ``path`` is not under ``samples_dir``."""
+    shard = Path(path).relative_to(samples_dir).as_posix()
+
+    def encode(s: RewardedSample, row: int) -> bytes:
+        # built from a validated sample's own values: a copy of a template with every field
+        # replaced (as Joiner.seal), no second validation
+        return _notice_json(_NOTICE_TEMPLATE.model_copy(update=dict(
+            completion_id=s.completion_id, model_version=s.model_version, split=s.split,
+            created_at=s.created_at, sealed_at=s.sealed_at, reward=s.reward, label=s.label, n_votes=s.n_votes,
+            votes_up=s.votes_up, votes_down=s.votes_down, event_ids=s.event_ids, shard=shard, row=row,
+            shard_format=FORMAT_VERSION)))
+
+    return encode
 
 
 def _unserialisable_field(s: RewardedSample) -> str:

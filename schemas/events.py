@@ -403,6 +403,48 @@ class RewardedSample(_Event):
         return v
 
 
+#: A shard's path under the samples root, as ``ingest.writer.shard_path`` names it.
+SHARD_REF_PATTERN = r"^date=[0-9]{4}-[0-9]{2}-[0-9]{2}/hour=[0-9]{2}/part-[0-9]{13}-[0-9A-Za-z_-]{1,64}\.parquet$"
+
+
+class SampleNotice(_Event):
+    """The value of ``flywheel.samples`` (key: completion_id): one sealed sample, by reference
+    to its row in a durable Parquet shard (a claim check: the shard holds the sample, the topic
+    says where and carries the label). The worker publishes it after the shard is durable, so
+    the row it names exists. ``[ingest] samples_value = "sample"`` publishes the whole
+    :class:`RewardedSample` instead (decision D66).
+
+    Fields: ``shard`` is the shard's path relative to the samples root (``FLYWHEEL_SAMPLES``;
+    ``date=YYYY-MM-DD/hour=HH/part-<sealed ms>-<id>.parquet``, :data:`SHARD_REF_PATTERN`);
+    ``row`` is the sample's 0-based row in it; ``shard_format`` is the shard's format version
+    (its Parquet metadata ``flywheel.samples.format``, ``schemas.arrow.FORMAT_VERSION``). The rest are the :class:`RewardedSample`'s own
+    values, same bounds: ``created_at``/``sealed_at`` ms since the epoch (UTC), ``reward`` the
+    shaped reward (finite float32), the vote counts int32, ``event_ids`` distinct.
+    """
+
+    completion_id: uuid.UUID
+    model_version: IdText
+    split: Literal["train", "eval"]
+    created_at: EventTimeMs
+    sealed_at: EventTimeMs
+    reward: float = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+    label: bool
+    n_votes: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    votes_up: Count
+    votes_down: Count
+    event_ids: list[IdText]
+    shard: str = Field(pattern=SHARD_REF_PATTERN)  # (the pattern bounds its length)
+    row: Count
+    shard_format: Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+    @field_validator("event_ids")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("event_ids: duplicates")
+        return v
+
+
 class DeadLetter(_Event):
     """An event the join could not use, with the field and the reason.
 

@@ -39,6 +39,7 @@ NOT_IN_SCHEMA = {
                        "expert_routes.shape[0] == len(prompt) + len(completion) - 1; no NaN (not JSON)",
     "FeedbackEvent": "no NaN (not JSON)",
     "RewardedSample": "event_ids are distinct; no NaN (not JSON)",
+    "SampleNotice": "event_ids are distinct; no NaN (not JSON)",
 }
 
 
@@ -67,10 +68,13 @@ class Contract:
 def contracts() -> list[Contract]:
     """Every value Flywheel writes to Kafka, in topic order."""
     from schemas.ledger import LedgerEntry
-    from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample
+    from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample, SampleNotice
 
+    # flywheel.samples carries a SampleNotice, or a RewardedSample with
+    # [ingest] samples_value = "sample" (D66); RewardedSample is also the shard row's contract
     return [Contract("CompletionEvent", "completions", CompletionEvent),
             Contract("FeedbackEvent", "feedback", FeedbackEvent),
+            Contract("SampleNotice", "samples", SampleNotice),
             Contract("RewardedSample", "samples", RewardedSample),
             Contract("DeadLetter", "deadletter", DeadLetter),
             Contract("DeploymentEvent", "deployments", LedgerEntry)]

@@ -123,6 +123,34 @@ def read_dead(bootstrap) -> list[DeadLetter]:
     return out
 
 
+def check_notices(bootstrap, samples_dir, got, every: bool) -> None:
+    """``flywheel.samples`` holds SampleNotices (the default value, D66), each naming the shard
+    row that holds its sample (read back with pyarrow) with the sample's own label; ``every``:
+    one per sample of ``got`` (a worker killed between a shard and its publish leaves a gap)."""
+    import pyarrow.parquet as pq
+    from kafka import KafkaConsumer
+    from schemas.events import SampleNotice
+
+    c = KafkaConsumer(topics.SAMPLES, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                      consumer_timeout_ms=3000, enable_auto_commit=False)
+    msgs = list(c)
+    c.close()
+    by_cid = {str(s.completion_id): s for s in got}
+    seen = set()
+    for m in msgs:
+        n = SampleNotice.from_bytes(m.value)
+        s = by_cid[str(n.completion_id)]
+        assert m.key.decode() == str(n.completion_id) and n.shard_format == 3
+        row = pq.read_table(samples_dir / n.shard).slice(n.row, 1).to_pylist()[0]
+        assert row["completion_id"] == str(n.completion_id)
+        assert (n.label, n.votes_up, n.votes_down, sorted(n.event_ids), n.model_version, n.split) == (
+            s.label, s.votes_up, s.votes_down, sorted(s.event_ids), s.model_version, s.split)
+        assert n.reward == pytest.approx(s.reward, rel=1e-6)  # (the shard's column is float32)
+        seen.add(str(n.completion_id))
+    if every:
+        assert seen == set(by_cid) and len(msgs) == len(got)
+
+
 def wait_for(cond, timeout_s, what, proc=None, log=None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -207,6 +235,7 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
         wait_for(done, 120, f"{n_expected} samples", proc, log)
         time.sleep(4)  # nothing more may appear (a label sealed twice would)
         got = check(samples_dir, expected)
+        check_notices(broker.bootstrap, samples_dir, got, every=not crash)
         dead = read_dead(broker.bootstrap)
         reasons = sorted(d.field for d in dead)
         assert reasons.count("value") >= 1 and "schema_version" in reasons and "event_id" in reasons

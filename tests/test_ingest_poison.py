@@ -77,6 +77,46 @@ def seal(w: Worker):
     return rows, dead, msgs
 
 
+def check_notices(w: Worker, msgs) -> None:
+    """Each samples-topic value is a SampleNotice (D66) naming the shard row of its own key's
+    sample: row numbers count the rows written, after any quarantined sample."""
+    from schemas.events import SampleNotice
+
+    for key, value in msgs:
+        n = SampleNotice.from_bytes(value)
+        row = pq.read_table(w.cfg.samples_dir / n.shard).slice(n.row, 1).to_pylist()[0]
+        assert key.decode() == str(n.completion_id) == row["completion_id"]
+        assert (n.votes_up, n.votes_down, sorted(n.event_ids)) == (row["votes_up"], row["votes_down"],
+                                                                    sorted(row["event_ids"]))
+
+
+def test_samples_value_sample_publishes_the_whole_sample(tmp_path):
+    """``samples_value = "sample"``: the topic carries each RewardedSample, equal to its row."""
+    from ingest.catalog import read_samples
+    from schemas.events import RewardedSample
+
+    cfg = IngestConfig(join=JoinConfig(seal_after_s=0.001), bootstrap="127.0.0.1:1", samples_value="sample",
+                       samples_dir=tmp_path / "samples", state_path=tmp_path / "state.sqlite",
+                       catalog=tmp_path / "catalog.duckdb")
+    w = Worker(cfg)
+    try:
+        cids = [str(uuid.uuid4()) for _ in range(3)]
+        w.fold(batch(*[(topics.COMPLETIONS, completion(c)) for c in cids], *[(topics.FEEDBACK, vote(c)) for c in cids]))
+        rows, dead, msgs = seal(w)
+        got = {str(s.completion_id): s for s in read_samples(cfg.samples_dir)}
+        assert sorted(got) == sorted(cids) and not dead
+        assert sorted(k.decode() for k, _ in msgs) == sorted(cids)
+        for k, v in msgs:
+            s, row = RewardedSample.from_bytes(v), got[k.decode()]
+            f32 = {"reward", "behavior_logprobs"}  # float32 columns in the shard
+            assert s.model_dump(exclude=f32) == row.model_dump(exclude=f32)
+            assert s.behavior_logprobs == pytest.approx(row.behavior_logprobs, rel=1e-6) and s.reward == row.reward
+    finally:
+        w._pool.shutdown()
+        w._fold_pool.shutdown()
+        w.store.close()
+
+
 def test_created_at_beyond_any_integer_is_dead_lettered_and_the_batch_folds(worker):
     """Defect 1: created_at = 10**19 raised OverflowError out of the fold at every restart."""
     ok, bad, ahead = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
@@ -186,6 +226,7 @@ def test_a_sample_that_cannot_be_written_is_quarantined_and_its_shard_written(wo
     monkeypatch.setattr(Joiner, "validate", validate)
     rows, dead, msgs = seal(worker)
     assert sorted(rows) == sorted(c for c in cids if c != bad) and len(msgs) == 3
+    check_notices(worker, msgs)
     assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "prompt_token_ids")] + [
         (topics.FEEDBACK, "completion_id")] * 2
     assert dead[0].reason.startswith("unwritable sample:") and bad in dead[0].payload
@@ -222,6 +263,7 @@ def test_a_routes_frame_that_does_not_decode_is_quarantined_naming_expert_routes
     assert dead == []  # the contract does not decode the routes
     rows, dead, msgs = seal(worker)
     assert sorted(rows) == sorted(c for c in cids if c != bad) and len(msgs) == 2
+    check_notices(worker, msgs)
     assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "expert_routes"),
                                                         (topics.FEEDBACK, "completion_id")]
     assert dead[0].reason.startswith("unwritable sample:") and bad in dead[0].payload

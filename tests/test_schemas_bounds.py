@@ -16,7 +16,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from schemas.events import (TEXT_PATTERN, CompletionEvent, DeadLetter, ExpertRoutes, FeedbackEvent, RewardedSample,
-                            SamplingParams, escape_text)
+                            SampleNotice, SamplingParams, escape_text)
 from schemas.json_schema import contracts, schema_of
 from schemas.ledger import LedgerEntry
 
@@ -34,6 +34,9 @@ SAMPLE = {k: v for k, v in COMPLETION.items() if k not in ("schema_version", "re
                                                            "latency_ms")}
 SAMPLE.update(reward=1.0, label=True, n_votes=1, votes_up=1, votes_down=0, event_ids=[SCORE["event_id"]],
               sealed_at=T0 + 600_000)
+NOTICE = {k: SAMPLE[k] for k in ("completion_id", "model_version", "split", "created_at", "sealed_at", "reward",
+                                  "label", "n_votes", "votes_up", "votes_down", "event_ids")}
+NOTICE.update(shard="date=2025-06-15/hour=15/part-1750000600000-0f0e.parquet", row=3, shard_format=3)
 DEAD = {"source_topic": "flywheel.feedback", "key": "k", "field": "value", "reason": "bad", "payload": "{}",
         "at": T0}
 
@@ -63,6 +66,7 @@ def cases() -> list[tuple[str, type, dict, dict]]:
     return [("CompletionEvent", CompletionEvent, COMPLETION, s["CompletionEvent"]),
             ("FeedbackEvent", FeedbackEvent, SCORE, s["FeedbackEvent"]),
             ("RewardedSample", RewardedSample, SAMPLE, s["RewardedSample"]),
+            ("SampleNotice", SampleNotice, NOTICE, s["SampleNotice"]),
             ("DeadLetter", DeadLetter, DEAD, s["DeadLetter"]),
             ("SamplingParams", SamplingParams, SAMPLING, _sub(s["CompletionEvent"], "SamplingParams")),
             ("ExpertRoutes", ExpertRoutes, ROUTES, _sub(s["CompletionEvent"], "ExpertRoutes")),

@@ -52,8 +52,8 @@ def exported(tmp_path_factory) -> dict[str, dict]:
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert sorted(p.name for p in d.iterdir()) == sorted(
-        f"{n}.v1.schema.json" for n in ("CompletionEvent", "FeedbackEvent", "RewardedSample", "DeadLetter",
-                                        "DeploymentEvent"))
+        f"{n}.v1.schema.json" for n in ("CompletionEvent", "FeedbackEvent", "SampleNotice", "RewardedSample",
+                                        "DeadLetter", "DeploymentEvent"))
     return {row["contract"]: json.loads(Path(row["file"]).read_text()) for row in rows}
 
 
@@ -111,6 +111,13 @@ def test_real_events_from_a_pod_validate(exported, real_events):
     j.on_feedback(FeedbackEvent.from_bytes(real_events["feedback"]), real_events["feedback"], now=c_ev.created_at)
     (sample,) = j.tick(c_ev.created_at + 10 ** 9).samples
     validator(exported["RewardedSample"]).validate(json.loads(sample.to_bytes()))
+    # the samples topic's default value: the notice of that sample at row 4 of a shard
+    from ingest import writer
+
+    path = writer.shard_path(Path("/srv/samples"), sample.sealed_at)
+    notice = json.loads(writer.notice_encoder(path, "/srv/samples")(sample, 4))
+    validator(exported["SampleNotice"]).validate(notice)
+    assert notice["shard"] == path.relative_to("/srv/samples").as_posix() and notice["row"] == 4
     dl = parse_event(FeedbackEvent, real_events["feedback"].replace(b'"value":1.0', b'"value":"up"'),
                      topics.FEEDBACK, real_events["cid"])
     assert dl.field == "value"
