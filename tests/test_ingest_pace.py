@@ -4,6 +4,7 @@ shard's list columns built through numpy hold the same values and refuse the sam
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from typing import Annotated
@@ -84,3 +85,90 @@ def test_a_token_id_beyond_int32_is_refused_and_named(name, bad):
     with pytest.raises((OverflowError, pa.ArrowInvalid, ValueError, TypeError)):
         samples_to_table([sample(rng), s])
     assert unwritable_column(s)[0] == name
+
+
+# -- duplicate keys: the quote count against the full check (D67) ---------------------------------
+
+def _vote_obj(rng: random.Random) -> dict:
+    d = {"schema_version": 1, "event_id": str(uuid.UUID(int=rng.getrandbits(128))),
+         "completion_id": str(uuid.UUID(int=rng.getrandbits(128))), "user_hash": rng.choice(["u", ":x", 'q"t', "a b"]),
+         "kind": "score", "value": rng.choice([0.5, 1, -3]), "created_at": 1_750_000_000_000 + rng.randrange(10**6),
+         "name": "helpfulness"}
+    if rng.random() < 0.5:
+        d["metadata"] = {rng.choice(["k", ":k", "a\\b"]): rng.choice(["v", '"', ""]) for _ in range(rng.randrange(1, 4))}
+    if rng.random() < 0.3:
+        d["comment"] = rng.choice(['say "hi"', "x\\y", ":", "\u00e9t\u00e9"])
+    return d
+
+
+def _completion_obj(rng: random.Random) -> dict:
+    n = rng.randrange(1, 4)
+    return {"schema_version": 1, "completion_id": str(uuid.UUID(int=rng.getrandbits(128))), "request_id": "r\"1",
+            "created_at": 1_750_000_000_000, "model_version": "v1", "pod": "p", "user_hash": "u",
+            "prompt_token_ids": [1, 2], "completion_token_ids": list(range(n)), "behavior_logprobs": [-0.5] * n,
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "seed": rng.choice([None, 3])},
+            "expert_routes": rng.choice([None, {"shape": [n + 1, 1, 1], "data": "KLUv/SAEIQAAAQIDBA=="}]),
+            "finish_reason": "stop", "ttft_ms": 1.0, "latency_ms": 2.0, "split": "train"}
+
+
+def _encode(obj, rng: random.Random, dup: bool) -> str:
+    """``obj`` as JSON text: random spacing, some numbers sent as text (pydantic's lax mode
+    reads them), and with ``dup`` one key of one object written twice."""
+    ws = lambda: rng.choice(["", "", " ", "\n "])  # noqa: E731
+    targets = []
+
+    def enc(v, path=()):
+        if isinstance(v, dict):
+            items = list(v.items())
+            if items:
+                targets.append(path)
+            parts = [f"{ws()}{json.dumps(k)}{ws()}:{ws()}{enc(x, path + (k,))}" for k, x in items]
+            if dup and path == chosen[0] and items:
+                k, x = rng.choice(items)
+                other = rng.choice([x, 7, "7", None, [1], {"z": 1}])
+                parts.insert(rng.randrange(len(parts) + 1), f"{json.dumps(k)}:{json.dumps(other)}")
+            return "{" + ",".join(parts) + ws() + "}"
+        if isinstance(v, list):
+            return "[" + ",".join(enc(x, path) for x in v) + "]"
+        if isinstance(v, float) and rng.random() < 0.1:
+            return json.dumps(str(v))  # a number as text
+        return json.dumps(v, ensure_ascii=rng.random() < 0.5)
+
+    chosen = [()]
+    enc(obj)  # collect the objects' paths
+    chosen[0] = rng.choice(targets)
+    targets.clear()
+    return enc(obj)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 2**32), st.booleans(), st.sampled_from(["vote", "completion"]))
+def test_the_quote_count_decides_as_the_full_duplicate_check(seed, dup, kind):
+    """``_maybe_duplicate_key(raw, ev)`` (a quote count against the validated event) gives the
+    reference ``duplicate_key`` answer on every text that validates: random spacing, quotes,
+    colons and backslashes in values and keys, numbers sent as text, and a key of the top
+    object or a nested one repeated with another value or the same."""
+    from ingest.join import _maybe_duplicate_key, duplicate_key
+    from schemas.events import CompletionEvent, FeedbackEvent
+
+    rng = random.Random(seed)
+    model = FeedbackEvent if kind == "vote" else CompletionEvent
+    raw = _encode(_vote_obj(rng) if kind == "vote" else _completion_obj(rng), rng, dup).encode()
+    try:
+        ev = model.__pydantic_validator__.validate_json(raw)
+    except ValidationError:
+        return  # refused by the contract before any duplicate check
+    assert _maybe_duplicate_key(raw, ev) == duplicate_key(raw), raw
+
+
+def test_a_repeated_key_after_an_empty_string_is_refused():
+    """Found by the test above: the regex filter this count replaced read ``"",":k"`` as the key
+    ``","`` and missed the second ``":k"``, so the record passed with a duplicate key."""
+    from ingest.join import parse_event
+    from schemas import topics
+    from schemas.events import DeadLetter, FeedbackEvent
+
+    raw = (b'{"event_id":"00000000-0000-0000-0000-000000000001","completion_id":"00000000-0000-0000-0000-000000000002",'
+           b'"user_hash":"u","value":1,"created_at":1750000000000,"metadata":{":k":"",":k":"x"}}')
+    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, "k")
+    assert isinstance(dl, DeadLetter) and dl.field == ":k" and "duplicate key" in dl.reason
