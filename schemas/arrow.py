@@ -123,6 +123,7 @@ def _checked_frame(r: ExpertRoutes) -> tuple[bytes, bytes, list[int]]:
     Raises:
         ValueError: ``expert_routes``: the payload does not decode to exactly ``shape`` in ``dtype``
             (the same check as :meth:`schemas.events.ExpertRoutes.to_array`)."""
+    import pybase64  # SIMD base64: ~5 us instead of binascii's ~45 us for a 10 KB payload (D67)
     import zstandard
 
     shape = [int(x) for x in r.shape]
@@ -132,7 +133,7 @@ def _checked_frame(r: ExpertRoutes) -> tuple[bytes, bytes, list[int]]:
     if dctx is None:
         dctx = _ZSTD.d = zstandard.ZstdDecompressor()
     try:
-        frame = binascii.a2b_base64(r.data)
+        frame = pybase64.b64decode(r.data)  # = binascii.a2b_base64 on every contract-valid payload
         raw = dctx.decompress(frame, max_output_size=want + 1)
     except (zstandard.ZstdError, binascii.Error) as exc:
         raise ValueError(f"expert_routes: payload does not decode: {exc}") from exc

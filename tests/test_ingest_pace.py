@@ -172,3 +172,23 @@ def test_a_repeated_key_after_an_empty_string_is_refused():
            b'"user_hash":"u","value":1,"created_at":1750000000000,"metadata":{":k":"",":k":"x"}}')
     dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, "k")
     assert isinstance(dl, DeadLetter) and dl.field == ":k" and "duplicate key" in dl.reason
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", max_size=40), st.integers(0, 2))
+def test_pybase64_decodes_every_contract_valid_payload_as_binascii(body, pad):
+    """Sealing decodes the routes with pybase64 (D67): on every string the contract lets
+    through (the alphabet, then at most two ``=``) it returns binascii's bytes, or refuses
+    where binascii refuses (excess padding is read the same lenient way)."""
+    import binascii
+
+    import pybase64
+
+    s = body + "=" * pad
+    try:
+        want = binascii.a2b_base64(s)
+    except binascii.Error:
+        with pytest.raises(binascii.Error):
+            pybase64.b64decode(s)
+    else:
+        assert pybase64.b64decode(s) == want
