@@ -61,7 +61,7 @@ class IngestConfig:
         samples_value: what ``flywheel.samples`` carries per sealed sample: ``"notice"`` (a
             :class:`schemas.events.SampleNotice`: its shard and row, with the label; ~0.4 KiB)
             or ``"sample"`` (the whole :class:`schemas.events.RewardedSample`, ~19 KiB);
-            ``docs/decisions.md`` D66.
+            ``docs/decisions.md`` D67.
 
     Raises:
         pydantic.ValidationError (a ValueError): a field out of its bounds or pattern; the

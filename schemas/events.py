@@ -412,13 +412,13 @@ class SampleNotice(_Event):
     to its row in a durable Parquet shard (a claim check: the shard holds the sample, the topic
     says where and carries the label). The worker publishes it after the shard is durable, so
     the row it names exists. ``[ingest] samples_value = "sample"`` publishes the whole
-    :class:`RewardedSample` instead (decision D66).
+    :class:`RewardedSample` instead (decision D67).
 
     Fields: ``shard`` is the shard's path relative to the samples root (``FLYWHEEL_SAMPLES``;
     ``date=YYYY-MM-DD/hour=HH/part-<sealed ms>-<id>.parquet``, :data:`SHARD_REF_PATTERN`);
     ``row`` is the sample's 0-based row in it; ``shard_format`` is the shard's format version
-    (its Parquet metadata ``flywheel.samples.format``, ``schemas.arrow.FORMAT_VERSION``). The rest are the :class:`RewardedSample`'s own
-    values, same bounds: ``created_at``/``sealed_at`` ms since the epoch (UTC), ``reward`` the
+    (its Parquet metadata ``flywheel.samples.format``, ``schemas.arrow.FORMAT_VERSION``). The
+    rest are the :class:`RewardedSample`'s own values, same bounds: ``created_at``/``sealed_at`` ms since the epoch (UTC), ``reward`` the
     shaped reward (finite float32), the vote counts int32, ``event_ids`` distinct.
     """
 

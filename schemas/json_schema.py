@@ -71,7 +71,7 @@ def contracts() -> list[Contract]:
     from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample, SampleNotice
 
     # flywheel.samples carries a SampleNotice, or a RewardedSample with
-    # [ingest] samples_value = "sample" (D66); RewardedSample is also the shard row's contract
+    # [ingest] samples_value = "sample" (D67); RewardedSample is also the shard row's contract
     return [Contract("CompletionEvent", "completions", CompletionEvent),
             Contract("FeedbackEvent", "feedback", FeedbackEvent),
             Contract("SampleNotice", "samples", SampleNotice),

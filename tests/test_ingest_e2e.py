@@ -124,7 +124,7 @@ def read_dead(bootstrap) -> list[DeadLetter]:
 
 
 def check_notices(bootstrap, samples_dir, got, every: bool) -> None:
-    """``flywheel.samples`` holds SampleNotices (the default value, D66), each naming the shard
+    """``flywheel.samples`` holds SampleNotices (the default value, D67), each naming the shard
     row that holds its sample (read back with pyarrow) with the sample's own label; ``every``:
     one per sample of ``got`` (a worker killed between a shard and its publish leaves a gap)."""
     import pyarrow.parquet as pq

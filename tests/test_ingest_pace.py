@@ -192,3 +192,23 @@ def test_pybase64_decodes_every_contract_valid_payload_as_binascii(body, pad):
             pybase64.b64decode(s)
     else:
         assert pybase64.b64decode(s) == want
+
+
+def test_the_notice_is_the_sample_notice_models_json():
+    """The samples topic's notice, encoded without building the model, is byte for byte
+    ``SampleNotice(...).to_bytes()`` of the same values, and validates."""
+    from pathlib import Path
+
+    from ingest import writer
+    from schemas.events import SampleNotice
+
+    s = RewardedSample.model_validate(dict(
+        completion_id=str(uuid.UUID(int=7)), model_version="v000002", created_at=1_750_000_000_000, user_hash="u",
+        prompt_token_ids=[1], completion_token_ids=[2], behavior_logprobs=[-0.25], sampling=SamplingParams(),
+        finish_reason="stop", reward=1 / 3, label=True, n_votes=3, votes_up=2, votes_down=1,
+        event_ids=["e1", "e2", "e3"], sealed_at=1_750_000_600_000, split="eval"))
+    path = writer.shard_path(Path("/data/s"), s.sealed_at, tag="abc")
+    got = writer.notice_encoder(path, "/data/s")(s, 11)
+    want = SampleNotice(**{k: getattr(s, k) for k in SampleNotice.model_fields if hasattr(s, k)},
+                        shard="date=2025-06-15/hour=15/part-1750000600000-abc.parquet", row=11, shard_format=3)
+    assert got == want.to_bytes() and SampleNotice.from_bytes(got) == want

@@ -78,7 +78,7 @@ def seal(w: Worker):
 
 
 def check_notices(w: Worker, msgs) -> None:
-    """Each samples-topic value is a SampleNotice (D66) naming the shard row of its own key's
+    """Each samples-topic value is a SampleNotice (D67) naming the shard row of its own key's
     sample: row numbers count the rows written, after any quarantined sample."""
     from schemas.events import SampleNotice
 
