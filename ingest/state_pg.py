@@ -401,7 +401,7 @@ class PgStateStore(StoreBase):
         when not arrived (the body is not read)."""
         rows = self._x(
             "SELECT l.completion_id, l.state, EXISTS(SELECT 1 FROM completions c WHERE "
-            "c.completion_id=l.completion_id), l.claim FROM labels l WHERE l.completion_id = ANY(%s) "
+            "c.completion_id=l.completion_id), l.claim FROM labels l WHERE l.completion_id = ANY(%s::text[]) "
             "FOR UPDATE OF l", (_texts(set(cids)),)).fetchall()
         return {cid: LabelState.from_json(state, "" if has else None, claim) for cid, state, has, claim in rows}
 
@@ -426,19 +426,20 @@ class PgStateStore(StoreBase):
                                             else bytes(st.completion))
         cols = (_texts(labels), _ints(r[0] for r in labels.values()), _texts(r[1] for r in labels.values()),
                 _ints(r[2] for r in labels.values()))
-        upsert = ("INSERT INTO labels(completion_id, part, state, due_at) SELECT * FROM unnest(%s, %s::int[], %s, "
-                  "%s::bigint[]) ON CONFLICT(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at")
+        upsert = ("INSERT INTO labels(completion_id, part, state, due_at) SELECT * FROM unnest(%s::text[], %s::int[], "
+                  "%s::text[], %s::bigint[]) ON CONFLICT(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at")
         if bodies:  # (the two inserts touch different tables: one snapshot serves both)
             self._x(f"WITH l AS ({upsert}) INSERT INTO completions(completion_id, body) SELECT * FROM "
-                    f"unnest(%s, %s) ON CONFLICT DO NOTHING", (*cols, _texts(bodies), _byteas(list(bodies.values()))))
+                    f"unnest(%s::text[], %s) ON CONFLICT DO NOTHING",
+                    (*cols, _texts(bodies), _byteas(list(bodies.values()))))
         else:
             self._x(upsert, cols)
 
     def delete_many(self, cids: list[str]) -> None:
         """Remove the open states of ``cids`` and their completions (one statement)."""
         if cids:
-            self._x("WITH l AS (DELETE FROM labels WHERE completion_id = ANY(%(c)s)) "
-                    "DELETE FROM completions WHERE completion_id = ANY(%(c)s)", {"c": _texts(cids)})
+            self._x("WITH l AS (DELETE FROM labels WHERE completion_id = ANY(%(c)s::text[])) "
+                    "DELETE FROM completions WHERE completion_id = ANY(%(c)s::text[])", {"c": _texts(cids)})
 
     def due(self, now: int, limit: int) -> list[LabelState]:
         """Unclaimed states of owned partitions due by ``now`` (ms), earliest first, with their
@@ -456,7 +457,7 @@ class PgStateStore(StoreBase):
         wins); absent labels are ignored. One statement."""
         if claims:
             last = dict(claims)
-            self._x("UPDATE labels SET claim=v.claim, owner=%s FROM unnest(%s, %s) AS v(cid, claim) "
+            self._x("UPDATE labels SET claim=v.claim, owner=%s FROM unnest(%s::text[], %s::text[]) AS v(cid, claim) "
                     "WHERE labels.completion_id=v.cid", (self.owner, _texts(last), _texts(last.values())))
 
     def claims(self) -> list[tuple[str, str, str | None]]:
@@ -470,11 +471,11 @@ class PgStateStore(StoreBase):
     # -- dedupe and sealed -----------------------------------------------------------------
     def events_seen(self, eids) -> set[str]:
         """Those of ``eids`` already folded or dead-lettered."""
-        return {r[0] for r in self._x("SELECT event_id FROM events WHERE event_id = ANY(%s)", (_texts(set(eids)),))}
+        return {r[0] for r in self._x("SELECT event_id FROM events WHERE event_id = ANY(%s::text[])", (_texts(set(eids)),))}
 
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
-        return {r[0] for r in self._x("SELECT completion_id FROM sealed WHERE completion_id = ANY(%s)",
+        return {r[0] for r in self._x("SELECT completion_id FROM sealed WHERE completion_id = ANY(%s::text[])",
                                       (_texts(set(cids)),))}
 
     def add_events(self, rows: list[tuple[str, str, int]]) -> None:
@@ -484,7 +485,7 @@ class PgStateStore(StoreBase):
             first: dict[str, tuple[str, str, int]] = {}
             for r in rows:
                 first.setdefault(r[0], r)
-            self._x("INSERT INTO events(event_id, completion_id, at) SELECT * FROM unnest(%s, %s, %s::bigint[]) "
+            self._x("INSERT INTO events(event_id, completion_id, at) SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
                     "ON CONFLICT DO NOTHING",
                     (_texts(first), _texts(r[1] for r in first.values()), _ints(r[2] for r in first.values())))
 
@@ -492,7 +493,7 @@ class PgStateStore(StoreBase):
         """Record ``eids`` as dead-lettered at ``at`` ms (default now), with no completion (an
         event already recorded keeps its first row). One statement."""
         if eids:
-            self._x("INSERT INTO events(event_id, completion_id, at) SELECT e, NULL, %s::bigint FROM unnest(%s) AS e "
+            self._x("INSERT INTO events(event_id, completion_id, at) SELECT e, NULL, %s::bigint FROM unnest(%s::text[]) AS e "
                     "ON CONFLICT DO NOTHING", (now_ms() if at is None else at, _texts(dict.fromkeys(eids))))
 
     def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
@@ -500,7 +501,7 @@ class PgStateStore(StoreBase):
         completion replaces an earlier one). One statement."""
         if rows:
             last = {r[0]: r for r in rows}
-            self._x("INSERT INTO sealed(completion_id, sealed_at, shard) SELECT * FROM unnest(%s, %s::bigint[], %s) "
+            self._x("INSERT INTO sealed(completion_id, sealed_at, shard) SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[]) "
                     "ON CONFLICT(completion_id) DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard",
                     (_texts(last), _ints(r[1] for r in last.values()), _texts(r[2] for r in last.values())))
 
