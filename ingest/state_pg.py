@@ -273,11 +273,12 @@ class PgStateStore(StoreBase):
         if not self.db.closed:  # (a session the server ended has nothing to roll back)
             self.db.execute("ROLLBACK")
 
-    def _x(self, q, params=None, prepare: bool | None = None):
-        """Run one statement (after this thread's pending BEGIN); returns the cursor."""
+    def _x(self, q, params=None, binary: bool = False):
+        """Run one statement (after this thread's pending BEGIN); returns the cursor
+        (``binary``: results in binary form, e.g. bodies as their bytes, not hex)."""
         if self._take_begin():
             self.db.execute("BEGIN")
-        return self.db.execute(q, params, prepare=prepare)
+        return self.db.execute(q, params, binary=binary)
 
     def _exec(self, q: str, params=()):
         return self._x(self._sql(q), params)
@@ -393,7 +394,7 @@ class PgStateStore(StoreBase):
     def get(self, cid: str) -> LabelState | None:
         """The open state of ``cid`` with its completion bytes (None if absent); row locked."""
         row = self._x("SELECT l.state, l.claim, c.body FROM labels l LEFT JOIN completions c "
-                      "USING (completion_id) WHERE l.completion_id=%s FOR UPDATE OF l", (cid,)).fetchone()
+                      "USING (completion_id) WHERE l.completion_id=%s FOR UPDATE OF l", (cid,), binary=True).fetchone()
         return LabelState.from_json(row[0], row[2], row[1]) if row else None
 
     def get_many(self, cids) -> dict[str, LabelState]:
@@ -449,7 +450,7 @@ class PgStateStore(StoreBase):
         rows = self._x(
             "SELECT l.completion_id, l.state, c.body FROM labels l LEFT JOIN completions c USING (completion_id) "
             "WHERE l.part = ANY(%s) AND l.claim IS NULL AND l.due_at <= %s ORDER BY l.due_at LIMIT %s "
-            "FOR UPDATE OF l SKIP LOCKED", (self.owned(), now, limit)).fetchall()
+            "FOR UPDATE OF l SKIP LOCKED", (self.owned(), now, limit), binary=True).fetchall()
         return [LabelState.from_json(state, body) for _, state, body in rows]
 
     def claim_many(self, claims: list[tuple[str, str]]) -> None:
