@@ -41,6 +41,13 @@ CPU per 18 KiB body on (measured: 1.12 vs 0.41 server CPU-s to fold 2,000 comple
 Counters are rows per owner (``counters(owner, name, value)``), summed when read, so that
 workers never update the same row (a shared counter row would serialise every commit).
 
+Cost (``docs/decisions.md`` D66). Each batch method is one statement whatever its row count:
+the rows travel as array parameters expanded by ``unnest``, text and bytea arrays built in
+PostgreSQL's binary array format (nothing escaped, no hex). A fold transaction is a fixed
+number of round trips: BEGIN travels in one query with the fence's lock, the counters in one
+with COMMIT, and :meth:`PgStateStore.put_many` writes labels and bodies in one statement.
+Bodies are read back in binary form at sealing.
+
 Tables live in the PostgreSQL schema named after the consumer group (``schema``).
 """
 
@@ -389,8 +396,7 @@ class PgStateStore(StoreBase):
 
     # -- labels ----------------------------------------------------------------------------
     # Each batch method is one statement: its rows travel as array parameters expanded by
-    # ``unnest`` (text and bytea arrays in binary form: :func:`_texts`, :func:`_byteas`), not
-    # as one statement per row.
+    # ``unnest`` (text and bytea arrays in binary form: :func:`_texts`, :func:`_byteas`).
     def get(self, cid: str) -> LabelState | None:
         """The open state of ``cid`` with its completion bytes (None if absent); row locked."""
         row = self._x("SELECT l.state, l.claim, c.body FROM labels l LEFT JOIN completions c "
@@ -427,8 +433,9 @@ class PgStateStore(StoreBase):
                                             else bytes(st.completion))
         cols = (_texts(labels), _ints(r[0] for r in labels.values()), _texts(r[1] for r in labels.values()),
                 _ints(r[2] for r in labels.values()))
-        upsert = ("INSERT INTO labels(completion_id, part, state, due_at) SELECT * FROM unnest(%s::text[], %s::int[], "
-                  "%s::text[], %s::bigint[]) ON CONFLICT(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at")
+        upsert = ("INSERT INTO labels(completion_id, part, state, due_at) SELECT * FROM unnest(%s::text[], "
+                  "%s::int[], %s::text[], %s::bigint[]) ON CONFLICT(completion_id) DO UPDATE SET "
+                  "state=excluded.state, due_at=excluded.due_at")
         if bodies:  # (the two inserts touch different tables: one snapshot serves both)
             self._x(f"WITH l AS ({upsert}) INSERT INTO completions(completion_id, body) SELECT * FROM "
                     f"unnest(%s::text[], %s) ON CONFLICT DO NOTHING",
@@ -458,8 +465,9 @@ class PgStateStore(StoreBase):
         wins); absent labels are ignored. One statement."""
         if claims:
             last = dict(claims)
-            self._x("UPDATE labels SET claim=v.claim, owner=%s FROM unnest(%s::text[], %s::text[]) AS v(cid, claim) "
-                    "WHERE labels.completion_id=v.cid", (self.owner, _texts(last), _texts(last.values())))
+            self._x("UPDATE labels SET claim=v.claim, owner=%s FROM unnest(%s::text[], %s::text[]) "
+                    "AS v(cid, claim) WHERE labels.completion_id=v.cid",
+                    (self.owner, _texts(last), _texts(last.values())))
 
     def claims(self) -> list[tuple[str, str, str | None]]:
         """Open claims in owned partitions as ``(completion_id, claim, owner)`` (rows locked)."""
@@ -472,7 +480,8 @@ class PgStateStore(StoreBase):
     # -- dedupe and sealed -----------------------------------------------------------------
     def events_seen(self, eids) -> set[str]:
         """Those of ``eids`` already folded or dead-lettered."""
-        return {r[0] for r in self._x("SELECT event_id FROM events WHERE event_id = ANY(%s::text[])", (_texts(set(eids)),))}
+        return {r[0] for r in self._x("SELECT event_id FROM events WHERE event_id = ANY(%s::text[])",
+                                      (_texts(set(eids)),))}
 
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
@@ -486,24 +495,26 @@ class PgStateStore(StoreBase):
             first: dict[str, tuple[str, str, int]] = {}
             for r in rows:
                 first.setdefault(r[0], r)
-            self._x("INSERT INTO events(event_id, completion_id, at) SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
-                    "ON CONFLICT DO NOTHING",
+            self._x("INSERT INTO events(event_id, completion_id, at) SELECT * FROM unnest(%s::text[], %s::text[], "
+                    "%s::bigint[]) ON CONFLICT DO NOTHING",
                     (_texts(first), _texts(r[1] for r in first.values()), _ints(r[2] for r in first.values())))
 
     def mark_dead(self, eids: list[str], at: int | None = None) -> None:
         """Record ``eids`` as dead-lettered at ``at`` ms (default now), with no completion (an
         event already recorded keeps its first row). One statement."""
         if eids:
-            self._x("INSERT INTO events(event_id, completion_id, at) SELECT e, NULL, %s::bigint FROM unnest(%s::text[]) AS e "
-                    "ON CONFLICT DO NOTHING", (now_ms() if at is None else at, _texts(dict.fromkeys(eids))))
+            self._x("INSERT INTO events(event_id, completion_id, at) SELECT e, NULL, %s::bigint FROM "
+                    "unnest(%s::text[]) AS e ON CONFLICT DO NOTHING",
+                    (now_ms() if at is None else at, _texts(dict.fromkeys(eids))))
 
     def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
         """Record ``(completion_id, sealed_at ms, shard)`` rows as sealed (a later record of a
         completion replaces an earlier one). One statement."""
         if rows:
             last = {r[0]: r for r in rows}
-            self._x("INSERT INTO sealed(completion_id, sealed_at, shard) SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[]) "
-                    "ON CONFLICT(completion_id) DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard",
+            self._x("INSERT INTO sealed(completion_id, sealed_at, shard) SELECT * FROM unnest(%s::text[], "
+                    "%s::bigint[], %s::text[]) ON CONFLICT(completion_id) DO UPDATE SET sealed_at=excluded.sealed_at, "
+                    "shard=excluded.shard",
                     (_texts(last), _ints(r[1] for r in last.values()), _texts(r[2] for r in last.values())))
 
     def _may_prune(self) -> bool:
