@@ -290,6 +290,14 @@ class PgStateStore(StoreBase):
     def _exec(self, q: str, params=()):
         return self._x(self._sql(q), params)
 
+    def _execmany(self, q: str, rows: list) -> None:
+        # a shared per-row statement of StoreBase (this store's batch methods replace them all)
+        if rows:  # psycopg: executemany is a cursor's
+            if self._take_begin():
+                self.db.execute("BEGIN")
+            with self.db.cursor() as cur:
+                cur.executemany(self._sql(q), rows)
+
     # -- partitions ------------------------------------------------------------------------
     def assign(self, parts, n: int) -> dict[int, int]:
         """Take ownership of partitions ``parts`` of ``n`` (Kafka's assignment to this worker):
