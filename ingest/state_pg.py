@@ -41,6 +41,13 @@ CPU per 18 KiB body on (measured: 1.12 vs 0.41 server CPU-s to fold 2,000 comple
 Counters are rows per owner (``counters(owner, name, value)``), summed when read, so that
 workers never update the same row (a shared counter row would serialise every commit).
 
+Cost (``docs/decisions.md`` D66). Each batch method is one statement whatever its row count:
+the rows travel as array parameters expanded by ``unnest``, text and bytea arrays built in
+PostgreSQL's binary array format (nothing escaped, no hex). A fold transaction is a fixed
+number of round trips: BEGIN travels in one query with the fence's lock, the counters in one
+with COMMIT, and :meth:`PgStateStore.put_many` writes labels and bodies in one statement.
+Bodies are read back in binary form at sealing.
+
 Tables live in the PostgreSQL schema named after the consumer group (``schema``).
 """
 
@@ -49,6 +56,8 @@ from __future__ import annotations
 import hashlib
 import re
 import socket
+import struct
+import threading
 
 from schemas import topics
 
@@ -77,6 +86,72 @@ _DDL_LOCK = 0x666C7977  # advisory lock serialising schema creation by workers s
 _PRUNE_LOCK = 0x666C7978  # advisory lock held by the one worker pruning the dedupe set
 TAKEOVER_WAIT_S = 5.0  # longest wait of assign() for the previous owner's fold in progress (s)
 IDLE_IN_TRANSACTION_S = 60.0  # a session idle this long inside a transaction is ended by the server (s)
+
+
+class _TextArray(bytes):
+    """A ``text[]`` parameter, already in PostgreSQL's binary array format."""
+
+
+class _ByteaArray(bytes):
+    """A ``bytea[]`` parameter, already in PostgreSQL's binary array format."""
+
+
+_ARRAY_HEAD = struct.Struct(">iiIii")  # ndim 1, has nulls, element type, length, lower bound 1
+_EMPTY_ARRAY = struct.Struct(">iiI")  # ndim 0, no nulls, element type
+_LEN = struct.Struct(">i").pack
+_NULL = _LEN(-1)
+_TEXT_OID, _BYTEA_OID = 25, 17
+
+
+def _binary_array(items: list[bytes | None], oid: int) -> bytes:
+    """``items`` (None: NULL) as a one-dimensional binary array of element type ``oid``."""
+    if not items:
+        return _EMPTY_ARRAY.pack(0, 0, oid)
+    out = [_ARRAY_HEAD.pack(1, None in items, oid, len(items), 1)]
+    app = out.append
+    for b in items:
+        if b is None:
+            app(_NULL)
+        else:
+            app(_LEN(len(b)))
+            app(b)
+    return b"".join(out)
+
+
+def _texts(vals) -> _TextArray:
+    """A ``text[]`` parameter of ``vals`` (str; None: NULL): bound as is, no escaping."""
+    return _TextArray(_binary_array([None if v is None else (v if isinstance(v, str) else str(v)).encode()
+                                     for v in vals], _TEXT_OID))
+
+
+def _byteas(vals: list[bytes]) -> _ByteaArray:
+    """A ``bytea[]`` parameter of ``vals``."""
+    return _ByteaArray(_binary_array(vals, _BYTEA_OID))
+
+
+def _ints(vals) -> str:
+    """An integer array parameter of ``vals`` in text form (cast it: ``%s::bigint[]``)."""
+    return "{" + ",".join(map(str, vals)) + "}"
+
+
+def _register_arrays(db) -> None:
+    """Let connection ``db`` bind :class:`_TextArray` and :class:`_ByteaArray` as binary
+    ``text[]`` and ``bytea[]`` parameters."""
+    from psycopg import pq
+    from psycopg.adapt import Dumper
+
+    class TextArrayDumper(Dumper):
+        format = pq.Format.BINARY
+        oid = 1009  # text[]
+
+        def dump(self, obj):
+            return obj
+
+    class ByteaArrayDumper(TextArrayDumper):
+        oid = 1001  # bytea[]
+
+    db.adapters.register_dumper(_TextArray, TextArrayDumper)
+    db.adapters.register_dumper(_ByteaArray, ByteaArrayDumper)
 
 
 class Fenced(RuntimeError):
@@ -131,10 +206,14 @@ class PgStateStore(StoreBase):
         self.schema = schema or schema_name(topics.INGEST_APP_ID)
         self.owner = owner or default_owner()
         self.db = psycopg.connect(url, autocommit=True, application_name=f"flywheel-ingest {self.owner}")
+        _register_arrays(self.db)
         # a worker frozen inside a transaction (SIGSTOP, a VM pause) loses its session, its
         # locks and its advisory lock: its partitions can be taken over, its claims recovered
         self.db.execute(f"SET idle_in_transaction_session_timeout = {int(idle_in_transaction_s * 1000)}")
         self._init_base()
+        self._unsent_begin, self._tx_thread = False, 0
+        self._lit: dict[str, bytes] = {}  # counter name -> its SQL literal
+        self._lit_owner = sql.Literal(self.owner).as_bytes(self.db)
         self._epochs: dict[int, int] = {}  # partition -> the epoch this store took it at
         self._n: int | None = None  # partitions of the consumed topics
         with self.db.transaction():
@@ -167,19 +246,55 @@ class PgStateStore(StoreBase):
         """Nothing to do: every :meth:`transaction` commits."""
 
     # -- transactions (the skeleton is StoreBase.transaction) -------------------------------
+    # BEGIN is sent with the transaction's first statement (:meth:`_x`; :meth:`fence` sends
+    # both in one query), and the counters with COMMIT: a fold is one round trip fewer at
+    # each end. A transaction that ran no statement sends neither.
     def _begin(self) -> None:
-        self.db.execute("BEGIN")
+        self._unsent_begin = True
+        self._tx_thread = threading.get_ident()
+
+    def _take_begin(self) -> bool:
+        """Whether the caller must send this thread's pending BEGIN (it is then no longer
+        pending). Statements of other threads run as they come (outside the transaction
+        while its BEGIN is pending)."""
+        if self._unsent_begin and self._tx_thread == threading.get_ident():
+            self._unsent_begin = False
+            return True
+        return False
 
     def _commit(self) -> None:
-        self._write_counters()
-        self.db.execute("COMMIT")
+        if self._take_begin():  # nothing ran: the counters alone are one atomic statement
+            if self._pending:
+                self.db.execute(self._counters_sql())
+                self._pending = {}
+            return
+        if self._pending:
+            self.db.execute(self._counters_sql() + b"; COMMIT")
+            self._pending = {}
+        else:
+            self.db.execute("COMMIT")
 
     def _abort(self) -> None:
+        if self._take_begin():  # nothing was sent: nothing to roll back
+            return
         if not self.db.closed:  # (a session the server ended has nothing to roll back)
             self.db.execute("ROLLBACK")
 
+    def _x(self, q, params=None, binary: bool = False):
+        """Run one statement (after this thread's pending BEGIN); returns the cursor
+        (``binary``: results in binary form, e.g. bodies as their bytes, not hex)."""
+        if self._take_begin():
+            self.db.execute("BEGIN")
+        return self.db.execute(q, params, binary=binary)
+
+    def _exec(self, q: str, params=()):
+        return self._x(self._sql(q), params)
+
     def _execmany(self, q: str, rows: list) -> None:
+        # a shared per-row statement of StoreBase (this store's batch methods replace them all)
         if rows:  # psycopg: executemany is a cursor's
+            if self._take_begin():
+                self.db.execute("BEGIN")
             with self.db.cursor() as cur:
                 cur.executemany(self._sql(q), rows)
 
@@ -210,9 +325,9 @@ class PgStateStore(StoreBase):
 
     def _take(self, parts: list[int], epochs: dict[int, int]) -> None:
         with self.transaction():
-            self.db.execute(f"SET LOCAL lock_timeout = {int(self.takeover_wait_s * 1000)}")
+            self._x(f"SET LOCAL lock_timeout = {int(self.takeover_wait_s * 1000)}")
             for p in parts:
-                epochs[p] = self.db.execute(
+                epochs[p] = self._x(
                     "INSERT INTO partitions(part, owner, epoch) VALUES(%s,%s,1) ON CONFLICT(part) DO UPDATE SET "
                     "owner=excluded.owner, epoch=CASE WHEN partitions.owner=excluded.owner THEN partitions.epoch "
                     "ELSE partitions.epoch+1 END RETURNING epoch", (p, self.owner)).fetchone()[0]
@@ -232,11 +347,17 @@ class PgStateStore(StoreBase):
         Raises:
             Fenced: a partition not assigned to this store, or taken over by another owner.
         """
-        parts = sorted(set(parts))
+        parts = sorted({int(p) for p in parts})
         if not parts:
             return
-        rows = self.db.execute("SELECT part, owner, epoch FROM partitions WHERE part = ANY(%s) ORDER BY part "
-                               "FOR SHARE", (parts,)).fetchall()
+        q = (f"SELECT part, owner, epoch FROM partitions WHERE part IN ({','.join(map(str, parts))}) ORDER BY part "
+             f"FOR SHARE")
+        if self._take_begin():  # one round trip: the transaction's BEGIN and this lock
+            cur = self.db.execute("BEGIN; " + q)
+            cur.nextset()
+        else:
+            cur = self.db.execute(q)
+        rows = cur.fetchall()
         have = {p: (o, e) for p, o, e in rows}
         for p in parts:
             if p not in self._epochs or have.get(p) != (self.owner, self._epochs[p]):
@@ -256,24 +377,24 @@ class PgStateStore(StoreBase):
         if not owner:
             return False
         key = _lock_key(owner)
-        if self.db.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
-            self.db.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        if self._x("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+            self._x("SELECT pg_advisory_unlock(%s)", (key,))
             return False
         return True
 
     def dead_owners(self) -> list[str]:
         """Registered owners whose worker is gone."""
-        return [o for (o,) in self.db.execute("SELECT owner FROM owners").fetchall() if not self.owner_alive(o)]
+        return [o for (o,) in self._x("SELECT owner FROM owners").fetchall() if not self.owner_alive(o)]
 
     def forget_owner(self, owner: str) -> None:
         """Unregister a dead owner (its claims were finished or released)."""
         if owner and owner != self.owner:
-            self.db.execute("DELETE FROM owners WHERE owner=%s", (owner,))
+            self._x("DELETE FROM owners WHERE owner=%s", (owner,))
 
     def size_bytes(self) -> int:
         """Bytes of the schema's tables and indexes (TOAST included)."""
         with self._lock:
-            return int(self.db.execute(
+            return int(self._x(
                 "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN pg_namespace n "
                 "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'", (self.schema,)).fetchone()[0])
 
@@ -282,24 +403,26 @@ class PgStateStore(StoreBase):
         return 0
 
     # -- labels ----------------------------------------------------------------------------
+    # Each batch method is one statement: its rows travel as array parameters expanded by
+    # ``unnest`` (text and bytea arrays in binary form: :func:`_texts`, :func:`_byteas`).
     def get(self, cid: str) -> LabelState | None:
         """The open state of ``cid`` with its completion bytes (None if absent); row locked."""
-        row = self.db.execute("SELECT l.state, l.claim, c.body FROM labels l LEFT JOIN completions c "
-                              "USING (completion_id) WHERE l.completion_id=%s FOR UPDATE OF l", (cid,)).fetchone()
+        row = self._x("SELECT l.state, l.claim, c.body FROM labels l LEFT JOIN completions c "
+                      "USING (completion_id) WHERE l.completion_id=%s FOR UPDATE OF l", (cid,), binary=True).fetchone()
         return LabelState.from_json(row[0], row[2], row[1]) if row else None
 
     def get_many(self, cids) -> dict[str, LabelState]:
         """Open states of ``cids`` (rows locked); ``completion`` is ``""`` when stored, None
         when not arrived (the body is not read)."""
-        rows = self.db.execute(
+        rows = self._x(
             "SELECT l.completion_id, l.state, EXISTS(SELECT 1 FROM completions c WHERE "
-            "c.completion_id=l.completion_id), l.claim FROM labels l WHERE l.completion_id = ANY(%s) "
-            "FOR UPDATE OF l", (list(set(cids)),)).fetchall()
+            "c.completion_id=l.completion_id), l.claim FROM labels l WHERE l.completion_id = ANY(%s::text[]) "
+            "FOR UPDATE OF l", (_texts(set(cids)),)).fetchall()
         return {cid: LabelState.from_json(state, "" if has else None, claim) for cid, state, has, claim in rows}
 
     def put_many(self, items: list[tuple[LabelState, int]]) -> None:
-        """Upsert ``(state, due_at ms)`` pairs in their home partitions; a completion body is
-        stored only if none is (first wins).
+        """Upsert ``(state, due_at ms)`` pairs in their home partitions (of one id, the last
+        pair wins); a completion body is stored only if none is (first wins). One statement.
 
         Raises:
             Fenced: a label whose home partition this store does not own."""
@@ -309,60 +432,122 @@ class PgStateStore(StoreBase):
         foreign = sorted(set(parts) - set(self._epochs))
         if foreign:  # the worker forwards such records to their home partition first
             raise Fenced(f"partitions {foreign}: labels there belong to their owner, not to {self.owner}")
-        self._execmany("INSERT INTO labels(completion_id, part, state, due_at) VALUES(%s,%s,%s,%s) ON CONFLICT"
-                   "(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at",
-                   [(st.completion_id, p, st.to_json(), due) for (st, due), p in zip(items, parts)])
-        bodies = [(st.completion_id, st.completion.encode() if isinstance(st.completion, str) else bytes(st.completion))
-                  for st, _ in items if st.completion]
-        self._execmany("INSERT INTO completions(completion_id, body) VALUES(%s,%s) ON CONFLICT DO NOTHING", bodies)
+        labels: dict[str, tuple[int, str, int]] = {}
+        bodies: dict[str, bytes] = {}
+        for (st, due), p in zip(items, parts):
+            labels[st.completion_id] = (p, st.to_json(), due)
+            if st.completion and st.completion_id not in bodies:
+                bodies[st.completion_id] = (st.completion.encode() if isinstance(st.completion, str)
+                                            else bytes(st.completion))
+        cols = (_texts(labels), _ints(r[0] for r in labels.values()), _texts(r[1] for r in labels.values()),
+                _ints(r[2] for r in labels.values()))
+        upsert = ("INSERT INTO labels(completion_id, part, state, due_at) SELECT * FROM unnest(%s::text[], "
+                  "%s::int[], %s::text[], %s::bigint[]) ON CONFLICT(completion_id) DO UPDATE SET "
+                  "state=excluded.state, due_at=excluded.due_at")
+        if bodies:  # (the two inserts touch different tables: one snapshot serves both)
+            self._x(f"WITH l AS ({upsert}) INSERT INTO completions(completion_id, body) SELECT * FROM "
+                    f"unnest(%s::text[], %s) ON CONFLICT DO NOTHING",
+                    (*cols, _texts(bodies), _byteas(list(bodies.values()))))
+        else:
+            self._x(upsert, cols)
 
     def delete_many(self, cids: list[str]) -> None:
-        """Remove the open states of ``cids`` and their completions."""
+        """Remove the open states of ``cids`` and their completions (one statement)."""
         if cids:
-            self.db.execute("DELETE FROM labels WHERE completion_id = ANY(%s)", (list(cids),))
-            self.db.execute("DELETE FROM completions WHERE completion_id = ANY(%s)", (list(cids),))
+            self._x("WITH l AS (DELETE FROM labels WHERE completion_id = ANY(%(c)s::text[])) "
+                    "DELETE FROM completions WHERE completion_id = ANY(%(c)s::text[])", {"c": _texts(cids)})
 
     def due(self, now: int, limit: int) -> list[LabelState]:
         """Unclaimed states of owned partitions due by ``now`` (ms), earliest first, with their
         completion bytes; locked (``SKIP LOCKED``) until the transaction ends."""
         if not self._epochs:
             return []
-        rows = self.db.execute(
+        rows = self._x(
             "SELECT l.completion_id, l.state, c.body FROM labels l LEFT JOIN completions c USING (completion_id) "
             "WHERE l.part = ANY(%s) AND l.claim IS NULL AND l.due_at <= %s ORDER BY l.due_at LIMIT %s "
-            "FOR UPDATE OF l SKIP LOCKED", (self.owned(), now, limit)).fetchall()
+            "FOR UPDATE OF l SKIP LOCKED", (self.owned(), now, limit), binary=True).fetchall()
         return [LabelState.from_json(state, body) for _, state, body in rows]
+
+    def claim_many(self, claims: list[tuple[str, str]]) -> None:
+        """Claim ``(completion_id, claim)`` pairs for this owner (of one id, the last pair
+        wins); absent labels are ignored. One statement."""
+        if claims:
+            last = dict(claims)
+            self._x("UPDATE labels SET claim=v.claim, owner=%s FROM unnest(%s::text[], %s::text[]) "
+                    "AS v(cid, claim) WHERE labels.completion_id=v.cid",
+                    (self.owner, _texts(last), _texts(last.values())))
 
     def claims(self) -> list[tuple[str, str, str | None]]:
         """Open claims in owned partitions as ``(completion_id, claim, owner)`` (rows locked)."""
         if not self._epochs:
             return []
-        return [tuple(r) for r in self.db.execute(
+        return [tuple(r) for r in self._x(
             "SELECT completion_id, claim, owner FROM labels WHERE claim IS NOT NULL AND part = ANY(%s) "
             "ORDER BY completion_id FOR UPDATE", (self.owned(),)).fetchall()]
 
     # -- dedupe and sealed -----------------------------------------------------------------
     def events_seen(self, eids) -> set[str]:
         """Those of ``eids`` already folded or dead-lettered."""
-        return {r[0] for r in self.db.execute("SELECT event_id FROM events WHERE event_id = ANY(%s)",
-                                              (list(set(eids)),))}
+        return {r[0] for r in self._x("SELECT event_id FROM events WHERE event_id = ANY(%s::text[])",
+                                      (_texts(set(eids)),))}
 
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
-        return {r[0] for r in self.db.execute("SELECT completion_id FROM sealed WHERE completion_id = ANY(%s)",
-                                              (list(set(cids)),))}
+        return {r[0] for r in self._x("SELECT completion_id FROM sealed WHERE completion_id = ANY(%s::text[])",
+                                      (_texts(set(cids)),))}
+
+    def add_events(self, rows: list[tuple[str, str, int]]) -> None:
+        """Record ``(event_id, completion_id, at ms)`` rows as folded (an event already
+        recorded, or twice in ``rows``, keeps its first row). One statement."""
+        if rows:
+            first: dict[str, tuple[str, str, int]] = {}
+            for r in rows:
+                first.setdefault(r[0], r)
+            self._x("INSERT INTO events(event_id, completion_id, at) SELECT * FROM unnest(%s::text[], %s::text[], "
+                    "%s::bigint[]) ON CONFLICT DO NOTHING",
+                    (_texts(first), _texts(r[1] for r in first.values()), _ints(r[2] for r in first.values())))
+
+    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
+        """Record ``eids`` as dead-lettered at ``at`` ms (default now), with no completion (an
+        event already recorded keeps its first row). One statement."""
+        if eids:
+            self._x("INSERT INTO events(event_id, completion_id, at) SELECT e, NULL, %s::bigint FROM "
+                    "unnest(%s::text[]) AS e ON CONFLICT DO NOTHING",
+                    (now_ms() if at is None else at, _texts(dict.fromkeys(eids))))
+
+    def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
+        """Record ``(completion_id, sealed_at ms, shard)`` rows as sealed (a later record of a
+        completion replaces an earlier one). One statement."""
+        if rows:
+            last = {r[0]: r for r in rows}
+            self._x("INSERT INTO sealed(completion_id, sealed_at, shard) SELECT * FROM unnest(%s::text[], "
+                    "%s::bigint[], %s::text[]) ON CONFLICT(completion_id) DO UPDATE SET sealed_at=excluded.sealed_at, "
+                    "shard=excluded.shard",
+                    (_texts(last), _ints(r[1] for r in last.values()), _texts(r[2] for r in last.values())))
 
     def _may_prune(self) -> bool:
         # one worker at a time (the others skip it): two concurrent range deletes could deadlock
-        return self.db.execute("SELECT pg_try_advisory_xact_lock(%s)", (_PRUNE_LOCK,)).fetchone()[0]
+        return self._x("SELECT pg_try_advisory_xact_lock(%s)", (_PRUNE_LOCK,)).fetchone()[0]
 
     # -- counters --------------------------------------------------------------------------
+    def _counters_sql(self) -> bytes:
+        """The upsert of the pending counter deltas, values inline (so that it can share one
+        query with COMMIT)."""
+        from psycopg import sql
+
+        lits = []
+        for k, v in self._pending.items():
+            lit = self._lit.get(k)
+            if lit is None:
+                lit = self._lit[k] = sql.Literal(k).as_bytes(self.db)
+            lits.append(b"(%s,%s,%d)" % (self._lit_owner, lit, int(v)))
+        return (b"INSERT INTO counters(owner, name, value) VALUES " + b",".join(lits) +
+                b" ON CONFLICT(owner, name) DO UPDATE SET value=counters.value+excluded.value")
+
     def _write_counters(self) -> None:
         if self._pending:
-            self._execmany("INSERT INTO counters(owner, name, value) VALUES(%s,%s,%s) ON CONFLICT(owner, name) "
-                       "DO UPDATE SET value=counters.value+excluded.value",
-                       [(self.owner, k, v) for k, v in self._pending.items()])
+            self._x(self._counters_sql())
             self._pending = {}
 
     def _stored_counters(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self.db.execute("SELECT name, sum(value) FROM counters GROUP BY name")}
+        return {k: int(v) for k, v in self._x("SELECT name, sum(value) FROM counters GROUP BY name")}
