@@ -337,8 +337,9 @@ def _maybe_duplicate_key(raw: bytes | str, ev: pydantic.BaseModel) -> str | None
     When ``raw`` holds exactly two ``"`` per JSON string of ``ev`` (:func:`_json_strings`), no
     key is repeated: a repeated key adds at least its own two quotes to a count that ``ev``
     holds once, and nothing removes quotes (escaped quotes and numbers sent as text only add
-    some), so an equal count proves it. Any other count (a duplicate,
-    an escaped quote, a number sent as text) is decided by :func:`duplicate_key`."""
+    some), so an equal count proves it. Any other count (a duplicate, an escaped quote, a
+    number sent as text, a type this count does not know) is decided by :func:`duplicate_key`.
+    ``tests/test_ingest_pace.py`` checks the two agree."""
     b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if len(b) - len(b.replace(b'"', b"")) == 2 * _json_strings(ev):  # (replace: a memchr loop)
         return None

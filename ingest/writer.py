@@ -14,6 +14,7 @@ import datetime as dt
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -106,8 +107,8 @@ def write_shard(samples: list[RewardedSample], path: str | Path) -> Path:
     return write_table(samples_to_table(samples), path)
 
 
-def shard_parts(samples: list[RewardedSample], encode=None) -> tuple[
-        list[RewardedSample], pa.Table | None, list[bytes], list[tuple[RewardedSample, str, str]]]:
+def shard_parts(samples: list[RewardedSample], encode: Callable[[RewardedSample, int], bytes] | None = None
+                ) -> tuple[list[RewardedSample], pa.Table | None, list[bytes], list[tuple[RewardedSample, str, str]]]:
     """Split ``samples`` into what can be written and what cannot: ``(good samples, their
     table, their values for the samples topic, bad)``, ``bad`` as ``(sample, field, reason)``
     for :meth:`ingest.join.Joiner.quarantine`. One record the shard or the topic refuses (a
@@ -140,7 +141,8 @@ def shard_parts(samples: list[RewardedSample], encode=None) -> tuple[
 _sample_json = RewardedSample.__pydantic_serializer__.to_json
 # the notice's fields taken from the sample, in the model's order; its last three name the row
 _NOTICE_FROM_SAMPLE = tuple(f for f in SampleNotice.model_fields if f not in ("shard", "row", "shard_format"))
-assert tuple(SampleNotice.model_fields)[-3:] == ("shard", "row", "shard_format")
+if tuple(SampleNotice.model_fields)[-3:] != ("shard", "row", "shard_format"):  # the encoder's key order
+    raise ImportError("schemas.events.SampleNotice: shard, row, shard_format must be its last fields")
 
 
 def sample_json(s: RewardedSample, row: int = 0) -> bytes:
@@ -149,7 +151,7 @@ def sample_json(s: RewardedSample, row: int = 0) -> bytes:
     return _sample_json(s)
 
 
-def notice_encoder(path: str | Path, samples_dir: str | Path):
+def notice_encoder(path: str | Path, samples_dir: str | Path) -> Callable[[RewardedSample, int], bytes]:
     """A ``(sample, row) -> bytes`` giving the :class:`schemas.events.SampleNotice` JSON of a
     sample at ``row`` of the shard ``path`` (under ``samples_dir``): the samples topic's value
     by default (D67).
