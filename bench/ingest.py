@@ -437,7 +437,8 @@ def report(name: str, r: dict) -> None:
           f"using {r['seal_cpu_s']:.2f} CPU-s, all sealed "
           f"{r['sealed_s']:.1f}s after start; pipeline (join + seal) {r['pipeline_per_cpu_s']:,.0f} records per "
           f"CPU-s (idle wait before sealing: {r['idle'][0]:.1f}s using {r['idle'][1]:.2f} CPU-s, left out; "
-          f"counted: {r['pipeline_idle_per_cpu_s']:,.0f}); rebalances after the first {r['rebalances']}; load average before {r['load']:.1f}", flush=True)
+          f"counted: {r['pipeline_idle_per_cpu_s']:,.0f}); rebalances after the first {r['rebalances']}; "
+          f"load average before {r['load']:.1f}", flush=True)
 
 
 def main() -> None:

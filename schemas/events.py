@@ -418,8 +418,9 @@ class SampleNotice(_Event):
     ``date=YYYY-MM-DD/hour=HH/part-<sealed ms>-<id>.parquet``, :data:`SHARD_REF_PATTERN`);
     ``row`` is the sample's 0-based row in it; ``shard_format`` is the shard's format version
     (its Parquet metadata ``flywheel.samples.format``, ``schemas.arrow.FORMAT_VERSION``). The
-    rest are the :class:`RewardedSample`'s own values, same bounds: ``created_at``/``sealed_at`` ms since the epoch (UTC), ``reward`` the
-    shaped reward (finite float32), the vote counts int32, ``event_ids`` distinct.
+    rest are the :class:`RewardedSample`'s own values, same bounds: ``created_at`` and
+    ``sealed_at`` ms since the epoch (UTC), ``reward`` the shaped reward (finite float32), the
+    vote counts int32, ``event_ids`` distinct.
     """
 
     completion_id: uuid.UUID
