@@ -92,6 +92,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pyarrow as pa
+
 from schemas import topics as T
 from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
@@ -128,6 +130,8 @@ RECORD_ERRORS = _record_errors()
 BATCH_MAX_RECORDS = 2000  # records per getmany = one SQLite transaction = one offset commit
 POLL_TIMEOUT_MS = 200  # getmany waits at most this long for a first record (ms)
 SEAL_CHUNK = 256  # labels claimed per seal transaction (bounds the consumer's wait for the lock)
+# what a sealed sample keeps once its chunk is in Arrow: its label fields (commit, metrics, keys)
+_LIGHT = {"prompt_token_ids": (), "completion_token_ids": (), "behavior_logprobs": (), "expert_routes": None}
 SHARD_ROWS = writer.ROW_GROUP_ROWS  # at most this many samples per seal round (= per shard)
 RECOVER_EVERY_S = 5.0  # live workers finish/release dead workers' claims this often (s)
 CATALOG_EVERY_S = 60.0  # catalog views re-created at most this often once they see files (s)
@@ -486,16 +490,29 @@ class Worker:
         transaction each) until none is due or ``SHARD_ROWS`` samples are in hand, write one
         shard per (model_version, day) and mark the samples sealed. Returns ``(sample
         messages to publish, tick results holding orphans to dead-letter, whether more may be
-        due)``."""
+        due)``.
+
+        Each chunk is turned into Arrow columns and topic values as it is claimed, and its
+        samples keep only their label fields after that (:data:`_LIGHT`): a round holds one
+        chunk's token lists at a time, so the next chunk reuses their memory (a round of
+        ``SHARD_ROWS`` labels would otherwise hold ~75 MB of Python lists; D67)."""
         t0 = time.perf_counter()
         shard_for = writer.shard_namer(self.cfg.samples_dir)  # one shard per partition per round
-        shards: dict[str, list] = {}
+        shards: dict[str, list[tuple[list, object, list]]] = {}  # path -> chunks (samples, table, values)
+        rows_in: dict[str, int] = {}  # path -> rows converted so far (a notice names its row)
         orphans: list[TickResult] = []
         rows, more = 0, False
         while True:
             res = self.joiner.tick(now_ms(), shard_for, limit=SEAL_CHUNK)
             for path, samples in res.shards.items():
-                shards.setdefault(path, []).extend(samples)
+                good, table, values, bad = writer.shard_parts(samples, self._encoder(path, rows_in.get(path, 0)))
+                if bad:  # claimed "bad:" before the shard exists; dead-lettered with the orphans
+                    log.warning("ingest: %d sample(s) of shard %s cannot be written, quarantined: %s", len(bad),
+                                path, "; ".join(f"{s.completion_id} {f}: {r}" for s, f, r in bad[:3]))
+                    orphans.append(self.joiner.quarantine(bad))
+                if good:
+                    rows_in[path] = rows_in.get(path, 0) + len(good)
+                    shards.setdefault(path, []).append(([x.model_copy(update=_LIGHT) for x in good], table, values))
             rows += len(res.samples)
             if res.orphan_ids or res.bad_ids:
                 orphans.append(res)
@@ -505,27 +522,26 @@ class Worker:
                 more = True
                 break
         msgs: list[tuple[bytes, bytes]] = []
-        for path, samples in shards.items():
-            encode = (writer.notice_encoder(path, self.cfg.samples_dir) if self.cfg.samples_value == "notice"
-                      else writer.sample_json)
-            samples, table, values, bad = writer.shard_parts(samples, encode)
-            if bad:  # claimed "bad:" before the shard exists; dead-lettered with the orphans
-                log.warning("ingest: %d sample(s) of shard %s cannot be written, quarantined: %s", len(bad), path,
-                            "; ".join(f"{s.completion_id} {f}: {r}" for s, f, r in bad[:3]))
-                orphans.append(self.joiner.quarantine(bad))
-            if not samples:
-                continue
+        for path, chunks in shards.items():
+            samples = [x for c in chunks for x in c[0]]
             try:
-                writer.write_table(table, path)
+                writer.write_table(pa.concat_tables([c[1] for c in chunks]), path)
             except Exception:
                 log.exception("ingest: shard %s failed; labels released, retried next tick", path)
-                self.joiner.release([str(s.completion_id) for s in samples])
+                self.joiner.release([str(x.completion_id) for x in samples])
                 continue
             self.joiner.commit_sealed(samples, path)
             self.metrics.sealed(samples)
-            msgs.extend((str(s.completion_id).encode(), v) for s, v in zip(samples, values))
+            values = [v for c in chunks for v in c[2]]
+            msgs.extend((str(x.completion_id).encode(), v) for x, v in zip(samples, values))
         self.metrics.seal_round.observe(time.perf_counter() - t0)
         return msgs, orphans, more
+
+    def _encoder(self, path: str, first_row: int):
+        """The samples-topic encoder of shard ``path`` for rows from ``first_row`` on."""
+        if self.cfg.samples_value == "sample":
+            return writer.sample_json
+        return writer.notice_encoder(path, self.cfg.samples_dir, first_row)
 
     def housekeeping(self, wrote: int) -> None:
         """In the seal thread: recovery, pruning, catalog, stats line."""

@@ -151,10 +151,11 @@ def sample_json(s: RewardedSample, row: int = 0) -> bytes:
     return _sample_json(s)
 
 
-def notice_encoder(path: str | Path, samples_dir: str | Path) -> Callable[[RewardedSample, int], bytes]:
+def notice_encoder(path: str | Path, samples_dir: str | Path,
+                   first_row: int = 0) -> Callable[[RewardedSample, int], bytes]:
     """A ``(sample, row) -> bytes`` giving the :class:`schemas.events.SampleNotice` JSON of a
-    sample at ``row`` of the shard ``path`` (under ``samples_dir``): the samples topic's value
-    by default (D67).
+    sample at row ``first_row + row`` of the shard ``path`` (under ``samples_dir``): the
+    samples topic's value by default (D67). ``first_row``: rows of the shard before this chunk.
 
     Raises:
         ValueError: ``path`` is not under ``samples_dir``."""
@@ -164,7 +165,7 @@ def notice_encoder(path: str | Path, samples_dir: str | Path) -> Callable[[Rewar
         # the model's JSON (its fields in order, from a validated sample's own values) without
         # building the model: the same bytes as SampleNotice(...).to_bytes() (tested)
         d = s.__dict__
-        return pydantic_core.to_json({**{k: d[k] for k in _NOTICE_FROM_SAMPLE}, "shard": shard, "row": row,
+        return pydantic_core.to_json({**{k: d[k] for k in _NOTICE_FROM_SAMPLE}, "shard": shard, "row": first_row + row,
                                       "shard_format": FORMAT_VERSION})
 
     return encode

@@ -90,6 +90,24 @@ def check_notices(w: Worker, msgs) -> None:
                                                                     sorted(row["event_ids"]))
 
 
+def test_a_round_of_several_chunks_names_every_row(worker):
+    """A round converts each claimed chunk (``SEAL_CHUNK`` labels) as it comes: the shard holds
+    every sample once, and each notice names its own row across the chunks."""
+    from ingest.worker import SEAL_CHUNK
+
+    cids = [str(uuid.uuid4()) for _ in range(2 * SEAL_CHUNK + 37)]
+    worker.fold(batch(*[(topics.COMPLETIONS, completion(c)) for c in cids]))
+    worker.fold(batch(*[(topics.FEEDBACK, vote(c)) for c in cids]))
+    rows, dead, msgs = seal(worker)
+    assert sorted(rows) == sorted(cids) and not dead and len(msgs) == len(cids)
+    check_notices(worker, msgs)
+    from schemas.events import SampleNotice
+
+    assert sorted(SampleNotice.from_bytes(v).row for _, v in msgs) == list(range(len(cids)))
+    (shard,) = list(worker.cfg.samples_dir.glob("**/*.parquet"))
+    assert pq.read_metadata(shard).num_rows == len(cids)
+
+
 def test_samples_value_sample_publishes_the_whole_sample(tmp_path):
     """``samples_value = "sample"``: the topic carries each RewardedSample, equal to its row."""
     from ingest.catalog import read_samples
