@@ -356,8 +356,10 @@ def _parse_event(model, raw: bytes | str, source_topic: str, key: bytes | str | 
         if dup is not None:
             return dead_letter(source_topic, key, dup, f"duplicate key {dup!r} in one JSON object", raw)
         return ev
-    try:
-        obj = json.loads(raw)
+    try:  # UTF-8 only (json.loads would also read UTF-16/32 and a BOM, which the fast path refuses)
+        obj = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:  # (a repeated key whose first copy the fast path refused)
+        return dead_letter(source_topic, key, exc.key, f"duplicate key {exc.key!r} in one JSON object", raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         return dead_letter(source_topic, key, "value", f"bad JSON: {type(exc).__name__}: {str(exc)[:200]}", raw)
     if not isinstance(obj, dict):

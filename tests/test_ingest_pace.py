@@ -151,14 +151,21 @@ def test_the_quote_count_decides_as_the_full_duplicate_check(seed, dup, kind):
     from ingest.join import _maybe_duplicate_key, duplicate_key
     from schemas.events import CompletionEvent, FeedbackEvent
 
+    from ingest.join import parse_event
+    from schemas.events import DeadLetter
+
     rng = random.Random(seed)
     model = FeedbackEvent if kind == "vote" else CompletionEvent
     raw = _encode(_vote_obj(rng) if kind == "vote" else _completion_obj(rng), rng, dup).encode()
+    want = duplicate_key(raw)
+    if want is not None:  # whichever path decides, a repeated key is refused, never guessed
+        got = parse_event(model, raw, "t", "k")
+        assert isinstance(got, DeadLetter), raw
     try:
         ev = model.__pydantic_validator__.validate_json(raw)
     except ValidationError:
-        return  # refused by the contract before any duplicate check
-    assert _maybe_duplicate_key(raw, ev) == duplicate_key(raw), raw
+        return  # decided by parse_event's second path, checked above
+    assert _maybe_duplicate_key(raw, ev) == want, raw
 
 
 def test_a_repeated_key_after_an_empty_string_is_refused():
@@ -212,3 +219,32 @@ def test_the_notice_is_the_sample_notice_models_json():
     want = SampleNotice(**{k: getattr(s, k) for k in SampleNotice.model_fields if hasattr(s, k)},
                         shard="date=2025-06-15/hour=15/part-1750000600000-abc.parquet", row=11, shard_format=3)
     assert got == want.to_bytes() and SampleNotice.from_bytes(got) == want
+
+
+@pytest.mark.parametrize("first", ["null", "1", "{}", "[]", '"\\ud800"'])
+def test_a_repeated_key_whose_first_copy_is_invalid_is_refused(first):
+    """Found by a new user: a repeated metadata key whose first copy the fast path refuses went
+    to the second path, which read the last copy and accepted the record."""
+    from ingest.join import parse_event
+    from schemas import topics
+    from schemas.events import DeadLetter, FeedbackEvent
+
+    raw = ('{"event_id":"00000000-0000-0000-0000-000000000001","completion_id":"00000000-0000-0000-0000-000000000002",'
+           '"user_hash":"u","value":1,"created_at":1750000000000,"metadata":{"a":' + first + ',"a":"v"}}').encode()
+    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, "k")
+    assert isinstance(dl, DeadLetter) and dl.field == "a" and "duplicate key" in dl.reason
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_a_value_not_in_utf8_is_refused_not_decoded(encoding):
+    """Kafka values are UTF-8 JSON: a BOM or UTF-16/32 is refused as bad JSON (field ``value``)
+    by both paths (the second used to detect the encoding and read the last of a repeated key)."""
+    from ingest.join import parse_event
+    from schemas import topics
+    from schemas.events import DeadLetter, FeedbackEvent
+
+    text = ('{"event_id":"00000000-0000-0000-0000-000000000001","completion_id":"00000000-0000-0000-0000-000000000002",'
+            '"user_hash":"u","value":-1,"created_at":1750000000000,"value":1}')
+    for t in (text, text.replace(',"value":1}', "}")):
+        dl = parse_event(FeedbackEvent, t.encode(encoding), topics.FEEDBACK, "k")
+        assert isinstance(dl, DeadLetter) and dl.field == "value" and dl.reason.startswith("bad JSON"), dl
