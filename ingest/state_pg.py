@@ -205,7 +205,10 @@ class PgStateStore(StoreBase):
         self.path = url  # for messages; never a file
         self.schema = schema or schema_name(topics.INGEST_APP_ID)
         self.owner = owner or default_owner()
-        self.db = psycopg.connect(url, autocommit=True, application_name=f"flywheel-ingest {self.owner}")
+        # client_encoding UTF8: the binary text[] parameters (_texts) are UTF-8 bytes whatever the
+        # database's encoding; the server converts them (a LATIN1 database re-read them as LATIN1)
+        self.db = psycopg.connect(url, autocommit=True, application_name=f"flywheel-ingest {self.owner}",
+                                  client_encoding="UTF8")
         _register_arrays(self.db)
         # a worker frozen inside a transaction (SIGSTOP, a VM pause) loses its session, its
         # locks and its advisory lock: its partitions can be taken over, its claims recovered

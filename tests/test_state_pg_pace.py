@@ -195,3 +195,30 @@ def test_the_fence_still_holds_a_takeover_until_the_fold_commits(pg_url, schema,
                 store.fence([1])
     finally:
         other.close()
+
+
+def test_text_round_trips_in_a_database_that_is_not_utf8(pg_url, schema):
+    """Found by a new user: in a LATIN1 database the binary ``text[]`` arrays (UTF-8 bytes)
+    were read as LATIN1, so a user ``é`` voting three times became three users. The store's
+    connection speaks UTF-8; the server converts."""
+    import psycopg
+
+    from ingest.state_pg import PgStateStore
+
+    db = "lat_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {db} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    s = PgStateStore(pg_url.rsplit("/", 1)[0] + "/" + db, schema=schema, owner="w1")
+    try:
+        s.assign(range(N), N)
+        j = Joiner(s, CFG)
+        c = completion()
+        j.on_completion(c, now=T0)
+        for i, v in enumerate((1, -1, 1)):
+            j.on_feedback(vote(c.completion_id, "é", v, T0 + i), now=T0 + i)
+        st = s.get(str(c.completion_id))
+        assert list(st.votes) == ["é"] and st.votes["é"].value == 1
+        (sample,) = j.tick(T0 + 10 ** 6).samples
+        assert (sample.n_votes, sample.label) == (1, True)
+    finally:
+        s.close()
