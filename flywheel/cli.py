@@ -118,10 +118,10 @@ def _root(ctx: typer.Context,
                    "a flag or an environment variable overrides it.")) -> None:
     """Flywheel: keep a production MoE model learning from its users."""
     quiet_third_party(verbose)
-    if config is not None and not ctx.resilient_parsing:
-        from schemas.config import configure_cli
+    if not ctx.resilient_parsing:
+        from schemas.config import configure_cli, configure_env
 
-        configure_cli(ctx, config)
+        configure_cli(ctx, config) if config is not None else configure_env(ctx)
     if ctx.invoked_subcommand in KAFKA_COMMANDS and not ctx.resilient_parsing:
         check_kafka_settings()
 

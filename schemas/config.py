@@ -20,8 +20,8 @@ Precedence, highest first: a flag on the command line; an environment variable
 (``FLYWHEEL_HOME``, ``FLYWHEEL_KAFKA_PARTITIONS``, ``FLYWHEEL_SERVE__PORT`` for the ``port``
 option of ``[serve]``: ``__`` separates table and key); the file; the built-in default.
 
-``flywheel --config PATH`` or ``FLYWHEEL_CONFIG=PATH`` names the file; nothing is read
-otherwise. Secrets never go in the file: ``kafka.sasl_password`` is refused (use
+``flywheel --config PATH`` or ``FLYWHEEL_CONFIG=PATH`` names the file; no file is read
+otherwise (the environment variables still apply: :func:`configure_env`). Secrets never go in the file: ``kafka.sasl_password`` is refused (use
 ``sasl_password_file`` or ``FLYWHEEL_KAFKA_SASL_PASSWORD``), as are API keys and the admin
 token (``serve.api_keys_file`` names a file; ``FLYWHEEL_ADMIN_TOKEN`` is an environment
 variable).
@@ -237,6 +237,25 @@ def _convert(param, value: Any, where: str, ctx) -> Any:
         return param.process_value(ctx, value)  # the option's own type, range and callback
     except Exception as exc:  # noqa: BLE001 - click's BadParameter (typer vendors its own click)
         raise ConfigError(f"{where}: {getattr(exc, 'message', exc)}") from None
+
+
+def configure_env(ctx) -> None:
+    """Without a config file: the ``FLYWHEEL_<COMMAND>__<OPTION>`` variables alone become the
+    click context's ``default_map`` (a flag still wins), checked as :func:`command_defaults`
+    checks them. Called by the root command's callback when no file is named.
+
+    Raises:
+        typer.BadParameter: a variable names no command or option, or its value is refused
+            (exit status 2; the message names ``command.option``).
+    """
+    import typer
+
+    try:
+        defaults = _defaults({}, ctx.command, "", "environment", ctx, os.environ)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), ctx=ctx, param_hint="FLYWHEEL_<COMMAND>__<OPTION>") from None
+    if defaults:
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
 
 
 def configure_cli(ctx, path: str | os.PathLike) -> FlywheelConfig:

@@ -84,8 +84,23 @@ def test_every_role_reads_the_file_env_and_flag_override(tmp_path, calls, monkey
     assert calls["serve"]["port"] == 9001 and calls["serve"]["max_batch"] == 16
     assert run("--config", str(p), "serve", "--port", "9002", env={"FLYWHEEL_SERVE__PORT": "9001"}).exit_code == 0
     assert calls["serve"]["port"] == 9002
-    # without a file nothing is read
+    # without a file nothing is read from a file
     assert run("serve").exit_code == 0 and calls["serve"]["port"] == 8000
+
+
+def test_the_environment_applies_without_a_file(calls):
+    """Found by a new user: ``FLYWHEEL_<COMMAND>__<OPTION>`` was read only when a config file
+    was named, so a bad value started the worker and a good one was ignored."""
+    r = run("ingest", env={"FLYWHEEL_INGEST__SAMPLES_VALUE": "sample", "FLYWHEEL_INGEST__SEAL_AFTER_S": "7"})
+    assert r.exit_code == 0, r.output
+    assert calls["ingest"]["samples_value"] == "sample" and calls["ingest"]["seal_after_s"] == 7.0
+    assert run("ingest", "--samples-value", "notice", env={"FLYWHEEL_INGEST__SAMPLES_VALUE": "sample"}).exit_code == 0
+    assert calls["ingest"]["samples_value"] == "notice"  # a flag beats the environment
+    for var, value, named in [("FLYWHEEL_INGEST__SAMPLES_VALUE", "1", "ingest.samples_value"),
+                              ("FLYWHEEL_INGEST__TICK_S", "abc", "ingest.tick_s"),
+                              ("FLYWHEEL_INGEST__NO_SUCH", "1", "ingest.no_such")]:
+        r = run("ingest", env={var: value})
+        assert r.exit_code == 2 and named in " ".join(r.output.split()), r.output
 
 
 def test_paths_and_kafka_go_to_the_environment_unless_set(tmp_path, calls, monkeypatch):
