@@ -39,6 +39,17 @@ def calls(monkeypatch):
     return got
 
 
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """``configure_cli`` writes the file's paths and ``[kafka]`` to this process's environment
+    (``FlywheelConfig.apply_env``), as the CLI process needs; restore it after each test, so
+    that a later test file's subprocesses do not inherit ``FLYWHEEL_KAFKA_PARTITIONS=3``."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def run(*args, env=None):
     r = CliRunner().invoke(cli.app, list(args), env=env or {})
     return r
