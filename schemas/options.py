@@ -155,6 +155,9 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                     raise typer.BadParameter(msg, param_hint=hint_for(str(e["loc"][0]) if e["loc"] else "", msg)) from None
                 except ValueError as exc:  # a model's own __post_init__ check
                     raise typer.BadParameter(str(exc), param_hint=hint_for("", str(exc))) from None
+                except RuntimeError as exc:  # its surroundings are missing (no Kafka broker): one line
+                    typer.echo(f"error: {exc}", err=True)
+                    raise typer.Exit(1) from None
             return func(**kwargs, **built)
 
         command.__signature__ = sig.replace(parameters=[*(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own),

@@ -197,3 +197,14 @@ def test_learner_state_location(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_LEARNER_STATE", str(tmp_path / "shared" / "learner"))
     assert settings.learner_state_dir() == tmp_path / "shared" / "learner"
     assert load_config(EXAMPLE).commands["learn"]["state"] == "/shared/learner"
+
+
+def test_a_role_without_a_broker_says_so_in_one_line(tmp_path, monkeypatch):
+    """Found by a new user: ``flywheel ingest`` with no broker printed a ~40-line traceback
+    before the message; it is the message alone, exit status 1."""
+    for k in list(os.environ):
+        if k.startswith("FLYWHEEL_"):
+            monkeypatch.delenv(k)
+    r = CliRunner().invoke(cli.app, ["ingest"], env={"FLYWHEEL_HOME": str(tmp_path)})
+    assert r.exit_code == 1
+    assert r.output.strip() == "error: no Kafka broker: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel broker start`"
