@@ -498,7 +498,7 @@ class Worker:
         ``SHARD_ROWS`` labels would otherwise hold ~75 MB of Python lists; D67)."""
         t0 = time.perf_counter()
         shard_for = writer.shard_namer(self.cfg.samples_dir)  # one shard per partition per round
-        shards: dict[str, list[tuple[list, object, list]]] = {}  # path -> chunks (samples, table, values)
+        shards: dict[str, list[tuple[list, pa.Table, list[bytes]]]] = {}  # path -> chunks (samples, table, values)
         rows_in: dict[str, int] = {}  # path -> rows converted so far (a notice names its row)
         orphans: list[TickResult] = []
         rows, more = 0, False
