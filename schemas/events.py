@@ -360,6 +360,21 @@ class FeedbackEvent(_Event):
         return self.model_dump_json(exclude=unset or None).encode()
 
 
+def _distinct(v: list[str]) -> list[str]:
+    """Refuse a list that holds an id twice (``ValueError`` naming ``event_ids``)."""
+    if len(set(v)) != len(v):
+        raise ValueError("event_ids: duplicates")
+    return v
+
+
+#: A label's feedback event ids, each once (:class:`RewardedSample`, :class:`SampleNotice`).
+EventIds = Annotated[list[IdText], AfterValidator(_distinct)]
+#: A shaped reward, finite as float32.
+Reward = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+#: A label's vote count: at least one, int32.
+NVotes = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
 class RewardedSample(_Event):
     """A sealed, reward-labelled completion: the learner's unit of data.
 
@@ -386,21 +401,14 @@ class RewardedSample(_Event):
     sampling: SamplingParams
     expert_routes: ExpertRoutes | None = None
     finish_reason: IdText
-    reward: float = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+    reward: Reward
     label: bool
-    n_votes: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    n_votes: NVotes
     votes_up: Count
     votes_down: Count
-    event_ids: list[IdText]
+    event_ids: EventIds
     sealed_at: EventTimeMs
     split: Literal["train", "eval"] = "train"
-
-    @field_validator("event_ids")
-    @classmethod
-    def _unique(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError("event_ids: duplicates")
-        return v
 
 
 #: A shard's path under the samples root, as ``ingest.writer.shard_path`` names it.
@@ -428,22 +436,15 @@ class SampleNotice(_Event):
     split: Literal["train", "eval"]
     created_at: EventTimeMs
     sealed_at: EventTimeMs
-    reward: float = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+    reward: Reward
     label: bool
-    n_votes: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    n_votes: NVotes
     votes_up: Count
     votes_down: Count
-    event_ids: list[IdText]
+    event_ids: EventIds
     shard: str = Field(pattern=SHARD_REF_PATTERN)  # (the pattern bounds its length)
     row: Count
     shard_format: Annotated[int, Field(ge=1, le=INT32_MAX)]
-
-    @field_validator("event_ids")
-    @classmethod
-    def _unique(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError("event_ids: duplicates")
-        return v
 
 
 class DeadLetter(_Event):

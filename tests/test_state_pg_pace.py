@@ -7,27 +7,12 @@ from __future__ import annotations
 
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
 
-from ingest.join import JoinConfig, Joiner, LabelState
+from ingest.join import Joiner, LabelState
 from test_ingest_join import T0, completion, vote
-
-HAVE_PG = any(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
-CFG = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20)
-N = 3
-
-
-@pytest.fixture(scope="module")
-def pg_url():
-    if not HAVE_PG:
-        pytest.skip("PostgreSQL not installed (apt-get install -y postgresql)")
-    from ingest import pglocal
-
-    srv = pglocal.start()
-    yield srv.url
-    srv.stop()
+from test_join_store_contract import CFG, N, pg_url  # noqa: F401 - pg_url: the real server fixture
 
 
 @pytest.fixture()
