@@ -616,8 +616,9 @@ def profile(args) -> None:
     import io
     import pstats
 
-    from ingest.worker import BATCH_MAX_RECORDS
+    from ingest.worker import BATCH_MAX_RECORDS, configure_gc
 
+    configure_gc()  # the worker process's collector settings (ingest.worker.run)
     n = args.completions or (3000 if args.quick else 10000)
     comps, fb = make_events(n, args)
     labels = len({k for k, _ in fb})

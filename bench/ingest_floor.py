@@ -10,7 +10,8 @@ and the parts it does not, all measured in one run on one data set:
    (``bench.ingest.raw_consume``); the larger of the two rates (the stricter baseline) gives
    ``R`` records per CPU-second, i.e. ``c = 1/R`` CPU-s per record for consumption.
 2. **The pipeline in process, realistic bodies**: the same records through a fresh
-   in-process :class:`ingest.worker.Worker` (``Worker.fold`` in getmany-sized batches, then
+   in-process :class:`ingest.worker.Worker`, with the worker process's garbage-collector
+   settings (``ingest.worker.configure_gc``) (``Worker.fold`` in getmany-sized batches, then
    ``Worker.seal_round`` until every label is sealed into a Parquet shard), ``--reps``
    times: fold CPU per record ``F`` and sealing CPU per label ``S`` (medians).
 3. **The pipeline in process, minimal bodies**: the same number of completions and the same
@@ -239,7 +240,9 @@ def main() -> None:
     if args.reps < 1:
         ap.error("--reps: must be >= 1")
     n = args.completions or (3000 if args.quick else 10000)
+    from ingest.worker import configure_gc
 
+    configure_gc()  # the worker process's collector settings (ingest.worker.run)
     comps, fb = make_events(n, args)
     tiny = copy.copy(args)
     tiny.prompt_tokens, tiny.completion_tokens, tiny.layers, tiny.top_k = 2, 2, 1, 1

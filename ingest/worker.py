@@ -670,14 +670,27 @@ class Worker:
             self.store.close()
 
 
+#: The worker process's cyclic-collector thresholds (``gc.set_threshold``): a young
+#: collection per 50,000 net allocations (Python's default: 700), then 20 and 100.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def configure_gc() -> None:
+    """Set the worker process's garbage collection: the objects alive at start-up (modules,
+    validators, clients) never die, so ``gc.freeze`` keeps them out of every collection, and
+    :data:`GC_THRESHOLDS` collect less often. A fold batch allocates ~1k lists per 2k
+    records, nearly all freed by reference counting; at Python's defaults the collector
+    took 8-12 % of an in-process fold and seal (``bench/ingest_floor.py``, D68). Called by
+    :func:`run` and by the benches that drive a :class:`Worker` in their own process."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run(cfg) -> None:
     """Run a :class:`Worker` for ``cfg`` in this process until SIGTERM/SIGINT."""
 
     async def main():
-        # the startup objects (modules, clients) never die: keep them out of every collection,
-        # and collect less often (each batch allocates ~1k lists per 2k records)
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 100)
+        configure_gc()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
