@@ -149,7 +149,8 @@ def _json_body(raws: list[bytes]) -> None:
     """The current contract's body work at sealing: validation, then the list columns."""
     from ingest.join import parse_event
 
-    evs = [parse_event(CompletionEvent, r, topics.COMPLETIONS) for r in raws]
+    tc = topics.COMPLETIONS  # read once, as the worker does (each read scans the environment)
+    evs = [parse_event(CompletionEvent, r, tc) for r in raws]
     for name, dt in (("prompt_token_ids", np.int32), ("completion_token_ids", np.int32),
                      ("behavior_logprobs", np.float32)):
         vals = [getattr(e, name) for e in evs]
