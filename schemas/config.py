@@ -201,11 +201,55 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def _defaults(tables: dict, group, where: str, src, ctx, env) -> dict[str, Any]:
+def _leaf_paths(d: dict, where: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _leaf_paths(v, f"{where}{k}.") if isinstance(v, dict) else {f"{where}{k}"}
+    return out
+
+
+def _env_var(path: str) -> str:
+    """``FLYWHEEL_BROKER__START__PARTITIONS`` for ``broker.start.partitions``."""
+    return "FLYWHEEL_" + "__".join(p.upper().replace("-", "_") for p in path.split("."))
+
+
+def _unknown_env(group, env) -> str | None:
+    """The first ``FLYWHEEL_<COMMAND>__<OPTION>`` variable whose ``<COMMAND>`` part names no
+    command (``FLYWHEEL_INGES__TICK_S``) or a group instead of one of its commands
+    (``FLYWHEEL_BROKER__PARTITIONS``), with what it should name; None when all name one.
+    Variables of the file's own keys (``FLYWHEEL_KAFKA__...``, ``FLYWHEEL_HOME``) are not
+    command options and are left alone."""
+    heads: list[str] = []
+
+    def walk(g, prefix: str) -> None:
+        for name, cmd in g.commands.items():
+            head = prefix + name.upper().replace("-", "_") + "__"
+            walk(cmd, head) if _is_group(cmd) else heads.append(head)
+
+    walk(group, "FLYWHEEL_")
+    own = tuple(f"FLYWHEEL_{k.upper()}__" for k in (*PATH_VARS, "kafka"))
+    for var in sorted(env):
+        if not var.startswith("FLYWHEEL_") or "__" not in var[9:] or var.startswith(own):
+            continue
+        if any(var.startswith(h) and len(var) > len(h) for h in heads):
+            continue
+        return (f"{var}: names no command's option; a variable is FLYWHEEL_<COMMAND>__<OPTION> "
+                f"(commands: {', '.join(sorted(h[9:-2] for h in heads))})")
+    return None
+
+
+def _defaults(tables: dict, group, where: str, src, ctx, env, env_keys: set[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tables = {k: {_norm(o): v for o, v in t.items()} if isinstance(t, dict) and not _is_group(
         group.commands.get(k)) else t for k, t in tables.items()}
-    from_env = _env_tables(group, where, env) if not where else {}
+    if not where:
+        bad = _unknown_env(group, env)
+        if bad is not None:
+            raise ConfigError(f"environment: {bad}")
+        from_env = _env_tables(group, where, env)
+        env_keys = _leaf_paths(from_env)
+    else:
+        from_env = {}
     for name, table in _merge(tables, from_env).items():
         path = f"{where}{name}"
         cmd = group.commands.get(name)
@@ -214,23 +258,28 @@ def _defaults(tables: dict, group, where: str, src, ctx, env) -> dict[str, Any]:
         if not isinstance(table, dict):
             raise ConfigError(f"{src}: {path}: a table of options is expected, got {type(table).__name__}")
         if _is_group(cmd):
-            out[name] = _defaults(table, cmd, path + ".", src, ctx, env)
+            out[name] = _defaults(table, cmd, path + ".", src, ctx, env, env_keys)
             continue
         params = {p.name: p for p in cmd.params if p.param_type_name == "option" and p.name}
         vals = {}
         for key, value in table.items():
+            # a value from a FLYWHEEL_<COMMAND>__<OPTION> variable is named as that variable
+            origin = f"environment: {_env_var(f'{path}.{key}')}" if f"{path}.{key}" in (env_keys or ()) else src
             p = params.get(key)
             if p is None:
-                raise ConfigError(f"{src}: {path}.{key}: not an option of `flywheel {path.replace('.', ' ')}` "
+                raise ConfigError(f"{origin}: {path}.{key}: not an option of `flywheel {path.replace('.', ' ')}` "
                                   f"(options: {', '.join(sorted(params))})")
-            vals[p.name] = _convert(p, value, f"{src}: {path}.{key}", ctx)
+            vals[p.name] = _convert(p, value, f"{origin}: {path}.{key}", ctx)
         out[name] = vals
     return out
 
 
 def _convert(param, value: Any, where: str, ctx) -> Any:
     if param.multiple and isinstance(value, str):  # from the environment: JSON list or a,b,c
-        value = json.loads(value) if value.lstrip().startswith("[") else [v for v in value.split(",") if v]
+        try:
+            value = json.loads(value) if value.lstrip().startswith("[") else [v for v in value.split(",") if v]
+        except ValueError as exc:  # (json.JSONDecodeError)
+            raise ConfigError(f"{where}: not a JSON list: {exc}") from None
     if param.multiple and not isinstance(value, list):
         raise ConfigError(f"{where}: a list is expected, got {type(value).__name__}")
     try:

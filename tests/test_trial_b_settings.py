@@ -26,3 +26,38 @@ def test_malformed_retention_json_is_named_not_a_traceback(tmp_path, value, why)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "SettingsError" not in r.stderr, r.stderr[-2000:]
     assert "FLYWHEEL_KAFKA_RETENTION_MS" in r.stderr and why in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("config", [False, True], ids=["env_only", "with_file"])
+def test_malformed_json_list_in_a_command_variable_is_a_usage_error(tmp_path, config):
+    args = ["--config", str(tmp_path / "f.toml")] if config else []
+    (tmp_path / "f.toml").write_text("[ingest]\ntick_s = 1\n")
+    r = flywheel(tmp_path, *args, "versions", "-o", "json", FLYWHEEL_CONTROLLER__SERVING="[bad")
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "JSONDecodeError" not in r.stderr and "Traceback" not in r.stderr
+    text = " ".join(r.stderr.replace("│", " ").split())
+    assert "FLYWHEEL_CONTROLLER__SERVING" in text and "not a JSON list" in text, text
+
+
+@pytest.mark.parametrize("var", ["FLYWHEEL_INGES__TICK_S", "FLYWHEEL_BROKER__PARTITIONS"])
+def test_a_command_variable_naming_no_command_is_refused(tmp_path, var):
+    """A typo in the command part used to be ignored silently: the worker ran with its default."""
+    r = flywheel(tmp_path, "versions", "-o", "json", **{var: "3"})
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
+    text = " ".join(r.stderr.replace("│", " ").split())
+    assert var in text and "names no command" in text, text
+
+
+def test_a_value_from_a_variable_is_blamed_on_the_variable_not_the_file(tmp_path):
+    (tmp_path / "f.toml").write_text("[ingest]\ntick_s = 1\n")
+    r = flywheel(tmp_path, "--config", str(tmp_path / "f.toml"), "versions", "-o", "json",
+                 FLYWHEEL_INGEST__TICK_S="abc")
+    assert r.returncode == 2
+    text = " ".join(r.stderr.replace("│", " ").split())
+    assert "FLYWHEEL_INGEST__TICK_S" in text and "ingest.tick_s" in text, text
+
+
+def test_well_formed_variables_still_apply(tmp_path):
+    r = flywheel(tmp_path, "versions", "-o", "json", FLYWHEEL_SERVE__PORT="8001",
+                 FLYWHEEL_BROKER__START__PARTITIONS="3", FLYWHEEL_CONTROLLER__SERVING='["http://a:1"]')
+    assert r.returncode == 0, r.stderr[-2000:]
