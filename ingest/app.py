@@ -10,6 +10,7 @@ faust was the runtime until D12 in ``docs/decisions.md``). The join state is in
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -91,8 +92,9 @@ class IngestConfig:
         "whole RewardedSample).")
 
     def __post_init__(self):
-        if not self.tick_s > 0:  # not Field(gt=0): see ingest.join.JoinConfig.__post_init__
-            raise ValueError(f"tick_s: must be > 0 seconds, got {self.tick_s}")
+        if not (self.tick_s > 0 and math.isfinite(self.tick_s)):  # not Field(gt=0): see JoinConfig
+            # (inf: the seal timer never ran, so no label was ever sealed)
+            raise ValueError(f"tick_s: must be a finite number > 0 seconds, got {self.tick_s}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or
