@@ -288,6 +288,38 @@ def _convert(param, value: Any, where: str, ctx) -> Any:
         raise ConfigError(f"{where}: {getattr(exc, 'message', exc)}") from None
 
 
+class _OneCommand:
+    """A stand-in group holding one command (:func:`one_command_defaults`)."""
+
+    def __init__(self, name: str, cmd):
+        self.commands = {name: cmd}
+
+
+def one_command_defaults(name: str, cmd, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """The click ``default_map`` of one command run on its own, outside the ``flywheel``
+    group (``python -m ingest`` runs ``flywheel ingest``'s command): the ``[name]`` table of
+    the file ``FLYWHEEL_CONFIG`` names, with ``FLYWHEEL_<NAME>__<OPTION>`` variables over it,
+    each checked as :func:`command_defaults` checks it; the file's paths and ``[kafka]`` go to
+    the environment (:meth:`FlywheelConfig.apply_env`). Other tables and other commands'
+    variables are left to the commands they name. A flag still wins.
+
+    Raises:
+        ConfigError: the file or a value is wrong (the message names the file or variable,
+            and ``name.option``).
+    """
+    env = os.environ if environ is None else environ
+    path = env.get("FLYWHEEL_CONFIG")
+    cfg = load_config(path) if path else None
+    tables = {name: cfg.commands[name]} if cfg is not None and name in cfg.commands else {}
+    head = f"FLYWHEEL_{name.upper().replace('-', '_')}__"
+    own_env = {k: v for k, v in env.items() if k.startswith(head)}
+    out = _defaults(tables, _OneCommand(name, cmd), "", cfg._source if cfg is not None else "environment",
+                    None, own_env).get(name, {})
+    if cfg is not None:
+        cfg.apply_env(env)
+    return out
+
+
 def configure_env(ctx) -> None:
     """Without a config file: the ``FLYWHEEL_<COMMAND>__<OPTION>`` variables alone become the
     click context's ``default_map`` (a flag still wins), checked as :func:`command_defaults`
