@@ -163,10 +163,13 @@ def no_topic_auto_creation() -> None:
 
 
 def _source_topic(record) -> str:
-    """The source topic of a record of the internal topic (its header; feedback if absent)."""
+    """The source topic of a record of the internal topic (its header; feedback if absent).
+    A header that is not UTF-8 is read with replacement characters: anything but the
+    completions topic is parsed as feedback (a dead letter names that source), so a hostile
+    header never stops the worker (it raised UnicodeDecodeError at every restart)."""
     for k, v in record.headers or ():
         if k == SOURCE_HEADER and v:
-            return v.decode()
+            return bytes(v).decode("utf-8", errors="replace")
     return T.FEEDBACK
 
 
