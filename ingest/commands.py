@@ -42,8 +42,13 @@ def ingest_cmd(
         cfg = dataclasses.replace(worker, join=join, state_path=state or None)
     except ValueError as exc:  # (pydantic's ValidationError is one)
         raise typer.BadParameter(str(exc)) from exc
+    from ingest.worker import WorkerStartError
+
     try:
         run_worker(cfg)
+    except WorkerStartError as exc:  # unreachable Kafka, a port in use: one line, not a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     except Exception as exc:
         if not _is_pg_connection_error(exc, cfg.state_path):
             raise
