@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def flywheel(tmp_path, *args, **env):
     e = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    e.update(FLYWHEEL_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), **env)
+    e.update(FLYWHEEL_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), COLUMNS="200")
+    e.update(env)
     return subprocess.run([sys.executable, "-m", "flywheel.cli", *args], cwd=tmp_path, env=e,
                           capture_output=True, text=True, timeout=120)
 
@@ -61,3 +62,13 @@ def test_well_formed_variables_still_apply(tmp_path):
     r = flywheel(tmp_path, "versions", "-o", "json", FLYWHEEL_SERVE__PORT="8001",
                  FLYWHEEL_BROKER__START__PARTITIONS="3", FLYWHEEL_CONTROLLER__SERVING='["http://a:1"]')
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_home_that_is_a_file_is_named_in_one_line(tmp_path):
+    """FLYWHEEL_HOME naming a file was a FileExistsError traceback from mkdir."""
+    f = tmp_path / "afile"
+    f.write_text("")
+    r = flywheel(tmp_path, "ingest", FLYWHEEL_KAFKA_BOOTSTRAP="127.0.0.1:1", FLYWHEEL_HOME=str(f))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "FileExistsError" not in r.stderr, r.stderr[-2000:]
+    assert f"FLYWHEEL_HOME={f}" in r.stderr and "not a directory" in r.stderr
