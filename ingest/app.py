@@ -94,7 +94,7 @@ class IngestConfig:
     def __post_init__(self):
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):  # not Field(gt=0): see JoinConfig
             # (inf: the seal timer never ran, so no label was ever sealed)
-            raise ValueError(f"tick_s: must be a finite number > 0 seconds, got {self.tick_s}")
+            raise ValueError(f"tick_s: must be > 0 seconds and finite, got {self.tick_s}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or

@@ -156,7 +156,7 @@ class JoinConfig:
         for name in ("seal_after_s", "max_label_age_s", "orphan_ttl_s", "dedupe_retention_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):  # inf: every fold failed (int(inf) in due_at)
-                raise ValueError(f"{name}: must be a finite number > 0 seconds, got {v}")
+                raise ValueError(f"{name}: must be > 0 seconds and finite, got {v}")
         if not self.dedupe_retention_s > self.max_label_age_s + self.orphan_ttl_s:
             raise ValueError(f"dedupe_retention_s: must exceed max_label_age_s + orphan_ttl_s = "
                              f"{self.max_label_age_s + self.orphan_ttl_s:g} s (a redelivery within a "

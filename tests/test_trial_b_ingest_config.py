@@ -48,7 +48,7 @@ def test_shaping_bounds_hold_for_programs():
     for kw in ({"up": float("nan")}, {"down": float("-inf")}, {"up": 1e7}):
         with pytest.raises(ValueError, match="up|down"):
             RewardShaping(**kw)
-    with pytest.raises(ValueError, match="seal_after_s: must be a finite"):
+    with pytest.raises(ValueError, match="seal_after_s: must be > 0 seconds and finite"):
         JoinConfig(seal_after_s=float("inf"))
     s = RewardShaping(up=0.75, down=-0.25)
     assert s.reward(1, 1) == 0.25
