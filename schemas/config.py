@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, MutableMapping
 
@@ -274,6 +275,25 @@ def _defaults(tables: dict, group, where: str, src, ctx, env, env_keys: set[str]
     return out
 
 
+def _annotation_of(param) -> Any:
+    return getattr(getattr(param, "type_descriptor", None), "annotation", None)
+
+
+def _takes_bool(param) -> bool:
+    """Whether the option's value may be a boolean (a flag, or a bool field)."""
+    ann = _annotation_of(param)
+    if ann is None:  # a plain click option
+        return getattr(getattr(param, "type", None), "name", "") == "boolean" or bool(getattr(param, "is_flag", False))
+    return ann is bool or bool in typing.get_args(ann) or bool(getattr(param, "is_flag", False))
+
+
+def _type_name(param) -> str:
+    ann = _annotation_of(param)
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if ann is not None else []
+    ann = args[0] if len(args) == 1 else ann
+    return {int: "an integer", float: "a number", str: "a string"}.get(ann, "a value of another type")
+
+
 def _convert(param, value: Any, where: str, ctx) -> Any:
     if param.multiple and isinstance(value, str):  # from the environment: JSON list or a,b,c
         try:
@@ -282,6 +302,10 @@ def _convert(param, value: Any, where: str, ctx) -> Any:
             raise ConfigError(f"{where}: not a JSON list: {exc}") from None
     if param.multiple and not isinstance(value, list):
         raise ConfigError(f"{where}: a list is expected, got {type(value).__name__}")
+    if not _takes_bool(param) and any(isinstance(v, bool) for v in (value if isinstance(value, list) else [value])):
+        # TOML's true/false for a number or a text: the option's own type took true as 1
+        # (`seal_after_s = true` sealed after 1 s, `port = true` served on port 1)
+        raise ConfigError(f"{where}: {_type_name(param)} is expected, got a boolean ({value!r})")
     try:
         return param.process_value(ctx, value)  # the option's own type, range and callback
     except Exception as exc:  # noqa: BLE001 - click's BadParameter (typer vendors its own click)

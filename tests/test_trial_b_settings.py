@@ -72,3 +72,22 @@ def test_home_that_is_a_file_is_named_in_one_line(tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "FileExistsError" not in r.stderr, r.stderr[-2000:]
     assert f"FLYWHEEL_HOME={f}" in r.stderr and "not a directory" in r.stderr
+
+
+@pytest.mark.parametrize("table,text", [
+    ("[ingest]\nseal_after_s = true\n", "ingest.seal_after_s: a number is expected, got a boolean"),
+    ("[serve]\nport = true\n", "serve.port: an integer is expected, got a boolean"),
+    ("[ingest]\napp_id = false\n", "ingest.app_id: a string is expected, got a boolean"),
+])
+def test_a_boolean_for_a_number_or_text_in_the_file_is_refused(tmp_path, table, text):
+    """TOML true/false for a numeric option was taken as 1/0 (seal after 1 s, port 1)."""
+    (tmp_path / "f.toml").write_text(table)
+    r = flywheel(tmp_path, "--config", str(tmp_path / "f.toml"), "versions", "-o", "json")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert text in " ".join(r.stderr.replace("│", " ").split()), r.stderr
+
+
+def test_booleans_still_set_flags_in_the_file(tmp_path):
+    (tmp_path / "f.toml").write_text("[serve]\nprefix_caching = true\n[learn]\nrouter_replay = false\n")
+    r = flywheel(tmp_path, "--config", str(tmp_path / "f.toml"), "versions", "-o", "json")
+    assert r.returncode == 0, r.stderr[-2000:]
