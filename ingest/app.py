@@ -10,6 +10,7 @@ faust was the runtime until D12 in ``docs/decisions.md``). The join state is in
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -91,19 +92,46 @@ class IngestConfig:
         "whole RewardedSample).")
 
     def __post_init__(self):
-        if not self.tick_s > 0:  # not Field(gt=0): see ingest.join.JoinConfig.__post_init__
-            raise ValueError(f"tick_s: must be > 0 seconds, got {self.tick_s}")
+        if not (self.tick_s > 0 and math.isfinite(self.tick_s)):  # not Field(gt=0): see JoinConfig
+            # (inf: the seal timer never ran, so no label was ever sealed)
+            raise ValueError(f"tick_s: must be > 0 seconds and finite, got {self.tick_s}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or
                     settings.home() / "ingest" / "state.sqlite")
-        self.state_path = state if state.startswith(("postgresql://", "postgres://")) else Path(state)
+        self.state_path = _check_state(state)
         self.catalog = Path(self.catalog or settings.catalog_path())
 
     @property
     def group_id(self) -> str:
         """The consumer group: ``app_id`` under the topic prefix (:func:`schemas.topics.ingest_group`)."""
         return topics.ingest_group(self.app_id)
+
+
+def _check_state(state: str) -> Path | str:
+    """``state`` as the join state's location: a ``postgresql://`` URL (checked for syntax, the
+    message without the URL, which may hold a password) or a SQLite file path.
+
+    Raises:
+        ValueError: a URL of another scheme (``postgresq://``, ``mysql://``: was taken as a
+            SQLite file path, so a host ran with a local state of its own), or a malformed
+            PostgreSQL URL (was a psycopg traceback at start).
+    """
+    if state.startswith(("postgresql://", "postgres://")):
+        try:
+            from psycopg.conninfo import conninfo_to_dict
+        except ImportError:  # pragma: no cover - psycopg comes with the ingest role
+            return state
+        try:
+            conninfo_to_dict(state)
+        except Exception as exc:  # noqa: BLE001 - psycopg.ProgrammingError: the conninfo parser
+            raise ValueError(f"state: not a valid PostgreSQL URL: {str(exc).split(' in URI:')[0]}") from None
+        return state
+    scheme = state.split("://", 1)[0] if "://" in state else ""
+    if scheme and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        raise ValueError(f"state: {scheme}:// is not a join state; give a SQLite file path or a "
+                         "postgresql:// URL")
+    return Path(state)
 
 
 def consumer_settings(cfg: IngestConfig) -> dict:

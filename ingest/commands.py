@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 from ingest.app import IngestConfig
 from ingest.join import JoinConfig, RewardShaping
@@ -40,10 +41,16 @@ def ingest_cmd(
     try:
         join = dataclasses.replace(join, shaping=RewardShaping(up=reward_up, down=reward_down))
         cfg = dataclasses.replace(worker, join=join, state_path=state or None)
-    except ValueError as exc:  # (pydantic's ValidationError is one)
-        raise typer.BadParameter(str(exc)) from exc
+    except ValueError as exc:  # (pydantic's ValidationError is one: its first message, not its input's repr)
+        msg = exc.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(exc, ValidationError) else str(exc)
+        raise typer.BadParameter(msg, param_hint="--state" if msg.startswith("state:") else None) from None
+    from ingest.worker import WorkerStartError
+
     try:
         run_worker(cfg)
+    except WorkerStartError as exc:  # unreachable Kafka, a port in use: one line, not a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     except Exception as exc:
         if not _is_pg_connection_error(exc, cfg.state_path):
             raise

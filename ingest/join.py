@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
@@ -65,6 +66,9 @@ from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent,
                             now_ms)
 
 
+REWARD_LIMIT = 1e6  # |reward of one vote|: a sum over 2**31 votes stays a finite float32
+
+
 @pydantic_dataclass(frozen=True)
 class RewardShaping:
     """How a label's votes become the scalar ``reward``.
@@ -73,16 +77,28 @@ class RewardShaping:
     users' last votes) with ``aggregate="mean"``, or the plain sum with ``"sum"``.
     Default ±1 averaged, i.e. reward in [-1, 1]; e.g. ``up=0.75, down=-0.25`` for an
     asymmetric shaping. ``flywheel ingest`` sets ``up`` and ``down`` with ``--reward-up`` and
-    ``--reward-down`` (``ingest.commands``).
+    ``--reward-down`` (``ingest.commands``). Each is a finite number in
+    [-:data:`REWARD_LIMIT`, :data:`REWARD_LIMIT`], so every shaped reward (also a sum over
+    any number of votes) is finite as float32, as the sample contract requires.
 
     Raises:
-        pydantic.ValidationError (a ValueError): an ``aggregate`` other than mean or sum.
+        pydantic.ValidationError (a ValueError): an ``aggregate`` other than mean or sum, or
+            ``up``/``down`` NaN, infinite or beyond the limit (the message names the field).
     """
 
-    up: float = Field(1.0, description="Reward of an up-vote.")
-    down: float = Field(-1.0, description="Reward of a down-vote.")
+    up: float = Field(1.0, ge=-1e6, le=1e6, description="Reward of an up-vote.")
+    down: float = Field(-1.0, ge=-1e6, le=1e6, description="Reward of a down-vote.")
     aggregate: Literal["mean", "sum"] = Field(
         "mean", description="mean: the votes' average; sum: their sum.", json_schema_extra={"cli": False})
+
+    def __post_init__(self):
+        # (the Field bounds already refuse these; kept with the limit's name in the message)
+        # a NaN reward used to reach the shard unvalidated (Joiner.seal builds the sample
+        # without a second validation) and every later read of that shard failed
+        for name in ("up", "down"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and abs(v) <= REWARD_LIMIT):
+                raise ValueError(f"{name}: must be a finite number in [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}], got {v}")
 
     def reward(self, votes_up: int, votes_down: int) -> float:
         total = self.up * votes_up + self.down * votes_down
@@ -139,8 +155,8 @@ class JoinConfig:
         # typer.Option(min_open=True), which typer does not take (a TypeError at import)
         for name in ("seal_after_s", "max_label_age_s", "orphan_ttl_s", "dedupe_retention_s"):
             v = getattr(self, name)
-            if not v > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {v}")
+            if not (v > 0 and math.isfinite(v)):  # inf: every fold failed (int(inf) in due_at)
+                raise ValueError(f"{name}: must be > 0 seconds and finite, got {v}")
         if not self.dedupe_retention_s > self.max_label_age_s + self.orphan_ttl_s:
             raise ValueError(f"dedupe_retention_s: must exceed max_label_age_s + orphan_ttl_s = "
                              f"{self.max_label_age_s + self.orphan_ttl_s:g} s (a redelivery within a "

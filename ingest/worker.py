@@ -163,11 +163,19 @@ def no_topic_auto_creation() -> None:
 
 
 def _source_topic(record) -> str:
-    """The source topic of a record of the internal topic (its header; feedback if absent)."""
+    """The source topic of a record of the internal topic (its header; feedback if absent).
+    A header that is not UTF-8 is read with replacement characters: anything but the
+    completions topic is parsed as feedback (a dead letter names that source), so a hostile
+    header never stops the worker (it raised UnicodeDecodeError at every restart)."""
     for k, v in record.headers or ():
         if k == SOURCE_HEADER and v:
-            return v.decode()
+            return bytes(v).decode("utf-8", errors="replace")
     return T.FEEDBACK
+
+
+class WorkerStartError(RuntimeError):
+    """The worker cannot start: its Kafka cluster is unreachable or its HTTP port cannot be
+    bound (the message names the address; ``flywheel ingest`` prints it in one line, exit 1)."""
 
 
 class Worker:
@@ -644,16 +652,32 @@ class Worker:
                 log.info("ingest assigned %s", json.dumps(mine))
                 worker.assigned(assigned)
 
+        from aiokafka.errors import KafkaConnectionError
+
         self.producer = AIOKafkaProducer(**self.producer_kw)
         self.consumer = AIOKafkaConsumer(**self.consumer_kw)
         server = None
-        await self.producer.start()
+        boot = self.producer_kw.get("bootstrap_servers", self.cfg.bootstrap)
         try:
-            await self.consumer.start()
+            await self.producer.start()
+        except KafkaConnectionError as exc:
+            self.store.close()
+            raise WorkerStartError(f"Kafka at {boot}: {exc} (is the broker up? FLYWHEEL_KAFKA_BOOTSTRAP or "
+                                   f"[kafka] bootstrap)") from None
+        try:
+            try:
+                await self.consumer.start()
+            except KafkaConnectionError as exc:
+                raise WorkerStartError(f"Kafka at {boot}: {exc} (is the broker up? FLYWHEEL_KAFKA_BOOTSTRAP or "
+                                       f"[kafka] bootstrap)") from None
             self.consumer.subscribe([T.COMPLETIONS, T.FEEDBACK] + ([self.rekeyed] if self.scoped else []),
                                     listener=_Listener())
             if self.cfg.worker_port:
-                server = await asyncio.start_server(self._http, self.cfg.worker_host, self.cfg.worker_port)
+                try:
+                    server = await asyncio.start_server(self._http, self.cfg.worker_host, self.cfg.worker_port)
+                except OSError as exc:
+                    raise WorkerStartError(f"--worker-host {self.cfg.worker_host} --worker-port "
+                                           f"{self.cfg.worker_port}: {exc.strerror or exc}") from None
             tasks = [asyncio.create_task(self.consume(stop), name="ingest-consume"),
                      asyncio.create_task(self.seal_loop(stop), name="ingest-seal")]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
@@ -53,7 +53,13 @@ def readable_errors(cls, values, handler):
             "loc": (name,) if name else (), "input": values}]) from None
 
 
-@dataclass
+#: the learner's configs refuse NaN and +-Infinity in every float field: ``--lr inf`` passed
+#: ``ge=0`` and trained the weights to NaN; ``--lateness-s inf`` failed each cycle after loading
+#: the model (OverflowError); ``--poll-s inf`` stopped the daemon (time.sleep)
+FINITE = ConfigDict(allow_inf_nan=False)
+
+
+@dataclass(config=FINITE)
 class LearnerConfig:
     """Configuration of one learner cycle; validated on construction.
 

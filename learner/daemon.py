@@ -23,10 +23,10 @@ from typing import Callable, Literal, Optional
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass
 
-from learner.config import LearnerConfig, readable_errors
+from learner.config import FINITE, LearnerConfig, readable_errors
 
 
-@dataclass
+@dataclass(config=FINITE)
 class DaemonConfig:
     """Where ``flywheel learn`` reads and writes, when it runs a cycle, and its gate and metrics.
 

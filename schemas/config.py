@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, MutableMapping
 
@@ -201,11 +202,55 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def _defaults(tables: dict, group, where: str, src, ctx, env) -> dict[str, Any]:
+def _leaf_paths(d: dict, where: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _leaf_paths(v, f"{where}{k}.") if isinstance(v, dict) else {f"{where}{k}"}
+    return out
+
+
+def _env_var(path: str) -> str:
+    """``FLYWHEEL_BROKER__START__PARTITIONS`` for ``broker.start.partitions``."""
+    return "FLYWHEEL_" + "__".join(p.upper().replace("-", "_") for p in path.split("."))
+
+
+def _unknown_env(group, env) -> str | None:
+    """The first ``FLYWHEEL_<COMMAND>__<OPTION>`` variable whose ``<COMMAND>`` part names no
+    command (``FLYWHEEL_INGES__TICK_S``) or a group instead of one of its commands
+    (``FLYWHEEL_BROKER__PARTITIONS``), with what it should name; None when all name one.
+    Variables of the file's own keys (``FLYWHEEL_KAFKA__...``, ``FLYWHEEL_HOME``) are not
+    command options and are left alone."""
+    heads: list[str] = []
+
+    def walk(g, prefix: str) -> None:
+        for name, cmd in g.commands.items():
+            head = prefix + name.upper().replace("-", "_") + "__"
+            walk(cmd, head) if _is_group(cmd) else heads.append(head)
+
+    walk(group, "FLYWHEEL_")
+    own = tuple(f"FLYWHEEL_{k.upper()}__" for k in (*PATH_VARS, "kafka"))
+    for var in sorted(env):
+        if not var.startswith("FLYWHEEL_") or "__" not in var[9:] or var.startswith(own):
+            continue
+        if any(var.startswith(h) and len(var) > len(h) for h in heads):
+            continue
+        return (f"{var}: names no command's option; a variable is FLYWHEEL_<COMMAND>__<OPTION> "
+                f"(commands: {', '.join(sorted(h[9:-2] for h in heads))})")
+    return None
+
+
+def _defaults(tables: dict, group, where: str, src, ctx, env, env_keys: set[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tables = {k: {_norm(o): v for o, v in t.items()} if isinstance(t, dict) and not _is_group(
         group.commands.get(k)) else t for k, t in tables.items()}
-    from_env = _env_tables(group, where, env) if not where else {}
+    if not where:
+        bad = _unknown_env(group, env)
+        if bad is not None:
+            raise ConfigError(f"environment: {bad}")
+        from_env = _env_tables(group, where, env)
+        env_keys = _leaf_paths(from_env)
+    else:
+        from_env = {}
     for name, table in _merge(tables, from_env).items():
         path = f"{where}{name}"
         cmd = group.commands.get(name)
@@ -214,29 +259,89 @@ def _defaults(tables: dict, group, where: str, src, ctx, env) -> dict[str, Any]:
         if not isinstance(table, dict):
             raise ConfigError(f"{src}: {path}: a table of options is expected, got {type(table).__name__}")
         if _is_group(cmd):
-            out[name] = _defaults(table, cmd, path + ".", src, ctx, env)
+            out[name] = _defaults(table, cmd, path + ".", src, ctx, env, env_keys)
             continue
         params = {p.name: p for p in cmd.params if p.param_type_name == "option" and p.name}
         vals = {}
         for key, value in table.items():
+            # a value from a FLYWHEEL_<COMMAND>__<OPTION> variable is named as that variable
+            origin = f"environment: {_env_var(f'{path}.{key}')}" if f"{path}.{key}" in (env_keys or ()) else src
             p = params.get(key)
             if p is None:
-                raise ConfigError(f"{src}: {path}.{key}: not an option of `flywheel {path.replace('.', ' ')}` "
+                raise ConfigError(f"{origin}: {path}.{key}: not an option of `flywheel {path.replace('.', ' ')}` "
                                   f"(options: {', '.join(sorted(params))})")
-            vals[p.name] = _convert(p, value, f"{src}: {path}.{key}", ctx)
+            vals[p.name] = _convert(p, value, f"{origin}: {path}.{key}", ctx)
         out[name] = vals
     return out
 
 
+def _annotation_of(param) -> Any:
+    return getattr(getattr(param, "type_descriptor", None), "annotation", None)
+
+
+def _takes_bool(param) -> bool:
+    """Whether the option's value may be a boolean (a flag, or a bool field)."""
+    ann = _annotation_of(param)
+    if ann is None:  # a plain click option
+        return getattr(getattr(param, "type", None), "name", "") == "boolean" or bool(getattr(param, "is_flag", False))
+    return ann is bool or bool in typing.get_args(ann) or bool(getattr(param, "is_flag", False))
+
+
+def _type_name(param) -> str:
+    ann = _annotation_of(param)
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if ann is not None else []
+    ann = args[0] if len(args) == 1 else ann
+    return {int: "an integer", float: "a number", str: "a string"}.get(ann, "a value of another type")
+
+
 def _convert(param, value: Any, where: str, ctx) -> Any:
     if param.multiple and isinstance(value, str):  # from the environment: JSON list or a,b,c
-        value = json.loads(value) if value.lstrip().startswith("[") else [v for v in value.split(",") if v]
+        try:
+            value = json.loads(value) if value.lstrip().startswith("[") else [v for v in value.split(",") if v]
+        except ValueError as exc:  # (json.JSONDecodeError)
+            raise ConfigError(f"{where}: not a JSON list: {exc}") from None
     if param.multiple and not isinstance(value, list):
         raise ConfigError(f"{where}: a list is expected, got {type(value).__name__}")
+    if not _takes_bool(param) and any(isinstance(v, bool) for v in (value if isinstance(value, list) else [value])):
+        # TOML's true/false for a number or a text: the option's own type took true as 1
+        # (`seal_after_s = true` sealed after 1 s, `port = true` served on port 1)
+        raise ConfigError(f"{where}: {_type_name(param)} is expected, got a boolean ({value!r})")
     try:
         return param.process_value(ctx, value)  # the option's own type, range and callback
     except Exception as exc:  # noqa: BLE001 - click's BadParameter (typer vendors its own click)
         raise ConfigError(f"{where}: {getattr(exc, 'message', exc)}") from None
+
+
+class _OneCommand:
+    """A stand-in group holding one command (:func:`one_command_defaults`)."""
+
+    def __init__(self, name: str, cmd):
+        self.commands = {name: cmd}
+
+
+def one_command_defaults(name: str, cmd, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """The click ``default_map`` of one command run on its own, outside the ``flywheel``
+    group (``python -m ingest`` runs ``flywheel ingest``'s command): the ``[name]`` table of
+    the file ``FLYWHEEL_CONFIG`` names, with ``FLYWHEEL_<NAME>__<OPTION>`` variables over it,
+    each checked as :func:`command_defaults` checks it; the file's paths and ``[kafka]`` go to
+    the environment (:meth:`FlywheelConfig.apply_env`). Other tables and other commands'
+    variables are left to the commands they name. A flag still wins.
+
+    Raises:
+        ConfigError: the file or a value is wrong (the message names the file or variable,
+            and ``name.option``).
+    """
+    env = os.environ if environ is None else environ
+    path = env.get("FLYWHEEL_CONFIG")
+    cfg = load_config(path) if path else None
+    tables = {name: cfg.commands[name]} if cfg is not None and name in cfg.commands else {}
+    head = f"FLYWHEEL_{name.upper().replace('-', '_')}__"
+    own_env = {k: v for k, v in env.items() if k.startswith(head)}
+    out = _defaults(tables, _OneCommand(name, cmd), "", cfg._source if cfg is not None else "environment",
+                    None, own_env).get(name, {})
+    if cfg is not None:
+        cfg.apply_env(env)
+    return out
 
 
 def configure_env(ctx) -> None:

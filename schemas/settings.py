@@ -21,10 +21,10 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,9 +38,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def home() -> Path:
-    """Root of Flywheel's local state; created on first use."""
+    """Root of Flywheel's local state; created on first use.
+
+    Raises:
+        RuntimeError: ``FLYWHEEL_HOME`` names a file, or a directory that cannot be created
+            (the message names the variable and the reason; commands print it in one line).
+    """
     p = Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).absolute()
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there (FileExistsError), no permission, read-only disk
+        raise RuntimeError(f"FLYWHEEL_HOME={p}: cannot be used as Flywheel's home: "
+                           f"{'not a directory' if p.exists() else exc.strerror or exc}") from None
     return p
 
 
@@ -238,7 +247,10 @@ class KafkaSettings(BaseSettings):
     topic_prefix: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", max_length=200)
     partitions: int = Field(6, ge=1)
     replication_factor: int = Field(1, ge=1)
-    retention_ms: dict[str, int] = Field(default_factory=dict)
+    # NoDecode: the JSON text is parsed by _retention_json, so a malformed value is a
+    # ValidationError naming the field (pydantic-settings' own decoding raised a bare
+    # SettingsError: a traceback at every command's start)
+    retention_ms: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
 
     @field_validator("sasl_password_file", "ssl_cafile", "ssl_certfile", "ssl_keyfile")
@@ -246,6 +258,19 @@ class KafkaSettings(BaseSettings):
     def _file_exists(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_file():
             raise ValueError(f"{v} is not a readable file")
+        return v
+
+    @field_validator("retention_ms", mode="before")
+    @classmethod
+    def _retention_json(cls, v):
+        if isinstance(v, (str, bytes)):
+            try:
+                v = json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f'not a JSON object of topic -> ms ({{"completions": 86400000}}): {exc}') from None
+            if not isinstance(v, dict):
+                raise ValueError(f'a JSON object of topic -> ms is expected ({{"completions": 86400000}}), '
+                                 f"got {type(v).__name__}")
         return v
 
     @field_validator("retention_ms")
