@@ -160,7 +160,13 @@ _register_all()
 
 
 def main() -> None:
-    app()
+    from deploy.store import StoreUnusableError
+
+    try:
+        app()
+    except StoreUnusableError as exc:  # FLYWHEEL_STORE names a file or an unwritable place
+        typer.echo(f"error: {exc.strerror}", err=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
