@@ -273,8 +273,9 @@ class _KafkaTransport:
 
                 from schemas.settings import kafka_client_config
 
+                ms = max(1, int(self.timeout_s * 1000))  # every wait of one try: bootstrap, metadata, request
                 self.producer = KafkaProducer(**kafka_client_config(self.bootstrap), acks="all",
-                                              request_timeout_ms=int(self.timeout_s * 1000))
+                                              request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
             futs = [self.producer.send(topics.FEEDBACK, key=p["completion_id"].encode(), value=p["_bytes"])
                     for p in batch]
             self.producer.flush(timeout=self.timeout_s)

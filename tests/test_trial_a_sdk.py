@@ -117,3 +117,24 @@ def test_truncated_spool_does_not_stop_the_next_client(server, tmp_path):
     assert (tmp_path / "fb.spool.corrupt").read_text() == '{"completion_id": "7ed1\n'
     assert not spool.exists()
     assert fb.shutdown(2) == []
+
+
+def test_kafka_mode_missing_broker_try_is_bounded_by_timeout_s():
+    """Kafka mode against a port where no broker listens: each try gives up after
+    ``timeout_s`` (was kafka-python's 30 s bootstrap wait, then up to 60 s per send), so the
+    error is seen and retried, and a stopping client's sender thread ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fb = FeedbackClient(kafka_bootstrap=f"127.0.0.1:{port}", user_salt="s" * 16, timeout_s=1.0, backoff_s=0.05)
+    eid = fb.thumbs_up(uuid.uuid4())
+    t0 = time.monotonic()
+    while fb.stats()["retries"] < 1 and time.monotonic() - t0 < 20:
+        time.sleep(0.1)
+    waited = time.monotonic() - t0
+    assert fb.stats()["retries"] >= 1 and fb.last_error, fb.stats()
+    assert waited < 8, waited
+    unsent = fb.shutdown(timeout_s=0.5)
+    assert [p["event_id"] for p in unsent] == [eid]
+    fb._thread.join(5)
+    assert not fb._thread.is_alive()
