@@ -514,7 +514,7 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
                               "pods (the controller records its own)"),
                as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
                output: Optional[Format] = OUTPUT,
-               last: int = typer.Option(10, min=1, help="decisions to show"),
+               last: int = typer.Option(10, min=1, max=100_000, help="decisions to show (1-100000)"),
                serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
     """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
     from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
