@@ -668,7 +668,8 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
         try:
             store.manifest(to)
         except (KeyError, ValueError) as exc:
-            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {exc}")
+            why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # str(KeyError) is its repr
+            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {why}")
     d = _read_desired(fleet, "MANUAL_ROLLBACK", "manual rollback", who, reason)
     stable, cand = d.stable, d.candidate
     if to is None and cand is not None:
