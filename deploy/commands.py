@@ -514,7 +514,7 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
                               "pods (the controller records its own)"),
                as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
                output: Optional[Format] = OUTPUT,
-               last: int = typer.Option(10, min=1, help="decisions to show"),
+               last: int = typer.Option(10, min=1, max=100_000, help="decisions to show (1-100000)"),
                serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
     """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
     from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
@@ -668,7 +668,8 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
         try:
             store.manifest(to)
         except (KeyError, ValueError) as exc:
-            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {exc}")
+            why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # str(KeyError) is its repr
+            _action_failed("MANUAL_ROLLBACK", f"manual rollback to {to}", to, None, who, reason, f"--to: {why}")
     d = _read_desired(fleet, "MANUAL_ROLLBACK", "manual rollback", who, reason)
     stable, cand = d.stable, d.candidate
     if to is None and cand is not None:

@@ -31,6 +31,34 @@ def is_dns(spec: str) -> bool:
     return spec.startswith(DNS_PREFIX)
 
 
+def check_spec(spec: str) -> str:
+    """``spec`` if it is a pod URL ``http(s)://host[:port]`` or a ``dns+http(s)://name:port``
+    spec, before any pod or DNS server is asked.
+
+    Raises:
+        ValueError: naming the spec and the form it must have (a usage error for the CLI).
+    """
+    if is_dns(spec):
+        u = urlsplit(spec[len(DNS_PREFIX):])
+        try:
+            ok = u.scheme in ("http", "https") and bool(u.hostname) and bool(u.port) and u.path in ("", "/")
+        except ValueError:  # a port that is no number or out of range
+            ok = False
+        if not ok:
+            raise ValueError(f"serving: {spec!r} is not dns+http(s)://name:port (a headless Service's "
+                             f"name and the pods' port)")
+        return spec
+    try:
+        u = urlsplit(spec)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+    except ValueError:  # an unclosed [IPv6 bracket, a bad port
+        ok = False
+    if not ok:
+        raise ValueError(f"serving: {spec!r} is not a pod URL http(s)://host:port (or dns+http(s)://name:port)")
+    return spec
+
+
 def resolve(spec: str, resolver: Resolver = socket.getaddrinfo) -> list[str]:
     """Pod base URLs behind one spec, sorted and without duplicates.
 
@@ -81,6 +109,8 @@ class PodDiscovery:
                  resolver: Resolver = socket.getaddrinfo):
         if not specs:
             raise ValueError("serving: at least one URL or dns+http:// spec is needed")
+        for spec in specs:
+            check_spec(spec)
         self.specs, self.make_admin, self.resolver = list(specs), make_admin, resolver
         self._admins: dict[str, ServingAdmin] = {}
 

@@ -58,6 +58,11 @@ STABLE_HISTORY_MAX = 200  # changes kept in the stable record (the ledger keeps 
 BAD_STATUSES = frozenset({"rejected", "rolled_back", "failed", "aborted"})
 
 
+class StoreUnusableError(OSError):
+    """The store's root cannot be a model store (a file, a directory that cannot be written,
+    an unreachable URL): the message names the root and the reason, for one line of the CLI."""
+
+
 class CorruptVersionError(ValueError):
     """A version could not be reconstructed exactly.
 
@@ -267,10 +272,16 @@ class ModelStore:
             else:
                 self.fs, self._fs_root = fs, path.rstrip("/")
         self.root: Path | str = root if self.fs is not None else Path(root)
-        if self.fs is None:
-            (self.root / "versions").mkdir(parents=True, exist_ok=True)
-        else:
-            self.fs.makedirs(self._p("versions"), exist_ok=True)
+        try:
+            if self.fs is None:
+                (self.root / "versions").mkdir(parents=True, exist_ok=True)
+            else:
+                self.fs.makedirs(self._p("versions"), exist_ok=True)
+        except OSError as exc:  # a file, a read-only mount, no permission: say which, no traceback
+            why = exc.strerror or str(exc) or type(exc).__name__
+            raise StoreUnusableError(exc.errno, f"model store {root}: cannot use it as a store ({why}: "
+                                                f"{exc.filename or root}); set FLYWHEEL_STORE (or --store) "
+                                                "to a directory or an fsspec URL") from None
         # version -> (identity at load time, reconstructed state); see _identity
         self._cache: OrderedDict[str, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
         self._cache_lock = threading.Lock()

@@ -121,7 +121,16 @@ def _root(ctx: typer.Context,
     if not ctx.resilient_parsing:
         from schemas.config import configure_cli, configure_env
 
-        configure_cli(ctx, config) if config is not None else configure_env(ctx)
+        if config is None:
+            configure_env(ctx)
+        else:
+            try:
+                configure_cli(ctx, config)
+            except (UnicodeDecodeError, OSError) as exc:  # not UTF-8 text, unreadable: named, exit 2
+                why = f"not UTF-8 text ({exc.reason} at byte {exc.start})" if isinstance(exc, UnicodeDecodeError) \
+                    else f"cannot read it ({exc.strerror or exc})"
+                raise typer.BadParameter(f"{config}: {why}", ctx=ctx,
+                                         param_hint="'--config' / FLYWHEEL_CONFIG") from None
     if ctx.invoked_subcommand in KAFKA_COMMANDS and not ctx.resilient_parsing:
         check_kafka_settings()
 
@@ -160,7 +169,13 @@ _register_all()
 
 
 def main() -> None:
-    app()
+    from deploy.store import StoreUnusableError
+
+    try:
+        app()
+    except StoreUnusableError as exc:  # FLYWHEEL_STORE names a file or an unwritable place
+        typer.echo(f"error: {exc.strerror}", err=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

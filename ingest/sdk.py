@@ -56,7 +56,7 @@ import httpx
 from pydantic import ValidationError
 
 from schemas import topics
-from schemas.events import FeedbackEvent, hash_user, now_ms
+from schemas.events import SCORE_MAX_ABS, FeedbackEvent, hash_user, now_ms
 
 log = logging.getLogger("flywheel.sdk")
 
@@ -64,6 +64,17 @@ KINDS = ("thumb", "score", "edit", "regenerate", "copy")
 MAX_BATCH = 100  # the batch endpoint's limit (docs/sdk.md, HTTP API)
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,64}$")
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# what FeedbackEvent's text fields refuse (NUL, lone surrogates): refused here, in the caller's
+# thread, so that no such payload reaches the sender (a lone surrogate cannot even be encoded)
+_UNSAFE_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def _check_text(field: str, v: str) -> None:
+    m = _UNSAFE_TEXT.search(v)
+    if m is not None:
+        what = "NUL" if m.group() == "\x00" else "a lone surrogate"
+        raise ValueError(f"{field}: {what} (U+{ord(m.group()):04X}) at index {m.start()}: text must be valid "
+                         f"Unicode without NUL")
 
 
 class QueueFull(Exception):
@@ -88,6 +99,8 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
         if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE:
             raise ValueError(f"metadata: value of {k!r} must be a string of at most "
                              f"{MAX_METADATA_VALUE} chars, got {type(v).__name__}")
+        _check_text("metadata", k)
+        _check_text("metadata", v)
     return dict(metadata)
 
 
@@ -116,8 +129,14 @@ def build_event(completion_id: Any, kind: str, value: Any, comment: str | None =
         raise ValueError(f"completion_id: not a UUID: {completion_id!r}") from None
     if kind not in KINDS:
         raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"value: must be a finite number, got {value!r}")
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise ValueError(f"value: must be a finite number, got {str(value)[:40]}")
+    if abs(value) > SCORE_MAX_ABS:
+        raise ValueError(f"value: must be within +-{SCORE_MAX_ABS:g}, got {value!r}")
     if kind == "thumb" and value not in (1, -1):
         raise ValueError(f"value: a thumb is +1 or -1, got {value!r}")
     if kind == "score" and (not isinstance(name, str) or not NAME_RE.match(name)):
@@ -126,8 +145,12 @@ def build_event(completion_id: Any, kind: str, value: Any, comment: str | None =
         raise ValueError(f"name: only a score has a name (kind is {kind!r})")
     if comment is not None and (not isinstance(comment, str) or len(comment) > 4096):
         raise ValueError("comment: must be a string of at most 4096 characters")
+    if comment is not None:
+        _check_text("comment", comment)
     if user is not None and (not isinstance(user, str) or not user or len(user) > 256):
         raise ValueError(f"user: must be a non-empty string of at most 256 characters, got {str(user)[:40]!r}")
+    if user is not None:
+        _check_text("user", user)
     if event_id is None:
         eid = str(uuid.uuid4())
     else:
@@ -215,9 +238,13 @@ class _HttpTransport:
         except (ValueError, KeyError, TypeError):
             return [], []  # a 200 without per-event results: the batch was accepted
         seen, resend, rejected = set(), [], []
+        if not isinstance(results, list):
+            return list(range(n)), []  # not the contract's answer: nothing is known to be published
         for res in results:
-            i, status = res.get("index"), int(res.get("status", 200))
-            if not isinstance(i, int) or not 0 <= i < n:
+            if not isinstance(res, dict):
+                continue
+            i, status = res.get("index"), res.get("status", 200)
+            if not isinstance(i, int) or not 0 <= i < n or not isinstance(status, int):
                 continue
             seen.add(i)
             if status >= 500 or status == 429:
@@ -246,8 +273,9 @@ class _KafkaTransport:
 
                 from schemas.settings import kafka_client_config
 
+                ms = max(1, int(self.timeout_s * 1000))  # every wait of one try: bootstrap, metadata, request
                 self.producer = KafkaProducer(**kafka_client_config(self.bootstrap), acks="all",
-                                              request_timeout_ms=int(self.timeout_s * 1000))
+                                              request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
             futs = [self.producer.send(topics.FEEDBACK, key=p["completion_id"].encode(), value=p["_bytes"])
                     for p in batch]
             self.producer.flush(timeout=self.timeout_s)
@@ -322,6 +350,14 @@ class FeedbackClient:
                  on_error: Callable[[dict, str], None] | None = None, spool_path: str | os.PathLike | None = None):
         if base_url is None and kafka_bootstrap is None:
             raise ValueError("base_url: required unless kafka_bootstrap is given")
+        if base_url is not None:
+            try:
+                u = httpx.URL(base_url)
+            except (httpx.InvalidURL, TypeError) as exc:
+                raise ValueError(f"base_url: not a URL: {base_url!r} ({exc})") from None
+            if u.scheme not in ("http", "https") or not u.host:
+                raise ValueError(f"base_url: must be http:// or https:// with a host, e.g. http://127.0.0.1:8000, "
+                                 f"got {base_url!r}")
         if kafka_bootstrap is not None and not user_salt:
             user_salt = _fleet_salt()
         if api_key and feedback_key:
@@ -370,13 +406,26 @@ class FeedbackClient:
             lines = self.spool_path.read_text().splitlines()
         except FileNotFoundError:
             return
+        bad = []
         for line in lines:
             if not line.strip():
                 continue
-            p = json.loads(line)
-            if self.kafka_bootstrap is not None:
-                p["_bytes"] = self._to_event(p).to_bytes()
+            try:  # a line cut short (a crash while spooling) or edited by hand must not stop the client
+                p = json.loads(line)
+                p = build_event(p["completion_id"], p["kind"], p["value"], p.get("comment"), p.get("user"),
+                                event_id=p["event_id"], name=p.get("name"), metadata=p.get("metadata"))
+                if self.kafka_bootstrap is not None:
+                    p["_bytes"] = self._to_event(p).to_bytes()
+            except (ValueError, KeyError, TypeError) as exc:
+                bad.append((line, f"{type(exc).__name__}: {exc}"))
+                continue
             self._queue.append(p)
+        if bad:
+            corrupt = self.spool_path.with_name(self.spool_path.name + ".corrupt")
+            with open(corrupt, "a") as f:
+                f.writelines(line + "\n" for line, _ in bad)
+            log.error("feedback: %d lines of the spool %s are not events (first: %s); kept in %s, not sent",
+                      len(bad), self.spool_path, bad[0][1], corrupt)
         self._counts["accepted"] += len(self._queue)
         self._counts["respooled"] += len(self._queue)
         self.spool_path.unlink()
@@ -568,7 +617,10 @@ class FeedbackClient:
             except _Split:
                 part = max(1, len(chunk) // 2)
                 continue
-            except _Retry as exc:
+            except Exception as exc:  # noqa: BLE001 - _Retry, or anything else: the sender must live on
+                if not isinstance(exc, _Retry):
+                    log.exception("feedback: sending %d events failed unexpectedly; retrying", len(chunk))
+                    exc = _Retry(f"{type(exc).__name__}: {exc}")
                 resend, rejected, after = list(range(len(chunk))), [], exc.after_s
                 with self._cond:
                     self._counts["last_error"] = str(exc)

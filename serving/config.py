@@ -29,6 +29,8 @@ from schemas.manifest import BASE_VERSION
 ENGINES = ("torch", "vllm")
 SCHEDULERS = ("continuous", "static")
 DEFAULT_POD = "pod-0"  # the pod name when neither --pod nor $HOSTNAME gives one
+MAX_POD_BYTES = 200  # a pod name is also its journal's file name (<pod>.journal, at most 255 bytes)
+MAX_THREADS = 1024  # torch intra-op threads (set_num_threads takes a C int)
 
 
 class SettingError(ValueError):
@@ -40,6 +42,23 @@ class SettingError(ValueError):
         super().__init__(f"{flag}: {reason}")
         self.flag = flag
         self.reason = reason
+
+
+def check_pod_name(v: str) -> str:
+    """A pod name names the pod in every event and its journal file ``<pod>.journal``: 1 to
+    :data:`MAX_POD_BYTES` bytes of UTF-8, no ``/``, no NUL, not ``.`` or ``..``.
+
+    Raises:
+        ValueError: saying which rule, with the name (cut to 80 characters).
+    """
+    try:
+        n = len(v.encode())
+    except UnicodeEncodeError:  # a lone surrogate (bytes that were not UTF-8 on the command line)
+        n = -1
+    if n < 1 or n > MAX_POD_BYTES or "/" in v or "\x00" in v or v in (".", ".."):
+        raise ValueError(f"must be 1-{MAX_POD_BYTES} bytes of UTF-8 text without '/' or NUL (it names the pod in "
+                         f"every event and its journal file <pod>.journal), got {v[:80]!r}")
+    return v
 
 
 def _existing_file(v: Optional[Path]) -> Optional[Path]:
@@ -122,11 +141,16 @@ class ServeConfig(BaseModel):
     def _keys_file(cls, v: Optional[Path]) -> Optional[Path]:
         return _existing_file(v)
 
+    @field_validator("pod")
+    @classmethod
+    def _pod(cls, v: Optional[str]) -> Optional[str]:
+        return v if v is None else check_pod_name(v)
+
     def pod_name(self) -> str:
         """``pod``, else ``$HOSTNAME`` (a Kubernetes pod's name), else ``pod-0``."""
         import os
 
-        return self.pod if self.pod is not None else os.environ.get("HOSTNAME", DEFAULT_POD)
+        return self.pod if self.pod is not None else (os.environ.get("HOSTNAME") or DEFAULT_POD)
 
 
 def _torch_only(reason: str, **extra: Any) -> dict:
@@ -142,7 +166,7 @@ class EngineConfig(BaseModel):
     max_batch: int = Field(8, ge=1, description="Requests per engine batch at most (>= 1); vLLM's max_num_seqs.")
     max_queue: int = Field(256, ge=1, description="Requests waiting beyond the running ones at most; beyond it a "
                                                   "request gets HTTP 429.", json_schema_extra={"cli": False})
-    threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads (>= 1).")
+    threads: Optional[int] = Field(None, ge=1, le=MAX_THREADS, description=f"torch intra-op threads (1-{MAX_THREADS}).")
     device: str = Field("cpu", description="Torch engine: device of the weights (cpu, cuda, cuda:N).",
                         json_schema_extra=_torch_only("vLLM picks its devices; see --tensor-parallel-size"))
     scheduler: str = Field("continuous", description="Torch engine: continuous (requests join and leave the "

@@ -339,10 +339,13 @@ def check_serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig) -> str:
 def open_pod_store(cfg: ServeConfig):
     """The store ``cfg`` names (``--store``, else ``$FLYWHEEL_STORE`` / ``$FLYWHEEL_HOME/store``;
     ``--model-dir`` wins), with ``--version`` in it. Raises :class:`SettingError`."""
+    from deploy.store import StoreUnusableError  # the deploy package's public API
     from schemas import settings
 
     try:
         st = open_store(cfg.store or settings.store_dir(), cfg.model_dir)
+    except StoreUnusableError as exc:  # --store names a file or an unwritable place
+        raise SettingError("--store" if cfg.store else "FLYWHEEL_STORE or FLYWHEEL_HOME", exc.strerror) from None
     except FileNotFoundError as exc:  # no model yet: say what to run, not a traceback
         raise SettingError("FLYWHEEL_MODEL_DIR or --model-dir", str(exc).split(": ", 1)[1]) from exc
     if cfg.version is not None and cfg.version not in st.versions():

@@ -1,0 +1,140 @@
+"""Feedback SDK (ingest/sdk.py) against a real HTTP server on a port: arguments the server
+would refuse are refused in the caller's thread (a lone surrogate used to kill the sender
+thread, so nothing after it was ever sent), an answer that is not the contract's does not
+stop the sender, a truncated spool does not stop the next client, a base_url without a
+scheme is refused at construction."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from ingest.sdk import FeedbackClient, build_event
+
+
+def _serve(app):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", srv, th
+
+
+@pytest.fixture()
+def server():
+    """A recorder of the batch route; ``odd`` answers (200 with a body that is not the
+    contract's) are given to the first requests."""
+    state = {"received": [], "odd": []}
+    app = FastAPI()
+
+    @app.post("/v1/feedback/batch")
+    async def batch(req: Request):
+        body = await req.json()
+        if state["odd"]:
+            return state["odd"].pop(0)
+        state["received"] += body["events"]
+        return {"accepted": len(body["events"]), "rejected": 0,
+                "results": [{"index": i, "status": 200, "event_id": e["event_id"], "accepted": True,
+                             "duplicate": False} for i, e in enumerate(body["events"])]}
+
+    @app.post("/v1/feedback")
+    async def one(req: Request):
+        body = await req.json()
+        state["received"].append(body)
+        return {"event_id": body["event_id"], "accepted": True, "duplicate": False}
+
+    url, srv, th = _serve(app)
+    state["url"] = url
+    yield state
+    srv.should_exit = True
+    th.join(5)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"comment": "ok \ud800"}, "comment"),
+    ({"user": "\udfff"}, "user"),
+    ({"metadata": {"k": "v\ud83d"}}, "metadata"),
+    ({"comment": "a\x00b"}, "comment"),
+])
+def test_bad_text_refused_in_caller_and_sender_keeps_sending(server, kw, field):
+    fb = FeedbackClient(server["url"], backoff_s=0.01)
+    cid = uuid.uuid4()
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        fb.thumbs_up(cid, **kw)
+    good = fb.thumbs_up(cid)
+    assert fb.flush(10) == 0
+    assert fb._thread.is_alive()
+    assert [e["event_id"] for e in server["received"]] == [good]
+    assert fb.shutdown(2) == []
+
+
+@pytest.mark.parametrize("value", [10**400, 1e7, -2e6], ids=["huge-int", "1e7", "-2e6"])
+def test_score_out_of_the_events_bounds_refused(value):
+    with pytest.raises(ValueError, match="^value:"):
+        build_event(uuid.uuid4(), "score", value, name="helpfulness")
+    assert build_event(uuid.uuid4(), "score", 1e6, name="helpfulness")["value"] == 1e6
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000", "ftp://x", "http://", "not a url"])
+def test_base_url_without_scheme_or_host_refused(url):
+    with pytest.raises(ValueError, match="^base_url:"):
+        FeedbackClient(url)
+
+
+@pytest.mark.parametrize("odd", [{"results": [1, "x"]}, {"results": [{"index": 0, "status": "200"}]},
+                                 {"results": "none"}])
+def test_odd_batch_answer_is_resent_and_the_sender_lives(server, odd):
+    server["odd"].append(odd)
+    fb = FeedbackClient(server["url"], backoff_s=0.01, linger_s=0.2)
+    cid = uuid.uuid4()
+    ids = [fb.thumbs_up(cid), fb.thumbs_down(cid)]
+    assert fb.flush(10) == 0
+    assert fb._thread.is_alive()
+    assert [e["event_id"] for e in server["received"]] == ids
+    assert fb.shutdown(2) == []
+
+
+def test_truncated_spool_does_not_stop_the_next_client(server, tmp_path):
+    spool = tmp_path / "fb.spool"
+    good = build_event(uuid.uuid4(), "thumb", 1)
+    spool.write_text(json.dumps(good) + "\n" + '{"completion_id": "7ed1\n')
+    fb = FeedbackClient(server["url"], spool_path=spool, backoff_s=0.01)
+    assert fb.flush(10) == 0
+    assert [e["event_id"] for e in server["received"]] == [good["event_id"]]
+    assert fb.stats()["respooled"] == 1
+    assert (tmp_path / "fb.spool.corrupt").read_text() == '{"completion_id": "7ed1\n'
+    assert not spool.exists()
+    assert fb.shutdown(2) == []
+
+
+def test_kafka_mode_missing_broker_try_is_bounded_by_timeout_s():
+    """Kafka mode against a port where no broker listens: each try gives up after
+    ``timeout_s`` (was kafka-python's 30 s bootstrap wait, then up to 60 s per send), so the
+    error is seen and retried, and a stopping client's sender thread ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fb = FeedbackClient(kafka_bootstrap=f"127.0.0.1:{port}", user_salt="s" * 16, timeout_s=1.0, backoff_s=0.05)
+    eid = fb.thumbs_up(uuid.uuid4())
+    t0 = time.monotonic()
+    while fb.stats()["retries"] < 1 and time.monotonic() - t0 < 20:
+        time.sleep(0.1)
+    waited = time.monotonic() - t0
+    assert fb.stats()["retries"] >= 1 and fb.last_error, fb.stats()
+    assert waited < 8, waited
+    unsent = fb.shutdown(timeout_s=0.5)
+    assert [p["event_id"] for p in unsent] == [eid]
+    fb._thread.join(5)
+    assert not fb._thread.is_alive()
