@@ -170,11 +170,15 @@ _register_all()
 
 def main() -> None:
     from deploy.store import StoreUnusableError
+    from schemas.settings import HomeUnusableError
 
     try:
         app()
     except StoreUnusableError as exc:  # FLYWHEEL_STORE names a file or an unwritable place
         typer.echo(f"error: {exc.strerror}", err=True)
+        raise SystemExit(1) from None
+    except HomeUnusableError as exc:  # FLYWHEEL_HOME names a file or an uncreatable place
+        typer.echo(f"error: {exc}", err=True)
         raise SystemExit(1) from None
 
 

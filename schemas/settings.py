@@ -37,18 +37,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class HomeUnusableError(RuntimeError):
+    """``FLYWHEEL_HOME`` cannot hold Flywheel's state (a file, or a directory that cannot be
+    created); the message names the variable and the reason. Commands print it in one line."""
+
+
 def home() -> Path:
     """Root of Flywheel's local state; created on first use.
 
     Raises:
-        RuntimeError: ``FLYWHEEL_HOME`` names a file, or a directory that cannot be created
-            (the message names the variable and the reason; commands print it in one line).
+        HomeUnusableError: ``FLYWHEEL_HOME`` names a file, or a directory that cannot be
+            created (the message names the variable and the reason).
     """
     p = Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).absolute()
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there (FileExistsError), no permission, read-only disk
-        raise RuntimeError(f"FLYWHEEL_HOME={p}: cannot be used as Flywheel's home: "
+        raise HomeUnusableError(f"FLYWHEEL_HOME={p}: cannot be used as Flywheel's home: "
                            f"{'not a directory' if p.exists() else exc.strerror or exc}") from None
     return p
 

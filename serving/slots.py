@@ -120,7 +120,9 @@ class Slots:
         except SlotError:
             raise
         except Exception as exc:  # noqa: BLE001 - CorruptVersionError, KeyError, FileNotFoundError...
-            raise SlotError(f"cannot load {version}: {type(exc).__name__}: {exc}") from exc
+            # (a KeyError's str() is its repr: the message in quotes)
+            why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise SlotError(f"cannot load {version}: {type(exc).__name__}: {why}") from exc
 
     def _load_state(self, version: str) -> dict:
         """``version``'s state from the store. A store that can (``deploy.store.ModelStore``)

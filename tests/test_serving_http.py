@@ -244,6 +244,9 @@ def test_admin_bodies(env):
     for path in ("/admin/load", "/admin/rollback"):  # not a version name: 400 naming it, never a path lookup
         r = httpx.post(env["url"] + path, json={"version": "../../etc"}, headers=H_ADMIN)
         assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+    r = httpx.post(env["url"] + "/admin/load", json={"version": "v000099"}, headers=H_ADMIN)
+    assert r.status_code == 409, r.text  # not in the store: refused, slots unchanged
+    assert r.json()["detail"].startswith("cannot load v000099: KeyError: version v000099 is not in the store"), r.text
     for raw in (b'{"candidate_weight": NaN}', b'{"candidate_weight": true}', b'{"candidate_weight": "1"}'):
         # a boolean or a string is not a share: `true` was read as 1.0 (every user to the candidate)
         r = httpx.post(env["url"] + "/admin/weight", content=raw,
