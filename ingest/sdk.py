@@ -17,13 +17,15 @@ What happens to an event (every case is counted in :meth:`FeedbackClient.stats` 
 silent):
 
 * **queued**: the call returned its ``event_id``; the event is sent in order, retried on
-  timeouts, connection errors, 429 and 5xx with exponential backoff and full jitter, with
+  timeouts, connection errors, 429, 5xx and 401/403 (credentials refused: the client's
+  key is wrong or was rotated, not the event) with exponential backoff and full jitter, with
   the same ``event_id`` (the idempotency key), until it is delivered or the client shuts
   down.
 * **dropped on overflow**: the queue held ``queue_size`` events for ``enqueue_timeout_s``;
   the call returns ``None`` (``on_full="drop"``, counted ``dropped_full``, logged) or raises
   :class:`QueueFull` (``on_full="raise"``). Such an event was never accepted.
-* **rejected**: the server refused it (4xx, or a batch result with a 4xx status): counted
+* **rejected**: the server refused the event (4xx other than 401/403/429, or a batch result
+  with a 4xx status): counted
   ``rejected``, logged with the reason, kept in :attr:`FeedbackClient.rejected` (last
   ``keep_rejected``) and passed to ``on_error``. Never retried.
 * **unsent at shutdown**: :meth:`FeedbackClient.shutdown` tries to deliver for up to its
@@ -168,6 +170,10 @@ def build_event(completion_id: Any, kind: str, value: Any, comment: str | None =
     return p
 
 
+#: Seconds between two ERROR logs about credentials the server refuses (401/403).
+AUTH_LOG_INTERVAL_S = 30.0
+
+
 class _Retry(Exception):
     """A transport failure worth retrying (timeout, connection, 429, 5xx, producer error)."""
 
@@ -194,6 +200,7 @@ class _HttpTransport:
         headers["User-Agent"] = "flywheel-sdk/1"
         self.http = httpx.Client(timeout=timeout_s, headers=headers)
         self.batch_route = True  # False after a 404/405 from /v1/feedback/batch
+        self._auth_logged_at = -math.inf  # last ERROR about refused credentials (monotonic s)
 
     def send(self, batch: list[dict]) -> tuple[list[int], list[tuple[int, str]]]:
         if self.batch_route and len(batch) > 1:
@@ -225,6 +232,14 @@ class _HttpTransport:
             r = self.http.post(self.base_url + path, json=body)
         except httpx.HTTPError as exc:  # timeouts, refused or reset connections
             raise _Retry(f"{type(exc).__name__}: {exc}") from None
+        if r.status_code in (401, 403):  # the credentials, not the event: keep it until they work
+            now = time.monotonic()
+            if now - self._auth_logged_at >= AUTH_LOG_INTERVAL_S:
+                self._auth_logged_at = now
+                log.error("feedback: %s refused this client's credentials (HTTP %d: %s); events are "
+                          "kept and retried until a valid key is used (shutdown spools them)",
+                          self.base_url, r.status_code, r.text[:200])
+            raise _Retry(f"HTTP {r.status_code}: credentials refused (a wrong or rotated key): {r.text[:200]}")
         if r.status_code == 429 or r.status_code >= 500:
             after = r.headers.get("retry-after", "")
             raise _Retry(f"HTTP {r.status_code}: {r.text[:200]}",

@@ -266,13 +266,46 @@ def test_batch_results_reject_one_and_resend_5xx(server):
 
 def test_4xx_on_one_event_route_not_retried(server):
     url, rec = server
-    rec.fail_next, rec.status_on_fail = 1, 401
+    rec.fail_next, rec.status_on_fail = 1, 400
     fb = FeedbackClient(url, backoff_s=0.001)
     eid = fb.thumbs_up(uuid.uuid4())
     assert fb.flush() == 0 and len(rec.requests) == 1
-    assert fb.rejected[0][0]["event_id"] == eid and "401" in fb.rejected[0][1]
+    assert fb.rejected[0][0]["event_id"] == eid and "400" in fb.rejected[0][1]
     assert fb.stats()["rejected"] == 1
     fb.shutdown()
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_refused_credentials_keep_the_events(server, status):
+    """401/403 refuse the key (wrong or rotated), not the event: the events are retried with
+    their event_ids, never rejected, and arrive once the server takes the key again."""
+    url, rec = server
+    rec.fail_next, rec.status_on_fail = 3, status
+    fb = FeedbackClient(url, backoff_s=0.01, max_backoff_s=0.02, linger_s=0.05)
+    ids = [fb.thumbs_up(uuid.uuid4()) for _ in range(3)]
+    assert fb.flush(timeout_s=10) == 0
+    assert [r["event_id"] for r in rec.received] == ids
+    st = fb.stats()
+    assert (st["sent"], st["rejected"], st["retries"]) == (3, 0, 3), st
+    assert f"HTTP {status}: credentials refused" in fb.last_error
+    fb.shutdown()
+
+
+def test_refused_credentials_at_shutdown_are_spooled(server, tmp_path):
+    """A key the server never takes: shutdown hands the events back and spools them; the next
+    client (with a key that works) sends them with the same event_ids."""
+    url, rec = server
+    spool = tmp_path / "fb.spool"
+    rec.fail_next, rec.status_on_fail = 10**6, 401
+    fb = FeedbackClient(url, spool_path=spool, backoff_s=0.01, max_backoff_s=0.02)
+    ids = [fb.thumbs_down(uuid.uuid4()) for _ in range(2)]
+    unsent = fb.shutdown(timeout_s=0.3)
+    assert [p["event_id"] for p in unsent] == ids and fb.stats()["rejected"] == 0
+    rec.fail_next = 0
+    fb2 = FeedbackClient(url, spool_path=spool, backoff_s=0.01)
+    assert fb2.flush(timeout_s=10) == 0
+    assert [r["event_id"] for r in rec.received] == ids
+    fb2.shutdown()
 
 
 def test_no_batch_route_falls_back_to_one_per_request(server):
