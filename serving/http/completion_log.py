@@ -45,6 +45,9 @@ class CompletionLogger:
             raise ValueError(f"pod: {pod[:80]!r} cannot name a pod in events: {exc.errors()[0]['msg']}") from None
         self.event_log = event_log
         self.pod = pod
+        # read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment
+        # (~50-70 us here, more in a pod with many service variables)
+        self.topic = topics.COMPLETIONS
         self.on_emit = on_emit
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -88,7 +91,7 @@ class CompletionLogger:
             sampling=sp, expert_routes=routes, finish_reason=res.finish_reason, ttft_ms=res.ttft_ms,
             latency_ms=res.latency_ms, split=split)
         if self.event_log is not None:
-            self.event_log.emit(topics.COMPLETIONS, str(cid), ev.to_bytes())
+            self.event_log.emit(self.topic, str(cid), ev.to_bytes())
         if self.on_emit is not None:
             self.on_emit("completion")
         self._remember(str(cid), res.version)

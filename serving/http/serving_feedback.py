@@ -53,6 +53,7 @@ class FeedbackServing:
         self.completions_log = completions_log
         self.metrics = metrics
         self.salt = salt
+        self.topic = topics.FEEDBACK  # read once: each read scans the environment
         # event_id -> (content digest, durable future of its one publication)
         self._seen: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -130,7 +131,7 @@ class FeedbackServing:
                 return {"event_id": key, "accepted": True, "duplicate": True}, seen[1]
             fut = None
             if self.event_log is not None:
-                fut = self.event_log.emit(topics.FEEDBACK, str(body.completion_id), ev.to_bytes(), durable=True)
+                fut = self.event_log.emit(self.topic, str(body.completion_id), ev.to_bytes(), durable=True)
             self._seen[key] = (digest, fut)  # only once published: a failed emit can be retried
             while len(self._seen) > RECENT_EVENT_IDS:
                 self._seen.popitem(last=False)
