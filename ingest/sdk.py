@@ -291,8 +291,8 @@ class _KafkaTransport:
                 ms = max(1, int(self.timeout_s * 1000))  # every wait of one try: bootstrap, metadata, request
                 self.producer = KafkaProducer(**kafka_client_config(self.bootstrap), acks="all",
                                               request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
-            futs = [self.producer.send(topics.FEEDBACK, key=p["completion_id"].encode(), value=p["_bytes"])
-                    for p in batch]
+            topic = topics.FEEDBACK  # read once per batch: each read scans the environment
+            futs = [self.producer.send(topic, key=p["completion_id"].encode(), value=p["_bytes"]) for p in batch]
             self.producer.flush(timeout=self.timeout_s)
             for f in futs:
                 f.get(timeout=self.timeout_s)
