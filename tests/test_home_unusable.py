@@ -1,5 +1,5 @@
 """FLYWHEEL_HOME naming a file: every command says so in one line, exit 1, never a traceback
-(real CLI subprocesses; ``ingest`` is covered in tests/test_trial_b_settings.py)."""
+(real CLI subprocesses; ``ingest`` is covered in tests/test_settings_errors.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Feedback SDK (ingest/sdk.py) against a real HTTP server on a port: arguments the server
-would refuse are refused in the caller's thread (a lone surrogate used to kill the sender
-thread, so nothing after it was ever sent), an answer that is not the contract's does not
-stop the sender, a truncated spool does not stop the next client, a base_url without a
-scheme is refused at construction."""
+would refuse (a lone surrogate) are refused in the caller's thread and the sender thread goes
+on; an answer that is not the contract's does not stop the sender; a truncated spool does not
+stop the next client; a base_url without a scheme is refused at construction."""
 
 from __future__ import annotations
 

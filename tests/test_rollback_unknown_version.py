@@ -1,6 +1,5 @@
 """`flywheel rollback --to VERSION` of a version not in the store: the message reads as a
-sentence (was the KeyError's repr in quotes: "--to: 'version ... is not in the store ...'").
-Real CLI subprocess."""
+sentence naming --to and the version. Real CLI subprocess."""
 
 from __future__ import annotations
 

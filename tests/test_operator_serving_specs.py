@@ -1,8 +1,7 @@
-"""A malformed ``--serving`` spec (or ``$FLYWHEEL_SERVING_URL``) to the operator commands:
-a usage error naming the spec and the form it must have, exit 2, before any pod is asked.
-``http://[::1`` and ``dns+http://name`` (no port) were tracebacks from `flywheel status`; a
-bare ``host:port`` or an out-of-range port was reported as an unreachable pod (exit 1).
-Real CLI subprocesses."""
+"""A malformed ``--serving`` spec (or ``$FLYWHEEL_SERVING_URL``) to the operator commands
+(``http://[::1``, ``dns+http://name`` without a port, a bare ``host:port``, a port out of
+range): a usage error naming the spec and the form it must have, exit 2, before any pod is
+asked. Real CLI subprocesses."""
 
 from __future__ import annotations
 

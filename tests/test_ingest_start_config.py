@@ -1,10 +1,6 @@
-"""Trial B: ``flywheel ingest`` refuses non-finite timings and reward shaping at start, naming
-the option (a real broker; the worker as a real subprocess).
-
-Before: ``--seal-after-s inf`` started a worker that dead-lettered every vote as
-``unfoldable: OverflowError``; ``--tick-s inf`` one that never sealed a label;
-``--reward-up nan`` one that wrote NaN rewards into shards that no reader could load.
-"""
+"""``flywheel ingest`` refuses non-finite timings and reward shaping at start, naming the
+option, exit 2: ``--seal-after-s inf``, ``--tick-s inf``, ``--reward-up nan``. A real broker;
+the worker as a real subprocess."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""``flywheel serve`` flags that used to pass the option check and crash later with a
-traceback (after the model load for some): ``--pod ''``, a pod name with '/' or too long for
-its journal file name, ``--threads`` beyond a C int. Each is now a usage error naming the
-flag, exit 2, before anything loads. Real CLI subprocesses (no model is needed: they stop
-at the option check)."""
+"""``flywheel serve`` flags checked before anything loads: ``--pod ''``, a pod name with '/' or
+too long for its journal file name, ``--threads`` beyond a C int. Each is a usage error naming
+the flag, exit 2. Real CLI subprocesses (no model is needed: they stop at the option check)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Trial B: ``flywheel learn`` refuses NaN and +-Infinity in its float settings, naming the flag
-(exit 2). Before, ``--lr inf``, ``--beta inf``, ``--weight-decay inf`` passed their ``ge=0``
-bound, ``--lateness-s inf`` failed each cycle with OverflowError after loading the model, and
-``--poll-s inf`` stopped the daemon in time.sleep. Real CLI subprocesses."""
+"""``flywheel learn`` refuses NaN and +-Infinity in its float settings, naming the flag, exit 2
+(``--lr``, ``--beta``, ``--weight-decay``, ``--lateness-s``, ``--poll-s``). Real CLI
+subprocesses."""
 
 from __future__ import annotations
 

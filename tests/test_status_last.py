@@ -1,5 +1,5 @@
 """``flywheel status --last N`` beyond any ledger: a usage error naming --last and its range,
-exit 2 (was a DuckDB ConversionException traceback, exit 1). Real CLI subprocesses."""
+exit 2. Real CLI subprocesses."""
 
 from __future__ import annotations
 

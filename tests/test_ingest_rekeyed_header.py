@@ -1,7 +1,7 @@
-"""Trial B: a record on ``flywheel.ingest.rekeyed`` whose ``flywheel-source-topic`` header is
-not UTF-8 used to stop the PostgreSQL-scoped worker with UnicodeDecodeError, at every restart
-(its offset was never committed): a poison pill for its partition. Now it is read as feedback
-and the join goes on. A real broker, a real PostgreSQL, the worker as a real subprocess."""
+"""A record on ``flywheel.ingest.rekeyed`` whose ``flywheel-source-topic`` header is not UTF-8
+is read as feedback and the PostgreSQL-scoped worker's join goes on (its partition is not
+blocked by a poison pill). A real broker, a real PostgreSQL, the worker as a real
+subprocess."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Trial B: ``python -m ingest`` reads the same settings as ``flywheel ingest`` (docs/data.md:
-"flywheel ingest (or python -m ingest)"): the file FLYWHEEL_CONFIG names and the
-FLYWHEEL_INGEST__<OPTION> variables. Before, it ignored both silently: a worker configured
-with ``seal_after_s = 1`` sealed after the default 600 s, and one whose file named the broker
-found none. A real broker, the worker as a real subprocess, a real shard."""
+"""``python -m ingest`` reads the same settings as ``flywheel ingest`` (docs/data.md): the file
+FLYWHEEL_CONFIG names and the FLYWHEEL_INGEST__<OPTION> variables (``seal_after_s = 1`` seals
+after 1 s; a broker named in the file is the one used). A real broker, the worker as a real
+subprocess, a real shard."""
 
 from __future__ import annotations
 

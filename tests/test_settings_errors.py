@@ -1,4 +1,4 @@
-"""Trial B: settings refused with the variable or key named, never a traceback (real CLI subprocesses)."""
+"""Settings refused with the variable or key named, never a traceback (real CLI subprocesses)."""
 
 from __future__ import annotations
 

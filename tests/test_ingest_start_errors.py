@@ -1,6 +1,6 @@
-"""Trial B: ``flywheel ingest`` that cannot start says why in one line, exit 1 (was a ~40-line
-traceback): an unreachable Kafka bootstrap, and a --worker-port already in use. Real
-subprocesses; a real broker for the port case."""
+"""``flywheel ingest`` that cannot start says why in one line, exit 1: an unreachable Kafka
+bootstrap, and a --worker-port already in use. Real subprocesses; a real broker for the port
+case."""
 
 from __future__ import annotations
 

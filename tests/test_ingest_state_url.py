@@ -1,8 +1,6 @@
-"""Trial B: ``flywheel ingest --state`` refuses what is no join state, naming --state, exit 2.
-
-Before: ``--state mysql://...`` or a misspelt ``postgresq://...`` became a SQLite file under
-the working directory (a host silently ran with a local state of its own), and a malformed
-``postgresql://`` URL was a psycopg ProgrammingError traceback. Real subprocesses."""
+"""``flywheel ingest --state`` refuses what is no join state, naming --state, exit 2: a URL of
+another scheme (``mysql://``, a misspelt ``postgresq://``) and a malformed ``postgresql://``
+URL (the message without its password). Real subprocesses."""
 
 from __future__ import annotations
 
