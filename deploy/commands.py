@@ -197,11 +197,6 @@ def _fail(msg: str, usage: bool = False) -> None:
     raise typer.Exit(2 if usage else 1)
 
 
-def previous_promoted(store: ModelStore, stable: str) -> str | None:
-    """The version that was stable before ``stable`` (:meth:`ModelStore.previous_stable`)."""
-    return store.previous_stable(stable)
-
-
 def _share(w: float) -> float:
     """A candidate traffic share for ``--weight``: in (0, 1), else a usage error."""
     if not 0.0 < w < 1.0:

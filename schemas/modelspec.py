@@ -112,13 +112,6 @@ def moe_routers(model) -> list:
     return [r.router for r in routed_layers(model)]
 
 
-def moe_top_k(model) -> int:
-    """Experts per token of an MoE model (0 for a dense one)."""
-    from schemas.routers import route_shape
-
-    return route_shape(model)[1]
-
-
 def left_pad(seqs: list[list[int]], pad_id: int):
     """Left-pad token sequences.
 

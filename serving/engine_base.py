@@ -195,15 +195,6 @@ class Engine(abc.ABC):
             if not fut.done():
                 self.abort(req.request_id)
 
-    async def generate_result(self, req: GenRequest) -> GenResult:
-        """Await the whole :class:`GenResult`; cancelling the await aborts the request."""
-        fut = self.submit(req)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            self.abort(req.request_id)
-            raise
-
     def generate_sync(self, req: GenRequest, timeout_s: float | None = None) -> GenResult:
         """Blocking run of ``req`` for scripts and tests."""
         return self.submit(req).result(timeout_s)
