@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from ingest.writer import HOUR_MS, shard_time
 from schemas import settings
-from schemas.arrow import ADDED_IN_3, SAMPLE_SCHEMA, format_version, table_to_samples
+from schemas.arrow import ADDED_AFTER_2, SAMPLE_SCHEMA, format_version, table_to_samples
 from schemas.events import RewardedSample
 
 OLD_LAYOUT_PREFIX = "model_version="
@@ -109,9 +109,9 @@ def samples_sql(samples_dir: Path, base: Path | None = None) -> str:
 
 
 def _added_sql() -> str:
-    """An empty SELECT of the columns added in format 3 (``schemas.arrow.ADDED_IN_3``), typed."""
+    """An empty SELECT of the columns added after format 2 (``schemas.arrow.ADDED_AFTER_2``), typed."""
     return "SELECT " + ", ".join(f"CAST(NULL AS {_sql_type(SAMPLE_SCHEMA.field(c).type)}) AS {c}"
-                                 for c in ADDED_IN_3) + " LIMIT 0"
+                                 for c in ADDED_AFTER_2) + " LIMIT 0"
 
 
 def deadletters_dir(samples_dir: Path) -> Path:
@@ -304,7 +304,7 @@ def read_shards(shards: list[Shard] | list[Path], columns: list[str] | None = No
     con = duckdb.connect()
     try:
         src = "read_parquet(?, hive_partitioning=false, union_by_name=true)"
-        if any(c in ADDED_IN_3 for c in cols):  # absent from format-2 files: null (raw routes)
+        if any(c in ADDED_AFTER_2 for c in cols):  # absent from older files: null
             src = f"(SELECT * FROM {src} UNION ALL BY NAME ({_added_sql()}))"
         sql = f"SELECT {', '.join(cols)} FROM {src}"
         return con.sql(sql + (f" WHERE {where}" if where else ""), params=[paths]).to_arrow_table()

@@ -9,19 +9,21 @@ import typer
 from pydantic import ValidationError
 
 from ingest.app import IngestConfig
-from ingest.join import JoinConfig, RewardShaping
-from schemas.options import config_options, model_fields, option_for
+from ingest.join import JoinConfig
+from schemas.options import config_options
 from schemas.output import OUTPUT, Format, dumps, resolve
+from schemas.reward import REWARD_LIMIT, RewardPolicy
 
 data_app = typer.Typer(help="Sample shards and the DuckDB catalog.", no_args_is_help=True)
 
 
-def _shaping_option(name: str, field: str):
-    """``--reward-up`` / ``--reward-down``: the ``typer.Option`` of a :class:`ingest.join.RewardShaping`
-    field (its default, help and bounds) under the flag name ``name`` (the model's field
-    names, ``up`` and ``down``, would be unclear among the worker's options)."""
-    info = model_fields(RewardShaping)[field]
-    return option_for(name, info, info.annotation)
+def _thumb_option(field: str):
+    """``--reward-up`` / ``--reward-down``: the reward policy's ``thumb_up`` / ``thumb_down``
+    (:class:`schemas.reward.RewardPolicy`; its bounds and help) for this worker, over
+    ``[reward]`` and ``FLYWHEEL_REWARD__THUMB_UP`` / ``..._DOWN``; unset, the policy's value."""
+    info = RewardPolicy.model_fields[field]
+    return typer.Option(None, min=-REWARD_LIMIT, max=REWARD_LIMIT, show_default=False,
+                        help=f"{info.description} Overrides [reward] {field} (default {info.default:g}).")
 
 
 @config_options(join=JoinConfig, worker=IngestConfig)
@@ -29,21 +31,32 @@ def ingest_cmd(
     join: JoinConfig,
     worker: IngestConfig,
     *,
-    reward_up: float = _shaping_option("reward_up", "up"),
-    reward_down: float = _shaping_option("reward_down", "down"),
+    reward_up: Optional[float] = _thumb_option("thumb_up"),
+    reward_down: Optional[float] = _thumb_option("thumb_down"),
     state: str = typer.Option("", help="Join state: a SQLite file shared by one host's workers (default "
                               "$FLYWHEEL_INGEST_STATE, else $FLYWHEEL_HOME/ingest/state.sqlite) or a postgresql:// "
                               "URL (workers on several hosts)."),
 ) -> None:
-    """Run the ingest worker: join completions and feedback into RewardedSample shards."""
+    """Run the ingest worker: join completions and feedback into RewardedSample shards, each
+    labelled by the reward policy ([reward] in flywheel.toml, FLYWHEEL_REWARD__<FIELD>)."""
     from ingest.app import run_worker
 
     try:
-        join = dataclasses.replace(join, shaping=RewardShaping(up=reward_up, down=reward_down))
+        policy = RewardPolicy.from_env(thumb_up=reward_up, thumb_down=reward_down)
+        join = dataclasses.replace(join, reward=policy)
         cfg = dataclasses.replace(worker, join=join, state_path=state or None)
     except ValueError as exc:  # (pydantic's ValidationError is one: its first message, not its input's repr)
-        msg = exc.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(exc, ValidationError) else str(exc)
-        raise typer.BadParameter(msg, param_hint="--state" if msg.startswith("state:") else None) from None
+        if isinstance(exc, ValidationError):
+            e = exc.errors()[0]
+            loc = ".".join(str(x) for x in e["loc"])
+            msg = e["msg"].removeprefix("Value error, ")
+            msg = msg if msg.split(":", 1)[0] in (loc, "state") or not loc else f"{loc}: {msg}"
+        else:
+            msg = str(exc)
+        hint = ("--state" if msg.startswith("state:") else
+                "--reward-up" if msg.startswith("reward.thumb_up") and reward_up is not None else
+                "--reward-down" if msg.startswith("reward.thumb_down") and reward_down is not None else None)
+        raise typer.BadParameter(msg, param_hint=hint) from None
     from ingest.worker import WorkerStartError
 
     try:

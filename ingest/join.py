@@ -22,8 +22,21 @@ Semantics (issue 4 item 2):
 * **Late**: feedback for an already sealed completion is counted as ``late`` and, by
   ``late_policy``, dead-lettered (default) or dropped (still counted).
 * **Unlabelled**: a completion with no vote by ``max_label_age_s`` is dropped (counted).
-* Feedback kinds other than ``thumb`` are not used by the label yet: dead-lettered with
-  the reason, so they are accounted for.
+* **Every kind is a reward component** under the declared reward policy
+  (``schemas.reward.RewardPolicy``, ``JoinConfig.reward``): each user's last signal per kind
+  (a score: per name) wins, as for thumbs; at sealing the components become the sample's
+  columns (``thumb``, ``copied``, ``regenerated``, ``kept_share``, ``followup``, ``scores``),
+  the policy combines them into ``reward`` and ``label = reward > 0``, and the sample carries
+  the policy's digest. A kind whose weight is 0, a score whose name is not declared or whose
+  value is outside its declared range, and an edit's ``final_text`` on a worker that cannot
+  decode completions are dead-lettered with the field and reason (outcome ``unsupported``),
+  so they are accounted for.
+* **Horizons**: a label is sealed no earlier than its completion's ``created_at`` plus the
+  policy's slowest weighted horizon (``RewardPolicy.horizon_s``), and, as before, no later
+  than ``max_label_age_s`` (``JoinConfig`` refuses a horizon above it).
+* **Kept share** of an edit that carries ``final_text``: :func:`kept_share` of the
+  completion's text (its token ids decoded by the worker's tokenizer, ``Joiner(decode=)``)
+  and the final text, computed at sealing.
 * **Validation once**: feedback is validated in full when consumed; a completion only as far
   as the join needs (:func:`parse_completion`: its head), and in full once, when its label is
   sealed or dropped (:meth:`Joiner.validate`). A body that fails then is dead-lettered with the
@@ -61,49 +74,27 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from ingest.store import JoinStore
 from schemas import topics
+from schemas.reward import RewardPolicy
 from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
                             FeedbackEvent, IdText, RewardedSample, clamp_event_time, escape_text,
                             now_ms)
 
 
-REWARD_LIMIT = 1e6  # |reward of one vote|: a sum over 2**31 votes stays a finite float32
+def kept_share(completion_text: str, final_text: str) -> float:
+    """The share of a completion's words that the user's final text kept, in [0, 1].
 
-
-@pydantic_dataclass(frozen=True)
-class RewardShaping:
-    """How a label's votes become the scalar ``reward``.
-
-    ``reward = (up * votes_up + down * votes_down) / (votes_up + votes_down)`` (mean over
-    users' last votes) with ``aggregate="mean"``, or the plain sum with ``"sum"``.
-    Default ±1 averaged, i.e. reward in [-1, 1]; e.g. ``up=0.75, down=-0.25`` for an
-    asymmetric shaping. ``flywheel ingest`` sets ``up`` and ``down`` with ``--reward-up`` and
-    ``--reward-down`` (``ingest.commands``). Each is a finite number in
-    [-:data:`REWARD_LIMIT`, :data:`REWARD_LIMIT`], so every shaped reward (also a sum over
-    any number of votes) is finite as float32, as the sample contract requires.
-
-    Raises:
-        pydantic.ValidationError (a ValueError): an ``aggregate`` other than mean or sum, or
-            ``up``/``down`` NaN, infinite or beyond the limit (the message names the field).
+    Words are the whitespace-separated tokens of each text (``str.split()``); the measure is
+    the clipped unigram overlap ``sum over words w of min(count in completion, count in
+    final) / words in the completion`` (ROUGE-1 recall of the completion against the final
+    text). It ignores order (moving a paragraph keeps it) and costs time linear in both
+    lengths, so a 65536-character final text costs the same whatever it holds. An empty
+    completion: 1.0 when the final text is empty too, else 0.0.
     """
-
-    up: float = Field(1.0, ge=-1e6, le=1e6, description="Reward of an up-vote.")
-    down: float = Field(-1.0, ge=-1e6, le=1e6, description="Reward of a down-vote.")
-    aggregate: Literal["mean", "sum"] = Field(
-        "mean", description="mean: the votes' average; sum: their sum.", json_schema_extra={"cli": False})
-
-    def __post_init__(self):
-        # (the Field bounds already refuse these; kept with the limit's name in the message)
-        # a NaN reward used to reach the shard unvalidated (Joiner.seal builds the sample
-        # without a second validation) and every later read of that shard failed
-        for name in ("up", "down"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and abs(v) <= REWARD_LIMIT):
-                raise ValueError(f"{name}: must be a finite number in [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}], got {v}")
-
-    def reward(self, votes_up: int, votes_down: int) -> float:
-        total = self.up * votes_up + self.down * votes_down
-        n = votes_up + votes_down
-        return total / n if self.aggregate == "mean" and n else float(total)
+    a = completion_text.split()
+    if not a:
+        return 0.0 if final_text.split() else 1.0
+    b = collections.Counter(final_text.split())
+    return sum(min(n, b[w]) for w, n in collections.Counter(a).items()) / len(a)
 
 
 _S = {"unit": "s"}
@@ -127,13 +118,15 @@ class JoinConfig:
     Policies:
         late_policy: feedback after its label was sealed: ``"deadletter"`` or ``"drop"``
             (counted in ``late`` either way).
-        shaping: :class:`RewardShaping` (set by programs; the CLI's ``--reward-up`` and
-            ``--reward-down``).
+        reward: the reward policy (:class:`schemas.reward.RewardPolicy`; ``[reward]`` in
+            ``flywheel.toml`` and ``FLYWHEEL_REWARD__<FIELD>``, the CLI's ``--reward-up`` and
+            ``--reward-down`` for its thumb values).
 
     Raises:
         pydantic.ValidationError (a ValueError): a field out of its bounds, an unknown
-            ``late_policy``, or ``dedupe_retention_s`` not above ``max_label_age_s +
-            orphan_ttl_s``; the message names the field.
+            ``late_policy``, ``dedupe_retention_s`` not above ``max_label_age_s +
+            orphan_ttl_s``, or the reward policy's slowest horizon above ``max_label_age_s``;
+            the message names the field.
     """
 
     seal_after_s: float = Field(600.0, description="Seal a label after this long without a new vote.",
@@ -144,8 +137,8 @@ class JoinConfig:
                                 json_schema_extra=_S)
     late_policy: Literal["deadletter", "drop"] = Field(
         "deadletter", description="Feedback after sealing: deadletter | drop.")
-    shaping: RewardShaping = Field(default_factory=RewardShaping, description="How votes become the reward.",
-                                   json_schema_extra={"cli": False})
+    reward: RewardPolicy = Field(default_factory=RewardPolicy, description="The reward policy.",
+                                 json_schema_extra={"cli": False})
     dedupe_retention_s: float = Field(
         7 * 24 * 3600.0, description="How long an event id / sealed completion is remembered for dedupe.",
         json_schema_extra={"unit": "s", "cli": False})
@@ -161,16 +154,30 @@ class JoinConfig:
             raise ValueError(f"dedupe_retention_s: must exceed max_label_age_s + orphan_ttl_s = "
                              f"{self.max_label_age_s + self.orphan_ttl_s:g} s (a redelivery within a "
                              f"label's life must still dedupe), got {self.dedupe_retention_s:g}")
+        if self.reward.horizon_s() > self.max_label_age_s:
+            raise ValueError(f"reward.{self.reward.slowest()}: {self.reward.horizon_s():g} s is above "
+                             f"max_label_age_s = {self.max_label_age_s:g} s (a label is sealed by then, so a "
+                             f"signal that late could never count)")
 
 
 @dataclass
 class Vote:
-    """One user's current vote: value ±1, ``created_at`` ms (client time), ``seq`` arrival order."""
+    """One user's current signal of one kind: ``value`` (±1 for a thumb, the event's value
+    for other kinds; None for an edit carrying ``text``, its final text), ``created_at`` ms
+    (client time), ``seq`` arrival order."""
 
     event_id: str
-    value: float
+    value: float | None
     created_at: int
     seq: int
+    text: str | None = None
+
+
+def signal_key(ev: FeedbackEvent) -> str:
+    """The key under which a user's last signal of ``ev``'s kind is kept in
+    :attr:`LabelState.signals`: the kind, ``score:<name>`` for a score (thumbs are in
+    :attr:`LabelState.votes`)."""
+    return f"score:{ev.name}" if ev.kind == "score" else ev.kind
 
 
 @dataclass
@@ -181,7 +188,8 @@ class LabelState:
     stored but was not read (:meth:`ingest.state.StateStore.get_many`), or None while only
     feedback has arrived. ``claim``: the store's claim on it (``"shard:<path>"`` while being
     sealed, ``"dead:"`` while its orphan votes are dead-lettered), not serialised.
-    ``votes``: user_hash -> that user's last :class:`Vote`. ``event_ids``: every folded
+    ``votes``: user_hash -> that user's last thumb (:class:`Vote`). ``signals``: every other
+    kind's last signals, :func:`signal_key` -> user_hash -> :class:`Vote`. ``event_ids``: every folded
     feedback event (in arrival order). Times are ms: ``first_seen_at`` (processing time of
     the first event of either kind), ``last_vote_at`` (processing time of the last folded
     vote), ``created_at`` (the completion's).
@@ -192,6 +200,7 @@ class LabelState:
     created_at: int | None = None
     votes: dict[str, Vote] = field(default_factory=dict)
     event_ids: list[str] = field(default_factory=list)
+    signals: dict[str, dict[str, Vote]] = field(default_factory=dict)
     first_seen_at: int = 0
     first_vote_at: int | None = None
     last_vote_at: int | None = None
@@ -206,10 +215,12 @@ class LabelState:
         age_due = self.created_at + int(cfg.max_label_age_s * 1000)
         if self.last_vote_at is None:
             return age_due
-        return min(age_due, self.last_vote_at + int(cfg.seal_after_s * 1000))
+        quiet = self.last_vote_at + int(cfg.seal_after_s * 1000)
+        hz = cfg.reward.horizon_ms  # (0: no horizon, as for thumbs alone)
+        return min(age_due, max(quiet, self.created_at + hz) if hz else quiet)
 
     def to_json(self) -> str:
-        if not (self.votes or self.event_ids or self.pending_raw) and self.first_vote_at is None \
+        if not (self.votes or self.event_ids or self.pending_raw or self.signals) and self.first_vote_at is None \
                 and self.last_vote_at is None and type(self.created_at) is int:
             # a new completion's state (one per completion): the same JSON, ~10x cheaper
             return (f'{{"completion_id":{pydantic_core.to_json(self.completion_id).decode()},'
@@ -218,12 +229,16 @@ class LabelState:
                     f'"seq":{int(self.seq)},"pending_raw":{{}}}}')
         # pydantic-core's JSON codec: ~3.5x faster than the json module on these small dicts,
         # and a state is read and written once per folded vote
-        return pydantic_core.to_json({  # the completion is stored apart (ingest.state)
+        d = {  # the completion is stored apart (ingest.state)
             "completion_id": self.completion_id,
             "created_at": self.created_at, "event_ids": self.event_ids,
             "votes": {u: [v.event_id, v.value, v.created_at, v.seq] for u, v in self.votes.items()},
             "first_seen_at": self.first_seen_at, "first_vote_at": self.first_vote_at,
-            "last_vote_at": self.last_vote_at, "seq": self.seq, "pending_raw": self.pending_raw}).decode()
+            "last_vote_at": self.last_vote_at, "seq": self.seq, "pending_raw": self.pending_raw}
+        if self.signals:  # (absent when empty: a thumbs-only state's JSON is what it always was)
+            d["signals"] = {k: {u: [v.event_id, v.value, v.created_at, v.seq] + ([v.text] if v.text is not None else [])
+                                for u, v in us.items()} for k, us in self.signals.items()}
+        return pydantic_core.to_json(d).decode()
 
     @classmethod
     def from_json(cls, raw: str, completion: bytes | str | None = None, claim: str | None = None) -> "LabelState":
@@ -231,6 +246,8 @@ class LabelState:
         d["completion"] = completion
         d["claim"] = claim
         d["votes"] = {u: Vote(*v) for u, v in d["votes"].items()}
+        if "signals" in d:
+            d["signals"] = {k: {u: Vote(*v) for u, v in us.items()} for k, us in d["signals"].items()}
         return cls(**d)
 
 
@@ -486,6 +503,9 @@ class Joiner:
             :class:`ingest.state.StateStore` or PostgreSQL :class:`ingest.state_pg.PgStateStore`);
             every method leaves it consistent, so a crash between two calls loses nothing.
         config: :class:`JoinConfig`.
+        decode: ``completion_token_ids (list[int]) -> text (str)``, the completion's text for
+            an edit's kept share (:func:`kept_share`); None: an edit carrying ``final_text``
+            is dead-lettered (field ``final_text``), one carrying ``value`` is folded.
 
     Times passed as ``now`` are processing time in ms since the epoch (UTC).
 
@@ -493,12 +513,14 @@ class Joiner:
         TypeError: ``store`` lacks a method of :class:`ingest.store.JoinStore` (named).
     """
 
-    def __init__(self, store: JoinStore, config: JoinConfig | None = None):
+    def __init__(self, store: JoinStore, config: JoinConfig | None = None, decode=None):
         if not isinstance(store, JoinStore):
             missing = sorted(m for m in dir(JoinStore) if not m.startswith("_") and not hasattr(store, m))
             raise TypeError(f"store: {type(store).__name__} is not a JoinStore (missing {', '.join(missing)})")
         self.store = store
         self.cfg = config or JoinConfig()
+        self.decode = decode
+        self.policy_digest = self.cfg.reward.digest()
         # the source topics named in dead letters, under the prefix of this process's settings
         # (read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment)
         self.tc, self.tf = topics.COMPLETIONS, topics.FEEDBACK
@@ -570,13 +592,16 @@ class Joiner:
         decided earlier in ``items``), ``"late"`` (its label is sealed or being sealed; a
         DeadLetter is returned when ``late_policy="deadletter"``), ``"expired"``
         (``created_at`` older than ``dedupe_retention_s``: counted, DeadLetter returned) or
-        ``"unsupported"`` (a kind the label does not use; DeadLetter returned). A returned
+        ``"unsupported"`` (the reward policy gives it no component: a kind of weight 0, a
+        score not declared or outside its range, or an edit's ``final_text`` without a
+        ``decode``; DeadLetter returned with the field and reason). A returned
         dead letter is not yet recorded: publish it, then call :meth:`mark_dead` (a crash in
         between re-decides it on replay: dead letters are at-least-once, never lost).
         """
         now = now_ms() if now is None else now
         out: list[tuple[str, DeadLetter | None]] = []
         horizon = now - self.cfg.dedupe_retention_s * 1000
+        thumbs_on = self.cfg.reward.thumb_weight > 0
         n: collections.Counter[str] = collections.Counter()  # counter bumps, written once
         with self.store.transaction():
             eids = [str(ev.event_id) for ev, _ in items]
@@ -600,10 +625,10 @@ class Joiner:
                         f"expired: created_at {ev.created_at} ms is older than the dedupe horizon "
                         f"(dedupe_retention_s={self.cfg.dedupe_retention_s})", _raw_text(raw, ev), now)))
                     continue  # decided here: a later copy in ``items`` is a duplicate
-                if ev.kind != "thumb":
+                refused = None if ev.kind == "thumb" and thumbs_on else self._refusal(ev)
+                if refused is not None:
                     n["feedback_unsupported"] += 1
-                    out.append(("unsupported", dead_letter(self.tf, cid, "kind",
-                                                           f"kind {ev.kind!r} is not used by the label yet", _raw_text(raw, ev), now)))
+                    out.append(("unsupported", dead_letter(self.tf, cid, refused[0], refused[1], _raw_text(raw, ev), now)))
                     continue
                 st = states.get(cid)
                 # a label claimed for a shard is being sealed (maybe right now, by the seal
@@ -623,10 +648,12 @@ class Joiner:
                     out.append(("duplicate", None))
                     continue
                 st.seq += 1
-                vote = Vote(event_id=eid, value=float(ev.value), created_at=ev.created_at, seq=st.seq)
-                cur = st.votes.get(ev.user_hash)
+                vote = Vote(event_id=eid, value=None if ev.value is None else float(ev.value),
+                            created_at=ev.created_at, seq=st.seq, text=ev.final_text)
+                last = st.votes if ev.kind == "thumb" else st.signals.setdefault(signal_key(ev), {})
+                cur = last.get(ev.user_hash)
                 if cur is None or (vote.created_at, vote.seq) > (cur.created_at, cur.seq):
-                    st.votes[ev.user_hash] = vote
+                    last[ev.user_hash] = vote
                 st.event_ids.append(eid)
                 if st.completion is None:
                     st.pending_raw[eid] = _raw_text(raw, ev)
@@ -643,6 +670,15 @@ class Joiner:
             for k, v in n.items():
                 self.store.bump(k, v)
         return out
+
+    def _refusal(self, ev: FeedbackEvent) -> tuple[str, str] | None:
+        """Why ``ev`` has no component under the reward policy, as ``(field, reason)``, or None."""
+        refused = self.cfg.reward.refusal(ev.kind, ev.name, ev.value)
+        if refused is None and ev.kind == "edit" and ev.final_text is not None and self.decode is None:
+            return "final_text", ("an edit's final_text needs the completion's text, and this worker has no "
+                                  "tokenizer to decode it (send the kept share as value, or give the worker "
+                                  "the model's tokenizer.json: docs/data.md)")
+        return refused
 
     # -- time ----------------------------------------------------------------------------
     def validate(self, st: LabelState) -> CompletionEvent | DeadLetter:
@@ -678,6 +714,9 @@ class Joiner:
                 raise ValueError(f"{ev.field}: {ev.reason}")
         up = sum(1 for v in st.votes.values() if v.value > 0)
         down = sum(1 for v in st.votes.values() if v.value < 0)
+        c = self.components(st, ev)
+        reward = self.cfg.reward.combine(**c)
+        n_votes = up + down + sum(len(us) for us in st.signals.values())
         # every field given: a shallow copy of a template with all of them replaced is the
         # model_construct result (no validation, every field set) at half its cost
         return _SAMPLE_TEMPLATE.model_copy(update=dict(
@@ -685,8 +724,35 @@ class Joiner:
             user_hash=ev.user_hash, prompt_token_ids=ev.prompt_token_ids,
             completion_token_ids=ev.completion_token_ids, behavior_logprobs=ev.behavior_logprobs,
             sampling=ev.sampling, expert_routes=ev.expert_routes, finish_reason=ev.finish_reason,
-            reward=self.cfg.shaping.reward(up, down), label=up > down, n_votes=up + down,
-            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now, split=ev.split))
+            reward=reward, label=reward > 0, n_votes=n_votes,
+            votes_up=up, votes_down=down, event_ids=list(st.event_ids), sealed_at=now, split=ev.split,
+            reward_policy=self.policy_digest, **c))
+
+    def components(self, st: LabelState, ev: CompletionEvent) -> dict:
+        """The component fields of a label's sample (``thumb``, ``copied``, ``regenerated``,
+        ``kept_share``, ``followup``, ``scores``; :class:`schemas.events.RewardedSample`),
+        each over the users' last signals: thumbs and followups averaged (+1/-1), copies and
+        regenerates counted (users), kept shares averaged (an edit with ``final_text``:
+        :func:`kept_share` against ``ev``'s decoded completion; left out when this joiner
+        has no ``decode``), scores averaged per name."""
+        thumbs = [v.value for v in st.votes.values()]
+        sig = st.signals
+        shares = []
+        text = None
+        for v in sig.get("edit", {}).values():
+            if v.text is None:
+                shares.append(v.value)
+            elif self.decode is not None:
+                if text is None:
+                    text = self.decode(ev.completion_token_ids)
+                shares.append(kept_share(text, v.text))
+        follow = [v.value for v in sig.get("followup", {}).values()]
+        scores = {k[6:]: sum(v.value for v in us.values()) / len(us)
+                  for k, us in sorted(sig.items()) if k.startswith("score:") and us}
+        return dict(thumb=sum(thumbs) / len(thumbs) if thumbs else None,
+                    copied=len(sig.get("copy", ())), regenerated=len(sig.get("regenerate", ())),
+                    kept_share=sum(shares) / len(shares) if shares else None,
+                    followup=sum(follow) / len(follow) if follow else None, scores=scores)
 
     def _malformed(self, st: LabelState, dl: DeadLetter, res: TickResult, now: int) -> None:
         """A completion whose body failed :meth:`validate`: its dead letter, and one per folded
@@ -756,7 +822,7 @@ class Joiner:
                 elif isinstance(ev := self.validate(st), DeadLetter):
                     self._malformed(st, ev, res, now)
                     claims.append((st.completion_id, "bad:"))
-                elif not st.votes:
+                elif not (st.votes or any(st.signals.values())):
                     res.dropped.append(st.completion_id)
                     self.store.delete(st.completion_id)
                     self.store.bump("completions_dropped_unlabelled")
@@ -842,6 +908,7 @@ class Joiner:
                     continue
                 st.event_ids = rest
                 st.votes = {u: v for u, v in st.votes.items() if v.event_id not in dead}
+                st.signals = {k: {u: v for u, v in us.items() if v.event_id not in dead} for k, us in st.signals.items()}
                 st.pending_raw = {e: r for e, r in st.pending_raw.items() if e not in dead}
                 if st.completion is None:
                     st.first_seen_at = now

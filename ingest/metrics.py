@@ -82,7 +82,9 @@ def reason_class(field: str, reason: str) -> str:
     body failed validation), ``duplicate_key``, ``tombstone``, ``unparseable`` (not a JSON
     object), ``unsupported_kind``, ``unsupported_schema_version``, ``future`` (``created_at``
     beyond the clock-skew tolerance), ``quarantined`` (a sealed sample the shard or the samples
-    topic refused), ``unfoldable`` (a value the join state refused), else ``invalid`` (a field
+    topic refused), ``unfoldable`` (a value the join state refused), ``reward_policy`` (a score
+    or an edit's final text the reward policy cannot use: an undeclared name, a value out of
+    its declared range, no tokenizer to measure a final text), else ``invalid`` (a field
     failed the event's schema; the dead letter names it).
     """
     r = reason.lower()
@@ -93,6 +95,8 @@ def reason_class(field: str, reason: str) -> str:
         return "unsupported_kind"
     if field == "schema_version":
         return "unsupported_schema_version"
+    if "reward policy" in r or field == "final_text":
+        return "reward_policy"
     return "invalid"
 
 

@@ -200,7 +200,7 @@ class Worker:
         self.rekeyed = rekeyed_topic()
         self._n: int | None = None  # partitions of the consumed topics (from the assignment)
         self._assign: tuple[set[int], int] | None = None  # an assignment the store has not taken yet
-        self.joiner = Joiner(self.store, cfg.join)
+        self.joiner = Joiner(self.store, cfg.join, decode=completion_decoder())
         self.metrics = IngestMetrics()  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
         # a dead-letter file was written since the last housekeeping (for the catalog refresh)
@@ -697,6 +697,37 @@ class Worker:
 #: The worker process's cyclic-collector thresholds (``gc.set_threshold``): a young
 #: collection per 50,000 net allocations (Python's default: 700), then 20 and 100.
 GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def completion_decoder():
+    """A ``token ids -> text`` function for an edit's kept share (``ingest.join.kept_share``),
+    or None when this worker cannot decode completions (then an edit carrying ``final_text``
+    is dead-lettered, field ``final_text``; one carrying its kept share as ``value`` is not).
+
+    The tokenizer is the deployment's: ``tokenizer.json`` of the model store's base checkpoint
+    (``$FLYWHEEL_STORE/base``, a local store), else of ``$FLYWHEEL_MODEL_DIR``
+    (``schemas.settings.base_model_dir``), read with the ``tokenizers`` package (Hugging
+    Face's Rust tokenizer, no model code); special tokens are skipped. Every version of a
+    deployment shares its base tokenizer.
+    """
+    from schemas import settings
+
+    store = settings.store_dir()
+    dirs = ([Path(store) / "base"] if isinstance(store, Path) else []) + [settings.base_model_dir()]
+    path = next((d / "tokenizer.json" for d in dirs if (d / "tokenizer.json").is_file()), None)
+    if path is None:
+        log.info("ingest: no tokenizer.json in %s: edits with final_text will be dead-lettered",
+                 " or ".join(map(str, dirs)))
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        log.warning("ingest: %s found but the tokenizers package is not installed: edits with final_text will be "
+                    "dead-lettered", path)
+        return None
+    tok = Tokenizer.from_file(str(path))
+    log.info("ingest: completions decoded for edits' kept share with %s", path)
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=True)
 
 
 def configure_gc() -> None:

@@ -29,7 +29,8 @@ ROW_GROUP_ROWS = 4096  # rows per Parquet row group: a learner batch reads whole
 HOUR_MS = 3_600_000
 # dictionary-encode only the repetitive columns: on the large unique ones (routes, token
 # lists) it slows the write and saves nothing
-DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype", "expert_routes_codec"]
+DICTIONARY_COLUMNS = ["model_version", "split", "finish_reason", "expert_routes_dtype", "expert_routes_codec",
+                      "reward_policy"]
 
 
 def _leaf_paths(t: pa.DataType, name: str) -> list[str]:

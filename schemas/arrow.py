@@ -34,13 +34,27 @@ expert_routes               binary (null for dense)        the routes: one zstd 
 expert_routes_shape         list<int32> (3 values)         (P + C - 1, num_hidden_layers, top_k)
 expert_routes_dtype         string                         ``uint8`` or ``uint16``
 finish_reason               string (dictionary)            stop | length | abort
-reward                      float32                        shaped reward
-label                       bool                           desirable (KTO)
-n_votes, votes_up,          int32                          each user's last vote counted
-votes_down
+reward                      float32                        the reward policy's reward
+label                       bool                           reward > 0 (desirable, KTO)
+n_votes                     int32                          each user's last signal of each
+                                                           kind (a score: of each name)
+votes_up, votes_down        int32                          each user's last thumb counted
 event_ids                   list<string>                   every feedback event folded in
 expert_routes_codec         string (dictionary)            ``zstd`` or null (format 3)
+reward_policy               string (dictionary)            the policy's digest (format 4)
+thumb                       double                         mean of users' last thumbs, [-1, 1]
+copied, regenerated         int32                          users who copied / asked again
+kept_share                  double                         mean kept share of edits, [0, 1]
+followup                    double                         mean followup judgement, [-1, 1]
+scores                      list<struct<name: string,      per declared score name: the mean
+                            value: double>>                of users' last values, by name
 ==========================  =============================  ==================================
+
+Components (format 4, ``schemas.reward``; ``docs/data.md`` re-scores them under another
+policy): a null ``thumb`` / ``kept_share`` / ``followup`` means no user sent that kind; a
+format-3 shard lacks these columns and reads as nulls, ``copied`` / ``regenerated`` 0 and
+``scores`` empty (:func:`conform`, :func:`row_to_sample`), ``reward_policy`` null (sealed
+before policies had a digest: the mean of thumbs).
 
 Routes (format 3, D65): with ``expert_routes_codec = 'zstd'`` the cell is the zstd frame
 serving wrote (``ExpertRoutes.data``, base64-decoded, byte for byte); it decompresses to the
@@ -76,12 +90,13 @@ import pyarrow.compute as pc
 
 from schemas.events import ExpertRoutes, RewardedSample, SamplingParams
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 FORMAT_KEY = b"flywheel.samples.format"
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 SAMPLING_TYPE = pa.struct([
     ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()),
     ("max_tokens", pa.int32()), ("seed", pa.int64()), ("logprobs_kind", pa.string())])
+SCORES_TYPE = pa.list_(pa.struct([("name", pa.string()), ("value", pa.float64())]))
 
 SAMPLE_SCHEMA = pa.schema([
     ("completion_id", pa.string()),
@@ -105,11 +120,24 @@ SAMPLE_SCHEMA = pa.schema([
     ("votes_down", pa.int32()),
     ("event_ids", pa.list_(pa.string())),
     ("expert_routes_codec", pa.string()),  # format 3: "zstd" (the served frame) or null (raw bytes)
+    ("reward_policy", pa.string()),  # format 4: the reward policy's digest and the components
+    ("thumb", pa.float64()),
+    ("copied", pa.int32()),
+    ("regenerated", pa.int32()),
+    ("kept_share", pa.float64()),
+    ("followup", pa.float64()),
+    ("scores", SCORES_TYPE),
 ], metadata={FORMAT_KEY: str(FORMAT_VERSION).encode()})
 
 _SAMPLING_FIELDS = [f.name for f in SAMPLING_TYPE]
 #: Columns added after format 2: absent from format-2 files, read as nulls (:func:`conform`).
 ADDED_IN_3 = ("expert_routes_codec",)
+#: Columns added in format 4 (the reward policy's digest and components): absent from earlier
+#: files, read as nulls (:func:`conform`; :func:`row_to_sample` reads null counts as 0 and
+#: null scores as none).
+ADDED_IN_4 = ("reward_policy", "thumb", "copied", "regenerated", "kept_share", "followup", "scores")
+#: Every column an earlier format-2 or later file may lack.
+ADDED_AFTER_2 = ADDED_IN_3 + ADDED_IN_4
 ROUTES_CODEC = "zstd"
 
 
@@ -211,10 +239,22 @@ def samples_to_table(samples: list[RewardedSample]) -> pa.Table:
         "expert_routes_dtype": [r[2] for r in routes], "finish_reason": col("finish_reason"),
         "reward": col("reward"), "label": col("label"), "n_votes": col("n_votes"), "votes_up": col("votes_up"),
         "votes_down": col("votes_down"), "event_ids": col("event_ids"),
-        "expert_routes_codec": [r[3] for r in routes]}
+        "expert_routes_codec": [r[3] for r in routes], **_component_cols(samples)}
     return pa.Table.from_arrays([c if isinstance(c, pa.Array) else pa.array(c, f.type)
                                  for f, c in zip(SAMPLE_SCHEMA, (cols[f.name] for f in SAMPLE_SCHEMA))],
                                 schema=SAMPLE_SCHEMA)
+
+
+def _scores_cell(scores: dict[str, float]) -> list[dict]:
+    return [{"name": k, "value": v} for k, v in sorted(scores.items())]
+
+
+def _component_cols(samples: list[RewardedSample]) -> dict[str, list]:
+    """The format-4 columns of ``samples``: the policy digest and each component."""
+    return {"reward_policy": [s.reward_policy for s in samples], "thumb": [s.thumb for s in samples],
+            "copied": [s.copied for s in samples], "regenerated": [s.regenerated for s in samples],
+            "kept_share": [s.kept_share for s in samples], "followup": [s.followup for s in samples],
+            "scores": [_scores_cell(s.scores) for s in samples]}
 
 
 def unwritable_column(s: RewardedSample) -> tuple[str, str] | None:
@@ -232,7 +272,7 @@ def unwritable_column(s: RewardedSample) -> tuple[str, str] | None:
            "expert_routes": raw, "expert_routes_shape": shape, "expert_routes_dtype": dtype,
            "finish_reason": s.finish_reason, "reward": s.reward, "label": s.label, "n_votes": s.n_votes,
            "votes_up": s.votes_up, "votes_down": s.votes_down, "event_ids": s.event_ids,
-           "expert_routes_codec": codec}
+           "expert_routes_codec": codec, **{k: v[0] for k, v in _component_cols([s]).items()}}
     for f in SAMPLE_SCHEMA:
         try:
             pa.array([row[f.name]], f.type)
@@ -272,9 +312,20 @@ def routes_from_raw(raw: bytes | None, shape, dtype: str | None, codec: str | No
     return ExpertRoutes.from_array(arr.reshape(shape).astype(dtype))
 
 
+def _scores_of(cell) -> dict[str, float]:
+    """A ``scores`` cell (list of ``{name, value}``, or a DuckDB/Arrow map as pairs or a dict;
+    null) -> ``{name: value}``."""
+    if not cell:
+        return {}
+    if isinstance(cell, dict):
+        return dict(cell)
+    return {(x["name"] if isinstance(x, dict) else x[0]): (x["value"] if isinstance(x, dict) else x[1]) for x in cell}
+
+
 def row_to_sample(row: dict) -> RewardedSample:
-    """One row of a format-2 or format-3 table (``Table.to_pylist()`` or DuckDB dicts: times may be
-    datetimes or integer ms) -> RewardedSample.
+    """One row of a format-2, 3 or 4 table (``Table.to_pylist()`` or DuckDB dicts: times may be
+    datetimes or integer ms) -> RewardedSample (the format-4 columns absent or null: no
+    policy digest, no components).
 
     Raises:
         pydantic.ValidationError / ValueError: the row is not a valid sample (names the field).
@@ -291,12 +342,16 @@ def row_to_sample(row: dict) -> RewardedSample:
                                       row.get("expert_routes_codec")),
         finish_reason=row["finish_reason"], reward=row["reward"], label=row["label"],
         n_votes=row["n_votes"], votes_up=row["votes_up"], votes_down=row["votes_down"],
-        event_ids=list(row["event_ids"]), sealed_at=_ms(row["sealed_at"]))
+        event_ids=list(row["event_ids"]), sealed_at=_ms(row["sealed_at"]),
+        reward_policy=row.get("reward_policy"), thumb=row.get("thumb"), copied=row.get("copied") or 0,
+        regenerated=row.get("regenerated") or 0, kept_share=row.get("kept_share"), followup=row.get("followup"),
+        scores=_scores_of(row.get("scores")))
 
 
 def table_to_samples(table: pa.Table) -> list[RewardedSample]:
-    """A format-2 or format-3 table (extra columns such as hive ``date``/``hour`` ignored; no
-    ``expert_routes_codec`` column: format 2, raw routes) -> RewardedSamples, in row order."""
+    """A format-2, 3 or 4 table (extra columns such as hive ``date``/``hour`` ignored; no
+    ``expert_routes_codec`` column: format 2, raw routes; no component columns: before format
+    4) -> RewardedSamples, in row order."""
     for name in ("created_at", "sealed_at"):
         if pa.types.is_timestamp(table.schema.field(name).type):
             i = table.schema.get_field_index(name)
@@ -307,20 +362,23 @@ def table_to_samples(table: pa.Table) -> list[RewardedSample]:
 
 def format_version(schema: pa.Schema) -> int:
     """The shard format of ``schema``: the number under :data:`FORMAT_KEY`; without it, 1 when
-    ``sampling`` is a JSON string (the earlier layout), 3 with ``expert_routes_codec``, else 2."""
+    ``sampling`` is a JSON string (the earlier layout), 4 with ``reward_policy``, 3 with
+    ``expert_routes_codec``, else 2."""
     meta = schema.metadata or {}
     if FORMAT_KEY in meta:
         return int(meta[FORMAT_KEY])
     if schema.field("sampling").type == pa.string():
         return 1
+    if "reward_policy" in schema.names:
+        return 4
     return 3 if "expert_routes_codec" in schema.names else 2
 
 
 def conform(table: pa.Table) -> pa.Table:
-    """A format-2 or format-3 table (columns of :data:`SAMPLE_SCHEMA`, any subset is fine)
-    with the columns added in format 3 (:data:`ADDED_IN_3`) appended as nulls where absent,
-    so it casts to :data:`SAMPLE_SCHEMA`."""
-    for name in ADDED_IN_3:
+    """A format-2, 3 or 4 table (columns of :data:`SAMPLE_SCHEMA`, any subset is fine)
+    with the columns added in formats 3 and 4 (:data:`ADDED_AFTER_2`) appended as nulls where
+    absent, so it casts to :data:`SAMPLE_SCHEMA`."""
+    for name in ADDED_AFTER_2:
         if name not in table.column_names:
             table = table.append_column(SAMPLE_SCHEMA.field(name), pa.nulls(table.num_rows, SAMPLE_SCHEMA.field(name).type))
     return table
@@ -359,6 +417,7 @@ def upgrade_v1_table(table: pa.Table, model_version: str) -> pa.Table:
         "expert_routes_shape": pa.array(shapes, pa.list_(pa.int32())),
         "expert_routes_dtype": pa.array(dtypes, pa.string()),
         "expert_routes_codec": pa.nulls(n, pa.string()),  # raw bytes (a migrated shard keeps them raw)
+        **{c: pa.nulls(n, SAMPLE_SCHEMA.field(c).type) for c in ADDED_IN_4},  # no policy, no components
     }
     return pa.table({f.name: cols[f.name] if f.name in cols else table.column(f.name).cast(f.type)
                      for f in SAMPLE_SCHEMA}, schema=SAMPLE_SCHEMA)

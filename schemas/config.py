@@ -10,6 +10,13 @@ The file has three kinds of entries (``deploy/k8s/flywheel.toml`` is a complete 
     bootstrap = "kafka-0.kafka:9092"
     replication_factor = 3
 
+    [reward]                               # the reward policy: schemas.reward.RewardPolicy's
+    edit_weight = 0.25                     # fields (every role that reads rewards reads it)
+    [reward.scores.helpfulness]
+    min = 1
+    max = 5
+    weight = 0.5
+
     [serve]                                # one table per command: its options, by their
     host = "0.0.0.0"                       # Python names (``api_keys_file``) or flag names
     engine = "vllm"                        # (``api-keys-file``)
@@ -18,7 +25,8 @@ The file has three kinds of entries (``deploy/k8s/flywheel.toml`` is a complete 
 
 Precedence, highest first: a flag on the command line; an environment variable
 (``FLYWHEEL_HOME``, ``FLYWHEEL_KAFKA_PARTITIONS``, ``FLYWHEEL_SERVE__PORT`` for the ``port``
-option of ``[serve]``: ``__`` separates table and key); the file; the built-in default.
+option of ``[serve]``, ``FLYWHEEL_REWARD__EDIT_WEIGHT`` for a ``[reward]`` field: ``__``
+separates table and key); the file; the built-in default.
 
 ``flywheel --config PATH`` or ``FLYWHEEL_CONFIG=PATH`` names the file; no file is read
 otherwise (the environment variables still apply: :func:`configure_env`). Secrets never go in the file: ``kafka.sasl_password`` is refused (use
@@ -55,6 +63,7 @@ class FlywheelConfig(BaseSettings):
     Fields:
         home, store, samples, model_dir, serving_url: see :data:`PATH_VARS`.
         kafka: :class:`schemas.settings.KafkaSettings` fields (checked by :meth:`apply_env`).
+        reward: :class:`schemas.reward.RewardPolicy` fields (checked by :meth:`apply_env`).
         commands: ``{command: {option: value}}`` for every other table (``serve``,
             ``ingest``, ``learn``, ``controller``, nested ones such as ``[broker.start]``),
             checked against the CLI by :func:`command_defaults`.
@@ -68,13 +77,14 @@ class FlywheelConfig(BaseSettings):
     model_dir: str | None = None
     serving_url: str | None = None
     kafka: dict[str, Any] = {}
+    reward: dict[str, Any] = {}
     _source: Path | str = PrivateAttr("flywheel.toml")
 
     @model_validator(mode="after")
     def _tables_only(self):
         for k, v in (self.model_extra or {}).items():
             if not isinstance(v, dict):
-                raise ValueError(f"{k}: a top-level key is one of {', '.join([*PATH_VARS, 'kafka'])} "
+                raise ValueError(f"{k}: a top-level key is one of {', '.join([*PATH_VARS, 'kafka', 'reward'])} "
                                  f"or a [command] table, got {type(v).__name__}")
         for k in SECRET_KAFKA_KEYS:
             if k in self.kafka:
@@ -87,11 +97,14 @@ class FlywheelConfig(BaseSettings):
         return dict(self.model_extra or {})
 
     def apply_env(self, environ: MutableMapping[str, str] | None = None) -> None:
-        """Put the paths and the ``[kafka]`` table into the environment, where every part of
-        Flywheel reads them, without replacing a variable already set (the environment wins).
+        """Put the paths and the ``[kafka]`` and ``[reward]`` tables into the environment, where
+        every part of Flywheel reads them, without replacing a variable already set (the
+        environment wins): ``FLYWHEEL_KAFKA_<KEY>`` and ``FLYWHEEL_REWARD__<FIELD>`` (a table
+        value, ``scores``, as JSON), read back by ``schemas.reward.RewardPolicy.from_env``.
 
         Raises:
-            ConfigError: an unknown ``[kafka]`` key, or a value KafkaSettings refuses.
+            ConfigError: an unknown ``[kafka]`` or ``[reward]`` key, or a value KafkaSettings
+                or RewardPolicy refuses (named as ``kafka.<key>`` / ``reward.<field>``).
         """
         from schemas.settings import KafkaSettings
 
@@ -113,6 +126,19 @@ class FlywheelConfig(BaseSettings):
                               f"{e['msg'].removeprefix('Value error, ')}") from None
         for k, v in self.kafka.items():
             env.setdefault(f"FLYWHEEL_KAFKA_{k.upper()}", _env_text(v))
+        from schemas.reward import ENV_PREFIX, RewardPolicy, RewardPolicyError
+
+        # (``reward`` also holds the FLYWHEEL_REWARD__* variables, as text: they stay as set)
+        before = {k for k in env if k.startswith(ENV_PREFIX)}
+        for k, v in self.reward.items():
+            env.setdefault(f"{ENV_PREFIX}{k.upper()}", _env_text(v))
+        try:
+            RewardPolicy.from_env(env)
+        except RewardPolicyError as exc:
+            var, msg = str(exc).split(": ", 1)
+            if var.startswith(ENV_PREFIX) and var not in before:  # the file's value: named as its key
+                raise ConfigError(f"{self._source}: reward.{var[len(ENV_PREFIX):].lower()}: {msg}") from None
+            raise ConfigError(f"environment: {exc}") from None
 
 
 def _env_text(v: Any) -> str:
@@ -228,7 +254,7 @@ def _unknown_env(group, env) -> str | None:
             walk(cmd, head) if _is_group(cmd) else heads.append(head)
 
     walk(group, "FLYWHEEL_")
-    own = tuple(f"FLYWHEEL_{k.upper()}__" for k in (*PATH_VARS, "kafka"))
+    own = tuple(f"FLYWHEEL_{k.upper()}__" for k in (*PATH_VARS, "kafka", "reward"))
     for var in sorted(env):
         if not var.startswith("FLYWHEEL_") or "__" not in var[9:] or var.startswith(own):
             continue

@@ -292,38 +292,88 @@ class CompletionEvent(_Event):
         return self
 
 
-FeedbackKind = Literal["thumb", "score", "edit", "regenerate", "copy"]
+FeedbackKind = Literal["thumb", "score", "edit", "regenerate", "copy", "followup"]
 
 SCORE_NAME_PATTERN = r"^[A-Za-z0-9_.:/-]{1,64}$"
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+MAX_FINAL_TEXT_CHARS = 65536  # an edit's final_text
+#: The namespace of serving-derived feedback ids: a ``regenerate`` or ``followup`` that serving
+#: emits has ``event_id = uuid5(SIGNAL_NAMESPACE, f"{kind}:{earlier_completion_id}:{later_completion_id}")``
+#: (:func:`signal_event_id`), so a retried request or a second pod yields the same id (deduped).
+SIGNAL_NAMESPACE = uuid.UUID("6f1c0d2e-8a4b-5c3d-9e7f-0a1b2c3d4e5f")
+
+
+def signal_event_id(kind: str, earlier_completion_id: uuid.UUID | str, later_completion_id: uuid.UUID | str) -> uuid.UUID:
+    """The deterministic ``event_id`` of a serving-derived signal (``regenerate`` or
+    ``followup``) about ``earlier_completion_id``, seen when ``later_completion_id`` was asked:
+    ``uuid5(SIGNAL_NAMESPACE, f"{kind}:{earlier}:{later}")`` with both ids in canonical form."""
+    return uuid.uuid5(SIGNAL_NAMESPACE, f"{kind}:{uuid.UUID(str(earlier_completion_id))}:"
+                                        f"{uuid.UUID(str(later_completion_id))}")
+
+
+# the per-kind value rules, stated once for the model (_check_value) and the exported schema
+_KIND_VALUES = {"thumb": (1.0, -1.0), "copy": (1.0,), "regenerate": (1.0,), "followup": (1.0, -1.0)}
+_KIND_MEANING = {"thumb": "a thumb is +1 or -1", "copy": "a copy is 1 (the user copied the reply)",
+                 "regenerate": "a regenerate is 1 (the user asked again)",
+                 "followup": "a followup is +1 (satisfied) or -1 (dissatisfied)"}
 
 
 class FeedbackEvent(_Event):
     """One user signal about a completion (key: completion_id).
 
-    ``event_id`` is set by the client and is the idempotency key: the same event
-    delivered twice counts once. For ``kind="thumb"``, ``value`` is +1 (up) or -1 (down);
-    for ``kind="score"``, ``value`` is any finite number and ``name`` says what it scores
-    (e.g. ``helpfulness``); ``name`` is refused on other kinds. ``metadata``: at most 16
+    ``event_id`` is set by the client and is the idempotency key: the same event delivered
+    twice counts once. Per ``kind`` (each a component of the reward policy,
+    ``schemas.reward``):
+
+    * ``thumb``: ``value`` +1 (up) or -1 (down).
+    * ``score``: ``name`` says what it scores (e.g. ``helpfulness``, pattern
+      ``[A-Za-z0-9_.:/-]{1,64}``), ``value`` any number in [-1e6, 1e6]; ``name`` is refused
+      on other kinds.
+    * ``copy``: ``value`` 1 (the user copied the reply).
+    * ``regenerate``: ``value`` 1 (the user asked again: a negative signal for this
+      completion).
+    * ``edit``: exactly one of ``value``, the share of the reply the user kept, in [0, 1], or
+      ``final_text``, the user's final text (at most 65536 characters, no NUL or lone
+      surrogate), from which the join computes the kept share against the completion's text
+      (``ingest.join.kept_share``). ``final_text`` is refused on other kinds, and ``value`` is
+      required on every other kind.
+    * ``followup``: ``value`` +1 (the next turn shows the user satisfied) or -1 (dissatisfied).
+
+    ``regenerate`` and ``followup`` that serving emits carry ``metadata={"source": "serving"}``
+    and the deterministic ``event_id`` of :func:`signal_event_id`. ``metadata``: at most 16
     string -> string pairs (keys 1-64 chars, values at most 512 chars).
 
-    ``name`` and ``metadata`` are optional and left out of the JSON when unset, so an event
-    that uses neither encodes exactly as before they existed.
+    ``name``, ``metadata`` and ``final_text`` are optional and left out of the JSON when unset
+    (and ``value`` when an edit carries ``final_text``), so an event that uses none of them
+    encodes exactly as before they existed.
 
     Bounds (also in the exported JSON Schema, the per-kind rules as ``allOf`` if/then):
-    ``created_at`` in [10**12, 4102444800000] ms; ``value`` +1 or -1 for a thumb, in
-    [-1e6, 1e6] otherwise; text without NUL or lone surrogates.
+    ``created_at`` in [10**12, 4102444800000] ms; ``value`` as above, in [-1e6, 1e6] for a
+    score; text without NUL or lone surrogates.
     """
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
         # kind absent means "thumb" (the default), and `properties` holds vacuously then
         {"if": {"properties": {"kind": {"const": "thumb"}}},
-         "then": {"properties": {"value": {"enum": [1, -1]}}}},
+         "then": {"properties": {"value": {"enum": [1, -1]}}, "required": ["value"]}},
         {"if": {"properties": {"kind": {"const": "score"}}, "required": ["kind"]},
-         "then": {"properties": {"name": {"type": "string"}}, "required": ["name"]},
+         "then": {"properties": {"name": {"type": "string"}}, "required": ["name", "value"]},
          "else": {"properties": {"name": {"type": "null"}}}},
+        {"if": {"properties": {"kind": {"const": "copy"}}, "required": ["kind"]},
+         "then": {"properties": {"value": {"const": 1}}, "required": ["value"]}},
+        {"if": {"properties": {"kind": {"const": "regenerate"}}, "required": ["kind"]},
+         "then": {"properties": {"value": {"const": 1}}, "required": ["value"]}},
+        {"if": {"properties": {"kind": {"const": "followup"}}, "required": ["kind"]},
+         "then": {"properties": {"value": {"enum": [1, -1]}}, "required": ["value"]}},
+        {"if": {"properties": {"kind": {"const": "edit"}}, "required": ["kind"]},
+         "then": {"oneOf": [
+             {"properties": {"value": {"type": "number", "minimum": 0, "maximum": 1},
+                             "final_text": {"type": "null"}}, "required": ["value"]},
+             {"properties": {"final_text": {"type": "string"}, "value": {"type": "null"}},
+              "required": ["final_text"]}]},
+         "else": {"properties": {"final_text": {"type": "null"}}}},
     ]})
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -331,8 +381,8 @@ class FeedbackEvent(_Event):
     completion_id: uuid.UUID
     user_hash: IdText
     kind: FeedbackKind = "thumb"
-    # a JSON number: true or "1" is refused, never read as +1
-    value: Annotated[float, Strict(), Field(ge=-SCORE_MAX_ABS, le=SCORE_MAX_ABS)]
+    # a JSON number: true or "1" is refused, never read as +1; None only for an edit with final_text
+    value: Annotated[float, Strict(), Field(ge=-SCORE_MAX_ABS, le=SCORE_MAX_ABS)] | None = None
     comment: Annotated[Text, Field(max_length=4096)] | None = None
     created_at: Annotated[EventTimeMs, Strict()]
     name: Annotated[str, Field(pattern=SCORE_NAME_PATTERN)] | None = None
@@ -343,20 +393,35 @@ class FeedbackEvent(_Event):
                             "minLength": 1, "maxLength": MAX_METADATA_KEY_CHARS, "pattern": TEXT_PATTERN},
                             additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS,
                                                   "pattern": TEXT_PATTERN})] | None = None
+    final_text: Annotated[Text, Field(max_length=MAX_FINAL_TEXT_CHARS)] | None = None
 
     @model_validator(mode="after")
     def _check_value(self):
-        if self.kind == "thumb" and self.value not in (1.0, -1.0):
-            raise ValueError(f"value: a thumb is +1 or -1, got {self.value}")
-        if self.kind == "score" and self.name is None:
+        kind, v = self.kind, self.value
+        if kind == "edit":
+            if (v is None) == (self.final_text is None):
+                raise ValueError("value: an edit carries exactly one of value (the kept share, in [0, 1]) "
+                                 "or final_text (the user's final text)")
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"value: an edit's value is the kept share, in [0, 1], got {v}")
+        else:
+            if v is None:
+                raise ValueError(f"value: a {kind} needs a value")
+            if self.final_text is not None:
+                raise ValueError(f"final_text: only an edit has a final_text, not a {kind}")
+            allowed = _KIND_VALUES.get(kind)
+            if allowed is not None and v not in allowed:
+                raise ValueError(f"value: {_KIND_MEANING[kind]}, got {v}")
+        if kind == "score" and self.name is None:
             raise ValueError("name: a score needs a name (what it scores, e.g. 'helpfulness')")
-        if self.kind != "score" and self.name is not None:
-            raise ValueError(f"name: only a score has a name, not a {self.kind}")
+        if kind != "score" and self.name is not None:
+            raise ValueError(f"name: only a score has a name, not a {kind}")
         return self
 
     def to_bytes(self) -> bytes:
-        """JSON encoding used on Kafka (``name`` and ``metadata`` omitted when unset)."""
-        unset = {f for f in ("name", "metadata") if getattr(self, f) is None}
+        """JSON encoding used on Kafka (``name``, ``metadata``, ``final_text`` and an edit's
+        absent ``value`` omitted when unset)."""
+        unset = {f for f in ("name", "metadata", "final_text", "value") if getattr(self, f) is None}
         return self.model_dump_json(exclude=unset or None).encode()
 
 
@@ -373,18 +438,35 @@ EventIds = Annotated[list[IdText], AfterValidator(_distinct)]
 Reward = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 #: A label's vote count: at least one, int32.
 NVotes = Annotated[int, Field(ge=1, le=INT32_MAX)]
+#: A reward policy's digest (``schemas.reward.RewardPolicy.digest``): 16 lowercase hex characters.
+PolicyDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+#: A mean of +1/-1 judgements (thumbs, followups): [-1, 1].
+MeanJudgement = Annotated[float, Field(ge=-1.0, le=1.0)]
+#: A share: [0, 1].
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+#: Score name -> the mean of users' last values (at most 1024 names).
+ScoreMeans = Annotated[dict[Annotated[str, Field(pattern=SCORE_NAME_PATTERN)],
+                            Annotated[float, Field(ge=-SCORE_MAX_ABS, le=SCORE_MAX_ABS)]], Field(max_length=1024)]
 
 
 class RewardedSample(_Event):
     """A sealed, reward-labelled completion: the learner's unit of data.
 
     ``model_version`` is the version that produced the completion (the behavior policy).
-    ``label`` is True for desirable (net up-votes), False for undesirable; ``reward`` is the
-    shaped scalar (see ``ingest`` reward config). ``event_ids`` are all distinct feedback
-    events folded into the label, including votes a user later replaced (so every accepted
-    event is in exactly one sample); ``votes_up``/``votes_down``/``n_votes`` count each
-    user's last vote only. ``split`` is copied from the completion: ``eval`` samples measure
-    every version on prompts no version learned from, and the learner refuses them.
+    ``reward`` is the reward policy's combined scalar (``schemas.reward.RewardPolicy.combine``
+    of the component fields below) and ``label = reward > 0``; ``reward_policy`` is that
+    policy's digest (None on samples sealed before policies had one). ``event_ids`` are all
+    distinct feedback events folded into the label, including signals a user later replaced
+    (so every accepted event is in exactly one sample); ``votes_up``/``votes_down`` count
+    each user's last thumb, ``n_votes`` each user's last signal of every kind (a score: of
+    every name). ``split`` is copied from the completion: ``eval`` samples measure every
+    version on prompts no version learned from, and the learner refuses them.
+
+    Components (each user's last signal per kind; ``docs/data.md``): ``thumb`` the mean of
+    thumbs in [-1, 1] (None: no thumb); ``copied`` / ``regenerated`` how many users copied /
+    asked again; ``kept_share`` the mean kept share of edits in [0, 1] (None: no edit);
+    ``followup`` the mean of followup judgements in [-1, 1] (None: none); ``scores`` score
+    name -> mean value ({}: none).
 
     Bounds as :class:`CompletionEvent` for the completion's fields; ``created_at`` and
     ``sealed_at`` in [10**12, 4102444800000] ms; ``reward`` finite as float32; counts in
@@ -409,6 +491,13 @@ class RewardedSample(_Event):
     event_ids: EventIds
     sealed_at: EventTimeMs
     split: Literal["train", "eval"] = "train"
+    reward_policy: PolicyDigest | None = None
+    thumb: MeanJudgement | None = None
+    copied: Count = 0
+    regenerated: Count = 0
+    kept_share: Share | None = None
+    followup: MeanJudgement | None = None
+    scores: ScoreMeans = Field(default_factory=dict)
 
 
 #: A shard's path under the samples root, as ``ingest.writer.shard_path`` names it.
@@ -427,8 +516,10 @@ class SampleNotice(_Event):
     ``row`` is the sample's 0-based row in it; ``shard_format`` is the shard's format version
     (its Parquet metadata ``flywheel.samples.format``, ``schemas.arrow.FORMAT_VERSION``). The
     rest are the :class:`RewardedSample`'s own values, same bounds: ``created_at`` and
-    ``sealed_at`` ms since the epoch (UTC), ``reward`` the shaped reward (finite float32), the
-    vote counts int32, ``event_ids`` distinct.
+    ``sealed_at`` ms since the epoch (UTC), ``reward`` the reward policy's reward (finite
+    float32), the vote counts int32, ``event_ids`` distinct, ``reward_policy`` and the
+    components (``thumb``, ``copied``, ``regenerated``, ``kept_share``, ``followup``,
+    ``scores``) as in the sample.
     """
 
     completion_id: uuid.UUID
@@ -442,6 +533,13 @@ class SampleNotice(_Event):
     votes_up: Count
     votes_down: Count
     event_ids: EventIds
+    reward_policy: PolicyDigest | None = None
+    thumb: MeanJudgement | None = None
+    copied: Count = 0
+    regenerated: Count = 0
+    kept_share: Share | None = None
+    followup: MeanJudgement | None = None
+    scores: ScoreMeans = Field(default_factory=dict)
     shard: str = Field(pattern=SHARD_REF_PATTERN)  # (the pattern bounds its length)
     row: Count
     shard_format: Annotated[int, Field(ge=1, le=INT32_MAX)]

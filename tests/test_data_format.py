@@ -18,6 +18,7 @@ import zstandard
 
 from ingest import catalog, writer
 from ingest.migrate import migrate
+from schemas.arrow import FORMAT_VERSION
 from schemas.events import ExpertRoutes, RewardedSample, SamplingParams
 
 T0 = 1_767_225_600_000 + 7 * 3_600_000 + 123  # 2026-01-01T07:00:00.123Z
@@ -43,7 +44,7 @@ def test_one_file_read_alone_with_pyarrow_has_every_field(tmp_path):
     samples = make(3, split="eval")
     p = writer.write_shard(samples, writer.shard_path(tmp_path, samples[0].sealed_at))
     t = pq.read_table(p)  # the file alone: no directory names, no Flywheel decoder
-    assert t.schema.metadata[b"flywheel.samples.format"] == b"3"
+    assert t.schema.metadata[b"flywheel.samples.format"] == str(FORMAT_VERSION).encode()
     assert t.schema.field("created_at").type == pa.timestamp("ms", tz="UTC")
     assert t.schema.field("sealed_at").type == pa.timestamp("ms", tz="UTC")
     assert t.schema.field("expert_routes").type == pa.binary()

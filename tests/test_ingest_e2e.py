@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from schemas import topics
+from schemas.arrow import FORMAT_VERSION
 from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, SamplingParams, now_ms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +141,7 @@ def check_notices(bootstrap, samples_dir, got, every: bool) -> None:
     for m in msgs:
         n = SampleNotice.from_bytes(m.value)
         s = by_cid[str(n.completion_id)]
-        assert m.key.decode() == str(n.completion_id) and n.shard_format == 3
+        assert m.key.decode() == str(n.completion_id) and n.shard_format == FORMAT_VERSION
         row = pq.read_table(samples_dir / n.shard).slice(n.row, 1).to_pylist()[0]
         assert row["completion_id"] == str(n.completion_id)
         assert (n.label, n.votes_up, n.votes_down, sorted(n.event_ids), n.model_version, n.split) == (

@@ -3,8 +3,9 @@ events with adversarial ones, through a real worker subprocess on the real Tansu
 
 The worker must never stop; every bad record ends as a dead letter naming a field and a
 reason; every valid event ends in exactly one sample (checked against the independent
-reference join of ``tests/test_ingest_e2e.py``); the dead letters per source topic equal the
-count computed here from what was produced.
+reference join of ``tests/test_ingest_e2e.py``, and every implicit signal, copy, regenerate,
+edit and followup, in its sample's component columns as :func:`reference_signals` computes
+them); the dead letters per source topic equal the count computed here from what was produced.
 """
 
 from __future__ import annotations
@@ -267,6 +268,67 @@ def schema_fuzz(n_completions: int, n_feedback: int, seed: int, now: int, pools=
     return comps, fb, votes
 
 
+def signal_traffic(comps, expected: dict, seed: int):
+    """Implicit signals for the voted completions of ``expected`` (the reference join's keys):
+    copies, regenerates, edits by kept share, followups (with flips, later) from several users,
+    some delivered twice; and signals the default reward policy refuses: a score it does not
+    declare (field ``name``), an edit by ``final_text`` on a worker without a tokenizer (field
+    ``final_text``). Returns ``(valid in produce order, refused)``."""
+    from schemas.events import FeedbackEvent
+
+    rng = random.Random(seed)
+    base = now_ms() - 60_000
+    valid, refused = [], []
+    by_id = {str(c.completion_id): c for c in comps}
+    for cid in sorted(expected):
+        c = by_id[cid]
+        if rng.random() < 0.4:
+            continue
+
+        def ev(kind, user, value=None, t=0, **kw):
+            return FeedbackEvent(event_id=uuid.UUID(int=rng.getrandbits(128), version=4), completion_id=c.completion_id,
+                                 user_hash=user, kind=kind, value=value, created_at=base + t, **kw)
+        for u in range(rng.randint(1, 3)):
+            kind = rng.choice(["copy", "regenerate", "edit", "followup"])
+            value = {"copy": 1, "regenerate": 1, "edit": rng.choice([0.0, 0.25, 0.5, 1.0]),
+                     "followup": rng.choice([1, -1])}[kind]
+            e = ev(kind, f"user{u}", value, rng.randint(0, 1000))
+            valid.append(e)
+            if rng.random() < 0.3:
+                valid.append(e)  # duplicate delivery
+            if kind in ("edit", "followup") and rng.random() < 0.3:  # the user's later judgement wins
+                valid.append(ev(kind, f"user{u}", 1 - value if kind == "edit" else -value, e.created_at - base + 5000))
+        if rng.random() < 0.2:
+            refused.append(ev("score", "user0", 3.0, name="fuzz_score"))
+        if rng.random() < 0.2:
+            refused.append(ev("edit", "user1", final_text="a user's own words"))
+    return valid, refused
+
+
+def reference_signals(signals) -> dict:
+    """Independent of the join: ``{completion_id: (copied, regenerated, kept_share,
+    followup, users' last signals)}`` from implicit signals in produce order (dedupe by
+    event_id; per user and kind the largest ``(created_at, produce order)`` wins; means over
+    users, None when none)."""
+    seen, last = set(), {}
+    for i, e in enumerate(signals):
+        if e.event_id in seen:
+            continue
+        seen.add(e.event_id)
+        k = (str(e.completion_id), e.kind, e.user_hash)
+        if k not in last or (e.created_at, i) > last[k][0]:
+            last[k] = ((e.created_at, i), e.value)
+    out = {}
+    for cid in {k[0] for k in last}:
+        vals = {kind: [v for (c, kd, _), (_, v) in last.items() if c == cid and kd == kind]
+                for kind in ("copy", "regenerate", "edit", "followup")}
+        out[cid] = (len(vals["copy"]), len(vals["regenerate"]),
+                    sum(vals["edit"]) / len(vals["edit"]) if vals["edit"] else None,
+                    sum(vals["followup"]) / len(vals["followup"]) if vals["followup"] else None,
+                    sum(map(len, vals.values())))
+    return out
+
+
 def names_field(d, fld: str) -> bool:
     """Whether dead letter ``d`` names the changed field ``fld`` (or a field inside it; a
     change to the record as a whole, or one the JSON decoders refuse outright, e.g. nesting
@@ -309,6 +371,10 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     now = now_ms()
     comps, fb = make_traffic(n_valid, seed=seed + 1)
     expected = reference_join(comps, fb)
+    sig, sig_refused = signal_traffic(comps, expected, seed + 3)
+    want_signals = reference_signals(sig)
+    for e in sig:  # a voted completion's sample holds its signals' events too
+        expected[str(e.completion_id)][2].add(str(e.event_id))
     n_bad_f = n_records - (len(comps) + len(fb)) - n_bad_c - 2 * n_sc - n_sf
     assert n_bad_f > 1_000, n_bad_f
     bad_c = [bad_completion(rng) for _ in range(n_bad_c)]
@@ -335,7 +401,7 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     for t, k, v in items:
         p.send(t, key=k, value=v)
     p.flush()
-    for e in fb:  # votes after their completions (no orphans among the valid events)
+    for e in fb + sig + sig_refused:  # votes after their completions (no orphans among the valid events)
         p.send(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes())
     for _, vote in bad_c:
         if vote is not None:
@@ -344,10 +410,13 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
         p.send(topics.FEEDBACK, key=k, value=vote)
     p.flush()
     p.close()
-    records = len(items) + len(fb) + sum(1 for _, v in bad_c if v is not None) + len(sv)
+    records = len(items) + len(fb) + len(sig) + len(sig_refused) + sum(1 for _, v in bad_c if v is not None) + len(sv)
     produced_s = time.perf_counter() - t0
 
-    env = dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT))
+    # (no tokenizer: an edit's final_text is refused; none of the machine's model directories)
+    env = dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT),
+               FLYWHEEL_MODEL_DIR=str(home / "no-model"))
+    env = {k: v for k, v in env.items() if not k.startswith("FLYWHEEL_REWARD__") and k != "FLYWHEEL_STORE"}
     t_start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ingest", "--seal-after-s", str(seal_after_s), "--orphan-ttl-s", str(orphan_ttl_s),
@@ -356,6 +425,7 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     samples_dir = home / "data" / "samples"
     want_dead = Counter({topics.FEEDBACK: n_bad_f + n_sf, topics.COMPLETIONS: n_bad_c})
     want_dead[topics.FEEDBACK] += sum(1 for _, v in bad_c if v is not None)  # a bad body's vote
+    want_dead[topics.FEEDBACK] += len(sig_refused)  # refused by the reward policy
     sc_keys = {k.decode() for k, *_ in sc}
     sv_eids = [json.loads(v)["event_id"] for _, v in sv]
 
@@ -393,6 +463,15 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
         if k.decode() in by_cid:
             expected[k.decode()] = (1, 0, {eid})
     check(samples_dir, expected)  # every valid event in exactly one sample
+    for cid, (copied, regenerated, kept, follow, n) in want_signals.items():  # each signal in its column
+        smp = by_cid[cid]
+        assert (smp.copied, smp.regenerated, smp.n_votes) == (copied, regenerated, smp.votes_up + smp.votes_down + n)
+        assert (smp.kept_share, smp.followup) == (pytest.approx(kept), pytest.approx(follow)), cid
+    refused_ids = {str(e.event_id): "name" if e.kind == "score" else "final_text" for e in sig_refused}
+    got_refused = {json.loads(d.payload)["event_id"]: d.field for d in dead
+                   if d.source_topic == topics.FEEDBACK and d.key in {str(e.completion_id) for e in sig_refused}
+                   and '"event_id"' in d.payload and json.loads(d.payload).get("event_id") in refused_ids}
+    assert got_refused == refused_ids
     others = [d for d in dead if d.key not in sc_keys]
     assert Counter(d.source_topic for d in others) == want_dead
     assert all(d.field and d.reason for d in dead)
@@ -421,8 +500,10 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
         assert len(df) == 1, (fld, raw[:300], df)
         if not ok:
             assert names_field(df[0], fld), (fld, raw[:300], df)
-        else:  # no such completion, a kind the label does not use, or older than the dedupe horizon
-            assert df[0].reason.startswith(("orphan:", "expired:")) or df[0].field == "kind", (fld, raw[:300], df)
+        else:  # no such completion, refused by the reward policy (a kind of weight 0, a score it does not
+            # declare or outside its range, an edit's final_text without a tokenizer), or older than the horizon
+            assert df[0].reason.startswith(("orphan:", "expired:")) or df[0].field in ("kind", "name", "value",
+                                                                                        "final_text"), (fld, raw[:300], df)
     assert "labels released" not in log.read_text(errors="replace"), "a shard write failed and was retried"
     return {"records": records, "produced_s": produced_s, "decided_s": decided_s, "worker_cpu_s": worker_cpu_s,
             "samples": len(samples), "dead": len(dead), "quarantined": quarantined,

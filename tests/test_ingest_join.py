@@ -7,10 +7,11 @@ import uuid
 
 import pytest
 
-from ingest.join import JoinConfig, Joiner, RewardShaping, parse_event
+from ingest.join import JoinConfig, Joiner, kept_share, parse_event
 from ingest.state import StateStore
 from schemas import topics
 from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, SamplingParams
+from schemas.reward import RewardPolicy, ScoreSpec
 
 T0 = 1_700_000_000_000  # ms
 CFG = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20)
@@ -24,9 +25,9 @@ def completion(cid=None, created_at=T0, version="v0001") -> CompletionEvent:
         ttft_ms=1.0, latency_ms=2.0)
 
 
-def vote(cid, user, value, created_at=T0, eid=None, kind="thumb") -> FeedbackEvent:
+def vote(cid, user, value, created_at=T0, eid=None, kind="thumb", name=None, final_text=None) -> FeedbackEvent:
     return FeedbackEvent(event_id=eid or uuid.uuid4(), completion_id=cid, user_hash=user, kind=kind,
-                         value=value, created_at=created_at)
+                         value=value, created_at=created_at, name=name, final_text=final_text)
 
 
 @pytest.fixture()
@@ -49,9 +50,9 @@ def test_duplicate_event_id_counts_once(j):
     assert s.behavior_logprobs == [-0.5, -1.25] and s.model_version == "v0001"
 
 
-def test_multi_user_aggregate_and_shaping():
+def test_multi_user_aggregate_and_thumb_values():
     j = Joiner(StateStore(), JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20,
-                                        shaping=RewardShaping(up=0.75, down=-0.25)))
+                                        reward=RewardPolicy(thumb_up=0.75, thumb_down=-0.25)))
     c = completion()
     j.on_completion(c, now=T0)
     vs = [vote(c.completion_id, "u1", 1), vote(c.completion_id, "u2", 1), vote(c.completion_id, "u3", -1)]
@@ -59,7 +60,10 @@ def test_multi_user_aggregate_and_shaping():
         j.on_feedback(v, now=T0 + i)
     (s,) = j.tick(T0 + 2 + 10_000).samples
     assert (s.votes_up, s.votes_down, s.n_votes, s.label) == (2, 1, 3, True)
-    assert s.reward == pytest.approx((2 * 0.75 - 0.25) / 3)  # mean shaping by hand
+    assert s.reward == pytest.approx((2 * 0.75 - 0.25) / 3)  # the mean of each user's thumb value, by hand
+    assert s.thumb == pytest.approx(1 / 3) and (s.copied, s.regenerated, s.kept_share, s.followup, s.scores) == (
+        0, 0, None, None, {})
+    assert s.reward_policy == RewardPolicy(thumb_up=0.75, thumb_down=-0.25).digest() != RewardPolicy().digest()
     assert sorted(s.event_ids) == sorted(str(v.event_id) for v in vs)
 
 
@@ -157,11 +161,17 @@ def test_unlabelled_completion_dropped_and_age_seals(j):
     assert j.store.counters()["completions_dropped_unlabelled"] == 1
 
 
-def test_other_kinds_dead_lettered(j):
+def test_kind_of_weight_0_is_dead_lettered():
+    j = Joiner(StateStore(":memory:"), JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20,
+                                                  reward=RewardPolicy(copy_weight=0, thumb_weight=0)))
     c = completion()
     j.on_completion(c, now=T0)
-    out, dl = j.on_feedback(vote(c.completion_id, "u1", 1.0, kind="copy"), now=T0)
-    assert out == "unsupported" and dl.field == "kind"
+    for kind in ("copy", "thumb"):
+        out, dl = j.on_feedback(vote(c.completion_id, "u1", 1.0, kind=kind), now=T0)
+        assert out == "unsupported" and dl.field == "kind"
+        assert dl.reason == f"kind {kind!r} is not used: weight 0 in the reward policy"
+    assert j.on_feedback(vote(c.completion_id, "u1", 1.0, kind="regenerate"), now=T0)[0] == "folded"
+    assert j.store.counters()["feedback_unsupported"] == 2
 
 
 @pytest.mark.parametrize("raw,field,needle", [
@@ -504,3 +514,179 @@ def test_sealed_sample_is_the_constructed_sample_and_its_topic_value_is_to_bytes
     assert RewardedSample.model_validate_json(s.to_bytes()) == s
     good, table, values, bad = writer.shard_parts(samples)
     assert (good, bad, values) == (samples, [], [s.to_bytes()]) and table.num_rows == 1
+
+
+# --------------------------------------------------------------------------- every kind
+# A policy with every kind weighted, thumbs not overriding and a wide clip, so each component
+# shows in the reward; values worked out by hand in each test.
+WIDE = RewardPolicy(scores={"helpfulness": ScoreSpec(min=1, max=5, weight=0.5)}, thumb_overrides=False, clip=10)
+WORDS = ["alpha", "beta", "gamma", "delta"]
+
+
+def decode(ids):
+    return " ".join(WORDS[i] for i in ids)
+
+
+def joiner(policy=WIDE, decoder=decode, **kw) -> Joiner:
+    cfg = dict(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20) | kw
+    return Joiner(StateStore(":memory:"), JoinConfig(reward=policy, **cfg), decode=decoder)
+
+
+def test_every_kind_is_a_component_of_the_reward():
+    j = joiner()
+    c = completion()
+    j.on_completion(c, now=T0)
+    cid = c.completion_id
+    evs = [vote(cid, "u1", 1, kind="copy"), vote(cid, "u2", 1, kind="copy"),
+           vote(cid, "u3", 1, kind="regenerate"),
+           vote(cid, "u1", 0.75, kind="edit"), vote(cid, "u2", 0.25, kind="edit"),
+           vote(cid, "u1", 1, kind="followup"), vote(cid, "u2", -1, kind="followup"),
+           vote(cid, "u3", 1, kind="followup"),
+           vote(cid, "u1", 4, kind="score", name="helpfulness"),
+           vote(cid, "u2", 2, kind="score", name="helpfulness", created_at=T0),
+           vote(cid, "u2", 5, kind="score", name="helpfulness", created_at=T0 + 1),  # u2's last score
+           vote(cid, "u1", 1, kind="copy", created_at=T0 + 2)]  # u1 copied twice: one user
+    assert [j.on_feedback(e, now=T0 + i)[0] for i, e in enumerate(evs)] == ["folded"] * len(evs)
+    (s,) = j.tick(T0 + len(evs) + 10_000).samples
+    assert (s.thumb, s.copied, s.regenerated, s.votes_up, s.votes_down) == (None, 2, 1, 0, 0)
+    assert s.kept_share == pytest.approx(0.5) and s.followup == pytest.approx(1 / 3)
+    assert s.scores == {"helpfulness": pytest.approx(4.5)}
+    # by hand: copy +0.5, regenerate -0.5, edit 0.5 * (2 * 0.5 - 1) = 0, followup 0.5 / 3,
+    # helpfulness 0.5 * (2 * (4.5 - 1) / 4 - 1) = 0.375
+    assert s.reward == pytest.approx(0.5 - 0.5 + 0 + 0.5 / 3 + 0.375) and s.label is True
+    assert s.n_votes == 2 + 1 + 2 + 3 + 2  # each user's last signal of each kind
+    assert sorted(s.event_ids) == sorted(str(e.event_id) for e in evs)
+    assert s.reward_policy == WIDE.digest()
+
+
+def test_thumb_overrides_the_implicit_kinds():
+    j = joiner(policy=WIDE.model_copy(update={"thumb_overrides": True}))
+    c = completion()
+    j.on_completion(c, now=T0)
+    cid = c.completion_id
+    for i, e in enumerate([vote(cid, "u1", 1, kind="copy"), vote(cid, "u2", 1, kind="followup"),
+                           vote(cid, "u3", 5, kind="score", name="helpfulness"), vote(cid, "u4", -1)]):
+        j.on_feedback(e, now=T0 + i)
+    (s,) = j.tick(T0 + 3 + 10_000).samples
+    # copy and followup are recorded but left out: thumb -1 + helpfulness 0.5 * 1
+    assert (s.thumb, s.copied, s.followup, s.scores) == (-1.0, 1, 1.0, {"helpfulness": 5.0})
+    assert s.reward == pytest.approx(-0.5) and s.label is False and (s.votes_up, s.votes_down, s.n_votes) == (0, 1, 4)
+
+
+def test_edit_final_text_kept_share_against_the_decoded_completion():
+    j = joiner()
+    c = completion().model_copy(update={"completion_token_ids": [0, 1, 0, 2],
+                                        "behavior_logprobs": [-0.1] * 4})  # "alpha beta alpha gamma"
+    j.on_completion(c, now=T0)
+    e = vote(c.completion_id, "u1", None, kind="edit", final_text="alpha  beta\ngamma extra")
+    assert j.on_feedback(e, e.to_bytes(), now=T0)[0] == "folded"
+    (s,) = j.tick(T0 + 10_000).samples
+    # kept: alpha min(2, 1) + beta 1 + gamma 1 = 3 of 4 words; component 2 * 0.75 - 1 = 0.5
+    assert s.kept_share == pytest.approx(0.75) and s.reward == pytest.approx(0.5 * 0.5) and s.n_votes == 1
+
+
+def test_kept_share_measure_by_hand():
+    assert kept_share("a b c d", "a b c d") == 1.0
+    assert kept_share("a b c d", "d c b a") == 1.0  # order is not measured
+    assert kept_share("a a a b", "a x") == 0.25
+    assert kept_share("a b", "") == 0.0
+    assert kept_share("", "") == 1.0 and kept_share(" \n", "x") == 0.0
+
+
+def test_edit_final_text_without_a_tokenizer_is_dead_lettered():
+    j = joiner(decoder=None)
+    c = completion()
+    j.on_completion(c, now=T0)
+    out, dl = j.on_feedback(vote(c.completion_id, "u1", None, kind="edit", final_text="x"), now=T0)
+    assert out == "unsupported" and dl.field == "final_text" and "tokenizer" in dl.reason
+    assert j.on_feedback(vote(c.completion_id, "u1", 0.5, kind="edit"), now=T0)[0] == "folded"
+
+
+@pytest.mark.parametrize("name,value,field,reason", [
+    ("tone", 3, "name", "score 'tone' is not declared in the reward policy ([reward.scores]; declared: helpfulness)"),
+    ("helpfulness", 6, "value", "score 'helpfulness': 6 is outside its declared range [1, 5] in the reward policy"),
+    ("helpfulness", 0.5, "value", "score 'helpfulness': 0.5 is outside its declared range [1, 5] in the reward policy"),
+])
+def test_score_not_declared_or_out_of_range_is_dead_lettered(name, value, field, reason):
+    j = joiner()
+    c = completion()
+    j.on_completion(c, now=T0)
+    out, dl = j.on_feedback(vote(c.completion_id, "u1", value, kind="score", name=name), now=T0)
+    assert (out, dl.field, dl.reason) == ("unsupported", field, reason)
+
+
+def test_score_of_weight_0_is_dead_lettered():
+    j = joiner(policy=RewardPolicy(scores={"tone": ScoreSpec(min=0, max=1, weight=0)}))
+    c = completion()
+    j.on_completion(c, now=T0)
+    out, dl = j.on_feedback(vote(c.completion_id, "u1", 1, kind="score", name="tone"), now=T0)
+    assert (out, dl.field, dl.reason) == ("unsupported", "name", "score 'tone': weight 0 in the reward policy")
+
+
+def test_label_waits_for_the_slowest_weighted_horizon():
+    j = joiner(policy=RewardPolicy(edit_horizon_s=50, copy_horizon_s=30, followup_weight=0, followup_horizon_s=90))
+    c = completion()
+    j.on_completion(c, now=T0)
+    j.on_feedback(vote(c.completion_id, "u1", 1), now=T0 + 1)
+    # quiet since T0 + 1 for seal_after_s = 10 s, but edits may arrive until T0 + 50 s (followup: weight 0)
+    assert j.tick(T0 + 49_999).samples == []
+    (s,) = j.tick(T0 + 50_000).samples
+    # a signal after the horizon but within seal_after_s of it still counts
+    j2 = joiner(policy=RewardPolicy(edit_horizon_s=50))
+    j2.on_completion(c, now=T0)
+    j2.on_feedback(vote(c.completion_id, "u1", 1, kind="copy"), now=T0 + 45_000)
+    assert j2.tick(T0 + 54_999).samples == []
+    (s2,) = j2.tick(T0 + 55_000).samples
+    assert s2.copied == 1 and s2.reward == 0.5
+    # never later than max_label_age_s
+    j3 = joiner(policy=RewardPolicy(edit_horizon_s=100), max_label_age_s=100)
+    j3.on_completion(c, now=T0)
+    for t in range(0, 100_001, 5_000):
+        j3.on_feedback(vote(c.completion_id, "u1", 1, kind="copy"), now=T0 + t)
+    assert j3.tick(T0 + 99_999).samples == [] and len(j3.tick(T0 + 100_000).samples) == 1
+
+
+def test_horizon_above_max_label_age_is_refused():
+    with pytest.raises(ValueError, match=r"reward\.edit_horizon_s: 200 s is above max_label_age_s = 100 s"):
+        JoinConfig(max_label_age_s=100, reward=RewardPolicy(edit_horizon_s=200))
+    with pytest.raises(ValueError, match=r"reward\.scores\.tone\.horizon_s: 4000 s"):
+        JoinConfig(reward=RewardPolicy(scores={"tone": ScoreSpec(min=0, max=1, horizon_s=4000)}))
+    JoinConfig(max_label_age_s=100, reward=RewardPolicy(edit_horizon_s=200, edit_weight=0))  # not weighted: fine
+
+
+@pytest.mark.parametrize("kind,value,name", [("copy", 1, None), ("regenerate", 1, None), ("edit", 0.5, None),
+                                             ("followup", -1, None), ("score", 3, "helpfulness")])
+def test_signal_after_sealing_is_late(kind, value, name):
+    j = joiner()
+    c = completion()
+    j.on_completion(c, now=T0)
+    j.on_feedback(vote(c.completion_id, "u1", 1), now=T0)
+    res = j.tick(T0 + 10_000)
+    j.commit_sealed(res.samples, "")
+    e = vote(c.completion_id, "u2", value, kind=kind, name=name)
+    out, dl = j.on_feedback(e, now=T0 + 11_000)
+    assert out == "late" and dl.field == "completion_id" and dl.reason.startswith("late")
+    assert j.on_feedback(e, now=T0 + 11_001)[0] == "late"  # not recorded until mark_dead
+    j.mark_dead([str(e.event_id)])
+    assert j.on_feedback(e, now=T0 + 11_002)[0] == "duplicate"
+
+
+def test_signals_survive_reopen(tmp_path):
+    """Every kind's last signals (an edit's final text too) are in the stored state."""
+    path = tmp_path / "state.sqlite"
+    j = Joiner(StateStore(path), JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20, reward=WIDE),
+               decode=decode)
+    c = completion().model_copy(update={"completion_token_ids": [0, 1], "behavior_logprobs": [-0.1] * 2})
+    evs = [vote(c.completion_id, "u1", None, kind="edit", final_text="alpha"),
+           vote(c.completion_id, "u2", 1, kind="regenerate"), vote(c.completion_id, "u2", 2, kind="score",
+                                                                   name="helpfulness")]
+    for e in evs:  # orphans first: the state holds them without the completion
+        j.on_feedback(e, e.to_bytes(), now=T0)
+    j.on_completion(c, now=T0)
+    j.store.close()
+    j2 = Joiner(StateStore(path), JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20, reward=WIDE),
+                decode=decode)
+    (s,) = j2.tick(T0 + 10_000).samples
+    # edit: "alpha" of "alpha beta" = 0.5 -> 0; regenerate -0.5; helpfulness 0.5 * (2 * 1 / 4 - 1) = -0.25
+    assert (s.kept_share, s.regenerated, s.scores) == (0.5, 1, {"helpfulness": 2.0})
+    assert s.reward == pytest.approx(-0.75) and s.label is False and s.n_votes == 3

@@ -38,13 +38,14 @@ def test_non_finite_ingest_settings_refused_at_start(broker, tmp_path, args, env
     assert not (tmp_path / "home" / "data" / "samples").exists()
 
 
-def test_shaping_bounds_hold_for_programs():
-    from ingest.join import JoinConfig, RewardShaping
+def test_reward_policy_bounds_hold_for_programs():
+    from ingest.join import JoinConfig
+    from schemas.reward import RewardPolicy
 
-    for kw in ({"up": float("nan")}, {"down": float("-inf")}, {"up": 1e7}):
-        with pytest.raises(ValueError, match="up|down"):
-            RewardShaping(**kw)
+    for kw in ({"thumb_up": float("nan")}, {"thumb_down": float("-inf")}, {"thumb_up": 1e7}):
+        with pytest.raises(ValueError, match="thumb_up|thumb_down"):
+            RewardPolicy(**kw)
     with pytest.raises(ValueError, match="seal_after_s: must be > 0 seconds and finite"):
         JoinConfig(seal_after_s=float("inf"))
-    s = RewardShaping(up=0.75, down=-0.25)
-    assert s.reward(1, 1) == 0.25
+    # one up and one down vote: mean thumb t = 0, so 0.75 * (1 + 0) / 2 + (-0.25) * (1 - 0) / 2 = 0.25
+    assert RewardPolicy(thumb_up=0.75, thumb_down=-0.25).combine(thumb=0.0) == 0.25

@@ -32,10 +32,13 @@ SCORE = {"schema_version": 1, "event_id": str(uuid.UUID(int=2)), "completion_id"
          "name": "helpfulness", "metadata": {"k": "v"}}
 SAMPLE = {k: v for k, v in COMPLETION.items() if k not in ("schema_version", "request_id", "pod", "ttft_ms",
                                                            "latency_ms")}
+EDIT = {k: v for k, v in SCORE.items() if k not in ("name", "value")} | {"kind": "edit", "final_text": "kept"}
+COMPONENTS = {"reward_policy": "0123456789abcdef", "thumb": 0.5, "copied": 1, "regenerated": 0, "kept_share": 0.5,
+              "followup": -1.0, "scores": {"helpfulness": 3.0}}
 SAMPLE.update(reward=1.0, label=True, n_votes=1, votes_up=1, votes_down=0, event_ids=[SCORE["event_id"]],
-              sealed_at=T0 + 600_000)
+              sealed_at=T0 + 600_000, **COMPONENTS)
 NOTICE = {k: SAMPLE[k] for k in ("completion_id", "model_version", "split", "created_at", "sealed_at", "reward",
-                                  "label", "n_votes", "votes_up", "votes_down", "event_ids")}
+                                  "label", "n_votes", "votes_up", "votes_down", "event_ids", *COMPONENTS)}
 NOTICE.update(shard="date=2025-06-15/hour=15/part-1750000600000-0f0e.parquet", row=3, shard_format=3)
 DEAD = {"source_topic": "flywheel.feedback", "key": "k", "field": "value", "reason": "bad", "payload": "{}",
         "at": T0}
@@ -65,6 +68,7 @@ def cases() -> list[tuple[str, type, dict, dict]]:
     s = _contract_schemas()
     return [("CompletionEvent", CompletionEvent, COMPLETION, s["CompletionEvent"]),
             ("FeedbackEvent", FeedbackEvent, SCORE, s["FeedbackEvent"]),
+            ("FeedbackEvent(edit)", FeedbackEvent, EDIT, s["FeedbackEvent"]),
             ("RewardedSample", RewardedSample, SAMPLE, s["RewardedSample"]),
             ("SampleNotice", SampleNotice, NOTICE, s["SampleNotice"]),
             ("DeadLetter", DeadLetter, DEAD, s["DeadLetter"]),
@@ -122,9 +126,10 @@ def put(obj: dict, path: tuple, value) -> dict:
     for step in path[:-1]:
         cur = cur[step]
     last = path[-1]
-    if last is DICT_KEY:
+    if last is DICT_KEY:  # the key replaced, its value kept
+        v = next(iter(cur.values()))
         cur.clear()
-        cur[value] = "v"
+        cur[value] = v
     else:
         cur[last] = value
     return out
@@ -156,8 +161,8 @@ def probes(node: dict, base_value):
         if "maxItems" in node:
             yield "maxItems", base_value[:node["maxItems"]], [base_value + base_value[:1]]
     if t == "object" and "maxProperties" in node:
-        n = node["maxProperties"]
-        yield "maxProperties", {f"k{i}": "v" for i in range(n)}, [{f"k{i}": "v" for i in range(n + 1)}]
+        n, v = node["maxProperties"], next(iter(base_value.values()))
+        yield "maxProperties", {f"k{i}": v for i in range(n)}, [{f"k{i}": v for i in range(n + 1)}]
 
 
 def get(obj, path):
@@ -219,6 +224,8 @@ def test_each_bound_just_inside_passes_and_just_outside_fails():
     for name, model, base, schema in cases():
         v = _validator(schema)
         for path, node in sites(schema):
+            if path and path[0] not in base:  # a field of another kind (an edit's final_text on a score)
+                continue
             for kw, inside, outsides in probes(node, get(base, path) if path else base):
                 what = f"{name}.{'.'.join(str(p) for p in path)} {kw}"
                 obj = put(base, path, inside)
@@ -251,7 +258,20 @@ def test_thumb_value_and_score_name_rules_in_both():
     rows = [(thumb | {"value": 1}, True), (thumb | {"value": -1.0}, True), (no_kind | {"value": -1}, True),
             (thumb | {"value": 0}, False), (thumb | {"value": 0.5}, False), (no_kind | {"value": 2}, False),
             (thumb | {"value": 1, "name": "x"}, False), ({**SCORE, "value": 3.0}, True),
-            ({k: x for k, x in SCORE.items() if k != "name"}, False), (thumb | {"kind": "copy", "value": 0.0}, True)]
+            ({k: x for k, x in SCORE.items() if k != "name"}, False)]
+    # the kinds added with the reward policy: copy and regenerate are 1, followup +1/-1, an edit
+    # exactly one of value (kept share in [0, 1]) or final_text; value required on all others
+    rows += [(thumb | {"kind": "copy", "value": 1}, True), (thumb | {"kind": "copy", "value": 0.0}, False),
+             (thumb | {"kind": "regenerate", "value": 1.0}, True), (thumb | {"kind": "regenerate", "value": -1}, False),
+             (thumb | {"kind": "followup", "value": -1}, True), (thumb | {"kind": "followup", "value": 0.5}, False),
+             (thumb | {"kind": "edit", "value": 0.3}, True), (thumb | {"kind": "edit", "value": 0}, True),
+             (thumb | {"kind": "edit", "value": 1.5}, False), (thumb | {"kind": "edit", "value": -0.1}, False),
+             (EDIT, True), (EDIT | {"value": 0.5}, False), ({k: x for k, x in EDIT.items() if k != "final_text"}, False),
+             (EDIT | {"final_text": None}, False), (EDIT | {"final_text": "x" * 65537}, False),
+             (thumb | {"value": 1, "final_text": "x"}, False), ({k: x for k, x in thumb.items() if k != "value"}, False),
+             ({k: x for k, x in no_kind.items() if k != "value"}, False),
+             ({k: x for k, x in SCORE.items() if k != "value"}, False), (EDIT | {"kind": "followup", "value": 1}, False),
+             (thumb | {"kind": "nope", "value": 1}, False)]
     for obj, want in rows:
         assert (not list(v.iter_errors(obj))) is want, obj
         assert _pydantic_accepts(FeedbackEvent, obj)[0] is want, obj

@@ -15,7 +15,7 @@ import zstandard
 
 from ingest import catalog, writer
 from learner.data import SpilledSamples
-from schemas.arrow import table_to_samples
+from schemas.arrow import FORMAT_VERSION, table_to_samples
 from schemas.events import ExpertRoutes, RewardedSample, SamplingParams
 
 T0 = 1_767_225_600_000 + 7 * 3_600_000 + 123  # 2026-01-01T07:00:00.123Z
@@ -93,7 +93,7 @@ def test_format3_keeps_the_served_frame_and_every_reader_gets_it_back_bit_exact(
     samples, arrays = make(4, T0, seed=1)
     p = writer.write_shard(samples, writer.shard_path(tmp_path, samples[0].sealed_at))
     f = pq.ParquetFile(p)
-    assert f.schema_arrow.metadata[b"flywheel.samples.format"] == b"3"
+    assert f.schema_arrow.metadata[b"flywheel.samples.format"] == str(FORMAT_VERSION).encode()
     rg = f.metadata.row_group(0)
     # the frame is not packed twice; every other column (nested leaves included) is zstd
     assert {rg.column(c).path_in_schema for c in range(rg.num_columns)

@@ -197,7 +197,7 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
                 time.sleep(0.01)  # the flip is the later vote (created_at in ms)
         (s,) = wait_for(lambda: samples_of(samples, cid), 90, "alice's sample sealed", procs)
         assert (s["n_votes"], s["votes_up"], s["votes_down"], s["label"]) == (1, 0, 1, False), s
-        assert s["reward"] == JoinConfig().shaping.reward(0, 1) and sorted(s["event_ids"]) == sorted([up, down])
+        assert s["reward"] == JoinConfig().reward.combine(thumb=-1.0) and sorted(s["event_ids"]) == sorted([up, down])
         assert s["user_hash"] == hash_user(users[0], SALT)
 
         # the worker's consumer group carries the topic prefix (item 5)
