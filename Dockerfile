@@ -34,6 +34,7 @@ COPY ingest ./ingest
 COPY learner ./learner
 COPY deploy ./deploy
 COPY flywheel ./flywheel
+COPY sdk ./sdk
 
 # ---------------------------------------------------------------- one builder per role
 FROM source AS build-serve

@@ -18,7 +18,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from pydantic_core import PydanticCustomError
 
 from schemas.events import (
-    MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, SCORE_NAME_PATTERN, SamplingParams,
+    MAX_FINAL_TEXT_CHARS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, SCORE_NAME_PATTERN,
+    SamplingParams,
 )
 from serving.params import ServingValidationError
 
@@ -285,8 +286,12 @@ class CompletionRequest(_Base):
 class FeedbackRequest(WireModel):
     """``POST /v1/feedback`` body (docs/sdk.md, "HTTP API").
 
-    ``value``: a finite number, never a boolean; +1 / -1 for ``thumb``. ``name``: what a
-    ``score`` scores (required for ``score``, refused on other kinds). ``metadata``: at most
+    ``kind``: one of the feedback kinds of :class:`schemas.events.FeedbackEvent` (``thumb``,
+    ``score``, ``edit``, ``regenerate``, ``copy``, ``followup``). ``value``: a finite number,
+    never a boolean; +1 / -1 for ``thumb`` and ``followup``, 1 for ``copy`` and ``regenerate``,
+    the kept share in [0, 1] for an ``edit`` (absent when the edit carries ``final_text``, the
+    user's final text, at most 65536 characters; the join computes the kept share then).
+    ``name``: what a ``score`` scores (required for ``score``, refused on other kinds). ``metadata``: at most
     16 str -> str pairs. ``event_id``: the idempotency key (made by serving when absent).
     ``created_at``: when the user gave the feedback, ms since the epoch (UTC; default: when
     the pod receives it); more than ``schemas.events.MAX_FUTURE_SKEW_MS`` ahead of the pod's
@@ -295,9 +300,9 @@ class FeedbackRequest(WireModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     completion_id: uuid.UUID
-    value: Num
+    value: Num | None = None
     event_id: uuid.UUID | None = None
-    kind: Literal["thumb", "score", "edit", "regenerate", "copy"] = "thumb"
+    kind: Literal["thumb", "score", "edit", "regenerate", "copy", "followup"] = "thumb"
     name: str | None = Field(None, pattern=SCORE_NAME_PATTERN)
     metadata: dict[Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
                    Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]] | None = Field(
@@ -305,6 +310,7 @@ class FeedbackRequest(WireModel):
     comment: str | None = Field(None, max_length=4096)
     user: str | None = Field(None, max_length=256)
     created_at: Int | None = None
+    final_text: str | None = Field(None, max_length=MAX_FINAL_TEXT_CHARS)
 
 
 class FeedbackBatchRequest(BaseModel):

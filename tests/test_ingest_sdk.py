@@ -32,6 +32,7 @@ class Recorder:
         self.batch_route = True
         self.max_batch_events = 100  # more than this: 413
         self.auth: list[str | None] = []
+        self.attempts: list[list[dict]] = []  # every request's events as posted, failed ones included
 
 
 def _serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
@@ -66,6 +67,7 @@ def server():
     @app.post("/v1/feedback")
     async def one(req: Request):
         body = await req.json()
+        rec.attempts.append([body])
         if (r := await gate(req, "one", 1)) is not None:
             return r
         st = rec.item_status.pop(body["event_id"], 200)
@@ -79,6 +81,7 @@ def server():
         if not rec.batch_route:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         events = (await req.json())["events"]
+        rec.attempts.append(events)
         if (r := await gate(req, "batch", len(events))) is not None:
             return r
         if len(events) > rec.max_batch_events:
@@ -373,6 +376,118 @@ def test_build_event_matches_the_server_event_schema():
     assert ev.name == "stars" and ev.metadata == {"a": "b"} and ev.value == 3.0
 
 
+# ---------------------------------------------------------------- copy, regenerate, edit, followup
+# The shared contract (docs/sdk.md, "Signals"): copy = 1, regenerate = 1, followup = +1 / -1,
+# edit = the kept share in [0, 1] as value, or final_text without value.
+
+def test_new_signals_exact_json(server):
+    url, rec = server
+    fb = FeedbackClient(url, linger_s=0.2)
+    cid = uuid.uuid4()
+    mine = str(uuid.uuid4())
+    c = fb.copy(cid, user="alice", event_id=mine)
+    r = fb.regenerate(str(cid), "bob", "same mistake again", metadata={"surface": "chat"})
+    k = fb.edit(cid, kept=0.25, user="carol")
+    t = fb.edit(cid, final_text="Final: 42.\nThanks.", user="dave")
+    up = fb.followup(cid, True, user="erin")
+    down = fb.followup(cid, satisfied=False)
+    assert fb.flush() == 0 and fb.shutdown() == []
+    assert c == mine
+    s = str(cid)
+    assert rec.received == [
+        {"completion_id": s, "event_id": c, "kind": "copy", "value": 1.0, "comment": None, "user": "alice"},
+        {"completion_id": s, "event_id": r, "kind": "regenerate", "value": 1.0, "comment": "same mistake again",
+         "user": "bob", "metadata": {"surface": "chat"}},
+        {"completion_id": s, "event_id": k, "kind": "edit", "value": 0.25, "comment": None, "user": "carol"},
+        {"completion_id": s, "event_id": t, "kind": "edit", "comment": None, "user": "dave",
+         "final_text": "Final: 42.\nThanks."},
+        {"completion_id": s, "event_id": up, "kind": "followup", "value": 1.0, "comment": None, "user": "erin"},
+        {"completion_id": s, "event_id": down, "kind": "followup", "value": -1.0, "comment": None, "user": None},
+    ]
+    assert rec.requests == [("batch", 6)]
+
+
+def test_new_signals_retried_with_the_same_event_ids(server):
+    """Two 503s, then success: every attempt carries the same events with the same ids, and
+    each event arrives once."""
+    url, rec = server
+    rec.fail_next = 2
+    fb = FeedbackClient(url, backoff_s=0.01, linger_s=0.2)
+    cid = uuid.uuid4()
+    ids = [fb.copy(cid), fb.regenerate(cid), fb.edit(cid, final_text="mine"), fb.edit(cid, kept=1),
+           fb.followup(cid, False)]
+    assert fb.flush(timeout_s=10) == 0 and fb.shutdown() == []
+    assert len(rec.attempts) == 3
+    assert all(a == rec.attempts[0] for a in rec.attempts)  # same bodies, same event_ids
+    assert [e["event_id"] for e in rec.attempts[0]] == ids
+    assert [e["event_id"] for e in rec.received] == ids
+    assert fb.stats()["retries"] == 2
+
+
+def test_new_signals_spooled_at_shutdown_and_sent_by_the_next_client(hung_server, server, tmp_path):
+    hung_url, _ = hung_server
+    url, rec = server
+    spool = tmp_path / "fb.spool"
+    fb = FeedbackClient(hung_url, spool_path=spool, timeout_s=30)
+    cid = uuid.uuid4()
+    ids = [fb.copy(cid, user="u"), fb.regenerate(cid), fb.edit(cid, final_text="kept this"),
+           fb.edit(cid, kept=0.5), fb.followup(cid, True)]
+    unsent = fb.shutdown(timeout_s=0.2)
+    assert [p["event_id"] for p in unsent] == ids and fb.stats()["spooled"] == 5
+    fb2 = FeedbackClient(url, spool_path=spool, linger_s=0)
+    assert fb2.flush() == 0 and fb2.shutdown() == [] and not spool.exists()
+    assert rec.received == unsent  # same ids, same content (final_text kept, no value on that edit)
+    assert "value" not in rec.received[2] and rec.received[2]["final_text"] == "kept this"
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda fb, c: fb.copy("nope"), "completion_id"),
+    (lambda fb, c: fb.copy(c, user=""), "user"),
+    (lambda fb, c: fb.regenerate(c, event_id="x"), "event_id"),
+    (lambda fb, c: fb.regenerate(c, comment="a\x00b"), "comment"),
+    (lambda fb, c: fb.edit(c), "kept"),
+    (lambda fb, c: fb.edit(c, kept=0.5, final_text="x"), "kept"),
+    (lambda fb, c: fb.edit(c, kept=1.5), "kept"),
+    (lambda fb, c: fb.edit(c, kept=-0.1), "kept"),
+    (lambda fb, c: fb.edit(c, kept=True), "kept"),
+    (lambda fb, c: fb.edit(c, kept=float("nan")), "kept"),
+    (lambda fb, c: fb.edit(c, final_text=3), "final_text"),
+    (lambda fb, c: fb.edit(c, final_text="a\ud800"), "final_text"),
+    (lambda fb, c: fb.edit(c, final_text="x" * 65537), "final_text"),
+    (lambda fb, c: fb.followup(c, 1), "satisfied"),
+    (lambda fb, c: fb.followup(c, "yes"), "satisfied"),
+    (lambda fb, c: fb.followup(c, None), "satisfied"),
+    (lambda fb, c: fb.record(c, "copy", -1), "value"),
+    (lambda fb, c: fb.record(c, "copy", 2), "value"),
+    (lambda fb, c: fb.record(c, "regenerate", 0), "value"),
+    (lambda fb, c: fb.record(c, "followup", 0.5), "value"),
+    (lambda fb, c: fb.record(c, "edit", 1.2), "value"),
+    (lambda fb, c: fb.record(c, "edit"), "value"),
+    (lambda fb, c: fb.record(c, "copy"), "value"),
+    (lambda fb, c: fb.record(c, "edit", 0.5, final_text="x"), "final_text"),
+    (lambda fb, c: fb.record(c, "thumb", 1, final_text="x"), "final_text"),
+    (lambda fb, c: fb.record(c, "copy", 1, name="x"), "name"),
+    (lambda fb, c: fb.copy(c, metadata={"k": "v" * 513}), "metadata"),
+])
+def test_new_signals_bad_arguments_named_nothing_queued(server, call, name):
+    url, rec = server
+    fb = FeedbackClient(url)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        call(fb, uuid.uuid4())
+    assert fb.shutdown() == [] and rec.attempts == [] and fb.stats()["accepted"] == 0
+
+
+def test_new_signals_are_valid_feedback_events():
+    """What the SDK builds for each new kind is a FeedbackEvent the consumers accept (the
+    pydantic model of schemas.events, not the schema the SDK checked with)."""
+    cid = uuid.uuid4()
+    for p in (build_event(cid, "copy", 1), build_event(cid, "regenerate", 1), build_event(cid, "edit", 0.0),
+              build_event(cid, "edit", final_text="x" * 65536), build_event(cid, "followup", -1)):
+        ev = FeedbackEvent(user_hash="h", created_at=1_700_000_000_000,
+                           **{k: v for k, v in p.items() if k != "user"})
+        assert (ev.kind, ev.value, ev.final_text) == (p["kind"], p.get("value"), p.get("final_text"))
+
+
 def test_async_client(server):
     url, rec = server
 
@@ -383,12 +498,20 @@ def test_async_client(server):
         b = await fb.score(uuid.uuid4(), "stars", 4)
         with pytest.raises(ValueError, match="^kind:"):
             await fb.record(uuid.uuid4(), "nope", 1)
+        cid = uuid.uuid4()
+        more = [await fb.copy(cid, "u"), await fb.regenerate(cid), await fb.edit(cid, kept=0.75),
+                await fb.edit(cid, final_text="done"), await fb.followup(cid, True)]
+        with pytest.raises(ValueError, match="^satisfied:"):
+            await fb.followup(cid, 0)
         assert await fb.flush() == 0
         assert await fb.aclose() == []
-        return a, b
+        return [a, b, *more]
 
-    a, b = asyncio.run(go())
-    assert [r["event_id"] for r in rec.received] == [a, b]
+    ids = asyncio.run(go())
+    assert [r["event_id"] for r in rec.received] == ids
+    assert [(r["kind"], r.get("value"), r.get("final_text")) for r in rec.received[2:]] == [
+        ("copy", 1.0, None), ("regenerate", 1.0, None), ("edit", 0.75, None), ("edit", None, "done"),
+        ("followup", 1.0, None)]
 
 
 @pytest.mark.timeout(60)
@@ -399,16 +522,21 @@ def test_kafka_mode(broker):
     cid = uuid.uuid4()
     eid = fb.thumbs_down(cid, user="carol", comment="meh")
     sid = fb.score(cid, "helpfulness", 0.5, metadata={"k": "v"})
+    tid = fb.edit(cid, final_text="my version", user="carol")
+    fid = fb.followup(cid, False, user="carol")
     assert fb.flush(timeout_s=30) == 0 and fb.shutdown() == []
     c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000)
     msgs = list(c)
     c.close()
-    evs = sorted((FeedbackEvent.from_bytes(m.value) for m in msgs), key=lambda e: e.kind, reverse=True)
-    assert all(m.key == str(cid).encode() for m in msgs)
-    assert [str(e.event_id) for e in evs] == [eid, sid]
-    assert evs[0].value == -1.0 and evs[0].user_hash == hash_user("carol", "salt") and evs[0].comment == "meh"
-    assert (evs[1].name, evs[1].metadata, evs[1].value) == ("helpfulness", {"k": "v"}, 0.5)
+    by_id = {str(e.event_id): e for e in (FeedbackEvent.from_bytes(m.value) for m in msgs)}
+    assert all(m.key == str(cid).encode() for m in msgs) and len(msgs) == 4
+    assert set(by_id) == {eid, sid, tid, fid}
+    e = by_id[eid]
+    assert e.value == -1.0 and e.user_hash == hash_user("carol", "salt") and e.comment == "meh"
+    assert (by_id[sid].name, by_id[sid].metadata, by_id[sid].value) == ("helpfulness", {"k": "v"}, 0.5)
+    assert (by_id[tid].kind, by_id[tid].value, by_id[tid].final_text) == ("edit", None, "my version")
+    assert (by_id[fid].kind, by_id[fid].value, by_id[fid].user_hash) == ("followup", -1.0, hash_user("carol", "salt"))
 
 
 @pytest.mark.timeout(90)
@@ -424,12 +552,17 @@ def test_doc_examples_run(server, broker, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_SERVING_URL", url)
     monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", broker.bootstrap)
     monkeypatch.delenv("FLYWHEEL_API_KEY", raising=False)
+    monkeypatch.delenv("FLYWHEEL_FEEDBACK_KEY", raising=False)
     doc = (Path(__file__).resolve().parents[1] / "docs" / "sdk.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     for code in blocks:
         exec(compile(code, "docs/sdk.md", "exec"), {"__name__": "doc"})
-    assert len(rec.received) == 5  # 3 sync + 2 async
+    assert len(rec.received) == 10  # 3 sync + 2 async + 5 from the product wiring
+    wired = [(r["kind"], r.get("value"), r.get("final_text"), r["user"]) for r in rec.received
+             if r["kind"] != "thumb" and r["kind"] != "score"]
+    assert wired == [("copy", 1.0, None, "alice"), ("regenerate", 1.0, None, "bob"), ("edit", 0.8, None, "dave"),
+                     ("followup", -1.0, None, "erin"), ("edit", None, "The answer is 42.", "carol")]
     c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000)
     (m,) = list(c)
@@ -480,6 +613,52 @@ def test_against_the_real_serving_pod(tiny_moe_dir, broker, tmp_path):
         assert evs[mine].value == 1.0 and evs[mine].metadata == {"surface": "chat"}
         assert (evs[sc].kind, evs[sc].name, evs[sc].value) == ("score", "helpfulness", 0.75)
         assert evs[sc].user_hash == hash_user("bob", "s")
+    finally:
+        srv.stop()
+        ev.close()
+        eng.close()
+
+
+@pytest.mark.timeout(120)
+def test_new_signals_against_the_real_serving_pod(tiny_moe_dir, broker, tmp_path):
+    """copy, regenerate, both edits and a followup from the SDK through a real serving pod's
+    /v1/feedback/batch arrive on flywheel.feedback as FeedbackEvents with the contract's values
+    (an edit with final_text carries no value)."""
+    from kafka import KafkaConsumer
+
+    from serving.app import create_app
+    from serving.engine import TorchEngine
+    from serving.eventlog import EventLog
+    from servers import ServerThread
+    from serving.slots import CheckpointStore, Slots
+
+    eng = TorchEngine(tiny_moe_dir, max_batch=2, threads=1)
+    slots = Slots(eng, CheckpointStore(tiny_moe_dir))
+    slots.start("v000000")
+    ev = EventLog(broker.bootstrap, tmp_path / "ev.journal")
+    srv = ServerThread(create_app(slots, ev, pod="pod-sdk", salt="s", api_keys={"k-api"},
+                                  feedback_keys={"k-fb"})).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": "Bearer k-api"}, timeout=60,
+                       json={"model": "flywheel", "prompt": "hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        cid = r.json()["id"]
+        errors = []
+        fb = FeedbackClient(srv.url, feedback_key="k-fb", linger_s=0.3, on_error=lambda p, why: errors.append(why))
+        ids = {"copy": fb.copy(cid, user="alice"), "regenerate": fb.regenerate(cid, user="bob"),
+               "kept": fb.edit(cid, kept=0.5, user="carol"), "text": fb.edit(cid, final_text="mine", user="dave"),
+               "followup": fb.followup(cid, False, user="erin")}
+        assert fb.flush(timeout_s=30) == 0 and fb.shutdown() == []
+        assert errors == [] and fb.stats()["sent"] == 5
+        c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+                          consumer_timeout_ms=5000)
+        evs = {str(e.event_id): e for e in (FeedbackEvent.from_bytes(m.value) for m in c)}
+        c.close()
+        got = {k: (evs[i].kind, evs[i].value, evs[i].final_text) for k, i in ids.items()}
+        assert got == {"copy": ("copy", 1.0, None), "regenerate": ("regenerate", 1.0, None),
+                       "kept": ("edit", 0.5, None), "text": ("edit", None, "mine"),
+                       "followup": ("followup", -1.0, None)}
+        assert evs[ids["followup"]].user_hash == hash_user("erin", "s")
     finally:
         srv.stop()
         ev.close()

@@ -109,7 +109,7 @@ class FeedbackServing:
         try:
             ev = FeedbackEvent(event_id=event_id, completion_id=body.completion_id, user_hash=uh, kind=body.kind,
                                value=body.value, comment=body.comment, created_at=created_at, name=body.name,
-                               metadata=body.metadata)
+                               metadata=body.metadata, final_text=body.final_text)
         except ValidationError as exc:
             e = exc.errors()[0]
             param, msg = pydantic_error_param(e)
