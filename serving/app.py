@@ -5,7 +5,9 @@ serving classes and their routers) over an engine + weight slots + event log. Ev
 completion produces exactly one ``CompletionEvent`` on ``flywheel.completions`` (key =
 completion id); every accepted feedback one ``FeedbackEvent`` on ``flywheel.feedback``.
 Model names, completion ids and headers: :mod:`serving.http.serving_openai`; feedback:
-:mod:`serving.http.serving_feedback`; who may call what: :mod:`serving.http.auth`.
+:mod:`serving.http.serving_feedback`; who may call what: :mod:`serving.http.auth`. Feedback
+serving derives itself from chat requests (``regenerate``, ``followup``) goes to
+``flywheel.feedback`` too: :mod:`serving.signals`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from serving.http.serving_openai import (
     CID_HEADER, CIDS_HEADER, DEFAULT_SERVED_MODEL_NAME, USER_HEADER, VERSION_HEADER, OpenAIServing,
 )
 from serving.http.state import ServingState
+from serving.signals import SignalDetector
 from serving.slots import Slots
 
 __all__ = ["create_app", "load_keys", "user_salt", "CID_HEADER", "CIDS_HEADER",
@@ -85,7 +88,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
                feedback_keys: set[str] | None = None, served_model_name: str | None = None,
                eval_share: float | None = None, cors_origins: list[str] | None = None,
                max_prompt_tokens: int = 8192, default_max_tokens: int = 256,
-               max_body_bytes: int | None = None, admin_port: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, admin_port: int | None = None,
+               signals: SignalDetector | None = None) -> FastAPI:
     """The FastAPI app of one serving pod.
 
     Args:
@@ -109,6 +113,10 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
             the bound is at most :func:`serving.http.limits.prompt_body_bytes` of ``max_prompt_tokens``.
         admin_port: answer ``/admin/*`` and ``/metrics`` only on this local port and the product
             paths only on others (:class:`PortSplitMiddleware`); None = every path on every port.
+        signals: derives ``regenerate`` / ``followup`` feedback from chat requests that name a
+            user (default :meth:`serving.signals.SignalDetector.from_config` of
+            :class:`serving.config.ServeConfig`'s defaults; one with both kinds off derives
+            nothing).
 
     Raises:
         ValueError: ``eval_share`` outside [0, 1].
@@ -127,8 +135,9 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
         swap_pause_s=lambda: None if slots.last_swap_pause_ms is None else slots.last_swap_pause_ms / 1000)
     completions_log = CompletionLogger(event_log, pod, on_emit=lambda kind: metrics.events_accepted.labels(kind).inc())
     prompts = PromptBuilder(engine.tokenizer, engine.max_positions, max_prompt_tokens)
+    signals = SignalDetector.from_config(serve_defaults) if signals is None else signals
     openai = OpenAIServing(slots, prompts, completions_log, metrics, salt=salt, served_model_name=served_model_name,
-                           eval_share=eval_share, default_max_tokens=default_max_tokens)
+                           eval_share=eval_share, default_max_tokens=default_max_tokens, signals=signals)
     openai_box.append(openai)
     feedback = FeedbackServing(event_log, completions_log, metrics, salt)
 

@@ -118,6 +118,30 @@ class ServeConfig(BaseModel):
                                            "user the same user_hash and canary arm. Implied by a --host "
                                            "reachable from other machines.",
                         json_schema_extra={"flags": "--fleet", "envvar": "FLYWHEEL_FLEET"})
+    derive_regenerate: bool = Field(
+        True, description="Emit a `regenerate` feedback event (value 1, metadata source=serving) for a user's "
+                          "completion when the same user sends the same chat messages again within "
+                          "--signal-window-s (serving/signals.py). Only requests that name a user.",
+        json_schema_extra={"flags": "--derive-regenerate/--no-derive-regenerate"})
+    derive_followup: bool = Field(
+        True, description="Emit a `followup` feedback event (+1 satisfied, -1 dissatisfied, by the rules in "
+                          "serving/signals.py) for a completion whose reply comes back in the same user's next "
+                          "chat request within --signal-window-s. Only requests that name a user.",
+        json_schema_extra={"flags": "--derive-followup/--no-derive-followup"})
+    signal_window_s: float = Field(600.0, gt=0, description="How long after a completion's request a regenerate "
+                                                            "or follow-up by the same user still counts for it.",
+                                   json_schema_extra={"unit": "s"})
+    signal_memory: int = Field(50_000, ge=1, description="Completions this pod remembers for regenerate and "
+                                                         "follow-up signals at most (least recently used out "
+                                                         "first; under 1 KB each).",
+                               json_schema_extra={"unit": "completions"})
+
+    @field_validator("signal_window_s")
+    @classmethod
+    def _window(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"must be a finite number of seconds > 0, got {v!r}")
+        return v
 
     @field_validator("engine")
     @classmethod

@@ -120,6 +120,7 @@ class Pod:
                      ev.queue_depth(), ev.journal_pending())
         st = getattr(getattr(self.app, "state", None), "flywheel", None)
         if st is not None:
+            st.openai.close()  # feedback events still being derived go to the event log first
             st.completions_log.close()  # events still being built go to the event log first
         if ev is not None:
             ev.close()
@@ -357,12 +358,14 @@ def app_options(cfg: ServeConfig, salt: str) -> dict:
     """:func:`serving.app.create_app`'s keyword arguments from ``cfg`` and the environment
     (``FLYWHEEL_FEEDBACK_KEYS``, ``FLYWHEEL_CORS_ORIGINS``)."""
     from serving.app import load_keys
+    from serving.signals import SignalDetector
 
     origins = [o for o in (cfg.cors_origin or []) if o]
     origins += [o.strip() for o in os.environ.get("FLYWHEEL_CORS_ORIGINS", "").split(",") if o.strip()]
     return {"feedback_keys": load_keys("FLYWHEEL_FEEDBACK_KEYS", cfg.feedback_keys_file),
             "served_model_name": cfg.served_model_name, "eval_share": cfg.eval_share,
-            "cors_origins": origins or None, "salt": salt, "admin_port": cfg.admin_port}
+            "cors_origins": origins or None, "salt": salt, "admin_port": cfg.admin_port,
+            "signals": SignalDetector.from_config(cfg)}
 
 
 def run_pod(cfg: ServeConfig | None = None, eng: EngineConfig | None = None, vllm: VLLMConfig | None = None,

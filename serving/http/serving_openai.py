@@ -27,6 +27,14 @@ choices are admitted all or none (:meth:`OpenAIServing._start`).
 CPU work on a request's prompt (the chat template, tokenisation) runs in a small thread pool
 (:data:`TOKENIZE_WORKERS` threads; the Rust tokenizer releases the GIL), never on the event
 loop: a large prompt never delays ``/healthz`` or another request's stream.
+
+Signals (:mod:`serving.signals`): each finished choice of a chat request that names a user
+(``user`` or header ``x-flywheel-user``) and has no ``tools`` goes to the pod's
+:class:`serving.signals.SignalDetector` on one thread of its own, in the order the choices
+finished, off the event loop and after the choice's event was submitted; the ``regenerate``
+and ``followup`` events it returns go to ``flywheel.feedback`` (key = the earlier
+completion's id) through the pod's event log, as posted feedback does. The answer does not
+wait for them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,6 +51,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from schemas import topics
 from schemas.events import hash_user, now_ms
 from schemas.split import SPLIT_HEADER, SPLIT_TAG, SPLITS, choose_split
 from serving.http import wire
@@ -52,10 +62,13 @@ from serving.http.prompts import PromptBuilder
 from serving.http.streaming import ChoiceStreams
 from serving.params import GenRequest, GenResult, ServingValidationError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
+from serving.signals import ChatTurn, SignalDetector
 from serving.slots import Slots
 
 if TYPE_CHECKING:
     from serving.engine import LoadedModel
+
+log = logging.getLogger("flywheel.serving.openai")
 
 USER_HEADER = "x-flywheel-user"
 CID_HEADER = "x-flywheel-completion-id"
@@ -72,6 +85,11 @@ def user_hash(request: Request, user: str | None, salt: str) -> str:
     return hash_user(user or request.headers.get(USER_HEADER) or "anonymous", salt)
 
 
+def names_user(request: Request, user: str | None) -> bool:
+    """Whether the request names its user (``user`` field or header ``x-flywheel-user``)."""
+    return bool(user or request.headers.get(USER_HEADER))
+
+
 class OpenAIServing:
     """OpenAI inference over the pod's weight slots.
 
@@ -84,11 +102,13 @@ class OpenAIServing:
         served_model_name: the ``model`` alias for the sticky split.
         eval_share: share of untagged prompts put in the eval split, in [0, 1].
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
+        signals: derives ``regenerate`` / ``followup`` events from chat requests; None or
+            one with both kinds off derives nothing.
     """
 
     def __init__(self, slots: Slots, prompts: PromptBuilder, completions_log: CompletionLogger,
                  metrics: ServingMetrics, *, salt: str, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
-                 eval_share: float, default_max_tokens: int):
+                 eval_share: float, default_max_tokens: int, signals: SignalDetector | None = None):
         self.slots = slots
         self.engine = slots.engine
         self.prompts = prompts
@@ -103,6 +123,12 @@ class OpenAIServing:
         # generate(req) predates it streams every step, and a JSON answer reads only the last
         self._final_only = "final_only" in inspect.signature(self.engine.generate).parameters
         self._cpu = concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="flywheel-tokenize")
+        self.signals = signals if signals is not None and signals.enabled else None
+        self.feedback_topic = topics.FEEDBACK  # read once: each read scans the environment
+        # one thread, FIFO: a reply is remembered before a later request's choice is observed
+        self._signal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flywheel-signals") \
+            if self.signals is not None else None
+        self._signal_last: concurrent.futures.Future | None = None
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenising pool (bounded), awaited: CPU work on a prompt never
@@ -181,9 +207,11 @@ class OpenAIServing:
         asked = body.max_completion_tokens or body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         sp = body.sampling(self.prompts.budget(field, prompt, asked, self.default_max_tokens))
+        # tools: an agent, not a person, reads and re-sends these replies
+        derive = self.signals is not None and tools is None and names_user(request, body.user)
         return await self._serve(request, body, version, prompt, sp, body.top_logprobs or 0, chat=True,
                                  structured=body.structured_outputs() if structured else None, tools=tools,
-                                 request_id=request_id)
+                                 request_id=request_id, messages=body.messages if derive else None)
 
     async def completions(self, body: CompletionRequest, request: Request):
         """OpenAI (legacy) text completions (JSON or SSE)."""
@@ -220,15 +248,18 @@ class OpenAIServing:
     # ------------------------------------------------------------------ running n choices
     async def _serve(self, request: Request, body, version: str | None, prompt: list[int], sp,
                      top_logprobs: int, chat: bool, structured: dict | None = None, tools: list | None = None,
-                     request_id: str = ""):
+                     request_id: str = "", messages: list | None = None):
         """Run ``n`` choices on one version and answer in the OpenAI shape, as JSON or SSE.
-        ``structured``: vLLM structured-outputs constraint; ``tools``: parse tool calls."""
+        ``structured``: vLLM structured-outputs constraint; ``tools``: parse tool calls;
+        ``messages``: the chat messages each finished choice is observed with by the signal
+        detector (None: not observed)."""
         split = self.split_of(request, body, prompt)
         uh = user_hash(request, body.user, self.salt)
         run = _Run(lm=self.slots.pick(uh, version=version), prompt=prompt, n=body.n or 1, stops=body.stop_strings(),
                    split=split, user_hash=uh, created_ms=now_ms(),
                    request_id=request_id or self.request_id(request),
-                   q=asyncio.Queue() if body.stream else None, structured=structured, tools=tools)
+                   q=asyncio.Queue() if body.stream else None, structured=structured, tools=tools,
+                   messages=messages)
         # choice i samples with seed + i: n copies of one seeded draw would be surprising
         run.sps = [sp if i == 0 or sp.seed is None else sp.model_copy(update={"seed": sp.seed + i})
                    for i in range(run.n)]
@@ -312,10 +343,44 @@ class OpenAIServing:
             self.inflight -= 1
         self.log.submit(run.cids[i], run.request_id, run.user_hash, run.prompt, run.sps[i], res, run.created_ms,
                         run.split)  # built off the loop
+        if run.messages is not None:
+            try:
+                self._signal_last = self._signal_pool.submit(self._derive, run, i, res)
+            except RuntimeError:  # closed: the pod is stopping
+                log.warning("signals of completion %s not derived: the pod is stopping", run.cids[i])
         self.metrics.observe(res, len(run.prompt))
         if run.q is not None:
             run.q.put_nowait((i, None, res))  # after every step of choice i
         return res
+
+    def _derive(self, run: "_Run", i: int, res: GenResult) -> None:
+        """Observe choice ``i`` with the signal detector and publish the events it returns
+        (on the signals thread; a failure is logged, the request already has its answer)."""
+        try:
+            if run.turn is None:  # once per request: its choices run here one after the other
+                run.turn = self.signals.turn(run.messages)
+            text = self.prompts.text(res.completion_token_ids, run.stops)
+            events = self.signals.observe_turn(run.user_hash, run.turn, run.cids[i], text, run.created_ms,
+                                               run.request_id)
+            ev_log = self.log.event_log
+            for ev in events:
+                if ev_log is not None:
+                    ev_log.emit(self.feedback_topic, str(ev.completion_id), ev.to_bytes())
+                self.metrics.events_accepted.labels(ev.kind).inc()
+        except Exception:  # noqa: BLE001 - a signal must never fail or stall serving
+            log.exception("signals of completion %s could not be derived", run.cids[i])
+
+    def flush_signals(self, timeout_s: float = 30.0) -> None:
+        """Wait until every finished choice was observed and its events handed to the event log."""
+        last = self._signal_last
+        if last is not None:
+            concurrent.futures.wait([last], timeout=timeout_s)
+
+    def close(self) -> None:
+        """Finish the pending signal observations and stop their thread (before the event
+        log closes)."""
+        if self._signal_pool is not None:
+            self._signal_pool.shutdown(wait=True)
 
     async def _json(self, run: "_Run", body, chat: bool, request: Request | None = None):
         """The whole response once every choice ended. A client that disconnects first
@@ -385,6 +450,8 @@ class _Run:
     q: asyncio.Queue | None  # streaming: (choice, step | None, None | result | exception)
     structured: dict | None = None  # vLLM structured-outputs constraint (response_format)
     tools: list | None = None  # OpenAI tools the completion may call
+    messages: list | None = None  # chat messages the signal detector observes (None: not observed)
+    turn: ChatTurn | None = None  # the detector's reading of ``messages``, made once (signals thread)
     cids: list[uuid.UUID] = field(default_factory=list)
     sps: list = field(default_factory=list)
     greqs: list[GenRequest] = field(default_factory=list)
