@@ -2,7 +2,27 @@
 
 Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
 
-* **thumbs-up rate** (the quality signal): a sequential test that stays valid when looked at
+* **mean reward** (the quality signal by default, ``quality = reward``): the samples' reward
+  by the declared reward policy, the reward the learner trains on. A sequential test that
+  stays valid at every look without a normal approximation: each arm's mean gets an
+  empirical-Bernstein confidence sequence for observations bounded by the policy's clip
+  (Howard, Ramdas, McAuliffe, Sekhon 2021, Theorem 4, mixed over a grid of rates;
+  :func:`deploy.stats.eb_mean_bounds`) at ``alpha / 2``, so the box of both means holds at
+  every look with probability ``1 - alpha``. The margin is relative to the stable's mean on
+  the policy's own scale (0 = neutral): PASS when every point of the box has ``mean_c >
+  mean_s - delta * max(|mean_s|, reward_margin_floor * reward_clip)``, FAIL when every point
+  has ``mean_c < mean_s`` (:func:`reward_bounds`, :func:`check_reward`). The thumbs-up test
+  then guards the thumbs signal (FAIL when shown worse by more than ``signal_margin``).
+  Shards written before the reward policy (no rewarded sample on either arm) decide on the
+  thumbs-up rate as before; ``quality = thumbs`` asks for that test always.
+* **feedback signals, both ways** (:func:`check_signal_guards`): the shares of rewarded
+  samples that were regenerated, followed up dissatisfied and copied, each with the same
+  always-valid bounds; a candidate shown worse by more than ``signal_margin`` (relative) and
+  ``signal_floor`` (absolute) on any of them fails: more regenerates or dissatisfied
+  follow-ups, or fewer copies, so a candidate that avoids negative signals by answering
+  less is caught by the positive one (and by the no-answer and length guards below).
+* **thumbs-up rate** (the quality signal with ``quality = thumbs`` or thumbs-only shards): a
+  sequential test that stays valid when looked at
   after every vote, on the RELATIVE difference ``rate(candidate) / rate(stable) - 1``, so a
   margin means the same at a 0.05 and a 0.5 base rate. Its always-valid (1 - ``alpha``)
   bounds ``[lo, hi]`` are normal-mixture mSPRTs (Johari, Pekelis and Walsh 2017),
@@ -43,25 +63,35 @@ ERROR means the data could not be read or is invalid (NaN, source failure): kept
 from INCONCLUSIVE (too little data) so an outage of the metrics source is never mistaken
 for "wait for more votes". Combination is worst-wins: FAIL > ERROR > INCONCLUSIVE >
 PASS/SKIPPED. FAIL -> ROLLBACK; ERROR or INCONCLUSIVE -> HOLD; all PASS/SKIPPED ->
-PROMOTE (advance). With empty data the thumbs-up metric is INCONCLUSIVE, so the decision
+PROMOTE (advance). With empty data the sequential test is INCONCLUSIVE, so the decision
 is never PROMOTE or ROLLBACK on empty data.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Optional
+
+import numpy as np
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass as config_dataclass
 
-from deploy.stats import (cuped_rate, cuped_theta, margin_tau, msprt_interval, noninferiority_bounds,  # noqa: F401
-                          newcombe_interval, normal_cdf, ratio_interval, two_proportion_z, wilson_interval)
+from deploy.stats import (cuped_rate, cuped_theta, eb_mean_bounds, margin_tau, msprt_interval,  # noqa: F401
+                          newcombe_interval, noninferiority_bounds, normal_cdf, ratio_interval, relative_box_bounds,
+                          relative_margin_scale, two_proportion_z, wilson_interval)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
 GUARDS = ("completion_length", "no_answer", "truncated", "repetitive")
+QUALITY = ("reward", "thumbs")  # what the sequential test judges (AnalysisConfig.quality)
+#: The feedback signals guarded both ways (:func:`check_signal_guards`): ``(metric and ArmStats
+#: field, worse direction, the confidence sequence's fixed center, what it counts)``. A
+#: negative signal fails when it rises, a positive one when it falls.
+SIGNAL_GUARDS = (("regenerated", "up", 0.0, "replies regenerated"),
+                 ("dissatisfied", "up", 0.0, "dissatisfied follow-ups"),
+                 ("copied", "down", 0.5, "replies copied"))
 VS_FIRST = "_vs_first"  # suffix of a guard checked against the first version
 
 
@@ -108,6 +138,17 @@ class ArmStats:
             ``x`` fixed before the canary started (the voting user's earlier thumbs-up rate):
             ``sum x``, ``sum x^2``, ``sum x y`` with ``y`` = 1 for an up-vote (floats; None: no
             covariate, the test uses the plain rates).
+        rewarded: samples of the arm that carry a reward under the judged reward policy
+            (count, >= 0; 0 on shards written before the reward policy, which then decide on
+            thumbs, :func:`check_quality`).
+        reward_sum, reward_sq_sum: ``sum r`` and ``sum r^2`` of their rewards (floats).
+        reward_min, reward_max: the smallest and largest of those rewards (None when
+            ``rewarded`` is 0): a reward outside ``[-reward_clip, reward_clip]`` is an ERROR.
+        regenerated, dissatisfied, copied: of those samples, the ones a user regenerated
+            (``regenerated > 0``), followed up dissatisfied (``followup < 0``) and copied
+            (``copied > 0``) (counts, <= ``rewarded``; the signal guards).
+        reward_policy: the digest of the reward policy those rewards are by (None: not
+            known); the reward test compares two arms only under the same policy.
     """
 
     votes_up: int = 0
@@ -126,10 +167,20 @@ class ArmStats:
     x_sum: float | None = None
     xx_sum: float | None = None
     xy_sum: float | None = None
+    rewarded: int = 0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    reward_min: float | None = None
+    reward_max: float | None = None
+    regenerated: int = 0
+    dissatisfied: int = 0
+    copied: int = 0
+    reward_policy: str | None = None
 
     def __post_init__(self):
         for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
-                  "completion_tokens", "no_answer", "truncated", "repetitive", "truncated_tokens"):
+                  "completion_tokens", "no_answer", "truncated", "repetitive", "truncated_tokens",
+                  "rewarded", "regenerated", "dissatisfied", "copied"):
             v = getattr(self, f)
             if f in ("latency_samples", "truncated_tokens") and v is None:
                 continue
@@ -144,6 +195,17 @@ class ArmStats:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"{f}: must be a number >= 0 or None, got {v!r}")
+        for f in ("regenerated", "dissatisfied", "copied"):
+            if getattr(self, f) > self.rewarded:
+                raise ValueError(f"{f}: {getattr(self, f)} > rewarded {self.rewarded}")
+        for f in ("reward_sum", "reward_sq_sum", "reward_min", "reward_max"):
+            v = getattr(self, f)
+            if f in ("reward_min", "reward_max") and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{f}: must be a finite number, got {v!r}")
+        if self.reward_sq_sum < 0:
+            raise ValueError(f"reward_sq_sum: must be >= 0, got {self.reward_sq_sum}")
 
         cov = (self.x_sum, self.xx_sum, self.xy_sum)
         if any(v is not None for v in cov):
@@ -174,11 +236,18 @@ class AnalysisConfig:
     """Thresholds of the canary analysis; each field's ``description`` is its help (the
     ``flywheel controller`` option of the same name, ``[controller]`` in ``flywheel.toml``).
 
-    Quality (thumbs-up, sequential test): ``min_votes`` (burn-in), ``alpha``, ``delta`` (the
-    RELATIVE non-inferiority margin: PASS when the always-valid lower bound of
-    ``rate(candidate) / rate(stable) - 1`` is above ``-delta``, i.e. the candidate surely
-    keeps more than ``1 - delta`` of the stable's thumbs-up rate, at any base rate), ``tau``
-    and ``cuped`` (:func:`deploy.stats.cuped_rate`).
+    Quality (sequential test): ``quality`` (``reward``: the mean reward by the declared reward
+    policy, :func:`check_reward`; ``thumbs``: the thumbs-up rate, :func:`check_thumbs`;
+    shards without reward columns decide on thumbs either way), ``min_votes`` (burn-in, in
+    votes or rewarded samples), ``alpha``, ``delta`` (the RELATIVE non-inferiority margin:
+    PASS when the always-valid lower bound of ``quality(candidate) / quality(stable) - 1`` is
+    above ``-delta``, i.e. the candidate surely keeps more than ``1 - delta`` of the stable's
+    mean reward or thumbs-up rate), ``tau`` and ``cuped`` (:func:`deploy.stats.cuped_rate`;
+    thumbs only), ``reward_clip`` (every reward is in ``[-reward_clip, reward_clip]``: the
+    reward policy's clip), ``reward_center`` and ``reward_margin_floor``.
+
+    Signal guards (each feedback signal's share, both ways, :func:`check_signal_guards`):
+    ``signal_margin`` and ``signal_floor``.
 
     Operational (error rate, p99 latency, tokens/s): ``min_requests`` per arm before these
     are judged (latency and tokens/s are gated on ``latency_samples`` when the source gives
@@ -202,6 +271,24 @@ class AnalysisConfig:
                       "80 % of the stable's thumbs-up rate)")
     tau: Optional[float] = _f(None, "mixing standard deviation of the mSPRT on the log rate ratio (default "
                               "-log(1 - delta): the distance of a candidate exactly at the margin); > 0")
+    quality: str = _f("reward", "what the sequential test judges: reward (the mean reward of the samples by the "
+                      "declared reward policy; shards without reward columns decide on thumbs) or thumbs (the "
+                      "thumbs-up rate)")
+    reward_clip: Optional[float] = _f(None, "bound of the samples' rewards: the reward policy clips every reward "
+                                      "to [-reward_clip, reward_clip]; the reward test's bounds need it (a reward "
+                                      "outside is an error); > 0 (default: the clip of this process' [reward] policy)")
+    reward_center: float = _f(0.0, "fixed center of the reward test's empirical-Bernstein variance process, in "
+                              "[-reward_clip, reward_clip]: any value is valid, one near the stable's mean reward "
+                              "gives the narrowest bounds (default 0, the policy's neutral reward)")
+    reward_margin_floor: float = _f(0.05, "the reward's relative margin is delta * max(|stable mean|, "
+                                    "reward_margin_floor * reward_clip): a stable mean near 0 does not ask the "
+                                    "candidate to be shown better; in [0, 1]", ge=0, le=1)
+    signal_margin: float = _f(0.1, "a feedback signal's share fails its guard when shown (always-valid bounds) worse "
+                              "than the stable's by more than this relative margin: a negative signal (regenerated, "
+                              "dissatisfied follow-up) above (1 + margin) times, a positive one (copied) below "
+                              "(1 - margin) times the stable's; in [0, 1)", ge=0)
+    signal_floor: float = _f(0.01, "the shown change of a signal's share must also exceed this absolute share "
+                             "before its guard fails; in [0, 1]", ge=0, le=1)
     cuped: bool = Field(True, description="adjust each arm's thumbs-up rate by the voting users' pre-canary "
                         "thumbs-up rate when both arms carry it (CUPED)", json_schema_extra={"flags": "--cuped/--no-cuped"})
     min_requests: int = _f(20, "requests per arm before error rate, p99 latency and tokens/s are judged",
@@ -237,12 +324,37 @@ class AnalysisConfig:
                              f"1 - delta of the stable's rate), got {self.delta}")
         if self.tau is not None and not self.tau > 0:
             raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
+        if not 0 <= self.signal_margin < 1:
+            raise ValueError(f"signal_margin: must be in [0, 1), got {self.signal_margin}")
+        if self.quality not in QUALITY:
+            raise ValueError(f"quality: must be one of {QUALITY}, got {self.quality!r}")
+        if self.reward_clip is not None and not (math.isfinite(self.reward_clip) and self.reward_clip > 0):
+            raise ValueError(f"reward_clip: must be a finite number > 0, got {self.reward_clip!r}")
+        if not math.isfinite(self.reward_center):
+            raise ValueError(f"reward_center: must be a finite number, got {self.reward_center!r}")
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
                   "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase",
-                  "share_ratio_floor"):
+                  "share_ratio_floor", "reward_margin_floor", "signal_margin", "signal_floor"):
             v = getattr(self, f)
             if not math.isfinite(v):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
+
+    @property
+    def reward_bound(self) -> float:
+        """``reward_clip`` or, when None, the clip of this process' reward policy
+        (``schemas.reward.RewardPolicy.from_env()``: ``[reward]`` in ``flywheel.toml`` or the
+        ``FLYWHEEL_REWARD__*`` variables).
+
+        Raises:
+            ValueError: that policy is refused (the message names the variable or field), or
+                ``reward_center`` lies outside ``[-bound, bound]``."""
+        from schemas.reward import RewardPolicy
+
+        b = self.reward_clip if self.reward_clip is not None else RewardPolicy.from_env().clip
+        if abs(self.reward_center) > b:
+            raise ValueError(f"reward_center: must be in [-reward_clip, reward_clip] = [-{b:g}, {b:g}], got "
+                             f"{self.reward_center!r}")
+        return float(b)
 
     @property
     def mixing_tau(self) -> float:
@@ -349,6 +461,179 @@ def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
                             f"-{cfg.delta:.0%})", nums)
     return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:.0%}, "
                         "upper bound >= 0)", nums)
+
+
+def reward_bounds(n_c, sum_c, sq_c, n_s, sum_s, sq_s, cfg: AnalysisConfig):
+    """The reward test's always-valid bounds (scalars or arrays, unchecked): the one
+    implementation :func:`check_reward` judges with and ``bench/canary.py`` simulates,
+    vectorised over canaries.
+
+    Each arm's mean reward gets the empirical-Bernstein confidence sequence of
+    :func:`deploy.stats.eb_mean_bounds` (observations in ``[-b, b]``, ``b`` =
+    ``cfg.reward_bound``, the reward policy's clip,
+    center ``reward_center``) at level ``alpha / 2`` (``alpha / 4`` per side), so the box
+    ``[lc, hc] x [ls, hs]`` holds the two true means at every look at once with probability
+    at least ``1 - alpha``. The decision bounds on the relative difference are
+    :func:`deploy.stats.relative_box_bounds` with floor ``reward_margin_floor * reward_clip``:
+    PASS (``lo > -delta``) when every point of the box has the candidate's mean above the
+    stable's minus ``delta * max(|mean_s|, floor)``, FAIL (``hi < 0``) when every point has the
+    candidate's mean below the stable's.
+
+    Args:
+        n_c, sum_c, sq_c: the candidate's rewarded samples, ``sum r``, ``sum r^2``.
+        n_s, sum_s, sq_s: the same for the stable version.
+        cfg: ``alpha``, ``reward_clip``, ``reward_center``, ``reward_margin_floor``.
+
+    Returns:
+        ``(rel, lo, hi, (lc, hc), (ls, hs))``: ``rel = (mean_c - mean_s) / max(|mean_s|, floor)``,
+        the decision bounds, and each arm's bounds of its mean reward (float64).
+    """
+    b = cfg.reward_bound
+    _, lc, hc = eb_mean_bounds(n_c, sum_c, sq_c, -b, b, cfg.alpha / 2, cfg.reward_center)
+    _, ls, hs = eb_mean_bounds(n_s, sum_s, sq_s, -b, b, cfg.alpha / 2, cfg.reward_center)
+    floor = cfg.reward_margin_floor * b
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m_c, m_s = sum_c / np.maximum(n_c, 1), sum_s / np.maximum(n_s, 1)
+    rel = (m_c - m_s) / relative_margin_scale(m_s, floor)
+    lo, hi = relative_box_bounds(lc, hc, ls, hs, floor)
+    return rel, lo, hi, (lc, hc), (ls, hs)
+
+
+def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
+    """The sequential reward test (``quality = reward``): PASS when every mean pair in the
+    always-valid box of :func:`reward_bounds` keeps more than ``1 - delta`` of the stable's
+    mean reward (``lo > -delta``), FAIL when every pair has the candidate below the stable
+    (``hi < 0``), INCONCLUSIVE before ``min_votes`` rewarded samples per arm or while neither
+    holds; ERROR when a reward lies outside ``[-reward_clip, reward_clip]`` (the bounds would
+    not hold) or the reward policy's clip cannot be read."""
+    try:
+        b = cfg.reward_bound
+    except ValueError as exc:
+        return MetricResult("reward", Check.ERROR, f"reward bound: {exc}", {})
+    if cfg.reward_clip is None:
+        cfg = replace(cfg, reward_clip=b)  # read the policy once per check
+    nums = {"candidate_samples": c.rewarded, "stable_samples": s.rewarded, "min_samples": cfg.min_votes,
+            "alpha": cfg.alpha, "delta": cfg.delta, "reward_clip": b, "reward_center": cfg.reward_center,
+            "margin_floor": cfg.reward_margin_floor * b, "scale": "relative",
+            "method": "empirical-Bernstein confidence sequence per arm (Howard et al. 2021, Thm 4; discrete "
+                      "mixture, Ville), alpha/2 per arm; PASS when lc > hs - delta*max(|hs|, floor), "
+                      "FAIL when hc < ls"}
+    if c.reward_policy is not None or s.reward_policy is not None:
+        nums["reward_policy"] = c.reward_policy or s.reward_policy
+        if c.reward_policy != s.reward_policy and c.rewarded and s.rewarded:
+            return MetricResult("reward", Check.ERROR, f"the arms' rewards are by different reward policies "
+                                f"({c.reward_policy} vs {s.reward_policy}): not comparable", nums)
+    for a, name in ((c, "candidate"), (s, "stable")):
+        if a.rewarded:
+            nums[f"{name}_mean"] = a.reward_sum / a.rewarded
+            lo_r, hi_r = a.reward_min, a.reward_max
+            if lo_r is not None and hi_r is not None and (lo_r < -b or hi_r > b):
+                return MetricResult("reward", Check.ERROR, f"{name} rewards span [{lo_r:g}, {hi_r:g}], outside "
+                                    f"reward_clip's [-{b:g}, {b:g}]: set reward_clip to the reward policy's clip",
+                                    nums)
+    if c.rewarded < cfg.min_votes or s.rewarded < cfg.min_votes:
+        return MetricResult("reward", Check.INCONCLUSIVE, f"too few rewarded samples: candidate {c.rewarded}, "
+                            f"stable {s.rewarded}, need {cfg.min_votes} per arm", nums)
+    rel, lo, hi, (lc, hc), (ls, hs) = (v for v in reward_bounds(
+        float(c.rewarded), c.reward_sum, c.reward_sq_sum, float(s.rewarded), s.reward_sum, s.reward_sq_sum, cfg))
+    rel, lo, hi, lc, hc, ls, hs = (float(v) for v in (rel, lo, hi, lc, hc, ls, hs))
+    passed, failed = thumbs_verdict(lo, hi, cfg.delta)
+    mc, ms = nums["candidate_mean"], nums["stable_mean"]
+    nums.update(diff=rel, ci_lo=lo, ci_hi=hi, abs_diff=mc - ms, candidate_bounds=[lc, hc], stable_bounds=[ls, hs])
+    what = (f"mean reward {mc:+.3f} (n={c.rewarded}, always-valid [{lc:+.3f}, {hc:+.3f}]) vs {ms:+.3f} "
+            f"(n={s.rewarded}, [{ls:+.3f}, {hs:+.3f}]): relative {rel:+.1%}, decision bounds [{lo:+.1%}, {hi:+.1%}]")
+    if failed:
+        return MetricResult("reward", Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
+    if passed:
+        return MetricResult("reward", Check.PASS, f"{what}: not worse than the margin (lower bound > "
+                            f"-{cfg.delta:.0%})", nums)
+    return MetricResult("reward", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:.0%}, "
+                        "upper bound >= 0)", nums)
+
+
+def judges_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> bool:
+    """Whether the sequential test judges reward: ``quality = reward`` and some sample of
+    either arm carries a reward under the reward policy (shards written before the policy,
+    thumbs only, decide on thumbs as before)."""
+    return cfg.quality == "reward" and (c.rewarded > 0 or s.rewarded > 0)
+
+
+def check_quality(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[MetricResult]:
+    """The sequential test and, when it judges reward, the thumbs-up rate as a guard.
+
+    With :func:`judges_reward`, the first result is :func:`check_reward`; the thumbs-up
+    test (:func:`check_thumbs`) then guards the thumbs signal: FAIL when its always-valid
+    upper bound of ``rate_c / rate_s - 1`` is below ``-signal_margin``, SKIPPED before
+    ``min_votes`` votes per arm (thumbs come on a few replies; waiting for them would hold
+    every canary), PASS otherwise, its interval kept in the numbers. Otherwise the first and
+    only result is :func:`check_thumbs`, which decides as it always has."""
+    if not judges_reward(c, s, cfg):
+        return [check_thumbs(c, s, cfg)]
+    t = check_thumbs(c, s, cfg)
+    t.numbers["role"] = "guard"
+    if c.votes < cfg.min_votes or s.votes < cfg.min_votes:
+        t = MetricResult("thumbs_up", Check.SKIPPED, f"thumbs-up guard: {t.reason}", t.numbers)
+    elif t.numbers["ci_hi"] < -cfg.signal_margin:
+        t = MetricResult("thumbs_up", Check.FAIL, f"{t.reason.split(': ')[0]}: thumbs-up surely worse by more "
+                         f"than {cfg.signal_margin:.0%} (upper bound < -{cfg.signal_margin:.0%})", t.numbers)
+    else:
+        t = MetricResult("thumbs_up", Check.PASS, f"{t.reason.split(': ')[0]}: thumbs-up not shown worse", t.numbers)
+    return [check_reward(c, s, cfg), t]
+
+
+def signal_bounds(k_c, n_c, k_s, n_s, cfg: AnalysisConfig, worse: str, center: float):
+    """A signal guard's verdict on shares ``k / n`` (scalars or arrays, unchecked): each arm's
+    share gets the empirical-Bernstein confidence sequence of
+    :func:`deploy.stats.eb_mean_bounds` on ``[0, 1]`` with the fixed ``center`` at level
+    ``alpha / 2``, the same box as the reward test's. ``worse = "up"`` (a negative signal)
+    fails when ``lc > (1 + signal_margin) hs`` and ``lc - hs > signal_floor``; ``"down"``
+    (a positive signal) when ``hc < (1 - signal_margin) ls`` and ``ls - hc > signal_floor``:
+    the candidate's share is shown worse than the stable's by more than the relative margin.
+
+    Returns ``(failed, (lc, hc), (ls, hs))``."""
+    _, lc, hc = eb_mean_bounds(n_c, k_c, k_c, 0.0, 1.0, cfg.alpha / 2, center)
+    _, ls, hs = eb_mean_bounds(n_s, k_s, k_s, 0.0, 1.0, cfg.alpha / 2, center)
+    m, f = cfg.signal_margin, cfg.signal_floor
+    if worse == "up":
+        failed = (lc > (1 + m) * hs) & (lc - hs > f)
+    else:
+        failed = (hc < (1 - m) * ls) & (ls - hc > f)
+    return failed, (lc, hc), (ls, hs)
+
+
+def check_signal_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[MetricResult]:
+    """Each feedback signal's share of the rewarded samples, candidate against stable
+    (:data:`SIGNAL_GUARDS`, :func:`signal_bounds`): a candidate that regenerates or
+    dissatisfies more, or is copied less, fails, so one that avoids negative signals by
+    answering less (fewer regenerates, but fewer copies too) is caught as well as one that
+    draws more of them. SKIPPED when neither arm has rewarded samples (shards without the
+    signal columns), INCONCLUSIVE before ``min_guard_completions`` rewarded samples per arm.
+    Always-valid, so the failure limit only delays a FAIL."""
+    out = []
+    if c.rewarded == 0 and s.rewarded == 0:
+        return [MetricResult(g, Check.SKIPPED, f"{g} not measured (no rewarded samples)") for g, *_ in SIGNAL_GUARDS]
+    for g, worse, center, label in SIGNAL_GUARDS:
+        nums = {"candidate_n": c.rewarded, "baseline_n": s.rewarded, "against": "stable", "worse": worse,
+                "margin": cfg.signal_margin, "floor": cfg.signal_floor, "center": center}
+        if min(c.rewarded, s.rewarded) < cfg.min_guard_completions:
+            out.append(MetricResult(g, Check.INCONCLUSIVE, f"{g}: {c.rewarded} vs {s.rewarded} rewarded samples, "
+                                    f"need {cfg.min_guard_completions} per arm", nums))
+            continue
+        kc, ks = getattr(c, g), getattr(s, g)
+        failed, (lc, hc), (ls, hs) = signal_bounds(float(kc), float(c.rewarded), float(ks), float(s.rewarded), cfg,
+                                                   worse, center)
+        rc, rs = kc / c.rewarded, ks / s.rewarded
+        nums.update(candidate_share=rc, baseline_share=rs, candidate_bounds=[float(lc), float(hc)],
+                    baseline_bounds=[float(ls), float(hs)])
+        what = (f"{label} {rc:.3f} [{float(lc):.3f}, {float(hc):.3f}] vs {rs:.3f} [{float(ls):.3f}, {float(hs):.3f}] "
+                "(stable, always-valid)")
+        if bool(failed):
+            more = "more" if worse == "up" else "less"
+            out.append(MetricResult(g, Check.FAIL, f"{what}: surely {more} than the stable's by over "
+                                    f"{cfg.signal_margin:.0%} and {cfg.signal_floor:g}", nums))
+        else:
+            out.append(MetricResult(g, Check.PASS, what, nums))
+    return out
 
 
 def check_errors(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
@@ -515,7 +800,8 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
             the decision is HOLD with ``error=True``.
         skipped: ``{metric: reason}`` for metrics the source does not provide
             (``error_rate``, ``p99_latency``, ``tokens_per_s`` or a guard): SKIPPED with that
-            reason. ``thumbs_up`` cannot be skipped (ValueError).
+            reason. The sequential test (``reward``, or ``thumbs_up`` when it judges thumbs)
+            cannot be skipped (ValueError).
         failed_checks: failed checks in a row so far per operational metric and guard (the
             previous decision's ``failed_checks``; not modified).
         first: the first version's guard figures (``completions`` ... ``repetitive``), or None:
@@ -541,22 +827,24 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     else:
         n_lat = None  # the source counts neither: judged as given
     results = [
-        check_thumbs(candidate, stable, cfg),
+        *check_quality(candidate, stable, cfg),
         check_errors(candidate, stable, cfg),
         _ratio_check("p99_latency", candidate.p99_ms, stable.p99_ms, cfg.max_p99_ratio, True, "ms",
                      n_lat, cfg.min_requests),
         _ratio_check("tokens_per_s", candidate.tokens_per_s, stable.tokens_per_s,
                      cfg.min_tokens_per_s_ratio, False, "tokens/s", n_lat, cfg.min_requests),
         *check_guards(candidate, stable, cfg),
+        *check_signal_guards(candidate, stable, cfg),
         *(check_guards(candidate, first, cfg, VS_FIRST, "first version",
                        bridge=(stable, stable_all) if stable_all is not None and stable_all.completions else None)
           if first is not None else []),
     ]
     # Errors/requests are judged only once requests are counted: with no request counts at
     # all (source did not provide them) the metric is skipped rather than holding forever.
-    if candidate.requests == 0 and stable.requests == 0 and results[1].check == Check.INCONCLUSIVE:
-        results[1] = MetricResult("error_rate", Check.SKIPPED, "error rate not measured", results[1].numbers)
     names = [m.name for m in results]
+    i_err = names.index("error_rate")
+    if candidate.requests == 0 and stable.requests == 0 and results[i_err].check == Check.INCONCLUSIVE:
+        results[i_err] = MetricResult("error_rate", Check.SKIPPED, "error rate not measured", results[i_err].numbers)
     for name, why in (skipped or {}).items():
         if name not in names[1:]:
             raise ValueError(f"skipped: {name!r} is not a skippable metric ({', '.join(names[1:])})")
@@ -569,8 +857,8 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
     if worst.check == Check.FAIL:
         outcome, tag = Outcome.ROLLBACK, "ROLLBACK"
         first_bad = bad[0].name
-        decided_by = ("sequential_test" if first_bad == "thumbs_up" else
-                      "guard" if first_bad.removesuffix(VS_FIRST) in GUARDS else "operational")
+        decided_by = ("sequential_test" if first_bad == results[0].name else
+                      "operational" if first_bad in OPERATIONAL else "guard")
     elif worst.check == Check.ERROR:
         outcome, tag, decided_by = Outcome.HOLD, "HOLD (error)", "error"
     elif worst.check == Check.INCONCLUSIVE:

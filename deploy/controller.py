@@ -16,9 +16,12 @@ rewrite) is a cache for the CLI and the fallback while the ledger cannot be read
 habit). Error rate, p99 latency and tokens/s come from serving's ``/metrics``
 (:mod:`deploy.metrics`).
 
-Votes come from ingest's sample shards (``<samples_dir>/model_version=<v>/...parquet``):
-per version, ``sum(votes_up)`` and ``sum(votes_down)`` of samples created after the canary
-started. The controller does not know how serving splits traffic or how ingest labels.
+Votes and rewards come from ingest's sample shards (``<samples_dir>/model_version=<v>/...parquet``,
+read with ``union_by_name``): per version, ``sum(votes_up)`` and ``sum(votes_down)`` of samples
+created after the canary started, and, per reward policy digest, the count, sum and sum of
+squares of their rewards and how many were regenerated, followed up dissatisfied or copied
+(:func:`canary_counts`; shards written before the reward policy have none of these columns and
+count votes only). The controller does not know how serving splits traffic or how ingest labels.
 """
 
 from __future__ import annotations
@@ -265,29 +268,33 @@ def current_status(status_path: Path, ledger_path: Path) -> RolloutStatus:
     return cached if st is None else st
 
 
-def _samples_source(con, samples_dir: Path) -> tuple[str, str, bool]:
-    """``(FROM clause, created_at in ms expression, has split column)`` over the sample
-    shards: ``created_at`` is a UTC timestamp in current shards and integer ms in older ones."""
+def _samples_source(con, samples_dir: Path) -> tuple[str, str, set[str]]:
+    """``(FROM clause, created_at in ms expression, the shards' column names)`` over the
+    sample shards, read with ``union_by_name`` so that shards written before a column existed
+    (``split``, the reward policy's ``reward_policy``, ``regenerated``, ``followup``,
+    ``copied``) read as null in it: ``created_at`` is a UTC timestamp in current shards and
+    integer ms in older ones."""
     glob = str(Path(samples_dir) / "**" / "*.parquet").replace("'", "''")
     src = f"read_parquet('{glob}', hive_partitioning=true, hive_types_autocast=false, union_by_name=true)"
     cols = {c[0]: str(c[1]) for c in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
     t = cols.get("created_at", "BIGINT").upper()
     created = "epoch_ms(created_at)" if t.startswith("TIMESTAMP") else "created_at"
-    return src, created, "split" in cols
+    return src, created, set(cols)
 
 
 def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> list[tuple]:
-    """Rows of ``SELECT <select(has_split)> FROM <shards> WHERE created_at >= since_ms GROUP BY
+    """Rows of ``SELECT <select(columns)> FROM <shards> WHERE created_at >= since_ms GROUP BY
     <group_by>`` over the sample shards ([] when there are none yet), with ``t`` = created_at
-    in ms, for :func:`canary_counts`. ``select`` gets whether the shards have a ``split`` column."""
+    in ms, for :func:`canary_counts`. ``select`` gets the set of the shards' column names (a
+    column no shard has cannot be named, one some shards lack reads as null)."""
     samples_dir = Path(samples_dir)
     if not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
         return []
     con = duckdb.connect()
     try:
-        src, created, has_split = _samples_source(con, samples_dir)
+        src, created, cols = _samples_source(con, samples_dir)
         src = f"(SELECT *, {created} AS t FROM {src})"  # t: created_at in ms
-        return con.execute(f"SELECT {select(has_split)} FROM {src} WHERE t >= ? GROUP BY {group_by}",
+        return con.execute(f"SELECT {select(cols)} FROM {src} WHERE t >= ? GROUP BY {group_by}",
                            [int(since_ms)]).fetchall()
     finally:
         con.close()
@@ -315,12 +322,39 @@ class CanaryCounts:
             ``EMPTY_REPLY_TOKENS`` tokens, ``truncated`` = ``finish_reason == 'length'`` (cut at
             max_tokens), ``truncated_tokens`` = the tokens of those cut replies.
         by_split: ``{split: {version: (votes_up, votes)}}`` since the canary started.
+        rewards: ``{version: {reward_policy digest: {rewarded, reward_sum, reward_sq_sum,
+            reward_min, reward_max, regenerated, dissatisfied, copied}}}`` since the canary
+            started, over the samples that carry a reward policy (``deploy.analysis.ArmStats``'
+            fields of the same names: ``regenerated`` = samples with ``regenerated > 0``,
+            ``dissatisfied`` with ``followup < 0``, ``copied`` with ``copied > 0``); empty
+            on shards written before the reward policy.
+        step_rewarded: ``{version: {digest: samples}}``, those samples since the step started.
     """
 
     votes: dict = field(default_factory=dict)
     step_votes: dict = field(default_factory=dict)
     guards: dict = field(default_factory=dict)
     by_split: dict = field(default_factory=dict)
+    rewards: dict = field(default_factory=dict)
+    step_rewarded: dict = field(default_factory=dict)
+
+
+def judged_policy(cc: CanaryCounts, candidate: str, stable: str) -> str | None:
+    """The reward policy (digest) the canary judges: of the digests both arms' samples carry,
+    the one with the most samples (ties: the smallest digest); else the candidate's most
+    frequent one (the stable arm then has no rewarded sample and the reward test waits); None
+    when neither arm has a sample with a reward policy (shards written before it). Rewards of
+    two policies are never compared with each other."""
+    rc, rs = cc.rewards.get(candidate, {}), cc.rewards.get(stable, {})
+    both = set(rc) & set(rs)
+    pool = both or set(rc) or set(rs)
+    if not pool:
+        return None
+
+    def n(d: str) -> int:
+        return rc.get(d, {}).get("rewarded", 0) + rs.get(d, {}).get("rewarded", 0)
+
+    return min(pool, key=lambda d: (-n(d), d))
 
 
 def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -> CanaryCounts:
@@ -331,9 +365,25 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
     since = min(int(canary_since_ms), int(step_since_ms))
     c_at, s_at = int(canary_since_ms), int(step_since_ms)
 
-    def select(has_split: bool) -> str:
-        split = "coalesce(CAST(split AS VARCHAR), 'train')" if has_split else "'train'"
-        return (f"CAST(model_version AS VARCHAR), {split}, "
+    def select(cols: set[str]) -> str:
+        split = "coalesce(CAST(split AS VARCHAR), 'train')" if "split" in cols else "'train'"
+        if "reward_policy" in cols:  # the reward policy's columns; null in shards written before it
+            pol, r = "CAST(reward_policy AS VARCHAR)", "CAST(reward AS DOUBLE)"
+            rewarded = f"t >= {c_at} AND reward_policy IS NOT NULL"
+
+            def share(col: str, cond: str) -> str:
+                if col not in cols:
+                    return "0"
+                return f"sum(CAST({col} {cond} AS INTEGER)) FILTER (WHERE {rewarded})"
+
+            rew = (f"count(*) FILTER (WHERE {rewarded}), sum({r}) FILTER (WHERE {rewarded}), "
+                   f"sum({r} * {r}) FILTER (WHERE {rewarded}), min({r}) FILTER (WHERE {rewarded}), "
+                   f"max({r}) FILTER (WHERE {rewarded}), {share('regenerated', '> 0')}, "
+                   f"{share('followup', '< 0')}, {share('copied', '> 0')}, "
+                   f"count(*) FILTER (WHERE t >= {s_at} AND reward_policy IS NOT NULL)")
+        else:
+            pol, rew = "NULL", "0, 0, 0, NULL, NULL, 0, 0, 0, 0"
+        return (f"CAST(model_version AS VARCHAR), {split}, {pol}, {rew}, "
                 f"sum(votes_up) FILTER (WHERE t >= {c_at}), sum(votes_down) FILTER (WHERE t >= {c_at}), "
                 f"count(*) FILTER (WHERE t >= {c_at}), "
                 f"sum(votes_up) FILTER (WHERE t >= {s_at}), sum(votes_down) FILTER (WHERE t >= {s_at}), "
@@ -343,13 +393,28 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
                 f"sum(len(completion_token_ids)) FILTER (WHERE t >= {c_at} AND finish_reason = 'length')")
 
     out = CanaryCounts()
-    for v, sp, up, down, n, sup, sdown, toks, empty, trunc, trunc_toks in _query_samples(samples_dir, select, "1, 2",
-                                                                                          since):
-        up, down, n, sup, sdown = (int(x or 0) for x in (up, down, n, sup, sdown))
+    for (v, sp, pol, rn, rsum, rsq, rmin, rmax, regen, dissat, copied, rstep, up, down, n, sup, sdown, toks, empty,
+         trunc, trunc_toks) in _query_samples(samples_dir, select, "1, 2, 3", since):
+        up, down, n, sup, sdown, rn, rstep = (int(x or 0) for x in (up, down, n, sup, sdown, rn, rstep))
+        if pol is not None and rn:
+            r = out.rewards.setdefault(v, {}).setdefault(pol, {
+                "rewarded": 0, "reward_sum": 0.0, "reward_sq_sum": 0.0, "reward_min": None, "reward_max": None,
+                "regenerated": 0, "dissatisfied": 0, "copied": 0})
+            r["rewarded"] += rn
+            r["reward_sum"] += float(rsum or 0.0)
+            r["reward_sq_sum"] += float(rsq or 0.0)
+            r["reward_min"] = float(rmin) if r["reward_min"] is None else min(r["reward_min"], float(rmin))
+            r["reward_max"] = float(rmax) if r["reward_max"] is None else max(r["reward_max"], float(rmax))
+            for key, x in (("regenerated", regen), ("dissatisfied", dissat), ("copied", copied)):
+                r[key] += int(x or 0)
+        if pol is not None and rstep:
+            d = out.step_rewarded.setdefault(v, {})
+            d[pol] = d.get(pol, 0) + rstep
         a = out.votes.get(v, (0, 0, 0))
         if n:
             out.votes[v] = (a[0] + up, a[1] + down, a[2] + n)
-            out.by_split.setdefault(sp, {})[v] = (up, up + down)
+            b = out.by_split.setdefault(sp, {}).get(v, (0, 0))
+            out.by_split[sp][v] = (b[0] + up, b[1] + up + down)
             g = out.guards.setdefault(v, {"completions": 0, "completion_tokens": 0, "no_answer": 0, "truncated": 0,
                                           "truncated_tokens": 0})
             g["completions"] += n
@@ -651,9 +716,11 @@ class RolloutController:
         return st
 
     def arm_stats(self, st: RolloutStatus) -> tuple[ArmStats, ArmStats, int, str | None, dict[str, str], dict]:
-        """Candidate and stable stats since the canary started, the candidate's votes since
-        the current step started, a source error (or None), ``{metric: skip reason}`` and the
-        votes by split (``Evidence.by_split``), from one scan of the shards."""
+        """Candidate and stable stats since the canary started, the candidate's evidence since
+        the current step started (its rewarded samples under the judged reward policy,
+        :func:`judged_policy`, when the analysis judges reward and the shards carry one; its
+        votes otherwise), a source error (or None), ``{metric: skip reason}`` and the votes by
+        split (``Evidence.by_split``), from one scan of the shards."""
         try:
             cc = canary_counts(self.samples_dir, st.canary_started_ms, st.step_started_ms)
         except (duckdb.Error, OSError) as exc:
@@ -661,6 +728,12 @@ class RolloutController:
         cu, cd, _ = cc.votes.get(st.candidate, (0, 0, 0))
         su, sd, _ = cc.votes.get(st.stable, (0, 0, 0))
         su_step, sd_step = cc.step_votes.get(st.candidate, (0, 0))
+        policy = judged_policy(cc, st.candidate, st.stable)
+        rew_c = {**cc.rewards.get(st.candidate, {}).get(policy, {}), "reward_policy": policy} if policy else {}
+        rew_s = {**cc.rewards.get(st.stable, {}).get(policy, {}), "reward_policy": policy} if policy else {}
+        step_n = su_step + sd_step  # the step's evidence: candidate votes, or its rewarded samples
+        if policy is not None and self.config.analysis.quality == "reward":
+            step_n = cc.step_rewarded.get(st.candidate, {}).get(policy, 0)
         gc, gs = cc.guards.get(st.candidate, {}), cc.guards.get(st.stable, {})
         if self.served is not None:  # every served completion, not only the voted ones
             sc = self.served.counts(st.canary_started_ms, (st.candidate, st.stable))
@@ -682,11 +755,11 @@ class RolloutController:
             cov = {}
         cov_c, cov_s = (cov.get(st.candidate, {}), cov.get(st.stable, {})) if len(cov) == 2 else ({}, {})
         try:
-            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c, **cov_c)
-            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s, **cov_s)
+            c = ArmStats(votes_up=cu, votes_down=cd, **gc, **extra_c, **cov_c, **rew_c)
+            s = ArmStats(votes_up=su, votes_down=sd, **gs, **extra_s, **cov_s, **rew_s)
         except (TypeError, ValueError) as exc:
             return ArmStats(), ArmStats(), 0, f"bad evidence: {exc}", {}, by_split
-        return c, s, su_step + sd_step, None, skipped, by_split
+        return c, s, step_n, None, skipped, by_split
 
     def evidence(self, st: RolloutStatus) -> Evidence:
         """Everything :func:`deploy.decide.decide_step` judges, read since the canary started."""

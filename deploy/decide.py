@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from deploy.analysis import AnalysisConfig, ArmStats, Outcome, analyze
+from deploy.analysis import AnalysisConfig, ArmStats, Outcome, analyze, judges_reward
 
 DEADLINE_OUTCOMES = ("rollback", "promote")
 
@@ -152,10 +152,14 @@ def decide_step(step: int, step_started_ms: int, failed_checks: dict[str, int], 
     why = f"step deadline {policy.step_deadline_s:.0f}s reached after {waited_s:.0f}s undecided"
     if d.error:
         return out(StepAction.ROLLBACK, f"{why}, data not judgeable: rolled back; {reason}", "error", 0.0)
-    too_few = min(ev.candidate.votes, ev.stable.votes) < policy.analysis.min_votes
-    if policy.deadline_outcome == "promote" and too_few:
-        return out(StepAction.ROLLBACK, f"{why}, deadline outcome promote but too few votes to promote "
-                   f"(candidate {ev.candidate.votes}, stable {ev.stable.votes}, need {policy.analysis.min_votes} "
+    # the evidence the test judges: rewarded samples under the reward test, thumbs votes otherwise
+    if judges_reward(ev.candidate, ev.stable, policy.analysis):
+        unit, n_c, n_s = "rewarded samples", ev.candidate.rewarded, ev.stable.rewarded
+    else:
+        unit, n_c, n_s = "votes", ev.candidate.votes, ev.stable.votes
+    if policy.deadline_outcome == "promote" and min(n_c, n_s) < policy.analysis.min_votes:
+        return out(StepAction.ROLLBACK, f"{why}, deadline outcome promote but too few {unit} to promote "
+                   f"(candidate {n_c}, stable {n_s}, need {policy.analysis.min_votes} "
                    f"per arm): rolled back; {reason}", "deadline", 0.0)
     if policy.deadline_outcome == "promote":
         if nxt is not None:

@@ -341,3 +341,116 @@ def cuped_theta(arms):
     with np.errstate(divide="ignore", invalid="ignore"):
         theta = np.where(sxx > 1e-12, sxy / np.where(sxx > 1e-12, sxx, 1.0), 0.0)
     return theta, mu_x
+
+
+# ---------------------------------------------------------------------------------------------
+# Always-valid bounds of a bounded mean: the canary's reward test and its signal guards.
+
+#: The mixture's grid of betting rates ``lambda * c`` (``c`` the range of the observations):
+#: 12 rates spaced geometrically over [0.005, 0.8], equal weights. A rate ``r`` is the one a
+#: boundary is tightest at when ``V`` is about ``2 log(1/alpha) / (r / c)^2``: the grid spans
+#: the few samples of a canary's first looks to about a million.
+EB_GRID = tuple(float(x) for x in np.geomspace(0.005, 0.8, 12))
+
+
+def psi_e(lam, c: float):
+    """Howard et al. (2021)'s sub-exponential CGF ``psi_E,c(lambda) = (-log(1 - c lambda) -
+    c lambda) / c^2`` for ``0 <= lambda < 1/c`` (arrays or scalars)."""
+    x = np.asarray(lam, dtype=np.float64) * c
+    return (-np.log1p(-x) - x) / (c * c)
+
+
+def eb_boundary(v, alpha: float, c: float, grid=EB_GRID):
+    """The one-sided empirical-Bernstein boundary ``u(V)`` of a bounded mean, crossed with
+    probability at most ``alpha`` at ANY time (arrays or scalars ``v >= 0``, unchecked).
+
+    Method (Howard, Ramdas, McAuliffe, Sekhon 2021, "Time-uniform, nonparametric,
+    nonasymptotic confidence sequences", Ann. Statist. 49(2), Theorem 4): for observations
+    ``X_i`` in ``[a, b]``, ``c = b - a``, a predictable center ``X^_{i-1}`` in ``[a, b]`` (here
+    a constant fixed before the canary), ``S_t = sum (X_i - mu)`` and ``V_t = sum (X_i - X^)^2``,
+    each ``exp(lambda S_t - psi_E,c(lambda) V_t)`` with ``0 <= lambda < 1/c`` is a nonnegative
+    supermartingale (Fan, Grama, Liu 2015's inequality ``exp(l x - x^2 (-log(1 - l) - l)) <=
+    1 + l x`` for ``x >= -1``). Their average over the rates ``lambda_k = grid_k / c`` (a
+    discrete mixture) is one too, and by Ville's inequality it reaches ``1/alpha`` with
+    probability at most ``alpha``. ``u(V)`` is the ``S`` at which the mixture equals
+    ``1/alpha``: the root of ``log mean_k exp(lambda_k u - psi_k V) = log(1/alpha)``, found by
+    Newton's method from above (the left side is convex and increasing in ``u``, so every
+    iterate stays at or above the root: the boundary returned is never narrower than exact).
+
+    Args:
+        v: ``V_t`` (>= 0).
+        alpha: crossing probability in (0, 1).
+        c: range ``b - a`` of the observations (> 0).
+        grid: the rates ``lambda * c``, each in (0, 1).
+
+    Returns:
+        ``u`` (float64, same shape as ``v``), in the units of the observations' sum.
+    """
+    lam = np.asarray(grid, dtype=np.float64) / c
+    psi = psi_e(lam, c)
+    v = np.asarray(v, dtype=np.float64)[..., None]
+    log_target = math.log(len(lam) / alpha)  # log(K / alpha): sum_k exp(.) = K / alpha
+    u = np.min((log_target + psi * v) / lam, axis=-1)  # one term alone reaches K / alpha: u >= root
+    for _ in range(60):
+        e = lam * u[..., None] - psi * v
+        m = e.max(axis=-1, keepdims=True)
+        w = np.exp(e - m)
+        sw = w.sum(axis=-1)
+        f = m[..., 0] + np.log(sw) - log_target
+        step = f / ((w * lam).sum(axis=-1) / sw)
+        u = u - np.maximum(step, 0.0)
+        if not np.any(step > 1e-12 * np.maximum(u, 1.0)):
+            break
+    return u
+
+
+def eb_mean_bounds(n, total, sq_total, lower: float, upper: float, alpha: float, center: float | None = None,
+                   grid=EB_GRID):
+    """Always-valid two-sided ``(1 - alpha)`` bounds of the mean of observations in
+    ``[lower, upper]`` from their count ``n``, ``sum x`` and ``sum x^2`` (arrays or scalars,
+    unchecked): the empirical-Bernstein confidence sequence of :func:`eb_boundary` with
+    ``alpha / 2`` per side, ``V = sum (x - center)^2 = sq_total - 2 center total + n center^2``.
+    It holds at every look at once, whatever the stopping rule, without a normal
+    approximation; it needs only the bounds and a ``center`` fixed before the data
+    (default the midpoint of ``[lower, upper]``; any fixed value in the range is valid, one
+    near the mean gives the narrowest bounds). Order-free: ``V`` is a sum, so the bounds are
+    a function of the counts a DuckDB query returns.
+
+    Returns:
+        ``(mean, lo, hi)`` (float64); an arm with ``n == 0`` gets ``mean = NaN``,
+        ``[lower, upper]``. The bounds are clipped to ``[lower, upper]``.
+    """
+    c = float(upper) - float(lower)
+    center = (float(lower) + float(upper)) / 2 if center is None else float(center)
+    n = np.asarray(n, dtype=np.float64)
+    total = np.asarray(total, dtype=np.float64)
+    v = np.maximum(np.asarray(sq_total, dtype=np.float64) - 2 * center * total + n * center * center, 0.0)
+    u = eb_boundary(v, alpha / 2, c, grid)
+    safe = np.maximum(n, 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, total / safe, np.nan)
+    lo = np.where(n > 0, np.maximum((total - u) / safe, lower), lower)
+    hi = np.where(n > 0, np.minimum((total + u) / safe, upper), upper)
+    return mean, lo, hi
+
+
+def relative_margin_scale(m, floor: float):
+    """The denominator of the reward's relative difference: ``max(|m|, floor)`` (arrays or
+    scalars); the floor keeps a stable mean near the policy's neutral 0 from asking the
+    candidate to be shown better than it."""
+    return np.maximum(np.abs(m), floor)
+
+
+def relative_box_bounds(lc, hc, ls, hs, floor: float):
+    """The canary's decision bounds of the relative difference of two means from each arm's
+    always-valid bounds ``[lc, hc]`` (candidate) and ``[ls, hs]`` (stable) (arrays or
+    scalars): ``lo = (lc - hs) / max(|hs|, floor)``, ``hi = (hc - ls) / max(|ls|, floor)``.
+
+    ``lo > -delta`` exactly when ``lc > g(hs)`` with ``g(m) = m - delta max(|m|, floor)``,
+    which is increasing in ``m``: every ``(mu_c, mu_s)`` in the box then has ``mu_c > mu_s -
+    delta max(|mu_s|, floor)`` (the candidate keeps more than ``1 - delta`` of the stable's
+    mean, on the scale whose 0 is the reward policy's neutral reward). ``hi < 0`` exactly when
+    ``hc < ls``: every point of the box has ``mu_c < mu_s`` (surely worse).
+
+    Returns ``(lo, hi)`` (float64)."""
+    return (lc - hs) / relative_margin_scale(hs, floor), (hc - ls) / relative_margin_scale(ls, floor)
