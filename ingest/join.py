@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ from schemas.reward import RewardPolicy
 from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
                             FeedbackEvent, IdText, RewardedSample, clamp_event_time, escape_text,
                             now_ms)
+
+
+log = logging.getLogger("flywheel.ingest.join")
 
 
 def kept_share(completion_text: str, final_text: str) -> float:
@@ -520,6 +524,7 @@ class Joiner:
         self.store = store
         self.cfg = config or JoinConfig()
         self.decode = decode
+        self.undecodable = 0  # final-text edits left out (decode failed) not yet counted in the store
         self.policy_digest = self.cfg.reward.digest()
         # the source topics named in dead letters, under the prefix of this process's settings
         # (read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment)
@@ -734,7 +739,9 @@ class Joiner:
         each over the users' last signals: thumbs and followups averaged (+1/-1), copies and
         regenerates counted (users), kept shares averaged (an edit with ``final_text``:
         :func:`kept_share` against ``ev``'s decoded completion; left out when this joiner
-        has no ``decode``), scores averaged per name."""
+        has no ``decode``, and when ``decode`` raises or returns no text: counted in
+        ``edit_undecodable``, logged, the label sealed from its other signals), scores averaged
+        per name."""
         thumbs = [v.value for v in st.votes.values()]
         sig = st.signals
         shares = []
@@ -744,8 +751,18 @@ class Joiner:
                 shares.append(v.value)
             elif self.decode is not None:
                 if text is None:
-                    text = self.decode(ev.completion_token_ids)
-                shares.append(kept_share(text, v.text))
+                    try:
+                        text = self.decode(ev.completion_token_ids)
+                        if not isinstance(text, str):
+                            raise TypeError(f"decode returned {type(text).__name__}, not str")
+                    except Exception as exc:  # noqa: BLE001 - one undecodable completion must not stop every seal
+                        log.warning("completion %s: its text cannot be decoded (%s: %s); its final_text edits are "
+                                    "left out of its reward", st.completion_id, type(exc).__name__, str(exc)[:200])
+                        text = False
+                if text is False:
+                    self.undecodable += 1
+                else:
+                    shares.append(kept_share(text, v.text))
         follow = [v.value for v in sig.get("followup", {}).values()]
         scores = {k[6:]: sum(v.value for v in us.values()) / len(us)
                   for k, us in sorted(sig.items()) if k.startswith("score:") and us}
@@ -833,6 +850,9 @@ class Joiner:
                     res.shards.setdefault(path, []).append(sample)
                     claims.append((st.completion_id, "shard:" + path))
             self.store.claim_many(claims)
+            if self.undecodable:
+                self.store.bump("edit_undecodable", self.undecodable)
+                self.undecodable = 0
         return res
 
     def recover(self, shard_exists) -> dict[str, int]:

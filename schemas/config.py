@@ -130,6 +130,11 @@ class FlywheelConfig(BaseSettings):
 
         # (``reward`` also holds the FLYWHEEL_REWARD__* variables, as text: they stay as set)
         before = {k for k in env if k.startswith(ENV_PREFIX)}
+        try:  # the file's own values first, with their TOML types (true is no weight, "0.5" none either)
+            RewardPolicy.from_table({k: v for k, v in self.reward.items() if k in RewardPolicy.model_fields
+                                     and f"{ENV_PREFIX}{k.upper()}" not in before}, where="reward")
+        except RewardPolicyError as exc:
+            raise ConfigError(f"{self._source}: {exc}") from None
         for k, v in self.reward.items():
             env.setdefault(f"{ENV_PREFIX}{k.upper()}", _env_text(v))
         try:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from typing import Any, Mapping
@@ -86,7 +87,9 @@ class ScoreSpec(BaseModel):
         horizon_s: how long after the completion this score may still arrive (s, >= 0).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict: a score comes as a TOML table or a JSON object, whose numbers are numbers (a
+    # boolean or a string is refused, never read as 1 or parsed)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     min: float = Field(ge=-REWARD_LIMIT, le=REWARD_LIMIT, description="Lowest value a user can give.")
     max: float = Field(ge=-REWARD_LIMIT, le=REWARD_LIMIT, description="Highest value a user can give.")
@@ -134,6 +137,16 @@ class RewardPolicy(BaseModel):
     thumb_overrides: bool = Field(True, description="A thumb replaces the implicit components (copy, "
                                                     "regenerate, edit, followup).")
     _horizon_ms: int = PrivateAttr(0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, data: Any) -> Any:
+        # (pydantic checks a bound before finiteness: NaN would be reported as above the limit)
+        if isinstance(data, Mapping):
+            for k, v in data.items():
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"{k}: must be a finite number, got {v}")
+        return data
 
     @model_validator(mode="after")
     def _names(self):
@@ -254,22 +267,29 @@ class RewardPolicy(BaseModel):
 
     # -- configuration -------------------------------------------------------------------
     @classmethod
-    def from_table(cls, table: Mapping[str, Any], where: str = "reward") -> "RewardPolicy":
+    def from_table(cls, table: Mapping[str, Any], where: str = "reward", strict: bool = True) -> "RewardPolicy":
         """The policy of a ``[reward]`` table (``{field: value}``).
+
+        ``strict`` (default): every value has its field's type (a number for a weight, a
+        boolean for ``thumb_overrides``; a boolean or a string is refused where a number is
+        wanted, as a number is where a boolean is); False reads text values as
+        :meth:`from_env` does (the scores stay strict either way).
 
         Raises:
             RewardPolicyError: a key that is no field, or a value refused; the message
                 names ``<where>.<field>`` and the reason."""
         try:
-            return cls.model_validate(dict(table))
+            return cls.model_validate(dict(table), strict=True if strict else None)
         except ValidationError as exc:
             e = exc.errors()[0]
             loc = ".".join(str(x) for x in e["loc"])
             msg = e["msg"].removeprefix("Value error, ")
             if e["type"] == "extra_forbidden":
-                msg = f"unknown key; keys are {', '.join(cls.model_fields)}"
-            if not loc and ": " in msg:  # a check over several fields names its field first
-                loc, msg = msg.split(": ", 1)
+                fields = ScoreSpec.model_fields if e["loc"][0] == "scores" and len(e["loc"]) == 3 else cls.model_fields
+                msg = f"unknown key; keys are {', '.join(fields)}"
+            if e["type"] == "value_error" and re.match(r"^\w+: ", msg):  # a check over several fields
+                sub, msg = msg.split(": ", 1)  # names its field first
+                loc = f"{loc}.{sub}" if loc else sub
             raise RewardPolicyError(f"{where}{'.' + loc if loc else ''}: {msg}") from None
 
     @classmethod
@@ -302,9 +322,11 @@ class RewardPolicy(BaseModel):
                 table[key] = text
         table.update({k: v for k, v in overrides.items() if v is not None})
         try:
-            return cls.from_table(table, where="reward")
+            return cls.from_table(table, where="reward", strict=False)
         except RewardPolicyError as exc:
-            field = str(exc).split(":", 1)[0].removeprefix("reward.").split(".")[0]
+            path, msg = str(exc).split(": ", 1)
+            field, _, rest = path.removeprefix("reward.").partition(".")
             if field in table and overrides.get(field) is None:  # a variable's value: named as the variable
-                raise RewardPolicyError(f"{ENV_PREFIX}{field.upper()}: {str(exc).split(': ', 1)[1]}") from None
+                # (with the path inside it: FLYWHEEL_REWARD__SCORES: helpfulness.max: ...)
+                raise RewardPolicyError(f"{ENV_PREFIX}{field.upper()}: {rest + ': ' if rest else ''}{msg}") from None
             raise

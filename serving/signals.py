@@ -59,6 +59,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import math
 import re
 import threading
@@ -70,6 +71,8 @@ from schemas.events import SIGNAL_NAMESPACE, FeedbackEvent, signal_event_id
 
 __all__ = ["SIGNAL_NAMESPACE", "ChatTurn", "FollowupJudge", "SignalDetector", "rule_judge", "repeats",
            "reply_key", "message_text"]
+
+log = logging.getLogger("flywheel.serving.signals")
 
 SOURCE = {"source": "serving"}  # every derived event's metadata
 MAX_PER_PROMPT = 32  # completions remembered per (user, messages): the last two requests at n = 16
@@ -256,6 +259,7 @@ class SignalDetector:
         # (user_hash, reply_key) -> the latest completion whose reply has that text
         self._by_reply: collections.OrderedDict[tuple[str, str], _Served] = collections.OrderedDict()
         self._emitted: collections.OrderedDict[uuid.UUID, None] = collections.OrderedDict()
+        self.judge_errors = 0  # follow-ups not judged: the judge raised or answered something else
 
     @classmethod
     def from_config(cls, cfg, judge: FollowupJudge | None = None) -> "SignalDetector":
@@ -327,8 +331,11 @@ class SignalDetector:
             New ``regenerate`` / ``followup`` events (none already returned for the same
             ``event_id`` while it is remembered), each to be published like posted feedback.
 
+        A judge that raises or returns something other than +1, -1 or None costs only its
+        follow-up (logged, counted in :attr:`judge_errors`): the regenerate events of the same
+        request are still returned.
+
         Raises:
-            ValueError: the judge returned something other than +1, -1 or None.
             pydantic.ValidationError: an event the contract refuses (``created_at`` out of range).
         """
         if not self.enabled:
@@ -348,10 +355,8 @@ class SignalDetector:
                     target = s
             self._remember(user_hash, turn, me, reply_text)
         if target is not None:
-            verdict = self.judge(turn.reply, turn.next_message, turn.question)
+            verdict = self._judge(turn)
             if verdict is not None:
-                if isinstance(verdict, bool) or verdict not in (1, -1):
-                    raise ValueError(f"judge: must return +1, -1 or None, got {verdict!r}")
                 out.append(("followup", target.completion_id, float(verdict)))
         events = [FeedbackEvent(event_id=signal_event_id(kind, cid, turn.turn_id), completion_id=cid,
                                 user_hash=user_hash, kind=kind, value=value, created_at=me.created_ms,
@@ -363,6 +368,22 @@ class SignalDetector:
             while len(self._emitted) > self.max_remembered:
                 self._emitted.popitem(last=False)
         return events
+
+    def _judge(self, turn: ChatTurn) -> int | None:
+        """The judge's verdict on ``turn``'s follow-up: +1, -1, or None when it has none, raised,
+        or answered something else (logged and counted in :attr:`judge_errors`: the request's
+        other events are still returned, and the follow-up is not judged again)."""
+        try:
+            verdict = self.judge(turn.reply, turn.next_message, turn.question)
+            if verdict is not None and (isinstance(verdict, bool) or verdict not in (1, -1)):
+                raise ValueError(f"judge: must return +1, -1 or None, got {verdict!r}")
+        except Exception as exc:  # noqa: BLE001 - a judge's failure costs its follow-up, not the other signals
+            with self._lock:
+                self.judge_errors += 1
+            log.warning("signals: the follow-up judge failed (%s: %s): no followup event for this turn",
+                        type(exc).__name__, str(exc)[:200])
+            return None
+        return verdict
 
     def remembered(self) -> int:
         """Completions remembered now (<= ``max_remembered``)."""

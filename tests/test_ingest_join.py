@@ -690,3 +690,34 @@ def test_signals_survive_reopen(tmp_path):
     # edit: "alpha" of "alpha beta" = 0.5 -> 0; regenerate -0.5; helpfulness 0.5 * (2 * 1 / 4 - 1) = -0.25
     assert (s.kept_share, s.regenerated, s.scores) == (0.5, 1, {"helpfulness": 2.0})
     assert s.reward == pytest.approx(-0.75) and s.label is False and s.n_votes == 3
+
+
+def test_an_undecodable_completion_leaves_its_final_text_edits_out_and_seals_every_label():
+    """A ``decode`` that raises (or returns no text) on one completion: its final-text edits are
+    left out of its reward (counted in ``edit_undecodable``), its other signals still label it,
+    and the other labels of the same tick seal as usual."""
+    def picky(ids):
+        if 3 in ids:
+            raise RuntimeError("cannot decode")
+        return None if 2 in ids else decode(ids)
+
+    j = joiner(decoder=picky)
+    bad, none, good = (completion().model_copy(update={"completion_token_ids": ids, "behavior_logprobs": [-0.1] * 2})
+                       for ids in ([0, 3], [0, 2], [0, 1]))
+    for c in (bad, none, good):
+        j.on_completion(c, now=T0)
+    for c in (bad, none, good):
+        assert j.on_feedback(vote(c.completion_id, "u1", None, kind="edit", final_text="alpha"), now=T0)[0] == "folded"
+    assert j.on_feedback(vote(good.completion_id, "u2", None, kind="edit", final_text="alpha beta"), now=T0)[0] == "folded"
+    j.on_feedback(vote(bad.completion_id, "u2", 1, kind="copy"), now=T0)
+    j.on_feedback(vote(bad.completion_id, "u3", None, kind="edit", final_text="beta"), now=T0)
+    res = j.tick(T0 + 10_000)
+    by = {s.completion_id: s for s in res.samples}
+    assert set(by) == {bad.completion_id, none.completion_id, good.completion_id}
+    # bad: both edits left out, the copy counts (+0.5 under WIDE); none: nothing left, reward 0
+    assert (by[bad.completion_id].kept_share, by[bad.completion_id].copied, by[bad.completion_id].reward) == (None, 1, 0.5)
+    assert (by[none.completion_id].kept_share, by[none.completion_id].reward) == (None, 0.0)
+    # good: "alpha" of "alpha beta" = 0.5 and "alpha beta" = 1.0: mean 0.75 -> 0.5 * (2 * 0.75 - 1) = 0.25
+    assert by[good.completion_id].kept_share == pytest.approx(0.75)
+    assert by[good.completion_id].reward == pytest.approx(0.25)
+    assert j.store.counters()["edit_undecodable"] == 3

@@ -129,3 +129,39 @@ def test_reward_table_in_flywheel_toml(tmp_path):
     f.write_text("[reward]\nweight = 1\n")
     with pytest.raises(ConfigError, match=r"flywheel.toml: reward\.weight: names no field"):
         load_config(f).apply_env({})
+
+
+@pytest.mark.parametrize("toml,msg", [
+    ("[reward]\nthumb_weight = true\n", r"reward\.thumb_weight: Input should be a valid number"),
+    ('[reward]\nedit_weight = "0.5"\n', r"reward\.edit_weight: Input should be a valid number"),
+    ("[reward]\nthumb_overrides = 1\n", r"reward\.thumb_overrides: Input should be a valid boolean"),
+    ('[reward]\nthumb_overrides = "yes"\n', r"reward\.thumb_overrides: Input should be a valid boolean"),
+    ("[reward.scores.stars]\nmin = 1\nmax = 5\nweight = true\n", r"reward\.scores\.stars\.weight: Input should be a valid number"),
+    ("[reward.scores.stars]\nmin = 5\nmax = 1\n", r"reward\.scores\.stars\.max: must be above min \(5\), got 1"),
+    ("[reward.scores.stars]\nmin = 1\nmax = 5\nwieght = 1\n",
+     r"reward\.scores\.stars\.wieght: unknown key; keys are min, max, weight, horizon_s$"),
+])
+def test_reward_table_values_keep_their_toml_types(tmp_path, toml, msg):
+    """A ``[reward]`` value of the wrong TOML type (a boolean or a string for a weight, a number
+    or a string for ``thumb_overrides``) is refused, never read as 1 or parsed; an unknown key
+    of a score lists the score's keys."""
+    from schemas.config import ConfigError, load_config
+
+    f = tmp_path / "flywheel.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError, match=r"flywheel.toml: " + msg):
+        load_config(f).apply_env({})
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('{"stars": {"min": 1, "max": 5, "weight": true}}', r"stars\.weight: Input should be a valid number"),
+    ('{"stars": {"min": "1", "max": 5}}', r"stars\.min: Input should be a valid number"),
+    ('{"stars": {"min": 5, "max": 1}}', r"stars\.max: must be above min \(5\), got 1"),
+    ('{"stars": {"min": 1, "max": 5, "x": 1}}', r"stars\.x: unknown key; keys are min, max, weight, horizon_s"),
+])
+def test_scores_variable_names_the_score_and_refuses_non_numbers(text, msg):
+    with pytest.raises(RewardPolicyError, match=r"^FLYWHEEL_REWARD__SCORES: " + msg):
+        RewardPolicy.from_env({"FLYWHEEL_REWARD__SCORES": text})
+    # text values of the other variables are still read as numbers and booleans
+    p = RewardPolicy.from_env({"FLYWHEEL_REWARD__EDIT_WEIGHT": "0.25", "FLYWHEEL_REWARD__THUMB_OVERRIDES": "false"})
+    assert (p.edit_weight, p.thumb_overrides) == (0.25, False)

@@ -191,6 +191,14 @@ def test_feedback_errors_name_the_field(pod, body, param, status):
     assert "user_hash" not in err["message"] and f"{param}: {param}:" not in err["message"]
 
 
+def test_feedback_kind_rule_error_says_the_value_once(pod):
+    r = httpx.post(pod["url"] + "/v1/feedback", json={"completion_id": str(uuid.uuid4()), "kind": "followup",
+                                                      "value": 0})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("value: a followup is +1") and msg.count("got") == 1, msg
+
+
 @pytest.mark.parametrize("extra,param,status", [
     ({"temperature": 5}, "temperature", 400),
     ({"top_p": 0}, "top_p", 400),

@@ -176,10 +176,29 @@ def test_the_judge_is_pluggable_and_its_answer_checked():
     # "thanks" means nothing to this judge: no event where the default rules give +1
     d.observe(ALICE, Q, cid(3), "Four.", T0 + 2_000, "r3")
     assert d.observe(ALICE, follow("Four.", "thanks"), cid(4), "x", T0 + 3_000, "r4") == []
-    bad = det(judge=lambda r, n, q: 0)
+    bad = det(judge=lambda r, n, q: 0)  # an answer that is no verdict: no event, counted
     bad.observe(ALICE, Q, cid(1), "The answer is 4.", T0, "r1")
-    with pytest.raises(ValueError, match=r"judge: must return \+1, -1 or None, got 0"):
-        bad.observe(ALICE, follow("The answer is 4.", "x"), cid(2), "x", T0 + 1_000, "r2")
+    assert bad.observe(ALICE, follow("The answer is 4.", "x"), cid(2), "x", T0 + 1_000, "r2") == []
+    assert bad.judge_errors == 1
+
+
+@pytest.mark.parametrize("judge", [lambda r, n, q: 1 / 0, lambda r, n, q: True, lambda r, n, q: "+1"])
+def test_a_failing_judge_costs_only_its_followup(judge, caplog):
+    """A judge that raises or answers nonsense: the same request's regenerate is still
+    emitted (once), the follow-up is not, the failure is logged and counted, and the detector
+    goes on judging later turns."""
+    d = det(judge=judge)
+    d.observe(ALICE, Q, cid(1), "The answer is 4.", T0, "r1")
+    later = follow("The answer is 4.", "thanks")
+    assert d.observe(ALICE, later, cid(2), "You're welcome.", T0 + 1_000, "r2") == []  # the follow-up: not judged
+    # the same messages again: a regenerate of cid 2 (the follow-up of cid 1 fails again)
+    evs = d.observe(ALICE, later, cid(3), "Any time.", T0 + 2_000, "r3")
+    assert [(e.kind, e.completion_id, e.event_id) for e in evs] == [("regenerate", cid(2), eid("regenerate", cid(2), later))]
+    assert d.judge_errors == 2 and "follow-up judge failed" in caplog.text
+    d.judge = rule_judge
+    d.observe(ALICE, Q, cid(4), "Four.", T0 + 3_000, "r4")
+    assert [(e.kind, e.value) for e in d.observe(ALICE, follow("Four.", "thanks"), cid(5), "x", T0 + 4_000, "r5")] == [
+        ("followup", 1.0)]
 
 
 @pytest.mark.parametrize("next_message,question,value", [
@@ -345,3 +364,63 @@ def test_http_followup_with_the_reply_and_thats_wrong_is_dissatisfied(pod):
     c3, _ = chat(pod, later, user="dave", headers={"x-request-id": "req-followup-1"})
     assert derived(pod) == before
     assert [e.event_id for e in feedback_on(pod, {c1, c2, c3}, 1)] == [eid("followup", c1, later)]
+
+
+def test_http_a_slow_judge_never_delays_answers_and_its_backlog_is_bounded(tiny_moe_dir, tmp_path):
+    """A judge that blocks: chat answers still come back, at most ``signal_backlog`` finished
+    choices wait for the signals thread (the rest are counted, not queued), and once the judge
+    returns, the follow-up it was judging and the regenerates queued behind it are published."""
+    import threading
+
+    from flywheel.broker import spawn
+    from serving.app import create_app
+    from serving.engine import TorchEngine
+    from serving.eventlog import EventLog
+    from serving.slots import CheckpointStore, Slots
+    from servers import ServerThread
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_judge(reply, next_message, question):
+        entered.set()
+        release.wait(60)
+        return -1
+
+    b = spawn()
+    eng = TorchEngine(tiny_moe_dir, max_batch=4, threads=1)
+    slots = Slots(eng, CheckpointStore(tiny_moe_dir))
+    slots.start("v000000")
+    ev = EventLog(b.bootstrap, tmp_path / "ev.journal")
+    sig = det(judge=slow_judge)
+    app = create_app(slots, ev, pod="pod-slow-judge", salt="fleet-salt", signals=sig)
+    openai = app.state.flywheel.openai
+    openai.signal_backlog = 2
+    srv = ServerThread(app).start()
+    p = {"url": srv.url, "bootstrap": b.bootstrap, "app": app, "ev": ev}
+    try:
+        q = [{"role": "user", "content": "Write a haiku."}]
+        c1, text = chat(p, q, user="erin", seed=3)
+        assert text.strip()
+        openai.flush_signals()
+        later = q + [{"role": "assistant", "content": text}, {"role": "user", "content": "hmm"}]
+        c2, _ = chat(p, later, user="erin", seed=4)  # the judge blocks on this follow-up
+        assert entered.wait(30)
+        c3, _ = chat(p, [{"role": "user", "content": "Name a colour."}], user="erin", seed=5)  # queued: 2 waiting
+        cids = [chat(p, [{"role": "user", "content": "Name a colour."}], user="erin", seed=6 + k)[0]
+                for k in range(3)]  # answered while the judge blocks; beyond the backlog: not observed
+        assert openai.signals_dropped == 3 and openai._signal_pending == 2
+        release.set()
+        evs = feedback_on(p, {c1, c3}, 1)
+        assert [(e.kind, str(e.completion_id), e.value) for e in evs] == [("followup", c1, -1.0)]
+        assert openai._signal_pending == 0 and sig.remembered() == 3  # c1, c2, c3; not the dropped ones
+        # the detector goes on: the same colour question again regenerates c3 (the last one it saw)
+        c4, _ = chat(p, [{"role": "user", "content": "Name a colour."}], user="erin", seed=20)
+        evs = feedback_on(p, {c3}, 1)
+        assert [(e.kind, str(e.completion_id)) for e in evs] == [("regenerate", c3)] and c4 not in cids
+    finally:
+        release.set()
+        srv.stop()
+        openai.close()
+        ev.close()
+        eng.close()
+        b.stop()

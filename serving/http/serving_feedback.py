@@ -116,7 +116,10 @@ class FeedbackServing:
             value = e.get("input")
             if isinstance(value, dict):  # a model-level check: never echo user_hash
                 value = value.get(param)
-            raise ServingValidationError(param or "body", value, msg.split(": ", 1)[-1]) from None
+            reason = msg.split(": ", 1)[-1]
+            # the event model's own rules end with ", got X"; the error adds "(got X)" itself
+            reason = reason.rsplit(", got ", 1)[0] if ", got " in reason else reason
+            raise ServingValidationError(param or "body", value, reason) from None
         content = ev.model_dump(mode="json", exclude={"event_id", "created_at"})
         digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
         key = str(event_id)

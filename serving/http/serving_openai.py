@@ -34,7 +34,8 @@ Signals (:mod:`serving.signals`): each finished choice of a chat request that na
 finished, off the event loop and after the choice's event was submitted; the ``regenerate``
 and ``followup`` events it returns go to ``flywheel.feedback`` (key = the earlier
 completion's id) through the pod's event log, as posted feedback does. The answer does not
-wait for them.
+wait for them, and at most :data:`SIGNAL_BACKLOG` choices wait for that thread (a slow judge
+costs the choices beyond it their signals, counted, never memory or a request's time).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import concurrent.futures
 import contextlib
 import inspect
 import logging
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -76,6 +79,10 @@ CIDS_HEADER = "x-flywheel-completion-ids"  # all n choices, comma-separated, in 
 VERSION_HEADER = "x-flywheel-model-version"
 DEFAULT_SERVED_MODEL_NAME = "flywheel"
 TOKENIZE_WORKERS = 2  # threads tokenising prompts (bounded: more would only contend for the cores)
+#: Finished choices waiting for the signal detector at most (a slow judge cannot grow the queue,
+#: and the pod's shutdown waits for at most this many); a choice beyond it is not observed
+#: (logged, counted in ``OpenAIServing.signals_dropped``).
+SIGNAL_BACKLOG = 10_000
 REQUEST_ID_MAX_CHARS = 256  # x-request-id: CompletionEvent.request_id's bound
 
 
@@ -129,6 +136,11 @@ class OpenAIServing:
         self._signal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flywheel-signals") \
             if self.signals is not None else None
         self._signal_last: concurrent.futures.Future | None = None
+        self.signal_backlog = SIGNAL_BACKLOG
+        self._signal_pending = 0  # submitted to the signals thread, not finished (changed on the loop and there)
+        self._signal_lock = threading.Lock()
+        self.signals_dropped = 0  # finished choices not observed: the backlog was full
+        self._signal_drop_logged = 0.0
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenising pool (bounded), awaited: CPU work on a prompt never
@@ -344,18 +356,47 @@ class OpenAIServing:
         self.log.submit(run.cids[i], run.request_id, run.user_hash, run.prompt, run.sps[i], res, run.created_ms,
                         run.split)  # built off the loop
         if run.messages is not None:
-            try:
-                self._signal_last = self._signal_pool.submit(self._derive, run, i, res)
-            except RuntimeError:  # closed: the pod is stopping
-                log.warning("signals of completion %s not derived: the pod is stopping", run.cids[i])
+            self._submit_signal(run, i, res)
         self.metrics.observe(res, len(run.prompt))
         if run.q is not None:
             run.q.put_nowait((i, None, res))  # after every step of choice i
         return res
 
+    def _submit_signal(self, run: "_Run", i: int, res: GenResult) -> None:
+        """Hand choice ``i`` to the signals thread, unless :attr:`signal_backlog` choices are
+        already waiting there (then it is not observed: counted in :attr:`signals_dropped`,
+        logged at most once a minute)."""
+        with self._signal_lock:
+            full = self._signal_pending >= self.signal_backlog
+            if full:
+                self.signals_dropped += 1
+            else:
+                self._signal_pending += 1
+        if full:
+            now = time.monotonic()
+            if now - self._signal_drop_logged > 60:
+                self._signal_drop_logged = now
+                log.warning("signals: %d finished choices wait for the signal detector (its judge is slow?): "
+                            "completion %s not observed; %d not observed so far", self.signal_backlog, run.cids[i],
+                            self.signals_dropped)
+            return
+        try:
+            self._signal_last = self._signal_pool.submit(self._derive, run, i, res)
+        except RuntimeError:  # closed: the pod is stopping
+            with self._signal_lock:
+                self._signal_pending -= 1
+            log.warning("signals of completion %s not derived: the pod is stopping", run.cids[i])
+
     def _derive(self, run: "_Run", i: int, res: GenResult) -> None:
         """Observe choice ``i`` with the signal detector and publish the events it returns
         (on the signals thread; a failure is logged, the request already has its answer)."""
+        try:
+            self._observe(run, i, res)
+        finally:
+            with self._signal_lock:
+                self._signal_pending -= 1
+
+    def _observe(self, run: "_Run", i: int, res: GenResult) -> None:
         try:
             if run.turn is None:  # once per request: its choices run here one after the other
                 run.turn = self.signals.turn(run.messages)
