@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +182,9 @@ SUPPORTED_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+# bytes per element of the safetensors dtypes (sub-byte F4/F6 are not checked)
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 class CheckpointError(ValueError):
@@ -226,14 +230,21 @@ class CheckpointInfo:
     pad_fallback: bool = False
 
 
+def config_experts_key(config: dict) -> tuple[str, int]:
+    """``(key, experts per MoE layer)`` named by a ``config.json`` dict: the first of
+    :data:`EXPERT_KEYS` set to a positive int (``text_config.<key>`` when it is there);
+    ``("", 0)`` when it names none."""
+    for prefix, c in (("", config), ("text_config.", config.get("text_config") or {})):
+        for k in EXPERT_KEYS:
+            if isinstance(c.get(k), int) and not isinstance(c[k], bool) and c[k] > 0:
+                return prefix + k, int(c[k])
+    return "", 0
+
+
 def config_num_experts(config: dict) -> int:
     """Experts per MoE layer named by a ``config.json`` dict (any of :data:`EXPERT_KEYS`,
     also under ``text_config``), 0 when it names none."""
-    for c in (config, config.get("text_config") or {}):
-        for k in EXPERT_KEYS:
-            if isinstance(c.get(k), int) and c[k] > 0:
-                return int(c[k])
-    return 0
+    return config_experts_key(config)[1]
 
 
 def _read_config(d: Path) -> dict:
@@ -279,11 +290,15 @@ def _weight_files(d: Path) -> list[Path]:
 def read_safetensors_header(f: Path) -> dict[str, dict]:
     """The tensor entries of a safetensors file's header (``{name: {dtype, shape,
     data_offsets}}``), checked against the file: the header must be valid JSON of at most
-    :data:`MAX_HEADER_BYTES` and the tensors' byte ranges must tile the data section exactly
-    (the format's own rule), so a truncated or garbled file is caught before any load.
+    :data:`MAX_HEADER_BYTES`, each tensor's ``data_offsets`` must lie in the data section
+    and hold ``prod(shape) x`` its dtype's width in bytes, and the tensors' byte ranges must
+    tile the data section exactly (the format's own rules), so a truncated or garbled file is
+    caught before any load.
 
     Raises:
-        CheckpointError: naming the file and what is wrong.
+        CheckpointError: naming the file and what is wrong: the tensor, its offsets and the
+            data section's size when a tensor lies past the end, or the two tensors around a
+            gap or an overlap.
     """
     size = f.stat().st_size
     with open(f, "rb") as fh:
@@ -301,19 +316,91 @@ def read_safetensors_header(f: Path) -> dict[str, dict]:
     if not isinstance(header, dict):
         raise CheckpointError(f.name, "corrupt safetensors header (not a JSON object)")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        spans = sorted(tuple(v["data_offsets"]) for v in tensors.values())
-        ok = all(isinstance(v["dtype"], str) and isinstance(v["shape"], list) for v in tensors.values())
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f.name, f"corrupt safetensors header (entry without {exc})") from None
-    pos = 0
-    for a, b in spans:
-        ok = ok and a == pos and b >= a
-        pos = b
-    if not ok or pos != size - 8 - n:
-        raise CheckpointError(f.name, f"corrupt safetensors file: the tensors cover {pos} bytes, the data section "
-                              f"holds {size - 8 - n} (truncated or corrupt)")
+    data = size - 8 - n  # bytes of the data section
+    spans = []
+    for name, v in tensors.items():
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)
+                and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)):
+            raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} has no dtype, shape and "
+                                  "data_offsets [begin, end]")
+        a, b = offs
+        if not 0 <= a <= b:
+            raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} has data_offsets [{a}, {b}], "
+                                  "not a byte range")
+        if b > data:
+            raise CheckpointError(f.name, f"tensor {name!r} has data_offsets [{a}, {b}], past the end of the data "
+                                  f"section, which holds {data} bytes (truncated or corrupt)")
+        width, shape = DTYPE_BYTES.get(v["dtype"]), v["shape"]
+        if width and all(type(x) is int and x >= 0 for x in shape):
+            need = width * _prod(shape)
+            if b - a != need:
+                raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} ({v['dtype']} {shape}) "
+                                      f"needs {need} bytes, its data_offsets [{a}, {b}] hold {b - a}")
+        spans.append((a, b, name))
+    pos, prev = 0, None
+    for a, b, name in sorted(spans):  # the format's rule: the tensors tile the data section
+        if a != pos:
+            where = f"the tensor before it, {prev!r}, ends at {pos}" if prev else "the first tensor must start at 0"
+            raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} has data_offsets [{a}, {b}] "
+                                  f"but {where} ({'a gap' if a > pos else 'an overlap'} in the data section)")
+        pos, prev = b, name
+    if pos != data:
+        raise CheckpointError(f.name, f"corrupt safetensors file: the tensors end at byte {pos}"
+                              + (f" (the last, {prev!r})" if prev else "")
+                              + f", the data section holds {data} bytes ({data - pos} bytes belong to no tensor)")
     return tensors
+
+
+def _prod(shape: list[int]) -> int:
+    out = 1
+    for x in shape:
+        out *= x
+    return out
+
+
+_EXPERT_INDEXED = re.compile(r"^(.*\.experts)\.(\d+)\.")  # per-expert tensors: ...experts.3.w1.weight
+_EXPERT_FUSED = re.compile(r"^(.*\.experts)\.[A-Za-z_]+(\.weight)?$")  # (E, ...) tensors: ...experts.gate_up_proj
+_ROUTER = re.compile(r"\.(gate|router)\.weight$")  # (E, hidden): ...mlp.gate.weight, ...mlp.router.weight
+
+
+def check_expert_count(headers: dict[Path, dict], config: dict) -> None:
+    """The experts per MoE layer that ``config.json`` names against those the weights hold,
+    read from the safetensors headers (no weights loaded): each router tensor
+    (``*.gate.weight`` / ``*.router.weight`` of shape ``(E, hidden_size)``), else the expert
+    tensors (``*.experts.<i>.*``, or fused ``*.experts.<name>`` of shape ``(E, ...)``).
+
+    Raises:
+        CheckpointError: field ``config.json <key>`` (``num_local_experts``, ``num_experts``,
+            ...), naming a tensor of the files and both counts.
+    """
+    key, n = config_experts_key(config)
+    if n <= 1:
+        return
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    found: list[tuple[str, str, int, str]] = []  # (tensor, file, experts, how)
+    for f, h in headers.items():
+        for name, v in h.items():
+            shape = v["shape"]
+            if _ROUTER.search(name) and len(shape) == 2 and (not hidden or shape[1] == hidden):
+                found.append((name, f.name, shape[0], f"the router, of shape {shape}"))
+    if not found:
+        indexed: dict[str, dict[int, tuple[str, str]]] = {}  # layer's experts -> {index: (tensor, file)}
+        for f, h in headers.items():
+            for name, v in h.items():
+                m = _EXPERT_INDEXED.match(name)
+                if m:
+                    indexed.setdefault(m.group(1), {})[int(m.group(2))] = (name, f.name)
+                elif _EXPERT_FUSED.match(name) and len(v["shape"]) == 3:
+                    found.append((name, f.name, v["shape"][0], f"fused experts, of shape {v['shape']}"))
+        for by_index in indexed.values():
+            name, where = by_index[max(by_index)]
+            found.append((name, where, len(by_index), f"the expert of the highest index, {max(by_index)}"))
+    for name, where, got, how in found:
+        if got != n:
+            raise CheckpointError(f"config.json {key}", f"says {n} experts per MoE layer, but the weights hold "
+                                  f"{got}: tensor {name} in {where} ({how}); set {key} to {got}, or bring the "
+                                  "weights saved with this config")
 
 
 def _weights_dtype(headers: dict[Path, dict], config: dict) -> str:
@@ -449,7 +536,8 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
     Checks, in order: ``config.json`` (valid, a ``model_type``, not quantized); the
     safetensors files (``model.safetensors``, or an index and every shard it names; each
     header valid and covering its file exactly); one weights dtype, bfloat16 or float32,
-    named by the config; an architecture transformers knows; for an MoE config, a router
+    named by the config; the config's experts per MoE layer equal to the weights'
+    (:func:`check_expert_count`); an architecture transformers knows; for an MoE config, a router
     adapter (:func:`check_router_adapter`); the tokenizer (loads, a chat template, an eos
     token, fits the vocabulary). A tokenizer without a pad token pads with its eos token
     (``pad_fallback``; the padding is masked, so its id never reaches a logit).
@@ -464,6 +552,7 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
     files = _weight_files(d)
     headers = {f: read_safetensors_header(f) for f in files}
     dtype = _weights_dtype(headers, raw)
+    check_expert_count(headers, raw)
     config = _transformers_config(d, raw)
     n_exp, moe_layers = check_router_adapter(config)
     pad_fallback = _check_tokenizer(d, int(getattr(config, "vocab_size", 0) or raw.get("vocab_size") or 0))

@@ -11,11 +11,18 @@ file, a variable, a flag and a program that builds the model directly all meet o
 
 A field's ``json_schema_extra`` may hold:
     ``flags``: the option's declarations instead of ``--field-name`` (a bool field may say
-        ``"--replay/--no-replay"``);
+        ``"--replay/--no-replay"``; a bool field whose default is True and that declares no
+        off switch gets ``--no-field-name`` beside its flag, so the command line can turn it
+        off);
     ``unit``: shown after the help text (``"s"``, ``"ms"``, ``"h"``, ``"tokens"``);
     ``cli``: ``False`` keeps the field off the command line (set by programs only);
     ``envvar``: an environment variable click reads for the option (a flag wins over it, it
         wins over ``flywheel.toml``), for a setting that had one before it was a field.
+
+Help: a boolean flag takes no value, so ``--help`` lists it as click and typer users know it
+(``--quick``, ``--cuped / --no-cuped``), with no value placeholder: Typer 0.29's rich help
+prints the type column (``<bool>``) for every option, flags included; importing this module
+makes it print none for a flag (:func:`_flag_type_column`), for every command of the process.
 """
 
 from __future__ import annotations
@@ -30,6 +37,20 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 CONFIG_MODELS: dict[str, type] = {}  # qualified name -> model, every model a command takes
+
+_typer_type_column = typer.core.TyperOption.display_type_rich
+
+
+def _flag_type_column(self: typer.core.TyperOption, ctx) -> str | None:
+    """The type column of ``--help`` for one option: None (nothing shown) for a boolean flag,
+    which takes no value (``--quick``, ``--cuped/--no-cuped``); Typer's ``<int range>``,
+    ``<path>``, ... for an option that takes one. A counting flag (``-vvv``) is no boolean."""
+    if self.is_flag and not self.count:
+        return None
+    return _typer_type_column(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _flag_type_column
 
 
 def model_fields(model: type) -> dict[str, FieldInfo]:
@@ -81,11 +102,25 @@ def _help(info: FieldInfo) -> str:
     return f"{text} (unit: {unit})" if unit else text
 
 
-def option_for(name: str, info: FieldInfo, annotation: Any) -> typer.models.OptionInfo:
-    """The ``typer.Option`` of one field: its default, flag(s), help (with unit) and bounds."""
+def _declarations(name: str, info: FieldInfo, annotation: Any) -> tuple[str, ...]:
+    """The option's declarations: the field's ``flags`` or ``--field-name``; a bool field that
+    is on by default and declares no off switch gets ``--x/--no-x`` (a flag alone could never
+    turn it off)."""
     flags = _extra(info).get("flags") or ("--" + name.replace("_", "-"),)
     if isinstance(flags, str):
         flags = (flags,)
+    if annotation is bool and field_default(info) is True and not any("/" in f for f in flags):
+        on = next((f for f in flags if f.startswith("--")), None)
+        if on is not None:
+            flags = (*(f for f in flags if f != on), f"{on}/--no-{on[2:]}")
+    return tuple(flags)
+
+
+def option_for(name: str, info: FieldInfo, annotation: Any) -> typer.models.OptionInfo:
+    """The ``typer.Option`` of one field: its default, flag(s), help (with unit) and bounds.
+    A bool field is a flag (no value on the command line); on by default it also has its
+    ``--no-`` form (:func:`_declarations`)."""
+    flags = _declarations(name, info, annotation)
     base = typing.get_origin(annotation)
     numeric = annotation in (int, float) or (base is typing.Union and set(typing.get_args(annotation)) <= {int, float, type(None)})
     return typer.Option(field_default(info), *flags, help=_help(info), show_default=True,
@@ -131,7 +166,7 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                 ann = _annotation(model, name, info)
                 params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
                                                 default=option_for(name, info, ann)))
-        flags = {name: (_extra(info).get("flags") or ("--" + name.replace("_", "-"),))
+        flags = {name: _declarations(name, info, _annotation(model, name, info))
                  for model in configs.values() for name, info in cli_fields(model).items()}
 
         def hint_for(name: str, msg: str) -> str | None:
@@ -251,8 +286,8 @@ def flags_for(models: Sequence[type], values: dict[str, Any]) -> list[str]:
         if owner is None:
             raise ValueError(f"{name}: no setting of {', '.join(m.__name__ for m in models)}")
         info = owner[1]
-        decl = _extra(info).get("flags") or "--" + name.replace("_", "-")
-        decl = decl if isinstance(decl, str) else decl[0]
+        decls = _declarations(name, info, _annotation(owner[0], name, info))
+        decl = next((d for d in decls if "/" in d), decls[0])
         if isinstance(value, bool):
             on, _, off = decl.partition("/")
             if value or off:

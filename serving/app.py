@@ -106,7 +106,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
             default :class:`serving.config.ServeConfig`'s).
         cors_origins: browser origins allowed to call the API (CORS; ``["*"]`` for any), so a web
             page can post feedback with a feedback-only key; None = no CORS headers.
-        max_prompt_tokens: longer prompts get HTTP 413 (tokens).
+        max_prompt_tokens: longer prompts get HTTP 400 ``context_length_exceeded`` (tokens; D77).
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
         max_body_bytes: larger request bodies get HTTP 413 (bytes; default
             ``serving.http.limits.DEFAULT_MAX_BODY_BYTES``); on the inference paths

@@ -26,7 +26,10 @@ class ServingValidationError(ValueError):
         parameter: the offending request field (dotted path for nested ones).
         value: the value received (repr is shown, truncated).
         reason: why it is rejected.
-        status: HTTP status (400 bad input, 413 prompt too long, 429 queue full...).
+        status: HTTP status (400 bad input and a prompt the context cannot take, 404 unknown
+            model, 429 queue full...; a request body over its size bound is 413, refused
+            before it is parsed: ``serving.http.limits``).
+        code: OpenAI's ``error.code`` (``context_length_exceeded``, ``queue_full``...) or None.
     """
 
     def __init__(self, parameter: str, value: Any, reason: str, status: int = 400,
@@ -38,6 +41,54 @@ class ServingValidationError(ValueError):
         self.code = code
         v = repr(value)
         super().__init__(f"{parameter}: {reason} (got {v[:200]})")
+
+
+class ContextLengthError(ServingValidationError):
+    """A prompt the model's context cannot take: OpenAI's 400 ``invalid_request_error`` with
+    code ``context_length_exceeded`` and ``param`` the prompt's field (``messages`` for chat
+    completions, ``prompt`` for completions), which the ``openai`` client raises as
+    ``openai.BadRequestError``. The message keeps OpenAI's words ("maximum context length is
+    N tokens"), which client libraries match on, and says what to shorten.
+
+    Three cases (all counts in tokens):
+
+    * the prompt alone leaves no room for one new token (``prompt_tokens > context - 1``);
+    * the prompt is longer than the server's own bound (``prompt_tokens > max_prompt_tokens``);
+    * the prompt plus an explicit new-token budget does not fit (``prompt_tokens + asked >
+      context``; ``budget_field`` names the budget: ``max_tokens`` or ``max_completion_tokens``).
+
+    Args:
+        parameter: ``messages`` or ``prompt``.
+        prompt_tokens: the prompt's length.
+        context: the model's maximum context length, or None (unbounded).
+        max_prompt_tokens: the server's bound on prompts, or None.
+        asked: the new tokens asked for (case 3), or None.
+        budget_field: the request field that asked them (case 3).
+    """
+
+    def __init__(self, parameter: str, prompt_tokens: int, *, context: int | None,
+                 max_prompt_tokens: int | None = None, asked: int | None = None,
+                 budget_field: str = "max_tokens"):
+        super().__init__(parameter, prompt_tokens, "context length exceeded", status=400,
+                         code="context_length_exceeded")
+        self.prompt_tokens = prompt_tokens
+        self.context = context
+        self.asked = asked
+        what = "the messages" if parameter == "messages" else "the prompt"
+        if asked is not None:
+            msg = (f"{parameter}: this model's maximum context length is {context} tokens, however you "
+                   f"requested {prompt_tokens + asked} tokens ({prompt_tokens} in {what}, {asked} in "
+                   f"{budget_field}); reduce the length of {what} or {budget_field}")
+        elif context is not None and prompt_tokens > context - 1:
+            msg = (f"{parameter}: this model's maximum context length is {context} tokens, however "
+                   f"{what} resulted in {prompt_tokens} tokens (at most {context - 1}, leaving room "
+                   f"for one new token); reduce the length of {what}")
+        else:
+            msg = (f"{parameter}: {what} resulted in {prompt_tokens} tokens, more than this server's "
+                   f"max_prompt_tokens ({max_prompt_tokens})"
+                   + (f"; the model's maximum context length is {context} tokens" if context is not None else "")
+                   + f"; reduce the length of {what}")
+        ValueError.__init__(self, msg)
 
 
 @dataclass

@@ -143,6 +143,23 @@ def test_init_from_dense_fp32_without_pad_token_then_serve(chat_tok, tmp_path, f
         pod.close()
 
 
+def _header(f) -> tuple[dict, int]:
+    """A safetensors file's header (parsed here, by the format's layout: 8-byte little-endian
+    length, JSON) and the size of its data section in bytes."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), len(raw) - 8 - n
+
+
+def _write_header(f, header: dict) -> None:
+    """Replace a safetensors file's header, keeping its data section."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    f.write_bytes(len(hb).to_bytes(8, "little") + hb + raw[8 + n:])
+
+
 def _refusal_cases(good, chat_tok, tmp_path):
     """``(name, dir, field, message part)`` per refusal, each a broken copy of ``good``."""
     import copy
@@ -171,8 +188,8 @@ def _refusal_cases(good, chat_tok, tmp_path):
 
     d = variant("unknown_moe")
     edit_json(d / "config.json", model_type="acme_moe", architectures=["AcmeMoeForCausalLM"],
-              num_local_experts=8, num_experts_per_tok=2)
-    cases.append(("MoE with no adapter", d, "router adapter", "'acme_moe' has 8 experts per MoE layer but no router"))
+              num_local_experts=4, num_experts_per_tok=2)
+    cases.append(("MoE with no adapter", d, "router adapter", "'acme_moe' has 4 experts per MoE layer but no router"))
 
     tok = copy.deepcopy(chat_tok)
     tok.pad_token, tok.eos_token = None, None
@@ -214,8 +231,51 @@ def _refusal_cases(good, chat_tok, tmp_path):
 
     d = variant("truncated")
     f = sorted(d.glob("model-*.safetensors"))[0]
+    header, data_len = _header(f)
+    last = max(header, key=lambda k: header[k]["data_offsets"][1] if k != "__metadata__" else -1)
+    a, b = header[last]["data_offsets"]
     f.write_bytes(f.read_bytes()[:-100])
-    cases.append(("truncated safetensors", d, f.name, "truncated or corrupt"))
+    cases.append(("truncated safetensors", d, f.name,
+                  f"tensor '{last}' has data_offsets [{a}, {b}], past the end of the data section, which holds "
+                  f"{data_len - 100} bytes (truncated or corrupt)"))
+
+    # a header that claims a tensor past the end of the file, in the middle of the data section
+    d = variant("past_the_end")
+    f = sorted(d.glob("model-*.safetensors"))[0]
+    header, data_len = _header(f)
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    assert len(names) >= 3
+    mid = names[len(names) // 2]
+    a = header[mid]["data_offsets"][0]
+    header[mid]["data_offsets"] = [a, data_len + 4096]
+    _write_header(f, header)
+    cases.append(("a tensor past the end of the file", d, f.name,
+                  f"tensor '{mid}' has data_offsets [{a}, {data_len + 4096}], past the end of the data section, "
+                  f"which holds {data_len} bytes"))
+
+    # the tensors leave a gap: one tensor's offsets moved on by 2 bytes (its size kept)
+    d = variant("gap")
+    f = sorted(d.glob("model-*.safetensors"))[0]
+    header, data_len = _header(f)
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    first, second = names[0], names[1]
+    a, b = header[second]["data_offsets"]
+    header[second]["data_offsets"] = [a + 2, b + 2]
+    _write_header(f, header)
+    cases.append(("a gap between tensors", d, f.name,
+                  f"tensor '{second}' has data_offsets [{a + 2}, {b + 2}] but the tensor before it, '{first}', "
+                  f"ends at {a} (a gap in the data section)"))
+
+    # the config's experts disagree with the weights' (transformers saves Qwen3-MoE's num_experts as
+    # num_local_experts; the router is (4, 64))
+    d = variant("experts_1e9")
+    assert json.loads((d / "config.json").read_text())["num_local_experts"] == 4
+    edit_json(d / "config.json", num_local_experts=10**9)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    gate = "model.layers.0.mlp.gate.weight"
+    cases.append(("config experts disagree with the weights", d, "config.json num_local_experts",
+                  f"says 1000000000 experts per MoE layer, but the weights hold 4: tensor {gate} in {idx[gate]} "
+                  "(the router, of shape [4, 64]); set num_local_experts to 4"))
 
     d = variant("garbled")
     f = sorted(d.glob("model-*.safetensors"))[0]
@@ -294,3 +354,62 @@ def test_init_from_refusals(chat_tok, tmp_path):
         r.output
     r = CliRunner().invoke(app, ["model", "init", "--from", str(good), "--experts", "8"])
     assert r.exit_code == 2 and "taken as it is" in flat(r.output)
+
+
+def test_expert_count_is_checked_before_transformers_loads(tiny_moe_dir, tmp_path, monkeypatch):
+    """A Mixtral config claiming 10^9 experts over weights with 4: refused from the headers,
+    naming the config key, a router tensor and both counts, before transformers reads the
+    config or the weights (both replaced here by failures)."""
+    import shutil
+
+    import flywheel.modelinit as mi
+
+    d = tmp_path / "mixtral"
+    shutil.copytree(tiny_moe_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_local_experts"] = 10**9
+    (d / "config.json").write_text(json.dumps(cfg))
+    header, _ = _header(d / "model.safetensors")
+    gate = "model.layers.0.block_sparse_moe.gate.weight"
+    assert header[gate]["shape"] == [4, cfg["hidden_size"]]
+
+    def never(*a, **k):
+        raise AssertionError("transformers was asked before the expert count was checked")
+    monkeypatch.setattr(mi, "_transformers_config", never)
+    monkeypatch.setattr(mi, "load_checkpoint_state", never)
+    with pytest.raises(mi.CheckpointError) as ei:
+        mi.import_checkpoint(d, tmp_path / "store", log=lambda s: None)
+    assert ei.value.field == "config.json num_local_experts"
+    assert str(ei.value) == (f"config.json num_local_experts: says 1000000000 experts per MoE layer, but the "
+                             f"weights hold 4: tensor {gate} in model.safetensors (the router, of shape [4, "
+                             f"{cfg['hidden_size']}]); set num_local_experts to 4, or bring the weights saved "
+                             "with this config")
+
+
+def test_expert_count_from_expert_tensors_without_a_router():
+    """No router tensor in the files: the experts per layer are counted from per-expert
+    tensors (``experts.<i>.``) or read from a fused ``(E, ...)`` tensor."""
+    from pathlib import Path
+
+    from flywheel.modelinit import CheckpointError, check_expert_count
+
+    def t(shape):
+        return {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
+
+    per_expert = {Path("a.safetensors"): {f"model.layers.0.mlp.experts.{e}.{w}.weight": t([8, 4])
+                                          for e in range(6) for w in ("w1", "w2")}}
+    check_expert_count(per_expert, {"num_experts": 6, "hidden_size": 4})
+    with pytest.raises(CheckpointError) as ei:
+        check_expert_count(per_expert, {"num_experts": 8, "hidden_size": 4})
+    assert ei.value.field == "config.json num_experts"
+    assert "says 8 experts per MoE layer, but the weights hold 6: tensor model.layers.0.mlp.experts.5." in str(ei.value)
+    assert "in a.safetensors (the expert of the highest index, 5)" in str(ei.value)
+    fused = {Path("b.safetensors"): {"model.layers.3.mlp.experts.gate_up_proj": t([4, 4, 16]),
+                                     "model.layers.3.mlp.experts.down_proj": t([4, 8, 4])}}
+    check_expert_count(fused, {"text_config": {"num_local_experts": 4, "hidden_size": 4}})
+    with pytest.raises(CheckpointError) as ei:
+        check_expert_count(fused, {"text_config": {"num_local_experts": 32, "hidden_size": 4}})
+    assert ei.value.field == "config.json text_config.num_local_experts"
+    assert "the weights hold 4: tensor model.layers.3.mlp.experts.gate_up_proj in b.safetensors (fused experts, " \
+           "of shape [4, 4, 16])" in str(ei.value)
+    check_expert_count({Path("c.safetensors"): {"model.embed_tokens.weight": t([10, 4])}}, {"hidden_size": 4})

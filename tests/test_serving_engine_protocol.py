@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import threading
 import time
 
 import httpx
@@ -219,36 +220,62 @@ def test_n_choices_are_admitted_all_or_none(tiny_moe_dir):
 
 
 def test_generate_hands_steps_over_in_bursts_and_final_only(tiny_moe_dir):
-    """The protocol's own ``generate`` on 6 concurrent requests: every step arrives, in order,
-    with fewer loop wake-ups than outputs (one per engine burst); ``final_only`` yields the
-    result alone while ``on_step`` still sees every step on the engine's thread."""
+    """The protocol's own ``generate`` on 6 concurrent requests: every step arrives, in order;
+    every step the engine emits while the event loop is busy reaches the loop in the one
+    wake-up already scheduled (here: the loop is held while the engine runs all 6 requests, so
+    all of their outputs arrive in exactly one wake-up); ``final_only`` yields the result alone,
+    with no per-step hand-off, while ``on_step`` still sees every step on the engine's thread.
+
+    The loop is held by a blocking wait on the engine's last done callback, not by a sleep, so
+    the count of wake-ups does not depend on how the OS interleaves the two threads."""
     inner = TorchEngine(tiny_moe_dir, max_batch=8)
     base = inner.load_base(BASE_VERSION)
     sp = SamplingParams(temperature=0.0, max_tokens=12)
+    n_req = 6
     wakes = {"n": 0}
+    puts: list = []  # (queue, item) per LoopInbox.put, in call order (engine thread)
+    all_done = threading.Event()
 
     async def main():
         inbox = LoopInbox.of(asyncio.get_running_loop())
-        drain = inbox._drain
+        drain, put = inbox._drain, inbox.put
 
-        def counted():
+        def counted_drain():
             wakes["n"] += 1
             drain()
-        inbox._drain = counted
+
+        def counted_put(q, item):
+            puts.append((q, item))
+            put(q, item)
+            if sum(1 for _q, it in puts if it is None) == n_req:
+                all_done.set()  # after the put: every item is in the inbox
+        inbox._drain, inbox.put = counted_drain, counted_put
 
         async def one(p):
             return [o async for o in Engine.generate(inner, GenRequest(prompt_token_ids=p, sampling=sp, model=base))]
 
-        streams = await asyncio.gather(*[one([5, 6, 7 + i]) for i in range(6)])
+        inner.pause()  # nothing is emitted until every request is queued and the loop is held
+        tasks = [asyncio.create_task(one([5, 6, 7 + i])) for i in range(n_req)]
+        while inner.queue_depth() < n_req:  # each task submits at its first step
+            await asyncio.sleep(0)
+        inner.resume()
+        # hold the loop (a blocking wait on the loop's thread) until every request has ended
+        # and its last item is in the inbox
+        assert all_done.wait(120), "the engine did not finish 6 requests of 12 tokens in 120 s"
+        assert wakes["n"] == 0
+        streams = await asyncio.gather(*tasks)
+        burst_wakes = wakes["n"]
+
         seen: list = []
         req = GenRequest(prompt_token_ids=[5, 6, 7], sampling=sp, model=base, on_step=seen.append)
+        n_puts = len(puts)
         finals = [o async for o in Engine.generate(inner, req, final_only=True)]
-        return streams, finals, seen
+        return streams, burst_wakes, finals, seen, puts[n_puts:]
 
     old_eos = inner.eos_id
     inner.eos_id = -1
     try:
-        streams, finals, seen = asyncio.run(main())
+        streams, burst_wakes, finals, seen, final_puts = asyncio.run(main())
     finally:
         inner.eos_id = old_eos
         inner.close()
@@ -256,9 +283,12 @@ def test_generate_hands_steps_over_in_bursts_and_final_only(tiny_moe_dir):
     for outs in streams:
         res = outs[-1].result
         assert outs[-1].finished and [t for o in outs[:-1] for t in o.token_ids] == res.completion_token_ids
+        assert len(res.completion_token_ids) == 12  # eos disabled: max_tokens ends every request
         outputs += len(outs)
-    assert 1 <= wakes["n"] < outputs
+    assert outputs == len(puts) - len(final_puts) > n_req  # one put per step and one per end
+    assert burst_wakes == 1  # every output of every request: one loop wake-up
     assert len(finals) == 1 and finals[0].finished
+    assert [item for _q, item in final_puts] == [None]  # final_only: no per-step hand-off
     assert [t for o in seen for t in o.token_ids] == finals[0].result.completion_token_ids
     assert finals[0].result.completion_token_ids == streams[0][-1].result.completion_token_ids
 

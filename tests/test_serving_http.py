@@ -295,6 +295,94 @@ def test_unknown_model_is_404_model_not_found(env):
     assert ids == ["flywheel", "v000000"]
 
 
+# ---------------------------------------------------------------------------- context length (D77)
+CONTEXT = 1024  # the tiny MoE's max_position_embeddings (tests/conftest.py)
+
+
+def _chat_len(tok, messages) -> int:
+    """Tokens of ``messages`` under the chat template with the generation prompt."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _context_error(call) -> dict:
+    """The OpenAI error body of a call the official client must raise as BadRequestError."""
+    with pytest.raises(openai.BadRequestError) as ei:
+        call()
+    assert ei.value.status_code == 400
+    return ei.value.body
+
+
+def test_context_overflow_is_openais_400_context_length_exceeded(env, tiny_moe_dir):
+    """A prompt the context cannot take, alone or with its max_tokens, is answered as OpenAI
+    answers it (400, invalid_request_error, code context_length_exceeded, param messages or
+    prompt), which the openai client raises as BadRequestError; streamed requests too, before
+    any event. The counts in the message are computed here from the tokenizer and the ids sent."""
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=API, max_retries=0)
+    tok = AutoTokenizer.from_pretrained(tiny_moe_dir)
+    long_msgs = [{"role": "user", "content": "x " * 2000}]
+    n_long = _chat_len(tok, long_msgs)
+    assert n_long > CONTEXT
+    for stream in (False, True):
+        err = _context_error(lambda: client.chat.completions.create(
+            model="flywheel", messages=long_msgs, max_tokens=2, stream=stream))
+        assert err | {"message": None} == {"message": None, "type": "invalid_request_error",
+                                           "param": "messages", "code": "context_length_exceeded"}, err
+        assert err["message"] == (f"messages: this model's maximum context length is {CONTEXT} tokens, however "
+                                  f"the messages resulted in {n_long} tokens (at most {CONTEXT - 1}, leaving room "
+                                  f"for one new token); reduce the length of the messages")
+    # prompt + max_tokens over the context: OpenAI's "you requested N tokens (P in the messages, C in the completion)"
+    short = [{"role": "user", "content": "hi"}]
+    n_short = _chat_len(tok, short)
+    asked = CONTEXT - n_short + 1
+    err = _context_error(lambda: client.chat.completions.create(model="flywheel", messages=short, max_tokens=asked))
+    assert (err["param"], err["code"]) == ("messages", "context_length_exceeded"), err
+    assert err["message"] == (f"messages: this model's maximum context length is {CONTEXT} tokens, however you "
+                              f"requested {CONTEXT + 1} tokens ({n_short} in the messages, {asked} in max_tokens); "
+                              f"reduce the length of the messages or max_tokens")
+    err = _context_error(lambda: client.chat.completions.create(model="flywheel", messages=short,
+                                                                max_completion_tokens=asked))
+    assert err["param"] == "messages" and f"{asked} in max_completion_tokens" in err["message"], err
+    # completions: the prompt's field is `prompt`; token ids give exact counts
+    err = _context_error(lambda: client.completions.create(model="flywheel", prompt=[5] * CONTEXT, max_tokens=1))
+    assert err | {"message": None} == {"message": None, "type": "invalid_request_error",
+                                       "param": "prompt", "code": "context_length_exceeded"}, err
+    assert f"the prompt resulted in {CONTEXT} tokens (at most {CONTEXT - 1}" in err["message"], err
+    err = _context_error(lambda: client.completions.create(model="flywheel", prompt=[5] * 1000, max_tokens=25))
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded"), err
+    assert "you requested 1025 tokens (1000 in the prompt, 25 in max_tokens)" in err["message"], err
+    err = _context_error(lambda: client.completions.create(model="flywheel", prompt=[5] * 1000, max_tokens=25,
+                                                           stream=True))
+    assert err["param"] == "prompt", err
+    # what fits is served: exactly the context, and a default budget clamped to the room left
+    r = client.completions.create(model="flywheel", prompt=[5] * 1000, max_tokens=24, temperature=0)
+    assert r.usage.prompt_tokens == 1000 and 1 <= r.usage.completion_tokens <= 24
+    r = client.completions.create(model="flywheel", prompt=[5] * (CONTEXT - 1), temperature=0)
+    assert r.usage.prompt_tokens == CONTEXT - 1 and r.usage.completion_tokens == 1
+    m = httpx.get(env["url"] + "/metrics").text
+    assert 'endpoint="/v1/chat/completions",status="413"' not in m
+
+
+def test_prompt_over_max_prompt_tokens_is_400_naming_the_bound(env):
+    """The server's own bound on prompts (``max_prompt_tokens``, below the context) answers
+    the same 400 context_length_exceeded, naming the bound; a body over its byte bound is 413."""
+    srv = ServerThread(create_app(env["slots"], None, pod="short", salt="s", api_keys={API},
+                                  max_prompt_tokens=50)).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API, max_retries=0)
+        err = _context_error(lambda: client.completions.create(model="flywheel", prompt=[5] * 51, max_tokens=1))
+        assert err | {"message": None} == {"message": None, "type": "invalid_request_error",
+                                           "param": "prompt", "code": "context_length_exceeded"}, err
+        assert err["message"] == ("prompt: the prompt resulted in 51 tokens, more than this server's "
+                                  f"max_prompt_tokens (50); the model's maximum context length is {CONTEXT} "
+                                  "tokens; reduce the length of the prompt")
+        assert client.completions.create(model="flywheel", prompt=[5] * 50, max_tokens=1).usage.prompt_tokens == 50
+    finally:
+        srv.stop()
+
+
 def test_health_and_ready(env):
     r = httpx.get(env["url"] + "/health")
     assert r.status_code == 200 and r.content == b""

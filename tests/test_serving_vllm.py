@@ -259,7 +259,8 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
     """`flywheel serve --engine vllm` run from the vLLM venv (built by `flywheel vllm-venv`, from a
     directory outside the repo): the official openai client gets a completion with logprobs,
     and the completion event in Kafka carries the same tokens and behavior logprobs, which are
-    the torch teacher-forced logprobs of those tokens within TOL."""
+    the torch teacher-forced logprobs of those tokens within TOL; a prompt over the context is
+    OpenAI's BadRequestError ``context_length_exceeded``."""
     import os
     import sys
     import time
@@ -309,6 +310,23 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
         np.testing.assert_allclose(ev.behavior_logprobs, r.choices[0].logprobs.token_logprobs, rtol=0, atol=1e-6)
         ref = _teacher_forced(load_model(d), ev.prompt_token_ids, ev.completion_token_ids)
         np.testing.assert_allclose(ev.behavior_logprobs, ref, rtol=0, atol=TOL)
+        # a prompt the context (256 tokens) cannot take: OpenAI's 400 context_length_exceeded,
+        # naming the prompt's field, as on the torch engine (D77); what fits is served
+        for call, param in ((lambda: client.completions.create(model="v000000", prompt=[5] * 256, max_tokens=1),
+                             "prompt"),
+                            (lambda: client.completions.create(model="v000000", prompt=[5] * 200, max_tokens=57),
+                             "prompt"),
+                            (lambda: client.chat.completions.create(
+                                model="v000000", messages=[{"role": "user", "content": "hello"}], max_tokens=256),
+                             "messages")):
+            with pytest.raises(openai.BadRequestError) as ei:
+                call()
+            err = ei.value.body
+            assert err | {"message": None} == {"message": None, "type": "invalid_request_error", "param": param,
+                                               "code": "context_length_exceeded"}, err
+            assert "maximum context length is 256 tokens" in err["message"], err
+        r = client.completions.create(model="v000000", prompt=[5] * 200, max_tokens=56, temperature=0)
+        assert r.usage.prompt_tokens == 200 and 1 <= r.usage.completion_tokens <= 56
         # response_format (JSON schema) goes to vLLM's structured outputs
         schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
         ch = client.chat.completions.create(

@@ -1,8 +1,11 @@
 """Errors in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Client mistakes (:class:`serving.params.ServingValidationError`, request validation) are
-400 (413 for a prompt too long, 404 ``model_not_found``, 429 with ``Retry-After`` when the
-queue is full); weight-slot conflicts 409; anything unexpected 500. :class:`CatchAllMiddleware`
+400 (a prompt the context cannot take included: ``context_length_exceeded`` naming
+``messages`` or ``prompt``, as OpenAI answers it), 404 ``model_not_found``, 429 with
+``Retry-After`` when the queue is full; a request body over its size bound is 413
+``request_too_large`` (``serving.http.limits``); weight-slot conflicts 409; anything
+unexpected 500. :class:`CatchAllMiddleware`
 answers unexpected exceptions itself, so the connection stays open for the next request
 (Starlette's outermost error middleware re-raises after answering, and uvicorn then closes
 the keep-alive connection).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from serving.params import ServingValidationError
+from serving.params import ContextLengthError, ServingValidationError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
 try:
@@ -23,17 +23,33 @@ def _decoded_cut(tok, ids: list[int], stops: list[str]) -> str:
     return text[:cut] if cut >= 0 else text
 
 
+class PromptIds(list):
+    """A prompt's token ids (a ``list[int]``) that also name the request field they came
+    from (``param``: ``messages`` or ``prompt``), so that a context error names it."""
+
+    def __init__(self, ids, param: str):
+        super().__init__(ids)
+        self.param = param
+
+
 class PromptBuilder:
     """Tokenization rules of one pod.
+
+    A prompt the context cannot take is refused as OpenAI refuses it: 400
+    ``context_length_exceeded`` naming ``messages`` or ``prompt``
+    (:class:`serving.params.ContextLengthError`; docs/decisions.md D77). A request body over
+    its size bound never gets here: 413 before it is parsed (``serving.http.limits``).
 
     Args:
         tokenizer: the served model's Hugging Face tokenizer (with a chat template).
         max_positions: the model's context length in tokens (None: unbounded).
-        max_prompt_tokens: longer prompts are refused with 413 (tokens).
+        max_prompt_tokens: longer prompts are refused (tokens; the server's bound, below the
+            context or not).
     """
 
     def __init__(self, tokenizer, max_positions: int | None, max_prompt_tokens: int):
         self.tok = tokenizer
+        self.context = max_positions  # None: unbounded
         self.max_positions = max_positions or 10**9
         self.max_prompt_tokens = max_prompt_tokens
         self._backend: object | None = None  # tokenizers.Tokenizer when streams may decode with it
@@ -53,7 +69,7 @@ class PromptBuilder:
         ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
-        return list(ids)
+        return PromptIds(ids, "messages")
 
     def completion_ids(self, body: CompletionRequest) -> list[int]:
         """``prompt`` as token ids: a string (tokenized, no special tokens), token ids (each
@@ -70,31 +86,44 @@ class PromptBuilder:
             ids = self.tok(p, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise ServingValidationError("prompt", body.prompt, "must not be empty")
-            return list(ids)
+            return PromptIds(ids, "prompt")
         vocab = len(self.tok)
         bad = [t for t in p if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
         if bad:
             raise ServingValidationError("prompt", bad[:5], f"token ids must be in [0, {vocab})")
-        return list(p)
+        return PromptIds(p, "prompt")
 
     def check_len(self, field: str, ids: list[int]) -> None:
-        """413 ``context_length_exceeded`` naming ``field`` when the prompt leaves no room."""
-        limit = min(self.max_prompt_tokens, self.max_positions - 1)
-        if len(ids) > limit:
-            why = (f"more than {limit} tokens" +
-                   (f" (a context of {self.max_positions} tokens must leave room for one new token)"
-                    if limit == self.max_positions - 1 else ""))
-            raise ServingValidationError(field, len(ids), why, status=413, code="context_length_exceeded")
+        """Refuse a prompt that leaves no room for one new token or is longer than
+        ``max_prompt_tokens``.
+
+        Raises:
+            ContextLengthError: 400 ``context_length_exceeded`` naming ``field`` (``messages``
+                or ``prompt``), the prompt's length, the context and the bound it broke.
+        """
+        if len(ids) > min(self.max_prompt_tokens, self.max_positions - 1):
+            raise ContextLengthError(field, len(ids), context=self.context, max_prompt_tokens=self.max_prompt_tokens)
 
     def budget(self, field: str, prompt: list[int], asked: int | None, default: int) -> int:
-        """New-token budget: an explicit value must fit the context; a default is clamped."""
+        """New-token budget: an explicit value must fit the context with the prompt, as
+        OpenAI requires (``prompt + max_tokens <= context``); a default is clamped to the room.
+
+        Args:
+            field: the request field of the budget (``max_tokens``, ``max_completion_tokens``).
+            prompt: the prompt's token ids (a :class:`PromptIds` names its field).
+            asked: the budget the request set, or None.
+            default: the budget when none was set (tokens).
+
+        Raises:
+            ContextLengthError: 400 ``context_length_exceeded`` naming the prompt's field
+                (``messages`` or ``prompt``, as OpenAI does), with both counts and ``field``.
+        """
         room = self.max_positions - len(prompt)
         if asked is None:
             return max(1, min(default, room))
         if asked > room:
-            raise ServingValidationError(field, asked, f"prompt ({len(prompt)} tokens) + {field} exceeds the "
-                                         f"model context ({self.max_positions} tokens)",
-                                         code="context_length_exceeded")
+            raise ContextLengthError(getattr(prompt, "param", "prompt"), len(prompt), context=self.context,
+                                     asked=asked, budget_field=field)
         return asked
 
     def stop_check(self, stops: list[str]) -> Callable[[list[int]], bool] | None:
