@@ -279,6 +279,11 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
                 typer.echo(f"pooled {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
                            f"Newcombe {_ci(c, 'ci95')} cluster (stratified by run) {_ci(c, 'cluster_ci95')}, "
                            f"{c['prompts']} prompts")
+        f = pool.get("fixed_eval_pooled")
+        if f:
+            typer.echo(f"pooled fixed eval (paired, last promoted - first; no promotion counts 0): "
+                       f"{f['rate_from']:.3f} -> {f['rate_to']:.3f}, {f['diff']:+.3f}, bootstrap stratified by run "
+                       f"{_ci(f, 'ci95')}, McNemar p={f['mcnemar_p']:.3g}, {f['prompts']} prompts")
         typer.echo(f"every run positive on fresh: {pool['every_run_positive_on_fresh']}; pooled fresh cluster "
                    f"interval excludes 0: {pool['pooled_fresh_cluster_excludes_0']}; promotions shown worse: "
                    f"{len(pool['worse_promotions'])}; {out / 'pool.json'}, {out / 'pool.png'}")

@@ -13,6 +13,7 @@ made by the component that owns it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -32,8 +33,8 @@ from rich.console import Console
 
 from flywheel import report as rep
 from flywheel.supervise import StopSignals, die_with_parent
-from flywheel.users import UserBehaviour
-from flywheel.workload import Task, Workload
+from flywheel.users import SIGNALS, UserBehaviour
+from flywheel.workload import Task, Workload, fixed_eval_set, fixed_kind
 from learner.config import LearnerConfig, check_learner, learn_flags
 from schemas.options import check_overrides, flags_for
 
@@ -63,7 +64,11 @@ QUICK_LEARNER = {"balance_classes": True, "steps": 2, "batch_size": 4, "train_la
 # in DemoConfig.__post_init__, passed as the generated flags)
 # joins wait until floor(0.3 x running) requests can be prefilled together (TGI's default):
 # runs F and G of experiment 3 used it; bench/joins.py measured no throughput gain on CPU (D28)
-DEMO_SERVE = {"prefix_caching": True, "waiting_served_ratio": 0.3}
+# the simulated users post every signal themselves (D75); serving's own regenerate/followup
+# derivation would add signals unrelated to a reply's quality (one user drawing the same
+# HumanEval problem twice within the window), so it is off in the demo
+DEMO_SERVE = {"prefix_caching": True, "waiting_served_ratio": 0.3, "derive_regenerate": False,
+              "derive_followup": False}
 # votes arrive within seconds of their reply; a label lives 15 min, an orphan vote waits 2 min
 DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "orphan_ttl_s": 120.0}
 # the relative non-inferiority margin 0.5: the candidate must keep more than half the stable's
@@ -87,6 +92,7 @@ DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_
 QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1,
              controller={**DEMO_CONTROLLER, "min_votes": 2, "deadline_s": 45.0},
              concurrency=8, final_prompts=0, between_prompts=0, eval_share=0.25, learner=QUICK_LEARNER,
+             fixed_per_family=4, fixed_humaneval=2,
              # a few harder and unseen prompts; the one short cycle keeps its train samples
              family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
 
@@ -185,10 +191,23 @@ class DemoConfig:
                                                   "with seed + c (default: the learner's seed, LearnerConfig.seed).")
     behaviour: UserBehaviour = Field(default_factory=UserBehaviour, description="How the users vote.",
                                      json_schema_extra=_PROGRAM)
+    # thumbs by default: every figure in README and docs/experiments.md up to experiment 3 was
+    # measured with thumbs on 80 % of replies; experiment 4 measures the others first
+    signals: str = Field("thumbs", description="What the users send: thumbs (a thumb on 80 % of replies), "
+                                               "implicit (no thumbs: copy, edit, regenerate, followup on 70 %), "
+                                               "all (a thumb on 10 % and the implicit ones).")
+    # the fixed held-out set every version is scored on at the end (flywheel.workload.fixed_eval_set):
+    # per reasoning-gym family asked, and HumanEval problems 120.. when HumanEval is asked
+    fixed_per_family: int = Field(24, ge=0, description="Fixed eval prompts per reasoning-gym family.",
+                                  json_schema_extra=_PROGRAM)
+    fixed_humaneval: int = Field(8, ge=0, le=44, description="Fixed eval HumanEval problems (from 120).",
+                                 json_schema_extra=_PROGRAM)
 
     def __post_init__(self):
         if self.seed is None:  # the run's seed starts where the learner's does
             self.seed = LearnerConfig.seed
+        if self.signals not in SIGNALS:
+            raise ValueError(f"signals: one of {', '.join(SIGNALS)}, got {self.signals!r}")
         check_learner(self.learner)
         for where, values in (("serve", self.serve), ("ingest", self.ingest), ("controller", self.controller)):
             check_overrides(role_models(where), values, where=where)
@@ -293,9 +312,16 @@ class Demo:
         self.phase_log: list[dict] = []
         self.vote_threads: list[threading.Thread] = []
         self.completions: dict[str, dict] = {}  # completion_id -> what was asked and how it was judged
+        self.signals_sent: dict[str, int] = {}  # accepted feedback events by kind
+        # the fixed eval set: the same prompts and sampling seeds for every version, never asked
+        # by the users (reserved), scored at the end (fixed_eval)
+        self.fixed = fixed_eval_set(cfg.families, cfg.fixed_per_family,
+                                    cfg.fixed_humaneval if "humaneval" in cfg.families else 0, cfg.seed)
+        for t in self.fixed:
+            t.kind = fixed_kind(t.family, cfg.held_out)
         self.workload = Workload(families=cfg.families, held_out=cfg.held_out, eval_share=cfg.eval_share,
                                  humaneval_problems=tuple(range(cfg.problems)), seed=cfg.seed,
-                                 weights=cfg.weights())
+                                 weights=cfg.weights(), reserved=frozenset(t.key for t in self.fixed))
 
     # ----------------------------------------------------------------- setup
     def _env(self) -> dict:
@@ -406,7 +432,8 @@ class Demo:
         with self.lock:
             self.requests_ok += 1
             self.completions[data["id"]] = rec
-        plan = self.cfg.behaviour.plan(passed, self.rng)
+        plan = self.cfg.behaviour.plan(passed, self.rng, signals=self.cfg.signals, code=task.family == "humaneval")
+        rec["thumb"], rec["action"], rec["noisy"] = plan.final, plan.action, plan.noisy
         t = threading.Thread(target=self._send_votes, args=(data["id"], user, plan), daemon=True)
         t.start()
         self.vote_threads.append(t)
@@ -415,18 +442,20 @@ class Demo:
     def _send_votes(self, completion_id: str, user: str, plan) -> None:
         start = time.monotonic()
         with httpx.Client(timeout=30) as c:
-            for delay, event_id, value in plan.events:
+            for delay, event_id, kind, value in plan.events:
                 time.sleep(max(0.0, delay - (time.monotonic() - start)))
                 for attempt in range(5):
-                    try:
+                    try:  # the feedback API's wire, as the SDK's HTTP mode sends it
                         r = c.post(self.url + "/v1/feedback", json={
-                            "completion_id": completion_id, "event_id": event_id, "kind": "thumb",
+                            "completion_id": completion_id, "event_id": event_id, "kind": kind,
                             "value": value, "user": user})
                     except httpx.HTTPError:
                         time.sleep(0.2 * (attempt + 1))
                         continue
                     with self.lock:
                         if r.status_code == 200:
+                            if event_id not in self.accepted:
+                                self.signals_sent[kind] = self.signals_sent.get(kind, 0) + 1
                             self.accepted.add(event_id)
                         else:
                             self.feedback_rejected += 1
@@ -618,8 +647,70 @@ class Demo:
             return decision
         raise RuntimeError(f"no canary decision for {version} in time:\n{self.controller.tail(40)}")
 
+    # ------------------------------------------------------------ fixed eval
+    def fixed_eval(self) -> list[dict]:
+        """Score every version in the store on the fixed eval set (:attr:`fixed`): the same
+        prompts, each with the same sampling seed under every version (common random numbers:
+        the per-prompt outcomes are pairs), asked by no user and sent no feedback, so never
+        trained on. Runs after the last canary: the controller is stopped first (it must not
+        act on the slots), each version other than the stable is loaded into the candidate
+        slot at weight 0 and asked by id, and the candidate slot is emptied at the end. Each
+        version's requests come from a user of their own (``fixed-eval-<version>``): the same
+        messages from one user would be read by serving as a regenerate of the earlier reply.
+
+        Returns one row per (version, prompt): ``{"version", "key", "family", "kind",
+        "passed", "has_answer", "finish_reason", "tokens"}``; a version that does not load is
+        logged and left out.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not self.fixed:
+            return []
+        self.controller.stop()
+        stable = httpx.get(self.url + "/admin/slots", timeout=30).json()["stable"]["version"]
+        rows: list[dict] = []
+        loaded = False
+        seeds = [int.from_bytes(hashlib.sha256(f"fixed-seed:{self.cfg.seed}:{i}".encode()).digest()[:4], "big")
+                 >> 2 for i in range(len(self.fixed))]
+        for v in self.store.versions():
+            if v != stable:
+                r = httpx.post(self.url + "/admin/load", json={"version": v}, timeout=900)
+                if r.status_code != 200:
+                    self.log(f"[yellow]fixed eval: {v} did not load ({r.status_code}: {r.text[:200]})")
+                    continue
+                loaded = True
+            t0 = time.monotonic()
+
+            def ask(i: int, v: str = v) -> dict | None:
+                task = self.fixed[i]
+                body = {"model": v, "messages": task.messages, "temperature": self.cfg.temperature,
+                        "top_p": self.cfg.top_p, "user": f"fixed-eval-{v}", "seed": seeds[i],
+                        "max_tokens": self.cfg.max_tokens if task.family == "humaneval" else self.cfg.max_tokens_short,
+                        "metadata": {"flywheel_split": "eval"}}
+                try:
+                    r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600)
+                except httpx.HTTPError:
+                    return None
+                if r.status_code != 200 or r.headers.get("x-flywheel-model-version", v) != v:
+                    return None
+                data = r.json()
+                text = data["choices"][0]["message"]["content"] or ""
+                return {"version": v, "key": task.key, "family": task.family, "kind": task.kind,
+                        "passed": bool(task.verifier.score(text)), "has_answer": task.verifier.has_answer(text),
+                        "finish_reason": data["choices"][0].get("finish_reason"),
+                        "tokens": (data.get("usage") or {}).get("completion_tokens", 0)}
+
+            with ThreadPoolExecutor(self.cfg.concurrency) as ex:
+                got = [x for x in ex.map(ask, range(len(self.fixed))) if x is not None]
+            rows += got
+            self.log(f"fixed eval: {v} right on {sum(x['passed'] for x in got)}/{len(got)} of {len(self.fixed)} "
+                     f"prompts in {time.monotonic() - t0:.0f} s")
+        if loaded:
+            httpx.post(self.url + "/admin/rollback", json={}, timeout=60)
+        return rows
+
     # ---------------------------------------------------------------- report
-    def build_report(self, t0: float) -> dict:
+    def build_report(self, t0: float, fixed_rows: list[dict] | None = None) -> dict:
         from deploy.ledger import Ledger
         from schemas import settings
 
@@ -671,6 +762,15 @@ class Demo:
                                               {cid: r.get("key") or cid for cid, r in self.completions.items()},
                                               versions[0]["version"], promoted[-1], seed=self.cfg.seed)
             gain["cluster_ci95"] = boot["ci95"] if boot else None
+        fixed_rows = fixed_rows or []
+        first = versions[0]["version"]
+        fixed = {"prompts": len(self.fixed), "families": sorted({t.family for t in self.fixed}),
+                 "by_version": rep.fixed_figures(fixed_rows),
+                 "comparison": rep.paired_comparison(fixed_rows, first, promoted[-1], seed=self.cfg.seed)
+                 if promoted else None,
+                 "vs_first": {r["version"]: rep.paired_comparison(fixed_rows, first, r["version"], seed=self.cfg.seed)
+                              for r in versions[1:]}}
+        signals = rep.signal_figures(self.completions, rep.signals_by_completion(self.samples_dir))
         ids = rep.event_ids_in_samples(self.samples_dir)
         uniq = set(ids)
         dead = self.dead_lettered_ids()
@@ -678,6 +778,10 @@ class Demo:
         return {
             "versions": versions,
             "eval_gain": gain,
+            "fixed_eval": fixed,
+            "signals": signals,
+            "signals_setting": self.cfg.signals,
+            "signals_accepted": dict(sorted(self.signals_sent.items())),
             "workload": {"families": list(self.cfg.families), "held_out": list(self.cfg.held_out),
                          "eval_share": self.cfg.eval_share},
             "events_accepted": len(self.accepted),
@@ -751,8 +855,10 @@ class Demo:
         if self.cfg.bad_candidate:
             self.canary(self.publish_degraded())
         self.wait_votes_sealed(120)
-        report = self.build_report(t0)
+        fixed_rows = self.fixed_eval()  # stops the controller: after the last canary
+        report = self.build_report(t0, fixed_rows)
         rep.write_report(report, self.cfg.out)
+        rep.write_fixed(fixed_rows, self.cfg.out / "fixed_eval.jsonl")
         rep.write_votes(rep.votes_by_completion(self.samples_dir), self.completions, self.cfg.out / "votes.jsonl")
         rep.print_report(report, self.console)
         self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "

@@ -17,6 +17,13 @@ It also checks every promotion: the candidate's own votes (all of them, every ki
 version it replaced, and its no-answer and truncated shares over every served reply, each with
 Newcombe's interval; a promotion whose candidate is *shown worse* on any of them (the interval
 excludes 0 on the worse side) is listed in ``worse_promotions``.
+
+When a run has ``fixed_eval.jsonl`` (the fixed eval set's outcomes), its last promoted version
+is compared with its first paired by prompt (``fixed_eval`` per run), and
+``fixed_eval_pooled`` pools every run's pairs (a run with no promotion as its first version
+against itself: no change): the mean paired difference, exact McNemar on
+the pooled discordant pairs, and a paired bootstrap over prompts stratified by run
+(:func:`flywheel.report.paired_comparison`).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from deploy.stats import newcombe_interval
-from flywheel.report import stratified_cluster_bootstrap  # the one bootstrap (re-exported)
+from flywheel.report import paired_comparison, stratified_cluster_bootstrap  # the one bootstrap (re-exported)
 
 KINDS = ("train", "fresh", "harder", "unseen", "all")
 
@@ -62,7 +69,18 @@ def load_run(path: Path) -> dict:
         for f in ("votes_up", "votes_down"):
             if not isinstance(v[f], int) or isinstance(v[f], bool) or v[f] < 0:
                 raise ValueError(f"{vp}: line {i}: {f}: must be an integer >= 0, got {v[f]!r}")
-    return {"dir": str(path), "report": report, "votes": votes}
+    fixed = []
+    fp = path / "fixed_eval.jsonl"
+    if fp.is_file():  # runs before the fixed eval set have none
+        try:
+            fixed = [json.loads(line) for line in fp.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{fp}: not JSON lines: {exc}") from exc
+        for i, r in enumerate(fixed, 1):
+            missing = {"version", "key", "passed"} - set(r) if isinstance(r, dict) else {"an object"}
+            if missing:
+                raise ValueError(f"{fp}: line {i}: missing {sorted(missing)}")
+    return {"dir": str(path), "report": report, "votes": votes, "fixed": fixed}
 
 
 def _kind_of(v: dict) -> str:
@@ -140,14 +158,23 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
     version by kind (module docstring). A run with no promotion is reported and left out of
     the pool (its gain is undefined). Returns a JSON-ready dict."""
     per_run, strata = [], {k: [] for k in KINDS}
-    for run in runs:
+    fixed_rows: list[dict] = []
+    for i, run in enumerate(runs):
         rep = run["report"]
         first = rep["versions"][0]["version"]
         promoted = [r["version"] for r in rep["versions"] if r.get("decision") == "PROMOTE"]
         entry = {"dir": run["dir"], "first": first, "last": promoted[-1] if promoted else None,
                  "wall_s": rep.get("wall_s"), "events_accepted": rep.get("events_accepted"),
                  "events_lost": rep.get("events_lost"), "promotions": promotion_checks(run), "by_kind": {}}
+        # the fixed eval set, paired within the run: the last promoted version against the first; a
+        # run that promoted nothing counts as no change (its first against itself: every pair equal),
+        # so a loop that fails to promote counts against a claim (docs/experiments.md, experiment 4)
+        last = promoted[-1] if promoted else first
+        mine = [r for r in run.get("fixed") or [] if r["version"] == first]
+        mine += [dict(r, version="last") for r in run.get("fixed") or [] if r["version"] == last]
+        fixed_rows += [dict(r, run=i, version="first" if r["version"] == first else "last") for r in mine]
         if promoted:
+            entry["fixed_eval"] = paired_comparison(run.get("fixed") or [], first, last, seed=seed)
             for k in KINDS:
                 s = _clusters(run["votes"], k, first, promoted[-1])
                 strata[k].append(s)
@@ -158,6 +185,7 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
              if p["shown_worse"] or p["guards_shown_worse"]]
     fresh = [r["by_kind"].get("fresh") for r in per_run]
     return {"runs": per_run, "pooled": pooled, "worse_promotions": worse,
+            "fixed_eval_pooled": paired_comparison(fixed_rows, "first", "last", seed=seed, strata_key="run"),
             "every_run_positive_on_fresh": all(f is not None and f["diff"] > 0 for f in fresh) and bool(fresh),
             "pooled_fresh_cluster_excludes_0": bool(pooled["fresh"] and pooled["fresh"]["cluster_ci95"]
                                                     and pooled["fresh"]["cluster_ci95"][0] > 0)}

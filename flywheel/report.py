@@ -8,6 +8,12 @@ reply the mean length and the shares with no answer and cut at ``max_tokens``, e
 95 % interval. ``eval_gain`` compares the first version with the last promoted one on each
 kind, with Newcombe's interval (votes independent) and a cluster bootstrap over prompts
 (votes on the same prompt are correlated: :func:`cluster_bootstrap_gain`).
+
+``signals`` gives every signal's rate (thumb, copy, edit and its kept share, regenerate,
+follow-up) per served reply by version and kind (:func:`signal_figures`). ``fixed_eval``
+scores every version on one fixed held-out prompt set and compares the last promoted version
+with the first paired by prompt: exact McNemar and a paired bootstrap
+(:func:`paired_comparison`).
 """
 
 from __future__ import annotations
@@ -181,6 +187,190 @@ def stratified_cluster_bootstrap(strata: list, n_boot: int = 4000, seed: int = 0
             "method": "cluster bootstrap over prompts, stratified by run, 95 % percentile"}
 
 
+def mcnemar_exact(only_first: int, only_last: int) -> float:
+    """Two-sided exact McNemar p-value (McNemar 1947; the exact binomial form, Fagerland,
+    Lydersen and Laake 2013): under "no difference" each discordant pair is equally likely
+    to favour either version, so ``min(b, c) ~ Binomial(b + c, 1/2)``;
+    ``p = min(1, 2 * P[X <= min(b, c)])``. 1.0 when there is no discordant pair.
+
+    Args:
+        only_first: prompts right under the first version only (b, count >= 0).
+        only_last: prompts right under the last version only (c, count >= 0).
+
+    Raises:
+        ValueError: a negative count.
+    """
+    b, c = int(only_first), int(only_last)
+    if b < 0 or c < 0:
+        raise ValueError(f"only_first/only_last: counts >= 0, got {b}, {c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_bootstrap(strata: list, n_boot: int = 4000, seed: int = 0) -> list[float] | None:
+    """95 % percentile interval of the mean paired difference (last minus first, per prompt)
+    from a bootstrap that resamples prompts with replacement within each stratum (run) and
+    pools the strata (each prompt weighs the same). Deterministic for a ``seed``.
+
+    Args:
+        strata: per run, a sequence of per-prompt differences in {-1, 0, 1} (or any floats).
+
+    Returns ``[lo, hi]``, or None when there is no prompt.
+    """
+    import numpy as np
+
+    strata = [np.asarray(s, dtype=float) for s in strata if len(s)]
+    if not strata:
+        return None
+    rng = np.random.default_rng(seed)
+    total = np.zeros(n_boot)
+    n = 0
+    for s in strata:
+        total += s[rng.integers(0, len(s), (n_boot, len(s)))].sum(axis=1)
+        n += len(s)
+    lo, hi = np.percentile(total / n, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def paired_comparison(rows: list[dict], first: str, last: str, seed: int = 0, n_boot: int = 4000,
+                      strata_key: str | None = None) -> dict | None:
+    """``last`` against ``first`` on the fixed eval set, paired by prompt: each prompt was asked
+    of both versions with the same sampling seed, so the per-prompt outcomes are pairs.
+
+    Args:
+        rows: ``{"version", "key", "kind", "passed"}`` per (version, prompt) (``fixed_eval``
+            rows), and ``strata_key``'s field when given (the run, to pool several runs).
+        first, last: the versions compared. seed, n_boot: the bootstrap's.
+
+    Returns ``{"from", "to", "prompts", "rate_from", "rate_to", "diff", "both", "only_from",
+    "only_to", "neither", "mcnemar_p", "ci95", "by_kind": {kind: same fields}, "method"}``
+    (``diff`` = rate_to - rate_from; ``ci95`` the paired bootstrap's, stratified by
+    ``strata_key``), or None when no prompt was scored under both versions.
+    """
+    pairs: dict[tuple, list] = {}
+    for r in rows:
+        if r["version"] not in (first, last):
+            continue
+        k = (r.get(strata_key) if strata_key else None, r["key"])
+        p = pairs.setdefault(k, [None, None, r.get("kind") or "fresh"])
+        p[0 if r["version"] == first else 1] = bool(r["passed"])
+    both_scored = {k: v for k, v in pairs.items() if v[0] is not None and v[1] is not None}
+    if not both_scored:
+        return None
+
+    def figures(items: dict) -> dict:
+        a = [v[0] for v in items.values()]
+        b = [v[1] for v in items.values()]
+        n = len(a)
+        cells = {"both": sum(x and y for x, y in zip(a, b)), "only_from": sum(x and not y for x, y in zip(a, b)),
+                 "only_to": sum(y and not x for x, y in zip(a, b)), "neither": sum(not x and not y for x, y in zip(a, b))}
+        strata: dict = {}
+        for (st, _), v in items.items():
+            strata.setdefault(st, []).append(int(v[1]) - int(v[0]))
+        return {"prompts": n, "rate_from": sum(a) / n, "rate_to": sum(b) / n, "diff": (sum(b) - sum(a)) / n,
+                **cells, "mcnemar_p": mcnemar_exact(cells["only_from"], cells["only_to"]),
+                "ci95": paired_bootstrap(list(strata.values()), n_boot, seed)}
+
+    out = {"from": first, "to": last, **figures(both_scored), "by_kind": {}}
+    for kind in sorted({v[2] for v in both_scored.values()}):
+        out["by_kind"][kind] = figures({k: v for k, v in both_scored.items() if v[2] == kind})
+    out["method"] = ("paired by prompt (same prompts and sampling seeds): exact McNemar, two-sided; "
+                     "paired bootstrap over prompts" + (", stratified by run" if strata_key else "") + ", 95 % percentile")
+    return out
+
+
+def fixed_figures(rows: list[dict]) -> dict[str, dict]:
+    """Per version, the fixed eval set's pass rate overall and by kind and family, each a
+    :func:`_rate` dict (``votes_up`` = right replies of ``votes`` = prompts scored)."""
+    acc: dict = {}
+    for r in rows:
+        v = acc.setdefault(r["version"], {"all": [0, 0], "by_kind": {}, "by_family": {}})
+        for a in (v["all"], v["by_kind"].setdefault(r.get("kind") or "fresh", [0, 0]),
+                  v["by_family"].setdefault(r.get("family") or "other", [0, 0])):
+            a[0] += bool(r["passed"])
+            a[1] += 1
+    return {v: {"all": _rate(*x["all"]), "by_kind": {k: _rate(*y) for k, y in sorted(x["by_kind"].items())},
+                "by_family": {k: _rate(*y) for k, y in sorted(x["by_family"].items())}} for v, x in acc.items()}
+
+
+SIGNAL_COLUMNS = ("thumb", "copied", "regenerated", "kept_share", "followup", "reward")  # the join's, when present
+
+
+def signal_figures(completions: dict[str, dict], joined: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Every signal's rate by version and kind of prompt, over served replies.
+
+    ``sent`` (the users' own record, ``completions[cid]["thumb"]`` and ``["action"]``): the
+    share of replies with a thumb and its up rate, and the share copied, edited (with the mean
+    kept share), regenerated, followed up dissatisfied / satisfied. ``joined`` (the samples'
+    columns, ``{cid: {"copied", "regenerated", "kept_share", "followup", ...}}``; None when the
+    shards carry none): the same shares as the join folded them. Each share is a :func:`_rate`
+    dict over the replies served.
+
+    Returns ``{version: {kind: {"replies", "sent": {...}, "joined": {...} | None}}}``.
+    """
+    acc: dict = {}
+    for cid, c in completions.items():
+        a = acc.setdefault(c.get("version"), {}).setdefault(c.get("kind") or "train", {"n": 0, "sent": {}, "joined": {}})
+        a["n"] += 1
+        s = a["sent"]
+        thumb, action = c.get("thumb"), c.get("action")
+        kind, value = action if action else (None, None)
+        for name, hit in (("thumb", thumb is not None), ("thumb_up", thumb == 1), ("copy", kind == "copy"),
+                          ("edit", kind == "edit"), ("regenerate", kind == "regenerate"),
+                          ("followup_dissatisfied", kind == "followup" and value < 0),
+                          ("followup_satisfied", kind == "followup" and value > 0)):
+            s[name] = s.get(name, 0) + bool(hit)
+        if kind == "edit":
+            s["kept_sum"] = s.get("kept_sum", 0.0) + float(value)
+        j = (joined or {}).get(cid)
+        if j is not None:
+            d = a["joined"]
+            for name, hit in (("copy", (j.get("copied") or 0) > 0), ("edit", j.get("kept_share") is not None),
+                              ("regenerate", (j.get("regenerated") or 0) > 0),
+                              ("followup_dissatisfied", (j.get("followup") or 0) < 0),
+                              ("followup_satisfied", (j.get("followup") or 0) > 0)):
+                d[name] = d.get(name, 0) + bool(hit)
+            if j.get("kept_share") is not None:
+                d["kept_sum"] = d.get("kept_sum", 0.0) + float(j["kept_share"])
+
+    def shares(counts: dict, n: int) -> dict:
+        out = {k: _rate(counts.get(k, 0), n) for k in ("copy", "edit", "regenerate", "followup_dissatisfied",
+                                                        "followup_satisfied")}
+        out["mean_kept_share"] = counts["kept_sum"] / counts["edit"] if counts.get("edit") else None
+        return out
+
+    res: dict = {}
+    for v, kinds in acc.items():
+        for kind, a in sorted(kinds.items()):
+            sent = shares(a["sent"], a["n"])
+            sent["thumb"] = _rate(a["sent"].get("thumb", 0), a["n"])
+            sent["thumb_up"] = _rate(a["sent"].get("thumb_up", 0), a["sent"].get("thumb", 0))
+            res.setdefault(v, {})[kind] = {"replies": a["n"], "sent": sent,
+                                           "joined": shares(a["joined"], a["n"]) if joined is not None else None}
+    return res
+
+
+def signals_by_completion(samples_dir: Path) -> dict[str, dict] | None:
+    """``{completion_id: {column: value}}`` of the signal columns (:data:`SIGNAL_COLUMNS`) the
+    samples carry; None when they carry none of them (shards written before the join folded
+    implicit signals)."""
+    from ingest.catalog import query
+
+    if not list(Path(samples_dir).rglob("*.parquet")):
+        return None
+    have = {r["column_name"] for r in query("SELECT column_name FROM (DESCRIBE samples)", samples_dir)}
+    cols = [c for c in SIGNAL_COLUMNS if c in have and c != "thumb"]
+    if not any(c in have for c in ("copied", "regenerated", "kept_share", "followup")):
+        return None
+    rows = query("SELECT CAST(completion_id AS VARCHAR) AS completion_id, " + ", ".join(cols) + " FROM samples",
+                 samples_dir)
+    return {r["completion_id"]: {c: r[c] for c in cols} for r in rows}
+
+
 def eval_gain(figures: dict[str, dict], first: str, last: str) -> dict | None:
     """Thumbs-up on eval prompts, ``last`` minus ``first``, with Newcombe's 95 % interval
     (method 10) over independent votes: ``{"from", "to", "diff", "ci95", "n_from", "n_to",
@@ -256,6 +446,17 @@ def write_votes(rows: list[dict], completions: dict[str, dict], path: Path) -> i
     return n
 
 
+def write_fixed(rows: list[dict], path: Path) -> int:
+    """Write the fixed eval set's rows (one JSON line per version and prompt: ``version``,
+    ``key``, ``family``, ``kind``, ``passed``, ``has_answer``, ``finish_reason``, ``tokens``),
+    what ``flywheel demo-pool`` pools by run. Returns the number of lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return len(rows)
+
+
 def _clip(text: str, n: int) -> str:
     """``text`` cut to ``n`` characters with a trailing ellipsis when cut (report.json keeps it whole)."""
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -300,6 +501,75 @@ def _print_kinds(report: dict, console) -> None:
                       f"{x['up_to']}/{x['n_to']}, diff {x['diff']:+.3f}, Newcombe [{x['ci95'][0]:+.3f}, "
                       f"{x['ci95'][1]:+.3f}]" + (f", cluster bootstrap over {x['prompts']} prompts "
                                                   f"[{cl[0]:+.3f}, {cl[1]:+.3f}]" if cl else ""))
+
+
+def _fmt_paired(x: dict | None) -> str:
+    if not x:
+        return "-"
+    ci = x.get("ci95")
+    return (f"{x['diff']:+.3f} ({x['only_to']} vs {x['only_from']} discordant of {x['prompts']}) "
+            + (f"[{ci[0]:+.3f},{ci[1]:+.3f}]" if ci else "") + f" McNemar p={x['mcnemar_p']:.3g}")
+
+
+def _print_fixed(report: dict, console) -> None:
+    """The fixed eval set: per version its pass rate by kind beside the live thumbs-up rate,
+    then the paired comparison (last promoted against the first)."""
+    from rich.table import Table
+
+    fx = report.get("fixed_eval") or {}
+    by_v = fx.get("by_version") or {}
+    if not by_v:
+        return
+    kinds = sorted({k for x in by_v.values() for k in (x.get("by_kind") or {})})
+    t = Table(title=f"Fixed eval set ({fx.get('prompts', 0)} prompts, the same prompts and sampling seeds for every "
+                    "version, never trained on or asked by the users) beside the live votes")
+    for col in ("version", "fixed: all", *(f"fixed: {k}" for k in kinds), "live thumbs-up", "live fresh"):
+        t.add_column(col, overflow="fold")
+    for v in report["versions"]:
+        f = by_v.get(v["version"])
+        if not f:
+            continue
+        n = v["votes_up"] + v["votes_down"]
+        live = {"votes_up": v["votes_up"], "votes": n, "rate": v["thumbs_up_rate"], "ci95": v["ci95"]}
+        t.add_row(v["version"], _fmt_rate(f["all"]), *(_fmt_rate((f.get("by_kind") or {}).get(k)) for k in kinds),
+                  _fmt_rate(live), _fmt_rate((v.get("kinds") or {}).get("fresh")))
+    console.print(t)
+    c = fx.get("comparison")
+    if c:
+        console.print(f"fixed eval {c['from']} -> {c['to']} (paired): {c['rate_from']:.3f} -> {c['rate_to']:.3f}, "
+                      f"diff {_fmt_paired(c)}")
+        for kind, x in (c.get("by_kind") or {}).items():
+            console.print(f"  {kind}: {x['rate_from']:.3f} -> {x['rate_to']:.3f}, diff {_fmt_paired(x)}")
+    else:
+        console.print("fixed eval comparison: no version after the first was promoted (usual for --quick)")
+
+
+def _print_signals(report: dict, console) -> None:
+    """Every signal's rate by version and kind of prompt (as the join folded it when the samples
+    carry the signal columns, else as the users sent it)."""
+    from rich.table import Table
+
+    sig = report.get("signals") or {}
+    if not sig:
+        return
+    joined = any(k.get("joined") for kinds in sig.values() for k in kinds.values())
+    t = Table(title="Signals per served reply by version and kind of prompt "
+                    + ("(as joined into samples; thumbs as sent)" if joined else "(as the users sent them)"))
+    for col in ("version", "kind", "replies", "thumb / up", "copy", "edit (kept)", "regenerate", "followup -/+"):
+        t.add_column(col, overflow="fold")
+
+    def pct(x: dict | None) -> str:
+        return "-" if not x or not x.get("votes") else f"{x['rate']:.2f}"
+
+    for v in sorted(sig):
+        for kind, x in sig[v].items():
+            s = x["sent"]
+            d = x["joined"] if joined and x.get("joined") else s
+            kept = d.get("mean_kept_share")
+            t.add_row(v, kind, str(x["replies"]), f"{pct(s['thumb'])} / {pct(s['thumb_up'])}", pct(d["copy"]),
+                      pct(d["edit"]) + (f" ({kept:.2f})" if kept is not None else ""), pct(d["regenerate"]),
+                      f"{pct(d['followup_dissatisfied'])} / {pct(d['followup_satisfied'])}")
+    console.print(t)
 
 
 def print_report(report: dict, console=None) -> None:
@@ -356,6 +626,8 @@ def print_report(report: dict, console=None) -> None:
         else:
             console.print("eval gain: not measured: no version after the first was promoted with eval votes "
                           "to compare (usual for --quick: one short cycle; the full run measures it)")
+    _print_signals(report, console)
+    _print_fixed(report, console)
     console.print(f"feedback events accepted {report['events_accepted']}, in samples "
                   f"{report['events_in_samples']}, dead-lettered {report['events_dead_lettered']}, "
                   f"[bold]lost {report['events_lost']}[/bold]; double-counted "

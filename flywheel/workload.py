@@ -142,6 +142,8 @@ class Workload:
         weights: ``{family: relative weight}`` of the draw (a family not named weighs 1;
             default: uniform). HumanEval replies are several times longer than a
             reasoning-gym number, so a demo on 2 cores asks it less often.
+        reserved: prompt keys never asked (the fixed eval set's, :func:`fixed_eval_set`): a
+            drawn task with one of these keys is replaced by the family's next instance.
 
     Raises:
         ValueError: an unknown family (named), a held-out family not asked, an
@@ -155,6 +157,7 @@ class Workload:
     humaneval_problems: tuple[int, ...] = tuple(range(40))
     seed: int = 0
     weights: dict[str, float] | None = None
+    reserved: frozenset[str] = frozenset()
     _gens: dict = field(default_factory=dict, init=False, repr=False)
     _count: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -216,10 +219,15 @@ class Workload:
                 family = rng.choices(self.families, weights=[self.weights.get(f, 1.0) for f in self.families])[0]
             else:
                 family = rng.choice(self.families)
-        if family == "humaneval":
-            messages, verifier, key = self._humaneval_task(rng)
+        for _ in range(10_000):  # a reserved prompt is never asked: the family's next one is
+            if family == "humaneval":
+                messages, verifier, key = self._humaneval_task(rng)
+            else:
+                messages, verifier, key = self._gym_task(family)
+            if key not in self.reserved:
+                break
         else:
-            messages, verifier, key = self._gym_task(family)
+            raise ValueError(f"reserved: every prompt of {family!r} drawn is reserved for the fixed eval set")
         if family in self.held_out:
             split, kind = "eval", "unseen"
         elif family in GYM_VARIANTS:
@@ -228,6 +236,69 @@ class Workload:
             split = choose_split(_text_ids(key), self.eval_share)
             kind = "fresh" if split == "eval" else "train"
         return Task(family=family, messages=messages, split=split, verifier=verifier, key=key, kind=kind)
+
+
+FIXED_HUMANEVAL = tuple(range(120, 164))  # HumanEval's eval split (flywheel learn --gate-problems 120-163)
+
+
+def fixed_eval_set(families: tuple[str, ...], per_family: int, humaneval: int, seed: int) -> list[Task]:
+    """The fixed held-out prompt set every version is scored on (the same prompts, in the
+    same order, for every version; never trained on, never asked by the users: the demo
+    passes their keys to :class:`Workload` as ``reserved``).
+
+    Per reasoning-gym family asked (variants included), ``per_family`` distinct instances from
+    the family's generator under a seed of its own (``sha256("fixed:{seed}:{family}")``, a
+    stream the workload never uses); ``humaneval`` problems from :data:`FIXED_HUMANEVAL`
+    (disjoint from the first 40 the users ask) when ``humaneval`` is asked. Every task is
+    ``split="eval"``; its ``kind`` is what the family is to the learner in the run
+    (``unseen`` for the held-out family, ``harder`` for a variant, else ``fresh``), which the
+    caller sets with :func:`fixed_kind`.
+
+    Raises:
+        ValueError: a family the workload does not know (named), ``per_family`` or
+            ``humaneval`` below 0 or ``humaneval`` above ``len(FIXED_HUMANEVAL)``.
+    """
+    import reasoning_gym
+
+    if per_family < 0 or not 0 <= humaneval <= len(FIXED_HUMANEVAL):
+        raise ValueError(f"per_family/humaneval: >= 0 and humaneval <= {len(FIXED_HUMANEVAL)}, got "
+                         f"{per_family}, {humaneval}")
+    tasks: list[Task] = []
+    for family in families:
+        if family == "humaneval":
+            if humaneval:
+                from flywheel.users import build_messages, load_problems
+
+                allp = load_problems()
+                for i in FIXED_HUMANEVAL[:humaneval]:
+                    p = allp[i]
+                    tasks.append(Task("humaneval", build_messages(p), "eval", HumanEvalVerifier(p), p["task_id"],
+                                      "fresh"))
+            continue
+        if family not in GYM_FAMILIES and family not in GYM_VARIANTS:
+            raise ValueError(f"families: unknown family {family!r}")
+        base, settings = GYM_VARIANTS.get(family, (family, GYM_FAMILIES.get(family)))
+        fseed = int.from_bytes(hashlib.sha256(f"fixed:{seed}:{family}".encode()).digest()[:4], "big")
+        ds = reasoning_gym.create_dataset(base, size=max(4 * per_family, 64), seed=fseed, **settings)
+        seen: set[str] = set()
+        for entry in ds:
+            if len(seen) >= per_family:
+                break
+            q = f"{entry['question'].strip()} {ANSWER_SUFFIX}"
+            if q in seen:
+                continue
+            seen.add(q)
+            tasks.append(Task(family, [{"role": "user", "content": q}], "eval", GymVerifier(ds, entry), q, "fresh"))
+    return tasks
+
+
+def fixed_kind(family: str, held_out: tuple[str, ...]) -> str:
+    """The kind (:data:`KINDS`) of a fixed-set prompt of ``family`` in a run holding out ``held_out``."""
+    if family in held_out:
+        return "unseen"
+    if family in GYM_VARIANTS:
+        return "harder"
+    return "fresh"
 
 
 class WorkloadReplyJudge:

@@ -47,7 +47,8 @@ def test_the_full_run_is_the_models_defaults(parsed):
 
 @pytest.mark.parametrize("args, flag", [(("--held-out", "nope"), "--held-out"), (("--cycles", "0"), "--cycles"),
                                         (("--families", "nope"), "--families"),
-                                        (("--eval-share", "2"), "--eval-share")])
+                                        (("--eval-share", "2"), "--eval-share"),
+                                        (("--signals", "votes"), "--signals")])
 def test_a_refused_value_is_a_usage_error_naming_its_flag(parsed, args, flag):
     r, cfg = parsed(*args)
     assert r.exit_code == 2 and flag in r.output and cfg is None, r.output
@@ -90,3 +91,11 @@ def test_the_flags_the_demo_passes_parse_to_its_values_in_the_real_command(role)
     for name, value in values.items():
         got = ctx.params[name]
         assert got == value or str(got) == str(value), (name, got, value)
+
+
+def test_signals_flag_reaches_the_config(parsed):
+    r, cfg = parsed("--quick", "--signals", "implicit")
+    assert r.exit_code == 0, r.output
+    assert cfg.signals == "implicit" and (cfg.fixed_per_family, cfg.fixed_humaneval) == (4, 2)
+    r, cfg = parsed()
+    assert cfg.signals == "thumbs" and (cfg.fixed_per_family, cfg.fixed_humaneval) == (24, 8)

@@ -195,3 +195,27 @@ def test_load_run_names_the_file_and_the_field(tmp_path, report, votes, msg):
     (tmp_path / "votes.jsonl").write_text(votes)
     with pytest.raises(ValueError, match=msg):
         load_run(tmp_path)
+
+
+def test_fixed_eval_pools_pairs_by_run_and_counts_a_run_without_promotion_as_no_change():
+    """Run a: v2 promoted, pairs (0,1), (0,1), (1,1); run b: nothing promoted, so its 2 prompts
+    count as first against first (no discordant pair). Pooled: 5 prompts, 2 discordant for the
+    last, diff 2/5; by hand McNemar p = 2 * P[Bin(2, 1/2) <= 0] = 0.5."""
+    from flywheel.pool import pool_runs
+
+    def rows(v0, v1, pairs):
+        out = []
+        for i, (a, b) in enumerate(pairs):
+            out += [{"version": v0, "key": f"k{i}", "kind": "fresh", "passed": bool(a)},
+                    {"version": v1, "key": f"k{i}", "kind": "fresh", "passed": bool(b)}]
+        return out
+
+    runs = [{"dir": "a", "report": {"versions": [{"version": "v0"}, {"version": "v2", "decision": "PROMOTE"}]},
+             "votes": [], "fixed": rows("v0", "v2", [(0, 1), (0, 1), (1, 1)])},
+            {"dir": "b", "report": {"versions": [{"version": "v0"}, {"version": "v1", "decision": "ROLLBACK"}]},
+             "votes": [], "fixed": rows("v0", "v1", [(0, 1), (1, 0)])}]
+    p = pool_runs(runs)
+    f = p["fixed_eval_pooled"]
+    assert (f["prompts"], f["only_to"], f["only_from"]) == (5, 2, 0)
+    assert abs(f["diff"] - 0.4) < 1e-12 and f["mcnemar_p"] == 0.5
+    assert abs(p["runs"][0]["fixed_eval"]["diff"] - 2 / 3) < 1e-12 and "fixed_eval" not in p["runs"][1]

@@ -136,3 +136,23 @@ def test_three_kinds_of_never_trained_prompts():
     assert GYM_VARIANTS["chain_sum_3terms"][0] == "chain_sum"
     with pytest.raises(ValueError, match="harder variant"):
         Workload(families=("chain_sum_3terms",))
+
+
+def test_fixed_eval_set_is_fixed_and_never_asked_by_the_users():
+    """The same prompts for a seed; HumanEval from the eval split (120..); the users' workload
+    never draws a reserved key, and redraws the family's next instance instead."""
+    from flywheel.workload import FIXED_HUMANEVAL, fixed_eval_set, fixed_kind
+
+    fams = ("basic_arithmetic", "chain_sum", "humaneval", "chain_sum_3terms", "gcd")
+    a, b = fixed_eval_set(fams, 6, 2, seed=4), fixed_eval_set(fams, 6, 2, seed=4)
+    assert [t.key for t in a] == [t.key for t in b] and len(a) == 4 * 6 + 2
+    assert len({t.key for t in a}) == len(a) and all(t.split == "eval" for t in a)
+    assert [t.key for t in a if t.family == "humaneval"] == [f"HumanEval/{i}" for i in FIXED_HUMANEVAL[:2]]
+    assert [fixed_kind(f, ("gcd",)) for f in ("gcd", "chain_sum_3terms", "chain_sum")] == ["unseen", "harder", "fresh"]
+    reserved = frozenset(t.key for t in a)
+    w = Workload(families=("basic_arithmetic", "chain_sum"), seed=4, reserved=reserved)
+    rng = random.Random(0)
+    drawn = [w.next_task(rng).key for _ in range(600)]
+    assert not reserved & set(drawn)
+    free = Workload(families=("basic_arithmetic", "chain_sum"), seed=4)
+    assert reserved & {free.next_task(random.Random(0)).key for _ in range(600)}  # the reservation mattered
