@@ -33,7 +33,7 @@ from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.controller import (DEFAULT_STEPS, ControllerConfig, RolloutController, RolloutPhase, RolloutStatus,
                                current_status, format_steps)
-from deploy.desired import DesiredState, FleetRecord, LockTimeout
+from deploy.desired import DesiredState, FleetRecord, LockTimeout, RecordUnreadable
 from deploy.discovery import PodDiscovery
 from deploy.operator import ActionResult, run_action
 from deploy.runbook import RUNBOOK
@@ -225,7 +225,8 @@ def _serving_opt():
 
 def _wait_opt():
     return typer.Option(60.0, "--timeout", min=0.0, help="how long to wait for every pod to converge, retrying "
-                        "the ones that did not (s); the command exits 1 if they have not by then")
+                        "the ones that did not (s); the command returns by then whatever a pod does (hung, "
+                        "stopped, unreachable), with each pod's line, and exits 1 if they have not converged")
 
 
 def _yes_opt():
@@ -288,7 +289,8 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "") -> None:
                       f"{res.desired.generation})")
         return
     console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {k} of {n} pods "
-                  f"serve it after {res.elapsed_s:.1f} s. The controller keeps retrying the others at each poll "
+                  f"serve it after {res.elapsed_s:.1f} s. The controller keeps retrying the others at each poll; with no "
+                  "controller running nothing does: re-run this command or `flywheel controller --once` "
                   "(`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
                   (f" {hint[0].upper()}{hint[1:]}." if hint else ""))
     raise typer.Exit(1)
@@ -301,6 +303,8 @@ def _controller_once(ctl: RolloutController) -> None:
         st = ctl.run_once()
     except (ServingAdminError, LockTimeout) as exc:
         _fail(str(exc))
+    except RecordUnreadable as exc:
+        _fail(f"desired-state record {ctl.record_path()} unreadable ({exc}): no pod was changed ({RECORD_REPAIR})")
     console.print(f"phase={st.phase.value} candidate={st.candidate} step={st.step} "
                   f"weight={st.weight} last={st.last_outcome}: {st.last_reason}")
     bad = [o for o in ctl.last_outcomes if not o.ok]
@@ -400,21 +404,9 @@ def canary_abort(serving: Optional[list[str]] = _serving_opt(),
     _confirm(f"abort the canary of {cand} at {d.weight:.0%} on every pod (stable {d.stable} takes all traffic)",
              yes)
     why = _because(f"canary of {cand} aborted by {who} at step {st.step} ({d.weight:.0%})", reason)
-
-    def change(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
-        if x.candidate != d.candidate:
-            raise ValueError(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
-                             f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
-        x.candidate, x.weight = None, 0.0
-        return x
-
-    def on_changed(before, after):
-        store.set_status(cand, "aborted", why)
-        _end_rollout(cand, RolloutPhase.ABORTED, "MANUAL_CANARY_ABORT", why)
-
-    res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_CANARY_ABORT",
-               f"canary abort of {cand}", cand, d.stable, who, reason, why,
-               row=lambda after: {"stable": after.stable, "step": st.step, "weight": 0.0})
+    res = _drop_candidate(store, fleet, d, cand, serving, serving_timeout_s, timeout, who, reason, why,
+                          decision="MANUAL_CANARY_ABORT", what=f"canary abort of {cand}", mark="aborted",
+                          outcome="MANUAL_CANARY_ABORT", step=st.step)
     _report(res, f"aborted the canary of {cand}; stable {d.stable} serves all traffic", d.stable)
 
 def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
@@ -668,7 +660,12 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
     d = _read_desired(fleet, "MANUAL_ROLLBACK", "manual rollback", who, reason)
     stable, cand = d.stable, d.candidate
     if to is None and cand is not None:
-        _drop_candidate(store, fleet, d, serving, serving_timeout_s, timeout, who, reason, yes)
+        _confirm(f"drop candidate {cand} on every pod (stable {stable} keeps all traffic)", yes)
+        why = _because(f"manual rollback of candidate by {who}", reason)
+        res = _drop_candidate(store, fleet, d, cand, serving, serving_timeout_s, timeout, who, reason, why,
+                              decision="MANUAL_ROLLBACK", what=f"manual rollback of candidate {cand}",
+                              mark="rolled_back", outcome="ROLLBACK")
+        _report(res, f"dropped candidate {cand}; stable is {stable}", stable)
         return
     if to is None:
         to = store.previous_stable(stable)
@@ -699,24 +696,29 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
     _report(res, f"stable is now {to}" + (" (reloaded from the store, verified)" if reload else ""), to)
 
 
-def _drop_candidate(store: ModelStore, fleet: FleetRecord, d: DesiredState, serving, serving_timeout_s: float,
-                    timeout: float, who: str, reason: str, yes: bool) -> None:
-    """`flywheel rollback` with a candidate in the desired state ``d``: drop it on every pod."""
-    stable, cand = d.stable, d.candidate
-    _confirm(f"drop candidate {cand} on every pod (stable {stable} keeps all traffic)", yes)
-    why = _because(f"manual rollback of candidate by {who}", reason)
-
-    def drop(x: DesiredState) -> DesiredState:
+def _drop_candidate(store: ModelStore, fleet: FleetRecord, d: DesiredState, cand: str, serving,
+                    serving_timeout_s: float, timeout: float, who: str, reason: str, why: str, *, decision: str,
+                    what: str, mark: str, outcome: str, step: int = -1) -> ActionResult:
+    """The one path that drops the fleet's candidate (`flywheel rollback` while a candidate is
+    in the desired state, `flywheel canary abort`): under the fleet lock, refused (nothing
+    changed, ``<decision>_FAILED``) when the record's candidate is no longer ``d.candidate``
+    (another operator or the controller changed it since ``d`` was read); else the candidate
+    and its weight leave the record, ``cand`` is marked ``mark`` in the store, the
+    controller's rollout of it ends with ``outcome``, and every pod converges to the record
+    as in :func:`_run`."""
+    def drop(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
+        if x.candidate != d.candidate:
+            raise ValueError(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
+                             f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
         x.candidate, x.weight = None, 0.0
         return x
 
     def dropped(before, after):
-        store.set_status(cand, "rolled_back", why)
-        _end_rollout(cand, RolloutPhase.ABORTED, "ROLLBACK", why)
+        store.set_status(cand, mark, why)
+        _end_rollout(cand, RolloutPhase.ABORTED, outcome, why)
 
-    res = _run(fleet, serving, serving_timeout_s, timeout, drop, dropped, "MANUAL_ROLLBACK",
-               f"manual rollback of candidate {cand}", cand, stable, who, reason, why)
-    _report(res, f"dropped candidate {cand}; stable is {stable}", stable)
+    return _run(fleet, serving, serving_timeout_s, timeout, drop, dropped, decision, what, cand, d.stable, who,
+                reason, why, row=lambda after: {"stable": after.stable, "step": step, "weight": 0.0})
 
 
 def register(app: typer.Typer) -> None:

@@ -43,7 +43,7 @@ from pydantic.dataclasses import dataclass as config_dataclass
 from deploy import ledger
 from deploy.analysis import AnalysisConfig, ArmStats
 from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, decide_step
-from deploy.desired import DesiredState, FleetRecord
+from deploy.desired import DESIRED_FILE, DesiredState, FleetRecord, RecordUnreadable
 from deploy.fleet import PodOutcome, reconcile_pods
 from deploy.fleet import summary as fleet_summary
 from deploy.history import user_history_covariate
@@ -835,6 +835,10 @@ class RolloutController:
         st.stable = st.candidate
         return st
 
+    def record_path(self) -> str:
+        """Where the fleet's desired-state record lives (for messages)."""
+        return f"{str(self.store.root).rstrip('/')}/{'/'.join(DESIRED_FILE)}"
+
     def run_once(self, max_steps: int = 100) -> RolloutStatus:
         """Reconcile until the rollout is terminal or idle, or a step holds (no progress)."""
         st = self.reconcile()
@@ -848,10 +852,26 @@ class RolloutController:
         """Reconcile every ``poll_s`` seconds until ``stop()`` returns True; any error
         (serving unreachable, ledger locked too long, ...) is logged and retried on the next
         poll. A failed step leaves the persisted phase as it was and is redone; each step
-        checks serving's slots first (re-load, skip pods already promoted), so it converges."""
+        checks serving's slots first (re-load, skip pods already promoted), so it converges.
+
+        An unreadable desired-state record (:class:`deploy.desired.RecordUnreadable`) is one
+        ERROR line naming the file and what to do, logged again only when the reason changes,
+        and one INFO line once it reads again; meanwhile no pod is called (they keep serving)."""
+        unreadable: str | None = None  # the reason last logged for an unreadable record
         while not (stop and stop()):
             try:
                 self.reconcile()
+                if unreadable is not None:
+                    log.info("desired-state record %s readable again: reconciling", self.record_path())
+                    unreadable = None
+            except RecordUnreadable as exc:
+                self.exported.reconcile_failed()
+                if str(exc) != unreadable:
+                    unreadable = str(exc)
+                    log.error("desired-state record %s unreadable (%s): no pod is changed and no canary step "
+                              "runs until it reads again; the pods keep serving what they serve. Repair it from "
+                              "a backup, or remove it (the record then restarts from the store's stable record, "
+                              "unpaused, with no candidate)", self.record_path(), exc)
             except ServingAdminError as exc:
                 self.exported.reconcile_failed()
                 log.warning("reconcile: %s", exc)

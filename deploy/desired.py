@@ -44,6 +44,12 @@ class ConflictError(RuntimeError):
     """Another writer changed the record between our read and our write (object stores)."""
 
 
+class RecordUnreadable(ValueError):
+    """``fleet/desired.json`` exists but cannot be read as a record (bad bytes, not JSON, an
+    unknown or inconsistent field); the message names the file and the field. A ValueError,
+    so callers that refuse on any bad record keep catching it."""
+
+
 class LockTimeout(TimeoutError):
     """The fleet lock was not acquired in time; ``holder`` says who holds it (dict or None)."""
 
@@ -114,21 +120,22 @@ class DesiredState:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "DesiredState":
-        """Parse the record. ValueError (naming the file and field) on bad bytes."""
+        """Parse the record. :class:`RecordUnreadable` (a ValueError naming the file and field)
+        on bad bytes."""
         try:
             d = json.loads(raw)
         except ValueError as exc:
-            raise ValueError(f"{'/'.join(DESIRED_FILE)}: not JSON: {exc}") from None
+            raise RecordUnreadable(f"{'/'.join(DESIRED_FILE)}: not JSON: {exc}") from None
         if not isinstance(d, dict):
-            raise ValueError(f"{'/'.join(DESIRED_FILE)}: expected an object, got {type(d).__name__}")
+            raise RecordUnreadable(f"{'/'.join(DESIRED_FILE)}: expected an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"{'/'.join(DESIRED_FILE)}: unknown field {unknown[0]!r}")
+            raise RecordUnreadable(f"{'/'.join(DESIRED_FILE)}: unknown field {unknown[0]!r}")
         try:
             return cls(**d).validate()
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{'/'.join(DESIRED_FILE)}: {exc}") from None
+            raise RecordUnreadable(f"{'/'.join(DESIRED_FILE)}: {exc}") from None
 
     def summary(self) -> str:
         """One line: ``generation 7: stable v000002, candidate v000003 at 25 %, learner paused``."""
@@ -163,7 +170,8 @@ class FleetRecord:
 
     def read(self) -> DesiredState:
         """The record; before its first write, generation 0 with the store's stable record's
-        version as stable. ValueError when the file is unreadable (names the file)."""
+        version as stable. :class:`RecordUnreadable` (a ValueError) when the file is unreadable
+        (names the file)."""
         try:
             raw = self.store._read(*DESIRED_FILE)
         except FileNotFoundError:

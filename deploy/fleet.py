@@ -6,16 +6,19 @@ holds the desired stable as its candidate, a hot swap; else ``rollback`` to it, 
 and verifies it from the store), a reload of the stable version from the store when the
 record asks for one (``reload_after_ms``), the candidate (drop, or ``load``), the weight. The
 pods are reconciled in parallel, each with its own bounded calls, so a wedged pod costs one
-timeout and never delays the others. Used by the controller at every poll and by the
-operator commands, through the same function.
+timeout and never delays the others; with a ``deadline`` a pass returns by it whatever a pod
+does (hung, SIGSTOPped, unreachable), reporting such a pod as ``timeout``. Used by the
+controller at every poll and by the operator commands, through the same function.
 
 Pure of files and locks: the callers hold the fleet lock (:meth:`FleetRecord.locked`).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from deploy.desired import DesiredState
 from deploy.serving_client import ServingAdmin, ServingAdminError
@@ -116,10 +119,12 @@ def _steps(slots, d: DesiredState) -> list[tuple[str, str, tuple]]:
     return out
 
 
-def reconcile_pod(admin: ServingAdmin, d: DesiredState, skip_if_failed: dict | None = None) -> PodOutcome:
+def reconcile_pod(admin: ServingAdmin, d: DesiredState, progress: PodOutcome | None = None) -> PodOutcome:
     """One pass on one pod: read its slots, apply :func:`_steps`, report. Never raises a
-    ServingAdminError: a failed call ends the pass with its kind as the outcome."""
-    o = PodOutcome(url=admin.base_url)
+    ServingAdminError: a failed call ends the pass with its kind as the outcome.
+    ``progress`` (optional) is filled in as the pass goes (pod name, actions done, the call in
+    flight), so a caller that stops waiting can say how far it got."""
+    o = progress if progress is not None else PodOutcome(url=admin.base_url)
     try:
         s = admin.slots()
         o.pod = s.pod
@@ -152,14 +157,46 @@ def _fill(o: PodOutcome, s) -> None:
     o.weight = s.candidate_weight
 
 
-def reconcile_pods(admins: list[ServingAdmin], d: DesiredState) -> list[PodOutcome]:
-    """One pass over every pod, in parallel; outcomes in the order of ``admins``."""
+def reconcile_pods(admins: list[ServingAdmin], d: DesiredState, deadline: float | None = None,
+                   budget: str = "") -> list[PodOutcome]:
+    """One pass over every pod, in parallel; outcomes in the order of ``admins``.
+
+    Args:
+        deadline: ``time.monotonic()`` value by which the pass returns whatever a pod does
+            (None: each pod's calls are bounded by its own client timeout only). A pod still
+            in a call then is reported with outcome ``timeout``, naming the call in flight and
+            ``budget`` (e.g. ``--timeout 8 s``); its call goes on in a daemon thread, which
+            never delays the caller or the exit of its process.
+        budget: how the deadline is named in a timed-out pod's error.
+    """
     if not admins:
         return []
-    if len(admins) == 1:
-        return [reconcile_pod(admins[0], d)]
-    with ThreadPoolExecutor(min(16, len(admins))) as ex:
-        return list(ex.map(lambda a: reconcile_pod(a, d), admins))
+    if deadline is None:
+        if len(admins) == 1:
+            return [reconcile_pod(admins[0], d)]
+        with ThreadPoolExecutor(min(16, len(admins))) as ex:
+            return list(ex.map(lambda a: reconcile_pod(a, d), admins))
+    progress = [PodOutcome(url=a.base_url) for a in admins]
+    results: list[PodOutcome | None] = [None] * len(admins)
+
+    def run(i: int) -> None:
+        results[i] = reconcile_pod(admins[i], d, progress[i])
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"reconcile {a.base_url}")
+               for i, a in enumerate(admins)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    out = []
+    for i, r in enumerate(results):
+        if r is None:  # still in a call at the deadline: hung, stopped, or slower than the budget
+            p = progress[i]
+            r = replace(p, actions=list(p.actions), outcome="timeout", failed_action=p.failed_action or "read slots",
+                        error=f"no answer by the deadline{' (' + budget + ')' if budget else ''}: the pod is hung, "
+                              "stopped or slower than that; its call goes on without this command")
+        out.append(r)
+    return out
 
 
 def observe_pods(admins: list[ServingAdmin], d: DesiredState | None) -> list[tuple[str, object, str | None, list[str]]]:

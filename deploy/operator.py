@@ -6,7 +6,9 @@ store's status/stable-record updates, a first reconcile pass of every pod
 (:func:`deploy.fleet.reconcile_pods`, the controller's own code path) and one ledger row
 carrying each pod's outcome. Pods that did not converge are retried, one pass at a time with
 the lock released in between, until they do or ``timeout_s`` passes (a pod that refused, 4xx,
-is not waited for); if the first pass did not
+is not waited for). Every pass is bounded by that deadline: the action returns by
+``timeout_s`` after it began whatever a pod does (hung, SIGSTOPped, unreachable), with each
+pod's outcome (``timeout`` for one still in a call). If the first pass did not
 converge a second ledger row (``FLEET_CONVERGED`` / ``FLEET_NOT_CONVERGED``) says how it ended.
 A later change of the record by someone else (a newer generation) ends the wait: the action
 was superseded, and the newer generation is what the pods are brought to.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deploy.desired import DesiredState, FleetRecord
+from deploy.desired import DesiredState, FleetRecord, LockTimeout
 from deploy.discovery import PodDiscovery
 from deploy.fleet import PodOutcome, reconcile_pods, summary
 from deploy.serving_client import ServingAdminError
@@ -95,26 +97,35 @@ def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who
         deploy.desired.LockTimeout: the lock was not free within ``lock_timeout_s``.
     """
     t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    budget = f"--timeout {timeout_s:g} s"
     with fleet.locked(what, who, timeout_s if lock_timeout_s is None else lock_timeout_s):
         before = fleet.read()
         new = fleet.change(change, who, what, why)
         on_changed(before, new)
         admins, derr = _discover(pods)
-        res = ActionResult(new, reconcile_pods(admins, new), discovery_error=derr)
+        res = ActionResult(new, reconcile_pods(admins, new, deadline, budget), discovery_error=derr)
         record("", {"generation": new.generation, "pods": summary(res.outcomes), "discovery_error": derr})
     first_ok = res.converged
-    deadline = t0 + timeout_s
     while not res.converged and time.monotonic() < deadline:
         if res.outcomes and all(o.ok or o.outcome == "refused" for o in res.outcomes):
             break  # a pod that answered "no" (a corrupt version) will not change its mind by waiting
-        time.sleep(poll_s)
-        with fleet.locked(what + " (retry)", who, max(0.1, deadline - time.monotonic())):
-            cur = fleet.read()
-            if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):
-                res.superseded_by = cur
-                break
-            admins, res.discovery_error = _discover(pods)
-            res.outcomes = reconcile_pods(admins, cur)
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            break
+        try:
+            with fleet.locked(what + " (retry)", who, max(0.05, deadline - time.monotonic())):
+                cur = fleet.read()
+                if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):
+                    res.superseded_by = cur
+                    break
+                admins, res.discovery_error = _discover(pods)
+                res.outcomes = reconcile_pods(admins, cur, deadline, budget)
+        except LockTimeout:
+            break  # the controller (or another operator) holds the record past our deadline: report what we have
+        except ValueError as exc:  # the record became unreadable while we waited
+            res.discovery_error = f"the desired-state record became unreadable while waiting: {exc}"
+            break
     res.elapsed_s = time.monotonic() - t0
     if not first_ok:
         record("converged" if res.converged else "not_converged",

@@ -50,8 +50,9 @@ RUNBOOK: list[tuple[str, str, str]] = [
     ("An operator command prints 'not converged: ... k of n pods serve it' and exits 1",
      "the lines above it name each pod and why (timeout, unreachable, HTTP 5xx, refused); the ledger rows "
      "MANUAL_* and FLEET_NOT_CONVERGED carry numbers.pods.by_pod; `flywheel status` shows each pod and its drift",
-     "nothing to redo: the desired state is set and the controller retries every pod at each poll; a pod "
-     "that stays unreachable: restart or replace it (it reads the desired state before it is ready)"),
+     "nothing to redo: the desired state is set and the controller retries every pod at each poll (no "
+     "controller running: re-run the same command, or `flywheel controller --once`); a pod that stays "
+     "unreachable or hung: restart or replace it (it reads the desired state before it is ready)"),
     ("A pod does not converge (drift in `flywheel status` that stays)",
      "`flywheel status -o wide` (the pod's slots and drift) and the controller's log/ledger RECONCILE rows: "
      "'refused' means the pod cannot load the version (corrupt files on its copy of the store), "

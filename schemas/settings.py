@@ -97,8 +97,13 @@ def catalog_path() -> Path:
 
 
 def ledger_path() -> Path:
-    """DuckDB ledger of deployment decisions."""
-    return home() / "ledger.duckdb"
+    """DuckDB ledger of deployment decisions: ``fleet/ledger.duckdb`` beside the fleet's
+    desired-state record when the model store is a directory (shared storage: every operator's
+    machine and the controller write one audit log); ``$FLYWHEEL_HOME/ledger.duckdb`` when the
+    store is an fsspec URL (DuckDB cannot write to an object store; the ``flywheel.deployments``
+    topic is the shared copy there)."""
+    store = store_dir()
+    return store / "fleet" / "ledger.duckdb" if isinstance(store, Path) else home() / "ledger.duckdb"
 
 
 def learner_state_dir() -> Path:

@@ -30,6 +30,7 @@ from deploy.desired import FleetRecord
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import CorruptVersionError, ModelStore
 from flywheel.broker import free_port
+from schemas import settings
 from schemas.admin import LoadRequest, RollbackRequest, SlotInfo, SlotsStatus, WeightRequest
 from schemas.arrow import samples_to_table
 from schemas.events import RewardedSample, SamplingParams
@@ -144,7 +145,7 @@ def env(tmp_path, tiny_moe_dir, fw_home, broker_env, monkeypatch):
     ns = type("Env", (), {})()
     ns.store, ns.url, ns.samples, ns.broker = store, url, tmp_path / "samples", broker_env
     ns.app = stop.app
-    ns.ledger, ns.status = fw_home / "ledger.duckdb", fw_home / "deploy" / "rollout.json"
+    ns.ledger, ns.status = settings.ledger_path(), fw_home / "deploy" / "rollout.json"  # the CLI's ledger too
     ns.admin = ServingAdmin(url, TOKEN)
     yield ns
     ns.admin.close()

@@ -30,6 +30,7 @@ from deploy.commands import register
 from deploy.serving_client import ServingAdmin
 from deploy.store import ModelStore
 from flywheel.broker import free_port
+from schemas import settings
 from serving.commands import build_pod, default_version
 from servers import ServerThread
 from tests.test_deploy_controller import publish_v
@@ -166,7 +167,7 @@ def test_every_sequence_of_operator_actions_survives_a_restart(pod_env, monkeypa
             assert served.weights_digest == e.digest[ref.stable] and served.digest_ok
         # restart: the version a pod starts on, read from a freshly opened store
         assert default_version(ModelStore(e.root)) == ref.stable, seq
-        rows = ledger.decisions(e.tmp / f"home{i}" / "ledger.duckdb")
+        rows = ledger.decisions(settings.ledger_path())  # this sequence's ledger
         assert len(rows) == len(seq) and all(r.actor == "oncall-carol" for r in rows), seq
     assert time.monotonic() - t0 < 600
 
@@ -184,7 +185,7 @@ def test_issue_sequence_with_a_real_flywheel_serve_restart(pod_env, tiny_moe_dir
     assert e.admin.slots().stable.version == "v000000"
     # v000001 was promoted once and never rolled back: the old rule would have picked it
     assert ModelStore(e.root).manifest("v000001").status_history[-1].status == "promoted"
-    last = ledger.decisions(e.tmp / "home0" / "ledger.duckdb")[-1]
+    last = ledger.decisions(settings.ledger_path())[-1]
     assert (last.decision, last.version, last.actor) == ("MANUAL_ROLLBACK", "v000000", "dave")
     assert "v2 answers worse" in last.reason and last.numbers["why"] == "v2 answers worse"
     e.srv.stop()  # the pod goes away ...

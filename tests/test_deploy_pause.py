@@ -20,6 +20,7 @@ from deploy import ledger
 from deploy.commands import register
 from deploy.desired import FleetRecord
 from deploy.store import ModelStore
+from schemas import settings
 from schemas.modelspec import load_model
 
 from test_learner_cycle import write_shard  # noqa: E402  (learner's test helpers: real samples)
@@ -82,6 +83,6 @@ def test_pause_is_recorded_and_the_learner_daemon_honours_it(tiny_moe_dir, tmp_p
         reader.join(10)
     out = "".join(lines)
     assert "learn: paused by operator" in out and "oncall-bob" in out and "learn: resumed" in out
-    rows = [(d.decision, d.actor) for d in ledger.decisions(fw_home / "ledger.duckdb")]
+    rows = [(d.decision, d.actor) for d in ledger.decisions(settings.ledger_path())]
     assert rows == [("PAUSE", "oncall-bob"), ("RESUME", "oncall-bob")]
     assert json.loads(run(app, ["status", "--json"]).output)["learner"]["paused"] is None

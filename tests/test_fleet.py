@@ -28,6 +28,7 @@ from deploy.commands import register
 from deploy.desired import DesiredState, FleetRecord
 from deploy.serving_client import ServingAdmin
 from deploy.store import CorruptVersionError, ModelStore
+from schemas import settings
 from serving.commands import build_pod
 from servers import ServerThread
 from tests.test_deploy_controller import publish_v
@@ -97,7 +98,7 @@ def fleet(tmp_path, tiny_moe_dir, fw_home, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", TOKEN)
     monkeypatch.setenv("USER", "oncall-fay")
     FleetRecord(store).change(_with(pods=[f.url(i) for i in range(3)]), "test", "pods")
-    f.store, f.ledger = store, fw_home / "ledger.duckdb"
+    f.store, f.ledger = store, settings.ledger_path()  # where every deploy command writes it
     app = typer.Typer()
     register(app)
 
@@ -158,10 +159,10 @@ def test_an_unreachable_pod_is_reported_retried_and_converges_when_back(fleet):
     f = fleet
     f.stop(2)
     t0 = time.monotonic()
-    r, out = f.cli("rollback", "--to", "v000001", "--yes", "--timeout", "1", "--serving-timeout-s", "2")
+    r, out = f.cli("rollback", "--to", "v000001", "--yes", "--timeout", "4", "--serving-timeout-s", "2")
     took = time.monotonic() - t0
     assert r.exit_code == 1 and "not converged" in out and "2 of 3 pods" in out, out
-    assert "stable is now" not in out and took < 10, took
+    assert "stable is now" not in out and took < 12, took
     rows = _rows(f, "MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED")
     assert [x.decision for x in rows] == ["MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED"]
     by_pod = rows[-1].numbers["pods"]["by_pod"]
@@ -224,7 +225,7 @@ def test_canary_start_and_abort_converge_every_pod_and_retry_one_that_comes_back
     assert f.serving() == [("v000000", "v000001", 0.25)] * 3
     # abort with pod 1 down for longer than --timeout: exit 1, the pod named, never "aborted ... on all"
     f.stop(1)
-    r, out = f.cli("canary", "abort", "--yes", "--timeout", "1", "--serving-timeout-s", "2")
+    r, out = f.cli("canary", "abort", "--yes", "--timeout", "4", "--serving-timeout-s", "2")
     assert r.exit_code == 1 and "not converged" in out and "2 of 3 pods" in out and "on all" not in out, out
     assert f"({f.url(1)}): NOT converged (unreachable" in out, out
     act, end = _rows(f, "MANUAL_CANARY_ABORT", "FLEET_NOT_CONVERGED")[-2:]
@@ -364,3 +365,175 @@ def test_an_unreadable_desired_state_is_an_error_every_command_names(fleet):
     assert "running (not paused)" not in out and all(f"127.0.0.1:{p}" in out for p in f.ports), out
     assert f.store._read("fleet", "desired.json")[5:6] == b"\x00"  # nothing written over it
     assert not [d for d in ledger.decisions(f.ledger) if d.decision in ("PAUSE", "RESUME")]
+
+
+def _serve_process(f, home: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
+    """A real `flywheel serve` process on the fleet's store (its own home, no Kafka: events journal)."""
+    from flywheel.broker import free_port
+
+    port = free_port()
+    log = home.parent / f"{name}.log"
+    env = {**os.environ, "FLYWHEEL_HOME": str(home), "FLYWHEEL_STORE": str(f.store.root), "PYTHONPATH": str(REPO),
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
+    p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(port), "--pod", name,
+                          "--max-batch", "2", "--threads", "1"], cwd=REPO, env=env, stdout=open(log, "ab"),
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            r = httpx.get(url + "/admin/slots", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+            if r.status_code == 200:
+                return p, url, log
+        except httpx.HTTPError:
+            pass  # not up yet
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"pod process did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
+def test_an_operator_command_returns_by_its_timeout_with_a_sigstopped_pod(fleet, tmp_path):
+    """A pod process stopped with SIGSTOP accepts connections and never answers. `flywheel
+    rollback --to ... --timeout 4` (each call's own bound left at its 120 s default) returns by
+    its --timeout with exit 1, a line for every pod (the stopped one NOT converged, timeout),
+    and the ledger rows; once the pod resumes, the controller brings it to the record."""
+    import signal
+
+    f = fleet
+    p, url, log = _serve_process(f, tmp_path / "pod-s-home", "pod-s")
+    try:
+        FleetRecord(f.store).change(_with(pods=[f.url(0), f.url(1), url]), "test", "pods")
+        os.killpg(p.pid, signal.SIGSTOP)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("FLYWHEEL_SERVING_TIMEOUT_S", None)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "flywheel.cli", "rollback", "--to", "v000001", "--yes",
+                            "--timeout", "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+        took = time.monotonic() - t0
+        out = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 1, out
+        assert took < 60, took  # the stopped pod's own call bound (120 s) was not waited for
+        assert f"({url}): NOT converged (timeout" in out and "no answer by the deadline (--timeout 4 s)" in out, out
+        for i in (0, 1):
+            assert f"ok pod-{i} ({f.url(i)}): converged: stable v000001" in out, out
+        assert "not converged" in out and "2 of 3 pods serve it" in out and "stable is now" not in out, out
+        rows = _rows(f, "MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED")[-2:]
+        assert [x.decision for x in rows] == ["MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED"]
+        assert rows[-1].numbers["pods"]["by_pod"][url]["outcome"] == "timeout"
+        os.killpg(p.pid, signal.SIGCONT)
+        r2, out2 = f.cli("controller", "--once", "--serving-timeout-s", "60")
+        assert r2.exit_code == 0, out2
+        a = ServingAdmin(url, TOKEN, timeout_s=10)
+        assert a.slots().stable.version == "v000001"
+        a.close()
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            p.kill()
+
+
+@pytest.mark.parametrize("cmd", [("rollback",), ("canary", "abort")])
+def test_dropping_a_candidate_that_changed_meanwhile_is_refused(fleet, monkeypatch, cmd):
+    """`rollback` (with a candidate) and `canary abort` share one 'drop the candidate' path: when
+    the record's candidate changed between the command's read and its change (here: while the
+    operator was confirming, the canary of v000001 ended and one of v000002 began), nothing is
+    dropped or marked, and the refusal is recorded."""
+    import deploy.commands as commands
+
+    f = fleet
+    publish_v(f.store, "v000001")  # v000002
+    rec = FleetRecord(f.store)
+    rec.change(_with(candidate="v000001", weight=0.25), "controller", "canary start")
+
+    def confirm_late(what, yes):  # the record moves on while the operator reads the prompt
+        rec.change(_with(candidate="v000002", weight=0.05), "controller", "canary start")
+    monkeypatch.setattr(commands, "_confirm", confirm_late)
+    statuses = {v: f.store.manifest(v).status_history[-1].status for v in ("v000001", "v000002")}
+    r, out = f.cli(*cmd, "--yes", "--timeout", "5")
+    assert r.exit_code == 1 and "the desired state changed meanwhile" in out and "candidate now v000002" in out, out
+    d = rec.read()
+    assert (d.candidate, d.weight) == ("v000002", 0.05)
+    assert {v: f.store.manifest(v).status_history[-1].status for v in statuses} == statuses
+    decision = "MANUAL_ROLLBACK" if cmd == ("rollback",) else "MANUAL_CANARY_ABORT"
+    assert _rows(f)[-1].decision == f"{decision}_FAILED"
+
+
+def test_a_controller_with_an_unreadable_record_logs_one_line_and_leaves_the_pods(fleet, tmp_path, caplog):
+    """fleet/desired.json damaged: the controller stays up and calls no pod; it logs one ERROR
+    naming the file (no traceback), not one per poll, and one INFO once the record reads again.
+    `controller --once` exits 1 naming the file."""
+    import logging
+
+    from deploy.controller import RolloutController
+
+    f = fleet
+    before = f.serving()
+    raw = f.store._read("fleet", "desired.json")
+    f.store._put_atomic(raw[:5] + b"\x00" + raw[6:], "fleet", "desired.json")
+    ctl = RolloutController(f.store, list(f.admins), tmp_path / "samples", f.ledger, tmp_path / "rollout.json",
+                            arm_metrics=False)
+    polls = {"n": 0, "serving": None}
+
+    def stop() -> bool:
+        polls["n"] += 1
+        if polls["n"] == 6:  # repaired after five polls
+            polls["serving"] = f.serving()
+            f.store._put_atomic(raw, "fleet", "desired.json")
+        return polls["n"] > 7
+    with caplog.at_level(logging.INFO, logger="deploy.controller"):
+        ctl.run_forever(0.0, stop=stop)
+    recs = [r for r in caplog.records if r.name == "deploy.controller"]
+    errors = [r for r in recs if r.levelno >= logging.WARNING]
+    path = f"{f.store.root}/fleet/desired.json"
+    assert len(errors) == 1 and errors[0].levelno == logging.ERROR and errors[0].exc_info is None, \
+        [r.getMessage() for r in errors]
+    assert path in errors[0].getMessage() and "not JSON" in errors[0].getMessage()
+    assert [r.getMessage() for r in recs if "readable again" in r.getMessage()] == \
+        [f"desired-state record {path} readable again: reconciling"]
+    assert polls["serving"] == before  # no pod changed while the record was unreadable
+    f.store._put_atomic(raw[:5] + b"\x00" + raw[6:], "fleet", "desired.json")
+    r, out = f.cli("controller", "--once")
+    assert r.exit_code == 1 and "fleet/desired.json: not JSON" in out, out
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+
+
+def _ledger_beside_the_record() -> bool:
+    """Whether ``schemas.settings.ledger_path()`` puts the ledger on the store's shared storage
+    (``fleet/ledger.duckdb`` beside the desired-state record) rather than in ``$FLYWHEEL_HOME``."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"FLYWHEEL_HOME": "/h", "FLYWHEEL_STORE": "/s"}):
+        return settings.ledger_path() == Path("/s/fleet/ledger.duckdb")
+
+
+@pytest.mark.skipif(not _ledger_beside_the_record(), reason="schemas.settings.ledger_path() still resolves to "
+                    "$FLYWHEEL_HOME (the fleet ledger beside the desired-state record is D78's settings change)")
+def test_a_rollback_from_a_second_machines_home_is_in_the_controllers_ledger_and_status(fleet, fw_home, tmp_path,
+                                                                                     monkeypatch):
+    """An operator on another machine (its own FLYWHEEL_HOME, the store shared through
+    FLYWHEEL_STORE) rolls back: the row is in the one ledger the controller writes and reads, so
+    `flywheel status` run from the controller's home shows it and the controller does not
+    redo or undo it."""
+    f = fleet
+    r, out = f.cli("controller", "--once", "--steps", "0.5,1", "--min-votes", "5")  # the controller's canary
+    assert r.exit_code == 0 and "phase=canary candidate=v000001" in out, out
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path / "laptop-home"))
+    r, out = f.cli("rollback", "--yes", "--actor", "remote-ann", "--reason", "from the laptop")
+    assert r.exit_code == 0 and "dropped candidate v000001" in out, out
+    assert not (tmp_path / "laptop-home" / "ledger.duckdb").exists()
+    monkeypatch.setenv("FLYWHEEL_HOME", str(fw_home))  # back on the controller's machine
+    row = [d for d in ledger.decisions(settings.ledger_path()) if d.decision == "MANUAL_ROLLBACK"][-1]
+    assert (row.version, row.actor, row.numbers["why"]) == ("v000001", "remote-ann", "from the laptop")
+    assert row.numbers["pods"]["converged"] == 3
+    r, out = f.cli("status", "--json")
+    j = json.loads(r.output)
+    assert any(d["decision"] == "MANUAL_ROLLBACK" and d["actor"] == "remote-ann" for d in j["decisions"]), j
+    assert j["rollout"]["phase"] == "aborted", j["rollout"]
+    r, out = f.cli("controller", "--once", "--steps", "0.5,1", "--min-votes", "5")
+    assert r.exit_code == 0 and "phase=aborted" in out, out  # not restarted, not resynced back
+    assert f.serving() == [("v000000", None, 0.0)] * 3

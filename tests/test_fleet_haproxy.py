@@ -44,6 +44,17 @@ def wait_for(cond, timeout_s: float, what: str, rig: FleetRig | None = None):
     raise AssertionError(f"timed out ({timeout_s} s) waiting for {what}\n{logs}")
 
 
+def rig_ledger(rig: FleetRig) -> Path:
+    """The ledger the rig's operator commands and controller write (``schemas.settings.ledger_path()``
+    under their environment)."""
+    from unittest import mock
+
+    from schemas import settings
+
+    with mock.patch.dict(os.environ, rig.env(rig.op_home), clear=True):
+        return settings.ledger_path()
+
+
 def samples_by_event(samples: Path) -> dict[str, int]:
     from ingest.catalog import read_samples
 
@@ -120,7 +131,7 @@ def test_rollback_through_the_service_reaches_every_pod_through_a_sigkill_and_a_
         assert rig.serving() == [("v000000", None, 0.0)] * 3
         d = FleetRecord(store).read()
         assert (d.stable, d.candidate) == ("v000000", None) and store.stable() == "v000000"
-        rows = [r for r in ledger.decisions(rig.op_home / "ledger.duckdb")
+        rows = [r for r in ledger.decisions(rig_ledger(rig))
                 if r.decision in ("MANUAL_ROLLBACK", "FLEET_CONVERGED", "FLEET_NOT_CONVERGED")]
         assert rows[0].decision == "MANUAL_ROLLBACK" and rows[0].actor == "oncall-ola"
         assert set(rows[0].numbers["pods"]["by_pod"]) == {rig.url(i) for i in range(3)}
