@@ -430,6 +430,9 @@ class ControllerMetrics:
       ``flywheel_canary_error_rate{arm}``, ``flywheel_canary_p99_latency_seconds{arm}``,
       ``flywheel_canary_tokens_per_second{arm}``; ``flywheel_canary_thumbs_up_diff_bound{bound}``
       (the always-valid interval of rate(candidate) - rate(stable), ``lower``/``upper``);
+      under the reward test (D74): ``flywheel_canary_reward_mean{arm}``,
+      ``flywheel_canary_rewarded_samples{arm}`` and ``flywheel_canary_reward_diff_bound{bound}``
+      (the decision bounds of the relative mean-reward difference, ``lower``/``upper``);
       ``flywheel_canary_check{metric, check}``: 1 for each metric's current check.
     * ``flywheel_controller_decisions_total{decision}`` (:data:`DECISIONS` and the manual ones),
       ``flywheel_controller_reconcile_errors_total``,
@@ -455,6 +458,12 @@ class ControllerMetrics:
         self.thumbs = Gauge("flywheel_canary_thumbs_up_rate", "thumbs-up share of the votes", ["arm"], registry=r)
         self.diff_bound = Gauge("flywheel_canary_thumbs_up_diff_bound", "always-valid interval of the thumbs-up "
                                 "relative difference candidate / stable - 1", ["bound"], registry=r)
+        self.reward = Gauge("flywheel_canary_reward_mean", "mean reward of the rewarded samples, by the reward "
+                            "policy", ["arm"], registry=r)
+        self.rewarded = Gauge("flywheel_canary_rewarded_samples", "samples with a reward since the canary started",
+                              ["arm"], registry=r)
+        self.reward_bound = Gauge("flywheel_canary_reward_diff_bound", "always-valid decision bounds of the relative "
+                                  "mean-reward difference candidate vs stable", ["bound"], registry=r)
         self.errors = Gauge("flywheel_canary_error_rate", "server-side error share of requests", ["arm"], registry=r)
         self.p99 = Gauge("flywheel_canary_p99_latency_seconds", "p99 engine latency", ["arm"], registry=r)
         self.tps = Gauge("flywheel_canary_tokens_per_second", "decode rate: tokens after the first per second after "
@@ -518,6 +527,12 @@ class ControllerMetrics:
             _set(self.tps.labels(arm), (numbers.get("tokens_per_s") or {}).get(arm))
         _set(self.diff_bound.labels("lower"), t.get("ci_lo"))
         _set(self.diff_bound.labels("upper"), t.get("ci_hi"))
+        rw = numbers.get("reward") or {}
+        for arm in ("candidate", "stable"):
+            _set(self.reward.labels(arm), rw.get(f"{arm}_mean"))
+            _set(self.rewarded.labels(arm), rw.get(f"{arm}_samples"))
+        _set(self.reward_bound.labels("lower"), rw.get("ci_lo"))
+        _set(self.reward_bound.labels("upper"), rw.get("ci_hi"))
 
 
 def _set(gauge, v) -> None:

@@ -97,3 +97,28 @@ def test_controller_cli_refuses_a_bad_metric_provider(fw_home):
     r = CliRunner().invoke(app, ["controller", "--once", "--metrics-provider", "datadog",
                                  "--prometheus-url", "http://p:9090"])
     assert r.exit_code == 2 and "'scrape' or 'prometheus'" in r.output and "datadog" in r.output, r.output
+
+
+def test_controller_metrics_show_the_reward_test():
+    # 40 rewarded samples per arm: candidate rewards sum 12 (mean 0.3), stable sum 8 (mean 0.2)
+    c = ArmStats(votes_up=3, votes_down=1, requests=100, rewarded=40, reward_sum=12.0, reward_sq_sum=20.0,
+                 reward_min=-1.0, reward_max=1.0, reward_policy="0123456789abcdef")
+    s = ArmStats(votes_up=2, votes_down=2, requests=100, rewarded=40, reward_sum=8.0, reward_sq_sum=20.0,
+                 reward_min=-1.0, reward_max=1.0, reward_policy="0123456789abcdef")
+    d = analyze(c, s, AnalysisConfig(min_votes=5, min_requests=10, reward_clip=1.0))
+    rw = d.numbers()["reward"]
+    m = ControllerMetrics()
+    port = free_port()
+    srv = m.serve(port, addr="127.0.0.1")
+    try:
+        m.decision("HOLD", RolloutStatus(phase=RolloutPhase.CANARY, candidate="v000002", stable="v000001"),
+                   d.numbers())
+        x = scrape(f"http://127.0.0.1:{port}/metrics")
+        assert x[("flywheel_canary_reward_mean", (("arm", "candidate"),))] == pytest.approx(12.0 / 40)
+        assert x[("flywheel_canary_reward_mean", (("arm", "stable"),))] == pytest.approx(8.0 / 40)
+        assert x[("flywheel_canary_rewarded_samples", (("arm", "candidate"),))] == 40
+        assert x[("flywheel_canary_reward_diff_bound", (("bound", "lower"),))] == pytest.approx(rw["ci_lo"])
+        assert x[("flywheel_canary_reward_diff_bound", (("bound", "upper"),))] == pytest.approx(rw["ci_hi"])
+        assert rw["ci_lo"] < 0.5 < rw["ci_hi"]  # the relative difference 0.3 / 0.2 - 1 = 0.5 lies inside
+    finally:
+        srv.shutdown()
