@@ -7,7 +7,7 @@ the exact state it had. What it does not know: topics, offsets, partitions, file
 (``ingest.worker``) feeds it parsed events and a clock, and writes what :meth:`Joiner.tick`
 hands back.
 
-Semantics (issue 4 item 2):
+Semantics:
 
 * **Dedupe**: an ``event_id`` folds at most once, ever (open, sealed or dead-lettered).
 * **Last vote wins**: votes are keyed by ``user_hash``; a user's vote with the larger

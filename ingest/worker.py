@@ -23,7 +23,7 @@ Why not faust (``docs/decisions.md`` D12): faust's per-message stream path cappe
 do-nothing agent at ~11k records per CPU-second on this machine, below the 25 %-of-raw
 target before any join work; a batch loop over the same aiokafka client has no such cap.
 
-Crash safety (no label lost, none counted twice; issue 4 item 3):
+Crash safety (no label lost, none counted twice):
 
 1. The offsets of a batch are committed only after the SQLite transaction holding the
    batch's effects has committed and its dead letters were delivered and recorded. So a

@@ -39,10 +39,10 @@ def hash_user(user_id: str, salt: str) -> str:
 
 # Event times are ms since the epoch (UTC). A value below this bound (2001-09-09T01:46:40Z)
 # is refused: it is almost surely seconds, and a vote stamped in seconds would look 55 years
-# old to the join (issue 11, defect 2).
+# old to the join.
 MIN_EVENT_TIME_MS = 10**12
 # ... and one above 2100-01-01T00:00:00Z is refused: it is no clock's reading, and an
-# unbounded integer overflowed ingest's state store (issue 22, defect 1).
+# unbounded integer would overflow ingest's state store.
 MAX_EVENT_TIME_MS = 4_102_444_800_000
 MAX_DURATION_MS = 86_400_000.0  # ttft_ms, latency_ms: at most one day
 INT32_MAX = 2**31 - 1  # token ids, counts, top_k, max_tokens, route shape (Arrow int32)

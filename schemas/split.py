@@ -1,4 +1,4 @@
-"""Train / eval split of completions (issue 10): which prompts are held out from training.
+"""Train / eval split of completions: which prompts are held out from training.
 
 Pure functions shared by serving (which stamps every ``CompletionEvent`` with its split),
 ingest and the demo. A prompt's split is a stable function of its token ids, so the same

@@ -1,4 +1,4 @@
-"""The serving pod's settings, each declared once (issue 21): default, type, bounds, unit, help.
+"""The serving pod's settings, each declared once (D53): default, type, bounds, unit, help.
 
 Three models, one per concern:
 

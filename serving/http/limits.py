@@ -3,7 +3,7 @@ in memory (by its ``Content-Length`` at once, or while a chunked body streams in
 
 Inference paths have a tighter limit than the rest (:func:`prompt_body_bytes`): a prompt body
 far beyond what ``max_prompt_tokens`` allows is refused before any of it is parsed or
-tokenised (a 7.5 MB prompt took 16-18 s to tokenise before its 413, issue 22 defect 4)."""
+tokenised (tokenising a 7.5 MB prompt takes 16-18 s on 2 cores)."""
 
 from __future__ import annotations
 
