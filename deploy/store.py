@@ -458,7 +458,10 @@ class ModelStore:
         with self._lock():
             self.manifest(parent)
             n = version_number(self.latest()) + 1
-            parent_state = None if n % self.snapshot_every == 0 else self.load(parent)
+            # the parent only serves as the delta's base here: reconstructed without caching and
+            # without a copy (a cycle's learner holds the new weights beside it; caching a delta's
+            # chain would add one model per ancestor to its peak)
+            parent_state = None if n % self.snapshot_every == 0 else self.load(parent, cache=False)
             return self._write(version_name(n), parent, state, parent_state, metrics or {}, eval or {},
                                "published", "")
 

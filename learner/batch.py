@@ -47,8 +47,10 @@ class LearnerBatch:
             (raw, temperature 1), 0 outside ``completion_mask``.
         routes: (B, T, L, k) int64 logged expert indices per input token and MoE layer
             (0 on padding), or None when the batch trains with free routing.
-        labels: (B,) bool, True = desirable (KTO).
-        rewards: (B,) float32, shaped scalar reward.
+        labels: (B,) bool, True = desirable (KTO): the reward policy's sign, ``reward > 0``,
+            as the join wrote it in the sample's ``label`` (never re-derived from votes).
+        rewards: (B,) float32, the reward policy's scalar (the sample's ``reward``), which
+            REINFORCE's advantage r_i - b_i reads.
         versions: B model versions that produced each completion (behavior policy).
         completion_ids: B completion ids (str).
         ref_logprobs: (B, T) float32 log π_ref(y_t) filled by the trainer from the frozen

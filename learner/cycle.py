@@ -46,6 +46,13 @@ STATE_FORMAT = 2
 MAX_CYCLES = 100  # cycle records kept in the state (every version's metrics are in its manifest)
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (``serving.engine.trim_heap``)."""
+    from schemas.modelspec import trim_heap as trim
+
+    trim()
+
+
 def open_store(store_root):
     """``store_root`` if it already is a store object, else ``deploy.store.ModelStore(store_root)``."""
     if hasattr(store_root, "publish") and hasattr(store_root, "load"):
@@ -214,6 +221,7 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
     record = {"parent": parent, "n_candidates": len(src) + len(hold), "n_shards": len(shards),
               "at": int(time.time() * 1000)}
     manifest = _train_and_publish(store, parent, src, hold, state_dir, config, show_progress, evaluate, record, t0)
+    trim_heap()  # the cycle's model, engine and decode buffers are freed: give their pages back (daemon)
     if manifest is False:  # fewer than min_samples survived the trainer's filters: nothing consumed
         shutil.rmtree(work, ignore_errors=True)
         return None
@@ -226,22 +234,34 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
 
 
 def _load_parent(store, parent: str):
-    """The base model with the parent's weights, and the parent's dtypes by tensor name."""
-    from schemas.modelspec import load_model
+    """The base model holding the parent's weights, and the parent's dtypes by tensor name.
 
-    model = load_model(store.base_dir)
-    parent_state = store.load(parent)
-    missing, unexpected = model.load_state_dict(parent_state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"parent {parent}: state does not fit the base model (missing "
-                           f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
-    # Memory: keep only the parent's key order and dtypes; the model holds the weights now
-    # (the full SmolLM2 MoE is 1.5 GB fp32 per copy).
+    Memory: one model's worth. The store reconstructs the parent without caching it
+    (``load(..., cache=False)``: a delta's ancestors are freed as soon as it is decoded, and
+    no copy is made for the caller) and the model is built around those tensors
+    (``serving.engine.build_model``: parameters on the meta device, then assigned), so
+    neither the base checkpoint's weights nor a second copy of the parent are ever
+    resident. The C heap's freed decode buffers are handed back to the OS afterwards
+    (``trim_heap``), so they do not stay in the process's RSS through training. Tensors
+    of another dtype than the base checkpoint's are converted to it (the training
+    precision follows the model: ``learner.trainer.resolve_precision``).
+
+    Raises:
+        RuntimeError: the parent's tensors do not fit the base model (names listed).
+    """
+    from schemas.modelspec import checkpoint_dtype
+    from schemas.modelspec import WeightsMismatchError, build_model
+    from transformers import AutoConfig
+
+    parent_state = store.load(parent, cache=False)
     dtypes = {k: v.dtype for k, v in parent_state.items()}
+    try:
+        model = build_model(store.base_dir, parent_state,
+                            dtype=checkpoint_dtype(AutoConfig.from_pretrained(str(store.base_dir))))
+    except WeightsMismatchError as exc:
+        raise RuntimeError(f"parent {parent}: state does not fit the base model ({exc})") from None
     del parent_state
-    if hasattr(store, "clear_cache"):
-        store.clear_cache()
+    trim_heap()
     return model, dtypes
 
 
@@ -280,6 +300,7 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
     finally:
         if bar is not None:
             bar.stop()
+    trim_heap()  # the step's activations and the optimizer's state are freed: publish starts from the model
     if new_state is None:
         return False
     if int(os.environ.get("RANK", "0")) != 0:  # multi-process (torchrun): rank 0 publishes

@@ -14,6 +14,7 @@ This module knows nothing about Parquet or the model store (see ``learner.cycle`
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -36,7 +37,7 @@ from learner.batch import LearnerBatch, build_batch, filter_samples
 from learner.extensions import clear_stale_locks
 from learner.data import InMemorySamples, RefLogprobs, SampleSource
 from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
-                            tis_weights, token_logprobs)
+                            tis_weights, token_logprobs_lean)
 from schemas.settings import free_port  # noqa: F401 - MASTER_PORT's default; re-exported for callers
 from learner.config import LearnerConfig  # declared there (no torch); imported from here as well
 from learner.replay import capture_routes, router_replay, stack_routes
@@ -55,6 +56,25 @@ def skip_shm_comm_op(deepspeed) -> None:
     ops["deepspeed_shm_comm"] = False
 
 
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group, if one is still initialised (an ``atexit`` hook
+    that :func:`ensure_dist_env` registers when it initialises the group).
+
+    The gloo process group owns native threads (two ``pt_gloo_runloop`` workers, gloo's
+    ``gloo_tcp_loop`` and the TCPStore's ``pt_tcpstore_uv`` server). A process that ends
+    with the group alive tears them down during interpreter finalisation, where a thread
+    still running can end the process with SIGABRT (``terminate called without an active
+    exception``, exit status -6) instead of its own exit status. Destroying the group here,
+    while the interpreter is whole, joins those threads first. A failure is logged, never
+    raised: the process is ending anyway.
+    """
+    try:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - at exit: report, do not mask the exit status
+        logging.getLogger("flywheel.learner").warning("process group teardown at exit failed: %s", exc)
+
+
 def ensure_dist_env() -> None:
     """Set the single-process torch.distributed env (gloo) where unset and init DeepSpeed.
 
@@ -65,7 +85,8 @@ def ensure_dist_env() -> None:
     killed builder left behind (:func:`learner.extensions.clear_stale_locks`, else every
     later init waits on it forever). A ``MASTER_PORT`` chosen here is removed from the
     environment once the process group holds it, so a child process (a learner subprocess
-    started later by the same process) picks its own instead of colliding. Idempotent.
+    started later by the same process) picks its own instead of colliding. A group it
+    initialises is destroyed at exit (:func:`destroy_process_group_at_exit`). Idempotent.
     """
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "flywheel" / "torch_extensions"))
     clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -81,6 +102,7 @@ def ensure_dist_env() -> None:
         if os.environ["WORLD_SIZE"] == "1":
             skip_shm_comm_op(deepspeed)
         deepspeed.init_distributed("gloo")
+        atexit.register(destroy_process_group_at_exit)
     if own_port and torch.distributed.is_initialized():
         os.environ.pop("MASTER_PORT", None)  # bound by this process now
 
@@ -115,11 +137,13 @@ def staleness_filter(samples: list[RewardedSample], parent: str, max_staleness: 
 
 def forward_token_logprobs(model, batch: LearnerBatch, replay: bool = True) -> torch.Tensor:
     """log π(y_t) for every position, (B, T) float32, under router replay when ``replay``
-    and ``batch.routes`` is set. Grad flows when called outside ``torch.no_grad``."""
+    and ``batch.routes`` is set. Grad flows when called outside ``torch.no_grad``; its
+    backward holds one (B, T, V) buffer (:func:`learner.losses.token_logprobs_lean`, the
+    same forward bits as serving's ``token_logprobs``)."""
     with router_replay(model, batch.routes if replay else None):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False)
-    return token_logprobs(out.logits, batch.target_ids)
+    return token_logprobs_lean(out.logits, batch.target_ids)  # the graph keeps the log-softmax, not the logits
 
 
 RESERVOIR = 1 << 20  # |mismatch| values kept for the p99 (exact below this many tokens)

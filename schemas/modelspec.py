@@ -2,7 +2,8 @@
 
 Both sides build the model with :func:`load_model` (same dtype, same attention and experts
 implementation) and lay batches out with :func:`left_pad` and :func:`position_ids` so that
-the learner's recomputed logprobs line up with the behavior logprobs serving logged.
+the learner's recomputed logprobs line up with the behavior logprobs serving logged; both build a
+version's model around the tensors the store reconstructed with :func:`build_model`.
 Expert routes follow vLLM's layout: ``(prompt_len + completion_len - 1, num_hidden_layers,
 top_k)``, one row per token that went through a forward pass, in sequence order, one column
 per transformer layer (dense layers' columns hold 0); the router adapters that find,
@@ -11,6 +12,7 @@ capture and replay each architecture's routers are in ``schemas.routers`` (D38).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 ATTN_IMPLEMENTATION = "eager"  # bitwise-stable across batch shapes on CPU (DESIGN §4)
@@ -173,3 +175,78 @@ def teacher_forced_inputs(prompt_ids: list[int], completion_ids: list[int], pad_
     ids, mask = left_pad([full[:-1]], pad_id)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask),
             "target_ids": torch.tensor([full[1:]], dtype=torch.long)}
+
+
+class WeightsMismatchError(ValueError):
+    """Loaded weights do not have the expected per-tensor sha256 (names listed)."""
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While active, every parameter a module registers is moved to the meta device (no
+    storage); buffers stay real (rotary ``inv_freq`` is computed at construction)."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; no-op elsewhere).
+
+    A version load frees about a model's worth of decode buffers in blocks that glibc keeps
+    in its arenas; without this the pod's RSS grows by a fraction of a model per load."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def build_model(model_dir: str | Path, state: dict, dtype=None):
+    """The model of ``model_dir``'s config (as :func:`load_model` builds it:
+    eager attention and experts, eval mode) whose parameters ARE ``state``'s tensors.
+
+    Nothing is read from the checkpoint's weights and no copy of ``state`` is made
+    (``load_state_dict(assign=True)`` on parameters built on the meta device): loading a
+    version costs one model's memory, the state the store reconstructed. The caller hands
+    ``state`` over and must not modify its tensors afterwards. Tensors of another dtype
+    than ``dtype`` are converted (a copy of those only).
+
+    Raises:
+        WeightsMismatchError: ``state`` has tensors the model does not, or lacks tensors
+            that are not aliases (tied weights) of ones it has.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                 experts_implementation=experts_implementation(cfg))
+    names = set(model.state_dict())
+    unexpected = sorted(set(state) - names)
+    if unexpected:
+        raise WeightsMismatchError(f"weights: unexpected tensors {unexpected[:5]}")
+    model.load_state_dict({k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()},
+                          strict=False, assign=True)
+    model.tie_weights()  # tied aliases (lm_head -> embed_tokens) point at the assigned tensors
+    missing = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
+    if missing:
+        raise WeightsMismatchError(f"weights: tensors missing from the version: {missing[:5]}")
+    model.eval()
+    return model

@@ -14,7 +14,6 @@ padding with ``position_ids = cumsum(mask) - 1``, so the learner's recompute lin
 from __future__ import annotations
 
 import collections
-import contextlib
 import concurrent.futures
 import json
 import logging
@@ -27,7 +26,8 @@ from typing import Any
 
 from schemas.events import now_ms
 from schemas.manifest import BASE_VERSION, digest_of_hashes, state_sha256
-from schemas.modelspec import attention_window, checkpoint_dtype, load_model, load_tokenizer
+from schemas.modelspec import (WeightsMismatchError, attention_window, build_model, checkpoint_dtype,  # noqa: F401
+                               load_model, load_tokenizer, trim_heap)
 from schemas.routers import route_shape, routed_layers
 from serving.config import EngineConfig, split_settings
 from serving.engine_base import Engine  # noqa: F401 - the protocol TorchEngine implements
@@ -36,83 +36,6 @@ from serving.params import GenRequest, GenResult, ServingValidationError
 log = logging.getLogger("flywheel.serving.engine")
 
 CHAT_STOP = "<|im_end|>"
-
-
-class WeightsMismatchError(ValueError):
-    """Loaded weights do not have the expected per-tensor sha256 (names listed)."""
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """While active, every parameter a module registers is moved to the meta device (no
-    storage); buffers stay real (rotary ``inv_freq`` is computed at construction)."""
-    import torch
-
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        p = module._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; no-op elsewhere).
-
-    A version load frees about a model's worth of decode buffers in blocks that glibc keeps
-    in its arenas; without this the pod's RSS grows by a fraction of a model per load."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def build_model(model_dir: str | Path, state: dict, dtype=None):
-    """The model of ``model_dir``'s config (as ``schemas.modelspec.load_model`` builds it:
-    eager attention and experts, eval mode) whose parameters ARE ``state``'s tensors.
-
-    Nothing is read from the checkpoint's weights and no copy of ``state`` is made
-    (``load_state_dict(assign=True)`` on parameters built on the meta device): loading a
-    version costs one model's memory, the state the store reconstructed. The caller hands
-    ``state`` over and must not modify its tensors afterwards. Tensors of another dtype
-    than ``dtype`` are converted (a copy of those only).
-
-    Raises:
-        WeightsMismatchError: ``state`` has tensors the model does not, or lacks tensors
-            that are not aliases (tied weights) of ones it has.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from schemas.modelspec import ATTN_IMPLEMENTATION, experts_implementation
-
-    dtype = dtype or torch.float32
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 experts_implementation=experts_implementation(cfg))
-    names = set(model.state_dict())
-    unexpected = sorted(set(state) - names)
-    if unexpected:
-        raise WeightsMismatchError(f"weights: unexpected tensors {unexpected[:5]}")
-    model.load_state_dict({k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()},
-                          strict=False, assign=True)
-    model.tie_weights()  # tied aliases (lm_head -> embed_tokens) point at the assigned tensors
-    missing = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
-    if missing:
-        raise WeightsMismatchError(f"weights: tensors missing from the version: {missing[:5]}")
-    model.eval()
-    return model
 
 
 @dataclass

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import Field, TypeAdapter, ValidationError
 
-from schemas.arrow import samples_to_table, unwritable_column
+from schemas.arrow import FORMAT_VERSION, samples_to_table, unwritable_column
 from schemas.events import BASE64_PATTERN, ExpertRoutes, RewardedSample, SamplingParams
 
 # the contract's rule as it was written: pydantic's own pattern check (its regex engine)
@@ -213,11 +213,13 @@ def test_the_notice_is_the_sample_notice_models_json():
         completion_id=str(uuid.UUID(int=7)), model_version="v000002", created_at=1_750_000_000_000, user_hash="u",
         prompt_token_ids=[1], completion_token_ids=[2], behavior_logprobs=[-0.25], sampling=SamplingParams(),
         finish_reason="stop", reward=1 / 3, label=True, n_votes=3, votes_up=2, votes_down=1,
-        event_ids=["e1", "e2", "e3"], sealed_at=1_750_000_600_000, split="eval"))
+        event_ids=["e1", "e2", "e3"], sealed_at=1_750_000_600_000, split="eval", reward_policy="0123456789abcdef",
+        thumb=1 / 3, copied=1, regenerated=0, kept_share=None, followup=-1.0, scores={"helpfulness": 0.5}))
     path = writer.shard_path(Path("/data/s"), s.sealed_at, tag="abc")
     got = writer.notice_encoder(path, "/data/s")(s, 11)
     want = SampleNotice(**{k: getattr(s, k) for k in SampleNotice.model_fields if hasattr(s, k)},
-                        shard="date=2025-06-15/hour=15/part-1750000600000-abc.parquet", row=11, shard_format=3)
+                        shard="date=2025-06-15/hour=15/part-1750000600000-abc.parquet", row=11,
+                        shard_format=FORMAT_VERSION)
     assert got == want.to_bytes() and SampleNotice.from_bytes(got) == want
 
 

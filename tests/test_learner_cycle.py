@@ -416,3 +416,53 @@ def test_generation_gate_scores_held_out_prompts_like_a_user(tiny_moe_dir, tmp_p
     assert last["eval"]["candidate"]["score"] < last["eval"]["parent"]["score"]
     with pytest.raises(ValueError, match="prompts"):
         generation_evaluator([], lambda i, c: True, eos, max_tokens=4, samples_per_prompt=1, seed=0)
+
+
+@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+def test_parent_of_a_delta_chain_loads_and_publishes_without_extra_copies(tiny_moe_dir, tmp_path):
+    """A cycle's parent that is a delta on its own parent (v000002 -> v000001 -> v000000):
+    the model's parameters ARE the reconstructed tensors (no second copy, nothing from the
+    base checkpoint's weights), equal to the version's; neither loading it nor publishing on
+    it leaves a reconstructed version in the store's cache (each cached state is one more
+    model's memory held for the rest of the cycle)."""
+    from learner.cycle import _load_parent
+
+    class RecordingStore(ModelStore):
+        """The real store, remembering what each load returned."""
+
+        loads: list = []
+
+        def load(self, version, **kw):
+            out = super().load(version, **kw)
+            self.loads.append((version, kw, out))
+            return out
+
+    store = RecordingStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    state = store.load("v000000")
+    for v in ("v000000", "v000001"):
+        state = {k: t + 0.01 if ".layers.1." in k else t for k, t in state.items()}
+        store.publish(state, parent=v)
+    assert store.manifest("v000002").kind == "delta" and store.manifest("v000001").kind == "delta"
+    store.clear_cache()
+    store.loads.clear()
+    model, dtypes = _load_parent(store, "v000002")
+    assert not store._cache  # noqa: SLF001 - the cache is what held the extra copies
+    [(version, kw, loaded)] = store.loads
+    assert version == "v000002" and kw == {"cache": False}
+    params = dict(model.named_parameters())
+    assert len(params) >= len(loaded) - 1  # every tensor but a tied lm_head is a parameter
+    assert all(params[k].data_ptr() == t.data_ptr() for k, t in loaded.items() if k in params)  # no copy
+    want = store.load("v000002", cache=False)
+    got = model.state_dict()
+    assert set(dtypes) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".layers.1." in n:
+                p.add_(0.01)
+    m = store.publish({k: t.detach() for k, t in model.state_dict().items() if k in dtypes}, parent="v000002")
+    assert m.kind == "delta" and not store._cache  # noqa: SLF001
+    assert all(torch.equal(store.load("v000003", cache=False)[k], t) for k, t in model.state_dict().items()
+               if k in dtypes)

@@ -109,6 +109,46 @@ def test_one_rank_learner_builds_no_shm_comm_op(tmp_path):
                         "print('sum', t.item(), 'backend', dist.get_world_size())"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "terminate called" not in r.stderr, r.stderr[-3000:]
     assert "sum 2.5 backend 1" in r.stdout
     assert "built successfully" not in r.stdout + r.stderr
     assert not (ext / "deepspeed_shm_comm").exists()
+
+
+# Native threads of a gloo process group: its workers and the TCPStore's server (started with
+# the group), and gloo's TCP loop (started when the group first connects; may not exist yet).
+STARTED_WITH_GROUP = ("pt_gloo_runloop", "pt_tcpstore_uv")
+GROUP_THREADS = (*STARTED_WITH_GROUP, "gloo_tcp_loop")
+
+TEARDOWN_CHILD = """
+import atexit, os, torch
+from learner.trainer import ensure_dist_env
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+ensure_dist_env()
+t = torch.tensor([1.5]); torch.distributed.all_reduce(t)
+print("before", threads())
+atexit._run_exitfuncs()  # what the interpreter runs first when the process ends
+print("after", threads(), torch.distributed.is_initialized())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_learner_process_joins_the_process_group_threads_before_exit(tmp_path):
+    """A process that initialised the learner's process group (``ensure_dist_env``) and
+    ends without destroying it must not leave gloo's native threads running into
+    interpreter finalisation (SIGABRT, exit -6, ``terminate called without an active
+    exception`` on a busy box): the exit hooks destroy the group, so by the time the
+    interpreter tears down no group thread is left, and the process exits 0 with no abort
+    message."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"), PYTHONPATH=str(ROOT))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-c", TEARDOWN_CHILD], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "terminate called" not in r.stderr, r.stderr[-3000:]
+    lines = {ln.split(" ", 1)[0]: ln for ln in r.stdout.splitlines() if ln.startswith(("before", "after"))}
+    assert all(name in lines["before"] for name in STARTED_WITH_GROUP), lines["before"]  # what the hook must end
+    assert not any(name in lines["after"] for name in GROUP_THREADS), lines["after"]
+    assert lines["after"].endswith("False")  # the group is gone

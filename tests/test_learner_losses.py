@@ -145,3 +145,28 @@ def test_reinforce_value_and_finite_difference_grad(level):
             xm[i, t] -= eps
             fd = (hand(xp) - hand(xm)) / (2 * eps)
             assert float(lp.grad[i, t]) == pytest.approx(fd, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_lean_equals_autograd(dtype):
+    """Same forward bits as serving's token_logprobs; the gradient of a weighted sum of the
+    token logprobs equals autograd's through log_softmax + gather (and the hand formula
+    g_t (onehot(y_t) - softmax(z_t))) within float rounding."""
+    from learner.losses import token_logprobs_lean
+
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(3, 5, 11, generator=g) * 3).to(dtype)
+    y = torch.randint(0, 11, (3, 5), generator=g)
+    w = torch.randn(3, 5, generator=g)
+    a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    lean, ref = token_logprobs_lean(a, y), token_logprobs(b, y)
+    assert lean.dtype == torch.float32 and torch.equal(lean, ref)
+    (lean * w).sum().backward()
+    (ref * w).sum().backward()
+    assert a.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(a.grad.float(), b.grad.float(), atol=tol, rtol=0)
+    hand = w.unsqueeze(-1) * (torch.nn.functional.one_hot(y, 11) - torch.softmax(z.float(), -1))
+    assert torch.allclose(a.grad.float(), hand, atol=tol, rtol=0)
+    with torch.no_grad():  # no graph: the plain function
+        assert torch.equal(token_logprobs_lean(z, y), token_logprobs(z, y))
