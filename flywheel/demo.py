@@ -719,13 +719,14 @@ class Demo:
         versions = []
         for v in self.store.versions():
             m = self.store.manifest(v)
-            s = by_v.get(v, {"samples": 0, "votes_up": 0, "votes_down": 0})
+            s = by_v.get(v, {"samples": 0, "votes_up": 0, "votes_down": 0, "mean_reward": None})
             n = s["votes_up"] + s["votes_down"]
             d = ledger.final_decision(v) if v != "v000000" else None
             metrics = m.metrics or {}
             versions.append({
                 "version": v, "parent": m.parent, "samples": s["samples"], "votes_up": s["votes_up"],
-                "votes_down": s["votes_down"], "thumbs_up_rate": (s["votes_up"] / n) if n else 0.0,
+                "votes_down": s["votes_down"], "thumbs_up_rate": (s["votes_up"] / n) if n else None,
+                "mean_reward": s["mean_reward"],
                 "ci95": list(rep.wilson_interval(s["votes_up"], n)),
                 "decision": d["decision"] if d else ("base" if m.parent is None else None),
                 "reason": d["reason"] if d else ("initial version" if m.parent is None else None),

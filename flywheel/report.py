@@ -26,12 +26,18 @@ from deploy.stats import newcombe_interval, wilson_interval  # the one implement
 
 
 def samples_by_version(samples_dir: Path) -> dict[str, dict]:
-    """Per producing version: samples, votes up/down (ingest's ``votes_by_version`` view)."""
+    """Per producing version: samples, votes up/down (ingest's ``votes_by_version`` view) and
+    ``mean_reward``, the mean of the samples' ``reward`` under the policy that labelled them
+    (None for a version without samples)."""
     from ingest.catalog import query
 
-    rows = query("SELECT model_version, samples, votes_up, votes_down FROM votes_by_version", samples_dir)
+    rows = query("SELECT v.model_version, v.samples, v.votes_up, v.votes_down, r.mean_reward FROM votes_by_version v "
+                 "LEFT JOIN (SELECT model_version, avg(reward) AS mean_reward FROM samples GROUP BY model_version) r "
+                 "USING (model_version)", samples_dir)
     return {r["model_version"]: {"samples": int(r["samples"]), "votes_up": int(r["votes_up"] or 0),
-                                 "votes_down": int(r["votes_down"] or 0)} for r in rows}
+                                 "votes_down": int(r["votes_down"] or 0),
+                                 "mean_reward": None if r["mean_reward"] is None else float(r["mean_reward"])}
+            for r in rows}
 
 
 def event_ids_in_samples(samples_dir: Path) -> list[str]:
@@ -385,7 +391,8 @@ def eval_gain(figures: dict[str, dict], first: str, last: str) -> dict | None:
 
 
 def write_plot(report: dict, path: Path) -> None:
-    """Bar chart of thumbs-up rate by version with 95 % Wilson intervals."""
+    """Bar chart of thumbs-up rate by version with 95 % Wilson intervals; the mean reward by
+    version instead when no version has a thumb (``flywheel demo --signals implicit``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -394,10 +401,23 @@ def write_plot(report: dict, path: Path) -> None:
     vs = report["versions"]
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(vs) + 2), 3.6))
     xs = range(len(vs))
-    rates = [v["thumbs_up_rate"] for v in vs]
-    lo = [max(0.0, v["thumbs_up_rate"] - v["ci95"][0]) for v in vs]  # >= 0: Wilson's bound may round past the rate
-    hi = [max(0.0, v["ci95"][1] - v["thumbs_up_rate"]) for v in vs]
     colors = {"promote": "tab:green", "rollback": "tab:red", "base": "tab:blue"}
+    if not any(v["votes_up"] + v["votes_down"] for v in vs):
+        ax.bar(xs, [v.get("mean_reward") or 0.0 for v in vs],
+               color=[colors.get((v.get("decision") or "").lower(), "tab:gray") for v in vs])
+        ax.set_xticks(list(xs), [f"{v['version']}\n{(v.get('decision') or '-').lower()}\nn={v['samples']}"
+                                 for v in vs], fontsize=8)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_ylabel("mean reward (reward policy)")
+        ax.set_ylim(-1, 1)
+        ax.set_title("Flywheel demo: mean reward by model version (no thumbs sent)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
+    rates = [v["thumbs_up_rate"] or 0.0 for v in vs]  # None: a version without votes
+    lo = [max(0.0, r - v["ci95"][0]) for r, v in zip(rates, vs)]  # >= 0: Wilson's bound may round past the rate
+    hi = [max(0.0, v["ci95"][1] - r) for r, v in zip(rates, vs)]
     ax.bar(xs, rates, yerr=[lo, hi], capsize=5,
            color=[colors.get((v.get("decision") or "").lower(), "tab:gray") for v in vs])
     ax.set_xticks(list(xs), [f"{v['version']}\n{(v.get('decision') or '-').lower()}\n"
@@ -581,15 +601,17 @@ def print_report(report: dict, console=None) -> None:
     if not console.is_terminal:  # a log file or CI: do not squeeze the table into 80 columns
         console = Console(width=200)
     t = Table(title="Flywheel demo report")
-    for col in ("version", "parent", "samples", "up/down", "thumbs-up (95% CI)", "decision", "reason",
-                "mismatch mean/max", "delta ratio", "swap pause ms"):
+    for col in ("version", "parent", "samples", "mean reward", "up/down", "thumbs-up (95% CI)", "decision",
+                "reason", "mismatch mean/max", "delta ratio", "swap pause ms"):
         t.add_column(col, overflow="fold")
     for v in report["versions"]:
         mm = ("-" if v.get("mismatch_mean") is None
               else f"{v['mismatch_mean']:.2e}/{v['mismatch_max']:.2e}")
         t.add_row(v["version"], v.get("parent") or "-", str(v["samples"]),
+                  "-" if v.get("mean_reward") is None else f"{v['mean_reward']:+.3f}",
                   f"{v['votes_up']}/{v['votes_down']}",
-                  f"{v['thumbs_up_rate']:.3f} [{v['ci95'][0]:.2f},{v['ci95'][1]:.2f}]",
+                  "-" if v["thumbs_up_rate"] is None
+                  else f"{v['thumbs_up_rate']:.3f} [{v['ci95'][0]:.2f},{v['ci95'][1]:.2f}]",
                   v.get("decision") or "-", _clip(v.get("reason") or "", 160), mm,
                   "-" if v.get("delta_ratio") is None else f"{v['delta_ratio']:.1f}x",
                   "-" if v.get("swap_pause_ms") is None else f"{v['swap_pause_ms']:.2f}")

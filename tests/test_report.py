@@ -28,8 +28,9 @@ def test_samples_by_version_counts_each_versions_votes(tmp_path):
         d = tmp_path / f"model_version={v}" / "date=2026-11-30"
         d.mkdir(parents=True)
         write_shard([sample(v, u, dn) for u, dn in votes], d / "part-a.parquet")
-    assert samples_by_version(tmp_path) == {"v000000": {"samples": 2, "votes_up": 1, "votes_down": 2},
-                                            "v000001": {"samples": 1, "votes_up": 3, "votes_down": 1}}
+    assert samples_by_version(tmp_path) == {
+        "v000000": {"samples": 2, "votes_up": 1, "votes_down": 2, "mean_reward": 1.0},
+        "v000001": {"samples": 1, "votes_up": 3, "votes_down": 1, "mean_reward": 1.0}}
     assert samples_by_version(tmp_path / "empty") == {}
 
 
@@ -160,3 +161,21 @@ def test_print_report_shows_kinds_replies_and_both_gain_intervals():
     assert "eval gain on fresh prompts v000000 -> v000002: 2/10 -> 3/10" in out
     assert "cluster bootstrap over 7 prompts [-0.100, +0.300]" in out
     assert "cluster bootstrap over prompts [-0.100, +0.300]" in out
+
+
+def test_a_run_without_thumbs_reports_the_mean_reward_not_a_zero_rate(tmp_path, capsys):
+    """``--signals implicit`` sends no thumbs: the thumbs-up rate is no figure ("-", None in
+    report.json), the mean reward is shown, and the plot draws the mean reward."""
+    from flywheel.report import print_report, write_plot
+
+    lo, hi = wilson_interval(0, 0)
+    vs = [{"version": "v000000", "parent": None, "samples": 7, "votes_up": 0, "votes_down": 0,
+           "thumbs_up_rate": None, "ci95": [lo, hi], "mean_reward": 0.0072, "decision": "base"},
+          {"version": "v000001", "parent": "v000000", "samples": 5, "votes_up": 0, "votes_down": 0,
+           "thumbs_up_rate": None, "ci95": [lo, hi], "mean_reward": -0.3571, "decision": "ROLLBACK"}]
+    print_report({"versions": vs, "events_accepted": 12, "events_in_samples": 12, "events_dead_lettered": 0,
+                  "events_lost": 0, "wall_s": 296.0})  # not a terminal: printed 200 columns wide
+    out = capsys.readouterr().out
+    assert "+0.007" in out and "-0.357" in out and "0.000 [" not in out
+    write_plot({"versions": vs}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
