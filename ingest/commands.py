@@ -23,7 +23,7 @@ def _thumb_option(field: str):
     ``[reward]`` and ``FLYWHEEL_REWARD__THUMB_UP`` / ``..._DOWN``; unset, the policy's value."""
     info = RewardPolicy.model_fields[field]
     return typer.Option(None, min=-REWARD_LIMIT, max=REWARD_LIMIT, show_default=False,
-                        help=f"{info.description} Overrides [reward] {field} (default {info.default:g}).")
+                        help=f"{info.description} Overrides \\[reward] {field} (default {info.default:g}).")
 
 
 @config_options(join=JoinConfig, worker=IngestConfig)
@@ -38,7 +38,7 @@ def ingest_cmd(
                               "URL (workers on several hosts)."),
 ) -> None:
     """Run the ingest worker: join completions and feedback into RewardedSample shards, each
-    labelled by the reward policy ([reward] in flywheel.toml, FLYWHEEL_REWARD__<FIELD>)."""
+    labelled by the reward policy (\\[reward] in flywheel.toml, FLYWHEEL_REWARD__<FIELD>)."""
     from ingest.app import run_worker
 
     try:
@@ -101,6 +101,7 @@ def stats_cmd(output: Optional[Format] = OUTPUT) -> None:
     """Print the catalog views: votes by version and by split, label balance, dead letters by reason."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from ingest import catalog
     from schemas import settings
@@ -121,7 +122,8 @@ def stats_cmd(output: Optional[Format] = OUTPUT) -> None:
         for c in cols:
             t.add_column(c)
         for r in rows:
-            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()])
+            # cells are data (a dead letter's reason may hold "[reward.scores]"), never rich markup
+            t.add_row(*[Text(f"{v:.4f}" if isinstance(v, float) else str(v)) for v in r.values()])
         con.print(t)
 
 

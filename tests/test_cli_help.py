@@ -196,3 +196,9 @@ def test_a_field_on_by_default_gets_its_no_form():
         r = CliRunner().invoke(app, ["knobs", *args])
         assert r.exit_code == 0, r.output
         assert (got["cfg"].warm, got["cfg"].loud) == (warm, loud)
+
+
+def test_table_names_in_help_keep_their_brackets():
+    """``[reward]`` in a help text is the TOML table's name, not rich markup."""
+    text = " ".join(_help(("ingest",)).replace("│", " ").split())
+    assert "the reward policy ([reward] in flywheel.toml" in text and "Overrides [reward] thumb_up" in text
