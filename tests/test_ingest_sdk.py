@@ -477,6 +477,19 @@ def test_new_signals_bad_arguments_named_nothing_queued(server, call, name):
     assert fb.shutdown() == [] and rec.attempts == [] and fb.stats()["accepted"] == 0
 
 
+@pytest.mark.parametrize("call,message", [
+    (lambda fb, c: fb.edit(c, kept="0.5"), "kept: the share of the reply the user kept, a number in [0, 1], got '0.5'"),
+    (lambda fb, c: fb.record(c, "copy", True), "value: must be a number, not a boolean, got True"),
+])
+def test_bad_argument_messages_show_what_was_given(server, call, message):
+    url, _ = server
+    fb = FeedbackClient(url)
+    with pytest.raises(ValueError) as exc:
+        call(fb, uuid.uuid4())
+    assert str(exc.value) == message
+    fb.shutdown()
+
+
 def test_new_signals_are_valid_feedback_events():
     """What the SDK builds for each new kind is a FeedbackEvent the consumers accept (the
     pydantic model of schemas.events, not the schema the SDK checked with)."""

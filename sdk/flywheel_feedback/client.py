@@ -163,7 +163,8 @@ def build_event(completion_id: Any, kind: str, value: Any = None, comment: str |
         raise ValueError(f"value: {what}")
     if value is not None:
         if not _finite(value):
-            raise ValueError(f"value: must be a finite number, got {str(value)[:40]}")
+            what = "a number, not a boolean" if isinstance(value, bool) else "a finite number"
+            raise ValueError(f"value: must be {what}, got {repr(value)[:40]}")
         if kind in _FIXED and value not in _FIXED[kind]:
             allowed = " or ".join(f"{v:+d}" if len(_FIXED[kind]) > 1 else str(v) for v in _FIXED[kind])
             raise ValueError(f"value: a {kind} is {allowed}, got {value!r}")
@@ -564,7 +565,7 @@ class FeedbackClient:
             raise ValueError("kept: give exactly one of kept (the share of the reply kept, in [0, 1]) and "
                              f"final_text (the user's final text), got {'both' if kept is not None else 'neither'}")
         if kept is not None and (not _finite(kept) or not 0 <= kept <= 1):
-            raise ValueError(f"kept: the share of the reply the user kept, a number in [0, 1], got {str(kept)[:40]}")
+            raise ValueError(f"kept: the share of the reply the user kept, a number in [0, 1], got {repr(kept)[:40]}")
         if final_text is not None and not isinstance(final_text, str):
             raise ValueError(f"final_text: must be a string, got {type(final_text).__name__}")
         return self.record(completion_id, "edit", kept, comment=comment, user=user, event_id=event_id,
