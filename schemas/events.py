@@ -33,7 +33,7 @@ def hash_user(user_id: str, salt: str) -> str:
 
 # ----------------------------------------------------------------------------- bounds
 # Every numeric field of every event has a stated range, and every string refuses NUL and lone
-# surrogates, in the models and in the exported JSON Schemas alike (Hardening II, D43): a
+# surrogates, in the models and in the exported JSON Schemas alike (D43): a
 # producer in another language that validates with the published schema refuses what Flywheel
 # refuses. Integer ranges are those of the Arrow column the value lands in (schemas.arrow).
 
@@ -122,7 +122,7 @@ def escape_text(v: str) -> str:
     return _UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", v)
 
 
-# Clock skew (Hardening II, defect 3). One rule for every receiver, HTTP (serving) and Kafka
+# Clock skew. One rule for every receiver, HTTP (serving) and Kafka
 # (ingest) alike: an event time more than MAX_FUTURE_SKEW_MS ahead of the receiver's clock is
 # refused (422 over HTTP; dead-lettered with field ``created_at`` on Kafka); one within the
 # tolerance is clamped to the receiver's clock, so a vote from a fast clock never outranks the

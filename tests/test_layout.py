@@ -17,8 +17,8 @@ def test_no_test_file_is_named_after_how_its_bug_was_found():
     assert not named, f"name these after what they test: {named}"
 
 
-def test_no_issue_numbers_in_product_code():
-    pattern = re.compile(r"\b[Ii]ssue \d+")
+def test_no_issue_or_review_round_names_in_product_code():
+    pattern = re.compile(r"\b([Ii]ssue \d+|[Hh]ardening [IVX]+|[Tt]rial [A-Z]\b|[Ss]top \d+)")
     hits = [f"{p.relative_to(ROOT)}:{i}" for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert not hits, f"product code tells its history (move it to docs/decisions.md): {hits}"
