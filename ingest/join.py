@@ -69,10 +69,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import pydantic
-import pydantic_core
 from pydantic import Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from ingest.label import LabelState, Vote, signal_key
 from ingest.store import JoinStore
 from schemas import topics
 from schemas.reward import RewardPolicy
@@ -162,97 +162,6 @@ class JoinConfig:
             raise ValueError(f"reward.{self.reward.slowest()}: {self.reward.horizon_s():g} s is above "
                              f"max_label_age_s = {self.max_label_age_s:g} s (a label is sealed by then, so a "
                              f"signal that late could never count)")
-
-
-@dataclass
-class Vote:
-    """One user's current signal of one kind: ``value`` (±1 for a thumb, the event's value
-    for other kinds; None for an edit carrying ``text``, its final text), ``created_at`` ms
-    (client time), ``seq`` arrival order."""
-
-    event_id: str
-    value: float | None
-    created_at: int
-    seq: int
-    text: str | None = None
-
-
-def signal_key(ev: FeedbackEvent) -> str:
-    """The key under which a user's last signal of ``ev``'s kind is kept in
-    :attr:`LabelState.signals`: the kind, ``score:<name>`` for a score (thumbs are in
-    :attr:`LabelState.votes`)."""
-    return f"score:{ev.name}" if ev.kind == "score" else ev.kind
-
-
-@dataclass
-class LabelState:
-    """Open join state of one completion.
-
-    ``completion``: the CompletionEvent JSON (bytes as consumed, or str), ``""`` when it is
-    stored but was not read (:meth:`ingest.state.StateStore.get_many`), or None while only
-    feedback has arrived. ``claim``: the store's claim on it (``"shard:<path>"`` while being
-    sealed, ``"dead:"`` while its orphan votes are dead-lettered), not serialised.
-    ``votes``: user_hash -> that user's last thumb (:class:`Vote`). ``signals``: every other
-    kind's last signals, :func:`signal_key` -> user_hash -> :class:`Vote`. ``event_ids``: every folded
-    feedback event (in arrival order). Times are ms: ``first_seen_at`` (processing time of
-    the first event of either kind), ``last_vote_at`` (processing time of the last folded
-    vote), ``created_at`` (the completion's).
-    """
-
-    completion_id: str
-    completion: bytes | str | None = None
-    created_at: int | None = None
-    votes: dict[str, Vote] = field(default_factory=dict)
-    event_ids: list[str] = field(default_factory=list)
-    signals: dict[str, dict[str, Vote]] = field(default_factory=dict)
-    first_seen_at: int = 0
-    first_vote_at: int | None = None
-    last_vote_at: int | None = None
-    seq: int = 0
-    pending_raw: dict[str, str] = field(default_factory=dict)  # event_id -> raw, while orphan
-    claim: str | None = None
-
-    def due_at(self, cfg: JoinConfig) -> int:
-        """Processing time (ms) at which :meth:`Joiner.tick` must look at this state."""
-        if self.completion is None:
-            return self.first_seen_at + int(cfg.orphan_ttl_s * 1000)
-        age_due = self.created_at + int(cfg.max_label_age_s * 1000)
-        if self.last_vote_at is None:
-            return age_due
-        quiet = self.last_vote_at + int(cfg.seal_after_s * 1000)
-        hz = cfg.reward.horizon_ms  # (0: no horizon, as for thumbs alone)
-        return min(age_due, max(quiet, self.created_at + hz) if hz else quiet)
-
-    def to_json(self) -> str:
-        if not (self.votes or self.event_ids or self.pending_raw or self.signals) and self.first_vote_at is None \
-                and self.last_vote_at is None and type(self.created_at) is int:
-            # a new completion's state (one per completion): the same JSON, ~10x cheaper
-            return (f'{{"completion_id":{pydantic_core.to_json(self.completion_id).decode()},'
-                    f'"created_at":{self.created_at},"event_ids":[],"votes":{{}},'
-                    f'"first_seen_at":{int(self.first_seen_at)},"first_vote_at":null,"last_vote_at":null,'
-                    f'"seq":{int(self.seq)},"pending_raw":{{}}}}')
-        # pydantic-core's JSON codec: ~3.5x faster than the json module on these small dicts,
-        # and a state is read and written once per folded vote
-        d = {  # the completion is stored apart (ingest.state)
-            "completion_id": self.completion_id,
-            "created_at": self.created_at, "event_ids": self.event_ids,
-            "votes": {u: [v.event_id, v.value, v.created_at, v.seq] for u, v in self.votes.items()},
-            "first_seen_at": self.first_seen_at, "first_vote_at": self.first_vote_at,
-            "last_vote_at": self.last_vote_at, "seq": self.seq, "pending_raw": self.pending_raw}
-        if self.signals:  # (absent when empty: a thumbs-only state's JSON is what it always was)
-            d["signals"] = {k: {u: [v.event_id, v.value, v.created_at, v.seq] + ([v.text] if v.text is not None else [])
-                                for u, v in us.items()} for k, us in self.signals.items()}
-        return pydantic_core.to_json(d).decode()
-
-    @classmethod
-    def from_json(cls, raw: str, completion: bytes | str | None = None, claim: str | None = None) -> "LabelState":
-        d = pydantic_core.from_json(raw)
-        d["completion"] = completion
-        d["claim"] = claim
-        d["votes"] = {u: Vote(*v) for u, v in d["votes"].items()}
-        if "signals" in d:
-            d["signals"] = {k: {u: Vote(*v) for u, v in us.items()} for k, us in d["signals"].items()}
-        return cls(**d)
 
 
 @dataclass
@@ -530,6 +439,21 @@ class Joiner:
         # (read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment)
         self.tc, self.tf = topics.COMPLETIONS, topics.FEEDBACK
 
+    def due_at(self, st: LabelState) -> int:
+        """Processing time (ms) at which :meth:`tick` must look at ``st``: an orphan's
+        ``first_seen_at + orphan_ttl_s``; a label with no vote at its completion's ``created_at +
+        max_label_age_s``; else the earlier of that and ``last_vote_at + seal_after_s``, the
+        latter no earlier than ``created_at`` plus the reward policy's slowest horizon (if any)."""
+        cfg = self.cfg
+        if st.completion is None:
+            return st.first_seen_at + int(cfg.orphan_ttl_s * 1000)
+        age_due = st.created_at + int(cfg.max_label_age_s * 1000)
+        if st.last_vote_at is None:
+            return age_due
+        quiet = st.last_vote_at + int(cfg.seal_after_s * 1000)
+        hz = cfg.reward.horizon_ms  # (0: no horizon, as for thumbs alone)
+        return min(age_due, max(quiet, st.created_at + hz) if hz else quiet)
+
     # -- events ---------------------------------------------------------------------------
     def on_completion(self, ev: CompletionEvent, raw: bytes | str | None = None, now: int | None = None) -> str:
         """Fold one completion; see :meth:`on_completions`."""
@@ -577,7 +501,7 @@ class Joiner:
                 dirty[cid] = st
                 n["completions"] += 1
                 out.append("new")
-            self.store.put_many([(st, st.due_at(self.cfg)) for st in dirty.values()])
+            self.store.put_many([(st, self.due_at(st)) for st in dirty.values()])
             for k, v in n.items():
                 self.store.bump(k, v)
         return out
@@ -668,7 +592,7 @@ class Joiner:
                 folded.append((eid, cid, now))
                 n["feedback_folded"] += 1
                 out.append(("folded", None))
-            self.store.put_many([(st, st.due_at(self.cfg)) for st in dirty.values()])
+            self.store.put_many([(st, self.due_at(st)) for st in dirty.values()])
             self.store.add_events(folded)
             if dropped:
                 self.store.mark_dead(dropped, now)
@@ -933,7 +857,7 @@ class Joiner:
                 if st.completion is None:
                     st.first_seen_at = now
                 self.store.unclaim(cid)
-                self.store.put(st, st.due_at(self.cfg))
+                self.store.put(st, self.due_at(st))
             for cid in res.bad_ids:  # decided: a replay of it is ignored, a later vote is late
                 self.store.mark_sealed(cid, now, "")
                 gone.append(cid)

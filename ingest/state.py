@@ -63,7 +63,7 @@ from pathlib import Path
 
 from schemas import topics
 
-from ingest.join import LabelState
+from ingest.label import LabelState
 from ingest.store import JoinStore, StoreBase, default_owner
 
 _SCHEMA = """

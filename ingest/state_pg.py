@@ -61,7 +61,7 @@ import threading
 
 from schemas import topics
 
-from ingest.join import LabelState
+from ingest.label import LabelState
 from ingest.partition import home_partitions
 from ingest.store import StoreBase, default_owner, now_ms
 

@@ -10,7 +10,7 @@ test_join_store_contract.py`` checks each method's contract on both.
 
 Vocabulary (every method below uses it):
 
-* A **label** is the open state of one ``completion_id``: a :class:`ingest.join.LabelState`
+* A **label** is the open state of one ``completion_id``: a :class:`ingest.label.LabelState`
   (its JSON) with ``due_at`` (ms: when :meth:`JoinStore.due` hands it to the seal timer) and,
   apart, the completion's body (the CompletionEvent JSON as consumed, ~18 KiB). A body is
   stored once: the first one put wins, later puts keep it.
@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, ContextManager, Iterable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ingest.join import LabelState
+    from ingest.label import LabelState
 
 
 def now_ms() -> int:

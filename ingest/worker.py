@@ -98,6 +98,7 @@ from schemas import topics as T
 from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
 from ingest import catalog, writer
+from ingest.clients import consumer_settings as cs, producer_settings as ps
 from ingest.commit import CommitRefused, membership
 from ingest.commit import commit as commit_offsets
 from ingest.join import Joiner, TickResult, check_clock, dead_letter, parse_completion, parse_event
@@ -184,12 +185,10 @@ class Worker:
     Args:
         cfg: ``ingest.app.IngestConfig``.
         consumer_settings / producer_settings: keyword arguments of ``AIOKafkaConsumer`` /
-            ``AIOKafkaProducer`` (default: ``ingest.app.consumer_settings(cfg)`` / ...).
+            ``AIOKafkaProducer`` (default: ``ingest.clients.consumer_settings(cfg)`` / ...).
     """
 
     def __init__(self, cfg, consumer_settings: dict | None = None, producer_settings: dict | None = None):
-        from ingest.app import consumer_settings as cs, producer_settings as ps
-
         self.cfg = cfg
         self.consumer_kw = consumer_settings or cs(cfg)
         self.producer_kw = producer_settings or ps(cfg)
