@@ -47,6 +47,7 @@ from deploy.desired import DESIRED_FILE, DesiredState, FleetRecord, RecordUnread
 from deploy.fleet import PodOutcome, reconcile_pods
 from deploy.fleet import summary as fleet_summary
 from deploy.history import user_history_covariate
+from deploy.samples_source import samples_source
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from deploy.store import CorruptVersionError, ModelStore
 from schemas.manifest import version_number
@@ -268,20 +269,6 @@ def current_status(status_path: Path, ledger_path: Path) -> RolloutStatus:
     return cached if st is None else st
 
 
-def _samples_source(con, samples_dir: Path) -> tuple[str, str, set[str]]:
-    """``(FROM clause, created_at in ms expression, the shards' column names)`` over the
-    sample shards, read with ``union_by_name`` so that shards written before a column existed
-    (``split``, the reward policy's ``reward_policy``, ``regenerated``, ``followup``,
-    ``copied``) read as null in it: ``created_at`` is a UTC timestamp in current shards and
-    integer ms in older ones."""
-    glob = str(Path(samples_dir) / "**" / "*.parquet").replace("'", "''")
-    src = f"read_parquet('{glob}', hive_partitioning=true, hive_types_autocast=false, union_by_name=true)"
-    cols = {c[0]: str(c[1]) for c in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
-    t = cols.get("created_at", "BIGINT").upper()
-    created = "epoch_ms(created_at)" if t.startswith("TIMESTAMP") else "created_at"
-    return src, created, set(cols)
-
-
 def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> list[tuple]:
     """Rows of ``SELECT <select(columns)> FROM <shards> WHERE created_at >= since_ms GROUP BY
     <group_by>`` over the sample shards ([] when there are none yet), with ``t`` = created_at
@@ -292,7 +279,7 @@ def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> l
         return []
     con = duckdb.connect()
     try:
-        src, created, cols = _samples_source(con, samples_dir)
+        src, created, cols = samples_source(con, samples_dir)
         src = f"(SELECT *, {created} AS t FROM {src})"  # t: created_at in ms
         return con.execute(f"SELECT {select(cols)} FROM {src} WHERE t >= ? GROUP BY {group_by}",
                            [int(since_ms)]).fetchall()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import duckdb
 
+from deploy.samples_source import samples_source
+
 DAY_MS = 86_400_000
 
 
@@ -29,14 +31,12 @@ def user_history_covariate(samples_dir: Path, since_ms: int, versions: tuple[str
     Returns ``{}`` when there are no shards or no vote before ``since_ms`` in the window (no
     covariate: the test uses the plain rates). Raises what DuckDB raises on unreadable shards.
     """
-    from deploy.controller import _samples_source  # the controller's reader of the shards
-
     samples_dir = Path(samples_dir)
     if not versions or not samples_dir.exists() or not any(samples_dir.rglob("*.parquet")):
         return {}
     con = duckdb.connect()
     try:
-        src, created, _ = _samples_source(con, samples_dir)
+        src, created, _ = samples_source(con, samples_dir)
         vlist = ", ".join("'" + v.replace("'", "''") + "'" for v in versions)
         rows = con.execute(f"""
             WITH s AS (SELECT CAST(model_version AS VARCHAR) AS v, user_hash AS u, votes_up AS up,

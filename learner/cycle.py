@@ -36,7 +36,7 @@ from ingest.catalog import Shard, count_rows, find_shards, read_shards
 from schemas.arrow import table_to_samples
 from schemas.events import RewardedSample
 from schemas.manifest import VersionManifest
-from learner.daemon import DaemonConfig
+from learner.daemon_config import DaemonConfig
 from learner.data import SpilledSamples
 from learner.gate import Evaluator, gate_decision, in_holdout, preference_margin_evaluator
 from learner.trainer import LearnerConfig, train
