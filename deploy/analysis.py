@@ -454,12 +454,19 @@ def check_thumbs(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     what = (f"thumbs-up {nums['candidate_rate']:.3f} ({c.votes_up}/{c.votes}) vs {nums['stable_rate']:.3f} "
             f"({s.votes_up}/{s.votes}): relative {rel:+.1%}, always-valid {1 - cfg.alpha:.0%} interval "
             f"[{lo:+.1%}, {hi:+.1%}]{' (CUPED)' if adjusted else ''}")
+    return _sequential_result("thumbs_up", what, passed, failed, cfg.delta, nums)
+
+
+def _sequential_result(metric: str, what: str, passed: bool, failed: bool, delta: float,
+                       nums: dict) -> MetricResult:
+    """The sequential test's result from its verdict (:func:`thumbs_verdict`): FAIL when the
+    candidate is surely worse (wins over PASS), PASS when not worse than the margin ``delta``,
+    else INCONCLUSIVE; ``what`` describes the figures."""
     if failed:
-        return MetricResult("thumbs_up", Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
+        return MetricResult(metric, Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
     if passed:
-        return MetricResult("thumbs_up", Check.PASS, f"{what}: not worse than the margin (lower bound > "
-                            f"-{cfg.delta:.0%})", nums)
-    return MetricResult("thumbs_up", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:.0%}, "
+        return MetricResult(metric, Check.PASS, f"{what}: not worse than the margin (lower bound > -{delta:.0%})", nums)
+    return MetricResult(metric, Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{delta:.0%}, "
                         "upper bound >= 0)", nums)
 
 
@@ -542,13 +549,7 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     nums.update(diff=rel, ci_lo=lo, ci_hi=hi, abs_diff=mc - ms, candidate_bounds=[lc, hc], stable_bounds=[ls, hs])
     what = (f"mean reward {mc:+.3f} (n={c.rewarded}, always-valid [{lc:+.3f}, {hc:+.3f}]) vs {ms:+.3f} "
             f"(n={s.rewarded}, [{ls:+.3f}, {hs:+.3f}]): relative {rel:+.1%}, decision bounds [{lo:+.1%}, {hi:+.1%}]")
-    if failed:
-        return MetricResult("reward", Check.FAIL, f"{what}: candidate surely worse (upper bound < 0)", nums)
-    if passed:
-        return MetricResult("reward", Check.PASS, f"{what}: not worse than the margin (lower bound > "
-                            f"-{cfg.delta:.0%})", nums)
-    return MetricResult("reward", Check.INCONCLUSIVE, f"{what}: undecided (lower bound <= -{cfg.delta:.0%}, "
-                        "upper bound >= 0)", nums)
+    return _sequential_result("reward", what, passed, failed, cfg.delta, nums)
 
 
 def judges_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> bool:
