@@ -32,7 +32,7 @@ from pydantic.dataclasses import dataclass
 from rich.console import Console
 
 from flywheel import report as rep
-from flywheel.supervise import StopSignals, die_with_parent
+from flywheel.supervise import StopSignals, die_with_parent, run_measuring_peak
 from flywheel.users import SIGNALS, UserBehaviour
 from flywheel.workload import Task, Workload, fixed_eval_set, fixed_kind
 from learner.config import LearnerConfig, check_learner, learn_flags
@@ -313,6 +313,8 @@ class Demo:
         self.vote_threads: list[threading.Thread] = []
         self.completions: dict[str, dict] = {}  # completion_id -> what was asked and how it was judged
         self.signals_sent: dict[str, int] = {}  # accepted feedback events by kind
+        self.learner_peak_gb: dict[int, float] = {}  # cycle -> the learner process's peak RSS (GB)
+        self.published_in: dict[str, int] = {}  # version -> the cycle whose learner published it
         # the fixed eval set: the same prompts and sampling seeds for every version, never asked
         # by the users (reserved), scored at the end (fixed_eval)
         self.fixed = fixed_eval_set(cfg.families, cfg.fixed_per_family,
@@ -583,15 +585,18 @@ class Demo:
         self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, {objective}, router replay) ...")
         args = _cli("learn", "--once", *learn_flags(self.cfg.learner), "--seed", str(self.cfg.seed + cycle))
         with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
-            r = subprocess.run(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT,
-                               preexec_fn=die_with_parent())
-        if r.returncode != 0:
-            raise RuntimeError(f"learner failed (exit {r.returncode}); see {self.logs}/learner-{cycle}.log")
+            code, peak = run_measuring_peak(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT,
+                                            preexec_fn=die_with_parent())
+        self.learner_peak_gb[cycle] = round(peak / 1e9, 2)
+        if code != 0:
+            raise RuntimeError(f"learner failed (exit {code}); see {self.logs}/learner-{cycle}.log")
         new = sorted(set(self.store.versions()) - before)
         if not new:
-            self.log("[yellow]learner published no version (gate or too few samples)")
+            self.log(f"[yellow]learner published no version (gate or too few samples); "
+                     f"peak RSS {peak / 1e9:.2f} GB")
             return None
-        self.log(f"learner published {new[-1]}")
+        self.published_in[new[-1]] = cycle
+        self.log(f"learner published {new[-1]}; peak RSS {peak / 1e9:.2f} GB")
         return new[-1]
 
     def publish_degraded(self, noise: float = 0.5, layers: int = 4) -> str:
@@ -736,6 +741,7 @@ class Demo:
                 "decided_by": (d.get("numbers") or {}).get("decided_by") if d else None,
                 "canary_interval": _canary_interval(d),
                 "train_samples": metrics.get("samples"),
+                "learner_peak_rss_gb": self.learner_peak_gb.get(self.published_in.get(v, -1)),
             })
         family_of = {cid: r["family"] for cid, r in self.completions.items()}
         rows = rep.votes_by_completion(self.samples_dir)
@@ -782,6 +788,7 @@ class Demo:
             "fixed_eval": fixed,
             "signals": signals,
             "signals_setting": self.cfg.signals,
+            "learner_peak_rss_gb": {str(c): gb for c, gb in sorted(self.learner_peak_gb.items())},
             "signals_accepted": dict(sorted(self.signals_sent.items())),
             "workload": {"families": list(self.cfg.families), "held_out": list(self.cfg.held_out),
                          "eval_share": self.cfg.eval_share},

@@ -93,3 +93,30 @@ class StopSignals:
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()
+
+
+def run_measuring_peak(args: list[str], **popen_kwargs) -> tuple[int, int]:
+    """Run ``args`` to completion and return ``(returncode, peak_rss_bytes)``.
+
+    The peak is the child's own maximum resident set size as the kernel reports it at reaping
+    (``wait4(2)``'s ``ru_maxrss``, KiB on Linux, converted to bytes): the largest of the child
+    and any descendants it waited for, not their sum; the kernel's count starts at the parent's
+    RSS when it forked, so a child smaller than its parent reports the parent's size. Measured
+    by the kernel, so a short spike between two polls is not missed. ``popen_kwargs`` go to ``subprocess.Popen`` (``env``,
+    ``stdout``, ``preexec_fn``, ...).
+
+    Raises:
+        OSError: the child could not be started.
+    """
+    import subprocess
+
+    p = subprocess.Popen(args, **popen_kwargs)
+    try:
+        _, status, usage = os.wait4(p.pid, 0)
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return p.returncode, int(usage.ru_maxrss) * scale
