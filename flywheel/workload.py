@@ -332,13 +332,3 @@ def reply_judge() -> WorkloadReplyJudge:
 
     tok = AutoTokenizer.from_pretrained(str(settings.base_model_dir()))
     return WorkloadReplyJudge(lambda ids: tok.decode(ids, skip_special_tokens=True))
-
-
-def verifier_scorer(tasks: list[Task], decode: Callable[[list[int]], str]) -> Callable[[int, list[int]], bool]:
-    """A scorer for :func:`learner.gate.generation_evaluator`: ``score(i, completion_ids)``
-    decodes the completion and asks ``tasks[i]``'s verifier (the way the users vote)."""
-
-    def score(i: int, completion_ids: list[int]) -> bool:
-        return tasks[i].verifier.score(decode(completion_ids))
-
-    return score

@@ -27,20 +27,6 @@ from learner.trainer import forward_token_logprobs
 Evaluator = Callable[[object], dict]
 
 
-def split_holdout(samples: list[RewardedSample], frac: float) -> tuple[list[RewardedSample], list[RewardedSample]]:
-    """Deterministic split by sha256(completion_id): ``(train, holdout)``, about ``frac`` held out.
-
-    Raises:
-        ValueError: ``frac`` outside [0, 1).
-    """
-    if not 0 <= frac < 1:
-        raise ValueError(f"holdout_frac: must be in [0, 1), got {frac}")
-    train, hold = [], []
-    for s in samples:
-        (hold if in_holdout(s.completion_id, frac) else train).append(s)
-    return train, hold
-
-
 def in_holdout(completion_id, frac: float) -> bool:
     """True when sha256(completion_id) puts it in the ``frac`` held out (stable)."""
     return int(hashlib.sha256(str(completion_id).encode()).hexdigest()[:8], 16) / 2**32 < frac
