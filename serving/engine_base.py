@@ -1,11 +1,13 @@
 """The async engine protocol (:class:`Engine`, vLLM's ``EngineClient`` shape) that every
 engine implements and the serving classes drive: :meth:`Engine.generate` streams a request's
 per-step outputs, :meth:`Engine.abort` ends it, :meth:`Engine.check_health` says whether the
-engine can serve.
+engine can serve; and what every engine shares: :class:`LoadedModel` (one set of servable
+weights, a weight slot's content), :func:`check_request`, :data:`CHAT_STOP`.
 
-Nothing here needs torch: :class:`serving.engine.TorchEngine` and
+Nothing here needs torch at import: :class:`serving.engine.TorchEngine` and
 :class:`serving.engine_vllm.VLLMEngine` implement the protocol, :class:`serving.slots.Slots`
-and the HTTP layer (:mod:`serving.http.serving_openai`) are typed by it.
+and the HTTP layer (:mod:`serving.http.serving_openai`) are typed by it. This module imports
+no engine.
 
 Hand-off from engine threads to the event loop: every output of every running request goes
 through one :class:`LoopInbox` per event loop, which wakes the loop once per burst (all the
@@ -20,14 +22,68 @@ import collections
 import concurrent.futures
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
-from serving.params import GenRequest, GenResult, StepOutput
+from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 
-if TYPE_CHECKING:
-    from serving.engine import LoadedModel
+__all__ = ["CHAT_STOP", "Engine", "LoadedModel", "LoopInbox", "check_request"]
 
-__all__ = ["Engine", "LoopInbox"]
+CHAT_STOP = "<|im_end|>"  # the chat template's end of turn: the engines' eos when the tokenizer has it
+
+
+@dataclass
+class LoadedModel:
+    """One set of weights ready to serve (a weight slot's content), built by an engine's
+    :meth:`Engine.load_weights` (or ``load_base``).
+
+    Attributes:
+        version: version id (``v000123``).
+        model: what runs the weights: the torch module (eval mode, never mutated after load;
+            KV caches are per request, so requests on different versions never share state)
+            for the torch engine, the engine instance holding them for the vLLM engine.
+        hashes: ``{tensor name: sha256}`` verified at load (``schemas.manifest.state_sha256``).
+        weights_digest: ``digest_of_hashes(hashes)``.
+        loaded_at: ms since epoch; load_ms: time to build + verify (ms).
+        routers / route_buf: torch engine only: the MoE router modules and, per transformer
+            layer (global index, vLLM's layout; None for dense layers), the expert indices
+            ``(N, k)`` int64 of the last forward (filled by forward hooks,
+            :func:`serving.torch_engine.loader.wrap`); empty for a dense model. Read them with
+            :meth:`layer_routes`. route_dims: ``(L, k, E)`` of the routes it logs.
+        prefix_cache: this version's :class:`serving.prefix_cache.PrefixCache`, or None when
+            the engine runs without prefix caching.
+    """
+
+    version: str
+    model: Any
+    hashes: dict[str, str]
+    weights_digest: str
+    loaded_at: int
+    load_ms: float
+    routers: list = field(default_factory=list)
+    route_buf: list = field(default_factory=list)  # per layer: last indices (N, k), None = dense
+    route_dims: tuple = (0, 0, 0)  # (L, k, E): schemas.routers.route_shape of the model
+    prefix_cache: Any = None  # serving.prefix_cache.PrefixCache of these weights, or None (off)
+
+    def layer_routes(self) -> list:
+        """The last forward's routes per transformer layer: ``num_hidden_layers`` tensors
+        ``(N, k)`` int64, zeros for dense layers (as vLLM reports them)."""
+        import torch
+
+        ref = next(b for b in self.route_buf if b is not None)
+        return [torch.zeros_like(ref) if b is None else b for b in self.route_buf]
+
+
+def check_request(req: GenRequest) -> None:
+    """Refuse a request no engine can run.
+
+    Raises:
+        ServingValidationError: 400 naming the field: ``prompt`` with no token, no ``model``.
+    """
+    if not req.prompt_token_ids:
+        raise ServingValidationError("prompt", req.prompt_token_ids, "must have at least one token")
+    if req.model is None:
+        raise ServingValidationError("model", None, "no weights to run on")
 
 
 class LoopInbox:
@@ -123,7 +179,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, state: dict, version: str, expected_hashes: dict[str, str] | None = None
-                     ) -> "LoadedModel":
+                     ) -> LoadedModel:
         """Build servable weights from ``state`` off the request path and verify their hashes."""
 
     @abc.abstractmethod

@@ -1,4 +1,4 @@
-"""vLLM engine (``flywheel serve --engine vllm``): the :class:`serving.engine.Engine` protocol
+"""vLLM engine (``flywheel serve --engine vllm``): the :class:`serving.engine_base.Engine` protocol
 over vLLM's async engine (``vllm.v1.engine.async_llm.AsyncLLM``), returning the same
 :class:`GenResult` (so the same CompletionEvents).
 
@@ -56,8 +56,9 @@ import numpy as np
 
 from schemas.events import now_ms
 from schemas.manifest import BASE_VERSION, digest_of_hashes, state_sha256
+from schemas.modelspec import WeightsMismatchError
 from serving.config import EngineConfig, VLLMConfig, split_settings
-from serving.engine import CHAT_STOP, Engine, LoadedModel, WeightsMismatchError, check_request
+from serving.engine_base import CHAT_STOP, Engine, LoadedModel, check_request
 from serving.params import GenRequest, GenResult, ServingValidationError, StepOutput
 from serving.vllm_worker import repack_cpu_experts, to_checkpoint_names  # noqa: F401 - re-exported
 

@@ -98,7 +98,7 @@ class GenRequest:
     Attributes:
         prompt_token_ids: the prompt, token ids (len >= 1).
         sampling: sampling parameters (temperature 0 = greedy).
-        model: the loaded weights to run on (a :class:`serving.engine.LoadedModel`); requests
+        model: the loaded weights to run on (a :class:`serving.engine_base.LoadedModel`); requests
             are only ever batched with others on the same weights.
         stop_token_ids: ids that end generation (finish_reason ``stop``); the stop token is
             kept in the completion (it was sampled and has a behavior logprob).

@@ -2,10 +2,10 @@
 
 Product traffic repeats the start of its prompts: the chat template's system turn (for the
 default model about 20 tokens of every reply's prompt), a product's instructions, a task's
-preamble. A :class:`PrefixCache` belongs to one :class:`serving.engine.LoadedModel` (so a KV
+preamble. A :class:`PrefixCache` belongs to one :class:`serving.engine_base.LoadedModel` (so a KV
 cache never mixes two versions' keys) and holds a few :class:`PrefixEntry` s: the prefix's
 tokens, its per-layer keys and values ``(1, kv_heads, p, head_dim)`` and its expert routes
-``(p, L, k)``. When a group of requests is prefilled (:meth:`serving.torch_batch.RunningBatch.join`),
+``(p, L, k)``. When a group of requests is prefilled (:meth:`serving.torch_engine.batch.RunningBatch.join`),
 the longest entry that every prompt of the group starts with is expanded to the group and only
 the suffixes run through the model.
 

@@ -17,14 +17,10 @@ import hashlib
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from schemas.admin import SlotInfo, SlotsStatus
 from schemas.manifest import BASE_VERSION, TensorMeta, VersionManifest, state_sha256
-from serving.engine_base import Engine
-
-if TYPE_CHECKING:
-    from serving.engine import LoadedModel
+from serving.engine_base import Engine, LoadedModel
 
 
 class SlotError(RuntimeError):

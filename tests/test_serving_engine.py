@@ -181,12 +181,12 @@ def _sample_ref(logits, sp, gen) -> int:
 
 
 def test_batched_filter_matches_per_row_reference():
-    from serving.engine import _BatchFilter
+    from serving.torch_engine.sampler import BatchFilter
 
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=1)
               for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (1.0, 50, 0.5), (2.0, 1, 1.0),
                               (0.5, 600, 0.95), (1.0, 3, 0.3)]]
-    f = _BatchFilter(params)
+    f = BatchFilter(params)
     g = torch.Generator().manual_seed(0)
     for step in range(20):
         logits = torch.randn((len(params), 512), generator=g) * 3  # (S, V)
@@ -202,11 +202,11 @@ def test_batched_filter_matches_per_row_reference():
 def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scales):
     """Peaked rows keep a prefix inside the TOP_P_CANDIDATES largest logits, flat rows do not;
     alone or mixed in one batch, every draw equals the whole-row reference's."""
-    from serving.engine import TOP_P_CANDIDATES, _BatchFilter
+    from serving.torch_engine.sampler import TOP_P_CANDIDATES, BatchFilter
 
     V = 8192
     params = [SamplingParams(temperature=t, top_p=p, max_tokens=1) for t, p in [(0.8, 0.95), (1.0, 0.5), (1.2, 0.99)]]
-    f = _BatchFilter(params)
+    f = BatchFilter(params)
     g = torch.Generator().manual_seed(1)
     scale = torch.tensor(scales).unsqueeze(1)
     for step in range(10):
@@ -221,10 +221,10 @@ def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scales):
 
 def test_top_p_and_top_k_keep_the_right_tokens_by_hand():
     """probs (0.5, 0.3, 0.15, 0.05): top_p 0.6 may give only tokens 0/1, top_k 1 only token 0."""
-    from serving.engine import _BatchFilter
+    from serving.torch_engine.sampler import BatchFilter
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))  # (2, 4)
-    f = _BatchFilter([SamplingParams(temperature=1.0, top_p=0.6, max_tokens=1),
+    f = BatchFilter([SamplingParams(temperature=1.0, top_p=0.6, max_tokens=1),
                       SamplingParams(temperature=1.0, top_k=1, max_tokens=1)])
     seen = [set(), set()]
     for s in range(300):
@@ -497,7 +497,7 @@ def test_unknown_scheduler_and_structured_outputs_refused(tiny_moe_dir, engine, 
 def test_load_weights_uses_the_state_without_copying(engine, base):
     """load_weights builds the model around the given tensors (no second copy in memory),
     re-ties tied weights to them, and refuses a state with a missing or an unknown tensor."""
-    from serving.engine import WeightsMismatchError
+    from schemas.modelspec import WeightsMismatchError
 
     state = {k: v.clone() for k, v in base.model.state_dict().items() if k != "lm_head.weight"}
     lm = engine.load_weights(state, "v000009")
@@ -652,7 +652,7 @@ def test_a_join_rides_in_the_decode_forward(tiny_moe_dir, pad_budget, fused):
             n = box["n_long"] = box.get("n_long", 0) + 1
             if n == 3:
                 box["short"] = e.submit(GenRequest(prompt_token_ids=short_p, sampling=short_sp, model=lm))
-            (run,) = e._running.values()  # the engine thread, between forwards: a consistent state
+            (run,) = e.sched.running.values()  # the engine thread, between forwards: a consistent state
             if len(run.seqs) == 2:
                 box["masks"].append(run.mask.clone())
 

@@ -1,6 +1,6 @@
 """The torch engine's running batch: iteration-level (continuous) batching on one set of weights.
 
-A :class:`RunningBatch` holds the sequences generating on one :class:`serving.engine.LoadedModel`,
+A :class:`RunningBatch` holds the sequences generating on one :class:`serving.engine_base.LoadedModel`,
 their KV cache (HF ``DynamicCache`` of full layers, ``(B, heads, W, head_dim)`` per layer), the attention mask
 ``(B, W)``, each row's next position ``(B, 1)`` and the logits of each row's next token
 ``(B, V)``. Layout invariants (DESIGN §4, ``schemas.modelspec``):
@@ -20,13 +20,13 @@ that step's decode forward (:meth:`RunningBatch._decode_with_joins`) or, when th
 the running rows too much, are prefilled by a forward of their own whose cache is left-padded
 to the batch's width and concatenated. One :meth:`RunningBatch.step` samples one token for
 every row from the stored logits, does the per-request bookkeeping and runs one KV-cached
-forward for the rows still running and those joining. The cache belongs to the batch and the
-batch to one LoadedModel, so a KV cache never holds two versions' keys.
+forward for the rows still running and those joining; the tokens, behavior logprobs and
+routes it records come from :mod:`serving.torch_engine.sampler`. The cache belongs to the batch
+and the batch to one LoadedModel, so a KV cache never holds two versions' keys.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from serving.params import GenRequest, GenResult, StepOutput
-
-log = logging.getLogger("flywheel.serving.engine")
+from serving.torch_engine.sampler import Sampler, captured_routes, new_generator, score_aligned
 
 
 @dataclass
@@ -43,12 +42,20 @@ class Seq:
     """One request inside a running batch.
 
     Attributes:
-        item: the queue entry (request, future, submit time).
+        item: the queue entry (:class:`serving.torch_engine.scheduler.WaitingRequest`:
+            request, future, submit time).
+        plen: prompt length P (tokens).
         routes: ``(P + max_tokens - 1, L, k)`` uint8/uint16 host buffer of expert routes
             (row ``j`` = the ``j``-th fed token), or None for a dense model.
-        gen: CPU ``torch.Generator`` for sampled requests (seeded: the same draws in any batch).
+        gen: CPU ``torch.Generator`` for sampled requests (seeded: the same draws in any
+            batch), None for greedy ones.
         t_admit: perf_counter s when it joined the batch.
+        toks / lps / tops: the completion so far: token ids, their raw behavior logprobs, and
+            per token its top logprobs (when the request asked for them).
+        ttft_ms: time to first token (ms since submit); finish: ``stop`` / ``length`` /
+            ``abort``, None while it runs.
         max_rows: most rows its running batch had while it ran.
+        cached: prompt tokens taken from a prefix cache entry.
     """
 
     item: Any
@@ -62,10 +69,11 @@ class Seq:
     ttft_ms: float = 0.0
     finish: str | None = None
     max_rows: int = 0
-    cached: int = 0  # prompt tokens taken from a prefix cache entry
+    cached: int = 0
 
     @property
     def req(self) -> GenRequest:
+        """The request this row runs."""
         return self.item.req
 
 
@@ -98,9 +106,13 @@ class RunningBatch:
     """The sequences running on one LoadedModel (see module docstring).
 
     Args:
-        lm: the weights (:class:`serving.engine.LoadedModel`).
-        engine: the owning :class:`serving.engine.TorchEngine` (pad/eos ids, device,
-            max positions, aligned scoring).
+        lm: the weights (:class:`serving.engine_base.LoadedModel`).
+        engine: the owning :class:`serving.engine.TorchEngine`, read at every step for
+            ``device``, ``pad_id``, ``eos_id``, ``max_positions`` (context limit in tokens or
+            None), ``fused_join_pad_tokens`` and ``aligned_logprobs``.
+
+    Attributes:
+        fused_joins: join groups whose prefill rode in one of this batch's decode forwards.
     """
 
     def __init__(self, lm, engine):
@@ -112,8 +124,8 @@ class RunningBatch:
         self.mask = None  # (B, W) int64
         self.pos = None  # (B, 1) int64
         self.logits = None  # (B, V) float32
-        self._filter_key: tuple | None = None
-        self._filter = None
+        self.sampler = Sampler()
+        self.fused_joins = 0
         self.n_layers, self.top_k, n_experts = lm.route_dims  # L = num_hidden_layers (vLLM's layout)
         self.route_dtype = np.uint16 if n_experts > 256 else np.uint8
 
@@ -129,16 +141,13 @@ class RunningBatch:
         self.joining += self._new_seqs(items, now)
 
     def _new_seqs(self, items: list, now: float) -> list[Seq]:
-        import torch
-
+        """A row per queue entry: its seeded generator if sampled, its routes buffer if MoE."""
         seqs = []
         for it in items:
             r = it.req
             s = Seq(item=it, plen=len(r.prompt_token_ids), t_admit=now)
             if r.sampling.temperature != 0:
-                s.gen = torch.Generator()
-                seed = r.sampling.seed
-                s.gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+                s.gen = new_generator(r.sampling.seed)
             if self.n_layers:
                 s.routes = np.zeros((s.plen + r.sampling.max_tokens - 1, self.n_layers, self.top_k),
                                     dtype=self.route_dtype)
@@ -170,7 +179,7 @@ class RunningBatch:
         out = lm.model(input_ids=ids.to(dev), attention_mask=mask0.to(dev), position_ids=pos_ids.to(dev),
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
         if self.n_layers:  # (Bn, Tn, L, k): every prefilled token's expert selection
-            pr = torch.stack([b.view(Bn, Tn, self.top_k) for b in lm.layer_routes()], dim=2).cpu().numpy()
+            pr = captured_routes(lm, Bn, Tn)
             for j, s in enumerate(seqs):
                 if entry is not None:
                     s.routes[:p] = entry.routes
@@ -219,8 +228,7 @@ class RunningBatch:
                        use_cache=True, logits_to_keep=1)
         routes = None
         if self.n_layers:
-            rt = torch.stack([x.view(n - b, self.top_k) for x in lm.layer_routes()], dim=1).cpu().numpy()
-            rt = rt.astype(self.route_dtype)
+            rt = captured_routes(lm, n - b).astype(self.route_dtype)
             routes = np.concatenate([base.routes, rt]) if base is not None else rt
         kv = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in out.past_key_values.layers]
         return PrefixEntry(tokens=tokens, kv=kv, routes=routes)
@@ -266,27 +274,14 @@ class RunningBatch:
                 layer.values = layer.values[:, :, c0:]
 
     # ------------------------------------------------------------------ one step
-    def _sampler(self):
-        """(row indices of sampled rows, their :class:`serving.engine._BatchFilter`), rebuilt
-        only when the set of sampled rows changes."""
-        from serving.engine import _BatchFilter
-
-        rows = [i for i, s in enumerate(self.seqs) if s.gen is not None]
-        key = tuple(id(self.seqs[i]) for i in rows)
-        if key != self._filter_key:
-            self._filter_key = key
-            self._filter = _BatchFilter([self.seqs[i].req.sampling for i in rows]) if rows else None
-        return rows, self._filter
-
     def step(self) -> list[Seq]:
         """Sample one token per row, finish rows, run one decode forward for the rest (with the
         queued joiners' prefill in it when :meth:`_fusable`, else followed by their prefill).
 
-        Per step on the model's device: one ``log_softmax`` over the raw logits ``(B, V)``,
-        one ``argmax`` for greedy rows, batched temperature/top-k/top-p for sampled rows
-        (the draw per request with its own CPU generator), one gather of the behavior
-        logprobs, one device -> host transfer of ``(B,)`` tokens and logprobs, and after the
-        forward one transfer of the step's routes ``(B, L, k)``.
+        Per step on the model's device: the sampler's pass over the raw logits ``(B, V)``
+        (:meth:`serving.torch_engine.sampler.Sampler.step`: one device -> host transfer of
+        ``(B,)`` tokens and behavior logprobs), and after the forward one transfer of the
+        step's routes ``(B, L, k)``.
 
         Returns:
             the rows that finished at this step (already out of the batch).
@@ -312,17 +307,7 @@ class RunningBatch:
                 self.joining = []
             return done
         B = len(self.seqs)
-        logits = self.logits
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution (temperature 1)
-        tok = torch.argmax(logits, dim=-1)  # (B,) greedy choice
-        samp, filt = self._sampler()
-        if samp:
-            ix = torch.tensor(samp, dtype=torch.long, device=dev)
-            picked = filt.sample(logits.index_select(0, ix).cpu(), [self.seqs[i].gen for i in samp])  # (S,)
-            tok = tok.index_copy(0, ix, picked.to(dev))
-        lp = logp.gather(1, tok.unsqueeze(1)).squeeze(1)  # (B,) behavior logprobs
-        tok_l, lp_l = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one device sync
-        tops = self._top_logprobs(logp)
+        tok, tok_l, lp_l, tops = self.sampler.step(self.logits, self.seqs, dev)
         now = time.perf_counter()
         for i, s in enumerate(self.seqs):
             s.max_rows = max(s.max_rows, B)
@@ -352,18 +337,6 @@ class RunningBatch:
             return False
         T = max(s.plen for s in joining)
         return len(self.seqs) * (T - 1) <= self.eng.fused_join_pad_tokens
-
-    def _top_logprobs(self, logp) -> dict[int, list[tuple[int, float]]]:
-        """``{row: [(token, raw logprob), ...]}`` for rows that asked for top logprobs."""
-        import torch
-
-        want = [i for i, s in enumerate(self.seqs) if s.req.top_logprobs]
-        if not want:
-            return {}
-        n = max(self.seqs[i].req.top_logprobs for i in want)
-        tv, ti = torch.topk(logp.index_select(0, torch.tensor(want, device=logp.device)), min(n, logp.shape[-1]))
-        tv, ti = tv.tolist(), ti.tolist()
-        return {i: list(zip(ti[j], tv[j]))[:self.seqs[i].req.top_logprobs] for j, i in enumerate(want)}
 
     def _advance(self, s: Seq, t: int, lp: float, tops: list, now: float) -> None:
         """Append one sampled token to ``s``, stream it, and decide whether ``s`` is done."""
@@ -401,7 +374,7 @@ class RunningBatch:
         self.pos = self.pos + 1
         self.logits = out.logits[:, -1, :].float()
         if self.n_layers:  # (B, L, k): routes of the tokens just fed
-            rt = torch.stack([b.view(B, self.top_k) for b in self.lm.layer_routes()], dim=1).cpu().numpy()
+            rt = captured_routes(self.lm, B)
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j]
 
@@ -442,7 +415,7 @@ class RunningBatch:
         self.cache = out.past_key_values
         B = R + J
         if self.n_layers:  # (B, T, L, k): routes of every token fed
-            rt = torch.stack([b.view(B, T, self.top_k) for b in self.lm.layer_routes()], dim=2).cpu().numpy()
+            rt = captured_routes(self.lm, B, T)
             for j, s in enumerate(self.seqs):
                 s.routes[s.plen + len(s.toks) - 1] = rt[j, -1]
             for j, s in enumerate(joining):
@@ -460,18 +433,19 @@ class RunningBatch:
         self.mask = mask
         self.seqs += joining
         self._trim()
-        self.eng.fused_joins += 1
+        self.fused_joins += 1
 
     # ------------------------------------------------------------------ results
     def result(self, s: Seq) -> GenResult:
-        """The :class:`GenResult` of a finished row (aligned rescoring applied if enabled)."""
+        """The :class:`GenResult` of a finished row (aligned rescoring applied if enabled:
+        :func:`serving.torch_engine.sampler.score_aligned`)."""
         eng, lm = self.eng, self.lm
         t_end = time.perf_counter()
         n = len(s.toks)
         rt = s.routes[:s.plen + n - 1] if s.routes is not None and n else None
         lps = s.lps
         if eng.aligned_logprobs and n and s.finish != "abort":
-            lps, rescored = eng._score_aligned(lm, s.req.prompt_token_ids, s.toks)
+            lps, rescored = score_aligned(lm, s.req.prompt_token_ids, s.toks, eng.device)
             if rt is not None:  # the routes of the scoring pass go with its logprobs
                 rt = rescored.astype(self.route_dtype)
             t_end = time.perf_counter()
