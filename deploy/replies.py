@@ -2,7 +2,7 @@
 
 The sample shards hold the completions users voted on; a candidate whose unvoted replies
 drift (shorter, no answer, cut at ``max_tokens``, repeating themselves) would hide there.
-Every completion a pod serves is on the completions topic (``schemas.topics.COMPLETIONS``,
+Every completion a pod serves is on the completions topic (``schemas.settings.topic_names().completions``,
 the same record the stream processor joins), so :class:`ServedCompletions` reads that topic
 from its start in a background thread and keeps, per model version and second of
 ``created_at``, the guard counts of :class:`deploy.analysis.ArmStats`: ``completions``,
@@ -94,7 +94,7 @@ class ServedCompletions:
 
     Args:
         bootstrap: Kafka bootstrap servers.
-        topic: the completions topic (default ``schemas.topics.COMPLETIONS``).
+        topic: the completions topic (default ``schemas.settings.topic_names().completions``).
         judge: the workload's :class:`ReplyJudge`, or None (``no_answer`` = empty reply).
         poll_s: consumer poll timeout (s).
 
@@ -108,9 +108,9 @@ class ServedCompletions:
     def __init__(self, bootstrap: str, topic: str | None = None, judge: ReplyJudge | None = None,
                  poll_s: float = 0.3):
         if topic is None:
-            from schemas import topics
+            from schemas.settings import topic_names
 
-            topic = topics.COMPLETIONS
+            topic = topic_names().completions
         self.bootstrap, self.topic, self.judge, self.poll_s = bootstrap, topic, judge, poll_s
         self._buckets: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0] * len(GUARD_FIELDS))
         self._lock = threading.Lock()

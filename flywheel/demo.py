@@ -360,7 +360,7 @@ class Demo:
         self.broker = None
         if os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"):
             self.bootstrap = os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"]
-            from schemas.topics import ensure_topics
+            from flywheel.topic_admin import ensure_topics
             ensure_topics(self.bootstrap)
             self.log(f"using external Kafka at {self.bootstrap}")
         else:
@@ -551,16 +551,15 @@ class Demo:
         from kafka import KafkaConsumer, TopicPartition
 
         from schemas.events import DeadLetter
-        from schemas.topics import DEADLETTER
+        from schemas.settings import kafka_client_config, topic_names
 
+        deadletter = topic_names().deadletter
         ids: set[str] = set()
-        from schemas.settings import kafka_client_config
-
         c = KafkaConsumer(**kafka_client_config(self.bootstrap), enable_auto_commit=False,
                           consumer_timeout_ms=1500, group_id=None)
         try:
-            parts = c.partitions_for_topic(DEADLETTER) or set()
-            tps = [TopicPartition(DEADLETTER, p) for p in parts]
+            parts = c.partitions_for_topic(deadletter) or set()
+            tps = [TopicPartition(deadletter, p) for p in parts]
             c.assign(tps)
             c.seek_to_beginning(*tps)
             for msg in c:

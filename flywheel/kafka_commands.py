@@ -93,7 +93,7 @@ def topics_create(cluster: ClusterConfig, *, output: Optional[Format] = OUTPUT):
     """Create the missing topics with the settings' prefix, partitions, replication factor,
     retention and max message size; then verify every topic. An existing topic that differs is
     never altered: it is reported and the command exits 1."""
-    from schemas.topics import create_topics
+    from flywheel.topic_admin import create_topics
 
     s = _settings()
     try:
@@ -112,7 +112,7 @@ def topics_check(cluster: ClusterConfig, *, output: Optional[Format] = OUTPUT,
                  as_json: bool = typer.Option(False, "--json", help="Same as -o json.")):
     """Verify that every topic exists as the settings say; exit 1 on a missing topic or a
     mismatch (partitions, replication factor, a config the broker reports). Changes nothing."""
-    from schemas.topics import check_topics
+    from flywheel.topic_admin import check_topics
 
     fmt = resolve(output, as_json)
     s = _settings()

@@ -23,8 +23,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from schemas.topics import INGEST_APP_ID, SPECS, TopicNames
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -286,8 +288,6 @@ class KafkaSettings(BaseSettings):
     @field_validator("retention_ms")
     @classmethod
     def _retention(cls, v: dict[str, int]) -> dict[str, int]:
-        from schemas.topics import SPECS
-
         for name, ms in v.items():
             if name not in SPECS:
                 raise ValueError(f"unknown topic {name!r}; topics are {', '.join(SPECS)}")
@@ -329,6 +329,25 @@ def _kafka_settings_for(env: tuple[tuple[str, str], ...]) -> KafkaSettings:
 def kafka_settings() -> KafkaSettings:
     """The current :class:`KafkaSettings` (re-read whenever a ``FLYWHEEL_KAFKA_*`` variable changes)."""
     return _kafka_settings_for(_kafka_env())
+
+
+def topic_names(settings: KafkaSettings | None = None, app_id: str = INGEST_APP_ID) -> TopicNames:
+    """The topics' full names and the ingest group under the settings' ``topic_prefix``
+    (``FLYWHEEL_KAFKA_TOPIC_PREFIX``), resolved now: a process calls this once and passes the
+    result to what produces or consumes.
+
+    Other ``FLYWHEEL_KAFKA_*`` values that do not validate do not stop the names from being
+    resolved: the prefix is then taken as the environment gives it, and the first Kafka client
+    or the CLI's settings check reports the bad value.
+    """
+    if settings is not None:
+        prefix = settings.topic_prefix
+    else:
+        try:
+            prefix = kafka_settings().topic_prefix
+        except ValidationError:
+            prefix = os.environ.get("FLYWHEEL_KAFKA_TOPIC_PREFIX", "")
+    return TopicNames.for_prefix(prefix, app_id)
 
 
 KafkaLibrary = Literal["kafka-python", "aiokafka"]

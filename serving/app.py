@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from schemas import settings
 from schemas.split import check_share
+from schemas.topics import TopicNames
 from serving.config import DEFAULT_POD, ServeConfig
 from serving.eventlog import EventLog
 from serving.http import errors
@@ -89,7 +90,7 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
                eval_share: float | None = None, cors_origins: list[str] | None = None,
                max_prompt_tokens: int = 8192, default_max_tokens: int = 256,
                max_body_bytes: int | None = None, admin_port: int | None = None,
-               signals: SignalDetector | None = None) -> FastAPI:
+               signals: SignalDetector | None = None, topics: TopicNames | None = None) -> FastAPI:
     """The FastAPI app of one serving pod.
 
     Args:
@@ -117,6 +118,8 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
             user (default :meth:`serving.signals.SignalDetector.from_config` of
             :class:`serving.config.ServeConfig`'s defaults; one with both kinds off derives
             nothing).
+        topics: the topic names events go to (default :func:`schemas.settings.topic_names`,
+            resolved once here).
 
     Raises:
         ValueError: ``eval_share`` outside [0, 1].
@@ -133,13 +136,15 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
         served_model_name, event_log, queue_depth=engine.queue_depth,
         running=lambda: openai_box[0].running() if openai_box else 0.0,
         swap_pause_s=lambda: None if slots.last_swap_pause_ms is None else slots.last_swap_pause_ms / 1000)
-    completions_log = CompletionLogger(event_log, pod, on_emit=lambda kind: metrics.events_accepted.labels(kind).inc())
+    topics = topics or settings.topic_names()
+    completions_log = CompletionLogger(event_log, pod, topics.completions, on_emit=lambda kind: metrics.events_accepted.labels(kind).inc())
     prompts = PromptBuilder(engine.tokenizer, engine.max_positions, max_prompt_tokens)
     signals = SignalDetector.from_config(serve_defaults) if signals is None else signals
     openai = OpenAIServing(slots, prompts, completions_log, metrics, salt=salt, served_model_name=served_model_name,
-                           eval_share=eval_share, default_max_tokens=default_max_tokens, signals=signals)
+                           eval_share=eval_share, default_max_tokens=default_max_tokens, signals=signals,
+                           feedback_topic=topics.feedback)
     openai_box.append(openai)
-    feedback = FeedbackServing(event_log, completions_log, metrics, salt)
+    feedback = FeedbackServing(event_log, completions_log, metrics, salt, topics.feedback)
 
     app = FastAPI(title="Flywheel serving", version="1")
     app.state.flywheel = ServingState(pod=pod, slots=slots, event_log=event_log, metrics=metrics,

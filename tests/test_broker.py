@@ -10,7 +10,9 @@ import sys
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
-from schemas.topics import ALL_TOPICS, COMPLETIONS
+from schemas.settings import topic_names
+ALL_TOPICS = topic_names().all
+COMPLETIONS = topic_names().completions
 
 
 def _cli(env, *args):

@@ -16,6 +16,7 @@ import uuid
 import httpx
 import pytest
 
+from schemas.settings import topic_names
 from schemas import topics
 from schemas.events import MAX_FUTURE_SKEW_MS, FeedbackEvent, now_ms
 from tests.test_serving_app import consume
@@ -68,7 +69,7 @@ def test_future_votes_refused_beyond_the_tolerance_and_clamped_within(pod):
     assert [x["status"] for x in batch["results"]] == [422, 200], batch
     assert batch["results"][0]["error"]["param"] == "created_at"
 
-    recs = consume(pod["bootstrap"], topics.FEEDBACK, 2, keys={cid})
+    recs = consume(pod["bootstrap"], topic_names().feedback, 2, keys={cid})
     got = {str(e.event_id): e.created_at for e in (FeedbackEvent.from_bytes(x.value) for x in recs)}
     assert set(got) == {near["event_id"], past["event_id"]}  # nothing refused reached Kafka
     assert t0 <= got[near["event_id"]] <= t1 < near["created_at"]  # clamped to the pod's clock
@@ -154,6 +155,6 @@ def test_a_pod_name_no_event_can_carry_is_refused_at_start():
 
     for bad, why in (("p" * 257, "at most 256"), ("pod\x00", "NUL"), ("", "at least 1")):
         with pytest.raises(ValueError, match="pod: ") as exc:
-            CompletionLogger(None, bad)
+            CompletionLogger(None, bad, "flywheel.completions")
         assert why in str(exc.value)
-    assert CompletionLogger(None, "p" * 256).pod == "p" * 256
+    assert CompletionLogger(None, "p" * 256, "flywheel.completions").pod == "p" * 256

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from flywheel import topic_admin
+from schemas.settings import topic_names
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,11 +25,11 @@ def test_group_name_is_the_app_id_under_the_prefix(monkeypatch, tmp_path):
     from schemas import topics
 
     monkeypatch.delenv("FLYWHEEL_KAFKA_TOPIC_PREFIX", raising=False)
-    assert topics.INGEST_GROUP == "flywheel-ingest"  # no prefix: the name of every release so far
+    assert topic_names().ingest_group == "flywheel-ingest"  # no prefix: the name of every release so far
     assert topics.ingest_group("custom", prefix="team-a.") == "team-a.custom"
     monkeypatch.setenv("FLYWHEEL_KAFKA_TOPIC_PREFIX", "team-a.")
     cfg = IngestConfig(bootstrap="127.0.0.1:1", state_path=tmp_path / "s.sqlite", app_id="custom")
-    assert (topics.INGEST_GROUP, cfg.group_id) == ("team-a.flywheel-ingest", "team-a.custom")
+    assert (topic_names().ingest_group, cfg.group_id) == ("team-a.flywheel-ingest", "team-a.custom")
     # two deployments sharing one PostgreSQL database keep their join states apart too
     assert schema_name(cfg.group_id) == "ingest_team_a_custom" != schema_name("team-b.custom")
 
@@ -41,11 +43,11 @@ def test_two_prefixes_two_groups_on_one_broker(broker, monkeypatch, tmp_path):
     setups = []
     for prefix in PREFIXES:
         monkeypatch.setenv("FLYWHEEL_KAFKA_TOPIC_PREFIX", prefix)
-        topics.ensure_topics(broker.bootstrap)
+        topic_admin.ensure_topics(broker.bootstrap)
         cfg = IngestConfig(bootstrap=broker.bootstrap, state_path=tmp_path / prefix / "state.sqlite")
         kw = consumer_settings(cfg)
-        assert kw["group_id"] == topics.INGEST_GROUP == prefix + "flywheel-ingest"  # what serving watches
-        setups.append((prefix, kw, (topics.COMPLETIONS, topics.FEEDBACK)))
+        assert kw["group_id"] == topic_names().ingest_group == prefix + "flywheel-ingest"  # what serving watches
+        setups.append((prefix, kw, (topic_names().completions, topic_names().feedback)))
 
     async def join(kw: dict, subscribed: tuple[str, str]) -> set:
         c = AIOKafkaConsumer(*subscribed, **kw)
@@ -67,7 +69,7 @@ def test_two_prefixes_two_groups_on_one_broker(broker, monkeypatch, tmp_path):
     for (prefix, _, subs), assigned in zip(setups, got):
         # one member per group: it holds every partition of its own topics and nothing else
         assert assigned == {(t, p) for t in subs for p in range(6)}, (prefix, assigned)
-    admin = topics.admin_client(broker.bootstrap)
+    admin = topic_admin.admin_client(broker.bootstrap)
     try:
         groups = {g["group_id"] for g in admin.list_groups()}
         committed = {g: {tp.topic for tp in admin.list_group_offsets([g]).get(g, {})} for g in groups}

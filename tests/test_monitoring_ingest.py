@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ingest.metrics import DEADLETTER_REASONS, IngestMetrics, reason_class
 from schemas import topics
 from schemas.events import FeedbackEvent, now_ms
-from schemas.settings import free_port
+from schemas.settings import free_port, topic_names
 from tests.test_ingest_e2e import ROOT, _completion, produce, stop, wait_for
 
 
@@ -86,11 +86,11 @@ def test_worker_metrics_endpoint_counts_what_was_produced(broker, fw_home, tmp_p
             m = scrape()
             return (m.get(("flywheel_ingest_samples_sealed_total", ()), 0) == 6
                     and m.get(("flywheel_ingest_deadletters_total",
-                               (("reason", "orphan"), ("topic", topics.FEEDBACK))), 0) == 1)
+                               (("reason", "orphan"), ("topic", topic_names().feedback))), 0) == 1)
 
         wait_for(done, 90, "6 samples sealed and 1 orphan dead letter", proc, log)
         m = scrape()
-        c, f = (("topic", topics.COMPLETIONS),), (("topic", topics.FEEDBACK),)
+        c, f = (("topic", topic_names().completions),), (("topic", topic_names().feedback),)
         assert m[("flywheel_ingest_records_consumed_total", c)] == 8
         assert m[("flywheel_ingest_records_consumed_total", f)] == len(fb) + len(bad)
         assert m[("flywheel_ingest_records_joined_total", c)] == 8
@@ -127,12 +127,12 @@ def test_consumer_lag_after_a_multi_record_batch(broker):
     # on a loaded machine, and the end offset then read 98)
     p = KafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=60_000, batch_size=1 << 20)
     for i in range(100):
-        p.send(topics.DEADLETTER, key=b"k", value=b"x%d" % i, partition=0)
+        p.send(topic_names().deadletter, key=b"k", value=b"x%d" % i, partition=0)
     p.flush()
     p.close()
 
     async def run():
-        tp = TopicPartition(topics.DEADLETTER, 0)
+        tp = TopicPartition(topic_names().deadletter, 0)
         c = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap, enable_auto_commit=False,
                              auto_offset_reset="earliest")
         await c.start()
@@ -149,6 +149,6 @@ def test_consumer_lag_after_a_multi_record_batch(broker):
             await c.stop()
 
     m, list_offsets_end = asyncio.run(run())
-    assert m[("flywheel_ingest_consumer_lag", (("partition", "0"), ("topic", topics.DEADLETTER)))] == 70
+    assert m[("flywheel_ingest_consumer_lag", (("partition", "0"), ("topic", topic_names().deadletter)))] == 70
     assert m[("flywheel_ingest_assigned_partitions", ())] == 1
     assert list_offsets_end == 1  # Tansu's ListOffsets after a 100-record batch (if this changes, DESIGN §3 too)

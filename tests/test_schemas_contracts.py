@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
+from schemas.settings import topic_names
 from flywheel.cli import app
 from schemas import topics
 from schemas.json_schema import compatibility_problems, contracts, schema_of
@@ -78,14 +79,14 @@ def real_events(tiny_moe_dir, tmp_path_factory):
         f = httpx.post(srv.url + "/v1/feedback", timeout=30, json={"completion_id": cid, "value": 1, "user": "bob",
                                                                    "comment": "nice"})
         assert f.status_code == 200, f.text
-        (comp,) = consume_all(b.bootstrap, topics.COMPLETIONS, {cid}, 1)
-        (fb,) = consume_all(b.bootstrap, topics.FEEDBACK, {cid}, 1)
+        (comp,) = consume_all(b.bootstrap, topic_names().completions, {cid}, 1)
+        (fb,) = consume_all(b.bootstrap, topic_names().feedback, {cid}, 1)
         from deploy import ledger
 
         ledger.publish(b.bootstrap, ledger.LedgerEntry(version="v000001", stable="v000000", step=1, weight=0.05,
                                                        decision="STEP", reason="schemas test",
                                                        numbers={"votes": 3}, ts=int(time.time() * 1000)))
-        (dep,) = consume_all(b.bootstrap, topics.DEPLOYMENTS, {"v000001"}, 1)
+        (dep,) = consume_all(b.bootstrap, topic_names().deployments, {"v000001"}, 1)
         yield {"completion": comp.value, "feedback": fb.value, "deployment": dep.value, "cid": cid}
     finally:
         srv.stop()
@@ -119,7 +120,7 @@ def test_real_events_from_a_pod_validate(exported, real_events):
     validator(exported["SampleNotice"]).validate(notice)
     assert notice["shard"] == path.relative_to("/srv/samples").as_posix() and notice["row"] == 4
     dl = parse_event(FeedbackEvent, real_events["feedback"].replace(b'"value":1.0', b'"value":"up"'),
-                     topics.FEEDBACK, real_events["cid"])
+                     topic_names().feedback, real_events["cid"])
     assert dl.field == "value"
     validator(exported["DeadLetter"]).validate(json.loads(dl.to_bytes()))
 

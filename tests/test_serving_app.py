@@ -13,6 +13,7 @@ import numpy as np
 import openai
 import pytest
 
+from schemas.settings import topic_names
 from schemas import topics
 from schemas.events import CompletionEvent, FeedbackEvent, hash_user
 from schemas.modelspec import load_tokenizer
@@ -84,7 +85,7 @@ def test_chat_completion_logs_one_event(pod, client):
         assert len(c.top_logprobs) == 3
         assert c.top_logprobs[0].logprob >= c.logprob - 1e-6
 
-    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 2, timeout_s=3, keys={cid})
+    recs = consume(pod["bootstrap"], topic_names().completions, 2, timeout_s=3, keys={cid})
     assert len(recs) == 1
     assert b"alice" not in recs[0].value
     ev = CompletionEvent.from_bytes(recs[0].value)
@@ -145,9 +146,9 @@ def test_async_client_concurrent_requests_batch(pod):
     res = asyncio.run(go())
     ids = {r.id for r in res}
     assert len(ids) == 8
-    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 8, keys=ids)
+    recs = consume(pod["bootstrap"], topic_names().completions, 8, keys=ids)
     time.sleep(0.5)
-    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 9, timeout_s=1, keys=ids)  # a 9th would be a duplicate
+    recs = consume(pod["bootstrap"], topic_names().completions, 9, timeout_s=1, keys=ids)  # a 9th would be a duplicate
     keys = [r.key.decode() for r in recs]
     for i in ids:
         assert keys.count(i) == 1
@@ -167,7 +168,7 @@ def test_feedback_publishes_event(pod, client):
     out2 = httpx.post(pod["url"] + "/v1/feedback", json={"completion_id": r.id, "value": 1},
                       headers={"x-flywheel-user": "carol"}).json()
     uuid.UUID(out2["event_id"])
-    recs = consume(pod["bootstrap"], topics.FEEDBACK, 2, keys={r.id})
+    recs = consume(pod["bootstrap"], topic_names().feedback, 2, keys={r.id})
     evs = sorted((FeedbackEvent.from_bytes(x.value) for x in recs), key=lambda e: e.value)
     assert [e.value for e in evs] == [-1.0, 1.0]
     assert str(evs[0].event_id) == eid and evs[0].comment == "wrong"
@@ -259,7 +260,7 @@ def test_64_concurrent_requests_all_have_complete_routes(pod):
     res = asyncio.run(go())
     ids = {r.id: r for r in res}
     assert len(ids) == 64
-    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 64, keys=set(ids))
+    recs = consume(pod["bootstrap"], topic_names().completions, 64, keys=set(ids))
     assert len(recs) == 64
     for x in recs:
         ev = CompletionEvent.from_bytes(x.value)
@@ -308,7 +309,7 @@ def test_stream_disconnect_still_logs_exactly_one_event(pod):
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 2:
                     break
-    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 2, timeout_s=3, keys={cid})  # waits for a duplicate
+    recs = consume(pod["bootstrap"], topic_names().completions, 2, timeout_s=3, keys={cid})  # waits for a duplicate
     assert len(recs) == 1
     ev = CompletionEvent.from_bytes(recs[0].value)
     assert ev.finish_reason in ("abort", "stop") and len(ev.completion_token_ids) < 400
@@ -334,7 +335,7 @@ def test_non_streamed_request_whose_client_leaves_is_aborted(pod):
     finally:
         eng.eos_id = saved
     for _ in range(5):  # the event is produced after the abort, off the event loop
-        recs = [r for r in consume(pod["bootstrap"], topics.COMPLETIONS, 1000, timeout_s=3)
+        recs = [r for r in consume(pod["bootstrap"], topic_names().completions, 1000, timeout_s=3)
                 if CompletionEvent.from_bytes(r.value).request_id == rid]
         if recs:
             break
@@ -375,7 +376,7 @@ def test_n_choices_are_separate_completions(pod, client):
     assert r.usage.completion_tokens == sum(len(c.logprobs.token_logprobs) for c in r.choices)
     for i, c in enumerate(r.choices):  # choice i == a single request seeded seed + i
         assert client.completions.create(**{**kw, "seed": 7 + i}).choices[0].text == c.text
-    recs = consume(pod["bootstrap"], topics.COMPLETIONS, 4, timeout_s=3, keys=set(cids))
+    recs = consume(pod["bootstrap"], topic_names().completions, 4, timeout_s=3, keys=set(cids))
     evs = {str(e.completion_id): e for e in (CompletionEvent.from_bytes(x.value) for x in recs)}
     assert len(recs) == 3 and set(evs) == set(cids)
     for i, c in enumerate(r.choices):

@@ -16,7 +16,7 @@ import openai
 
 from schemas import topics
 from schemas.events import CompletionEvent
-from schemas.settings import free_port
+from schemas.settings import free_port, topic_names
 from tests.test_serving_app import consume
 
 
@@ -47,7 +47,7 @@ def test_flywheel_serve_subprocess(tiny_moe_dir, broker, fw_home, tmp_path):
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(model="fw", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
         assert r.model == "v000000"
-        recs = [x for x in consume(broker.bootstrap, topics.COMPLETIONS, 1) if x.key == r.id.encode()]
+        recs = [x for x in consume(broker.bootstrap, topic_names().completions, 1) if x.key == r.id.encode()]
         ev = CompletionEvent.from_bytes(recs[0].value)
         assert len(recs) == 1 and ev.pod == "cli-pod" and ev.split == "eval"  # FLYWHEEL_EVAL_SHARE=1
         fb = {"Authorization": "Bearer fb-key"}

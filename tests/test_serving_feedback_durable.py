@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from schemas.settings import topic_names
 from flywheel.broker import free_port
 from schemas import topics
 from serving.app import create_app
@@ -70,7 +71,7 @@ def test_no_kafka_answers_once_the_event_is_in_the_journal(slots, tmp_path):
         assert r.status_code == 200 and r.json()["duplicate"] is False
         lines = [json.loads(x) for x in journal.read_text().splitlines()]  # read right after the answer
         assert [(x["topic"], json.loads(base64.b64decode(x["value"]))["event_id"]) for x in lines] == \
-            [(topics.FEEDBACK, eid)]
+            [(topic_names().feedback, eid)]
     finally:
         srv.stop()
         ev.close(timeout_s=0.5)

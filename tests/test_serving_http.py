@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from schemas.settings import topic_names
 from schemas import topics
 from schemas.events import CompletionEvent, FeedbackEvent
 from serving.app import create_app
@@ -446,7 +447,7 @@ def test_feedback_batch_per_item_results_and_nothing_lost(env):
     assert [res[i]["error"]["param"] for i in (1, 3, 5, 6, 7)] == ["value", "name", "event_id", "value", "metadata.k"]
     assert res[5]["error"]["code"] == "event_id_conflict"
     # published: items 0, 2, 8 exactly once (the duplicate is not sent again)
-    recs = consume(env["bootstrap"], topics.FEEDBACK, 4, timeout_s=5, keys={cid})
+    recs = consume(env["bootstrap"], topic_names().feedback, 4, timeout_s=5, keys={cid})
     evs = [FeedbackEvent.from_bytes(x.value) for x in recs]
     evs = [e for e in evs if str(e.event_id) in {eid_dup, eid_conflict, res[2]["event_id"]}]
     assert sorted(str(e.event_id) for e in evs) == sorted([eid_dup, eid_conflict, res[2]["event_id"]])
@@ -470,7 +471,7 @@ def test_single_feedback_idempotent_on_event_id(env):
     assert (a["duplicate"], b["duplicate"]) == (False, True) and a["event_id"] == b["event_id"]
     c = post(env, "/v1/feedback", {**body, "value": 1})
     assert c.status_code == 409 and c.json()["error"]["param"] == "event_id"
-    recs = consume(env["bootstrap"], topics.FEEDBACK, 2, timeout_s=3, keys={cid})
+    recs = consume(env["bootstrap"], topic_names().feedback, 2, timeout_s=3, keys={cid})
     assert [FeedbackEvent.from_bytes(x.value).event_id for x in recs] == [uuid.UUID(body["event_id"])]
 
 
@@ -508,7 +509,7 @@ def test_completion_split_by_hash_and_by_tag(env):
               headers={**H_API, "X-Flywheel-Split": "train"})
     cids[r1.json()["id"]], cids[r2.json()["id"]] = "eval", "train"
     assert (r1.headers["x-flywheel-split"], r2.headers["x-flywheel-split"]) == ("eval", "train")
-    recs = consume(env["bootstrap"], topics.COMPLETIONS, len(cids), keys=set(cids))
+    recs = consume(env["bootstrap"], topic_names().completions, len(cids), keys=set(cids))
     assert {str(e.completion_id): e.split for e in map(lambda x: CompletionEvent.from_bytes(x.value), recs)} == cids
     bad = post(env, "/v1/completions", {"model": "flywheel", "prompt": "x", "metadata": {"flywheel_split": "test"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "metadata.flywheel_split"

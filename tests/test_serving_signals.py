@@ -18,6 +18,7 @@ import uuid
 import httpx
 import pytest
 
+from schemas.settings import topic_names
 from schemas import topics
 from schemas.events import FeedbackEvent, hash_user
 from serving.config import ServeConfig
@@ -327,7 +328,7 @@ def feedback_on(pod, cids: set[str], want: int) -> list[FeedbackEvent]:
 
     pod["app"].state.flywheel.openai.flush_signals()
     assert pod["ev"].flush(30)
-    recs = consume(pod["bootstrap"], topics.FEEDBACK, want, keys=cids)
+    recs = consume(pod["bootstrap"], topic_names().feedback, want, keys=cids)
     return [FeedbackEvent.model_validate_json(r.value) for r in recs]
 
 

@@ -272,7 +272,8 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
     from flywheel.broker import free_port
     from schemas.events import CompletionEvent
     from schemas.modelspec import load_model
-    from schemas.topics import COMPLETIONS
+    from schemas.settings import topic_names
+    COMPLETIONS = topic_names().completions
     from tests.conftest import make_tiny_moe
     from tests.test_serving_app import consume
 

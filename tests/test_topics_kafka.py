@@ -16,10 +16,11 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from flywheel import topic_admin
 from flywheel.broker import BrokerProcess, free_port, tansu_binary, wait_listening
 from flywheel.cli import app
 from schemas import topics
-from schemas.settings import KafkaSettings, kafka_client_config, kafka_settings
+from schemas.settings import KafkaSettings, kafka_client_config, kafka_settings, topic_names
 
 SHORTS = ("completions", "feedback", "samples", "deadletter", "ingest.rekeyed", "deployments")
 
@@ -62,7 +63,7 @@ def test_create_with_prefix_then_check_ok_then_mismatch_refused(bare_broker, mon
     want = {f"team-a.flywheel.{s}" for s in SHORTS}
     assert set(out["created"]) == want and out["mismatches"] == []
     assert _describe(bare_broker.bootstrap) == {t: 3 for t in want}  # nothing unprefixed was created
-    assert topics.COMPLETIONS == "team-a.flywheel.completions"  # every producer and consumer uses these names
+    assert topic_names().completions == "team-a.flywheel.completions"  # every producer and consumer uses these names
 
     r = CliRunner().invoke(app, ["topics", "check", "--json"])
     assert r.exit_code == 0, r.output
@@ -96,14 +97,14 @@ def test_create_refuses_a_preexisting_topic_with_other_partitions(bare_broker, m
     assert out["mismatches"] == ["flywheel.feedback: 2 partitions, expected 6 (FLYWHEEL_KAFKA_PARTITIONS; "
                                  "completions and feedback must be co-partitioned)"]
     with pytest.raises(RuntimeError, match="must be co-partitioned"):
-        topics.ensure_topics(bare_broker.bootstrap)
+        topic_admin.ensure_topics(bare_broker.bootstrap)
 
 
 def test_unreachable_cluster_and_bad_settings_exit_1_naming_the_cause(monkeypatch):
     _clear_kafka_env(monkeypatch)
     monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", f"127.0.0.1:{free_port()}")
     t0 = time.monotonic()
-    monkeypatch.setattr(topics, "admin_client", lambda b, s, timeout_s=30.0, _f=topics.admin_client: _f(b, s, 1.0))
+    monkeypatch.setattr(topic_admin, "admin_client", lambda b, s, timeout_s=30.0, _f=topic_admin.admin_client: _f(b, s, 1.0))
     r = CliRunner().invoke(app, ["topics", "check"])
     assert r.exit_code == 1 and "not reachable within 1.0s" in r.stderr and time.monotonic() - t0 < 20
     monkeypatch.setenv("FLYWHEEL_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
@@ -155,7 +156,7 @@ def test_sasl_from_env_and_password_file(tmp_path, monkeypatch):
     async def make():
         AIOKafkaProducer(**akw)
     asyncio.run(make())
-    plan = {t.short: t for t in topics.plan()}
+    plan = {t.short: t for t in topics.plan(kafka_settings())}
     assert plan["completions"].configs == {"retention.ms": "86400000", "max.message.bytes": str(16 << 20)}
     assert plan["deployments"].configs["retention.ms"] == "-1"
 
@@ -164,16 +165,16 @@ def test_mismatches_table():
     want = [topics.TopicPlan("feedback", "p.flywheel.feedback", 6, 3,
                              {"retention.ms": "604800000", "max.message.bytes": "1048576"})]
     ok = {"p.flywheel.feedback": {"partitions": 6, "replication_factor": 3, "configs": {}}}
-    assert topics.mismatches(want, ok) == []
-    assert topics.unverified(want, ok) == ["p.flywheel.feedback:retention.ms", "p.flywheel.feedback:max.message.bytes"]
+    assert topic_admin.mismatches(want, ok) == []
+    assert topic_admin.unverified(want, ok) == ["p.flywheel.feedback:retention.ms", "p.flywheel.feedback:max.message.bytes"]
     cases = [({"partitions": 6, "replication_factor": 1, "configs": {}},
               ["p.flywheel.feedback: replication factor 1, expected 3 (FLYWHEEL_KAFKA_REPLICATION_FACTOR)"]),
              ({"partitions": 6, "replication_factor": 3, "configs": {"retention.ms": "1000",
                                                                      "max.message.bytes": "1048576"}},
               ["p.flywheel.feedback: retention.ms=1000, expected 604800000"])]
     for have, msgs in cases:
-        assert topics.mismatches(want, {"p.flywheel.feedback": have}) == msgs
-    assert topics.mismatches(want, {}) == ["p.flywheel.feedback: missing (run `flywheel topics create`)"]
+        assert topic_admin.mismatches(want, {"p.flywheel.feedback": have}) == msgs
+    assert topic_admin.mismatches(want, {}) == ["p.flywheel.feedback: missing (run `flywheel topics create`)"]
 
 
 class TlsTerminator:
@@ -272,7 +273,7 @@ def test_every_client_speaks_tls_from_settings(tls_broker, tmp_path, monkeypatch
                                                    decision="START", reason="tls test", ts=1))
     ev = EventLog(b.bootstrap, tmp_path / "ev.journal")
     cid = str(uuid.uuid4())
-    ev.emit(topics.COMPLETIONS, cid, b'{"x": 1}')
+    ev.emit(topic_names().completions, cid, b'{"x": 1}')
     assert ev.flush(20.0) and ev.counters.sent + ev.counters.replayed == 1, ev.counters
     ev.close()
 
@@ -286,7 +287,7 @@ def test_every_client_speaks_tls_from_settings(tls_broker, tmp_path, monkeypatch
         c = AIOKafkaConsumer(**kw)
         await c.start()
         try:
-            tps = [TopicPartition(t, p) for t in (topics.COMPLETIONS, topics.DEPLOYMENTS) for p in range(2)]
+            tps = [TopicPartition(t, p) for t in (topic_names().completions, topic_names().deployments) for p in range(2)]
             c.assign(tps)
             await c.seek_to_beginning(*tps)
             got: dict[str, bytes] = {}

@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flywheel import topic_admin
+from schemas.settings import topic_names
 from flywheel.broker import free_port
 from schemas.events import CompletionEvent, hash_user
 
@@ -119,7 +121,7 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
     from tests.test_serving_app import consume
 
     monkeypatch.setenv("FLYWHEEL_KAFKA_TOPIC_PREFIX", PREFIX)
-    topics.ensure_topics(broker.bootstrap)
+    topic_admin.ensure_topics(broker.bootstrap)
     store = ModelStore(tmp_path / "store")
     store.init_base(tiny_moe_dir)
     publish_v(store, "v000000")
@@ -178,7 +180,7 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
         # the CompletionEvents of both pods carry one user_hash per user: the salt's
         keys = {cid for cid in cids.values()}
         evs = [CompletionEvent.from_bytes(r.value)
-               for r in consume(broker.bootstrap, topics.COMPLETIONS, len(keys), keys=keys)]
+               for r in consume(broker.bootstrap, topic_names().completions, len(keys), keys=keys)]
         assert len(evs) == len(keys)
         pods_of_hash: dict[str, set[str]] = {}
         for ev in evs:
@@ -201,7 +203,7 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
         assert s["user_hash"] == hash_user(users[0], SALT)
 
         # the worker's consumer group carries the topic prefix (item 5)
-        admin = topics.admin_client(broker.bootstrap)
+        admin = topic_admin.admin_client(broker.bootstrap)
         try:
             groups = {g["group_id"] for g in admin.list_groups()}
             committed = {g: admin.list_group_offsets([g]).get(g, {}) for g in (PREFIX + "flywheel-ingest",

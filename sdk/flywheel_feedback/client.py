@@ -317,7 +317,10 @@ class _KafkaTransport:
     """Sends a batch of FeedbackEvent bytes to ``flywheel.feedback`` (acks=all)."""
 
     def __init__(self, bootstrap: str, timeout_s: float):
+        from schemas.settings import topic_names
+
         self.bootstrap, self.timeout_s = bootstrap, timeout_s
+        self.topic = topic_names().feedback  # the fleet's prefix, resolved when the client is made
         self.producer = None
 
     def send(self, batch: list[dict]) -> tuple[list[int], list[tuple[int, str]]]:
@@ -330,10 +333,7 @@ class _KafkaTransport:
                 ms = max(1, int(self.timeout_s * 1000))  # every wait of one try: bootstrap, metadata, request
                 self.producer = KafkaProducer(**kafka_client_config(self.bootstrap), acks="all",
                                               request_timeout_ms=ms, max_block_ms=ms, bootstrap_timeout_ms=ms)
-            from schemas import topics
-
-            topic = topics.FEEDBACK  # read once per batch: each read scans the environment
-            futs = [self.producer.send(topic, key=p["completion_id"].encode(), value=p["_bytes"]) for p in batch]
+            futs = [self.producer.send(self.topic, key=p["completion_id"].encode(), value=p["_bytes"]) for p in batch]
             self.producer.flush(timeout=self.timeout_s)
             for f in futs:
                 f.get(timeout=self.timeout_s)
@@ -355,7 +355,6 @@ def _flywheel_schemas() -> None:
     try:
         import schemas.events  # noqa: F401
         import schemas.settings  # noqa: F401
-        import schemas.topics  # noqa: F401
     except ImportError as exc:
         raise ValueError(
             "kafka_bootstrap: Kafka mode reads the fleet's Kafka settings (FLYWHEEL_KAFKA_*), topic prefix and "

@@ -14,7 +14,6 @@ import logging
 import threading
 import uuid
 
-from schemas import topics
 from pydantic import TypeAdapter, ValidationError
 
 from schemas.events import CompletionEvent, ExpertRoutes, IdText, SamplingParams
@@ -31,6 +30,7 @@ class CompletionLogger:
     Args:
         event_log: a :class:`serving.eventlog.EventLog`, or None (logging off: benchmarks).
         pod: the pod name written into every event.
+        topic: the completions topic's full name (:class:`schemas.topics.TopicNames`).
         on_emit: called with ``"completion"`` after each event (metrics).
 
     Raises:
@@ -38,16 +38,14 @@ class CompletionLogger:
             surrogate): every event would fail to build.
     """
 
-    def __init__(self, event_log, pod: str, on_emit=None):
+    def __init__(self, event_log, pod: str, topic: str, on_emit=None):
         try:
             TypeAdapter(IdText).validate_python(pod)
         except ValidationError as exc:
             raise ValueError(f"pod: {pod[:80]!r} cannot name a pod in events: {exc.errors()[0]['msg']}") from None
         self.event_log = event_log
         self.pod = pod
-        # read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment
-        # (~50-70 us here, more in a pod with many service variables)
-        self.topic = topics.COMPLETIONS
+        self.topic = topic
         self.on_emit = on_emit
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()

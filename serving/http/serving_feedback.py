@@ -26,7 +26,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas import topics
 from schemas.events import FeedbackEvent, clamp_event_time, hash_user, now_ms
 from serving.http.completion_log import CompletionLogger
 from serving.http.errors import error_body, pydantic_error_param, validation_error_body
@@ -46,14 +45,16 @@ class FeedbackServing:
         completions_log: tells which version served a completion (vote metrics).
         metrics: the pod's metrics.
         salt: user-id salt.
+        topic: the feedback topic's full name (:class:`schemas.topics.TopicNames`).
     """
 
-    def __init__(self, event_log, completions_log: CompletionLogger, metrics: ServingMetrics, salt: str):
+    def __init__(self, event_log, completions_log: CompletionLogger, metrics: ServingMetrics, salt: str,
+                 topic: str):
         self.event_log = event_log
         self.completions_log = completions_log
         self.metrics = metrics
         self.salt = salt
-        self.topic = topics.FEEDBACK  # read once: each read scans the environment
+        self.topic = topic
         # event_id -> (content digest, durable future of its one publication)
         self._seen: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
         self._lock = threading.Lock()

@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from schemas import topics
 from schemas.events import hash_user, now_ms
 from schemas.split import SPLIT_HEADER, SPLIT_TAG, SPLITS, choose_split
 from serving.http import wire
@@ -69,7 +68,7 @@ from serving.signals import ChatTurn, SignalDetector
 from serving.slots import Slots
 
 if TYPE_CHECKING:
-    from serving.engine import LoadedModel
+    from serving.engine_base import LoadedModel
 
 log = logging.getLogger("flywheel.serving.openai")
 
@@ -111,11 +110,13 @@ class OpenAIServing:
         default_max_tokens: chat ``max_tokens`` when the request sets none (tokens).
         signals: derives ``regenerate`` / ``followup`` events from chat requests; None or
             one with both kinds off derives nothing.
+        feedback_topic: the feedback topic's full name, where derived signals go.
     """
 
     def __init__(self, slots: Slots, prompts: PromptBuilder, completions_log: CompletionLogger,
                  metrics: ServingMetrics, *, salt: str, served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
-                 eval_share: float, default_max_tokens: int, signals: SignalDetector | None = None):
+                 eval_share: float, default_max_tokens: int, signals: SignalDetector | None = None,
+                 feedback_topic: str):
         self.slots = slots
         self.engine = slots.engine
         self.prompts = prompts
@@ -131,7 +132,7 @@ class OpenAIServing:
         self._final_only = "final_only" in inspect.signature(self.engine.generate).parameters
         self._cpu = concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="flywheel-tokenize")
         self.signals = signals if signals is not None and signals.enabled else None
-        self.feedback_topic = topics.FEEDBACK  # read once: each read scans the environment
+        self.feedback_topic = feedback_topic
         # one thread, FIFO: a reply is remembered before a later request's choice is observed
         self._signal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flywheel-signals") \
             if self.signals is not None else None
