@@ -6,7 +6,9 @@ side by side in one run:
 
 * ``fleet_rollback_converge_s``: `flywheel rollback --to X --yes --serving <Service URL>` from
   its start until every pod serves X (checked on each pod's ``/admin/slots``), alternating X,
-  median of 5 (3 with ``--quick``).
+  median of 5 (3 with ``--quick``), with NO controller running: the command changes the record
+  and watches, and each pod converges through its own watch of the record (``--desired-poll``,
+  2 s by default).
   ``fleet_rollback_inside_command_s``: the part of it from the record change to every pod
   converged, as the command reports it (the rest is the CLI's start).
 * the baseline, what the CLI did before the desired state: one ``POST /admin/rollback`` to the
@@ -92,7 +94,7 @@ def main() -> None:
             served = [rig.complete(c, u) for u in users]
         disagreement = arm_disagreement(served, users)
         pods_hit = len({p for p, _, _ in served})
-        rig.controller.send_signal(signal.SIGTERM)  # operator actions alone from here: the figure is theirs
+        rig.controller.send_signal(signal.SIGTERM)  # no controller from here: the pods' own watch converges them
         rig.controller.wait(15)
         rig.controller = None
 

@@ -1,18 +1,22 @@
 """On-call CLI of ``deploy``: controller, status, versions, promote, rollback, canary,
 pause/resume (learner), runbook.
 
-Operator actions act on the fleet, not on one pod: each writes the intent into the fleet's
-desired-state record on the store's shared storage (:mod:`deploy.desired`), then brings every
-pod to it through the controller's own reconcile code (:mod:`deploy.operator`) and returns
-when every pod serves it or ``--timeout`` passes, printing each pod's outcome; the exit status
-is 0 only when every pod converged. ``canary start|abort`` do the same with the candidate
-(load it at the first weight, or drop it); the controller analyses and advances a canary an
-operator started like its own.
+Operator actions act on the fleet, not on one pod, and never call a pod's mutating
+endpoint: each changes the fleet's desired-state record on the store's shared storage
+(:mod:`deploy.desired`) and appends the decision to the one ledger beside it, then watches
+each pod's served generation (:mod:`deploy.operator`) until every pod reports it or
+``--timeout`` passes, printing each pod's line; the exit status is 0 only when every pod
+converged. The pods converge by themselves (each reads the record every ``--desired-poll``
+seconds) and the controller's reconcile loop PUTs the record's target to every pod, so a
+rollback converges with or without a controller running. ``canary start|abort`` do the same
+with the candidate; the controller analyses and advances a canary an operator started like
+its own.
 
 Every action that changes traffic asks for confirmation unless ``--yes`` and is recorded in
 the ledger whether it succeeded or failed (decision ``X`` or ``X_FAILED``), with who ran it
-(``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``) and why (``--reason``). Every call to
-a pod is bounded by ``--serving-timeout-s`` (else ``$FLYWHEEL_SERVING_TIMEOUT_S``).
+(``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``) and why (``--reason``). Every read of
+a pod is bounded by ``--serving-timeout-s`` (else ``$FLYWHEEL_SERVING_TIMEOUT_S``) and by
+:data:`WATCH_READ_S`, and the whole command by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from rich.table import Table
 
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
-from deploy.controller import (DEFAULT_STEPS, ControllerConfig, RolloutController, RolloutPhase, RolloutStatus,
-                               current_status, format_steps)
-from deploy.desired import DesiredState, FleetRecord, LockTimeout, RecordUnreadable
+from deploy.controller import (DEFAULT_STEPS, ControllerConfig, RolloutController, RolloutPhase, current_status,
+                               format_steps)
+from deploy.desired import DesiredState, FleetRecord, LockTimeout, RecordUnreadable, dropping
 from deploy.discovery import PodDiscovery
 from deploy.operator import ActionResult, run_action
 from deploy.runbook import RUNBOOK
@@ -48,6 +52,8 @@ from deploy.wiring import bootstrap as _bootstrap
 from schemas import settings
 from schemas.options import config_options, model_fields
 from schemas.output import OUTPUT, Format, dumps, resolve
+
+WATCH_READ_S = 2.0  # bound on each read of a pod while an operator command watches the fleet (s)
 
 console = Console()
 if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -224,9 +230,10 @@ def _serving_opt():
 
 
 def _wait_opt():
-    return typer.Option(60.0, "--timeout", min=0.0, help="how long to wait for every pod to converge, retrying "
-                        "the ones that did not (s); the command returns by then whatever a pod does (hung, "
-                        "stopped, unreachable), with each pod's line, and exits 1 if they have not converged")
+    return typer.Option(60.0, "--timeout", min=0.0, help="how long to watch every pod converge to the changed "
+                        "desired state (s); the command returns by then whatever a pod does (hung, stopped, "
+                        "unreachable), with each pod's line, and exits 1 if they have not converged (the pods and "
+                        "the controller keep converging after it)")
 
 
 def _yes_opt():
@@ -244,7 +251,7 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
     """:func:`deploy.operator.run_action` with this CLI's pods, ledger rows and failures.
     ``row(after) -> {"stable", "step", "weight"}`` overrides the ledger rows' fields from the
     record as written (under the lock)."""
-    pods = _pods(fleet, serving, serving_timeout_s)
+    pods = _pods(fleet, serving, min(serving_timeout_s, WATCH_READ_S))  # reads only, each one short
     t0 = time.monotonic()
     fields = {"stable": stable}
 
@@ -289,9 +296,10 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "") -> None:
                       f"{res.desired.generation})")
         return
     console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {k} of {n} pods "
-                  f"serve it after {res.elapsed_s:.1f} s. The controller keeps retrying the others at each poll; with no "
-                  "controller running nothing does: re-run this command or `flywheel controller --once` "
-                  "(`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
+                  f"serve it after {res.elapsed_s:.1f} s. The record is changed: each pod converges to it by itself "
+                  "when it can (it reads the record every --desired-poll s), and the controller retries it at each "
+                  "poll. A pod that is stopped or hung converges once it runs again; a refused version stays "
+                  "refused (`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
                   (f" {hint[0].upper()}{hint[1:]}." if hint else ""))
     raise typer.Exit(1)
 
@@ -327,16 +335,6 @@ def _version_row(store: ModelStore, v: str, stable: str | None) -> dict:
             "delta_ratio": (m.snapshot_bytes / m.size_bytes) if m.size_bytes else None,
             "status": m.status_history[-1].status if m.status_history else "",
             "digest": m.weights_digest, "metrics": m.metrics}
-
-
-def _end_rollout(version: str, phase: RolloutPhase, outcome: str, reason: str) -> None:
-    """Record the operator's action in the controller's status record if it concerns the
-    rollout in progress (the controller then starts nothing for this version)."""
-    p = rollout_status_path()
-    st = RolloutStatus.load(p)
-    if st.candidate == version and not st.phase.is_terminal():
-        st.phase, st.weight, st.last_outcome, st.last_reason = phase, 0.0, outcome, reason
-        st.save(p)
 
 
 def canary_start(version: str = typer.Argument(..., help="version to canary, e.g. v000003"),
@@ -632,9 +630,8 @@ def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
         x.stable, x.candidate, x.weight, x.reload_after_ms = cand, None, 0.0, 0
         return x
 
-    def on_changed(before, after):
+    def on_changed(before, after):  # the version's status history, derived from the record's change
         store.set_status(cand, "promoted", why, actor=who)
-        _end_rollout(cand, RolloutPhase.PROMOTED, "PROMOTE", why)
 
     res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_PROMOTE",
                f"manual promote of {cand}", cand, stable, who, reason, why)
@@ -689,7 +686,6 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
         store.set_status(to, "promoted", why, actor=who)
         if before.candidate is not None:
             store.set_status(before.candidate, "rolled_back", why)
-            _end_rollout(before.candidate, RolloutPhase.ABORTED, "ROLLBACK", why)
 
     res = _run(fleet, serving, serving_timeout_s, timeout, change, on_changed, "MANUAL_ROLLBACK",
                f"manual rollback of stable {stable} to {to}", to, stable, who, reason, why)
@@ -699,26 +695,19 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
 def _drop_candidate(store: ModelStore, fleet: FleetRecord, d: DesiredState, cand: str, serving,
                     serving_timeout_s: float, timeout: float, who: str, reason: str, why: str, *, decision: str,
                     what: str, mark: str, outcome: str, step: int = -1) -> ActionResult:
-    """The one path that drops the fleet's candidate (`flywheel rollback` while a candidate is
-    in the desired state, `flywheel canary abort`): under the fleet lock, refused (nothing
+    """`flywheel rollback` (while a candidate is in the desired state) and `flywheel canary
+    abort`: :func:`deploy.desired.dropping`, the "drop the candidate" change the controller's
+    rollback, abort and failed load use too. Under the fleet lock it is refused (nothing
     changed, ``<decision>_FAILED``) when the record's candidate is no longer ``d.candidate``
     (another operator or the controller changed it since ``d`` was read); else the candidate
-    and its weight leave the record, ``cand`` is marked ``mark`` in the store, the
-    controller's rollout of it ends with ``outcome``, and every pod converges to the record
-    as in :func:`_run`."""
-    def drop(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
-        if x.candidate != d.candidate:
-            raise ValueError(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
-                             f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
-        x.candidate, x.weight = None, 0.0
-        return x
-
+    and its weight leave the record, ``cand`` is marked ``mark`` in the store (its status
+    history), and the command watches every pod converge as in :func:`_run`. The controller's
+    rollout status follows from the record and the ledger row (``outcome`` names it there)."""
     def dropped(before, after):
         store.set_status(cand, mark, why)
-        _end_rollout(cand, RolloutPhase.ABORTED, outcome, why)
 
-    return _run(fleet, serving, serving_timeout_s, timeout, drop, dropped, decision, what, cand, d.stable, who,
-                reason, why, row=lambda after: {"stable": after.stable, "step": step, "weight": 0.0})
+    return _run(fleet, serving, serving_timeout_s, timeout, dropping(d.candidate), dropped, decision, what, cand,
+                d.stable, who, reason, why, row=lambda after: {"stable": after.stable, "step": step, "weight": 0.0})
 
 
 def register(app: typer.Typer) -> None:

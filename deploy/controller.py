@@ -1,17 +1,22 @@
 """Rollout controller: canary a newly published version, then promote or roll back.
 
 Every decision is first written into the fleet's desired-state record
-(:mod:`deploy.desired`); each reconcile step then brings every discovered pod to that record
-(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before. A
+(:mod:`deploy.desired`), the one record of what is stable and what is canaried; each
+reconcile step then PUTs the record's target to every discovered pod not at it
+(:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before (the
+pods also converge by their own watch of the record). The controller's reconcile loop is the
+only Flywheel code that calls a pod's changing endpoint. A
 canary an operator started (``flywheel canary start``: candidate and weight in the record, a
 MANUAL_CANARY_START ledger row) is analysed and advanced like the controller's own; a
 request left in the record's ``intent`` field is acted on at the next reconcile.
 
 Every decision goes to the ledger (DuckDB + ``flywheel.deployments``), and the ledger is
-the source of truth of the rollout: :func:`status_from_ledger` replays it into a
+the source of truth of the rollout's history: :func:`status_from_ledger` replays it into a
 :class:`RolloutStatus` (phase, candidate, step, weight, timestamps), so a controller killed
 mid-canary resumes at the recorded step and takes no decision twice. The status JSON (atomic
-rewrite) is a cache for the CLI and the fallback while the ledger cannot be read.
+rewrite) is a cache for the CLI and the fallback while the ledger cannot be read; both
+are made to agree with the desired-state record (:func:`status_with_record`: its stable, and
+a canary whose candidate left the record has ended).
 :meth:`RolloutController.reconcile` performs one step acting on the stored phase (Flagger
 habit). Error rate, p99 latency and tokens/s come from serving's ``/metrics``
 (:mod:`deploy.metrics`).
@@ -43,7 +48,7 @@ from pydantic.dataclasses import dataclass as config_dataclass
 from deploy import ledger
 from deploy.analysis import AnalysisConfig, ArmStats
 from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, decide_step
-from deploy.desired import DESIRED_FILE, DesiredState, FleetRecord, RecordUnreadable
+from deploy.desired import DESIRED_FILE, CandidateChanged, DesiredState, FleetRecord, RecordUnreadable, drop_candidate
 from deploy.fleet import PodOutcome, reconcile_pods
 from deploy.fleet import summary as fleet_summary
 from deploy.history import user_history_covariate
@@ -203,6 +208,8 @@ _END_PHASE = {"PROMOTE": RolloutPhase.PROMOTED, "ROLLBACK": RolloutPhase.ROLLED_
               "MANUAL_CANARY_ABORT": RolloutPhase.ABORTED}
 
 
+_ANY = object()  # RolloutController._desire: no check of the record's candidate
+
 _NOT_ROLLOUT = ("RELOAD", "RECONCILE", "FLEET_CONVERGED", "FLEET_NOT_CONVERGED")  # pod repairs, no decision
 
 
@@ -216,14 +223,14 @@ def status_from_ledger(entries: list[ledger.LedgerEntry]) -> RolloutStatus | Non
     last outcome; PROMOTE / ROLLBACK / FAILED / ABORT end it; MANUAL_PROMOTE and
     MANUAL_CANARY_ABORT of the candidate and any MANUAL_ROLLBACK (the CLI always drops the
     candidate) end it too. FAILED is recorded without a START. RELOAD, RECONCILE and FLEET_*
-    (pod repairs and convergence reports) change nothing. Rows ``MANUAL_CANARY_*`` without
-    ``numbers["pods"]`` are requests an earlier CLI recorded for the controller to act on
+    (pod repairs and convergence reports) change nothing. Rows ``MANUAL_CANARY_*`` with neither
+    ``numbers["generation"]`` nor ``numbers["pods"]`` are requests an earlier CLI recorded for the controller to act on
     (its own START / ABORT row followed): they change nothing either.
     """
     st = None
     for e in entries:
         d = e.decision
-        if d in ("MANUAL_CANARY_START", "MANUAL_CANARY_ABORT") and "pods" not in (e.numbers or {}):
+        if d in ("MANUAL_CANARY_START", "MANUAL_CANARY_ABORT") and not {"pods", "generation"} & set(e.numbers or {}):
             continue  # a request, not an action (see above)
         if d in ("START", "MANUAL_CANARY_START") or (d == "FAILED" and (st is None or st.phase != RolloutPhase.CANARY)):
             st = RolloutStatus(phase=RolloutPhase.CANARY, candidate=e.version, stable=e.stable, step=e.step,
@@ -267,6 +274,36 @@ def current_status(status_path: Path, ledger_path: Path) -> RolloutStatus:
         log.warning("ledger %s unreadable (%s): using the status file", ledger_path, exc)
         return cached
     return cached if st is None else st
+
+
+def status_with_record(st: RolloutStatus, d: DesiredState | None, steps=DEFAULT_STEPS) -> RolloutStatus:
+    """The rollout status made to agree with the desired-state record ``d`` (the one record of
+    what is stable and what is canaried; None: unreadable, ``st`` as it is): outside a canary,
+    the record's stable; in a canary whose candidate left the record, the canary ended
+    (promoted when the record made it stable, else aborted: an operator's action, whose
+    ledger row says who); a weight the record holds for the candidate is the canary's (its
+    step when it is one of ``steps``)."""
+    if d is None:
+        return st
+    if st.phase != RolloutPhase.CANARY:
+        if d.stable:
+            st.stable = d.stable
+        return st
+    if d.candidate != st.candidate:
+        if d.candidate is None or d.stable == st.candidate:
+            promoted = d.stable == st.candidate
+            st.phase = RolloutPhase.PROMOTED if promoted else RolloutPhase.ABORTED
+            st.weight, st.stable = 0.0, d.stable
+            if not st.last_outcome.startswith("MANUAL_"):
+                st.last_outcome = "PROMOTE" if promoted else "ABORT"
+                st.last_reason = (f"{d.action or 'changed'} by {d.actor or '?'} (desired state generation "
+                                  f"{d.generation})")
+        return st  # another candidate: the controller opens its canary (RolloutController._maybe_start)
+    if abs(d.weight - st.weight) > 1e-12:
+        st.weight = d.weight
+        if d.weight in steps:
+            st.step = list(steps).index(d.weight)
+    return st
 
 
 def _query_samples(samples_dir: Path, select, group_by: str, since_ms: int) -> list[tuple]:
@@ -548,16 +585,28 @@ class RolloutController:
             self.arm_metrics.admins = list(self.admins)
 
     # -- the desired state and the pods ---------------------------------------------------------
-    def _desire(self, action: str, reason: str, actor: str = "controller", **fields) -> DesiredState:
-        """Write ``fields`` into the fleet's desired-state record (one new generation)."""
+    def _desire(self, action: str, reason: str, actor: str = "controller", expect=_ANY, **fields) -> DesiredState:
+        """Write ``fields`` into the fleet's desired-state record (one new generation), after
+        checking, under the fleet lock, that its candidate is still ``expect`` (when given).
+
+        Raises:
+            deploy.desired.CandidateChanged: the candidate changed meanwhile (an operator's
+                action); nothing is written.
+        """
         def fn(d: DesiredState) -> DesiredState:
+            if expect is not _ANY and d.candidate != expect:
+                raise CandidateChanged(f"candidate: the desired state changed meanwhile (generation {d.generation}, "
+                                       f"{d.action or 'set'} by {d.actor or '?'}: candidate now {d.candidate})")
             for k, v in fields.items():
                 setattr(d, k, v)
             return d
         return self.fleet.change(fn, actor, action, reason)
 
     def _pass(self, skip: set[str] = frozenset()) -> list[PodOutcome]:
-        """One reconcile pass of every pod (but ``skip``'s URLs) to the desired record."""
+        """One reconcile pass of every pod (but ``skip``'s URLs): the record's target PUT to each
+        pod not at its generation (:func:`deploy.fleet.reconcile_pods`). Not under the fleet
+        lock: a pass never delays an operator's change, and a pod refuses a target older than
+        the one it has taken."""
         d = self.fleet.read()
         outcomes = reconcile_pods([a for a in self.admins if a.base_url not in skip], d)
         self.last_outcomes = outcomes
@@ -579,46 +628,48 @@ class RolloutController:
                              f"({'; '.join(o.actions)}): {o.outcome}", nums, version=d.stable or "")
 
     def reconcile(self) -> RolloutStatus:
-        """One step: under the fleet lock, bring every pod to the desired-state record, act on
-        the stored phase (and an operator's intent from the record), which may change the
-        record and bring the pods to it again; returns the new status (also persisted).
-        Pods that do not converge are listed in :attr:`last_outcomes` and retried next step.
+        """One step: read the desired-state record, bring every pod to it (one PUT of its
+        target each, :meth:`_pass`), act on the stored phase (and an operator's intent from
+        the record), which may change the record and bring the pods to it again; returns the
+        new status (also persisted). The record is the truth: a canary whose candidate left
+        the record (an operator's rollback, abort or promote) has ended, and a weight the
+        record holds is the canary's. Pods that do not converge are listed in
+        :attr:`last_outcomes` and retried next step; the pods' own watch of the record gets
+        them there too. The fleet lock is held only while the record changes.
         """
         self._refresh_pods()
-        with self.fleet.locked("controller reconcile", "controller"):
-            st = self.status
-            d = self.fleet.read()
-            intent = d.intent
-            if intent is not None:  # consumed now; re-recorded if the step fails
-                d = self._desire("intent taken", f"{intent['action']} by {intent['actor']}", intent=None)
-            try:
-                if st.phase == RolloutPhase.CANARY and (d.candidate != st.candidate or d.weight != st.weight):
-                    if d.candidate is None and d.stable != st.stable and d.stable == st.candidate:
-                        pass  # promoted by an operator; the ledger row ends the canary
-                    else:  # crash between the ledger row and the record: the ledger's rollout wins
-                        self._desire("resync", f"canary of {st.candidate} at {st.weight:.0%} (ledger)",
-                                     candidate=st.candidate, weight=st.weight)
-                self._record_repairs(st, self._pass())
-                if intent and intent["action"] == "abort":
-                    st = self._abort(st, intent)
-                elif st.phase == RolloutPhase.CANARY:
-                    st = self._canary_step(st)
-                else:
-                    st = self._maybe_start(st, intent)
-            except Exception:
-                if intent is not None and self.fleet.read().intent is None:
-                    self._desire("intent kept", "the step failed: retried next time", intent=intent)
-                raise
+        d = self.fleet.read()
+        st = self._status_from(self.status, d)
+        intent = d.intent
+        if intent is not None:  # consumed now; re-recorded if the step fails
+            d = self._desire("intent taken", f"{intent['action']} by {intent['actor']}", intent=None)
+        try:
+            self._record_repairs(st, self._pass())
+            if intent and intent["action"] == "abort":
+                st = self._abort(st, intent)
+            elif st.phase == RolloutPhase.CANARY:
+                st = self._canary_step(st)
+            else:
+                st = self._maybe_start(st, intent)
+        except CandidateChanged as exc:  # an operator changed the record meanwhile: next step reads it
+            log.info("step not taken: %s", exc)
+        except Exception:
+            if intent is not None and self.fleet.read().intent is None:
+                self._desire("intent kept", "the step failed: retried next time", intent=intent)
+            raise
         st.save(self.status_path)
         self.exported.status(st)
         return st
+
+    def _status_from(self, st: RolloutStatus, d: DesiredState) -> RolloutStatus:
+        return status_with_record(st, d, self.config.steps)
 
     def _abort(self, st: RolloutStatus, intent: dict) -> RolloutStatus:
         if st.phase != RolloutPhase.CANARY:
             log.info("abort requested by %s but no canary is in progress", intent["actor"])
             return st
         reason = f"canary aborted by {intent['actor']} at step {st.step} ({st.weight:.0%})"
-        self._desire("canary abort", reason, intent["actor"], candidate=None, weight=0.0)
+        drop_candidate(self.fleet, st.candidate, intent["actor"], "canary abort", reason)
         outcomes = self._pass()
         st.phase, st.weight, st.last_outcome, st.last_reason = RolloutPhase.ABORTED, 0.0, "ABORT", reason
         self.store.set_status(st.candidate, "aborted", reason)
@@ -658,12 +709,15 @@ class RolloutController:
         now = self.clock()
         st = RolloutStatus(phase=RolloutPhase.CANARY, candidate=cand, stable=stable, step=0,
                            canary_started_ms=now, step_started_ms=now)
-        self._desire("canary start", f"canary of {cand}", actor, candidate=cand, weight=self.config.steps[0])
+        weight = self.config.steps[0]  # the canary's first step, also for a candidate already in the record
+        self._desire("canary start", f"canary of {cand}", actor, expect=desired.candidate, candidate=cand,
+                     weight=weight)
         outcomes = self._pass()
         failed = [o for o in outcomes if not o.ok]
         if failed:
             return self._load_failed(prev, st, cand, failed[0])
-        st.weight = self.config.steps[0]
+        st.weight = weight
+        st.step = self.config.steps.index(weight) if weight in self.config.steps else 0
         st.last_outcome, st.last_reason = "START", f"canary of {cand} against {stable} at {st.weight:.0%}"
         if actor != "controller":
             st.last_reason += f", started by {actor}"
@@ -693,7 +747,7 @@ class RolloutController:
         else:
             st.last_reason = f"serving pod {exc.pod} could not load {cand}: {exc.reason}"
             self.store.set_status(cand, "failed", st.last_reason)
-        self._desire("canary failed", st.last_reason, candidate=None, weight=0.0)
+        drop_candidate(self.fleet, cand, "controller", "canary failed", st.last_reason)
         skip = {o.url} if exc is not None and exc.transport else set()
         for o2 in self._pass(skip):
             if not o2.ok:
@@ -795,7 +849,7 @@ class RolloutController:
                 self._record(st, "HOLD", d.reason, numbers)
             return st
         if d.action == StepAction.ROLLBACK:
-            self._desire("canary rollback", d.reason, candidate=None, weight=0.0)
+            drop_candidate(self.fleet, st.candidate, "controller", "canary rollback", d.reason)
             numbers["pods"] = fleet_summary(self._pass())
             st.phase, st.weight, st.decided_by = RolloutPhase.ROLLED_BACK, 0.0, d.decided_by
             st.last_outcome, st.last_reason = "ROLLBACK", d.reason
@@ -803,13 +857,14 @@ class RolloutController:
             self._record(st, "ROLLBACK", d.reason, numbers)
             return st
         if d.action == StepAction.ADVANCE:
-            self._desire("canary advance", d.reason, weight=d.weight)
+            self._desire("canary advance", d.reason, expect=st.candidate, weight=d.weight)
             numbers["pods"] = fleet_summary(self._pass())
             st.step, st.weight, st.step_started_ms = st.step + 1, d.weight, now
             st.last_outcome, st.last_reason = "ADVANCE", d.reason
             self._record(st, "ADVANCE", st.last_reason, numbers)
             return st
-        self._desire("canary promote", d.reason, stable=st.candidate, candidate=None, weight=0.0, reload_after_ms=0)
+        self._desire("canary promote", d.reason, expect=st.candidate, stable=st.candidate, candidate=None, weight=0.0,
+                     reload_after_ms=0)
         outcomes = self._pass()
         pauses = [o.swap_pause_ms for o in outcomes if o.swap_pause_ms is not None]
         if pauses:

@@ -3,22 +3,28 @@
 What every serving pod should serve (stable version, candidate and its traffic share), what
 the learner should do (paused or not), and a pending canary request for the controller, with a
 generation number that grows by one at every change (Argo Rollouts' / Flagger's one object
-per rollout). The controller and the operator commands are its only writers, both through
-:meth:`FleetRecord.change`; every pod is brought to it by :mod:`deploy.fleet`, and a pod that
-starts reads it before it reports ready (``serving.commands.build_pod``).
+per rollout). It is the one record of which version is stable: ``stable.json`` is a copy
+derived from it at every change, ``ModelStore.stable_record`` reads it, and the controller's
+rollout status follows it. The controller and the operator commands are its only writers,
+both through :meth:`FleetRecord.change`; two reconcilers bring every pod to it through the
+pod's one converge function: the pod's own watch of this file (``serving.pod.DesiredWatch``)
+and the controller's ``PUT /admin/desired`` (:mod:`deploy.fleet`). A pod that starts reads it
+before it reports ready (``serving.commands.build_pod``).
 
 Layout under the store's root::
 
     fleet/desired.json      the record (JSON of :class:`DesiredState`)
-    fleet/.lock             flock held by one writer or one reconcile pass at a time
+    fleet/.lock             flock held by one writer at a time
+    fleet/ledger.duckdb     the deployment ledger beside it (``schemas.settings.ledger_path()``)
 
-Concurrency: on a local (or NFS/RWX-mounted) store, a change and a reconcile pass hold an
-exclusive ``flock`` on ``fleet/.lock``, so two operator commands (or an operator and the
-controller) serialise: each reads the record, changes it and brings the pods to it while the
-other waits, and whichever ran last is what the pods, the store's stable record and the
-ledger all say. On an fsspec object store there is no cross-process lock: a change is a
-compare-and-swap on ``generation`` (re-read right before the one-PUT write; a lost race
-raises :class:`ConflictError`), which serialises writers but not reconcile passes.
+Concurrency: on a local (or NFS/RWX-mounted) store, a change holds an exclusive ``flock`` on
+``fleet/.lock``, so two operator commands (or an operator and the controller) serialise: each
+reads the record and changes it while the other waits, and whichever ran last is what the
+pods converge to; the lock is held for the change only, never while a pod is called. A pod
+refuses a target older than the newest generation it has taken, so a late call from a slow
+reconciler never undoes a newer change. On an fsspec object store there is no cross-process
+lock: a change is a compare-and-swap on ``generation`` (re-read right before the one-PUT
+write; a lost race raises :class:`ConflictError`).
 
 This module knows nothing about pods or HTTP.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import json
+import logging
 import os
 import threading
 import time
@@ -36,8 +43,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 from schemas.manifest import version_number
 
+log = logging.getLogger(__name__)
+
 DESIRED_FILE = ("fleet", "desired.json")
 LOCK_FILE = ("fleet", ".lock")
+HISTORY_MAX = 200  # stable changes kept in the record (the ledger keeps them all)
 
 
 class ConflictError(RuntimeError):
@@ -81,6 +91,10 @@ class DesiredState:
         pods: the serving specs the controller discovers pods from (URLs or
             ``dns+http://`` specs, :mod:`deploy.discovery`), so an operator command on any
             machine reaches the same pods; [] until a controller recorded them.
+        history: the stable versions in the order they became stable, oldest first, the last
+            being ``stable`` (``{"version", "at" (ms), "actor", "reason", "generation"}``, the
+            newest :data:`HISTORY_MAX`); ``flywheel rollback`` without ``--to`` goes back
+            along it. The first write takes the history of the store's ``stable.json``.
         actor, action, reason: who made the last change, what it was, why.
         updated_ms: when the last change was written (ms since epoch).
     """
@@ -93,6 +107,7 @@ class DesiredState:
     paused: dict | None = None
     intent: dict | None = None
     pods: list[str] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
     actor: str = ""
     action: str = ""
     reason: str = ""
@@ -247,8 +262,18 @@ class FleetRecord:
             cur = self.read()
             new = fn(copy.deepcopy(cur))
             new.validate()
-            new.generation = cur.generation + 1
+            base = cur.generation
+            if cur.generation == 0:  # the first write (or the first after a removal): from stable.json
+                legacy = self.store.stable_record() or {}
+                base = max(0, int(legacy.get("generation") or 0))
+                if not new.history:
+                    new.history = [dict(h) for h in legacy.get("history") or []]
+            new.generation = base + 1
             new.actor, new.action, new.reason, new.updated_ms = actor, action, reason, self.clock()
+            if new.stable and (not new.history or new.history[-1].get("version") != new.stable):
+                new.history = (new.history + [{"version": new.stable, "at": new.updated_ms, "actor": actor,
+                                               "reason": reason or action, "generation": new.generation}]
+                               )[-HISTORY_MAX:]
             if self.store.fs is not None:  # compare-and-swap on the generation (no flock there)
                 now = self.read()
                 if now.generation != cur.generation:
@@ -256,5 +281,61 @@ class FleetRecord:
                                         f"{now.generation} ({now.action} by {now.actor})")
             else:
                 (self.store.root / DESIRED_FILE[0]).mkdir(parents=True, exist_ok=True)
-            self.store._put_atomic(new.to_json(), *DESIRED_FILE)
+            raw = new.to_json()
+            self.store._put_atomic(raw, *DESIRED_FILE)
+            try:  # the derived copy; the record above is what every reader reads
+                rec = stable_record_of(raw)
+                if rec is not None:
+                    self.store.write_stable_copy(rec)
+            except Exception as exc:  # noqa: BLE001 - a copy that could not be written is only logged
+                log.warning("stable.json (the copy of the fleet record's stable) not written: %s", exc)
             return new
+
+
+def stable_record_of(raw: bytes) -> dict | None:
+    """The stable record (``{"version", "at", "actor", "reason", "history"}``, as
+    ``deploy.store.ModelStore.stable_record`` returns it) derived from the bytes of
+    ``fleet/desired.json``; None when the record names no stable version.
+
+    Raises:
+        RecordUnreadable: the bytes are no record (names the file and the field).
+    """
+    d = DesiredState.from_json(raw)
+    if not d.stable:
+        return None
+    last = d.history[-1] if d.history and d.history[-1].get("version") == d.stable else {}
+    return {"version": d.stable, "at": last.get("at", d.updated_ms), "actor": last.get("actor", d.actor),
+            "reason": last.get("reason", d.reason), "generation": d.generation, "history": list(d.history)}
+
+
+class CandidateChanged(ValueError):
+    """The record's candidate is no longer the one the caller decided about (someone else
+    changed it meanwhile): nothing was changed."""
+
+
+def drop_candidate(fleet: FleetRecord, expected: str | None, actor: str, action: str, reason: str = "",
+                   timeout_s: float | None = None) -> DesiredState:
+    """The one "drop the candidate" path (``flywheel rollback`` while a candidate is set,
+    ``flywheel canary abort``, and the controller's rollback, abort and failed load): under the
+    fleet lock, take the candidate and its weight out of the record, after checking that its
+    candidate is still ``expected``. Returns the written record.
+
+    Raises:
+        CandidateChanged: the record's candidate is not ``expected`` any more (names the
+            generation, who changed it and the candidate now); nothing is written.
+        LockTimeout: the lock was not acquired within ``timeout_s``.
+    """
+    return fleet.change(dropping(expected), actor, action, reason, timeout_s)
+
+
+def dropping(expected: str | None):
+    """The change of :func:`drop_candidate` (``f(DesiredState) -> DesiredState``, run under the
+    fleet lock by :meth:`FleetRecord.change`), for callers that make the change themselves
+    (``deploy.operator.run_action``). Raises :class:`CandidateChanged`."""
+    def drop(x: DesiredState) -> DesiredState:  # under the fleet lock: the record as it is now
+        if x.candidate != expected:
+            raise CandidateChanged(f"candidate: the desired state changed meanwhile (generation {x.generation}, "
+                                   f"{x.action or 'set'} by {x.actor or '?'}: candidate now {x.candidate})")
+        x.candidate, x.weight = None, 0.0
+        return x
+    return drop

@@ -1,16 +1,16 @@
-"""Bring every serving pod to the fleet's desired state (:mod:`deploy.desired`).
+"""Bring every serving pod to the fleet's desired state (:mod:`deploy.desired`), and watch it get there.
 
-One reconcile pass reads each pod's slots (``GET /admin/slots``), compares them with the
-record and does what is missing, in this order: the stable version (``promote`` when the pod
-holds the desired stable as its candidate, a hot swap; else ``rollback`` to it, which loads
-and verifies it from the store), a reload of the stable version from the store when the
-record asks for one (``reload_after_ms``), the candidate (drop, or ``load``), the weight. The
-pods are reconciled in parallel, each with its own bounded calls, so a wedged pod costs one
-timeout and never delays the others; with a ``deadline`` a pass returns by it whatever a pod
-does (hung, SIGSTOPped, unreachable), reporting such a pod as ``timeout``. Used by the
-controller at every poll and by the operator commands, through the same function.
+A pod takes one declarative target (``PUT /admin/desired``, :mod:`schemas.pod_target`): the
+record's generation with its stable, candidate, weight and reload request; the pod converges
+itself (loads from the store what it lacks, sets the split, drops what is no longer wanted)
+and answers with the generation it serves. :func:`reconcile_pods` is the controller's pass:
+it reads each pod's state (``GET /admin/desired``) and PUTs the target to each pod not yet at
+it, in parallel. :func:`observe_pods_generation` is the operator's read-only watch: each pod's
+served generation, with short per-request bounds. With a ``deadline`` both return by it
+whatever a pod does (hung, SIGSTOPped, unreachable), reporting such a pod as ``timeout``.
 
-Pure of files and locks: the callers hold the fleet lock (:meth:`FleetRecord.locked`).
+Pure of files and locks: the callers hold the fleet lock (:meth:`FleetRecord.locked`) where
+they need it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from deploy.desired import DesiredState
 from deploy.serving_client import ServingAdmin, ServingAdminError
+from schemas.pod_target import PodTarget
 
 CONVERGED = "converged"
 
@@ -34,10 +35,13 @@ class PodOutcome:
         url: the pod's admin base URL.
         pod: the pod's own name (``SlotsStatus.pod``), None if it never answered.
         outcome: ``converged``, or why not: ``timeout`` / ``unreachable`` / ``server``
-            (transport failures: retried at the next pass) or ``refused`` (the pod said no,
-            e.g. 409 for a corrupt version).
-        actions: what was done, in order (``promote``, ``rollback to v000001``,
+            (transport failures: retried at the next pass), ``refused`` (the pod said no,
+            e.g. 409 for a corrupt version), ``behind`` (it answers but serves an older
+            generation), ``superseded`` (it took a newer generation than the one asked) or
+            ``load_balancer``.
+        actions: what the pod did for the target, in order (``promote``, ``rollback to v000001``,
             ``reload v000001``, ``drop v000002``, ``load v000002``, ``weight 0.25``).
+        generation: the generation the pod serves (last known), None if it never answered.
         stable, stable_digest, candidate, weight: the pod's slots after the pass (last known).
         error: the failing call's message, or None.
         failed_action: the action that failed, or None.
@@ -54,6 +58,7 @@ class PodOutcome:
     error: str | None = None
     failed_action: str | None = None
     swap_pause_ms: float | None = None
+    generation: int | None = None
     exc: ServingAdminError | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -61,15 +66,21 @@ class PodOutcome:
         return self.outcome == CONVERGED
 
     def line(self) -> str:
-        """One human line: ``pod-1 (http://...): converged: stable v000000 [rollback to v000000]``."""
+        """One human line: ``pod-1 (http://...): converged (generation 7): stable v000000 [rollback to v000000]``."""
         where = f"{self.pod or '?'} ({self.url})"
         serves = f"stable {self.stable or '?'}" + (f", candidate {self.candidate} at {self.weight:.0%}"
                                                     if self.candidate else "")
+        gen = f" (generation {self.generation})" if self.generation is not None else ""
         did = f" [{'; '.join(self.actions)}]" if self.actions else ""
         if self.ok:
-            return f"{where}: converged: {serves}{did}"
+            return f"{where}: converged{gen}: {serves}{did}"
+        if self.outcome == "behind":
+            return f"{where}: NOT converged: still at generation {self.generation}: {self.error}; serves {serves}{did}"
+        if self.outcome == "timeout":
+            return f"{where}: NOT converged (timeout: hung): {self.error}" + \
+                (f"; last seen serving {serves}{gen}" if self.stable else "")
         return f"{where}: NOT converged ({self.outcome}{': ' + self.failed_action if self.failed_action else ''}): " \
-               f"{self.error}; serves {serves}{did}"
+               f"{self.error}" + (f"; serves {serves}{gen}{did}" if self.stable else "")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -92,59 +103,107 @@ def drift(slots, d: DesiredState) -> list[str]:
     return out
 
 
-def _steps(slots, d: DesiredState) -> list[tuple[str, str, tuple]]:
-    """The admin calls (label, method, args) that bring ``slots`` to ``d``, in order; the
-    next pass re-reads the slots, so a partial pass resumes where it stopped."""
-    out: list[tuple[str, str, tuple]] = []
-    cand = slots.candidate.version if slots.candidate else None
-    if d.stable is not None and slots.stable.version != d.stable:
-        if cand == d.stable:
-            out.append(("promote", "promote", ()))
-            cand = None
-        else:
-            out.append((f"rollback to {d.stable}", "rollback", (d.stable,)))
-            cand = None  # rollback drops the candidate too
-    elif d.reload_after_ms and slots.stable.loaded_at < d.reload_after_ms:
-        out.append((f"reload {d.stable}", "rollback", (d.stable,)))
-        cand = None
-    weight = slots.candidate_weight if cand is not None else 0.0
-    if cand is not None and cand != d.candidate:
-        out.append((f"drop {cand}", "rollback", ()))
-        cand, weight = None, 0.0
-    if d.candidate is not None and cand != d.candidate:
-        out.append((f"load {d.candidate}", "load", (d.candidate,)))
-        weight = None  # a load keeps the pod's weight: always set it after
-    if d.candidate is not None and (weight is None or abs(weight - d.weight) > 1e-9):
-        out.append((f"weight {d.weight:g}", "set_weight", (d.weight,)))
-    return out
+def target_of(d: DesiredState) -> PodTarget:
+    """The pod target of a desired state (its generation and serving fields).
+
+    Raises:
+        ValueError: the record names no stable version (an empty store).
+    """
+    if not d.stable:
+        raise ValueError("stable: the fleet's desired state names no stable version (empty store?)")
+    return PodTarget(generation=d.generation, stable=d.stable, candidate=d.candidate, weight=float(d.weight),
+                     reload_after_ms=int(d.reload_after_ms))
+
+
+STALE_PREFIX = "generation:"  # how a pod's 409 for an older generation begins (serving.converge.StaleTarget)
+
+
+def _at(st, d: DesiredState) -> bool:
+    """Whether a pod's state serves ``d``: it converged to ``d``'s generation, or it took no
+    newer one and its slots already equal ``d``'s serving fields (a change of other fields,
+    such as a pause or the pod list, needs nothing from a pod)."""
+    if st.generation == d.generation and st.converged:
+        return True
+    return st.target_generation <= d.generation and not st.error and not drift(st.slots, d)
+
+
+def _judge(o: PodOutcome, st, d: DesiredState) -> None:
+    """Fill ``o`` from a pod's :class:`schemas.pod_target.PodState` against ``d``."""
+    _fill(o, st.slots)
+    o.generation = st.generation
+    if _at(st, d):
+        o.outcome, o.error = CONVERGED, None
+    elif st.target_generation > d.generation:
+        o.outcome, o.error = "superseded", (f"the pod took generation {st.target_generation}, newer than "
+                                            f"{d.generation}")
+    elif st.error and st.target_generation == d.generation:  # it tried this generation and could not
+        o.outcome, o.error = "refused", st.error
+    else:
+        o.outcome = "behind"
+        o.error = st.error or (f"taking generation {st.target_generation}" if st.target_generation == d.generation
+                               else f"not yet given generation {d.generation}")
+        left = drift(st.slots, d)
+        if left and not st.error:
+            o.error += f" ({'; '.join(left)})"
 
 
 def reconcile_pod(admin: ServingAdmin, d: DesiredState, progress: PodOutcome | None = None) -> PodOutcome:
-    """One pass on one pod: read its slots, apply :func:`_steps`, report. Never raises a
-    ServingAdminError: a failed call ends the pass with its kind as the outcome.
-    ``progress`` (optional) is filled in as the pass goes (pod name, actions done, the call in
-    flight), so a caller that stops waiting can say how far it got."""
+    """One pass on one pod: read its state; unless it serves ``d``'s generation already, PUT
+    ``d``'s target and report. Never raises a ServingAdminError: a failed call ends the pass
+    with its kind as the outcome (a 409 for an older generation is ``superseded``, not a
+    refusal of the version). ``progress`` (optional) is filled in as the pass goes (pod name,
+    the call in flight), so a caller that stops waiting can say how far it got."""
     o = progress if progress is not None else PodOutcome(url=admin.base_url)
     try:
-        s = admin.slots()
-        o.pod = s.pod
-        for label, method, args in _steps(s, d):
-            o.failed_action = label
-            s = getattr(admin, method)(*args)
-            if s.pod != o.pod:  # a load balancer: each call may reach another pod
+        o.failed_action = "read state"
+        st = admin.desired_state()
+        o.pod = st.pod
+        _fill(o, st.slots)
+        o.generation = st.generation
+        if d.generation == 0:  # no record written yet: nothing declared to PUT; the pod is judged by its slots
+            o.failed_action = None
+            left = drift(st.slots, d)
+            o.outcome, o.error = (CONVERGED, None) if not left else ("behind", "; ".join(left))
+            return o
+        if not _at(st, d):
+            o.failed_action = f"put generation {d.generation}"
+            st2 = admin.put_desired(target_of(d))
+            if st2.pod != o.pod:  # a load balancer: each call may reach another pod
                 o.outcome = "load_balancer"
-                o.error = (f"{admin.base_url} answered as pod {o.pod}, then as pod {s.pod}: it is a load "
+                o.error = (f"{admin.base_url} answered as pod {o.pod}, then as pod {st2.pod}: it is a load "
                            "balancer, not a pod; give each pod's URL or a dns+http:// headless Service")
-                _fill(o, s)
+                _fill(o, st2.slots)
                 return o
-            o.actions.append(label)
-            if method == "promote":
-                o.swap_pause_ms = s.last_swap_pause_ms
+            st = st2
+            o.actions = list(st.actions)
+            if "promote" in st.actions:
+                o.swap_pause_ms = st.slots.last_swap_pause_ms
         o.failed_action = None
-        _fill(o, s)
-        left = drift(s, d)
-        if left:  # the pod answered but is not where it should be (e.g. a concurrent change)
-            o.outcome, o.error = "drift", "; ".join(left)
+        _judge(o, st, d)
+    except ServingAdminError as exc:
+        if exc.kind == "refused" and exc.reason.startswith(STALE_PREFIX):
+            o.outcome, o.error = "superseded", str(exc)
+        else:
+            o.outcome, o.error, o.exc = exc.kind, str(exc), exc
+    return o
+
+
+def observe_pod(admin: ServingAdmin, d: DesiredState, progress: PodOutcome | None = None) -> PodOutcome:
+    """Read-only: where one pod stands against ``d`` (``GET /admin/desired``): ``converged``
+    when it serves ``d``'s generation; else ``behind``, ``superseded``, or the failure kind."""
+    o = progress if progress is not None else PodOutcome(url=admin.base_url)
+    try:
+        o.failed_action = "read state"
+        st = admin.desired_state()
+        if o.pod is not None and st.pod != o.pod:
+            o.outcome = "load_balancer"
+            o.error = (f"{admin.base_url} answered as pod {o.pod}, then as pod {st.pod}: it is a load balancer, "
+                       "not a pod; give each pod's URL or a dns+http:// headless Service")
+            return o
+        o.pod, o.failed_action, o.exc = st.pod, None, None
+        if st.target_generation == d.generation:
+            o.actions = list(st.actions)  # what the pod did for this generation
+        _judge(o, st, d)
     except ServingAdminError as exc:
         o.outcome, o.error, o.exc = exc.kind, str(exc), exc
     return o
@@ -159,7 +218,8 @@ def _fill(o: PodOutcome, s) -> None:
 
 def reconcile_pods(admins: list[ServingAdmin], d: DesiredState, deadline: float | None = None,
                    budget: str = "") -> list[PodOutcome]:
-    """One pass over every pod, in parallel; outcomes in the order of ``admins``.
+    """The controller's pass: :func:`reconcile_pod` on every pod, in parallel; outcomes in the
+    order of ``admins``.
 
     Args:
         deadline: ``time.monotonic()`` value by which the pass returns whatever a pod does
@@ -169,20 +229,39 @@ def reconcile_pods(admins: list[ServingAdmin], d: DesiredState, deadline: float 
             never delays the caller or the exit of its process.
         budget: how the deadline is named in a timed-out pod's error.
     """
+    return _each(reconcile_pod, admins, d, deadline, budget)
+
+
+def observe_pods_generation(admins: list[ServingAdmin], d: DesiredState, deadline: float | None = None,
+                            budget: str = "", previous: list[PodOutcome] | None = None) -> list[PodOutcome]:
+    """The operator's watch: :func:`observe_pod` on every pod, in parallel, read-only (no pod
+    is changed); outcomes in the order of ``admins``. ``previous`` (the last round's outcomes,
+    same order) carries each pod's name, so a URL that answers as another pod is reported as
+    a load balancer, and what a pod that stopped answering last served. ``deadline`` and
+    ``budget`` as in :func:`reconcile_pods`."""
+    seeds = None
+    if previous is not None and len(previous) == len(admins):
+        seeds = [PodOutcome(url=p.url, pod=p.pod, stable=p.stable, stable_digest=p.stable_digest,
+                            candidate=p.candidate, weight=p.weight, generation=p.generation) for p in previous]
+    return _each(observe_pod, admins, d, deadline, budget, seeds)
+
+
+def _each(fn, admins, d, deadline, budget, seeds=None) -> list[PodOutcome]:
+    """``fn(admin, d, progress)`` on every admin in parallel, bounded by ``deadline``."""
     if not admins:
         return []
+    progress = seeds or [PodOutcome(url=a.base_url) for a in admins]
     if deadline is None:
         if len(admins) == 1:
-            return [reconcile_pod(admins[0], d)]
+            return [fn(admins[0], d, progress[0])]
         with ThreadPoolExecutor(min(16, len(admins))) as ex:
-            return list(ex.map(lambda a: reconcile_pod(a, d), admins))
-    progress = [PodOutcome(url=a.base_url) for a in admins]
+            return list(ex.map(lambda i: fn(admins[i], d, progress[i]), range(len(admins))))
     results: list[PodOutcome | None] = [None] * len(admins)
 
     def run(i: int) -> None:
-        results[i] = reconcile_pod(admins[i], d, progress[i])
+        results[i] = fn(admins[i], d, progress[i])
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"reconcile {a.base_url}")
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"pod {a.base_url}")
                for i, a in enumerate(admins)]
     for t in threads:
         t.start()
@@ -192,7 +271,7 @@ def reconcile_pods(admins: list[ServingAdmin], d: DesiredState, deadline: float 
     for i, r in enumerate(results):
         if r is None:  # still in a call at the deadline: hung, stopped, or slower than the budget
             p = progress[i]
-            r = replace(p, actions=list(p.actions), outcome="timeout", failed_action=p.failed_action or "read slots",
+            r = replace(p, actions=list(p.actions), outcome="timeout", failed_action=p.failed_action or "read state",
                         error=f"no answer by the deadline{' (' + budget + ')' if budget else ''}: the pod is hung, "
                               "stopped or slower than that; its call goes on without this command")
         out.append(r)
@@ -219,5 +298,6 @@ def summary(outcomes: list[PodOutcome]) -> dict:
     """JSON-ready per-pod outcomes for the ledger: ``{"converged": n, "pods": n, "by_pod": {url: {...}}}``."""
     return {"converged": sum(o.ok for o in outcomes), "pods": len(outcomes),
             "by_pod": {o.url: {"pod": o.pod, "outcome": o.outcome, "actions": o.actions, "stable": o.stable,
-                               "candidate": o.candidate, "weight": o.weight, "error": o.error}
+                               "candidate": o.candidate, "weight": o.weight, "generation": o.generation,
+                               "error": o.error}
                        for o in outcomes}}

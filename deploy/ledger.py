@@ -5,9 +5,14 @@ the source of truth; each call opens a short-lived connection and retries while 
 process holds the file lock. Operator actions that change traffic are rows too, failed ones
 included (``MANUAL_PROMOTE``, ``MANUAL_ROLLBACK``, ``MANUAL_CANARY_START``,
 ``MANUAL_CANARY_ABORT``, each also with the suffix ``_FAILED``; ``actor`` is who, and
-``numbers`` holds ``why``, the error, the pod and the failure kind). Which version is stable
-is kept in the model store's stable record (``deploy.store.ModelStore.stable``), moved by
-the same actions, because pods read it at start. Each recorded decision is also published to the topic
+``numbers`` holds ``why``, the error, the pod and the failure kind, and ``generation``, the
+desired-state record's generation the action wrote). An operator command appends its
+decision when it changes the record, then one ``FLEET_CONVERGED`` / ``FLEET_NOT_CONVERGED`` row
+with each pod's observed outcome (``numbers.pods.by_pod``). Which version is stable is the
+fleet's desired-state record (:mod:`deploy.desired`), not this ledger. The file lives beside
+that record on the store's shared storage (``fleet/ledger.duckdb``), so every machine an
+operator acts from writes the one audit log; DuckDB's exclusive file lock and the retry
+below serialise the short writes. Each recorded decision is also published to the topic
 ``flywheel.deployments`` (key = version) when a bootstrap address is given.
 """
 
@@ -23,7 +28,7 @@ from pathlib import Path
 import duckdb
 
 from schemas.ledger import LedgerEntry
-from schemas.topics import DEPLOYMENTS
+from schemas.settings import topic_names
 
 __all__ = ["LedgerEntry", "record", "publish", "decisions"]
 
@@ -82,8 +87,9 @@ def _connect(path: Path, read_only: bool = False, timeout_s: float = 10.0):
             time.sleep(0.1)
 
 
-def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None) -> LedgerEntry:
-    """Append ``entry`` (ts set now if 0) and publish it to ``flywheel.deployments``.
+def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None, topic: str | None = None) -> LedgerEntry:
+    """Append ``entry`` (ts set now if 0) and publish it to the deployments topic ``topic``
+    (default: ``schemas.settings.topic_names().deployments``).
 
     A failed Kafka publish is logged, not raised: the DuckDB row is the source of truth.
     """
@@ -97,15 +103,16 @@ def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None) -> Ledg
     finally:
         con.close()
     if bootstrap:
+        topic = topic or topic_names().deployments
         try:
-            publish(bootstrap, entry)
+            publish(bootstrap, entry, topic)
         except Exception as exc:  # noqa: BLE001 - ledger row is written; Kafka is a copy
-            log.warning("could not publish decision for %s to %s: %s", entry.version, DEPLOYMENTS, exc)
+            log.warning("could not publish decision for %s to %s: %s", entry.version, topic, exc)
     return entry
 
 
-def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 5.0) -> None:
-    """Send one decision to ``flywheel.deployments`` (key = version, value = JSON), waiting at
+def publish(bootstrap: str, entry: LedgerEntry, topic: str, timeout_s: float = 5.0) -> None:
+    """Send one decision to the deployments topic ``topic`` (key = version, value = JSON), waiting at
     most about ``timeout_s`` seconds for the broker in all (metadata, send, close): the DuckDB
     row is the source of truth, and an on-call rollback during a Kafka outage must not wait on
     its copy (it waited ~10 s per row)."""
@@ -117,7 +124,7 @@ def publish(bootstrap: str, entry: LedgerEntry, timeout_s: float = 5.0) -> None:
     p = KafkaProducer(**kafka_client_config(bootstrap), acks="all", linger_ms=0, max_block_ms=ms,
                       request_timeout_ms=ms, bootstrap_timeout_ms=ms)
     try:
-        p.send(DEPLOYMENTS, key=entry.version.encode(),
+        p.send(topic, key=entry.version.encode(),
                value=_json(asdict(entry)).encode()).get(timeout=timeout_s)
     finally:
         p.close(timeout=timeout_s)

@@ -1,17 +1,18 @@
-"""Operator actions on the fleet: record the intent in the desired state, then converge.
+"""Operator actions on the fleet: change the desired-state record, then watch the fleet converge.
 
-An action (``flywheel promote``, ``rollback``, ``pause`` ...) is one change of the fleet's
-desired-state record (:mod:`deploy.desired`), made under the fleet lock together with the
-store's status/stable-record updates, a first reconcile pass of every pod
-(:func:`deploy.fleet.reconcile_pods`, the controller's own code path) and one ledger row
-carrying each pod's outcome. Pods that did not converge are retried, one pass at a time with
-the lock released in between, until they do or ``timeout_s`` passes (a pod that refused, 4xx,
-is not waited for). Every pass is bounded by that deadline: the action returns by
-``timeout_s`` after it began whatever a pod does (hung, SIGSTOPped, unreachable), with each
-pod's outcome (``timeout`` for one still in a call). If the first pass did not
-converge a second ledger row (``FLEET_CONVERGED`` / ``FLEET_NOT_CONVERGED``) says how it ended.
-A later change of the record by someone else (a newer generation) ends the wait: the action
-was superseded, and the newer generation is what the pods are brought to.
+As Argo Rollouts' CLI patches the Rollout object and leaves acting to the controller, an
+action (``flywheel promote``, ``rollback``, ``canary start|abort`` ...) is one change of the
+fleet's desired-state record (:mod:`deploy.desired`), made under the fleet lock together with
+the version statuses derived from it and the decision's ledger row. The operator's process
+then only WATCHES: it reads each pod's served generation (``GET /admin/desired``, short
+per-request bounds) until every pod reports the new generation or ``timeout_s`` passes, and
+appends each pod's observed outcome to the ledger (``FLEET_CONVERGED`` /
+``FLEET_NOT_CONVERGED``). It never calls a pod's mutating endpoint: the pods get there by
+their own watch of the record (``serving.pod.DesiredWatch``, every ``--desired-poll`` s) and
+by the controller's reconcile loop, whichever comes first; with no controller running the
+pods still converge. The action returns by ``timeout_s`` whatever a pod does (hung,
+SIGSTOPped, unreachable). A later change of the record by someone else (a newer generation
+with other serving fields) ends the watch: the action was superseded.
 
 Which pods: the serving specs the controller recorded in the desired state (``pods``), else
 the ones given (``--serving`` / ``$FLYWHEEL_SERVING_URL``). A URL that answers as more than one
@@ -23,9 +24,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deploy.desired import DesiredState, FleetRecord, LockTimeout
+from deploy.desired import DesiredState, FleetRecord
 from deploy.discovery import PodDiscovery
-from deploy.fleet import PodOutcome, reconcile_pods, summary
+from deploy.fleet import PodOutcome, observe_pods_generation, summary
 from deploy.serving_client import ServingAdminError
 
 
@@ -77,20 +78,24 @@ def _discover(pods: PodDiscovery) -> tuple[list, str | None]:
 
 def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who: str, why: str,
                on_changed, record, timeout_s: float, lock_timeout_s: float | None = None,
-               poll_s: float = 0.5) -> ActionResult:
-    """Change the record, converge the pods, record per-pod outcomes.
+               poll_s: float = 0.25) -> ActionResult:
+    """Change the record, record the decision, watch the pods converge, record what was observed.
 
     Args:
+        pods: the fleet's pods, read-only here (their clients' timeouts should be short: each
+            read is also cut at the deadline).
         change: ``f(DesiredState) -> DesiredState``; raises ValueError to refuse (nothing is
             changed, nothing recorded here: the caller records the refusal).
         on_changed: ``f(before, after)`` run under the lock right after the record changed
-            (the store's statuses and stable record).
-        record: ``f(decision_suffix, numbers)`` writes the ledger row: called with ``""`` and
-            the first pass's numbers under the lock, then, if that pass did not converge, with
-            ``"converged"`` or ``"not_converged"`` and the final numbers.
-        timeout_s: how long to keep retrying pods that did not converge (s).
-        lock_timeout_s: how long to wait for another action holding the fleet lock (None:
-            ``timeout_s``).
+            (the version statuses derived from it).
+        record: ``f(decision_suffix, numbers)`` writes a ledger row: with ``""`` and the new
+            generation under the lock, then with ``"converged"`` or ``"not_converged"`` and
+            each pod's observed outcome when the watch ends.
+        timeout_s: how long to watch (s), from the start of the action (the lock wait
+            included); 0: change the record and return at once, observing each pod once.
+        lock_timeout_s: how long to wait for another writer holding the fleet lock (None:
+            ``timeout_s``, at least 1 s).
+        poll_s: seconds between two reads of the pods.
 
     Raises:
         ValueError: ``change`` refused.
@@ -99,39 +104,40 @@ def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     budget = f"--timeout {timeout_s:g} s"
-    with fleet.locked(what, who, timeout_s if lock_timeout_s is None else lock_timeout_s):
+    lock_s = max(1.0, timeout_s) if lock_timeout_s is None else lock_timeout_s
+    with fleet.locked(what, who, lock_s):
         before = fleet.read()
         new = fleet.change(change, who, what, why)
         on_changed(before, new)
-        admins, derr = _discover(pods)
-        res = ActionResult(new, reconcile_pods(admins, new, deadline, budget), discovery_error=derr)
-        record("", {"generation": new.generation, "pods": summary(res.outcomes), "discovery_error": derr})
-    first_ok = res.converged
-    while not res.converged and time.monotonic() < deadline:
+        record("", {"generation": new.generation, "desired": new.summary()})
+    admins, derr = _discover(pods)
+    res = ActionResult(new, discovery_error=derr)
+    while True:
+        # a round is cut at the deadline; past it, one short round says where each pod is now
+        cut = max(deadline, time.monotonic() + 0.5)
+        res.outcomes = observe_pods_generation(admins, new, cut, budget, previous=res.outcomes or None)
+        if res.converged:
+            break
         if res.outcomes and all(o.ok or o.outcome == "refused" for o in res.outcomes):
-            break  # a pod that answered "no" (a corrupt version) will not change its mind by waiting
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+            break  # a pod that tried this generation and could not load it will not succeed by waiting
+        try:
+            cur = fleet.read()
+            if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):
+                res.superseded_by = cur
+                break
+        except ValueError as exc:  # the record became unreadable while we watched
+            res.discovery_error = f"the desired-state record became unreadable while watching: {exc}"
+            break
         if time.monotonic() >= deadline:
             break
-        try:
-            with fleet.locked(what + " (retry)", who, max(0.05, deadline - time.monotonic())):
-                cur = fleet.read()
-                if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):
-                    res.superseded_by = cur
-                    break
-                admins, res.discovery_error = _discover(pods)
-                res.outcomes = reconcile_pods(admins, cur, deadline, budget)
-        except LockTimeout:
-            break  # the controller (or another operator) holds the record past our deadline: report what we have
-        except ValueError as exc:  # the record became unreadable while we waited
-            res.discovery_error = f"the desired-state record became unreadable while waiting: {exc}"
-            break
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        if not admins:
+            admins, res.discovery_error = _discover(pods)
     res.elapsed_s = time.monotonic() - t0
-    if not first_ok:
-        record("converged" if res.converged else "not_converged",
-               {"generation": new.generation, "pods": summary(res.outcomes), "elapsed_s": res.elapsed_s,
-                "superseded_by": res.superseded_by.generation if res.superseded_by else None,
-                "discovery_error": res.discovery_error})
+    record("converged" if res.converged else "not_converged",
+           {"generation": new.generation, "pods": summary(res.outcomes), "elapsed_s": res.elapsed_s,
+            "superseded_by": res.superseded_by.generation if res.superseded_by else None,
+            "discovery_error": res.discovery_error})
     return res
 
 

@@ -46,13 +46,15 @@ RUNBOOK: list[tuple[str, str, str]] = [
      "`flywheel status`: the 'desired state' line (what every pod, restarted or not, is brought to) and a "
      "warning per pod whose stable differs from it",
      "`flywheel rollback --to vNNNNNN --yes --reason '...'` moves the desired state and every pod together; "
-     "never promote by hand on /admin (the controller undoes it at its next poll: drift)"),
+     "never promote by hand on /admin (the pod's own watch and the controller undo it: drift)"),
     ("An operator command prints 'not converged: ... k of n pods serve it' and exits 1",
-     "the lines above it name each pod and why (timeout, unreachable, HTTP 5xx, refused); the ledger rows "
-     "MANUAL_* and FLEET_NOT_CONVERGED carry numbers.pods.by_pod; `flywheel status` shows each pod and its drift",
-     "nothing to redo: the desired state is set and the controller retries every pod at each poll (no "
-     "controller running: re-run the same command, or `flywheel controller --once`); a pod that stays "
-     "unreachable or hung: restart or replace it (it reads the desired state before it is ready)"),
+     "the lines above it name each pod and why (still at generation N, timeout: hung, unreachable, HTTP 5xx, "
+     "refused); the ledger row FLEET_NOT_CONVERGED carries numbers.pods.by_pod; `flywheel status` shows each "
+     "pod and its drift",
+     "nothing to redo: the desired state is set; each pod converges to it by itself (it reads the record every "
+     "--desired-poll s) and the controller retries it at each poll, with or without a controller running; a "
+     "stopped or hung pod converges once it runs again; one that stays unreachable or hung: restart or replace "
+     "it (it reads the desired state before it is ready)"),
     ("A pod does not converge (drift in `flywheel status` that stays)",
      "`flywheel status -o wide` (the pod's slots and drift) and the controller's log/ledger RECONCILE rows: "
      "'refused' means the pod cannot load the version (corrupt files on its copy of the store), "

@@ -1,5 +1,10 @@
 """Client of serving's admin API (contract: ``schemas/admin.py``).
 
+Flywheel changes a pod only with :meth:`ServingAdmin.put_desired` (one declarative target,
+``schemas/pod_target.py``), called by the controller's reconcile loop; operator commands only
+read (:meth:`ServingAdmin.desired_state`). The imperative calls (load, weight, promote,
+rollback) remain for driving one pod by hand.
+
 Every call to a pod is bounded by one timeout (seconds): the ``timeout_s`` given, else
 ``$FLYWHEEL_SERVING_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`; the deploy CLI sets it with
 ``--serving-timeout-s``. A failure says which it was (:attr:`ServingAdminError.kind`):
@@ -16,6 +21,7 @@ import os
 import httpx
 
 from schemas.admin import LoadRequest, RollbackRequest, SlotsStatus, WeightRequest
+from schemas.pod_target import PodState, PodTarget
 
 TIMEOUT_ENV = "FLYWHEEL_SERVING_TIMEOUT_S"
 TIMEOUT_FLAG = "--serving-timeout-s"
@@ -129,7 +135,7 @@ class ServingAdmin:
         except httpx.HTTPError as exc:
             raise ServingAdminError(url, 0, f"{type(exc).__name__}: {exc}", "unreachable", self.timeout_s) from exc
 
-    def _call(self, method: str, path: str, body=None) -> SlotsStatus:
+    def _call(self, method: str, path: str, body=None, model=SlotsStatus):
         r = self._request(method, path, body)
         if not r.is_success:
             try:
@@ -141,12 +147,24 @@ class ServingAdmin:
             except ValueError:
                 reason = r.text[:500]
             raise ServingAdminError(self.base_url + path, r.status_code, str(reason), timeout_s=self.timeout_s)
-        return SlotsStatus.model_validate(r.json())
+        return model.model_validate(r.json())
 
     def slots(self) -> SlotsStatus:
         """Current stable/candidate slots and the candidate's traffic weight."""
         return self._call("GET", "/admin/slots")
 
+    def put_desired(self, target: PodTarget) -> PodState:
+        """``PUT /admin/desired``: the pod converges to ``target`` (idempotent) and answers with
+        the generation it serves. A refusal (409: a generation older than the pod's, a version
+        that cannot be loaded) raises :class:`ServingAdminError` of kind ``refused``."""
+        return self._call("PUT", "/admin/desired", target, PodState)
+
+    def desired_state(self) -> PodState:
+        """``GET /admin/desired``: the generation the pod serves, the newest it has taken,
+        whether its slots equal that target, and its slots (read-only)."""
+        return self._call("GET", "/admin/desired", None, PodState)
+
+    # -- by hand: the imperative routes (Flywheel's reconcilers use put_desired only) --------
     def load(self, version: str) -> SlotsStatus:
         """Load ``version`` into the candidate slot (hash-verified by serving)."""
         return self._call("POST", "/admin/load", LoadRequest(version=version))

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
 from deploy import ledger
-from deploy.controller import RolloutStatus, current_status
+from deploy.controller import RolloutStatus, current_status, status_with_record
 from deploy.desired import DesiredState, FleetRecord
 from deploy.discovery import PodDiscovery
 from deploy.fleet import drift, observe_pods
@@ -23,8 +23,9 @@ from schemas import settings
 
 STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
 
-RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable "
-                 "record, unpaused, with no candidate, and the controller reconciles every pod to that")
+RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable.json "
+                 "(the copy of its last stable version and generation), unpaused, with no candidate, and every pod "
+                 "converges to that")
 
 
 def ts(ms: int) -> str:
@@ -55,7 +56,7 @@ def status_warnings(slots, desired: DesiredState | None) -> list[str]:
     """What `flywheel status` flags for the on-call engineer about one pod: a slot whose
     served digest differs from the store's manifest (``digest_ok`` False: the version's
     files changed under the same id), and drift from the fleet's desired state (the
-    controller brings the pod back at its next poll; a restarted pod serves the record)."""
+    pod's own watch and the controller bring the pod back; a restarted pod serves the record)."""
     out: list[str] = []
     if slots is None:
         return out
@@ -69,8 +70,9 @@ def status_warnings(slots, desired: DesiredState | None) -> list[str]:
     if desired is not None and desired.stable and desired.stable != slots.stable.version:
         out.append(f"pod {slots.pod} serves {slots.stable.version} as stable but the fleet's desired state says "
                    f"{desired.stable} (generation {desired.generation}, {desired.action or 'set'} by "
-                   f"{desired.actor or '?'} at {ts(desired.updated_ms)} UTC): the controller brings it to "
-                   f"{desired.stable} at its next poll and a restarted pod serves {desired.stable}; to keep "
+                   f"{desired.actor or '?'} at {ts(desired.updated_ms)} UTC): the pod's own watch of the record "
+                   f"(--desired-poll) and the controller bring it to {desired.stable}, and a restarted pod serves "
+                   f"{desired.stable}; to keep "
                    f"{slots.stable.version}, `flywheel rollback --to {slots.stable.version} --yes`")
     elif desired is not None:
         for what in drift(slots, desired):
@@ -85,7 +87,8 @@ class FleetStatus:
 
     Fields:
         desired: the fleet's desired state (None when unreadable: ``record_err`` says why).
-        stable_rec: the store's stable record (None when the store is unreadable: ``err``).
+        stable_rec: the stable record, derived from the desired-state record
+            (``ModelStore.stable_record``; None when the store is unreadable: ``err``).
         rows: ``(url, slots or None, error or None, drift lines)`` per pod.
         err: the first error reaching the store or a pod ("no serving pod found" when none).
         record_err: why the desired-state record cannot be read, with how to repair it.
@@ -159,6 +162,6 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
     errors = [e for _, _, e, _ in out.rows if e]
     out.err = out.err or (errors[0] if errors else None) or (None if out.rows else "no serving pod found")
     out.warnings = [w for _, s, _, _ in out.rows for w in status_warnings(s, out.desired)]
-    out.rollout = current_status(rollout_status_path(), settings.ledger_path())
+    out.rollout = status_with_record(current_status(rollout_status_path(), settings.ledger_path()), out.desired)
     out.decisions = ledger.decisions(settings.ledger_path(), limit=last)
     return out

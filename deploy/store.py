@@ -9,8 +9,12 @@ is local); see :class:`ModelStore` for what is atomic where. Layout under ``root
                                sha256 of the stored payload bytes, parent tensor sha256
         payload.bin            concatenated entries (zstd frames)
         manifest.json          schemas.manifest.VersionManifest; written last
-    stable.json                the stable record: which version every pod serves at start
-                               (version, at, actor, reason, and the history of changes)
+    fleet/desired.json         the fleet's desired-state record (deploy.desired): what every
+                               pod serves, the one record of which version is stable
+    stable.json                the stable record of a store that has no fleet record yet
+                               (version, at, actor, reason, history); once fleet/desired.json
+                               exists, a copy derived from it at every change, which nothing
+                               reads while the record exists
 
 Encoding of one tensor (delta mode ``xor``): the raw bit pattern (bytes, C order) of the new
 tensor XOR the parent's, byte-plane shuffled (all byte 0s, then all byte 1s, ...), zstd
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
+from deploy.desired import stable_record_of
 from schemas.manifest import (BASE_VERSION, StatusChange, TensorMeta, VersionManifest, tensor_sha256,
                               version_name, version_number)
 
@@ -54,6 +59,7 @@ log = logging.getLogger(__name__)
 ZSTD_LEVEL = 3
 INDEX_FORMAT = 1
 STABLE_FILE = "stable.json"
+DESIRED_FILE = ("fleet", "desired.json")  # deploy.desired.DESIRED_FILE
 STABLE_HISTORY_MAX = 200  # changes kept in the stable record (the ledger keeps them all)
 BAD_STATUSES = frozenset({"rejected", "rolled_back", "failed", "aborted"})
 
@@ -495,14 +501,15 @@ class ModelStore:
         """Append ``status`` (published|canary|promoted|rolled_back|rejected|...) to the
         version's status history (atomic rewrite of its manifest).
 
-        ``promoted`` means "is now stable": it also moves the stable record
-        (:meth:`stable`) to ``version``, with ``actor`` and ``reason``.
+        ``promoted`` means "is now stable": on a store with no fleet record yet it also moves
+        ``stable.json`` to ``version``, with ``actor`` and ``reason``; once
+        ``fleet/desired.json`` exists, that record alone says what is stable.
         """
         with self._lock():
             m = self.manifest(version)
             m.status_history.append(StatusChange(status=status, at=_now_ms(), reason=reason))
             self._put_atomic(m.model_dump_json(indent=1).encode(), "versions", version, "manifest.json")
-            if status == "promoted":
+            if status == "promoted" and not self._exists(*DESIRED_FILE):
                 self._write_stable(version, actor, reason)
             return m
 
@@ -523,9 +530,24 @@ class ModelStore:
             self.manifest(version)
             return self._write_stable(version, actor, reason)
 
+    def write_stable_copy(self, rec: dict) -> None:
+        """Write ``stable.json`` as a copy of the stable record derived from the fleet record
+        (:func:`deploy.desired.stable_record_of`: version, at, actor, reason, generation,
+        history). Never read while ``fleet/desired.json`` exists; if that record is removed
+        (a repair), the next record starts from this copy's stable version and generation."""
+        self._put_atomic(json.dumps(rec, indent=1).encode(), STABLE_FILE)
+
     def stable_record(self) -> dict | None:
         """The stable record (``{"version", "at" (ms), "actor", "reason", "history": [...]}``,
-        history oldest first), or None if it was never written or is unreadable."""
+        history oldest first): derived from the fleet's desired-state record
+        (``fleet/desired.json``, :mod:`deploy.desired`) when it exists, else ``stable.json``;
+        None if neither names a version or the one that exists is unreadable."""
+        if self._exists(*DESIRED_FILE):
+            try:
+                return stable_record_of(self._read(*DESIRED_FILE))
+            except (OSError, ValueError) as exc:
+                log.warning("fleet record %s unreadable (%s): no stable record", "/".join(DESIRED_FILE), exc)
+                return None
         try:
             rec = json.loads(self._read(STABLE_FILE))
         except FileNotFoundError:

@@ -2,6 +2,10 @@
 
 Endpoints (all under the admin token, ``Authorization: Bearer <admin token>``):
 
+* ``PUT  /admin/desired`` / ``GET /admin/desired``: the declarative target the fleet's
+  reconcilers send and the pod's state against it (:mod:`schemas.pod_target`); the only
+  endpoint Flywheel's fleet code changes a pod through. The routes below drive one pod by
+  hand (benchmarks, tests, the demo's fixed eval).
 * ``GET  /admin/slots``                -> :class:`SlotsStatus`
 * ``POST /admin/load``  :class:`LoadRequest`  -> :class:`SlotsStatus`
   Loads ``version`` from the model store into the candidate slot; the store reconstructs

@@ -86,7 +86,8 @@ class ServeConfig(BaseModel):
     store: Optional[str] = Field(None, description="Model store: a dir or an fsspec URL such as s3://bucket/fw "
                                                    "(default: $FLYWHEEL_STORE, else $FLYWHEEL_HOME/store).")
     version: Optional[str] = Field(None, description="Version to serve as stable (default: the store's stable "
-                                                     f"record, else {BASE_VERSION}).")
+                                                     f"record, else {BASE_VERSION}); a pod started on a version moves "
+                                                     "to the fleet's desired-state record once one is written.")
     pod: Optional[str] = Field(None, description=f"Pod name in every event (default: $HOSTNAME, else {DEFAULT_POD}).")
     engine: str = Field("torch", description="Inference engine: torch, or vllm (needs vLLM installed in this "
                                              "interpreter; see DESIGN §3).")
@@ -118,6 +119,12 @@ class ServeConfig(BaseModel):
                                            "user the same user_hash and canary arm. Implied by a --host "
                                            "reachable from other machines.",
                         json_schema_extra={"flags": "--fleet", "envvar": "FLYWHEEL_FLEET"})
+    desired_poll_s: float = Field(2.0, gt=0, le=3600, description="How often this pod reads the fleet's desired-state "
+                                  "record (fleet/desired.json in the store) and converges to it itself, as a "
+                                  "kubelet watches the API server: an operator's rollback reaches the pod with no "
+                                  "controller running.",
+                                  json_schema_extra={"unit": "s", "flags": "--desired-poll",
+                                                     "envvar": "FLYWHEEL_DESIRED_POLL_S"})
     derive_regenerate: bool = Field(
         True, description="Emit a `regenerate` feedback event (value 1, metadata source=serving) for a user's "
                           "completion when the same user sends the same chat messages again within "
@@ -136,7 +143,7 @@ class ServeConfig(BaseModel):
                                                          "first; under 1 KB each).",
                                json_schema_extra={"unit": "completions"})
 
-    @field_validator("signal_window_s")
+    @field_validator("signal_window_s", "desired_poll_s")
     @classmethod
     def _window(cls, v: float) -> float:
         if not math.isfinite(v):

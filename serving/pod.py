@@ -54,20 +54,122 @@ def default_version(store) -> str:
     return v or BASE_VERSION
 
 
-def start_desired_candidate(slots, store) -> None:
-    """At start, before the pod reports ready: load the fleet's desired candidate at its
-    weight, so a pod (re)started mid-canary serves the same split as the others. A candidate
-    that fails to load is logged; the controller retries it."""
+def pod_target(d):
+    """The :class:`schemas.pod_target.PodTarget` of a desired state (``deploy.desired.DesiredState``),
+    or None when it names no stable version."""
+    from schemas.pod_target import PodTarget
+
+    if d is None or not d.stable:
+        return None
+    return PodTarget(generation=d.generation, stable=d.stable, candidate=d.candidate, weight=float(d.weight),
+                     reload_after_ms=int(d.reload_after_ms))
+
+
+def start_desired_candidate(slots, store):
+    """At start, before the pod reports ready: converge the slots (stable already loaded) to the
+    fleet's desired state, so a pod (re)started mid-canary serves the same split as the others.
+    Returns the pod's :class:`serving.converge.PodReconciler`; a candidate that fails to load is
+    logged and the pod serves generation 0 until its watch (or the controller) gets it there."""
+    from serving.converge import PodReconciler
+
     d = desired_state(store)
-    if d is None or d.candidate is None or d.stable != slots.stable.version:
-        return
+    t = pod_target(d)
+    rec = PodReconciler(slots)
+    if t is None or t.stable != slots.stable.version:
+        return rec
     try:
-        slots.load_candidate(d.candidate)
-        slots.set_weight(d.weight)
-        log.info("fleet desired state generation %d: candidate %s at %.0f %%", d.generation, d.candidate,
-                 d.weight * 100)
-    except Exception as exc:  # noqa: BLE001 - serve stable; the controller reconciles the candidate
-        log.warning("desired candidate %s not loaded at start: %s", d.candidate, exc)
+        rec.apply(t, "start")
+        if t.candidate:
+            log.info("fleet desired state generation %d: candidate %s at %.0f %%", t.generation, t.candidate,
+                     t.weight * 100)
+    except Exception as exc:  # noqa: BLE001 - serve stable; the watch and the controller retry the candidate
+        log.warning("desired candidate %s not loaded at start: %s", t.candidate, exc)
+    return rec
+
+
+class DesiredWatch:
+    """The pod's own watch of the fleet's desired-state record (a kubelet watching the API
+    server): every ``poll_s`` seconds it reads ``fleet/desired.json`` from the store and
+    converges through :meth:`serving.converge.PodReconciler.apply`, the function
+    ``PUT /admin/desired`` runs, at each new generation. A change of the record (an operator's
+    rollback, the controller's step) reaches the pod whether or not a controller runs. A pod
+    changed by hand through the imperative admin routes (a debugging or evaluation session,
+    ``flywheel demo``'s fixed eval) stays so until the next generation, or until the
+    controller's next pass, which PUTs the record's target to a pod whose slots drifted. An
+    unreadable record is one WARNING per reason (the pod keeps serving); a target that failed
+    to load is retried after ``retry_s`` (a new generation at once).
+
+    Args:
+        store: the model store (``deploy.store.ModelStore``) holding ``fleet/``.
+        reconciler: the pod's :class:`serving.converge.PodReconciler`.
+        poll_s: seconds between reads (``--desired-poll``).
+        retry_s: seconds before a failed target is tried again.
+    """
+
+    def __init__(self, store, reconciler, poll_s: float, retry_s: float = 30.0):
+        self.store, self.reconciler, self.poll_s, self.retry_s = store, reconciler, float(poll_s), float(retry_s)
+        self._stop = threading.Event()
+        self._said: str | None = None
+        self._failed: tuple | None = None  # (target fields, monotonic time) of the last failed attempt
+        self._thread = threading.Thread(target=self._run, name="desired-watch", daemon=True)
+
+    def start(self) -> "DesiredWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _say(self, level: int, msg: str) -> None:
+        if msg != self._said:
+            self._said = msg
+            log.log(level, msg)
+
+    def poll(self) -> None:
+        """One read of the record and, at a generation this pod has not taken (or one whose last
+        attempt failed, after ``retry_s``), one converge attempt."""
+        from deploy.desired import FleetRecord
+        from serving.converge import StaleTarget, plan
+
+        try:
+            t = pod_target(FleetRecord(self.store).read())
+        except (OSError, ValueError) as exc:
+            self._say(logging.WARNING, f"desired-state record unreadable ({exc}): serving what this pod serves")
+            return
+        if t is None or t.generation == 0:
+            return  # no record written yet: the pod serves what it started on (--version, or the store's stable)
+        rec = self.reconciler
+        cur = rec.target
+        if cur is not None and t.generation < cur.generation:
+            self._say(logging.WARNING, f"desired-state record is at generation {t.generation}, older than "
+                                       f"generation {cur.generation} this pod has taken: ignored")
+            return
+        if cur is not None and t.generation == cur.generation and rec.error is None:
+            return  # taken already: a pod changed by hand since stays so until the next generation
+        if cur is not None and t.generation == cur.generation and not plan(rec.slots.status(check_digests=False), t):
+            return  # there already
+        key = (t.generation, t.serving_fields())
+        if self._failed is not None and self._failed[0] == key and \
+                time.monotonic() - self._failed[1] < self.retry_s:
+            return
+        try:
+            rec.apply(t, "watch")
+            self._failed = None
+            self._said = None
+        except StaleTarget as exc:
+            self._say(logging.WARNING, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the pod keeps serving; retried after retry_s
+            self._failed = (key, time.monotonic())
+            self._say(logging.WARNING, f"desired state generation {t.generation} not reached: {exc}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the watch must outlive one bad read
+                log.exception("desired-state watch")
 
 
 def open_store(store_dir: Path | str, model_dir: Path | None = None):
@@ -105,6 +207,7 @@ class Pod:
     engine: object
     slots: object
     event_log: object
+    watch: DesiredWatch | None = None
 
     def close(self) -> None:
         """Stop: events still being built go to the event log, the event log delivers what it
@@ -112,6 +215,8 @@ class Pod:
         then the engine stops. Logs a line before and after, so that a SIGTERM's wait is
         not silent."""
         t0 = time.monotonic()
+        if self.watch is not None:
+            self.watch.stop()
         ev = self.event_log
         if ev is not None and ev.bootstrap is None:
             log.info("stopping: journaling %d queued events (no Kafka broker configured)", ev.queue_depth())
@@ -170,7 +275,7 @@ def build_pod(store, version: str | None = None, *, pod: str | None = None, engi
               engine_config: EngineConfig | None = None, vllm_config: VLLMConfig | None = None, loop=None,
               bootstrap: str | None = None, journal: Path | None = None, log_events: bool = True,
               api_keys: set[str] | None = None, admin_token: str | None = None, app_options: dict | None = None,
-              **settings: Any) -> Pod:
+              desired_poll_s: float | None = None, **settings: Any) -> Pod:
     """Build a pod over ``store``, serving ``version`` (default :func:`default_version`, and
     then the fleet's desired candidate and weight, :func:`start_desired_candidate`).
 
@@ -187,6 +292,9 @@ def build_pod(store, version: str | None = None, *, pod: str | None = None, engi
         log_events: False turns event logging off (benchmarks only).
         app_options: :func:`serving.app.create_app` keyword arguments (``feedback_keys``,
             ``served_model_name``, ``eval_share``, ``cors_origins``, ``salt``, ``admin_port``).
+        desired_poll_s: read the fleet's desired-state record every this many seconds and
+            converge to it (:class:`DesiredWatch`; ``flywheel serve --desired-poll``); None: no
+            watch (the pod then changes only by ``PUT /admin/desired``).
 
     Raises:
         ValueError: unknown ``engine``; a setting of the other engine (``aligned_logprobs`` /
@@ -194,7 +302,6 @@ def build_pod(store, version: str | None = None, *, pod: str | None = None, engi
         TypeError: a keyword that is no setting of either engine model.
     """
     from schemas import settings as fw_settings
-    from schemas import topics
     from serving.app import create_app
     from serving.eventlog import EventLog
     from serving.slots import Slots
@@ -207,7 +314,11 @@ def build_pod(store, version: str | None = None, *, pod: str | None = None, engi
     try:
         slots.start(version or default_version(store))
         if version is None:
-            start_desired_candidate(slots, store)
+            reconciler = start_desired_candidate(slots, store)
+        else:
+            from serving.converge import PodReconciler
+
+            reconciler = PodReconciler(slots)  # generation 0 until a target comes
     except Exception:
         engine_obj.close()
         raise
@@ -218,10 +329,17 @@ def build_pod(store, version: str | None = None, *, pod: str | None = None, engi
                 bootstrap = fw_settings.bootstrap()
             except RuntimeError as exc:
                 log.warning("%s; events wait in the journal", exc)
+    names = fw_settings.topic_names()  # the process's topic names, resolved once
+    if log_events:
         ev = EventLog(bootstrap, journal or fw_settings.home() / "serving" / f"{pod}.journal",
-                      client_id=f"flywheel-serving-{pod}", consumer_group=topics.INGEST_GROUP)
-    app = create_app(slots, ev, pod=pod, api_keys=api_keys, admin_token=admin_token, **(app_options or {}))
-    return Pod(app=app, engine=engine_obj, slots=slots, event_log=ev)
+                      client_id=f"flywheel-serving-{pod}", consumer_group=names.ingest_group)
+    app = create_app(slots, ev, pod=pod, api_keys=api_keys, admin_token=admin_token, topics=names,
+                     **(app_options or {}))
+    app.state.flywheel.reconciler = reconciler
+    watch = None
+    if desired_poll_s is not None and hasattr(store, "stable_record"):  # a model store has a record to watch
+        watch = DesiredWatch(store, reconciler, desired_poll_s).start()
+    return Pod(app=app, engine=engine_obj, slots=slots, event_log=ev, watch=watch)
 
 
 def is_loopback(host: str) -> bool:
@@ -398,7 +516,8 @@ def run_pod(cfg: ServeConfig | None = None, eng: EngineConfig | None = None, vll
     pod = cfg.pod_name()
     p = build_pod(st, cfg.version, pod=pod, engine=cfg.engine, engine_config=eng, vllm_config=vllm, loop=loop,
                   api_keys=load_keys("FLYWHEEL_API_KEYS", cfg.api_keys_file),
-                  admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, app_options=app_options(cfg, salt))
+                  admin_token=os.environ.get("FLYWHEEL_ADMIN_TOKEN") or None, app_options=app_options(cfg, salt),
+                  desired_poll_s=cfg.desired_poll_s)
     admin_at = f", /admin and /metrics on http://{cfg.host}:{cfg.admin_port}" if cfg.admin_port else ""
     (echo or (lambda line: print(line, flush=True)))(
         f"serving {p.slots.stable.version} on http://{cfg.host}:{cfg.port}{admin_at} (pod {pod})")

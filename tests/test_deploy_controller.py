@@ -35,7 +35,9 @@ from schemas.admin import LoadRequest, RollbackRequest, SlotInfo, SlotsStatus, W
 from schemas.arrow import samples_to_table
 from schemas.events import RewardedSample, SamplingParams
 from schemas.manifest import digest_of_hashes, state_sha256
-from schemas.topics import DEPLOYMENTS
+from schemas.pod_target import PodState, PodTarget
+from schemas.settings import topic_names
+DEPLOYMENTS = topic_names().deployments
 
 TOKEN = "s3cret"
 
@@ -104,6 +106,81 @@ def make_admin_app(store: ModelStore) -> FastAPI:
         st["candidate"], st["weight"] = None, 0.0
         return status()
 
+    # the declarative target (schemas/pod_target.py), what the controller calls
+    st.update(gen=0, target=None, error=None, actions=[])
+
+    def state() -> PodState:
+        t = st["target"]
+        s = status()
+        conv = t is not None and s.stable.version == t.stable and \
+            (s.candidate.version if s.candidate else None) == t.candidate and s.candidate_weight == t.weight
+        return PodState(pod=s.pod, generation=st["gen"], target_generation=t.generation if t else 0, converged=conv,
+                        error=st["error"], actions=st["actions"], slots=s)
+
+    @app.put("/admin/desired")
+    def put_desired(body: PodTarget, req: Request) -> PodState:
+        auth(req)
+        return apply(body)
+
+    def apply(body: PodTarget) -> PodState:
+        if st["target"] is not None and body.generation < st["target"].generation:
+            raise HTTPException(409, f"generation: {body.generation} is older than generation "
+                                     f"{st['target'].generation}, which this pod has taken")
+        st["target"], actions = body, []
+        try:
+            cand = st["candidate"].version if st["candidate"] else None
+            if st["stable"].version != body.stable:
+                if cand == body.stable:
+                    t0 = time.perf_counter()
+                    st["stable"] = st["candidate"]
+                    st["pause"] = (time.perf_counter() - t0) * 1e3
+                    actions.append("promote")
+                else:
+                    st["stable"], _ = slot(body.stable)
+                    actions.append(f"rollback to {body.stable}")
+                st["candidate"], st["weight"], cand = None, 0.0, None
+            elif body.reload_after_ms and st["stable"].loaded_at < body.reload_after_ms:
+                st["stable"], _ = slot(body.stable)
+                st["candidate"], st["weight"], cand = None, 0.0, None
+                actions.append(f"reload {body.stable}")
+            if cand is not None and cand != body.candidate:
+                actions.append(f"drop {cand}")
+                st["candidate"], st["weight"], cand = None, 0.0, None
+            if body.candidate is not None and cand != body.candidate:
+                st["candidate"], _ = slot(body.candidate)
+                actions.append(f"load {body.candidate}")
+            if st["weight"] != body.weight:
+                st["weight"] = body.weight
+                actions.append(f"weight {body.weight:g}")
+        except HTTPException as exc:
+            st["error"], st["actions"] = str(exc.detail), actions
+            raise
+        st["gen"], st["error"], st["actions"] = body.generation, None, actions
+        return state()
+
+    @app.get("/admin/desired")
+    def get_desired(req: Request) -> PodState:
+        auth(req)
+        return state()
+
+    def watch(poll_s: float = 0.1) -> None:
+        """Watch the store's desired-state record as a real pod does (serving.pod.DesiredWatch)."""
+        from deploy.desired import FleetRecord
+
+        def run():
+            while not app.state.stop.wait(poll_s):
+                d = FleetRecord(store).read()
+                t = st["target"]
+                if d.generation and (t is None or d.generation > t.generation):
+                    try:
+                        apply(PodTarget(generation=d.generation, stable=d.stable, candidate=d.candidate,
+                                        weight=d.weight, reload_after_ms=d.reload_after_ms))
+                    except HTTPException:
+                        pass  # the state's error says why; retried at the next generation
+        threading.Thread(target=run, daemon=True).start()
+
+    app.state.stop = threading.Event()
+    app.state.watch = watch
     app.state.metrics_text = "flywheel_requests_total 0\n"  # tests replace it
 
     @app.get("/metrics")
@@ -125,6 +202,7 @@ def start_admin_server(store: ModelStore):
         time.sleep(0.02)
 
     def stop():
+        app.state.stop.set()
         server.should_exit = True
         th.join(10)
 
@@ -150,6 +228,11 @@ def env(tmp_path, tiny_moe_dir, fw_home, broker_env, monkeypatch):
     yield ns
     ns.admin.close()
     stop()
+
+
+def _last_decision(env):
+    """The last ledger row that is a decision (not an operator command's FLEET_* observation)."""
+    return [d for d in ledger.decisions(env.ledger) if not d.decision.startswith("FLEET_")][-1]
 
 
 def publish_v(store: ModelStore, parent: str, scale: float = 1.0001):
@@ -401,6 +484,7 @@ def test_admin_client_errors(env):
 
 
 def test_cli_status_versions_promote_rollback(env):
+    env.app.state.watch()  # the pod converges to the record by itself: no controller runs here
     app = typer.Typer()
     register(app)
     run = CliRunner().invoke
@@ -431,7 +515,7 @@ def test_cli_status_versions_promote_rollback(env):
     assert r.exit_code == 0, r.output
     s = env.admin.slots()
     assert s.stable.version == "v000000" and s.stable.weights_digest == v0_digest
-    last = ledger.decisions(env.ledger)[-1]
+    last = _last_decision(env)
     assert (last.decision, last.actor, last.version, last.stable) == ("MANUAL_ROLLBACK", "oncall-alice", "v000000", "v000001")
     assert env.store.manifest("v000001").status_history[-1].status == "rolled_back"
     # no older promoted version left: a clear error
@@ -531,6 +615,7 @@ def test_canary_abort_and_start_act_on_the_pod_and_the_controller_carries_on(env
     """`canary abort|start` change the desired state and the pod before they return; the
     controller analyses and advances a canary the operator started, and does not restart one
     the operator aborted."""
+    env.app.state.watch()  # the pod converges to the record by itself between controller steps
     app = typer.Typer()
     register(app)
     run = CliRunner().invoke
@@ -544,10 +629,11 @@ def test_canary_abort_and_start_act_on_the_pod_and_the_controller_carries_on(env
     out = " ".join(r.output.split())
     assert r.exit_code == 0 and "aborted the canary of v000001" in out and "on all 1 pods" in out, out
     assert env.admin.slots().candidate is None  # done by the command, not left for the controller
-    row = ledger.decisions(env.ledger)[-1]
+    row, seen = _last_decision(env), ledger.decisions(env.ledger)[-1]
     assert (row.decision, row.actor, row.version, row.stable) == ("MANUAL_CANARY_ABORT", "oncall-alice", "v000001",
                                                                  "v000000")
-    assert row.numbers["pods"]["converged"] == 1 and row.numbers["pods"]["by_pod"][env.url]["actions"] == [
+    assert seen.decision == "FLEET_CONVERGED" and seen.numbers["generation"] == row.numbers["generation"]
+    assert seen.numbers["pods"]["converged"] == 1 and seen.numbers["pods"]["by_pod"][env.url]["actions"] == [
         "drop v000001"]
     # the controller sees the canary ended and does not start the aborted version again
     st = controller(env, clock).reconcile()
@@ -565,7 +651,7 @@ def test_canary_abort_and_start_act_on_the_pod_and_the_controller_carries_on(env
     assert r.exit_code == 0 and "canary of v000001 at 25% started" in out and "on all 1 pods" in out, out
     s = env.admin.slots()
     assert (s.candidate.version, s.candidate_weight) == ("v000001", 0.25)
-    row = ledger.decisions(env.ledger)[-1]
+    row = _last_decision(env)
     assert (row.decision, row.version, row.stable, row.step, row.weight, row.numbers["why"]) == (
         "MANUAL_CANARY_START", "v000001", "v000000", 0, 0.25, "retry")
     assert env.store.manifest("v000001").status_history[-1].status == "canary"

@@ -35,7 +35,9 @@ T = 1.0  # the timeout these tests run under (s)
 
 
 class FaultyPod:
-    """A real admin server whose paths can be made to hang (never answer) or answer 500."""
+    """A real admin server whose paths (``/admin/desired``, or one method on it,
+    ``PUT /admin/desired``) can be made to hang (never answer) or answer 500; ``calls`` counts
+    both keys."""
 
     def __init__(self, store: ModelStore):
         self.app = make_admin_app(store)
@@ -46,8 +48,10 @@ class FaultyPod:
         @self.app.middleware("http")
         async def inject(request, call_next):
             path = request.url.path
+            key = f"{request.method} {path}"
             self.calls[path] += 1
-            fault = self.faults.get(path) or self.faults.get("*")
+            self.calls[key] += 1
+            fault = self.faults.get(key) or self.faults.get(path) or self.faults.get("*")
             if fault == "hang":
                 while not self.release.is_set():
                     await asyncio.sleep(0.05)
@@ -127,7 +131,8 @@ def env(tmp_path, tiny_moe_dir, fw_home, monkeypatch):
 
 
 def _last(env):
-    return ledger.decisions(env.ledger)[-1]
+    """The last ledger row that is a decision (not an operator command's FLEET_* observation)."""
+    return [d for d in ledger.decisions(env.ledger) if not d.decision.startswith("FLEET_")][-1]
 
 
 def test_client_timeout_is_bounded_configurable_and_named(monkeypatch):
@@ -181,11 +186,12 @@ def test_500_is_a_server_failure_and_409_a_refusal(env):
 
 @pytest.mark.parametrize("fault", ["hang", "500"])
 def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(env, fault):
-    """Pod 2's /admin/load never answers (or answers 500): one timeout in all, no clean-up
-    call to pod 2, pod 1 (which had loaded it) drops the candidate, the version is not
-    marked failed, and the next reconcile, with the pod healthy, starts the canary."""
+    """Pod 2's PUT /admin/desired never answers (or answers 500) while the controller starts a
+    canary: one timeout in all, no clean-up call to pod 2, pod 1 (which had loaded it) drops
+    the candidate, the version is not marked failed, and the next reconcile, with the pod
+    healthy, starts the canary."""
     healthy, bad = env.pods
-    bad.faults["/admin/load"] = fault
+    bad.faults["PUT /admin/desired"] = fault
     r, took, out = env.cli("controller", "--once", "--serving", healthy.url, "--serving", bad.url,
                            "--serving-timeout-s", str(T), "--steps", "0.5,1")
     assert r.exit_code == 1, r.output  # the step failed: scripts and CronJobs see it (issue 22 defect 8)
@@ -193,8 +199,8 @@ def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(en
     # bounded: one timeout at most (a loaded CI box adds seconds of in-process work, so the call
     # counts below are the exact check that no second call, nor a clean-up call, went to pod 2)
     assert took < 3 * T + 3.0, took
-    assert bad.calls["/admin/load"] == 1 and bad.calls["/admin/rollback"] == 0
-    assert healthy.calls["/admin/load"] == 1 and healthy.calls["/admin/rollback"] == 1
+    assert bad.calls["PUT /admin/desired"] == 1  # the start; no clean-up call
+    assert healthy.calls["PUT /admin/desired"] == 2  # the start, then the clean-up (drop)
     assert env.store.manifest("v000001").status_history[-1].status == "published"
     last = _last(env)
     assert (last.decision, last.version) == ("FAILED", "v000001")
@@ -217,10 +223,11 @@ def test_controller_on_a_pod_whose_load_fails_pays_once_and_keeps_the_version(en
 
 def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, monkeypatch):
     pod = env.pods[0]
-    # rollback --to (the current stable: a reload) on a pod whose /admin/rollback never answers,
-    # --timeout shorter than the per-call bound: the command returns at --timeout with the pod's
-    # line naming it; the desired state is set, the pod did not converge
-    pod.faults["/admin/rollback"] = "hang"
+    # rollback --to (the current stable: a reload) on a pod that never answers, --timeout
+    # shorter than the per-call bound: the command returns at --timeout with the pod's line
+    # naming it; the desired state is set, the pod did not converge, and the command (which
+    # only watches) never sent the pod a change
+    pod.faults["/admin/desired"] = "hang"
     r, took, out = env.cli("rollback", "--to", "v000000", "--yes", "--serving-timeout-s", str(4 * T),
                            "--timeout", str(T), "--actor", "frank", "--reason", "v1 breaks JSON mode")
     assert r.exit_code == 1 and f"no answer by the deadline (--timeout {T:g} s)" in out, out
@@ -232,7 +239,7 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     assert (last.decision, last.version, last.actor) == ("FLEET_NOT_CONVERGED", "v000000", "frank")
     assert "v1 breaks JSON mode" in last.reason and last.numbers["why"] == "v1 breaks JSON mode"
     assert last.numbers["pods"]["by_pod"][pod.url]["outcome"] == "timeout"
-    assert pod.calls["/admin/rollback"] <= 1  # one pass: the hung call is never sent twice
+    assert pod.calls["PUT /admin/desired"] == 0 and pod.calls["GET /admin/desired"] >= 1
     # a rollback with nothing earlier to go to is refused before any pod is asked
     pod.faults["*"] = "hang"
     pod.calls.clear()
@@ -243,14 +250,15 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     assert _last(env).actor == "oncall-erin"  # $USER when no --actor
     r, took, out = env.cli("status", "--json")  # status: the same bound, exit 1, serving_error named
     assert r.exit_code == 1 and took < 2 * T + 3 and TIMEOUT_ENV in out
-    # promote on a pod that answers 500: the desired state moves (D33), the pod's outcome is
-    # recorded with the HTTP status, exit 1; the controller converges the pod once it is well
+    # promote while the pod answers 500: the desired state moves (D33), the pod's observed
+    # outcome is recorded with the HTTP status, exit 1; the controller converges the pod once
+    # it is well
     pod.faults.clear()
     pod.release.set()
     monkeypatch.delenv(TIMEOUT_ENV)
     desire_candidate(env.store.root, "v000001")
     ServingAdmin(pod.url, TOKEN).load("v000001")
-    pod.faults["/admin/promote"] = "500"
+    pod.faults["/admin/desired"] = "500"
     r, _, out = env.cli("promote", "--yes", "--reason", "looks good", "--timeout", str(T))
     assert r.exit_code == 1 and "HTTP 500" in out and "stable is now" not in out, out
     act, last = ledger.decisions(env.ledger)[-2:]
@@ -272,7 +280,8 @@ def test_cli_actions_on_a_wedged_or_failing_pod_are_bounded_and_recorded(env, mo
     assert r.exit_code == 1 and (_last(env).decision, _last(env).actor) == ("MANUAL_CANARY_START_FAILED", "gina")
     r, _, out = env.cli("canary", "abort", "--yes")
     assert r.exit_code == 1 and _last(env).decision == "MANUAL_CANARY_ABORT_FAILED"
-    r, _, out = env.cli("canary", "start", "v000000", "--yes", "--reason", "retry after fix")
+    pod.app.state.watch()  # from here the pod converges to the record by itself, as a real pod does
+    r, _, out = env.cli("canary", "start", "v000000", "--yes", "--reason", "retry after fix", "--timeout", "30")
     assert r.exit_code == 0 and _last(env).decision == "MANUAL_CANARY_START"
     assert _last(env).numbers["why"] == "retry after fix"
     r, _, out = env.cli("rollback", "--yes", "--serving-timeout-s", "0")

@@ -9,22 +9,22 @@ model store, through the real deploy CLI.
 
 from __future__ import annotations
 
-from deploy import ledger
 from serving.commands import default_version
 from deploy.store import ModelStore
 from tests.test_deploy_durable import desire_candidate
-from tests.test_deploy_faults import env  # noqa: F401 - the fixture
+from tests.test_deploy_faults import _last, env  # noqa: F401 - the fixture
 
 LATIN1_REASON = "caf\udce9 broke"  # b"caf\xe9 broke" from argv, as Python decodes it
 LATIN1_ACTOR = "jos\udce9"
 
 
 def test_a_promote_and_a_rollback_with_non_utf8_text_are_recorded_and_survive_a_restart(env, monkeypatch):
+    env.pods[0].app.state.watch()  # the pod converges to the record by itself, as a real pod does
     desire_candidate(env.store.root, "v000001")
     r, _, out = env.cli("promote", "--yes", "--reason", LATIN1_REASON, "--actor", LATIN1_ACTOR)
     assert r.exit_code == 0, (out, r.exception)
     assert default_version(ModelStore(env.store.root)) == "v000001"  # what a restarted pod serves
-    last = ledger.decisions(env.ledger)[-1]
+    last = _last(env)
     assert (last.decision, last.version, last.actor) == ("MANUAL_PROMOTE", "v000001", "jos\ufffd")
     assert "caf\ufffd broke" in last.reason and last.numbers["why"] == "caf\ufffd broke"
     assert env.store.stable_record()["actor"] == "jos\ufffd"
@@ -33,13 +33,13 @@ def test_a_promote_and_a_rollback_with_non_utf8_text_are_recorded_and_survive_a_
     r, _, out = env.cli("rollback", "--to", "v000000", "--yes", "--reason", "\ud800 lone")
     assert r.exit_code == 0, (out, r.exception)
     assert default_version(ModelStore(env.store.root)) == "v000000"
-    last = ledger.decisions(env.ledger)[-1]
+    last = _last(env)
     assert (last.decision, last.version, last.actor) == ("MANUAL_ROLLBACK", "v000000", "m\ufffdller")
     assert last.numbers["why"] == "? lone"
     # a failed action is recorded too
     r, _, out = env.cli("promote", "--yes", "--reason", LATIN1_REASON)
     assert r.exit_code == 1 and "could not record" not in out, out
-    assert ledger.decisions(env.ledger)[-1].decision == "MANUAL_PROMOTE_FAILED"
+    assert _last(env).decision == "MANUAL_PROMOTE_FAILED"
     r, _, out = env.cli("pause", "--yes", "--reason", LATIN1_REASON)
     assert r.exit_code == 0 and "could not record" not in out, (out, r.exception)
-    assert ledger.decisions(env.ledger)[-1].decision == "PAUSE"
+    assert _last(env).decision == "PAUSE"

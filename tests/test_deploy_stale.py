@@ -69,11 +69,13 @@ def test_store_reloads_a_version_whose_files_changed_under_the_same_id(tmp_path,
 
 
 @pytest.fixture()
-def pod_env(tmp_path, tiny_moe_dir, fw_home, monkeypatch):
+def pod_env(request, tmp_path, tiny_moe_dir, fw_home, monkeypatch):
+    """One pod; ``indirect`` param: its watch of the record every that many s (None: no watch)."""
     store = ModelStore(tmp_path / "store")
     store.init_base(tiny_moe_dir)
     m1 = publish_v(store, "v000000", scale=1.001)
-    pod = build_pod(ModelStore(store.root), pod="stale", max_batch=2, admin_token=TOKEN, log_events=False)
+    pod = build_pod(ModelStore(store.root), pod="stale", max_batch=2, admin_token=TOKEN, log_events=False,
+                    desired_poll_s=getattr(request, "param", None))
     srv = ServerThread(pod.app).start()
     for k, v in {"FLYWHEEL_STORE": str(store.root), "FLYWHEEL_ADMIN_TOKEN": TOKEN,
                  "FLYWHEEL_SERVING_URL": srv.url, "USER": "oncall-hana"}.items():
@@ -86,6 +88,7 @@ def pod_env(tmp_path, tiny_moe_dir, fw_home, monkeypatch):
     pod.close()
 
 
+@pytest.mark.parametrize("pod_env", [0.2], indirect=True)  # the CLI's actions converge through the pod's watch
 def test_pod_flags_and_reloads_changed_files(pod_env, tmp_path, tiny_moe_dir):
     store, m1, admin = pod_env
     app = typer.Typer()

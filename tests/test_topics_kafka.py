@@ -270,7 +270,8 @@ def test_every_client_speaks_tls_from_settings(tls_broker, tmp_path, monkeypatch
     from serving.eventlog import EventLog
 
     ledger.publish(b.bootstrap, ledger.LedgerEntry(version="v000001", stable="v000000", step=0, weight=0.05,
-                                                   decision="START", reason="tls test", ts=1))
+                                                   decision="START", reason="tls test", ts=1),
+                   topic_names().deployments)
     ev = EventLog(b.bootstrap, tmp_path / "ev.journal")
     cid = str(uuid.uuid4())
     ev.emit(topic_names().completions, cid, b'{"x": 1}')

@@ -1,0 +1,91 @@
+"""A serving pod's declarative target, shared by ``serving`` (server) and ``deploy`` (client).
+
+Endpoints (under the admin token, ``Authorization: Bearer <admin token>``):
+
+* ``PUT /admin/desired`` :class:`PodTarget` -> :class:`PodState`
+  The fleet's desired state for this pod (the serving fields of ``fleet/desired.json`` with
+  its generation). The pod converges to it idempotently: it loads from the model store what
+  it lacks (hash-verified), sets the candidate's share and drops what is no longer wanted;
+  a second PUT of the same target does nothing. HTTP 409 when ``generation`` is older than
+  the newest generation the pod has taken (the record moved on: nothing is changed), or when
+  a version cannot be loaded (bad bytes or hashes: the slots keep what they served, and the
+  answer names the version and the reason).
+* ``GET /admin/desired`` -> :class:`PodState`: the generation the pod serves, the newest it
+  has taken, whether its slots equal that target now, and its slots.
+
+The pod also reads ``fleet/desired.json`` itself every ``--desired-poll`` seconds and converges
+through the same function (``serving.converge.PodReconciler.apply``), so a change of the
+record reaches every pod whether or not a controller runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+from schemas.admin import SlotsStatus
+from schemas.manifest import VERSION_PATTERN
+
+
+class PodTarget(BaseModel):
+    """What one pod should serve.
+
+    Fields:
+        generation: the desired-state record's generation (>= 0; 0: the record was never
+            written and the target comes from the store's stable version).
+        stable: the version served as stable (``vNNNNNN``).
+        candidate: the version in the candidate slot, or None.
+        weight: share of users (0..1) sent to the candidate; 0 without one.
+        reload_after_ms: a stable loaded before this time (ms since epoch) is reloaded from
+            the store, verified; 0 = no reload asked.
+
+    Raises:
+        ValueError (pydantic's ValidationError): a field out of bounds, naming it.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    generation: Annotated[int, Strict()] = Field(ge=0)
+    stable: str = Field(min_length=1, pattern=VERSION_PATTERN)
+    candidate: str | None = Field(None, min_length=1, pattern=VERSION_PATTERN)
+    # a JSON number only: `true` or "1" would send every user to the candidate
+    weight: Annotated[float, Strict()] = Field(0.0, ge=0.0, le=1.0)
+    reload_after_ms: Annotated[int, Strict()] = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PodTarget":
+        if self.candidate is None and self.weight:
+            raise ValueError(f"weight: {self.weight} with no candidate")
+        if self.candidate is not None and self.candidate == self.stable:
+            raise ValueError(f"candidate: {self.candidate} is also the stable version")
+        return self
+
+    def serving_fields(self) -> tuple:
+        """``(stable, candidate, weight, reload_after_ms)``: what two targets must share to be the same."""
+        return self.stable, self.candidate, self.weight, self.reload_after_ms
+
+
+class PodState(BaseModel):
+    """A pod's observed state against its target.
+
+    Fields:
+        pod: the pod's name.
+        generation: the generation the pod serves: the newest target it fully converged to
+            (0 before any).
+        target_generation: the newest generation it has taken (>= ``generation``; greater while
+            it converges, or when its last attempt failed: ``error``).
+        converged: the slots equal the target of ``target_generation`` now.
+        error: why the last attempt did not converge, or None.
+        actions: what the last attempt changed, in order (``promote``, ``rollback to v000001``,
+            ``reload v000001``, ``drop v000002``, ``load v000002``, ``weight 0.25``).
+        slots: the pod's slots after it.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    pod: str
+    generation: int = 0
+    target_generation: int = 0
+    converged: bool = False
+    error: str | None = None
+    actions: list[str] = Field(default_factory=list)
+    slots: SlotsStatus
