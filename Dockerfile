@@ -29,6 +29,7 @@ ENV PATH=/opt/flywheel/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
+COPY modelstore ./modelstore
 COPY serving ./serving
 COPY ingest ./ingest
 COPY learner ./learner

@@ -1,7 +1,7 @@
 """Delta benchmark (issue 6): bit-exact delta size vs the full snapshot after N learner steps.
 
 Runs AdamW steps from the base weights, then encodes the weights after N steps as a delta on
-the base with ``deploy.store.encode_state`` (XOR of bit patterns, byte-plane shuffle, zstd),
+the base with ``modelstore.store.encode_state`` (XOR of bit patterns, byte-plane shuffle, zstd),
 in fp32 (master weights) and cast to bf16 (what a bf16 serving engine loads). Compared in one
 run with: the raw snapshot, zstd of the full snapshot (byte-plane shuffled, same level), and
 the order-0 entropy bound of the XOR bytes (sum over byte planes of n * H(plane)). Also
@@ -55,7 +55,7 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from deploy.store import ZSTD_LEVEL, _raw_bytes, _shuffle, decode_state, encode_state  # noqa: E402
+from modelstore.codec import ZSTD_LEVEL, _raw_bytes, _shuffle, decode_state, encode_state  # noqa: E402
 from schemas.manifest import state_sha256  # noqa: E402
 
 REAL_MODEL = Path.home() / ".cache" / "flywheel" / "models" / "smollm2-135m-moe"
@@ -185,7 +185,7 @@ def store_cycle_delta(model_dir: Path, lr: float, n_samples: int) -> int:
 
 
 def _store_cycle(tmp: Path, model_dir: Path, lr: float, n_samples: int, make_samples) -> int:
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from flywheel.modelinit import import_checkpoint
     from ingest import writer
     from learner.cycle import run_cycle

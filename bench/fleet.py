@@ -38,9 +38,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deploy.desired import FleetRecord  # noqa: E402
+from modelstore.desired import FleetRecord  # noqa: E402
 from deploy.serving_client import ServingAdmin  # noqa: E402
-from deploy.store import ModelStore  # noqa: E402
+from modelstore.store import ModelStore  # noqa: E402
 from flywheel.broker import spawn  # noqa: E402
 from tests.conftest import make_tiny_moe  # noqa: E402
 from tests.fleet_rig import TOKEN, FleetRig, arm_disagreement  # noqa: E402

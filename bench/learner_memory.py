@@ -51,7 +51,7 @@ def main() -> None:
     import numpy as np
 
     from conftest import make_tiny_moe
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from ingest import writer
     from schemas.events import now_ms
     from test_learner_accumulate import _random_samples

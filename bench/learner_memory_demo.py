@@ -71,7 +71,7 @@ def probe(owner, attr, name):
 
 import learner.cycle as lc
 import learner.trainer as lt
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from learner.config import LearnerConfig
 from learner.daemon import DaemonConfig, build_learner
 from flywheel.demo import DEMO_LEARNER
@@ -163,7 +163,7 @@ def main() -> None:
     a = ap.parse_args()
     import numpy as np
 
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from schemas.events import now_ms
 
     model_dir = a.model_dir

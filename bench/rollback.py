@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.store import ModelStore  # noqa: E402
+from modelstore.store import ModelStore  # noqa: E402
 from schemas.manifest import state_sha256  # noqa: E402
 
 REAL_MODEL = Path.home() / ".cache" / "flywheel" / "models" / "smollm2-135m-moe"

@@ -58,7 +58,7 @@ def build_store(model_dir: Path, root: Path) -> None:
     """v0 = the checkpoint; v1, v2 = deltas moving the experts and routers a little."""
     import torch
 
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
 
     st = ModelStore(root)
     st.init_base(model_dir)

@@ -1,11 +1,9 @@
-"""deploy: model store (bit-exact deltas, local dir or fsspec URL), rollout controller with
-canary analysis, ledger, and the on-call CLI.
+"""deploy: the rollout controller with canary analysis, the ledger, and the on-call CLI; the
+model store and the fleet's desired-state record it changes are the shared :mod:`modelstore`.
 
-Public API: ``deploy.store.ModelStore`` / ``CorruptVersionError``,
-``deploy.serving_client.ServingAdmin`` / ``ServingAdminError``, ``deploy.analysis.analyze``,
+Public API: ``deploy.serving_client.ServingAdmin`` / ``ServingAdminError``, ``deploy.analysis.analyze``,
 ``deploy.metrics.ServingMetricsSource``, ``deploy.ledger.Ledger`` / ``record`` / ``decisions``,
 ``deploy.controller.RolloutController`` / ``status_from_ledger`` / ``current_status``,
-``deploy.desired.FleetRecord`` / ``DesiredState`` (the fleet's desired state on the store),
 ``deploy.fleet.reconcile_pods`` (every pod to it), ``deploy.operator.run_action`` (an operator
 action: record, converge, per-pod outcomes), ``deploy.wiring.build_controller`` (the
 controller's assembly from ``ControllerRunConfig``, ``deploy.controller.ControllerConfig`` and

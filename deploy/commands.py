@@ -3,7 +3,7 @@ pause/resume (learner), runbook.
 
 Operator actions act on the fleet, not on one pod, and never call a pod's mutating
 endpoint: each changes the fleet's desired-state record on the store's shared storage
-(:mod:`deploy.desired`) and appends the decision to the one ledger beside it, then watches
+(:mod:`modelstore.desired`) and appends the decision to the one ledger beside it, then watches
 each pod's served generation (:mod:`deploy.operator`) until every pod reports it or
 ``--timeout`` passes, printing each pod's line; the exit status is 0 only when every pod
 converged. The pods converge by themselves (each reads the record every ``--desired-poll``
@@ -37,7 +37,7 @@ from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.controller import (DEFAULT_STEPS, ControllerConfig, RolloutController, RolloutPhase, current_status,
                                format_steps)
-from deploy.desired import DesiredState, FleetRecord, LockTimeout, RecordUnreadable, dropping
+from modelstore.desired import DesiredState, FleetRecord, LockTimeout, RecordUnreadable, dropping
 from deploy.discovery import PodDiscovery
 from deploy.operator import ActionResult, run_action
 from deploy.runbook import RUNBOOK
@@ -46,7 +46,7 @@ from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminE
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, discover_pods, gather_status,  # noqa: F401
                            status_warnings)
 from deploy.status import ts as _ts
-from deploy.store import CorruptVersionError, ModelStore
+from modelstore.store import CorruptVersionError, ModelStore
 from deploy.wiring import ControllerRunConfig, SetupError, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
 from schemas import settings
@@ -696,7 +696,7 @@ def _drop_candidate(store: ModelStore, fleet: FleetRecord, d: DesiredState, cand
                     serving_timeout_s: float, timeout: float, who: str, reason: str, why: str, *, decision: str,
                     what: str, mark: str, outcome: str, step: int = -1) -> ActionResult:
     """`flywheel rollback` (while a candidate is in the desired state) and `flywheel canary
-    abort`: :func:`deploy.desired.dropping`, the "drop the candidate" change the controller's
+    abort`: :func:`modelstore.desired.dropping`, the "drop the candidate" change the controller's
     rollback, abort and failed load use too. Under the fleet lock it is refused (nothing
     changed, ``<decision>_FAILED``) when the record's candidate is no longer ``d.candidate``
     (another operator or the controller changed it since ``d`` was read); else the candidate

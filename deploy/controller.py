@@ -1,7 +1,7 @@
 """Rollout controller: canary a newly published version, then promote or roll back.
 
 Every decision is first written into the fleet's desired-state record
-(:mod:`deploy.desired`), the one record of what is stable and what is canaried; each
+(:mod:`modelstore.desired`), the one record of what is stable and what is canaried; each
 reconcile step then PUTs the record's target to every discovered pod not at it
 (:mod:`deploy.fleet`), including pods that restarted, drifted or were unreachable before (the
 pods also converge by their own watch of the record). The controller's reconcile loop is the
@@ -48,13 +48,13 @@ from pydantic.dataclasses import dataclass as config_dataclass
 from deploy import ledger
 from deploy.analysis import AnalysisConfig, ArmStats
 from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, decide_step
-from deploy.desired import DESIRED_FILE, CandidateChanged, DesiredState, FleetRecord, RecordUnreadable, drop_candidate
+from modelstore.desired import DESIRED_FILE, CandidateChanged, DesiredState, FleetRecord, RecordUnreadable, drop_candidate
 from deploy.fleet import PodOutcome, reconcile_pods
 from deploy.fleet import summary as fleet_summary
 from deploy.history import user_history_covariate
 from deploy.samples_source import samples_source
 from deploy.serving_client import ServingAdmin, ServingAdminError
-from deploy.store import CorruptVersionError, ModelStore
+from modelstore.store import CorruptVersionError, ModelStore
 from schemas.manifest import version_number
 
 log = logging.getLogger(__name__)
@@ -503,7 +503,7 @@ class RolloutController:
         discover: ``f() -> [ServingAdmin]`` asked for the current pods before every
             reconcile step (a headless Service's DNS answer: :class:`deploy.discovery.PodDiscovery`);
             ``admin`` may then be empty. A failed lookup raises ServingAdminError (HOLD).
-        fleet: the desired-state record (default: the store's, :class:`deploy.desired.FleetRecord`).
+        fleet: the desired-state record (default: the store's, :class:`modelstore.desired.FleetRecord`).
             Every decision is written there first; each step brings every pod to it.
     """
 
@@ -590,7 +590,7 @@ class RolloutController:
         checking, under the fleet lock, that its candidate is still ``expect`` (when given).
 
         Raises:
-            deploy.desired.CandidateChanged: the candidate changed meanwhile (an operator's
+            modelstore.desired.CandidateChanged: the candidate changed meanwhile (an operator's
                 action); nothing is written.
         """
         def fn(d: DesiredState) -> DesiredState:
@@ -896,7 +896,7 @@ class RolloutController:
         poll. A failed step leaves the persisted phase as it was and is redone; each step
         checks serving's slots first (re-load, skip pods already promoted), so it converges.
 
-        An unreadable desired-state record (:class:`deploy.desired.RecordUnreadable`) is one
+        An unreadable desired-state record (:class:`modelstore.desired.RecordUnreadable`) is one
         ERROR line naming the file and what to do, logged again only when the reason changes,
         and one INFO line once it reads again; meanwhile no pod is called (they keep serving)."""
         unreadable: str | None = None  # the reason last logged for an unreadable record

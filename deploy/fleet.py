@@ -1,4 +1,4 @@
-"""Bring every serving pod to the fleet's desired state (:mod:`deploy.desired`), and watch it get there.
+"""Bring every serving pod to the fleet's desired state (:mod:`modelstore.desired`), and watch it get there.
 
 A pod takes one declarative target (``PUT /admin/desired``, :mod:`schemas.pod_target`): the
 record's generation with its stable, candidate, weight and reload request; the pod converges
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
-from deploy.desired import DesiredState
+from modelstore.desired import DesiredState
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from schemas.pod_target import PodTarget
 

@@ -9,7 +9,7 @@ included (``MANUAL_PROMOTE``, ``MANUAL_ROLLBACK``, ``MANUAL_CANARY_START``,
 desired-state record's generation the action wrote). An operator command appends its
 decision when it changes the record, then one ``FLEET_CONVERGED`` / ``FLEET_NOT_CONVERGED`` row
 with each pod's observed outcome (``numbers.pods.by_pod``). Which version is stable is the
-fleet's desired-state record (:mod:`deploy.desired`), not this ledger. The file lives beside
+fleet's desired-state record (:mod:`modelstore.desired`), not this ledger. The file lives beside
 that record on the store's shared storage (``fleet/ledger.duckdb``), so every machine an
 operator acts from writes the one audit log; DuckDB's exclusive file lock and the retry
 below serialise the short writes. Each recorded decision is also published to the topic

@@ -2,7 +2,7 @@
 
 As Argo Rollouts' CLI patches the Rollout object and leaves acting to the controller, an
 action (``flywheel promote``, ``rollback``, ``canary start|abort`` ...) is one change of the
-fleet's desired-state record (:mod:`deploy.desired`), made under the fleet lock together with
+fleet's desired-state record (:mod:`modelstore.desired`), made under the fleet lock together with
 the version statuses derived from it and the decision's ledger row. The operator's process
 then only WATCHES: it reads each pod's served generation (``GET /admin/desired``, short
 per-request bounds) until every pod reports the new generation or ``timeout_s`` passes, and
@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deploy.desired import DesiredState, FleetRecord
+from modelstore.desired import DesiredState, FleetRecord
 from deploy.discovery import PodDiscovery
 from deploy.fleet import PodOutcome, observe_pods_generation, summary
 from deploy.serving_client import ServingAdminError
@@ -99,7 +99,7 @@ def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who
 
     Raises:
         ValueError: ``change`` refused.
-        deploy.desired.LockTimeout: the lock was not free within ``lock_timeout_s``.
+        modelstore.desired.LockTimeout: the lock was not free within ``lock_timeout_s``.
     """
     t0 = time.monotonic()
     deadline = t0 + timeout_s

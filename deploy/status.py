@@ -12,12 +12,12 @@ from datetime import datetime, timezone
 
 from deploy import ledger
 from deploy.controller import RolloutStatus, current_status, status_with_record
-from deploy.desired import DesiredState, FleetRecord
+from modelstore.desired import DesiredState, FleetRecord
 from deploy.discovery import PodDiscovery
 from deploy.fleet import drift, observe_pods
 from deploy.operator import pod_specs
 from deploy.serving_client import ServingAdminError
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from deploy.wiring import SetupError, admin, rollout_status_path
 from schemas import settings
 

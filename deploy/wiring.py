@@ -21,10 +21,10 @@ from pydantic import Field, field_validator
 from pydantic.dataclasses import dataclass
 
 from deploy.controller import ControllerConfig, RolloutController
-from deploy.desired import DesiredState, FleetRecord
+from modelstore.desired import DesiredState, FleetRecord
 from deploy.discovery import PodDiscovery
 from deploy.serving_client import ServingAdmin, ServingAdminError
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from schemas import settings
 
 log = logging.getLogger(__name__)

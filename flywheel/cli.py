@@ -169,7 +169,7 @@ _register_all()
 
 
 def main() -> None:
-    from deploy.store import StoreUnusableError
+    from modelstore.store import StoreUnusableError
     from schemas.settings import HomeUnusableError
 
     try:

@@ -375,7 +375,7 @@ class Demo:
             self.log(f"using the checkpoint at {model_dir} as given (FLYWHEEL_MODEL_DIR)")
         else:
             model_dir = init_model(model_dir, log=self.log)
-        from deploy.store import ModelStore
+        from modelstore.store import ModelStore
         self.store = ModelStore(settings.store_dir())
         self.store.init_base(model_dir)
         self.samples_dir = settings.samples_dir()

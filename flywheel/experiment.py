@@ -290,7 +290,7 @@ def compare(first: dict, last: dict, seed: int = 0) -> dict:
 
 
 def _setup(cfg: ExperimentConfig):
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from schemas import settings
 
     (cfg.out / "logs").mkdir(parents=True, exist_ok=True)

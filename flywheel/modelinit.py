@@ -607,7 +607,7 @@ def import_checkpoint(src: str | Path, store_root, log=print):
         CheckpointError: the checkpoint is refused (:func:`inspect_checkpoint`,
             :func:`load_checkpoint_state`), or the store already holds versions.
     """
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
 
     info = inspect_checkpoint(src)
     store = ModelStore(store_root)

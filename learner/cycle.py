@@ -19,7 +19,7 @@ A format-1 state (every trained completion id) is upgraded once, by one scan of 
 (:func:`upgrade_state`). ``<state_dir>/ckpt`` holds the resumable DeepSpeed checkpoint of an
 unfinished cycle and ``<state_dir>/cycle`` the cycle's samples spilled to a local Arrow file
 (:class:`learner.data.SpilledSamples`), read a micro-batch at a time. The parent is the
-store's stable (or latest) version; the store (``deploy.store.ModelStore`` API: ``base_dir``,
+store's stable (or latest) version; the store (``modelstore.store.ModelStore`` API: ``base_dir``,
 ``latest()``, ``load(v)``, ``publish(state, parent, metrics, eval)``) writes the bit-exact
 delta and the manifest with per-tensor sha256. All training metrics go into the manifest.
 """
@@ -54,10 +54,10 @@ def trim_heap() -> None:
 
 
 def open_store(store_root):
-    """``store_root`` if it already is a store object, else ``deploy.store.ModelStore(store_root)``."""
+    """``store_root`` if it already is a store object, else ``modelstore.store.ModelStore(store_root)``."""
     if hasattr(store_root, "publish") and hasattr(store_root, "load"):
         return store_root
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
 
     return ModelStore(store_root)  # a directory, or a URL (s3://, memory://, ...) opened through fsspec
 

@@ -82,7 +82,7 @@ class Learner:
     """One assembled learner: its store, sample and state locations, configs, gate and metrics.
 
     Built by :func:`build_learner`: ``store`` is the store's directory or URL (what the cycle
-    opens), ``model_store`` the opened ``deploy.store.ModelStore``; ``say`` receives each line
+    opens), ``model_store`` the opened ``modelstore.store.ModelStore``; ``say`` receives each line
     the role reports (stdout in the CLI).
     """
 
@@ -140,7 +140,7 @@ class Learner:
         desired state on the store before each cycle, wherever this learner runs; a cycle
         already running finishes.
         """
-        from deploy.desired import FleetRecord
+        from modelstore.desired import FleetRecord
         from learner.cycle import count_new
 
         d, lm = self.daemon, self.metrics
@@ -185,7 +185,7 @@ def build_learner(cfg: LearnerConfig, daemon: DaemonConfig, say: Callable[[str],
     st = open_store(store)
     if not st.versions():
         raise StartError(f"learn: the model store {store} has no version yet. Publish the base first: "
-                         "`flywheel serve` does it on first start (or deploy.store.ModelStore(...).init_base).")
+                         "`flywheel serve` does it on first start (or modelstore.store.ModelStore(...).init_base).")
     evaluate = build_gate(daemon, st.base_dir, cfg.seed)
     samples = daemon.samples or settings.samples_dir()
     state = daemon.state or settings.learner_state_dir()

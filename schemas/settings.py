@@ -82,7 +82,7 @@ def bootstrap() -> str:
 
 def store_dir() -> Path | str:
     """The model store (versions, manifests, snapshots, deltas): ``$FLYWHEEL_STORE`` as given
-    when it is an fsspec URL (``s3://bucket/fw``, ``memory://fw``; ``deploy.store.ModelStore``
+    when it is an fsspec URL (``s3://bucket/fw``, ``memory://fw``; ``modelstore.store.ModelStore``
     opens it), else a local directory (``$FLYWHEEL_STORE`` or ``$FLYWHEEL_HOME/store``)."""
     raw = os.environ.get("FLYWHEEL_STORE", "")
     return raw if "://" in raw else Path(raw or home() / "store")

@@ -28,11 +28,11 @@ log = logging.getLogger("flywheel.serving")
 
 
 def desired_state(store):
-    """The fleet's desired state (``deploy.desired.DesiredState``) for a model store, or None
+    """The fleet's desired state (``modelstore.desired.DesiredState``) for a model store, or None
     for a one-version :class:`CheckpointStore` or an unreadable record (logged)."""
     if not hasattr(store, "stable_record"):
         return None
-    from deploy.desired import FleetRecord
+    from modelstore.desired import FleetRecord
 
     try:
         return FleetRecord(store).read()
@@ -42,7 +42,7 @@ def desired_state(store):
 
 
 def default_version(store) -> str:
-    """The version a pod serves at start: the fleet's desired stable (``deploy.desired``; the
+    """The version a pod serves at start: the fleet's desired stable (``modelstore.desired``; the
     controller and every operator action move it, so a restart never undoes them), else the
     store's stable record; the base version (``schemas.manifest.BASE_VERSION``) when the store
     has none (or is a one-version :class:`CheckpointStore`)."""
@@ -55,7 +55,7 @@ def default_version(store) -> str:
 
 
 def pod_target(d):
-    """The :class:`schemas.pod_target.PodTarget` of a desired state (``deploy.desired.DesiredState``),
+    """The :class:`schemas.pod_target.PodTarget` of a desired state (``modelstore.desired.DesiredState``),
     or None when it names no stable version."""
     from schemas.pod_target import PodTarget
 
@@ -100,7 +100,7 @@ class DesiredWatch:
     to load is retried after ``retry_s`` (a new generation at once).
 
     Args:
-        store: the model store (``deploy.store.ModelStore``) holding ``fleet/``.
+        store: the model store (``modelstore.store.ModelStore``) holding ``fleet/``.
         reconciler: the pod's :class:`serving.converge.PodReconciler`.
         poll_s: seconds between reads (``--desired-poll``).
         retry_s: seconds before a failed target is tried again.
@@ -130,7 +130,7 @@ class DesiredWatch:
     def poll(self) -> None:
         """One read of the record and, at a generation this pod has not taken (or one whose last
         attempt failed, after ``retry_s``), one converge attempt."""
-        from deploy.desired import FleetRecord
+        from modelstore.desired import FleetRecord
         from serving.converge import StaleTarget, plan
 
         try:
@@ -176,7 +176,7 @@ def open_store(store_dir: Path | str, model_dir: Path | None = None):
     """The model store to serve from.
 
     With ``model_dir``: a one-version :class:`serving.slots.CheckpointStore` over it.
-    Else ``deploy.store.ModelStore(store_dir)`` (a dir, or an fsspec URL string), initialised from the base model
+    Else ``modelstore.store.ModelStore(store_dir)`` (a dir, or an fsspec URL string), initialised from the base model
     (``schemas.settings.base_model_dir()``) only if it has no versions yet.
 
     Raises:
@@ -186,7 +186,7 @@ def open_store(store_dir: Path | str, model_dir: Path | None = None):
 
     if model_dir is not None:
         return CheckpointStore(model_dir)
-    from deploy.store import ModelStore  # the deploy package's public API
+    from modelstore.store import ModelStore  # the deploy package's public API
     from schemas import settings
 
     store = ModelStore(store_dir)
@@ -458,7 +458,7 @@ def check_serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig) -> str:
 def open_pod_store(cfg: ServeConfig):
     """The store ``cfg`` names (``--store``, else ``$FLYWHEEL_STORE`` / ``$FLYWHEEL_HOME/store``;
     ``--model-dir`` wins), with ``--version`` in it. Raises :class:`SettingError`."""
-    from deploy.store import StoreUnusableError  # the deploy package's public API
+    from modelstore.store import StoreUnusableError  # the deploy package's public API
     from schemas import settings
 
     try:

@@ -6,7 +6,7 @@ Promote is a pointer flip under a lock (the pause is measured, ms). Requests alr
 running keep the weights they started on (their KV cache is their own), so versions
 never mix within a completion.
 
-The model store is duck-typed (``deploy.store.ModelStore`` API: ``base_dir``,
+The model store is duck-typed (``modelstore.store.ModelStore`` API: ``base_dir``,
 ``load(version) -> {name: Tensor}``, ``manifest(version) -> VersionManifest``, ``latest()``,
 ``versions()``). :class:`CheckpointStore` serves one plain checkpoint dir the same way.
 """
@@ -121,7 +121,7 @@ class Slots:
             raise SlotError(f"cannot load {version}: {type(exc).__name__}: {why}") from exc
 
     def _load_state(self, version: str) -> dict:
-        """``version``'s state from the store. A store that can (``deploy.store.ModelStore``)
+        """``version``'s state from the store. A store that can (``modelstore.store.ModelStore``)
         rebuilds a delta on the resident slots' weights (verified at their load, never
         modified) and keeps no cached copy: one model's memory per load, on top of the
         resident versions (the peak-RSS budget of ``bench/serve_memory.py``)."""

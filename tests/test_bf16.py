@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from deploy.store import ModelStore, decode_state, encode_state
+from modelstore.store import ModelStore, decode_state, encode_state
 from learner.cycle import run_cycle
 from learner.trainer import LearnerConfig, resolve_precision
 from schemas.manifest import tensor_sha256

@@ -168,7 +168,7 @@ def sigkill(s: Service) -> None:
 
 
 def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_dir, tmp_path):
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from schemas import settings
 
     t_start = time.monotonic()

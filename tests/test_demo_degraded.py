@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from flywheel.demo import Demo
 
 

@@ -26,9 +26,9 @@ from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.commands import register
 from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, canary_counts, vote_counts
-from deploy.desired import FleetRecord
+from modelstore.desired import FleetRecord
 from deploy.serving_client import ServingAdmin, ServingAdminError
-from deploy.store import CorruptVersionError, ModelStore
+from modelstore.store import CorruptVersionError, ModelStore
 from flywheel.broker import free_port
 from schemas import settings
 from schemas.admin import LoadRequest, RollbackRequest, SlotInfo, SlotsStatus, WeightRequest
@@ -165,7 +165,7 @@ def make_admin_app(store: ModelStore) -> FastAPI:
 
     def watch(poll_s: float = 0.1) -> None:
         """Watch the store's desired-state record as a real pod does (serving.pod.DesiredWatch)."""
-        from deploy.desired import FleetRecord
+        from modelstore.desired import FleetRecord
 
         def run():
             while not app.state.stop.wait(poll_s):

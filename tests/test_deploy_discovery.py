@@ -15,7 +15,7 @@ from deploy.analysis import AnalysisConfig
 from deploy.controller import ControllerConfig, RolloutController, RolloutPhase
 from deploy.discovery import PodDiscovery, is_dns, resolve
 from deploy.serving_client import ServingAdmin, ServingAdminError
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from test_deploy_controller import TOKEN, Clock, make_admin_app, publish_v, write_votes
 
 NAME = "flywheel-serving-pods.flywheel.svc.cluster.local"

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from deploy import ledger
 from deploy.commands import register
 from deploy.serving_client import ServingAdmin
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from flywheel.broker import free_port
 from schemas import settings
 from serving.commands import build_pod, default_version
@@ -111,7 +111,7 @@ def pod_env(tmp_path, tiny_moe_dir, monkeypatch):
 
 def desire_candidate(root, version: str, weight: float = 0.0) -> None:
     """Put ``version`` in the fleet's desired state as the candidate (what a canary start does)."""
-    from deploy.desired import FleetRecord
+    from modelstore.desired import FleetRecord
 
     def fn(d):
         d.candidate, d.weight = version, weight

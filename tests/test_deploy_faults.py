@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from deploy import ledger
 from deploy.commands import register
 from deploy.serving_client import TIMEOUT_ENV, ServingAdmin, ServingAdminError, timeout_from_env
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from flywheel.broker import free_port
 from schemas import settings
 from tests.test_deploy_controller import TOKEN, make_admin_app, publish_v

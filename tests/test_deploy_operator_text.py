@@ -10,7 +10,7 @@ model store, through the real deploy CLI.
 from __future__ import annotations
 
 from serving.commands import default_version
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from tests.test_deploy_durable import desire_candidate
 from tests.test_deploy_faults import _last, env  # noqa: F401 - the fixture
 

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from deploy import ledger
 from deploy.commands import register
-from deploy.desired import FleetRecord
-from deploy.store import ModelStore
+from modelstore.desired import FleetRecord
+from modelstore.store import ModelStore
 from schemas import settings
 from schemas.modelspec import load_model
 

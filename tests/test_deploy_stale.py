@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from deploy.commands import register
 from deploy.serving_client import ServingAdmin
-from deploy.store import CorruptVersionError, ModelStore
+from modelstore.store import CorruptVersionError, ModelStore
 from schemas.manifest import digest_of_hashes, state_sha256
 from serving.commands import build_pod
 from servers import ServerThread

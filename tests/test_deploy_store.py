@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.store import CorruptVersionError, ModelStore, decode_state
+from modelstore.store import CorruptVersionError, ModelStore, decode_state
 from schemas.manifest import state_sha256
 from schemas.modelspec import load_model
 

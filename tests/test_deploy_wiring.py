@@ -10,9 +10,9 @@ import pytest
 
 from deploy.analysis import AnalysisConfig
 from deploy.controller import DEFAULT_STEPS, ControllerConfig, RolloutController, format_steps
-from deploy.desired import FleetRecord
+from modelstore.desired import FleetRecord
 from deploy.status import gather_status
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from deploy.wiring import ControllerRunConfig, SetupError, build_controller
 from schemas import settings
 

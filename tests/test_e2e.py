@@ -98,7 +98,7 @@ def votes_by_version(samples_dir: Path) -> dict[str, int]:
 
 def test_loop_end_to_end(broker, fw_home, tiny_moe_dir, tmp_path):
     from deploy.ledger import Ledger
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from schemas import settings
 
     port = free_port()

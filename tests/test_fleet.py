@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from deploy import ledger
 from deploy.commands import register
-from deploy.desired import DesiredState, FleetRecord
+from modelstore.desired import DesiredState, FleetRecord
 from deploy.serving_client import ServingAdmin
-from deploy.store import CorruptVersionError, ModelStore
+from modelstore.store import CorruptVersionError, ModelStore
 from schemas import settings
 from serving.commands import build_pod
 from servers import ServerThread
@@ -329,7 +329,7 @@ def test_controller_once_exits_nonzero_when_its_step_failed(fleet):
 
 
 def test_desired_record_names_bad_fields_and_a_lost_race_on_an_object_store(tiny_moe_dir, fw_home):
-    from deploy.desired import ConflictError
+    from modelstore.desired import ConflictError
 
     store = ModelStore(f"memory://fleet-{time.monotonic_ns()}")
     store.init_base(tiny_moe_dir)

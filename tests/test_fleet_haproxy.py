@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from deploy import ledger
-from deploy.desired import FleetRecord
-from deploy.store import ModelStore
+from modelstore.desired import FleetRecord
+from modelstore.store import ModelStore
 from tests.fleet_rig import FleetRig, arm_disagreement
 from tests.test_deploy_controller import publish_v
 

@@ -14,19 +14,18 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("schemas", "serving", "ingest", "learner", "deploy")
+PRODUCT = ("schemas", "modelstore", "serving", "ingest", "learner", "deploy")
 # what each package may import of Flywheel's own top-level packages
 ALLOWED = {
     "schemas": {"schemas"},
-    "serving": {"schemas", "serving"},
+    "modelstore": {"schemas", "modelstore"},  # shared under the roles: versions, codec, the fleet record
+    "serving": {"schemas", "modelstore", "serving"},
     "ingest": {"schemas", "ingest"},
-    "learner": {"schemas", "learner"},
-    "deploy": {"schemas", "deploy"},
+    "learner": {"schemas", "modelstore", "learner"},
+    "deploy": {"schemas", "modelstore", "deploy"},
 }
 OURS = {*PRODUCT, "flywheel"}
 SIDEWAYS = {
-    ("serving", "deploy.store"), ("serving", "deploy.desired"),  # a pod loads versions, reads the record
-    ("learner", "deploy.store"), ("learner", "deploy.desired"),  # publishes versions, reads pause
     ("learner", "ingest.catalog"),                               # finds a cycle's samples
 }
 
@@ -44,8 +43,8 @@ def imported_modules(path: Path) -> set[tuple[str, int]]:
 
 def test_the_walker_sees_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import os\ndef f():\n    from flywheel.users import x\n    import deploy.store as s\n")
-    assert imported_modules(f) == {("os", 1), ("flywheel.users", 3), ("deploy.store", 4)}
+    f.write_text("import os\ndef f():\n    from flywheel.users import x\n    import modelstore.store as s\n")
+    assert imported_modules(f) == {("os", 1), ("flywheel.users", 3), ("modelstore.store", 4)}
 
 
 def test_packages_import_only_downwards():

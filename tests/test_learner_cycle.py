@@ -20,7 +20,7 @@ from ingest import writer
 from schemas.modelspec import load_model
 
 try:
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
 except ImportError:  # pragma: no cover - the store is another engineer's package
     ModelStore = None
 
@@ -40,7 +40,7 @@ def seq_logps(model, samples, pad_id):
         return sequence_logprobs(forward_token_logprobs(model, b), b.completion_mask)
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_cycle_end_to_end(tiny_moe_dir, tmp_path):
     store = ModelStore(tmp_path / "store")
     store.init_base(tiny_moe_dir)  # v000000
@@ -207,7 +207,7 @@ def test_reinforce_prompt_baseline_learns_nothing_from_prompts_with_one_verdict(
         LearnerConfig(objective="kto", baseline="prompt")
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_sigkill_mid_cycle_resumes_to_same_hashes(tiny_moe_dir, tmp_path):
     """Issue 5: a learner killed with SIGKILL mid-cycle resumes from its DeepSpeed checkpoint
     and publishes a version whose tensor hashes equal an uninterrupted run's (same seed)."""
@@ -245,7 +245,7 @@ def test_sigkill_mid_cycle_resumes_to_same_hashes(tiny_moe_dir, tmp_path):
     assert straight.weights_digest != base.weights_digest
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_eval_gate_publishes_improvement_and_rejects_regression(tiny_moe_dir, tmp_path):
     """Desirable completions repeat token 40, undesirable ones token 41. Training on them
     raises the held-out preference margin (published, eval in the manifest); judged against a
@@ -276,7 +276,7 @@ def test_eval_gate_publishes_improvement_and_rejects_regression(tiny_moe_dir, tm
     assert last["eval"]["candidate"]["score"] < last["eval"]["parent"]["score"]
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_daemon_triggers_on_new_samples(tiny_moe_dir, tmp_path):
     """``flywheel learn`` without --once waits until --every-n new samples are sealed."""
     import time
@@ -315,7 +315,7 @@ def test_config_documents_every_field():
         assert not missing, f"{model.__name__} fields without a description: {missing}"
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_two_processes_torchrun_match_one(tiny_moe_dir, tmp_path):
     """ZeRO-2 on two gloo ranks (torchrun) trains the same update as one process: each rank
     takes half of every global batch, gradients are averaged, KTO's z0 is all-reduced."""
@@ -382,7 +382,7 @@ def test_balance_classes_weights_the_minority_class(tiny_moe_dir):
     assert losses[True] == pytest.approx(0.75, abs=1e-6)
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_generation_gate_scores_held_out_prompts_like_a_user(tiny_moe_dir, tmp_path):
     """The gate samples completions on held-out prompts and lets a user judge them. Users who
     like token 40 (the desirable samples repeat it): the trained candidate writes 40 more
@@ -418,7 +418,7 @@ def test_generation_gate_scores_held_out_prompts_like_a_user(tiny_moe_dir, tmp_p
         generation_evaluator([], lambda i, c: True, eos, max_tokens=4, samples_per_prompt=1, seed=0)
 
 
-@pytest.mark.skipif(ModelStore is None, reason="deploy.store not importable")
+@pytest.mark.skipif(ModelStore is None, reason="modelstore.store not importable")
 def test_parent_of_a_delta_chain_loads_and_publishes_without_extra_copies(tiny_moe_dir, tmp_path):
     """A cycle's parent that is a delta on its own parent (v000002 -> v000001 -> v000000):
     the model's parameters ARE the reconstructed tensors (no second copy, nothing from the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from learner.cycle import run_cycle
 from learner.trainer import LearnerConfig
 from schemas.manifest import state_sha256

@@ -109,7 +109,7 @@ def test_init_from_dense_fp32_without_pad_token_then_serve(chat_tok, tmp_path, f
 
     import httpx
 
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from flywheel.modelinit import import_checkpoint
     from serving.commands import build_pod
     from servers import ServerThread
@@ -301,7 +301,7 @@ def test_init_from_refusals(chat_tok, tmp_path):
     checkpoint that lacks a tensor the model needs is refused at load (never random-initialised)."""
     from safetensors.torch import load_file, save_file
 
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from flywheel.modelinit import CheckpointError, import_checkpoint, inspect_checkpoint
 
     good = save_checkpoint(tmp_path / "good", tiny_qwen3_moe(chat_tok), chat_tok, max_shard_size="100KB")

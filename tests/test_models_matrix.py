@@ -186,7 +186,8 @@ def _sample(ev: CompletionEvent, label: bool) -> RewardedSample:
 
 @pytest.mark.parametrize("arch", ARCHS + [DENSE])
 def test_serve_route_learn_delta_swap(zoo, arch, broker_mod, tmp_path, monkeypatch):  # noqa: F811
-    from deploy.store import ModelStore, decode_state, encode_state
+    from modelstore.codec import decode_state, encode_state
+    from modelstore.store import ModelStore
     from serving.commands import build_pod
     from servers import ServerThread
 

@@ -27,7 +27,7 @@ from deploy.analysis import AnalysisConfig
 from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, RolloutStatus
 from deploy.metrics import PrometheusMetricsSource, PrometheusQueryError, ServingMetricsSource
 from deploy.serving_client import ServingAdmin
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from schemas.settings import free_port
 from tests.test_deploy_controller import publish_v
 

@@ -43,7 +43,7 @@ def test_cycle_outcome_and_unknown_outcome():
 
 @pytest.mark.timeout(600)
 def test_learn_daemon_exports_its_cycle(tiny_moe_dir, tmp_path):
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
 
     store = ModelStore(tmp_path / "store")
     store.init_base(tiny_moe_dir)
@@ -92,7 +92,7 @@ def test_learn_daemon_exports_its_cycle(tiny_moe_dir, tmp_path):
         assert m[("flywheel_learner_last_publish_timestamp_seconds", ())] > time.time() - 300
         assert m[("flywheel_learner_samples_waiting", ())] == 0
         assert m[("flywheel_learner_paused", ())] == 0
-        from deploy.desired import FleetRecord  # `flywheel pause` writes the fleet's desired state
+        from modelstore.desired import FleetRecord  # `flywheel pause` writes the fleet's desired state
 
         FleetRecord(store).change(lambda d: (setattr(d, "paused", {"actor": "test", "at": 0, "reason": "maintenance"}),
                                              d)[1], "test", "pause")

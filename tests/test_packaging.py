@@ -138,7 +138,7 @@ def test_serving_code_path_imports_no_training_or_demo_package(tiny_moe_dir, tmp
         from flywheel.cli import app
         assert typer.main.get_command(app).commands["serve"]  # the whole CLI registers
         from fastapi.testclient import TestClient
-        from deploy.store import ModelStore
+        from modelstore.store import ModelStore
         from serving.commands import build_pod
         store = ModelStore({str(tmp_path / "store")!r})
         store.init_base({str(tiny_moe_dir)!r})

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from deploy import ledger
 from deploy.commands import register
-from deploy.desired import DesiredState, FleetRecord
+from modelstore.desired import DesiredState, FleetRecord
 from deploy.serving_client import ServingAdmin
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from schemas import settings
 from serving.commands import build_pod
 from servers import ServerThread

@@ -16,7 +16,7 @@ from deploy.analysis import AnalysisConfig
 from deploy.controller import ControllerConfig, RolloutController, RolloutPhase
 from deploy.ledger import decisions
 from deploy.serving_client import ServingAdmin
-from deploy.store import ModelStore
+from modelstore.store import ModelStore
 from serving.commands import build_pod
 from servers import ServerThread
 from tests.test_deploy_controller import Clock, publish_v, write_votes

@@ -137,7 +137,7 @@ def test_serve_bad_setups_are_usage_errors(tmp_path, tiny_moe_dir, monkeypatch):
     FLYWHEEL_STORE is opened as the URL, not as a local directory named after it."""
     from typer.testing import CliRunner
 
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from flywheel.broker import free_port
     from flywheel.cli import app
 

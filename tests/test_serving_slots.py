@@ -1,5 +1,5 @@
 """Weight slots through the admin API (schemas/admin.py) on a real server and a real
-deploy.store.ModelStore: verified loads, sticky split, hot swap under load, rollback."""
+modelstore.store.ModelStore: verified loads, sticky split, hot swap under load, rollback."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from schemas.modelspec import load_model
 from serving.pod import build_pod, default_version
 from servers import ServerThread
 
-ModelStore = pytest.importorskip("deploy.store").ModelStore
+ModelStore = pytest.importorskip("modelstore.store").ModelStore
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -112,7 +112,7 @@ def samples_of(samples_dir: Path, cid: str) -> list[dict]:
 
 def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp_path, monkeypatch):
     from deploy.serving_client import ServingAdmin
-    from deploy.store import ModelStore
+    from modelstore.store import ModelStore
     from ingest.app import IngestConfig
     from ingest.join import JoinConfig
     from ingest.worker import Worker

@@ -163,7 +163,7 @@ class DesiredState:
 
 
 class FleetRecord:
-    """The desired-state record of one model store (``deploy.store.ModelStore``).
+    """The desired-state record of one model store (``modelstore.store.ModelStore``).
 
     Args:
         store: the model store whose root holds ``fleet/`` (a directory or fsspec URL).
@@ -294,7 +294,7 @@ class FleetRecord:
 
 def stable_record_of(raw: bytes) -> dict | None:
     """The stable record (``{"version", "at", "actor", "reason", "history"}``, as
-    ``deploy.store.ModelStore.stable_record`` returns it) derived from the bytes of
+    ``modelstore.store.ModelStore.stable_record`` returns it) derived from the bytes of
     ``fleet/desired.json``; None when the record names no stable version.
 
     Raises:
