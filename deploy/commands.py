@@ -553,7 +553,7 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
 
 
 def _print_rollout(s: FleetStatus, fmt: Format) -> None:
-    """`flywheel status`'s rollout line, learner state, pending intent and decisions table."""
+    """`flywheel status`'s rollout line, learner state and decisions table."""
     st, desired = s.rollout, s.desired
     console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
                   f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
@@ -564,9 +564,6 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     else:
         console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
                                      f"{lp.get('reason', '')}" if lp else "running (not paused)"))
-    pending = desired.intent if desired else None
-    if pending:
-        console.print(f"pending intent: {pending['action']} {pending.get('version') or ''} by {pending['actor']}")
     t = Table(title="last decisions")
     for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
         t.add_column(c, no_wrap=True)

@@ -7,8 +7,7 @@ reconcile step then PUTs the record's target to every discovered pod not at it
 pods also converge by their own watch of the record). The controller's reconcile loop is the
 only Flywheel code that calls a pod's changing endpoint. A
 canary an operator started (``flywheel canary start``: candidate and weight in the record, a
-MANUAL_CANARY_START ledger row) is analysed and advanced like the controller's own; a
-request left in the record's ``intent`` field is acted on at the next reconcile.
+MANUAL_CANARY_START ledger row) is analysed and advanced like the controller's own.
 
 Every decision goes to the ledger (DuckDB + ``flywheel.deployments``), and the ledger is
 the source of truth of the rollout's history: :func:`status_from_ledger` replays it into a
@@ -452,31 +451,6 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
     return out
 
 
-def write_intent(fleet: FleetRecord, action: str, actor: str, version: str | None = None) -> dict:
-    """Record an operator's intent for the controller in the fleet's desired-state record
-    (``abort`` the canary in progress, or ``start`` a canary of ``version``); the controller
-    acts on it at its next reconcile and clears it. Raises ValueError on an unknown action
-    or ``start`` without a version."""
-    if action not in ("abort", "start"):
-        raise ValueError(f"action: must be 'abort' or 'start', got {action!r}")
-    if action == "start":
-        if not version:
-            raise ValueError("version: required to start a canary")
-        version_number(version)
-    intent = {"action": action, "version": version, "actor": actor, "at": int(time.time() * 1000)}
-
-    def fn(d: DesiredState) -> DesiredState:
-        d.intent = intent
-        return d
-    fleet.change(fn, actor, f"canary {action} requested", version or "")
-    return intent
-
-
-def read_intent(fleet: FleetRecord) -> dict | None:
-    """The operator intent waiting in the desired-state record, or None."""
-    return fleet.read().intent
-
-
 class RolloutController:
     """Canary newly published versions on one or more serving pods.
 
@@ -629,8 +603,7 @@ class RolloutController:
 
     def reconcile(self) -> RolloutStatus:
         """One step: read the desired-state record, bring every pod to it (one PUT of its
-        target each, :meth:`_pass`), act on the stored phase (and an operator's intent from
-        the record), which may change the record and bring the pods to it again; returns the
+        target each, :meth:`_pass`), act on the stored phase, which may change the record and bring the pods to it again; returns the
         new status (also persisted). The record is the truth: a canary whose candidate left
         the record (an operator's rollback, abort or promote) has ended, and a weight the
         record holds is the canary's. Pods that do not converge are listed in
@@ -640,23 +613,14 @@ class RolloutController:
         self._refresh_pods()
         d = self.fleet.read()
         st = self._status_from(self.status, d)
-        intent = d.intent
-        if intent is not None:  # consumed now; re-recorded if the step fails
-            d = self._desire("intent taken", f"{intent['action']} by {intent['actor']}", intent=None)
         try:
             self._record_repairs(st, self._pass())
-            if intent and intent["action"] == "abort":
-                st = self._abort(st, intent)
-            elif st.phase == RolloutPhase.CANARY:
+            if st.phase == RolloutPhase.CANARY:
                 st = self._canary_step(st)
             else:
-                st = self._maybe_start(st, intent)
+                st = self._maybe_start(st)
         except CandidateChanged as exc:  # an operator changed the record meanwhile: next step reads it
             log.info("step not taken: %s", exc)
-        except Exception:
-            if intent is not None and self.fleet.read().intent is None:
-                self._desire("intent kept", "the step failed: retried next time", intent=intent)
-            raise
         st.save(self.status_path)
         self.exported.status(st)
         return st
@@ -664,41 +628,19 @@ class RolloutController:
     def _status_from(self, st: RolloutStatus, d: DesiredState) -> RolloutStatus:
         return status_with_record(st, d, self.config.steps)
 
-    def _abort(self, st: RolloutStatus, intent: dict) -> RolloutStatus:
-        if st.phase != RolloutPhase.CANARY:
-            log.info("abort requested by %s but no canary is in progress", intent["actor"])
-            return st
-        reason = f"canary aborted by {intent['actor']} at step {st.step} ({st.weight:.0%})"
-        drop_candidate(self.fleet, st.candidate, intent["actor"], "canary abort", reason)
-        outcomes = self._pass()
-        st.phase, st.weight, st.last_outcome, st.last_reason = RolloutPhase.ABORTED, 0.0, "ABORT", reason
-        self.store.set_status(st.candidate, "aborted", reason)
-        self._record(st, "ABORT", reason, {"pods": fleet_summary(outcomes)}, actor=intent["actor"])
-        return st
-
-    def _maybe_start(self, st: RolloutStatus, intent: dict | None = None) -> RolloutStatus:
+    def _maybe_start(self, st: RolloutStatus) -> RolloutStatus:
         desired = self.fleet.read()
         stable = desired.stable
         if stable is None:
             return st
         actor = "controller"
-        if intent is None and desired.candidate is not None:
+        if desired.candidate is not None:
             # a candidate in the record while the ledger has no canary of it (the ledger row of
             # `flywheel canary start`, or of this controller's START, was not written): open the
             # canary of it, so it is analysed rather than left serving unjudged
             cand = desired.candidate
             if desired.action.startswith("canary start") and desired.actor:
                 actor = desired.actor
-        elif intent and intent["action"] == "start":
-            cand, actor = intent["version"], intent["actor"]
-            try:
-                self.store.manifest(cand)
-            except (KeyError, CorruptVersionError) as exc:
-                log.warning("canary start by %s ignored: %s", actor, exc)
-                cand = None
-            if cand == stable:
-                log.warning("canary start by %s ignored: %s is already stable", actor, cand)
-                cand = None
         else:
             cand = self.next_candidate(stable)
         if cand is None:

@@ -127,7 +127,7 @@ class FleetStatus:
                 "converged": bool(self.rows) and all(not dr for _, _, _, dr in self.rows),
                 "serving": first.model_dump() if first else None, "serving_error": self.err,
                 "stable_record": self.stable_rec, "warnings": self.warnings,
-                "rollout": sd, "pending_intent": d.intent if d else None,
+                "rollout": sd,
                 "learner": {"paused": d.paused if d else None},
                 "desired_error": self.record_err,
                 "decisions": [asdict(x) for x in self.decisions]}

@@ -84,10 +84,6 @@ class DesiredState:
             epoch, the pod's ``loaded_at``) reloads ``stable`` from the store, verified
             (``flywheel rollback --to <the current stable>``); 0 = no reload asked.
         paused: ``{"actor", "at" (ms), "reason"}`` while the learner is paused, else None.
-        intent: a request the controller acts on at its next reconcile (:func:`deploy.controller.write_intent`):
-            ``{"action": "start"|"abort", "version", "actor", "at" (ms)}``, or None.
-            ``flywheel canary start|abort`` do not use it: they change ``candidate`` and
-            ``weight`` and converge the pods themselves (:mod:`deploy.operator`).
         pods: the serving specs the controller discovers pods from (URLs or
             ``dns+http://`` specs, :mod:`deploy.discovery`), so an operator command on any
             machine reaches the same pods; [] until a controller recorded them.
@@ -105,7 +101,6 @@ class DesiredState:
     weight: float = 0.0
     reload_after_ms: int = 0
     paused: dict | None = None
-    intent: dict | None = None
     pods: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
     actor: str = ""
@@ -126,8 +121,6 @@ class DesiredState:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
         if self.candidate is None and self.weight:
             raise ValueError(f"weight: {self.weight} with no candidate")
-        if self.intent is not None and self.intent.get("action") not in ("start", "abort"):
-            raise ValueError(f"intent.action: must be 'start' or 'abort', got {self.intent.get('action')!r}")
         return self
 
     def to_json(self) -> bytes:
@@ -144,6 +137,8 @@ class DesiredState:
         if not isinstance(d, dict):
             raise RecordUnreadable(f"{'/'.join(DESIRED_FILE)}: expected an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
+        if "intent" in d and d["intent"] is None:  # a null "intent" is accepted and dropped
+            d.pop("intent")
         unknown = sorted(set(d) - known)
         if unknown:
             raise RecordUnreadable(f"{'/'.join(DESIRED_FILE)}: unknown field {unknown[0]!r}")

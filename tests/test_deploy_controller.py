@@ -521,7 +521,7 @@ def test_cli_status_versions_promote_rollback(env):
     # no older promoted version left: a clear error
     r = run(app, ["rollback", "--yes"])
     assert r.exit_code == 1 and "no earlier stable version than v000000" in " ".join(r.output.split())
-    # the fleet's candidate (here started by an operator's intent) is dropped by rollback
+    # the fleet's candidate (here started by an operator's canary start) is dropped by rollback
     publish_v(env.store, "v000001")
     assert run(app, ["canary", "start", "v000002", "--yes"]).exit_code == 0
     assert run(app, ["controller", "--once", "--steps", "0.25,1"]).exit_code == 0

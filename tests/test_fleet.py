@@ -200,7 +200,8 @@ def test_two_rollbacks_at_once_end_in_one_state_that_pods_record_and_ledger_agre
             time.sleep(1.0)
         outs = [p.communicate(timeout=120)[0] for p in procs]
         codes = [p.returncode for p in procs]
-        assert 0 in codes and all(c == 0 or "superseded" in o for c, o in zip(codes, outs)), outs
+        assert 0 in codes and all(c == 0 or "superseded" in o for c, o in zip(codes, outs)), \
+            "\n---\n".join(f"exit {c}:\n{o}" for c, o in zip(codes, outs))
         d = FleetRecord(f.store).read()
         last = _rows(f, "MANUAL_ROLLBACK")[-1]
         assert [s for s, _, _ in f.serving()] == [d.stable] * 3, (run, outs)
@@ -336,12 +337,19 @@ def test_desired_record_names_bad_fields_and_a_lost_race_on_an_object_store(tiny
     rec = FleetRecord(store)
     assert (rec.read().generation, rec.read().stable) == (0, "v000000")  # derived from the stable record
     for bad, field in (({"weight": 1.5, "candidate": "v000001"}, "weight"), ({"weight": 0.5}, "weight"),
-                       ({"stable": "latest"}, "stable"), ({"intent": {"action": "nuke"}}, "intent.action")):
+                       ({"stable": "latest"}, "stable"), ({"candidate": "newest"}, "candidate")):
         with pytest.raises(ValueError, match=field):
             rec.change(_with(**bad), "t", "bad")
     assert not rec.exists()  # nothing was written
     store._put_atomic(b'{"generation": 3, "stable": "v000000", "colour": "red"}', "fleet", "desired.json")
     with pytest.raises(ValueError, match="fleet/desired.json: unknown field 'colour'"):
+        rec.read()
+    # an "intent" left null reads (records carry it as null); a set one is an unknown field
+    store._put_atomic(b'{"generation": 3, "stable": "v000000", "intent": null}', "fleet", "desired.json")
+    assert (rec.read().generation, rec.read().stable) == (3, "v000000")
+    store._put_atomic(b'{"generation": 3, "stable": "v000000", "intent": {"action": "abort"}}', "fleet",
+                      "desired.json")
+    with pytest.raises(ValueError, match="fleet/desired.json: unknown field 'intent'"):
         rec.read()
     store._put_atomic(b"{not json", "fleet", "desired.json")
     with pytest.raises(ValueError, match="fleet/desired.json: not JSON"):
