@@ -49,6 +49,7 @@ from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore
 from deploy.wiring import ControllerRunConfig, SetupError, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
+from schemas.events import now_ms
 from schemas import settings
 from schemas.options import config_options, model_fields
 from schemas.output import OUTPUT, Format, dumps, resolve
@@ -84,7 +85,7 @@ def _paused_or_fail() -> dict | None:
 def pause_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None) -> dict:
     """Record the pause in the fleet's desired state (one generation) and a PAUSE ledger row.
     The learner reads the record before each cycle, wherever it runs."""
-    rec = {"actor": actor, "at": int(time.time() * 1000), "reason": reason}
+    rec = {"actor": actor, "at": now_ms(), "reason": reason}
 
     def fn(d: DesiredState) -> DesiredState:
         d.paused = rec
@@ -670,7 +671,7 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
     _confirm(f"reload stable {to} from the store on every pod" if reload else f"replace stable {stable} by {to}",
              yes)
     why = _because(f"manual rollback of stable {stable} to {to} by {who}", reason)
-    asked_ms = int(time.time() * 1000)
+    asked_ms = now_ms()
 
     def change(x: DesiredState) -> DesiredState:
         x.stable, x.candidate, x.weight = to, None, 0.0

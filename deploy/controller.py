@@ -54,6 +54,7 @@ from deploy.history import user_history_covariate
 from deploy.samples_source import samples_source
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from modelstore.store import CorruptVersionError, ModelStore
+from schemas.events import now_ms
 from schemas.manifest import version_number
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class RolloutStatus:
     def save(self, path: Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.updated_ms = int(time.time() * 1000)
+        self.updated_ms = now_ms()
         d = asdict(self)
         d["phase"] = self.phase.value
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
@@ -495,7 +496,7 @@ class RolloutController:
         self.samples_dir, self.ledger_path, self.status_path = Path(samples_dir), Path(ledger_path), Path(status_path)
         self.config = config or ControllerConfig()
         self.bootstrap = bootstrap
-        self.clock = clock or (lambda: int(time.time() * 1000))
+        self.clock = clock or now_ms
         if arm_metrics is None:
             from deploy.metrics import ServingMetricsSource
 

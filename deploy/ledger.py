@@ -27,6 +27,7 @@ from pathlib import Path
 
 import duckdb
 
+from schemas.events import now_ms
 from schemas.ledger import LedgerEntry
 from schemas.settings import topic_names
 
@@ -94,7 +95,7 @@ def record(path: Path, entry: LedgerEntry, bootstrap: str | None = None, topic: 
     A failed Kafka publish is logged, not raised: the DuckDB row is the source of truth.
     """
     if not entry.ts:
-        entry.ts = int(time.time() * 1000)
+        entry.ts = now_ms()
     con = _connect(path)
     try:
         con.execute("INSERT INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -46,6 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+from schemas.events import now_ms
 
 REQUESTS = "flywheel_version_requests"
 HTTP_REQUESTS = "flywheel_requests"
@@ -307,7 +308,7 @@ class PrometheusMetricsSource:
         self.url = url.rstrip("/")
         self.selector = selector.strip()
         self.timeout_s = timeout_s
-        self.clock = clock or (lambda: int(time.time() * 1000))
+        self.clock = clock or now_ms
 
     def query(self, promql: str, at_ms: int | None = None) -> list[tuple[dict, float]]:
         """Run an instant query (at ``at_ms``, default the server's now); returns

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ingest.catalog import Shard, count_rows, find_shards, read_shards
 from schemas.arrow import table_to_samples
-from schemas.events import RewardedSample
+from schemas.events import RewardedSample, now_ms
 from schemas.manifest import VersionManifest
 from learner.daemon_config import DaemonConfig
 from learner.data import SpilledSamples
@@ -219,7 +219,7 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
         keep = lambda s: s.split != "train" or not in_holdout(s.completion_id, config.holdout_frac)  # noqa: E731
     src = SpilledSamples.from_shards([s.path for s in shards], work / "samples.arrow", keep=keep, aside=hold)
     record = {"parent": parent, "n_candidates": len(src) + len(hold), "n_shards": len(shards),
-              "at": int(time.time() * 1000)}
+              "at": now_ms()}
     manifest = _train_and_publish(store, parent, src, hold, state_dir, config, show_progress, evaluate, record, t0)
     trim_heap()  # the cycle's model, engine and decode buffers are freed: give their pages back (daemon)
     if manifest is False:  # fewer than min_samples survived the trainer's filters: nothing consumed

@@ -24,6 +24,7 @@ from typing import Callable
 
 from learner.config import LearnerConfig
 from learner.daemon_config import DaemonConfig
+from schemas.events import now_ms
 
 
 class SettingError(ValueError):
@@ -100,7 +101,7 @@ class Learner:
         from learner.cycle import count_new, load_state, run_cycle
         from learner.metrics import cycle_outcome
 
-        lm, started_ms, rank0, t0 = self.metrics, int(time.time() * 1000), _rank0(), time.monotonic()
+        lm, started_ms, rank0, t0 = self.metrics, now_ms(), _rank0(), time.monotonic()
         try:
             m = run_cycle(self.store, self.samples, self.state, self.cfg, parent=self.daemon.parent,
                           show_progress=rank0, evaluate=self.evaluate)

@@ -41,6 +41,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
+from schemas.events import now_ms
 from schemas.manifest import version_number
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class FleetRecord:
 
     def __init__(self, store, clock=None):
         self.store = store
-        self.clock = clock or (lambda: int(time.time() * 1000))
+        self.clock = clock or now_ms
         self._key = str(store.root)
         self._tlock = FleetRecord._local_locks.setdefault(self._key, threading.RLock())
 
