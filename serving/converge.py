@@ -105,9 +105,15 @@ class PodReconciler:
             self.target = t
             done: list[str] = []
             try:
-                for label, method, args in plan(self.slots.status(check_digests=False), t):
-                    getattr(self.slots, method)(*args)
-                    done.append(label)
+                # planned again after each pass: a flip to the resident previous stable keeps its
+                # old load time, so a reload the target asks for is only due after it
+                for _ in range(3):
+                    steps = plan(self.slots.status(check_digests=False), t)
+                    if not steps:
+                        break
+                    for label, method, args in steps:
+                        getattr(self.slots, method)(*args)
+                        done.append(label)
             except SlotError as exc:
                 self.error = f"generation {t.generation}: {exc}"
                 self.actions = done

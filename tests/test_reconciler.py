@@ -92,6 +92,28 @@ def test_a_put_target_converges_idempotently_and_an_older_generation_is_refused(
         pod.close()
 
 
+def test_a_reload_asked_with_a_flip_to_the_resident_previous_stable_is_done_in_one_take(store):
+    """A target whose stable is the pod's resident previous stable and that asks for a reload
+    (``flywheel rollback --to`` it while another rollback is on its way) is reached in one
+    take: the flip keeps the resident weights' old load time, so the reload comes after it."""
+    pod, srv = _pod(store, "pod-r")
+    url = srv.url
+    try:
+        put = lambda body: httpx.put(url + "/admin/desired", json=body, headers=AUTH, timeout=60)  # noqa: E731
+        assert put({"generation": 1, "stable": "v000000", "candidate": "v000001", "weight": 0.5}).status_code == 200
+        assert put({"generation": 2, "stable": "v000001"}).json()["actions"] == ["promote"]  # v000000 stays resident
+        asked = int(time.time() * 1000)
+        r = put({"generation": 3, "stable": "v000000", "reload_after_ms": asked})
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["actions"] == ["rollback to v000000", "reload v000000"], j
+        assert (j["generation"], j["converged"]) == (3, True)
+        assert j["slots"]["stable"]["version"] == "v000000" and j["slots"]["stable"]["loaded_at"] >= asked
+    finally:
+        srv.stop()
+        pod.close()
+
+
 @pytest.fixture()
 def watched_fleet(store, monkeypatch):
     """Three pods that watch the record every 0.2 s; no controller; the CLI as the operator."""
