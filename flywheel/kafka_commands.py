@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.topic_admin import ADMIN_TIMEOUT_S
 from schemas.options import config_options
 from schemas.output import OUTPUT, Format, emit, resolve
 
@@ -29,7 +30,7 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     bootstrap: Optional[str] = Field(None, description="host:port of the cluster (default FLYWHEEL_KAFKA_BOOTSTRAP).")
-    timeout_s: float = Field(30.0, ge=0.1, description="How long to wait for the cluster.",
+    timeout_s: float = Field(ADMIN_TIMEOUT_S, ge=0.1, description="How long to wait for the cluster.",
                              json_schema_extra={"unit": "s"})
 
 

@@ -12,8 +12,10 @@ import time
 from schemas.settings import kafka_client_config, kafka_settings, topic_names
 from schemas.topics import DEFAULT_PARTITIONS, TopicPlan, plan
 
+ADMIN_TIMEOUT_S = 30.0  # how long an admin operation waits for the cluster (s); `flywheel topics --timeout-s`
 
-def admin_client(bootstrap: str | None = None, settings=None, timeout_s: float = 30.0):
+
+def admin_client(bootstrap: str | None = None, settings=None, timeout_s: float = ADMIN_TIMEOUT_S):
     """A kafka-python ``KafkaAdminClient`` with the settings' security, retried until reachable.
 
     Raises:
@@ -145,7 +147,7 @@ def unverified(want: list[TopicPlan], have: dict[str, dict]) -> list[str]:
 
 
 def create_topics(bootstrap: str | None = None, settings=None, partitions: int | None = None,
-                  timeout_s: float = 30.0) -> dict:
+                  timeout_s: float = ADMIN_TIMEOUT_S) -> dict:
     """Create the missing Flywheel topics as :func:`plan` says, then verify all of them.
 
     Returns:
@@ -177,7 +179,7 @@ def create_topics(bootstrap: str | None = None, settings=None, partitions: int |
             "unverified": unverified(want, have)}
 
 
-def check_topics(bootstrap: str | None = None, settings=None, timeout_s: float = 30.0) -> dict:
+def check_topics(bootstrap: str | None = None, settings=None, timeout_s: float = ADMIN_TIMEOUT_S) -> dict:
     """Compare the cluster's Flywheel topics with :func:`plan`; changes nothing.
 
     Returns:
@@ -205,7 +207,7 @@ def _describe_until_complete(admin, names: list[str], tries: int = 50) -> dict[s
     return have
 
 
-def ensure_topics(bootstrap: str, partitions: int = DEFAULT_PARTITIONS, timeout_s: float = 30.0) -> dict[str, int]:
+def ensure_topics(bootstrap: str, partitions: int = DEFAULT_PARTITIONS, timeout_s: float = ADMIN_TIMEOUT_S) -> dict[str, int]:
     """Create every Flywheel topic with ``partitions`` partitions if missing (the embedded
     broker's start and the demo; external clusters use ``flywheel topics create``).
 
