@@ -92,6 +92,9 @@ QUALITY = ("reward", "thumbs")  # what the sequential test judges (AnalysisConfi
 SIGNAL_GUARDS = (("regenerated", "up", 0.0, "replies regenerated"),
                  ("dissatisfied", "up", 0.0, "dissatisfied follow-ups"),
                  ("copied", "down", 0.5, "replies copied"))
+#: The kept share of edited replies, guarded downward: a mean of shares in [0, 1] over the
+#: samples with an edit (``edited``, ``kept_sum``, ``kept_sq_sum``), not a count of samples.
+KEPT_GUARD = ("kept_share", "down", 0.5, "kept share of edited replies")
 VS_FIRST = "_vs_first"  # suffix of a guard checked against the first version
 
 
@@ -147,6 +150,9 @@ class ArmStats:
         regenerated, dissatisfied, copied: of those samples, the ones a user regenerated
             (``regenerated > 0``), followed up dissatisfied (``followup < 0``) and copied
             (``copied > 0``) (counts, <= ``rewarded``; the signal guards).
+        edited: of those samples, the ones with an edit's kept share (count, <= ``rewarded``).
+        kept_sum, kept_sq_sum: ``sum k`` and ``sum k^2`` of their kept shares ``k`` in
+            ``[0, 1]`` (floats; the kept-share guard, :data:`KEPT_GUARD`).
         reward_policy: the digest of the reward policy those rewards are by (None: not
             known); the reward test compares two arms only under the same policy.
     """
@@ -175,12 +181,15 @@ class ArmStats:
     regenerated: int = 0
     dissatisfied: int = 0
     copied: int = 0
+    edited: int = 0
+    kept_sum: float = 0.0
+    kept_sq_sum: float = 0.0
     reward_policy: str | None = None
 
     def __post_init__(self):
         for f in ("votes_up", "votes_down", "errors", "requests", "latency_samples", "completions",
                   "completion_tokens", "no_answer", "truncated", "repetitive", "truncated_tokens",
-                  "rewarded", "regenerated", "dissatisfied", "copied"):
+                  "rewarded", "regenerated", "dissatisfied", "copied", "edited"):
             v = getattr(self, f)
             if f in ("latency_samples", "truncated_tokens") and v is None:
                 continue
@@ -195,7 +204,7 @@ class ArmStats:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"{f}: must be a number >= 0 or None, got {v!r}")
-        for f in ("regenerated", "dissatisfied", "copied"):
+        for f in ("regenerated", "dissatisfied", "copied", "edited"):
             if getattr(self, f) > self.rewarded:
                 raise ValueError(f"{f}: {getattr(self, f)} > rewarded {self.rewarded}")
         for f in ("reward_sum", "reward_sq_sum", "reward_min", "reward_max"):
@@ -206,6 +215,12 @@ class ArmStats:
                 raise ValueError(f"{f}: must be a finite number, got {v!r}")
         if self.reward_sq_sum < 0:
             raise ValueError(f"reward_sq_sum: must be >= 0, got {self.reward_sq_sum}")
+        for f in ("kept_sum", "kept_sq_sum"):  # shares in [0, 1]: 0 <= sum k^2 <= sum k <= edited
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= self.edited + 1e-9:
+                raise ValueError(f"{f}: must be a number in [0, edited = {self.edited}], got {v!r}")
+        if self.kept_sq_sum > self.kept_sum + 1e-9:
+            raise ValueError(f"kept_sq_sum: {self.kept_sq_sum} > kept_sum {self.kept_sum} (shares are in [0, 1])")
 
         cov = (self.x_sum, self.xx_sum, self.xy_sum)
         if any(v is not None for v in cov):
@@ -582,7 +597,7 @@ def check_quality(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[MetricR
     return [check_reward(c, s, cfg), t]
 
 
-def signal_bounds(k_c, n_c, k_s, n_s, cfg: AnalysisConfig, worse: str, center: float):
+def signal_bounds(k_c, n_c, k_s, n_s, cfg: AnalysisConfig, worse: str, center: float, sq_c=None, sq_s=None):
     """A signal guard's verdict on shares ``k / n`` (scalars or arrays, unchecked): each arm's
     share gets the empirical-Bernstein confidence sequence of
     :func:`deploy.stats.eb_mean_bounds` on ``[0, 1]`` with the fixed ``center`` at level
@@ -590,10 +605,12 @@ def signal_bounds(k_c, n_c, k_s, n_s, cfg: AnalysisConfig, worse: str, center: f
     fails when ``lc > (1 + signal_margin) hs`` and ``lc - hs > signal_floor``; ``"down"``
     (a positive signal) when ``hc < (1 - signal_margin) ls`` and ``ls - hc > signal_floor``:
     the candidate's share is shown worse than the stable's by more than the relative margin.
+    A mean of values in ``[0, 1]`` (the kept share) passes their sums of squares ``sq_c`` /
+    ``sq_s``; a share of counts has ``sum x^2 = sum x = k`` (the default).
 
     Returns ``(failed, (lc, hc), (ls, hs))``."""
-    _, lc, hc = eb_mean_bounds(n_c, k_c, k_c, 0.0, 1.0, cfg.alpha / 2, center)
-    _, ls, hs = eb_mean_bounds(n_s, k_s, k_s, 0.0, 1.0, cfg.alpha / 2, center)
+    _, lc, hc = eb_mean_bounds(n_c, k_c, k_c if sq_c is None else sq_c, 0.0, 1.0, cfg.alpha / 2, center)
+    _, ls, hs = eb_mean_bounds(n_s, k_s, k_s if sq_s is None else sq_s, 0.0, 1.0, cfg.alpha / 2, center)
     m, f = cfg.signal_margin, cfg.signal_floor
     if worse == "up":
         failed = (lc > (1 + m) * hs) & (lc - hs > f)
@@ -607,23 +624,29 @@ def check_signal_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[M
     (:data:`SIGNAL_GUARDS`, :func:`signal_bounds`): a candidate that regenerates or
     dissatisfies more, or is copied less, fails, so one that avoids negative signals by
     answering less (fewer regenerates, but fewer copies too) is caught as well as one that
-    draws more of them. SKIPPED when neither arm has rewarded samples (shards without the
-    signal columns), INCONCLUSIVE before ``min_guard_completions`` rewarded samples per arm.
+    draws more of them; and the mean kept share of edited replies (:data:`KEPT_GUARD`), which
+    fails when it falls. SKIPPED when neither arm has the guard's samples (shards without the
+    signal columns; no edits), INCONCLUSIVE before ``min_guard_completions`` of them per arm.
     Always-valid, so the failure limit only delays a FAIL."""
     out = []
-    if c.rewarded == 0 and s.rewarded == 0:
-        return [MetricResult(g, Check.SKIPPED, f"{g} not measured (no rewarded samples)") for g, *_ in SIGNAL_GUARDS]
-    for g, worse, center, label in SIGNAL_GUARDS:
-        nums = {"candidate_n": c.rewarded, "baseline_n": s.rewarded, "against": "stable", "worse": worse,
+    g, worse, center, label = KEPT_GUARD
+    guards = [(g, worse, center, label, "rewarded samples", c.rewarded, getattr(c, g), None, s.rewarded,
+               getattr(s, g), None) for g, worse, center, label in SIGNAL_GUARDS]
+    guards.append((g, worse, center, label, "edited samples", c.edited, c.kept_sum, c.kept_sq_sum, s.edited,
+                   s.kept_sum, s.kept_sq_sum))
+    for g, worse, center, label, what_n, nc, kc, sqc, ns, ks, sqs in guards:
+        if nc == 0 and ns == 0:
+            out.append(MetricResult(g, Check.SKIPPED, f"{g} not measured (no {what_n})"))
+            continue
+        nums = {"candidate_n": nc, "baseline_n": ns, "against": "stable", "worse": worse,
                 "margin": cfg.signal_margin, "floor": cfg.signal_floor, "center": center}
-        if min(c.rewarded, s.rewarded) < cfg.min_guard_completions:
-            out.append(MetricResult(g, Check.INCONCLUSIVE, f"{g}: {c.rewarded} vs {s.rewarded} rewarded samples, "
+        if min(nc, ns) < cfg.min_guard_completions:
+            out.append(MetricResult(g, Check.INCONCLUSIVE, f"{g}: {nc} vs {ns} {what_n}, "
                                     f"need {cfg.min_guard_completions} per arm", nums))
             continue
-        kc, ks = getattr(c, g), getattr(s, g)
-        failed, (lc, hc), (ls, hs) = signal_bounds(float(kc), float(c.rewarded), float(ks), float(s.rewarded), cfg,
-                                                   worse, center)
-        rc, rs = kc / c.rewarded, ks / s.rewarded
+        failed, (lc, hc), (ls, hs) = signal_bounds(float(kc), float(nc), float(ks), float(ns), cfg, worse, center,
+                                                   sqc, sqs)
+        rc, rs = kc / nc, ks / ns
         nums.update(candidate_share=rc, baseline_share=rs, candidate_bounds=[float(lc), float(hc)],
                     baseline_bounds=[float(ls), float(hs)])
         what = (f"{label} {rc:.3f} [{float(lc):.3f}, {float(hc):.3f}] vs {rs:.3f} [{float(ls):.3f}, {float(hs):.3f}] "

@@ -347,10 +347,12 @@ class CanaryCounts:
             max_tokens), ``truncated_tokens`` = the tokens of those cut replies.
         by_split: ``{split: {version: (votes_up, votes)}}`` since the canary started.
         rewards: ``{version: {reward_policy digest: {rewarded, reward_sum, reward_sq_sum,
-            reward_min, reward_max, regenerated, dissatisfied, copied}}}`` since the canary
+            reward_min, reward_max, regenerated, dissatisfied, copied, edited, kept_sum,
+            kept_sq_sum}}}`` since the canary
             started, over the samples that carry a reward policy (``deploy.analysis.ArmStats``'
             fields of the same names: ``regenerated`` = samples with ``regenerated > 0``,
-            ``dissatisfied`` with ``followup < 0``, ``copied`` with ``copied > 0``); empty
+            ``dissatisfied`` with ``followup < 0``, ``copied`` with ``copied > 0``, ``edited``
+            with a ``kept_share``, whose sum and sum of squares follow); empty
             on shards written before the reward policy.
         step_rewarded: ``{version: {digest: samples}}``, those samples since the step started.
     """
@@ -404,9 +406,15 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
                    f"sum({r} * {r}) FILTER (WHERE {rewarded}), min({r}) FILTER (WHERE {rewarded}), "
                    f"max({r}) FILTER (WHERE {rewarded}), {share('regenerated', '> 0')}, "
                    f"{share('followup', '< 0')}, {share('copied', '> 0')}, "
-                   f"count(*) FILTER (WHERE t >= {s_at} AND reward_policy IS NOT NULL)")
+                   f"count(*) FILTER (WHERE t >= {s_at} AND reward_policy IS NOT NULL), ")
+            if "kept_share" in cols:  # the edits' kept shares, [0, 1]
+                k = "CAST(kept_share AS DOUBLE)"
+                rew += (f"count({k}) FILTER (WHERE {rewarded}), sum({k}) FILTER (WHERE {rewarded}), "
+                        f"sum({k} * {k}) FILTER (WHERE {rewarded})")
+            else:
+                rew += "0, 0, 0"
         else:
-            pol, rew = "NULL", "0, 0, 0, NULL, NULL, 0, 0, 0, 0"
+            pol, rew = "NULL", "0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0"
         return (f"CAST(model_version AS VARCHAR), {split}, {pol}, {rew}, "
                 f"sum(votes_up) FILTER (WHERE t >= {c_at}), sum(votes_down) FILTER (WHERE t >= {c_at}), "
                 f"count(*) FILTER (WHERE t >= {c_at}), "
@@ -417,20 +425,23 @@ def canary_counts(samples_dir: Path, canary_since_ms: int, step_since_ms: int) -
                 f"sum(len(completion_token_ids)) FILTER (WHERE t >= {c_at} AND finish_reason = 'length')")
 
     out = CanaryCounts()
-    for (v, sp, pol, rn, rsum, rsq, rmin, rmax, regen, dissat, copied, rstep, up, down, n, sup, sdown, toks, empty,
+    for (v, sp, pol, rn, rsum, rsq, rmin, rmax, regen, dissat, copied, rstep, edited, ksum, ksq, up, down, n, sup,
+         sdown, toks, empty,
          trunc, trunc_toks) in _query_samples(samples_dir, select, "1, 2, 3", since):
         up, down, n, sup, sdown, rn, rstep = (int(x or 0) for x in (up, down, n, sup, sdown, rn, rstep))
         if pol is not None and rn:
             r = out.rewards.setdefault(v, {}).setdefault(pol, {
                 "rewarded": 0, "reward_sum": 0.0, "reward_sq_sum": 0.0, "reward_min": None, "reward_max": None,
-                "regenerated": 0, "dissatisfied": 0, "copied": 0})
+                "regenerated": 0, "dissatisfied": 0, "copied": 0, "edited": 0, "kept_sum": 0.0, "kept_sq_sum": 0.0})
             r["rewarded"] += rn
             r["reward_sum"] += float(rsum or 0.0)
             r["reward_sq_sum"] += float(rsq or 0.0)
             r["reward_min"] = float(rmin) if r["reward_min"] is None else min(r["reward_min"], float(rmin))
             r["reward_max"] = float(rmax) if r["reward_max"] is None else max(r["reward_max"], float(rmax))
-            for key, x in (("regenerated", regen), ("dissatisfied", dissat), ("copied", copied)):
+            for key, x in (("regenerated", regen), ("dissatisfied", dissat), ("copied", copied), ("edited", edited)):
                 r[key] += int(x or 0)
+            r["kept_sum"] += float(ksum or 0.0)
+            r["kept_sq_sum"] += float(ksq or 0.0)
         if pol is not None and rstep:
             d = out.step_rewarded.setdefault(v, {})
             d[pol] = d.get(pol, 0) + rstep

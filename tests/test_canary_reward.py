@@ -180,6 +180,33 @@ def test_signal_guard_bounds_by_hand():
     assert hc < 0.9 * ls and ls - hc > 0.01 and m.check == Check.FAIL
 
 
+def test_kept_share_guard_by_hand_fails_a_candidate_whose_edits_keep_less():
+    """Kept share of edited replies, a mean of values in [0, 1] with center 0.5: candidate 2,000
+    edits keeping 0.5 on average (each reply keeps 0.5: sum k^2 = 500), stable 8,000 keeping
+    0.8 (each 0.8: sum k^2 = 5,120). V = sum k^2 - 2 * 0.5 * sum k + n / 4."""
+    c = arm(4000, 0.25, 0.4, edited=2000, kept_sum=1000.0, kept_sq_sum=500.0)
+    s = arm(16000, 0.25, 0.4, edited=8000, kept_sum=6400.0, kept_sq_sum=5120.0)
+    d = analyze(c, s, CFG)
+    m = next(x for x in d.metrics if x.name == "kept_share")
+    vc = 500.0 - 1000.0 + 2000 / 4  # 0: every candidate reply keeps exactly the center
+    vs = 5120.0 - 6400.0 + 8000 / 4
+    hc = 0.5 + mixture_root(vc, 0.0125, 1.0) / 2000
+    ls = 0.8 - mixture_root(vs, 0.0125, 1.0) / 8000
+    assert m.numbers["candidate_bounds"][1] == pytest.approx(hc, rel=1e-9)
+    assert m.numbers["baseline_bounds"][0] == pytest.approx(ls, rel=1e-9)
+    assert hc < 0.9 * ls and m.check == Check.FAIL and d.outcome == Outcome.ROLLBACK and d.decided_by == "guard"
+    # the same kept share on both arms passes; no edits on either arm: not measured
+    same = analyze(arm(4000, 0.25, 0.4, edited=2000, kept_sum=1600.0, kept_sq_sum=1280.0), s, CFG)
+    assert next(x for x in same.metrics if x.name == "kept_share").check == Check.PASS
+    none = analyze(arm(4000, 0.25, 0.4), arm(16000, 0.25, 0.4), CFG)
+    assert next(x for x in none.metrics if x.name == "kept_share").check == Check.SKIPPED
+    # a kept share outside [0, 1] is refused, naming the field
+    with pytest.raises(ValueError, match="kept_sum"):
+        arm(10, 0.0, 0.1, edited=2, kept_sum=3.0)
+    with pytest.raises(ValueError, match="kept_sq_sum"):
+        arm(10, 0.0, 0.1, edited=2, kept_sum=1.0, kept_sq_sum=1.5)
+
+
 def test_thumbs_guard_and_the_failure_limit():
     """Under the reward test the thumbs-up rate is a guard: FAIL when shown worse by more than
     signal_margin; with failure_limit 3 it takes three failed looks in a row."""
@@ -265,7 +292,8 @@ def write_samples(root: Path, version: str, created_at: int, rows: list[dict], o
             sampling=SamplingParams(), finish_reason="stop", reward=r["reward"], label=r["reward"] > 0,
             n_votes=1, votes_up=int(thumb == 1.0), votes_down=int(thumb == -1.0), event_ids=[str(uuid.uuid4())],
             sealed_at=created_at, reward_policy=None if old else r.get("policy", "a" * 16), thumb=thumb,
-            copied=r.get("copied", 0), regenerated=r.get("regenerated", 0), followup=r.get("followup")))
+            copied=r.get("copied", 0), regenerated=r.get("regenerated", 0), followup=r.get("followup"),
+            kept_share=r.get("kept_share")))
     t = samples_to_table(samples)
     if old:
         t = t.drop_columns([c for c in ("reward_policy", "thumb", "copied", "regenerated", "kept_share", "followup",
@@ -282,7 +310,8 @@ def test_canary_counts_reads_reward_columns_beside_old_shards(tmp_path):
     write_samples(root, "v000000", B + 3000, [
         {"reward": 0.5, "copied": 1}, {"reward": -0.5, "regenerated": 2}, {"reward": -0.5, "followup": -1.0},
         {"reward": 1.0, "thumb": 1.0, "copied": 1}])
-    write_samples(root, "v000001", B + 3000, [{"reward": 0.5, "copied": 1}, {"reward": 0.0, "followup": 0.0}])
+    write_samples(root, "v000001", B + 3000, [{"reward": 0.5, "copied": 1, "kept_share": 0.5},
+                                              {"reward": 0.0, "followup": 0.0, "kept_share": 0.25}])
     write_samples(root, "v000001", B + 9000, [{"reward": -0.5, "regenerated": 1, "followup": -1.0}])
     write_samples(root, "v000001", B + 9000, [{"reward": 0.25, "policy": "b" * 16}])
     cc = canary_counts(root, B, B + 8000)
@@ -291,10 +320,13 @@ def test_canary_counts_reads_reward_columns_beside_old_shards(tmp_path):
     # v000000 under policy p: rewards 0.5, -0.5, -0.5, 1.0 -> sum 0.5, squares 1.75
     assert cc.rewards["v000000"] == {"a" * 16: {"rewarded": 4, "reward_sum": 0.5, "reward_sq_sum": 1.75,
                                                 "reward_min": -0.5, "reward_max": 1.0, "regenerated": 1,
-                                                "dissatisfied": 1, "copied": 2}}
+                                                "dissatisfied": 1, "copied": 2, "edited": 0, "kept_sum": 0.0,
+                                                "kept_sq_sum": 0.0}}
+    # v000001: kept shares 0.5 and 0.25 -> 2 edited, sum 0.75, squares 0.3125
     assert cc.rewards["v000001"]["a" * 16] == {"rewarded": 3, "reward_sum": 0.0, "reward_sq_sum": 0.5,
                                                "reward_min": -0.5, "reward_max": 0.5, "regenerated": 1,
-                                               "dissatisfied": 1, "copied": 1}
+                                               "dissatisfied": 1, "copied": 1, "edited": 2, "kept_sum": 0.75,
+                                               "kept_sq_sum": 0.3125}
     assert cc.step_rewarded == {"v000001": {"a" * 16: 1, "b" * 16: 1}}
     assert judged_policy(cc, "v000001", "v000000") == "a" * 16
     # only old shards: no reward evidence at all, the votes as before
