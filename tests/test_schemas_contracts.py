@@ -85,7 +85,8 @@ def real_events(tiny_moe_dir, tmp_path_factory):
 
         ledger.publish(b.bootstrap, ledger.LedgerEntry(version="v000001", stable="v000000", step=1, weight=0.05,
                                                        decision="STEP", reason="schemas test",
-                                                       numbers={"votes": 3}, ts=int(time.time() * 1000)))
+                                                       numbers={"votes": 3}, ts=int(time.time() * 1000)),
+                       topic_names().deployments)
         (dep,) = consume_all(b.bootstrap, topic_names().deployments, {"v000001"}, 1)
         yield {"completion": comp.value, "feedback": fb.value, "deployment": dep.value, "cid": cid}
     finally:
