@@ -14,11 +14,15 @@ One run, one embedded Tansu broker (``--partitions``, default 2, raised to the l
 3. **Joined, 1 worker**: ``python -m ingest`` (a real worker process, its own consumer
    group) consumes the same records, validates them (feedback in full; a completion's head,
    its body being validated once, at sealing: ``ingest.join.parse_completion``), folds them
-   into the SQLite join state, commits offsets, and seals labels (``--seal-after-s``) into
-   Parquet shards + ``flywheel.samples``. Rate = records between the first counter
-   reading at >= 10 % and the first at >= 90 % of the records consumed, over the time
-   between those readings (the worker's ``consumed_*`` counters, committed once per batch,
-   polled from its state file every 20 ms: no end offsets, DESIGN §3).
+   into its in-memory join state, checkpoints it with the offsets to the SQLite file every
+   ``--checkpoint-s`` (``ingest.keyed``, D81), commits offsets, and seals labels
+   (``--seal-after-s``) into Parquet shards + ``flywheel.samples``. Rate = records between
+   the first counter reading at >= 10 % and the first at >= 90 % of the records consumed,
+   over the time between those readings (the worker's ``consumed_*`` counters, written with
+   each checkpoint, polled from its state file every 20 ms: no end offsets, DESIGN §3); when
+   one checkpoint covers that whole window, from the group's settling to the last record.
+   ``--state-labels N`` measures the in-memory state alone instead (memory per open label,
+   the time another worker takes to restore it; no broker).
 4. **Joined, 2 workers**: two worker processes in another group split the partitions (and
    share a state file); same window over their summed counters.
 5. Optional ``--faust-noop``: a faust app (the runtime before D12) with the old worker's
@@ -268,6 +272,8 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
     env = dict(os.environ, FLYWHEEL_HOME=str(home), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "ingest", "--app-id", group, "--seal-after-s", str(args.seal_after_s),
            "--tick-s", str(args.tick_s), "--loglevel", "info"]
+    if args.checkpoint_s is not None:
+        cmd += ["--checkpoint-s", str(args.checkpoint_s)]
     logs = [home / f"worker{i}.log" for i in range(workers)]
     envs = [env] * workers
     if pg is not None:
@@ -326,6 +332,11 @@ def joined(bootstrap: str, total: int, labels: int, workers: int, group: str, ar
             raise RuntimeError("the group settled after 90 % of the records: use more --completions")
         (t1, n1, c1), (t9, n9, c9) = marks[0.1], marks[0.9]
         (d1, b1), (d9, b9) = other[0.1], other[0.9]
+        if t9 - t1 < 0.05 or n9 == n1:
+            # the counters move by checkpoints (D81: every --checkpoint-s): one of them covered
+            # 10-90 % of the records, so the window is from the group's settling to the last record
+            (t1, n1, c1), (t9, n9, c9) = marks["settled"], marks[1.0]
+            (d1, b1), (d9, b9) = other["settled"], other[1.0]
         c = read()
         rebalances = sum(len(assignments(lg)) for lg in logs) - workers
         (tf, cf), (ta, ca) = sealed["first"], sealed["all"]
@@ -455,12 +466,19 @@ def main() -> None:
                     help="worker seal_after (s): longer than consuming, so the join window and sealing are "
                          "measured apart")
     ap.add_argument("--tick-s", type=float, default=0.25, help="worker seal tick (s)")
+    ap.add_argument("--checkpoint-s", type=float, default=None,
+                    help="worker checkpoint interval (s; default: the worker's, 1 s). The counters this bench "
+                         "reads move by checkpoints, so a run shorter than a few of them is measured from the "
+                         "group's settling to the last record")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="give up on a phase after this long (s)")
     ap.add_argument("--faust-noop", action="store_true", help="also measure a do-nothing faust app (pre-D12 runtime)")
     ap.add_argument("--keep", action="store_true", help="keep the workers' FLYWHEEL_HOME dirs")
     ap.add_argument("--hosts", default="1,2,4",
                     help="worker counts run on separate homes with the PostgreSQL state (issue 12), comma-separated; "
                          "'' skips them; the topics get at least the largest count of partitions")
+    ap.add_argument("--state-labels", type=int, default=0,
+                    help="measure the in-memory join state instead (ingest.keyed, D81): memory, checkpoint and "
+                         "restore times with this many open labels (e.g. 100000); no broker")
     ap.add_argument("--fuzz", type=int, default=0,
                     help="run the schema-driven fuzz at this many records (>= 50000 for the benchmark size) instead")
     ap.add_argument("--profile", action="store_true",
@@ -473,6 +491,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile:
         return profile(args)
+    if args.state_labels:
+        return state_memory(args.state_labels)
     if args.fuzz:
         return fuzz(args.fuzz, args)
     if args.faust_noop and importlib.util.find_spec("faust") is None:  # not a dependency of Flywheel
@@ -572,6 +592,10 @@ def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None), s
                        bootstrap="127.0.0.1:1", samples_dir=home / "samples", state_path=home / "state.sqlite",
                        catalog=home / "catalog.duckdb", samples_value=samples_value)
     w = Worker(cfg)
+    # the in-memory state's checkpoint (ingest.keyed, D81) after every batch: at least as often
+    # as a worker checkpoints (every checkpoint_s, covering several batches); a worker whose
+    # state is a database (no checkpoint method) made each batch one transaction instead
+    checkpoint = getattr(w, "checkpoint", None)
     try:
         items = [(topics.COMPLETIONS, k, v) for k, v in comps] + [(topics.FEEDBACK, k, v) for k, v in fb]
         pf, ps = profs
@@ -585,6 +609,8 @@ def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None), s
             dead, _, _, _ = w.fold(batch)
             if dead:
                 raise RuntimeError(f"{len(dead)} dead letters from valid records: {dead[0]}")
+            if checkpoint is not None:
+                checkpoint({tp: recs[-1].offset + 1 for tp, recs in batch.items()})
         if pf:
             pf.disable()
         c1 = time.process_time()
@@ -598,6 +624,8 @@ def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None), s
             samples += len(msgs)
             if orphans:
                 raise RuntimeError(f"orphans or malformed at sealing: {orphans[0].dead_letters[:1]}")
+        if checkpoint is not None:
+            checkpoint()  # the labels marked sealed
         if ps:
             ps.disable()
         c3 = time.process_time()
@@ -607,6 +635,81 @@ def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None), s
         w._pool.shutdown()
         w._fold_pool.shutdown()
         w.store.close()
+
+
+def _rss() -> int:
+    """This process's resident memory (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def state_memory(n: int) -> None:
+    """``--state-labels N``: N open labels (a minimal completion and 1-3 users' votes each, as
+    :func:`make_events` draws them; bodies of ~0.6 KiB, written by the checkpoints and then
+    held as references) folded in process into :class:`ingest.keyed.KeyedState` over a SQLite
+    checkpoint store, in getmany-sized batches with a checkpoint after each. Prints the
+    state's memory (resident-set growth, and the state's own estimate), the last full
+    checkpoint's time, and the time for another worker to restore the partitions (what a
+    successor of a SIGKILLed worker spends before folding, Kafka's rejoin aside)."""
+    import gc
+    import tracemalloc
+
+    from ingest.join import JoinConfig, Joiner, parse_completion, parse_event
+    from ingest.keyed import KeyedState
+    from ingest.state import StateStore
+    from ingest.worker import BATCH_MAX_RECORDS, configure_gc
+
+    configure_gc()
+    small = argparse.Namespace(prompt_tokens=2, completion_tokens=2, layers=1, experts=8, top_k=1)
+    comps, fb = make_events(n, small, seed=1)
+    comps = [(parse_completion(v), v) for _, v in comps]
+    fb = [(parse_event(FeedbackEvent, v, topics.FEEDBACK), v) for _, v in fb]
+    home = Path(tempfile.mkdtemp(prefix="fw-bench-state-"))
+    parts = 6
+    cfg = JoinConfig(seal_after_s=3600, max_label_age_s=7200, orphan_ttl_s=3600)
+    try:
+        k = KeyedState(StateStore(home / "state.sqlite", owner="a"))
+        k.assign(range(parts), parts)
+        j = Joiner(k, cfg)
+        gc.collect()
+        rss0 = _rss()
+        tracemalloc.start()  # the state's own allocations (the resident set also keeps freed arenas)
+        t_ck = 0.0
+        for i in range(0, len(comps), BATCH_MAX_RECORDS):
+            with k.transaction():
+                j.on_completions(comps[i:i + BATCH_MAX_RECORDS])
+            t = time.perf_counter()
+            k.checkpoint()
+            t_ck = time.perf_counter() - t
+        for i in range(0, len(fb), BATCH_MAX_RECORDS):
+            with k.transaction():
+                j.on_feedbacks(fb[i:i + BATCH_MAX_RECORDS])
+            t = time.perf_counter()
+            k.checkpoint()
+            t_ck = time.perf_counter() - t
+        del comps, fb
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        grew = _rss() - rss0
+        est = k.memory_bytes()
+        n_open = k.open_count()
+        c0, t0 = time.process_time(), time.perf_counter()
+        k2 = KeyedState(StateStore(home / "state.sqlite", owner="b"))
+        k2.assign(range(parts), parts)
+        restore_s, restore_cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert k2.open_count() == n_open
+        per = 100_000 / max(1, n_open)
+        print(f"{n_open} open labels, {k.dedupe_sizes()[0]} dedupe entries: the state holds {held / 2**20:.1f} MiB "
+              f"(traced; the worker's estimate {est / 2**20:.1f} MiB; resident set grew {grew / 2**20:.1f} MiB, "
+              f"freed arenas included); last checkpoint of a batch {1000 * t_ck:.0f} ms (traced); restore by "
+              f"another worker {restore_s:.2f} s ({restore_cpu:.2f} CPU-s)", flush=True)
+        print(f"RESULT state_memory_mib_per_100k_open_labels={held * per / 2**20:.1f} MiB")
+        print(f"RESULT state_restore_s_per_100k_open_labels={restore_s * per:.2f} s")
+        k.close()
+        k2.close()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def profile(args) -> None:

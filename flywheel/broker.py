@@ -22,7 +22,7 @@ from pathlib import Path
 from flywheel import supervise
 from schemas import settings
 from schemas.settings import free_port  # re-exported: tests and scripts take it from here too
-from flywheel.topic_admin import ensure_topics
+from schemas.topic_admin import ensure_topics
 from schemas.topics import DEFAULT_PARTITIONS
 
 

@@ -360,7 +360,7 @@ class Demo:
         self.broker = None
         if os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"):
             self.bootstrap = os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"]
-            from flywheel.topic_admin import ensure_topics
+            from schemas.topic_admin import ensure_topics
             ensure_topics(self.bootstrap)
             self.log(f"using external Kafka at {self.bootstrap}")
         else:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.topic_admin import ADMIN_TIMEOUT_S
+from schemas.topic_admin import ADMIN_TIMEOUT_S
 from schemas.options import config_options
 from schemas.output import OUTPUT, Format, emit, resolve
 
@@ -94,7 +94,7 @@ def topics_create(cluster: ClusterConfig, *, output: Optional[Format] = OUTPUT):
     """Create the missing topics with the settings' prefix, partitions, replication factor,
     retention and max message size; then verify every topic. An existing topic that differs is
     never altered: it is reported and the command exits 1."""
-    from flywheel.topic_admin import create_topics
+    from schemas.topic_admin import create_topics
 
     s = _settings()
     try:
@@ -113,7 +113,7 @@ def topics_check(cluster: ClusterConfig, *, output: Optional[Format] = OUTPUT,
                  as_json: bool = typer.Option(False, "--json", help="Same as -o json.")):
     """Verify that every topic exists as the settings say; exit 1 on a missing topic or a
     mismatch (partitions, replication factor, a config the broker reports). Changes nothing."""
-    from flywheel.topic_admin import check_topics
+    from schemas.topic_admin import check_topics
 
     fmt = resolve(output, as_json)
     s = _settings()

@@ -45,6 +45,10 @@ class IngestConfig:
     Args:
         join: :class:`ingest.join.JoinConfig` (seal/orphan/age timings, policies, shaping).
         tick_s: how often the seal timer runs (s, > 0).
+        checkpoint_s: how often the worker's in-memory join state and its consumed offsets
+            are written in one transaction to the state store (s, > 0; also before a
+            rebalance and at shutdown); offsets are committed to Kafka after each checkpoint
+            (``ingest.keyed``, ``docs/decisions.md`` D81).
         worker_host: interface of the worker's HTTP port (``0.0.0.0`` for a Prometheus on
             another host).
         worker_port: HTTP port on ``worker_host``: ``GET /metrics`` in the Prometheus text format
@@ -74,6 +78,9 @@ class IngestConfig:
     join: JoinConfig = Field(default_factory=JoinConfig, description="Join timings and policies.",
                              json_schema_extra=_PROGRAM)
     tick_s: float = Field(1.0, description="Seal timer period.", json_schema_extra={"unit": "s"})
+    checkpoint_s: float = Field(1.0, description="How often the in-memory join state and the consumed offsets are "
+                                "checkpointed (offsets are committed to Kafka after each checkpoint).",
+                                json_schema_extra={"unit": "s"})
     worker_port: int = Field(0, ge=0, le=65535, description=(
         "HTTP port on --worker-host: GET /metrics in the Prometheus text format, other paths the counters as "
         "JSON (0: none)."))
@@ -97,6 +104,9 @@ class IngestConfig:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):  # not Field(gt=0): see JoinConfig
             # (inf: the seal timer never ran, so no label was ever sealed)
             raise ValueError(f"tick_s: must be > 0 seconds and finite, got {self.tick_s}")
+        if not (self.checkpoint_s > 0 and math.isfinite(self.checkpoint_s)):
+            # (inf: no checkpoint, so no offset commit, until revoke or shutdown)
+            raise ValueError(f"checkpoint_s: must be > 0 seconds and finite, got {self.checkpoint_s}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or

@@ -2,10 +2,12 @@
 
 What it knows: per ``completion_id`` one :class:`LabelState` (the CompletionEvent, each
 user's last vote, every folded ``event_id``, vote times), kept in an
-:class:`ingest.store.JoinStore` (SQLite or PostgreSQL) so that a killed worker restarts with
-the exact state it had. What it does not know: topics, offsets, partitions, files. The runtime
-(``ingest.worker``) feeds it parsed events and a clock, and writes what :meth:`Joiner.tick`
-hands back.
+:class:`ingest.store.JoinStore`: in the worker, its partitions' state in memory
+(:class:`ingest.keyed.KeyedState`), checkpointed to SQLite or PostgreSQL with the consumed
+offsets, so that a killed worker's successor continues from the last checkpoint (a database
+store directly works too). What it does not know: topics, offsets, partitions, files. The
+processor (``ingest.processor``) feeds it parsed events and a clock, and writes what
+:meth:`Joiner.tick` hands back.
 
 Semantics:
 
@@ -779,7 +781,7 @@ class Joiner:
                 self.undecodable = 0
         return res
 
-    def recover(self, shard_exists) -> dict[str, int]:
+    def recover(self, shard_exists, previous_owners: bool = False) -> dict[str, int]:
         """Finish or undo the claims that dead workers left (at start, and periodically).
 
         Only claims whose owner is dead (:meth:`ingest.state.StateStore.owner_alive`) are
@@ -789,23 +791,34 @@ class Joiner:
         sealing again would count it twice); any other dead claim is released, so the label is
         sealed again (its shard never appeared) or the orphan dead-lettered again (dead letters
         are at-least-once). Returns ``{"sealed", "released", "live"}`` counts.
+
+        ``previous_owners``: the store holds partitions this worker owns now
+        (:class:`ingest.keyed.KeyedState`), so another worker's claim there is a previous
+        owner's, which can no longer checkpoint it: its state claimed for a shard that exists
+        (shards are renamed into place whole) is marked sealed even while that worker still
+        runs.
         """
         out = {"sealed": 0, "released": 0, "live": 0}
         alive: dict[str | None, bool] = {}
         dead_owners = set()
         with self.store.transaction():
             for cid, claim, owner in self.store.claims():
-                if owner not in alive:
-                    alive[owner] = self.store.owner_alive(owner)
-                if alive[owner]:
+                if owner == self.store.owner:
                     out["live"] += 1
                     continue
-                dead_owners.add(owner)
+                if owner not in alive:
+                    alive[owner] = self.store.owner_alive(owner)
+                if alive[owner] and not previous_owners:
+                    out["live"] += 1
+                    continue
                 if claim.startswith("shard:") and claim[6:] and shard_exists(claim[6:]):
                     self.store.mark_sealed(cid, now_ms(), claim[6:])
                     self.store.delete(cid)
                     out["sealed"] += 1
+                elif alive[owner]:
+                    out["live"] += 1
                 else:
+                    dead_owners.add(owner)
                     self.store.unclaim(cid)
                     out["released"] += 1
         for owner in dead_owners | set(self.store.dead_owners()):  # also those that held no claim

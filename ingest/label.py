@@ -15,7 +15,7 @@ import pydantic_core
 from schemas.events import FeedbackEvent
 
 
-@dataclass
+@dataclass(slots=True)
 class Vote:
     """One user's current signal of one kind: ``value`` (±1 for a thumb, the event's value
     for other kinds; None for an edit carrying ``text``, its final text), ``created_at`` ms
@@ -35,7 +35,7 @@ def signal_key(ev: FeedbackEvent) -> str:
     return f"score:{ev.name}" if ev.kind == "score" else ev.kind
 
 
-@dataclass
+@dataclass(slots=True)
 class LabelState:
     """Open join state of one completion.
 

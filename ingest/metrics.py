@@ -25,11 +25,17 @@ exports (names as Prometheus shows them):
   batch, consumer at 30: lag 70 while ListOffsets said the end is 1;
   ``tests/test_monitoring_ingest.py``), but it is as old as the last fetch and Tansu's
   offsets are not otherwise relied on.
-* ``flywheel_ingest_assigned_partitions``: partitions this worker owns now.
+* ``flywheel_ingest_assigned_partitions``: partitions of completions and feedback this
+  worker owns now (the internal topic of forwarded records, ``ingest.partition``, is
+  assigned alongside them and left out here and in the lag).
 * ``flywheel_ingest_state_open_labels``, ``flywheel_ingest_state_dedupe_rows{table}``,
-  ``flywheel_ingest_state_bytes``: size of the SQLite join state (read every
-  ``STATE_EVERY_S`` by the seal thread). The workers of one consumer group share one state,
-  so each of them reports the same figures: aggregate these with ``max``, not ``sum``.
+  ``flywheel_ingest_state_memory_bytes``: this worker's in-memory join state (its partitions;
+  ``ingest.keyed``; aggregate with ``sum``): open labels, dedupe and sealed entries, an
+  estimate of its bytes; ``flywheel_ingest_state_bytes``: the checkpoint store on disk (the
+  SQLite file, WAL and bodies, or the PostgreSQL tables; shared by the group's workers:
+  aggregate with ``max``). Read every ``STATE_EVERY_S`` by the seal thread.
+* ``flywheel_ingest_checkpoints``: checkpoints written (state changes and offsets, one
+  transaction each).
 
 The worker's HTTP port (:func:`serve_http`) answers ``GET /metrics`` in the Prometheus text
 format and any other path with the state's counters as JSON (as it always did).
@@ -121,8 +127,13 @@ class IngestMetrics:
                                     buckets=ROUND_BUCKETS, registry=r)
         self.seal_delay = Histogram("flywheel_ingest_seal_delay_seconds", "per sample: sealed_at - the "
                                     "completion's created_at (s)", buckets=DELAY_BUCKETS, registry=r)
-        self.open_labels = Gauge("flywheel_ingest_state_open_labels", "labels in the join state not yet sealed "
-                                 "(shared by the workers of one state: aggregate with max)", registry=r)
+        self.open_labels = Gauge("flywheel_ingest_state_open_labels", "labels not yet sealed in this worker's "
+                                 "in-memory join state (its partitions: aggregate with sum)", registry=r)
+        self.memory_bytes = Gauge("flywheel_ingest_state_memory_bytes", "estimated bytes of this worker's "
+                                  "in-memory join state (labels, dedupe and sealed sets, bodies not checkpointed)",
+                                  registry=r)
+        self.checkpoints = Counter("flywheel_ingest_checkpoints", "checkpoints of the in-memory join state and "
+                                   "its offsets written to the state store", registry=r)
         self.dedupe_rows = Gauge("flywheel_ingest_state_dedupe_rows", "rows of the dedupe tables (events: "
                                  "event ids seen, sealed: completions sealed)", ["table"], registry=r)
         self.state_bytes = Gauge("flywheel_ingest_state_bytes", "bytes of the join state on disk (SQLite "
@@ -170,13 +181,19 @@ class IngestMetrics:
         self.dedupe_rows.labels("events").set(events)
         self.dedupe_rows.labels("sealed").set(sealed)
         self.state_bytes.set(store.size_bytes())
+        if hasattr(store, "memory_bytes"):
+            self.memory_bytes.set(store.memory_bytes())
 
     async def refresh_lag(self, consumer) -> None:
         """Read each assigned partition's lag (high watermark - position) from the
         ``aiokafka`` consumer; partitions whose figures are unknown yet are left out."""
         if consumer is None:
             return
-        assigned = consumer.assignment()
+        from ingest.partition import REKEYED_BASE
+
+        # the source topics' partitions: the internal topic of forwarded records is assigned
+        # alongside them, partition for partition, and holds records only in transit
+        assigned = [tp for tp in consumer.assignment() if not tp.topic.endswith(REKEYED_BASE)]
         lag: dict[tuple[str, int], int] = {}
         for tp in assigned:
             hw = consumer.highwater(tp)

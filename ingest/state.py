@@ -3,8 +3,11 @@
 Why not a stream processor's table (e.g. faust's): such a table is rebuilt from its
 changelog topic at start, up to the highwater that ListOffsets(latest) reports, and the
 embedded broker under-reports that end offset after multi-record batches (DESIGN §3);
-recovery would silently stop early and lose votes. So the join state lives here, committed
-before the consumed batch's offsets are (``ingest/worker.py``). SQLite in WAL mode with
+recovery would silently stop early and lose votes. So the join state is checkpointed here:
+the worker holds its partitions' state in memory (``ingest.keyed``) and writes each
+checkpoint, with the offsets it covers, in one transaction before those offsets are
+committed (``ingest/worker.py``, ``docs/decisions.md`` D81; tables ``partitions`` (the
+checkpoint ownership epochs) and ``offsets``). SQLite in WAL mode with
 ``synchronous=NORMAL`` survives a killed process (SIGKILL): a committed transaction is in
 the WAL in the OS page cache. It does not survive losing the host's disk; workers that
 share the partitions must share this file (one host), see ``ingest/worker.py``. Workers on
@@ -64,7 +67,8 @@ from pathlib import Path
 from schemas import topics
 
 from ingest.label import LabelState
-from ingest.store import JoinStore, StoreBase, default_owner
+from ingest.partition import home_partitions
+from ingest.store import Fenced, JoinStore, StoreBase, _in_parts, default_owner
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL,
@@ -75,6 +79,9 @@ CREATE TABLE IF NOT EXISTS completions(completion_id TEXT PRIMARY KEY, seg TEXT,
 CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at INTEGER);
 CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at INTEGER NOT NULL, shard TEXT);
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS partitions(part INTEGER PRIMARY KEY, owner TEXT, epoch INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS offsets(topic TEXT NOT NULL, part INTEGER NOT NULL, next_offset INTEGER NOT NULL,
+    PRIMARY KEY(topic, part));
 """
 # additive migrations of files written by an earlier layout: (table, column, type)
 _COLUMNS = (("labels", "owner", "TEXT"), ("events", "at", "INTEGER"))
@@ -457,6 +464,73 @@ class StateStore(StoreBase):
     def sealed_among(self, cids) -> set[str]:
         """Those of ``cids`` already sealed."""
         return self._present("sealed", "completion_id", cids)
+
+    # -- the checkpoint store of ingest.keyed ------------------------------------------------
+    def take_ownership(self, parts, n: int) -> dict[int, int]:
+        """See :meth:`ingest.store.CheckpointStore.take_ownership` (table ``partitions``; the
+        file's writer lock orders it with every checkpoint)."""
+        if n < 1:
+            raise ValueError(f"n: partition count must be >= 1, got {n}")
+        epochs = {}
+        with self.transaction():
+            for p in sorted(set(parts)):
+                epochs[p] = self.db.execute(
+                    "INSERT INTO partitions(part, owner, epoch) VALUES(?,?,1) ON CONFLICT(part) DO UPDATE SET "
+                    "owner=excluded.owner, epoch=CASE WHEN partitions.owner=excluded.owner THEN partitions.epoch "
+                    "ELSE partitions.epoch+1 END RETURNING epoch", (p, self.owner)).fetchone()[0]
+        self._own = dict(epochs)
+        return epochs
+
+    def fence_ownership(self, parts) -> None:
+        """See :meth:`ingest.store.CheckpointStore.fence_ownership`."""
+        parts = sorted({int(p) for p in parts})
+        if not parts:
+            return
+        have = {p: (o, e) for p, o, e in self.db.execute(
+            f"SELECT part, owner, epoch FROM partitions WHERE part IN ({','.join(map(str, parts))})")}
+        own = getattr(self, "_own", {})
+        for p in parts:
+            if p not in own or have.get(p) != (self.owner, own[p]):
+                o, e = have.get(p, (None, 0))
+                raise Fenced(f"partition {p}: owned by {o} at epoch {e}, not by {self.owner} at epoch {own.get(p)}")
+
+    def snapshot(self, parts, n: int | None):
+        """See :meth:`ingest.store.CheckpointStore.snapshot`."""
+        with self._lock:
+            labels = self.db.execute(
+                "SELECT l.completion_id, l.state, l.due_at, l.claim, l.owner, c.completion_id IS NOT NULL FROM labels l "
+                "LEFT JOIN completions c ON c.completion_id = l.completion_id").fetchall()
+            events = self.db.execute("SELECT event_id, completion_id, at FROM events").fetchall()
+            sealed = self.db.execute("SELECT completion_id, sealed_at FROM sealed").fetchall()
+        if parts is not None and labels:
+            keep = set(parts)
+            homes = home_partitions([r[0] for r in labels], n)
+            labels = [r for r, h in zip(labels, homes) if h in keep]
+        return [tuple(r) for r in labels], *_in_parts(events, sealed, parts, n)
+
+    def bodies(self, cids) -> dict[str, bytes]:
+        """See :meth:`ingest.store.CheckpointStore.bodies`."""
+        out = {}
+        with self._lock:
+            for part in _chunks(list(set(cids))):
+                for cid, *loc in self.db.execute(
+                        f"SELECT completion_id, seg, off, len, body FROM completions WHERE completion_id IN "
+                        f"({','.join('?' * len(part))})", part).fetchall():
+                    b = self._body_at(cid, *loc)
+                    if b is not None:
+                        out[cid] = bytes(b)
+        return out
+
+    def save_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
+        """See :meth:`ingest.store.CheckpointStore.save_offsets`."""
+        self.db.executemany("INSERT INTO offsets(topic, part, next_offset) VALUES(?,?,?) ON CONFLICT(topic, part) "
+                            "DO UPDATE SET next_offset=excluded.next_offset",
+                            [(t, p, o) for (t, p), o in offsets.items()])
+
+    def saved_offsets(self) -> dict[tuple[str, int], int]:
+        """See :meth:`ingest.store.CheckpointStore.saved_offsets`."""
+        with self._lock:
+            return {(t, p): o for t, p, o in self.db.execute("SELECT topic, part, next_offset FROM offsets")}
 
     # -- counters -------------------------------------------------------------------------
     def _write_counters(self) -> None:

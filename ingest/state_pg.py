@@ -63,7 +63,7 @@ from schemas import topics
 
 from ingest.label import LabelState
 from ingest.partition import home_partitions
-from ingest.store import StoreBase, default_owner, now_ms
+from ingest.store import Fenced, StoreBase, _in_parts, default_owner, now_ms  # noqa: F401 - Fenced: also imported from here
 
 
 _SCHEMA = """
@@ -81,6 +81,8 @@ CREATE TABLE IF NOT EXISTS counters(owner TEXT NOT NULL, name TEXT NOT NULL, val
     PRIMARY KEY(owner, name));
 CREATE TABLE IF NOT EXISTS partitions(part INT PRIMARY KEY, owner TEXT, epoch BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS owners(owner TEXT PRIMARY KEY, lock_key BIGINT NOT NULL, host TEXT, started_at BIGINT);
+CREATE TABLE IF NOT EXISTS offsets(topic TEXT NOT NULL, part INT NOT NULL, next_offset BIGINT NOT NULL,
+    PRIMARY KEY(topic, part));
 """
 _DDL_LOCK = 0x666C7977  # advisory lock serialising schema creation by workers starting together
 _PRUNE_LOCK = 0x666C7978  # advisory lock held by the one worker pruning the dedupe set
@@ -152,10 +154,6 @@ def _register_arrays(db) -> None:
 
     db.adapters.register_dumper(_TextArray, TextArrayDumper)
     db.adapters.register_dumper(_ByteaArray, ByteaArrayDumper)
-
-
-class Fenced(RuntimeError):
-    """This worker no longer owns a partition it is writing (another worker took it over)."""
 
 
 def _lock_key(owner: str) -> int:
@@ -531,6 +529,45 @@ class PgStateStore(StoreBase):
     def _may_prune(self) -> bool:
         # one worker at a time (the others skip it): two concurrent range deletes could deadlock
         return self._x("SELECT pg_try_advisory_xact_lock(%s)", (_PRUNE_LOCK,)).fetchone()[0]
+
+    # -- the checkpoint store of ingest.keyed ------------------------------------------------
+    def take_ownership(self, parts, n: int) -> dict[int, int]:
+        """See :meth:`ingest.store.CheckpointStore.take_ownership`: :meth:`assign`."""
+        return self.assign(parts, n)
+
+    def fence_ownership(self, parts) -> None:
+        """See :meth:`ingest.store.CheckpointStore.fence_ownership`: :meth:`fence`."""
+        self.fence(parts)
+
+    def snapshot(self, parts, n: int | None):
+        """See :meth:`ingest.store.CheckpointStore.snapshot`."""
+        with self._lock:
+            q = ("SELECT l.completion_id, l.state, l.due_at, l.claim, l.owner, EXISTS(SELECT 1 FROM completions c "
+                 "WHERE c.completion_id = l.completion_id) FROM labels l")
+            labels = self._x(q + " WHERE l.part = ANY(%s)", (list(parts),)).fetchall() if parts is not None else \
+                self._x(q).fetchall()
+            events = self._x("SELECT event_id, completion_id, at FROM events").fetchall()
+            sealed = self._x("SELECT completion_id, sealed_at FROM sealed").fetchall()
+        return [tuple(r) for r in labels], *_in_parts(events, sealed, parts, n)
+
+    def bodies(self, cids) -> dict[str, bytes]:
+        """See :meth:`ingest.store.CheckpointStore.bodies` (one statement)."""
+        with self._lock:
+            return {c: bytes(b) for c, b in self._x(
+                "SELECT completion_id, body FROM completions WHERE completion_id = ANY(%s::text[])",
+                (_texts(set(cids)),), binary=True)}
+
+    def save_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
+        """See :meth:`ingest.store.CheckpointStore.save_offsets` (one statement)."""
+        if offsets:
+            self._x("INSERT INTO offsets(topic, part, next_offset) SELECT * FROM unnest(%s::text[], %s::int[], "
+                    "%s::bigint[]) ON CONFLICT(topic, part) DO UPDATE SET next_offset=excluded.next_offset",
+                    (_texts(t for t, _ in offsets), _ints(p for _, p in offsets), _ints(offsets.values())))
+
+    def saved_offsets(self) -> dict[tuple[str, int], int]:
+        """See :meth:`ingest.store.CheckpointStore.saved_offsets`."""
+        with self._lock:
+            return {(t, int(p)): int(o) for t, p, o in self._x("SELECT topic, part, next_offset FROM offsets")}
 
     # -- counters --------------------------------------------------------------------------
     def _counters_sql(self) -> bytes:

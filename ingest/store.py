@@ -2,7 +2,11 @@
 implementations share.
 
 :class:`JoinStore` is every method :class:`ingest.join.Joiner`, ``ingest.worker`` and
-``ingest.metrics`` call on the state, documented once here. Two stores implement it:
+``ingest.metrics`` call on the state, documented once here. The worker's join state is
+:class:`ingest.keyed.KeyedState` (its partitions in memory), which checkpoints itself into a
+**checkpoint store** (:class:`CheckpointStore`: a JoinStore, whose methods write one
+checkpoint inside one transaction, plus taking partitions over, fencing and restoring;
+``docs/decisions.md`` D81). Two checkpoint stores implement it:
 :class:`ingest.state.StateStore` (SQLite, one file shared by the workers of one host, the
 default) and :class:`ingest.state_pg.PgStateStore` (PostgreSQL, labels scoped to Kafka
 partitions, workers on several hosts; ``docs/decisions.md`` D16). ``tests/
@@ -47,6 +51,10 @@ from typing import TYPE_CHECKING, ContextManager, Iterable, Protocol, runtime_ch
 
 if TYPE_CHECKING:
     from ingest.label import LabelState
+
+
+class Fenced(RuntimeError):
+    """This worker no longer owns a partition it is writing (another worker took it over)."""
 
 
 def now_ms() -> int:
@@ -241,6 +249,67 @@ class JoinStore(Protocol):
     def counters(self) -> dict[str, int]:
         """Every counter: the committed values summed over all workers, plus this store's
         uncommitted bumps."""
+
+
+@runtime_checkable
+class CheckpointStore(JoinStore, Protocol):
+    """A :class:`JoinStore` that checkpoints a worker's in-memory join state
+    (:class:`ingest.keyed.KeyedState`, ``docs/decisions.md`` D81): the JoinStore methods write
+    one checkpoint inside one :meth:`JoinStore.transaction`, and these take partitions over,
+    fence a checkpoint and restore a partition's state.
+
+    Partition ownership here is by epoch in both stores (the SQLite file shared by a host's
+    workers too), so a worker that lost a partition can no longer checkpoint into it.
+    """
+
+    def take_ownership(self, parts: Iterable[int], n: int) -> dict[int, int]:
+        """Own partitions ``parts`` of ``n`` for checkpoints: one taken over from another
+        owner gets the next epoch, one this store held keeps its own. Returns ``{part: epoch}``.
+
+        Raises:
+            Fenced: (PostgreSQL) the previous owner's transaction held a partition too long.
+        """
+
+    def fence_ownership(self, parts: Iterable[int]) -> None:
+        """Inside a transaction: check that this store still owns ``parts`` at the epochs
+        :meth:`take_ownership` gave (no takeover can commit before this transaction ends).
+
+        Raises:
+            Fenced: a partition taken over by another owner, or never taken.
+        """
+
+    def snapshot(self, parts: list[int] | None, n: int | None):
+        """The state of partitions ``parts`` of ``n`` (None: all) as ``(labels, events,
+        sealed)``: ``labels`` rows ``(completion_id, state JSON, due_at, claim, owner,
+        has_body)``, ``events`` rows ``(event_id, completion_id or None, at)`` and ``sealed``
+        rows ``(completion_id, sealed_at)``, each of a label whose home partition
+        (``ingest.partition``) is in ``parts``; dedupe rows without a completion (dead
+        letters) are in every partition's."""
+
+    def bodies(self, cids: Iterable[str]) -> dict[str, bytes]:
+        """The stored completion bodies of ``cids`` (absent ones left out)."""
+
+    def save_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Record ``{(topic, partition): next offset}`` (the records a checkpoint holds the
+        effects of), in the open transaction."""
+
+    def saved_offsets(self) -> dict[tuple[str, int], int]:
+        """Every recorded ``(topic, partition) -> next offset``."""
+
+
+def _in_parts(events: list, sealed: list, parts, n):
+    """``(events, sealed)`` rows of labels whose home partition among ``n`` is in ``parts``
+    (every row when ``parts`` is None; a dedupe row without a completion always)."""
+    if parts is None:
+        return [tuple(r) for r in events], [tuple(r) for r in sealed]
+    from ingest.partition import home_partitions
+
+    keep = set(parts)
+    ev = [r for r in events if r[1] is not None]
+    homes = home_partitions([r[1] for r in ev], n) if ev else []
+    out_e = [tuple(r) for r in events if r[1] is None] + [tuple(r) for r, h in zip(ev, homes) if h in keep]
+    homes = home_partitions([r[0] for r in sealed], n) if sealed else []
+    return out_e, [tuple(r) for r, h in zip(sealed, homes) if h in keep]
 
 
 class StoreBase(abc.ABC):

@@ -7,7 +7,7 @@ process resolves them once into a :class:`TopicNames` (``schemas.settings.topic_
 and passes it to what produces or consumes.
 
 :func:`plan` says what every topic should look like under given settings; creating and
-checking them on a cluster is ``flywheel.topic_admin``'s job.
+checking them on a cluster is ``schemas.topic_admin``'s job.
 """
 
 from __future__ import annotations

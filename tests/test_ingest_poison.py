@@ -1,6 +1,6 @@
 """Records that stopped the join (Hardening II, defects 1-3) and a sample that cannot be
-written, through the worker's own fold and seal round (``ingest.worker.Worker.fold`` /
-``seal_round``) on a real SQLite state and real Parquet shards. The consumer is left out:
+written, through the worker's own fold and seal round (``ingest.processor.Processor.fold`` /
+``seal_round``, as :class:`ingest.worker.Worker` runs them) on a real SQLite state and real Parquet shards. The consumer is left out:
 records are handed to ``fold`` as the batch ``getmany`` returns (the Kafka path end to end is
 ``tests/test_ingest_fuzz.py``).
 """
@@ -156,7 +156,7 @@ def test_a_value_the_state_refuses_is_dead_lettered_alone(worker, monkeypatch):
     ok, bad = str(uuid.uuid4()), str(uuid.uuid4())
     from ingest import join
 
-    monkeypatch.setattr("ingest.worker.check_clock", lambda ev, *a: ev)
+    monkeypatch.setattr("ingest.processor.check_clock", lambda ev, *a: ev)
     monkeypatch.setattr(join, "_HEAD_VALIDATOR", join.pydantic.TypeAdapter(dict).validator)
     real = join.parse_completion
 
@@ -165,7 +165,7 @@ def test_a_value_the_state_refuses_is_dead_lettered_alone(worker, monkeypatch):
         return ev if isinstance(ev, DeadLetter) else type("Head", (), {
             "completion_id": uuid.UUID(ev["completion_id"]), "created_at": ev["created_at"]})()
 
-    monkeypatch.setattr("ingest.worker.parse_completion", unbounded)
+    monkeypatch.setattr("ingest.processor.parse_completion", unbounded)
     dead, _, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(bad, created_at=10**19)),
                                       (topics.COMPLETIONS, completion(ok)), (topics.FEEDBACK, vote(ok))))
     assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "value")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from flywheel import topic_admin
+from schemas import topic_admin
 from schemas.settings import topic_names
 
 pytestmark = pytest.mark.timeout(120)

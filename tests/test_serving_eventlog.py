@@ -148,7 +148,7 @@ def test_offsets_going_back_count_as_a_lost_broker_and_the_window_is_bounded(tmp
     import subprocess
 
     from flywheel.broker import BrokerProcess, tansu_binary, wait_listening
-    from flywheel.topic_admin import ensure_topics
+    from schemas.topic_admin import ensure_topics
 
     def plain_broker(port):
         url = f"tcp://127.0.0.1:{port}"

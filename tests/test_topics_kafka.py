@@ -16,7 +16,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from flywheel import topic_admin
+from schemas import topic_admin
 from flywheel.broker import BrokerProcess, free_port, tansu_binary, wait_listening
 from flywheel.cli import app
 from schemas import topics

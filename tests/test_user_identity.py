@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flywheel import topic_admin
+from schemas import topic_admin
 from schemas.settings import topic_names
 from flywheel.broker import free_port
 from schemas.events import CompletionEvent, hash_user

@@ -68,7 +68,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
                                                              ("flywheel:ingest_seal_delay_seconds:p99_1h", "p99")],
          "sealed_at - created_at per sample (1 h window)."),
         ("Samples sealed/s", "short", [("flywheel:ingest_samples_sealed:rate5m", "samples")], ""),
-        ("Join state", "short", [("flywheel:ingest_state_open_labels:max", "open labels"),
+        ("Join state", "short", [("flywheel:ingest_state_open_labels:sum", "open labels"),
                                  ("max by (table) (flywheel_ingest_state_dedupe_rows)", "dedupe {{table}}")],
          "Shared by the workers of one state: max over workers."),
         ("Seal round time p99", "s", [("histogram_quantile(0.99, sum by (le) "

@@ -1,5 +1,6 @@
 """Creating and checking Flywheel's Kafka topics on a cluster (``flywheel topics create|check``,
-the embedded broker's start, the demo), as :func:`schemas.topics.plan` says they must be.
+the embedded broker's start, the demo, the ingest worker's internal topic), as
+:func:`schemas.topics.plan` says they must be.
 
 Knows the Kafka admin protocol (kafka-python's ``KafkaAdminClient``); the topics' contract
 (names, keys, retention) is :mod:`schemas.topics`.
