@@ -30,6 +30,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY modelstore ./modelstore
+COPY samplestore ./samplestore
 COPY serving ./serving
 COPY ingest ./ingest
 COPY learner ./learner

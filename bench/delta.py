@@ -187,7 +187,7 @@ def store_cycle_delta(model_dir: Path, lr: float, n_samples: int) -> int:
 def _store_cycle(tmp: Path, model_dir: Path, lr: float, n_samples: int, make_samples) -> int:
     from modelstore.store import ModelStore
     from flywheel.modelinit import import_checkpoint
-    from ingest import writer
+    from samplestore import shards as writer
     from learner.cycle import run_cycle
     from learner.trainer import LearnerConfig
     from schemas.modelspec import load_model, load_tokenizer

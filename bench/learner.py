@@ -153,7 +153,7 @@ def bench_history(root: Path, factor: int, base_shards: int = 16, reps: int = 11
     ``reps`` alternating runs (the box is shared: the minimum discounts other jobs), medians too."""
     import statistics
 
-    from ingest.writer import shard_path, write_shard
+    from samplestore.shards import shard_path, write_shard
     from learner.cycle import consume, new_shards, new_state
     from learner.data import SpilledSamples
 

@@ -52,7 +52,7 @@ def main() -> None:
 
     from conftest import make_tiny_moe
     from modelstore.store import ModelStore
-    from ingest import writer
+    from samplestore import shards as writer
     from schemas.events import now_ms
     from test_learner_accumulate import _random_samples
 

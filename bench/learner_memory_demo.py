@@ -118,7 +118,7 @@ def _samples(rng, n: int, versions: list[str], t0: int, vocab: int, layers: int,
 
 
 def _write(samples_dir: Path, samples: list) -> None:
-    from ingest import writer
+    from samplestore import shards as writer
 
     for c in range(0, len(samples), 64):
         part = samples[c:c + 64]

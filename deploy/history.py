@@ -19,7 +19,7 @@ from pathlib import Path
 
 import duckdb
 
-from deploy.samples_source import samples_source
+from samplestore.source import samples_source
 
 DAY_MS = 86_400_000
 

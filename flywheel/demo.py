@@ -32,6 +32,7 @@ from pydantic.dataclasses import dataclass
 from rich.console import Console
 
 from flywheel import report as rep
+from samplestore import votes as sample_queries
 from flywheel.supervise import StopSignals, die_with_parent, run_measuring_peak
 from flywheel.users import SIGNALS, UserBehaviour
 from flywheel.workload import Task, Workload, fixed_eval_set, fixed_kind
@@ -538,7 +539,7 @@ class Demo:
             t.join(timeout=60)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            in_samples = set(rep.event_ids_in_samples(self.samples_dir))
+            in_samples = set(sample_queries.event_ids_in_samples(self.samples_dir))
             missing = self.accepted - in_samples - self.dead_lettered_ids()
             if not missing:
                 return
@@ -718,7 +719,7 @@ class Demo:
         from deploy.ledger import Ledger
         from schemas import settings
 
-        by_v = rep.samples_by_version(self.samples_dir)
+        by_v = sample_queries.samples_by_version(self.samples_dir)
         ledger = Ledger(settings.ledger_path())
         versions = []
         for v in self.store.versions():
@@ -743,7 +744,7 @@ class Demo:
                 "learner_peak_rss_gb": self.learner_peak_gb.get(self.published_in.get(v, -1)),
             })
         family_of = {cid: r["family"] for cid, r in self.completions.items()}
-        rows = rep.votes_by_completion(self.samples_dir)
+        rows = sample_queries.votes_by_completion(self.samples_dir)
         figures = rep.split_figures(rows, family_of)
         kinds = rep.kind_figures(rows, {cid: r.get("kind") for cid, r in self.completions.items()})
         for row in versions:
@@ -776,8 +777,8 @@ class Demo:
                  if promoted else None,
                  "vs_first": {r["version"]: rep.paired_comparison(fixed_rows, first, r["version"], seed=self.cfg.seed)
                               for r in versions[1:]}}
-        signals = rep.signal_figures(self.completions, rep.signals_by_completion(self.samples_dir))
-        ids = rep.event_ids_in_samples(self.samples_dir)
+        signals = rep.signal_figures(self.completions, sample_queries.signals_by_completion(self.samples_dir))
+        ids = sample_queries.event_ids_in_samples(self.samples_dir)
         uniq = set(ids)
         dead = self.dead_lettered_ids()
         lost = self.accepted - uniq - dead
@@ -866,7 +867,7 @@ class Demo:
         report = self.build_report(t0, fixed_rows)
         rep.write_report(report, self.cfg.out)
         rep.write_fixed(fixed_rows, self.cfg.out / "fixed_eval.jsonl")
-        rep.write_votes(rep.votes_by_completion(self.samples_dir), self.completions, self.cfg.out / "votes.jsonl")
+        rep.write_votes(sample_queries.votes_by_completion(self.samples_dir), self.completions, self.cfg.out / "votes.jsonl")
         rep.print_report(report, self.console)
         self.console.print(f"report: {self.cfg.out / 'report.json'}, plot: "
                            f"{self.cfg.out / 'thumbs_up_by_version.png'}")

@@ -4,7 +4,7 @@ Each round r serves every selected HumanEval problem ``samples_per_problem`` tim
 version v_r (the serving :class:`serving.engine.TorchEngine`: batched sampling, raw behavior
 logprobs, expert routes), lets the demo's users vote on each completion by running its
 code against the problem's unit tests in the sandbox (:func:`flywheel.users.run_tests`),
-writes the votes as RewardedSample Parquet shards (``ingest.writer``), and runs one real
+writes the votes as RewardedSample Parquet shards (``samplestore.shards``), and runs one real
 learner cycle on them (``flywheel learn --once --parent latest``: DeepSpeed, KTO, router
 replay, importance correction), which publishes v_{r+1} to the model store. The next round
 serves v_{r+1}, hash-verified from the store. A version's thumbs-up rate is the share of its
@@ -313,7 +313,7 @@ def run(cfg: ExperimentConfig, console=None) -> dict:
     """
     from rich.console import Console
 
-    from ingest.writer import shard_path, write_shard
+    from samplestore.shards import shard_path, write_shard
     from schemas import settings
 
     console = console or Console()

@@ -25,47 +25,6 @@ from pathlib import Path
 from deploy.stats import newcombe_interval, wilson_interval  # the one implementation (wilson re-exported)
 
 
-def samples_by_version(samples_dir: Path) -> dict[str, dict]:
-    """Per producing version: samples, votes up/down (ingest's ``votes_by_version`` view) and
-    ``mean_reward``, the mean of the samples' ``reward`` under the policy that labelled them
-    (None for a version without samples)."""
-    from ingest.catalog import query
-
-    rows = query("SELECT v.model_version, v.samples, v.votes_up, v.votes_down, r.mean_reward FROM votes_by_version v "
-                 "LEFT JOIN (SELECT model_version, avg(reward) AS mean_reward FROM samples GROUP BY model_version) r "
-                 "USING (model_version)", samples_dir)
-    return {r["model_version"]: {"samples": int(r["samples"]), "votes_up": int(r["votes_up"] or 0),
-                                 "votes_down": int(r["votes_down"] or 0),
-                                 "mean_reward": None if r["mean_reward"] is None else float(r["mean_reward"])}
-            for r in rows}
-
-
-def event_ids_in_samples(samples_dir: Path) -> list[str]:
-    """Every feedback event_id folded into a sample (with repeats, to detect double counting)."""
-    import duckdb
-
-    if not list(Path(samples_dir).rglob("*.parquet")):
-        return []
-    con = duckdb.connect()
-    try:
-        rows = con.execute("SELECT unnest(event_ids) FROM read_parquet(?, hive_partitioning=true)",
-                           [str(Path(samples_dir) / "**" / "*.parquet")]).fetchall()
-    finally:
-        con.close()
-    return [r[0] for r in rows]
-
-
-def votes_by_completion(samples_dir: Path) -> list[dict]:
-    """One row per sample: ``completion_id`` (str), ``model_version``, ``split``, ``votes_up``,
-    ``votes_down`` (ingest's ``samples`` view: the votes the loop itself collected)."""
-    from ingest.catalog import query
-
-    if not list(Path(samples_dir).rglob("*.parquet")):
-        return []
-    return query("SELECT CAST(completion_id AS VARCHAR) AS completion_id, model_version, split, votes_up, votes_down "
-                 "FROM samples", samples_dir)
-
-
 def _rate(up: int, n: int) -> dict:
     lo, hi = wilson_interval(up, n)
     return {"votes_up": up, "votes": n, "rate": (up / n) if n else None, "ci95": [lo, hi]}
@@ -303,7 +262,6 @@ def fixed_figures(rows: list[dict]) -> dict[str, dict]:
                 "by_family": {k: _rate(*y) for k, y in sorted(x["by_family"].items())}} for v, x in acc.items()}
 
 
-SIGNAL_COLUMNS = ("thumb", "copied", "regenerated", "kept_share", "followup", "reward")  # the join's, when present
 
 
 def signal_figures(completions: dict[str, dict], joined: dict[str, dict] | None = None) -> dict[str, dict]:
@@ -358,23 +316,6 @@ def signal_figures(completions: dict[str, dict], joined: dict[str, dict] | None 
             res.setdefault(v, {})[kind] = {"replies": a["n"], "sent": sent,
                                            "joined": shares(a["joined"], a["n"]) if joined is not None else None}
     return res
-
-
-def signals_by_completion(samples_dir: Path) -> dict[str, dict] | None:
-    """``{completion_id: {column: value}}`` of the signal columns (:data:`SIGNAL_COLUMNS`) the
-    samples carry; None when they carry none of them (shards written before the join folded
-    implicit signals)."""
-    from ingest.catalog import query
-
-    if not list(Path(samples_dir).rglob("*.parquet")):
-        return None
-    have = {r["column_name"] for r in query("SELECT column_name FROM (DESCRIBE samples)", samples_dir)}
-    cols = [c for c in SIGNAL_COLUMNS if c in have and c != "thumb"]
-    if not any(c in have for c in ("copied", "regenerated", "kept_share", "followup")):
-        return None
-    rows = query("SELECT CAST(completion_id AS VARCHAR) AS completion_id, " + ", ".join(cols) + " FROM samples",
-                 samples_dir)
-    return {r["completion_id"]: {c: r[c] for c in cols} for r in rows}
 
 
 def eval_gain(figures: dict[str, dict], first: str, last: str) -> dict | None:

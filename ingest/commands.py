@@ -103,7 +103,7 @@ def stats_cmd(output: Optional[Format] = OUTPUT) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ingest import catalog
+    from samplestore import catalog
     from schemas import settings
 
     catalog.refresh_catalog()
@@ -132,7 +132,7 @@ def migrate_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="Count wha
                 ) -> None:
     """Rewrite format-1 sample shards (model_version=<v>/date=<d>/, JSON columns) into the
     format-2 layout (date=<d>/hour=<h>/, typed columns); once, crash-safe, idempotent."""
-    from ingest import catalog
+    from samplestore import catalog
     from ingest.migrate import migrate
     from schemas import settings
 

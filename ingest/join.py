@@ -737,7 +737,7 @@ class Joiner:
         Args:
             now: processing time, ms.
             shard_for: ``RewardedSample -> str``, the shard path that will hold the sample
-                (``ingest.writer.shard_path``); recorded in the claim so that recovery after
+                (``samplestore.shards.shard_path``); recorded in the claim so that recovery after
                 a crash can tell whether the shard was written (default: ``""``).
             limit: most states looked at in one tick.
 

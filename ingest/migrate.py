@@ -2,7 +2,7 @@
 
 Format 1: ``<samples_dir>/model_version=<v>/date=<d>/part-<uuid>.parquet`` with JSON strings
 for ``sampling`` and ``expert_routes``, integer-ms times and ``model_version`` only in the
-directory name. Format 2: ``schemas.arrow`` (columns) and ``ingest.writer`` (layout).
+directory name. Format 2: ``schemas.arrow`` (columns) and ``samplestore.shards`` (layout).
 
 Crash-safe and idempotent: each old shard is written to its new path (atomic rename; the
 name is derived from the old path, so a rerun finds it) before the old file is removed; a
@@ -18,8 +18,8 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest.catalog import OLD_LAYOUT_PREFIX
-from ingest.writer import shard_path, write_table
+from samplestore.catalog import OLD_LAYOUT_PREFIX
+from samplestore.shards import shard_path, write_table
 from schemas.arrow import SAMPLE_SCHEMA, conform, format_version, upgrade_v1_table
 
 

@@ -39,7 +39,7 @@ import pyarrow as pa
 from schemas import topics as T
 from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from ingest.join import Joiner, TickResult, check_clock, dead_letter, parse_completion, parse_event
 from ingest.keyed import KeyedState
 from ingest.metrics import IngestMetrics

@@ -99,7 +99,7 @@ from pathlib import Path
 from schemas import topics as T
 from schemas.events import DeadLetter
 
-from ingest import writer
+from samplestore import shards as writer
 from ingest.clients import consumer_settings as cs, producer_settings as ps
 from ingest.commit import CommitRefused, membership
 from ingest.commit import commit as commit_offsets

@@ -1,6 +1,6 @@
 """One learner cycle: new sealed samples -> DeepSpeed update -> a new version in the store.
 
-**Finding new samples costs the same whatever the history** (``ingest.catalog``): shard names
+**Finding new samples costs the same whatever the history** (``samplestore.catalog``): shard names
 carry the time of their first seal inside ``date=/hour=`` partitions, and the learner keeps a
 watermark ``W`` (the newest first-seal time it consumed) and the names of the shards it
 consumed whose time is within ``lateness`` of it. A poll lists only the partitions from
@@ -32,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ingest.catalog import Shard, count_rows, find_shards, read_shards
+from samplestore.catalog import Shard, count_rows, find_shards, read_shards
 from schemas.arrow import table_to_samples
 from schemas.events import RewardedSample, now_ms
 from schemas.manifest import VersionManifest
@@ -145,7 +145,7 @@ def read_samples(samples_dir: str | Path, exclude: set[str] | None = None) -> li
 
     Raises:
         pydantic.ValidationError: a row does not make a valid RewardedSample (names the field).
-        ingest.catalog.OldShardsError: format-1 shards are present (``flywheel data migrate``).
+        samplestore.catalog.OldShardsError: format-1 shards are present (``flywheel data migrate``).
     """
     out, seen = [], set(exclude or ())
     for s in table_to_samples(read_shards(find_shards(samples_dir, 0))):
@@ -200,7 +200,7 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
 
     Raises:
         RuntimeError: the store has no version to train from.
-        ingest.catalog.OldShardsError: format-1 shards are present (``flywheel data migrate``).
+        samplestore.catalog.OldShardsError: format-1 shards are present (``flywheel data migrate``).
     """
     store = open_store(store_root)
     parent = parent_version(store, parent)

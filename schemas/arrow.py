@@ -1,7 +1,7 @@
 """Arrow schema of the RewardedSample Parquet shards written by ``ingest`` and read by
-``learner`` (through ``ingest.catalog``) and by analysts with plain DuckDB or pyarrow.
+``learner`` (through ``samplestore.catalog``) and by analysts with plain DuckDB or pyarrow.
 
-Layout on disk (``ingest.writer``)::
+Layout on disk (``samplestore.shards``)::
 
     <samples_dir>/date=<YYYY-MM-DD>/hour=<HH>/part-<sealed_ms, 13 digits>-<uuid>.parquet
 

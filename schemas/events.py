@@ -500,7 +500,7 @@ class RewardedSample(_Event):
     scores: ScoreMeans = Field(default_factory=dict)
 
 
-#: A shard's path under the samples root, as ``ingest.writer.shard_path`` names it.
+#: A shard's path under the samples root, as ``samplestore.shards.shard_path`` names it.
 SHARD_REF_PATTERN = r"^date=[0-9]{4}-[0-9]{2}-[0-9]{2}/hour=[0-9]{2}/part-[0-9]{13}-[0-9A-Za-z_-]{1,64}\.parquet$"
 
 

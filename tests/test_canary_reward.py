@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from deploy.analysis import AnalysisConfig, ArmStats, Check, Outcome, analyze, check_reward, reward_bounds
-from deploy.controller import canary_counts, judged_policy
+from deploy.controller import judged_policy
+from samplestore.votes import canary_counts
 from deploy.stats import EB_GRID, eb_boundary, eb_mean_bounds, psi_e
 from schemas.arrow import samples_to_table
 from schemas.events import RewardedSample, SamplingParams

@@ -202,7 +202,7 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
     traffic = Traffic(urls, seed=11)
     learners: list[Service] = []
     samples_dir = settings.samples_dir()
-    from ingest.catalog import deadletters_dir
+    from samplestore.catalog import deadletters_dir
 
     dead_dir = deadletters_dir(samples_dir)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from schemas.events import DeadLetter, ExpertRoutes, RewardedSample, SamplingParams, now_ms
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "data.md"

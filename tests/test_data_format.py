@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from ingest.migrate import migrate
 from schemas.arrow import FORMAT_VERSION
 from schemas.events import ExpertRoutes, RewardedSample, SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from ingest.join import JoinConfig, Joiner
 from ingest.state import StateStore
 from learner.cycle import count_new, new_state, save_state

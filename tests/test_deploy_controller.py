@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 from deploy import ledger
 from deploy.analysis import AnalysisConfig
 from deploy.commands import register
-from deploy.controller import ControllerConfig, RolloutController, RolloutPhase, canary_counts, vote_counts
+from deploy.controller import ControllerConfig, RolloutController, RolloutPhase
+from samplestore.votes import canary_counts
 from modelstore.desired import FleetRecord
 from deploy.serving_client import ServingAdmin, ServingAdminError
 from modelstore.store import CorruptVersionError, ModelStore
@@ -439,9 +440,9 @@ def test_vote_counts_by_version_since(env):
     write_votes(env.samples, "v000001", 3, 1, B + 1000)
     write_votes(env.samples, "v000001", 2, 2, B + 5000)
     write_votes(env.samples, "v000000", 0, 4, B + 5000)
-    assert vote_counts(env.samples, B) == {"v000001": (5, 3, 8), "v000000": (0, 4, 4)}
-    assert vote_counts(env.samples, B + 2000) == {"v000001": (2, 2, 4), "v000000": (0, 4, 4)}
-    assert vote_counts(env.samples / "nothing", 0) == {}
+    assert canary_counts(env.samples, B, B).votes == {"v000001": (5, 3, 8), "v000000": (0, 4, 4)}
+    assert canary_counts(env.samples, B + 2000, B + 2000).votes == {"v000001": (2, 2, 4), "v000000": (0, 4, 4)}
+    assert canary_counts(env.samples / "nothing", 0, 0).votes == {}
 
 
 def test_canary_counts_by_hand(env):

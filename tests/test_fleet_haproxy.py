@@ -56,7 +56,7 @@ def rig_ledger(rig: FleetRig) -> Path:
 
 
 def samples_by_event(samples: Path) -> dict[str, int]:
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
 
     out: dict[str, int] = {}
     if not any(samples.glob("**/*.parquet")):

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from schemas.events import RewardedSample, SamplingParams
 
 DAY1 = 1_767_225_600_000  # 2026-01-01T00:00:00Z, ms

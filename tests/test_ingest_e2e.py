@@ -164,13 +164,13 @@ def wait_for(cond, timeout_s, what, proc=None, log=None):
 
 
 def read_samples_now(samples_dir):
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
 
     return read_samples(samples_dir)
 
 
 def check(samples_dir, expected):
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
 
     got = read_samples(samples_dir)
     by_cid = {}
@@ -233,7 +233,7 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
         n_expected = len(expected)
 
         def done():
-            from ingest.catalog import read_samples
+            from samplestore.catalog import read_samples
             return any(samples_dir.glob("**/*.parquet")) and len(read_samples(samples_dir)) >= n_expected
 
         wait_for(done, 120, f"{n_expected} samples", proc, log)
@@ -282,7 +282,7 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
             accepted = {str(e.event_id) for e in fb + [late, broken_vote] + orphans}
             assert in_samples | set(by_eid) == accepted and not in_samples & set(by_eid)
             assert len(read_samples_now(samples_dir)) == len(got)  # the replayed vote changed nothing
-            from ingest.catalog import query
+            from samplestore.catalog import query
             dbr = {(r["field"], r["reason"]): r["n"] for r in query("SELECT * FROM deadletters_by_reason", samples_dir)}
             assert dbr[("completion_id", "orphan")] == 2 and dbr[("completion_id", "late")] == 1
             assert dbr[("value", "bad JSON")] == 1 and dbr[("schema_version", "unknown schema_version 9 (this worker reads 1)")] == 1

@@ -430,7 +430,7 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     sv_eids = [json.loads(v)["event_id"] for _, v in sv]
 
     def outcome():
-        from ingest.catalog import read_samples
+        from samplestore.catalog import read_samples
 
         samples = read_samples(samples_dir) if any(samples_dir.glob("**/*.parquet")) else []
         return samples, read_dead(bootstrap), {e for s in samples for e in s.event_ids}

@@ -497,7 +497,7 @@ def test_sealed_sample_is_the_constructed_sample_and_its_topic_value_is_to_bytes
     through the contract, and the samples-topic values of ``shard_parts`` are ``to_bytes``."""
     import numpy as np
 
-    from ingest import writer
+    from samplestore import shards as writer
     from schemas.events import ExpertRoutes, RewardedSample
 
     c = completion().model_copy(update={"split": "eval", "expert_routes": ExpertRoutes.from_array(

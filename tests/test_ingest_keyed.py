@@ -229,7 +229,7 @@ def test_memory_is_pruned_on_the_joins_rules_and_stated():
 
 _KILL_AFTER_SHARD = """
 import os, signal, sys
-from ingest import writer
+from samplestore import shards as writer
 real = writer.write_table
 def write_then_die(table, path, *a, **kw):
     real(table, path, *a, **kw)  # the shard is renamed into place: durable and whole
@@ -309,7 +309,7 @@ def test_sigkill_between_a_shard_write_and_its_checkpoint(broker, fw_home, tmp_p
 
 
 def _read(samples_dir):
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
 
     return read_samples(samples_dir) if any(samples_dir.glob("**/*.parquet")) else []
 

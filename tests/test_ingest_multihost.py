@@ -194,7 +194,7 @@ def _all_in_state(url: str, comps, fb) -> bool:
 
 
 def _samples(shared: Path) -> int:
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
 
     return len(read_samples(shared)) if any(shared.glob("**/*.parquet")) else 0
 

@@ -206,7 +206,7 @@ def test_the_notice_is_the_sample_notice_models_json():
     ``SampleNotice(...).to_bytes()`` of the same values, and validates."""
     from pathlib import Path
 
-    from ingest import writer
+    from samplestore import shards as writer
     from schemas.events import SampleNotice
 
     s = RewardedSample.model_validate(dict(

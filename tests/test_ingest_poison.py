@@ -110,7 +110,7 @@ def test_a_round_of_several_chunks_names_every_row(worker):
 
 def test_samples_value_sample_publishes_the_whole_sample(tmp_path):
     """``samples_value = "sample"``: the topic carries each RewardedSample, equal to its row."""
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
     from schemas.events import RewardedSample
 
     cfg = IngestConfig(join=JoinConfig(seal_after_s=0.001), bootstrap="127.0.0.1:1", samples_value="sample",

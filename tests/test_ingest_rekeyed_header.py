@@ -27,7 +27,7 @@ from schemas.events import FeedbackEvent, now_ms  # noqa: E402
 def test_non_utf8_source_header_does_not_stop_the_worker(broker, tmp_path, pg_url):  # noqa: F811
     from kafka import KafkaProducer
 
-    from ingest.catalog import read_samples
+    from samplestore.catalog import read_samples
     from ingest.partition import home_partitions, rekeyed_topic
 
     home = tmp_path / "home"

@@ -99,7 +99,7 @@ def test_three_workers_one_partition_broker_restart(fw_home, tmp_path):
         wait_for(lambda: committed(b.bootstrap) == end, 60, f"committed offsets == {end}", procs[0], logs[0])
         lag_zero_s = time.monotonic() - t_restart
         expected = reference_join(comps1 + comps2, fb1 + fb2)
-        from ingest.catalog import read_samples
+        from samplestore.catalog import read_samples
 
         wait_for(lambda: len(read_samples(samples_dir)) >= len(expected), 60, "all samples", procs[0], logs[0])
         time.sleep(3)  # nothing more may appear (a label sealed twice would)

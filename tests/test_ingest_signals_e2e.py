@@ -110,7 +110,7 @@ def test_every_kind_becomes_its_component_and_the_reward(broker, fw_home, tmp_pa
     produce(broker.bootstrap, list(cs.values()), fb)
     proc = start_worker(env, log)
     try:
-        from ingest.catalog import read_samples
+        from samplestore.catalog import read_samples
 
         wait_for(lambda: samples_dir.exists() and len(read_samples(samples_dir)) >= len(cs), 120,
                  "every completion sealed", proc, log)

@@ -1,8 +1,8 @@
 """Layers point down (issue 21 item 3): the product packages never import the CLI and demo
-package ``flywheel``, ``schemas`` (the contracts) imports no other Flywheel package, and a
-product package reaches another only through the public modules listed in ``SIDEWAYS`` (the
-model store, the fleet's desired-state record and the samples catalog, each that package's
-API for the others); a new edge fails here until it is added on purpose.
+package ``flywheel``, ``schemas`` (the contracts) imports no other Flywheel package, the
+shared packages ``modelstore`` and ``samplestore`` import only ``schemas``, and a role reaches
+another role only through the public modules listed in ``SIDEWAYS`` (none today); a new edge
+fails here until it is added on purpose.
 
 Walks every import statement of every module with ``ast``, function-level imports included,
 so a lazy ``from flywheel.users import ...`` inside a command counts as much as a top-level one.
@@ -14,19 +14,19 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("schemas", "modelstore", "serving", "ingest", "learner", "deploy")
+PRODUCT = ("schemas", "modelstore", "samplestore", "serving", "ingest", "learner", "deploy")
 # what each package may import of Flywheel's own top-level packages
 ALLOWED = {
     "schemas": {"schemas"},
     "modelstore": {"schemas", "modelstore"},  # shared under the roles: versions, codec, the fleet record
+    "samplestore": {"schemas", "samplestore"},  # shared under the roles: the sample shards and their queries
     "serving": {"schemas", "modelstore", "serving"},
-    "ingest": {"schemas", "ingest"},
-    "learner": {"schemas", "modelstore", "learner"},
-    "deploy": {"schemas", "modelstore", "deploy"},
+    "ingest": {"schemas", "samplestore", "ingest"},
+    "learner": {"schemas", "modelstore", "samplestore", "learner"},
+    "deploy": {"schemas", "modelstore", "samplestore", "deploy"},
 }
 OURS = {*PRODUCT, "flywheel"}
 SIDEWAYS = {
-    ("learner", "ingest.catalog"),                               # finds a cycle's samples
 }
 
 

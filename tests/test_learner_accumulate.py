@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ingest import writer
+from samplestore import shards as writer
 from learner.data import InMemorySamples, RefLogprobs, SpilledSamples
 from learner.trainer import LearnerConfig, _loader, _measure_pass, accumulate_step, train
 from learner.losses import loo_baseline

@@ -16,7 +16,7 @@ from learner.batch import build_batch
 from learner.cycle import load_state, read_samples, run_cycle
 from learner.losses import sequence_logprobs
 from learner.trainer import LearnerConfig, forward_token_logprobs
-from ingest import writer
+from samplestore import shards as writer
 from schemas.modelspec import load_model
 
 try:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ingest import writer
+from samplestore import shards as writer
 from learner.data import InMemorySamples, RefLogprobs, SpilledSamples
 from learner.losses import group_loo_baseline
 from learner.replay import capture_routes, router_replay, stack_routes

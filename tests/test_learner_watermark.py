@@ -7,7 +7,7 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from learner.cycle import consume, count_new, new_shards, new_state, save_state, upgrade_state
 from schemas.events import RewardedSample, SamplingParams
 

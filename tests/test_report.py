@@ -3,8 +3,9 @@
 import pytest
 
 from deploy.stats import newcombe_interval
-from flywheel.report import samples_by_version, wilson_interval
-from ingest.writer import write_shard
+from flywheel.report import wilson_interval
+from samplestore.votes import samples_by_version
+from samplestore.shards import write_shard
 from schemas.events import RewardedSample, SamplingParams
 
 
@@ -44,7 +45,8 @@ def test_split_figures_and_eval_gain_by_hand(tmp_path):
                               sampling=SamplingParams(), finish_reason="stop", reward=1.0, label=up > down,
                               n_votes=up + down, votes_up=up, votes_down=down, split=split,
                               event_ids=[str(uuid.uuid4()) for _ in range(up + down)], sealed_at=1_700_000_000_000)
-    from flywheel.report import eval_gain, split_figures, votes_by_completion
+    from flywheel.report import eval_gain, split_figures
+    from samplestore.votes import votes_by_completion
 
     v0 = [sample("v000000", "eval", 1, 0) for _ in range(18)] + [sample("v000000", "eval", 0, 1) for _ in range(82)]
     v2 = [sample("v000002", "eval", 1, 0) for _ in range(36)] + [sample("v000002", "eval", 0, 1) for _ in range(64)]

@@ -114,7 +114,7 @@ def test_real_events_from_a_pod_validate(exported, real_events):
     (sample,) = j.tick(c_ev.created_at + 10 ** 9).samples
     validator(exported["RewardedSample"]).validate(json.loads(sample.to_bytes()))
     # the samples topic's default value: the notice of that sample at row 4 of a shard
-    from ingest import writer
+    from samplestore import shards as writer
 
     path = writer.shard_path(Path("/srv/samples"), sample.sealed_at)
     notice = json.loads(writer.notice_encoder(path, "/srv/samples")(sample, 4))

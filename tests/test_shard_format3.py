@@ -1,5 +1,5 @@
 """Shard format 3 (D65): the routes column holds the zstd frame serving wrote, byte for byte,
-and every reader of shards (plain pyarrow, the catalog's DuckDB views, ``ingest.catalog.
+and every reader of shards (plain pyarrow, the catalog's DuckDB views, ``samplestore.catalog.
 read_shards``, the learner's ``SpilledSamples``) hands it back bit-exact; format-2 shards (raw
 routes, no ``expert_routes_codec`` column) still read, alone and next to format-3 shards."""
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from ingest import catalog, writer
+from samplestore import catalog, shards as writer
 from learner.data import SpilledSamples
 from schemas.arrow import FORMAT_VERSION, table_to_samples
 from schemas.events import ExpertRoutes, RewardedSample, SamplingParams

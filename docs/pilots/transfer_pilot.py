@@ -36,7 +36,7 @@ from flywheel.workload import Workload
 from serving.engine import TorchEngine
 from serving.params import GenRequest
 from schemas.events import SamplingParams, ExpertRoutes, RewardedSample, now_ms
-from ingest.writer import shard_path, write_shard
+from samplestore.shards import shard_path, write_shard
 from schemas import settings
 from rich.console import Console
 con = Console()

@@ -22,7 +22,7 @@ Views:
         and reason kind (the reason up to its first ``:``): n.
 
 Finding new samples without a scan (:func:`find_shards`): shard names carry the time of
-their first seal (``ingest.writer.shard_path``) inside ``date=/hour=`` partitions, so the
+their first seal (``samplestore.shards.shard_path``) inside ``date=/hour=`` partitions, so the
 shards sealed at or after a watermark are found by listing the partitions from the
 watermark's hour on; older partitions are never opened.
 """
@@ -38,7 +38,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.writer import HOUR_MS, shard_time
+from samplestore.shards import HOUR_MS, shard_time
 from schemas import settings
 from schemas.arrow import ADDED_AFTER_2, SAMPLE_SCHEMA, format_version, table_to_samples
 from schemas.events import RewardedSample

@@ -3,7 +3,7 @@
 ``<samples_dir>/date=<YYYY-MM-DD>/hour=<HH>/part-<sealed_ms>-<uuid>.parquet``: the UTC day and
 hour of the shard's first ``sealed_at``, and that ``sealed_at`` (ms, 13 digits) in the name,
 so a reader finds the shards sealed after a watermark by listing the newest partitions only
-(``ingest.catalog.find_shards``). Each shard is written to a hidden temp file in the same
+(``samplestore.catalog.find_shards``). Each shard is written to a hidden temp file in the same
 directory, fsynced, renamed (atomic on POSIX) and the directory fsynced, so a reader never
 sees a partial file and a shard that exists is complete and durable.
 """
