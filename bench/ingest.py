@@ -105,7 +105,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from flywheel.broker import spawn  # noqa: E402
-from schemas import topics  # noqa: E402
+from schemas.settings import topic_names
 from schemas.events import CompletionEvent, ExpertRoutes, FeedbackEvent, SamplingParams, now_ms  # noqa: E402
 
 
@@ -149,10 +149,11 @@ def produce(bootstrap: str, comps, fb) -> None:
     from schemas.settings import kafka_client_config
 
     p = KafkaProducer(**kafka_client_config(bootstrap), linger_ms=20, batch_size=1 << 20, max_request_size=16 << 20)
+    names = topic_names()
     for k, v in comps:
-        p.send(topics.COMPLETIONS, key=k, value=v)
+        p.send(names.completions, key=k, value=v)
     for k, v in fb:
-        p.send(topics.FEEDBACK, key=k, value=v)
+        p.send(names.feedback, key=k, value=v)
     p.flush()
     p.close()
 
@@ -172,7 +173,7 @@ async def raw_consume(bootstrap: str, total: int, partitions: int) -> dict:
     c = AIOKafkaConsumer(**kw)
     await c.start()
     try:
-        tps = [TopicPartition(t, p) for t in (topics.COMPLETIONS, topics.FEEDBACK) for p in range(partitions)]
+        tps = [TopicPartition(t, p) for t in (topic_names().completions, topic_names().feedback) for p in range(partitions)]
         c.assign(tps)
         await c.seek_to_beginning(*tps)
         n, t0, c0 = 0, None, None
@@ -404,7 +405,7 @@ def count(k):
         (t1, c1, n1), (t9, c9, n9) = marks[0.1], marks[0.9]
         out.write_text(json.dumps({"rate": (n9 - n1) / (t9 - t1), "per_cpu_s": (n9 - n1) / (c9 - c1)}))
 
-for name in (T.COMPLETIONS, T.FEEDBACK):
+for name in (topic_names().completions, topic_names().feedback):
     @app.agent(app.topic(name, **kw), name=f"noop-{name}")
     async def noop(stream):
         async for batch in stream.take_events(500, within=0.05):
@@ -597,7 +598,8 @@ def _fold_and_seal(comps, fb, home: Path, batch_size: int, profs=(None, None), s
     # state is a database (no checkpoint method) made each batch one transaction instead
     checkpoint = getattr(w, "checkpoint", None)
     try:
-        items = [(topics.COMPLETIONS, k, v) for k, v in comps] + [(topics.FEEDBACK, k, v) for k, v in fb]
+        names = topic_names()
+        items = [(names.completions, k, v) for k, v in comps] + [(names.feedback, k, v) for k, v in fb]
         pf, ps = profs
         c0 = time.process_time()
         if pf:
@@ -663,7 +665,8 @@ def state_memory(n: int) -> None:
     small = argparse.Namespace(prompt_tokens=2, completion_tokens=2, layers=1, experts=8, top_k=1)
     comps, fb = make_events(n, small, seed=1)
     comps = [(parse_completion(v), v) for _, v in comps]
-    fb = [(parse_event(FeedbackEvent, v, topics.FEEDBACK), v) for _, v in fb]
+    feedback_topic = topic_names().feedback
+    fb = [(parse_event(FeedbackEvent, v, feedback_topic), v) for _, v in fb]
     home = Path(tempfile.mkdtemp(prefix="fw-bench-state-"))
     parts = 6
     cfg = JoinConfig(seal_after_s=3600, max_label_age_s=7200, orphan_ttl_s=3600)

@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.ingest import _fold_and_seal, make_events, produce, raw_consume  # noqa: E402
 from flywheel.broker import spawn  # noqa: E402
-from schemas import topics  # noqa: E402
+from schemas.settings import topic_names
 from schemas.events import (  # noqa: E402
     FLOAT32_MAX, INT32_MAX, CompletionEvent, _check_ms, _check_text)
 
@@ -149,7 +149,7 @@ def _json_body(raws: list[bytes]) -> None:
     """The current contract's body work at sealing: validation, then the list columns."""
     from ingest.join import parse_event
 
-    tc = topics.COMPLETIONS  # read once, as the worker does (each read scans the environment)
+    tc = topic_names().completions  # resolved once, as the worker does
     evs = [parse_event(CompletionEvent, r, tc) for r in raws]
     for name, dt in (("prompt_token_ids", np.int32), ("completion_token_ids", np.int32),
                      ("behavior_logprobs", np.float32)):

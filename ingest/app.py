@@ -116,8 +116,8 @@ class IngestConfig:
 
     @property
     def group_id(self) -> str:
-        """The consumer group: ``app_id`` under the topic prefix (:func:`schemas.topics.ingest_group`)."""
-        return topics.ingest_group(self.app_id)
+        """The consumer group: ``app_id`` under the topic prefix (:func:`schemas.settings.topic_names`)."""
+        return settings.topic_names(app_id=self.app_id).ingest_group
 
 
 def _check_state(state: str) -> Path | str:

@@ -76,7 +76,8 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from ingest.label import LabelState, Vote, signal_key
 from ingest.store import JoinStore
-from schemas import topics
+from schemas.settings import topic_names
+from schemas.topics import TopicNames
 from schemas.reward import RewardPolicy
 from schemas.events import (MAX_FUTURE_SKEW_MS, SCHEMA_VERSION, CompletionEvent, DeadLetter, EventTimeMs,
                             FeedbackEvent, IdText, RewardedSample, clamp_event_time, escape_text,
@@ -383,7 +384,7 @@ _HEAD_MAX = 4096  # bytes searched for _HEAD_END
 _HEAD_VALIDATOR = CompletionHead.__pydantic_validator__
 
 
-def parse_completion(raw: bytes | str, source_topic: str = topics.COMPLETIONS, key: bytes | str | None = None):
+def parse_completion(raw: bytes | str, source_topic: str = "flywheel.completions", key: bytes | str | None = None):
     """Consume-time check of one completion value: a :class:`CompletionHead`, or a
     :class:`DeadLetter` (field and reason) like :func:`parse_event`. Never raises.
 
@@ -428,7 +429,8 @@ class Joiner:
         TypeError: ``store`` lacks a method of :class:`ingest.store.JoinStore` (named).
     """
 
-    def __init__(self, store: JoinStore, config: JoinConfig | None = None, decode=None):
+    def __init__(self, store: JoinStore, config: JoinConfig | None = None, decode=None,
+                 topics: TopicNames | None = None):
         if not isinstance(store, JoinStore):
             missing = sorted(m for m in dir(JoinStore) if not m.startswith("_") and not hasattr(store, m))
             raise TypeError(f"store: {type(store).__name__} is not a JoinStore (missing {', '.join(missing)})")
@@ -437,9 +439,9 @@ class Joiner:
         self.decode = decode
         self.undecodable = 0  # final-text edits left out (decode failed) not yet counted in the store
         self.policy_digest = self.cfg.reward.digest()
-        # the source topics named in dead letters, under the prefix of this process's settings
-        # (read once: each read of ``schemas.topics.COMPLETIONS`` scans the environment)
-        self.tc, self.tf = topics.COMPLETIONS, topics.FEEDBACK
+        # the source topics named in dead letters (default: this process's settings' names)
+        names = topics or topic_names()
+        self.tc, self.tf = names.completions, names.feedback
 
     def due_at(self, st: LabelState) -> int:
         """Processing time (ms) at which :meth:`tick` must look at ``st``: an orphan's

@@ -52,7 +52,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
-from schemas import topics as T
+from schemas.topics import TopicNames
 
 STATE_EVERY_S = 15.0  # the state-size gauges are refreshed at most this often (s)
 POSITION_TIMEOUT_S = 1.0  # a partition whose position is not known within this is left out (s)
@@ -108,9 +108,15 @@ def reason_class(field: str, reason: str) -> str:
 
 class IngestMetrics:
     """The worker's Prometheus metrics (see the module docstring); thread-safe (the fold and
-    seal threads update them, the event loop serves them)."""
+    seal threads update them, the event loop serves them).
 
-    def __init__(self):
+    Args:
+        topics: the process's topic names (the ``topic`` label of the joined and duplicate
+            counters).
+    """
+
+    def __init__(self, topics: TopicNames):
+        self.tc, self.tf = topics.completions, topics.feedback  # the joined and duplicate counters' labels
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_* (start time, CPU seconds, resident memory)
         self.consumed = Counter("flywheel_ingest_records_consumed", "records delivered to this worker, by topic",
@@ -153,10 +159,10 @@ class IngestMetrics:
             by_topic[tp.topic] = by_topic.get(tp.topic, 0) + len(recs)
         for topic, n in by_topic.items():
             self.consumed.labels(topic).inc(n)
-        self.joined.labels(T.COMPLETIONS).inc(sum(1 for o in completion_outcomes if o == "new"))
-        self.joined.labels(T.FEEDBACK).inc(sum(1 for o, _ in feedback_outcomes if o == "folded"))
-        self.duplicates.labels(T.COMPLETIONS).inc(sum(1 for o in completion_outcomes if o == "duplicate"))
-        self.duplicates.labels(T.FEEDBACK).inc(sum(1 for o, _ in feedback_outcomes if o == "duplicate"))
+        self.joined.labels(self.tc).inc(sum(1 for o in completion_outcomes if o == "new"))
+        self.joined.labels(self.tf).inc(sum(1 for o, _ in feedback_outcomes if o == "folded"))
+        self.duplicates.labels(self.tc).inc(sum(1 for o in completion_outcomes if o == "duplicate"))
+        self.duplicates.labels(self.tf).inc(sum(1 for o, _ in feedback_outcomes if o == "duplicate"))
 
     def dead_letters(self, dead: list) -> None:
         """Dead letters just published (``schemas.events.DeadLetter``)."""

@@ -36,14 +36,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from schemas import topics as T
+from schemas.settings import topic_names
 from schemas.events import DeadLetter, FeedbackEvent, now_ms
 
 from samplestore import catalog, shards as writer
 from ingest.join import Joiner, TickResult, check_clock, dead_letter, parse_completion, parse_event
 from ingest.keyed import KeyedState
 from ingest.metrics import IngestMetrics
-from ingest.partition import SOURCE_HEADER, home_partitions, rekeyed_topic
+from ingest.partition import SOURCE_HEADER, home_partitions
 from ingest.state import open_store
 from ingest.store import Fenced
 
@@ -79,7 +79,7 @@ COLLECT_EVERY_S = 10.0  # body segments nobody references any more deleted this 
 STATS_EVERY_S = 5.0  # an "ingest stats" line (INFO) at most this often, when counters moved (s)
 
 
-def _source_topic(record) -> str:
+def _source_topic(record, feedback: str) -> str:
     """The source topic of a record of the internal topic (its header; feedback if absent).
     A header that is not UTF-8 is read with replacement characters: anything but the
     completions topic is parsed as feedback (a dead letter names that source), so a hostile
@@ -87,7 +87,7 @@ def _source_topic(record) -> str:
     for k, v in record.headers or ():
         if k == SOURCE_HEADER and v:
             return bytes(v).decode("utf-8", errors="replace")
-    return T.FEEDBACK
+    return feedback
 
 
 class Processor:
@@ -106,16 +106,17 @@ class Processor:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.topics = topic_names(app_id=cfg.app_id)  # this process's topic names, resolved once
         # the join state of this worker's partitions in memory, checkpointed to the store
         # (SQLite file or PostgreSQL) with the consumed offsets (ingest.keyed)
         self.store = KeyedState(open_store(cfg.state_path, cfg.group_id))
         # the state is scoped to partitions: a label is folded only in its home partition, and
         # records found elsewhere are forwarded there through the internal topic (ingest.partition)
         self.scoped = True
-        self.rekeyed = rekeyed_topic()
+        self.rekeyed = self.topics.rekeyed
         self._n: int | None = None  # partitions of the consumed topics (from the assignment)
-        self.joiner = Joiner(self.store, cfg.join, decode=completion_decoder())
-        self.metrics = IngestMetrics()  # Prometheus: GET /metrics on worker_port
+        self.joiner = Joiner(self.store, cfg.join, decode=completion_decoder(), topics=self.topics)
+        self.metrics = IngestMetrics(self.topics)  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
         # a dead-letter file was written since the last housekeeping (for the catalog refresh)
         self._wrote_dead = False
@@ -155,7 +156,7 @@ class Processor:
         tc = self.joiner.tc
         for tp, recs in batch.items():
             for r in recs:
-                src = _source_topic(r) if tp.topic == self.rekeyed else tp.topic
+                src = _source_topic(r, self.topics.feedback) if tp.topic == self.rekeyed else tp.topic
                 is_c = src == tc
                 n["consumed_completions" if is_c else "consumed_feedback"] += 1
                 # a completion: its head only (the body is validated once, at sealing)

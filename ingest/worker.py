@@ -96,7 +96,6 @@ import signal
 import time
 from pathlib import Path
 
-from schemas import topics as T
 from schemas.events import DeadLetter
 
 from samplestore import shards as writer
@@ -175,7 +174,7 @@ class Worker(Processor):
         """Kafka assigned ``assigned`` (TopicPartitions) to this worker: before the next fold,
         the state takes ownership of their partitions and restores them from the checkpoint
         store (:meth:`take_partitions`)."""
-        parts = self.consumer.partitions_for_topic(T.COMPLETIONS) if self.consumer is not None else None
+        parts = self.consumer.partitions_for_topic(self.topics.completions) if self.consumer is not None else None
         if parts:
             self._n = len(parts)
         # taken in the fold thread; a partition count the metadata does not hold yet is asked then
@@ -197,10 +196,10 @@ class Worker(Processor):
             try:
                 n = self.ensure_rekeyed()
             except Exception as exc:  # noqa: BLE001 - the broker is restarting: retried before the next fetch
-                log.warning("ingest: partition count of %s unknown (%s); retrying", T.COMPLETIONS, exc)
+                log.warning("ingest: partition count of %s unknown (%s); retrying", self.topics.completions, exc)
                 return False
             if n is None:
-                log.warning("ingest: %s does not exist; retrying", T.COMPLETIONS)
+                log.warning("ingest: %s does not exist; retrying", self.topics.completions)
                 return False
             self._n = n
         try:
@@ -267,10 +266,10 @@ class Worker(Processor):
 
         admin = topics_mod.admin_client(self.cfg.bootstrap, timeout_s=10.0)
         try:
-            have = topics_mod.describe(admin, [T.COMPLETIONS, self.rekeyed])
-            if T.COMPLETIONS not in have:
+            have = topics_mod.describe(admin, [self.topics.completions, self.rekeyed])
+            if self.topics.completions not in have:
                 return None
-            n = have[T.COMPLETIONS]["partitions"]
+            n = have[self.topics.completions]["partitions"]
             if self.rekeyed not in have:
                 rf = S.kafka_settings().replication_factor
                 try:
@@ -281,7 +280,7 @@ class Worker(Processor):
             elif have[self.rekeyed]["partitions"] != n:
                 log.error("ingest: %s has %d partitions, %s has %d: forwarded records would miss their home "
                           "partition; delete it (it holds only records in transit)", self.rekeyed,
-                          have[self.rekeyed]["partitions"], T.COMPLETIONS, n)
+                          have[self.rekeyed]["partitions"], self.topics.completions, n)
             return n
         finally:
             admin.close()
@@ -293,7 +292,7 @@ class Worker(Processor):
         two writes and the mark dead-letters them again (at-least-once, never lost).
 
         Raises whatever the send or the file write raised (the caller retries)."""
-        await self.publish(T.DEADLETTER, [((d.key or "").encode(), d.to_bytes()) for d in dead])
+        await self.publish(self.topics.deadletter, [((d.key or "").encode(), d.to_bytes()) for d in dead])
         await asyncio.get_running_loop().run_in_executor(None, writer.write_deadletters, dead, self.dead_dir)
         self._wrote_dead = True
         self.metrics.dead_letters(dead)
@@ -412,7 +411,7 @@ class Worker(Processor):
                 async with self._seal_lock:
                     msgs, orphans, more = await loop.run_in_executor(self._pool, self.seal_round)
                     wrote += len(msgs)
-                    await self.publish(T.SAMPLES, msgs)
+                    await self.publish(self.topics.samples, msgs)
                     for res in orphans:
                         try:
                             await self.publish_dead(res.dead_letters)
@@ -475,7 +474,7 @@ class Worker(Processor):
             except KafkaConnectionError as exc:
                 raise WorkerStartError(f"Kafka at {boot}: {exc} (is the broker up? FLYWHEEL_KAFKA_BOOTSTRAP or "
                                        f"[kafka] bootstrap)") from None
-            self.consumer.subscribe([T.COMPLETIONS, T.FEEDBACK] + ([self.rekeyed] if self.scoped else []),
+            self.consumer.subscribe([self.topics.completions, self.topics.feedback] + ([self.rekeyed] if self.scoped else []),
                                     listener=_Listener())
             if self.cfg.worker_port:
                 try:

@@ -12,13 +12,12 @@ checking them on a cluster is ``schemas.topic_admin``'s job.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 DAY_MS = 24 * 3600 * 1000
 DEFAULT_PARTITIONS = 6
 # ingest's app id (``flywheel ingest --app-id`` default). Its consumer group is the app id under
-# the topic prefix (:func:`ingest_group`; ``topics.INGEST_GROUP`` names the default one), so two
+# the topic prefix (:func:`ingest_group`; ``TopicNames.ingest_group`` names the default one), so two
 # deployments that share a Kafka cluster under different prefixes never share a group. Serving
 # pods read that group's committed offsets to know which acked events ingest has consumed
 # (``serving.eventlog``).
@@ -94,7 +93,7 @@ class TopicNames:
     def for_prefix(cls, prefix: str = "", app_id: str = INGEST_APP_ID) -> "TopicNames":
         """The names under ``prefix`` (no validation: the settings validate the prefix)."""
         return cls(prefix=prefix, **{short: prefix + spec.base for short, spec in SPECS.items()},
-                   ingest_group=prefix + app_id)
+                   ingest_group=ingest_group(app_id, prefix))
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -102,51 +101,14 @@ class TopicNames:
         return tuple(getattr(self, short) for short in SPECS)
 
 
-_CONSTANTS = {"COMPLETIONS": "completions", "FEEDBACK": "feedback", "SAMPLES": "samples",
-              "DEADLETTER": "deadletter", "DEPLOYMENTS": "deployments"}
-
-
-def topic_name(short: str, prefix: str | None = None) -> str:
-    """Full topic name of ``short`` (a key of :data:`SPECS`) with ``prefix`` (default: settings').
-
-    Other ``FLYWHEEL_KAFKA_*`` values that do not validate do not stop a name from being read
-    (modules read names at import); the prefix is then taken as the environment gives it, and
-    the first Kafka client or the CLI's settings check reports the bad value."""
-    return (current_prefix() if prefix is None else prefix) + SPECS[short].base
-
-
-def current_prefix() -> str:
-    """The settings' ``topic_prefix`` (``FLYWHEEL_KAFKA_TOPIC_PREFIX``), read even when other
-    ``FLYWHEEL_KAFKA_*`` values do not validate (see :func:`topic_name`)."""
-    from pydantic import ValidationError
-
-    from schemas.settings import kafka_settings
-
-    try:
-        return kafka_settings().topic_prefix
-    except ValidationError:
-        return os.environ.get("FLYWHEEL_KAFKA_TOPIC_PREFIX", "")
-
-
-def ingest_group(app_id: str = INGEST_APP_ID, prefix: str | None = None) -> str:
-    """The Kafka consumer group of the ingest workers with ``app_id``: ``prefix + app_id``
-    (``prefix`` default: :func:`current_prefix`).
+def ingest_group(app_id: str, prefix: str) -> str:
+    """The Kafka consumer group of the ingest workers with ``app_id``: ``prefix + app_id``.
 
     Every member of one deployment computes the same name (the workers join it; serving's
     event log reads its committed offsets), and deployments with different prefixes on one
-    cluster get different groups. The PostgreSQL join state is keyed by it too
+    cluster get different groups. The PostgreSQL join state is keyed by the app id
     (``ingest.state_pg.schema_name``)."""
-    return (current_prefix() if prefix is None else prefix) + app_id
-
-
-def __getattr__(name: str):  # COMPLETIONS, ..., ALL_TOPICS, INGEST_GROUP: names under the current prefix
-    if name in _CONSTANTS:
-        return topic_name(_CONSTANTS[name])
-    if name == "INGEST_GROUP":
-        return ingest_group()
-    if name == "ALL_TOPICS":
-        return tuple(topic_name(s) for s in SPECS)
-    raise AttributeError(f"module 'schemas.topics' has no attribute {name!r}")
+    return prefix + app_id
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class EventLog:
         resend_max_bytes: at most this many bytes of acked events are kept for that; beyond
             it the oldest go first, counted ``resend_unprotected`` if not known consumed.
         consumer_group: the consumer group that reads these events (serving: ingest's,
-            ``schemas.topics.INGEST_GROUP``). With it, an acked event older than
+            ``schemas.topics.TopicNames.ingest_group``). With it, an acked event older than
             ``resend_window_s`` is kept until that group has committed past it, as read from
             the broker that acked it (so a broker restart after a long ingest outage still
             finds it); without it, the window alone.

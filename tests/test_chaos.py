@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from flywheel.broker import free_port, spawn
-from schemas import topics
+from schemas.settings import topic_names
 from test_e2e import Service, cli, event_ids_in_samples
 
 pytestmark = pytest.mark.timeout(600)
@@ -119,7 +119,7 @@ def dead_event_ids(dead_dir: Path) -> list[str]:
     for f in sorted(dead_dir.glob("*.parquet")):
         t = pq.read_table(f).to_pylist()
         for d in t:
-            if d["source_topic"] != topics.FEEDBACK:
+            if d["source_topic"] != topic_names().feedback:
                 continue
             try:
                 out.append(str(json.loads(d["payload"])["event_id"]))
@@ -135,7 +135,7 @@ def where_lost(missing: set[str], bootstrap: str) -> dict[str, list]:
     from test_serving_app import consume
 
     found: dict[str, list] = {e: [] for e in missing}
-    for m in consume(bootstrap, topics.FEEDBACK, want=1 << 30, timeout_s=5.0):  # all it holds
+    for m in consume(bootstrap, topic_names().feedback, want=1 << 30, timeout_s=5.0):  # all it holds
         for e in missing:
             if e.encode() in (m.value or b""):
                 found[e].append((m.partition, m.offset))

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from schemas.settings import topic_names
-from schemas import topics
 from schemas.events import MAX_FUTURE_SKEW_MS, FeedbackEvent, now_ms
 from tests.test_serving_app import consume
 

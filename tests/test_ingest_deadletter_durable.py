@@ -17,7 +17,7 @@ import uuid
 
 import pyarrow.parquet as pq
 
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import now_ms
 
 
@@ -55,10 +55,10 @@ def test_dead_letters_are_in_a_file_before_they_are_marked(fw_home, broker_env):
     vote = dict(schema_version=1, event_id=orphan_id, completion_id=str(uuid.uuid4()), user_hash="u",
                 kind="thumb", value=1, created_at=now_ms())
     p = KafkaProducer(bootstrap_servers=broker_env.bootstrap)
-    p.send(topics.FEEDBACK, key=vote["completion_id"].encode(), value=json.dumps(vote).encode())
+    p.send(topic_names().feedback, key=vote["completion_id"].encode(), value=json.dumps(vote).encode())
     expired = dict(vote, event_id=str(uuid.uuid4()), completion_id=str(uuid.uuid4()),
                    created_at=now_ms() - 8 * 86_400_000)  # past the 7-day dedupe horizon: consumer loop
-    p.send(topics.FEEDBACK, key=expired["completion_id"].encode(), value=json.dumps(expired).encode())
+    p.send(topic_names().feedback, key=expired["completion_id"].encode(), value=json.dumps(expired).encode())
     p.flush()
     p.close()
 

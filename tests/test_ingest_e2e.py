@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.arrow import FORMAT_VERSION
 from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, SamplingParams, now_ms
 
@@ -85,12 +85,12 @@ def produce(bootstrap, comps, fb, bad: list[bytes] = ()):
 
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5)
     for c in comps:
-        p.send(topics.COMPLETIONS, key=str(c.completion_id).encode(), value=c.to_bytes())
+        p.send(topic_names().completions, key=str(c.completion_id).encode(), value=c.to_bytes())
     p.flush()
     for e in fb:
-        p.send(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes())
+        p.send(topic_names().feedback, key=str(e.completion_id).encode(), value=e.to_bytes())
     for b in bad:
-        p.send(topics.FEEDBACK, key=b"bad", value=b)
+        p.send(topic_names().feedback, key=b"bad", value=b)
     p.flush()
     p.close()
 
@@ -117,7 +117,7 @@ def stop(proc: subprocess.Popen, sig=signal.SIGTERM):
 def read_dead(bootstrap) -> list[DeadLetter]:
     from kafka import KafkaConsumer
 
-    c = KafkaConsumer(topics.DEADLETTER, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+    c = KafkaConsumer(topic_names().deadletter, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000, enable_auto_commit=False)
     out = [DeadLetter.from_bytes(m.value) for m in c]
     c.close()
@@ -132,7 +132,7 @@ def check_notices(bootstrap, samples_dir, got, every: bool) -> None:
     from kafka import KafkaConsumer
     from schemas.events import SampleNotice
 
-    c = KafkaConsumer(topics.SAMPLES, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+    c = KafkaConsumer(topic_names().samples, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000, enable_auto_commit=False)
     msgs = list(c)
     c.close()
@@ -259,7 +259,7 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
                                         value=1, created_at=now_ms())
             from kafka import KafkaProducer
             kp = KafkaProducer(bootstrap_servers=broker.bootstrap)
-            kp.send(topics.COMPLETIONS, key=str(broken.completion_id).encode(), value=broken_raw)
+            kp.send(topic_names().completions, key=str(broken.completion_id).encode(), value=broken_raw)
             kp.flush()
             kp.close()
             produce(broker.bootstrap, [], [late, replay, broken_vote] + orphans)
@@ -274,7 +274,7 @@ def test_worker_joins_every_accepted_event_exactly_once(broker, fw_home, tmp_pat
             assert len(dl) == 4 and by_eid[str(late.event_id)].startswith("late")
             assert all(by_eid[str(o.event_id)].startswith("orphan") for o in orphans)
             assert by_eid[str(broken_vote.event_id)].startswith("malformed completion")
-            (dc,) = [d for d in read_dead(broker.bootstrap) if d.source_topic == topics.COMPLETIONS]
+            (dc,) = [d for d in read_dead(broker.bootstrap) if d.source_topic == topic_names().completions]
             assert dc.key == str(broken.completion_id) and "behavior_logprobs: 2 values for 3" in dc.reason
             assert dc.payload == broken_raw.decode()
             # every accepted event: in exactly one sample or one dead letter, never both

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import now_ms
 
 from test_ingest_e2e import ROOT, check, make_traffic, read_dead, reference_join, stop, wait_for  # noqa: I001
@@ -393,21 +393,21 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
                 strict.add(k.decode())
 
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20, max_request_size=4 << 20)
-    items = [(topics.COMPLETIONS, str(c.completion_id).encode(), c.to_bytes()) for c in comps]
-    items += [(topics.COMPLETIONS, str(uuid.uuid4()).encode(), v) for v, _ in bad_c]
-    items += [(topics.FEEDBACK, b"fuzz", v) for v in bad_f]
-    items += [(topics.COMPLETIONS, k, raw) for k, raw, _, _ in sc] + [(topics.FEEDBACK, k, raw) for k, raw, _, _ in sf]
+    items = [(topic_names().completions, str(c.completion_id).encode(), c.to_bytes()) for c in comps]
+    items += [(topic_names().completions, str(uuid.uuid4()).encode(), v) for v, _ in bad_c]
+    items += [(topic_names().feedback, b"fuzz", v) for v in bad_f]
+    items += [(topic_names().completions, k, raw) for k, raw, _, _ in sc] + [(topic_names().feedback, k, raw) for k, raw, _, _ in sf]
     rng.shuffle(items)  # valid and adversarial records interleaved on every partition
     for t, k, v in items:
         p.send(t, key=k, value=v)
     p.flush()
     for e in fb + sig + sig_refused:  # votes after their completions (no orphans among the valid events)
-        p.send(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes())
+        p.send(topic_names().feedback, key=str(e.completion_id).encode(), value=e.to_bytes())
     for _, vote in bad_c:
         if vote is not None:
-            p.send(topics.FEEDBACK, key=json.loads(vote)["completion_id"].encode(), value=vote)
+            p.send(topic_names().feedback, key=json.loads(vote)["completion_id"].encode(), value=vote)
     for k, vote in sv:
-        p.send(topics.FEEDBACK, key=k, value=vote)
+        p.send(topic_names().feedback, key=k, value=vote)
     p.flush()
     p.close()
     records = len(items) + len(fb) + len(sig) + len(sig_refused) + sum(1 for _, v in bad_c if v is not None) + len(sv)
@@ -423,9 +423,9 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
          "--tick-s", "0.5"],
         cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
     samples_dir = home / "data" / "samples"
-    want_dead = Counter({topics.FEEDBACK: n_bad_f + n_sf, topics.COMPLETIONS: n_bad_c})
-    want_dead[topics.FEEDBACK] += sum(1 for _, v in bad_c if v is not None)  # a bad body's vote
-    want_dead[topics.FEEDBACK] += len(sig_refused)  # refused by the reward policy
+    want_dead = Counter({topic_names().feedback: n_bad_f + n_sf, topic_names().completions: n_bad_c})
+    want_dead[topic_names().feedback] += sum(1 for _, v in bad_c if v is not None)  # a bad body's vote
+    want_dead[topic_names().feedback] += len(sig_refused)  # refused by the reward policy
     sc_keys = {k.decode() for k, *_ in sc}
     sv_eids = [json.loads(v)["event_id"] for _, v in sv]
 
@@ -440,7 +440,7 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     def done():
         samples, dead, in_samples = outcome()
         n = Counter(d.source_topic for d in dead if d.key not in sc_keys)
-        votes_dead = sum(1 for d in dead if d.source_topic == topics.FEEDBACK and d.key in sc_keys)
+        votes_dead = sum(1 for d in dead if d.source_topic == topic_names().feedback and d.key in sc_keys)
         state.update(dead=dict(n), want=dict(want_dead), missing_samples=len(set(expected) - {
             str(s.completion_id) for s in samples}), schema_votes=sum(e in in_samples for e in sv_eids) + votes_dead)
         return (all(n[t] >= m for t, m in want_dead.items()) and not state["missing_samples"]
@@ -469,13 +469,13 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
         assert (smp.kept_share, smp.followup) == (pytest.approx(kept), pytest.approx(follow)), cid
     refused_ids = {str(e.event_id): "name" if e.kind == "score" else "final_text" for e in sig_refused}
     got_refused = {json.loads(d.payload)["event_id"]: d.field for d in dead
-                   if d.source_topic == topics.FEEDBACK and d.key in {str(e.completion_id) for e in sig_refused}
+                   if d.source_topic == topic_names().feedback and d.key in {str(e.completion_id) for e in sig_refused}
                    and '"event_id"' in d.payload and json.loads(d.payload).get("event_id") in refused_ids}
     assert got_refused == refused_ids
     others = [d for d in dead if d.key not in sc_keys]
     assert Counter(d.source_topic for d in others) == want_dead
     assert all(d.field and d.reason for d in dead)
-    fields = Counter(d.field for d in others if d.source_topic == topics.FEEDBACK)
+    fields = Counter(d.field for d in others if d.source_topic == topic_names().feedback)
     for f in ("value", "created_at", "schema_version", "extra_field"):
         assert fields[f] > 0, (f, fields)
     dead_by_key: dict = {}
@@ -484,8 +484,8 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     quarantined = 0
     for (k, raw, fld, ok), eid in zip(sc, sv_eids):
         cid = k.decode()
-        dc = dead_by_key.get((topics.COMPLETIONS, cid), [])
-        df = [d for d in dead_by_key.get((topics.FEEDBACK, cid), []) if eid in d.payload]
+        dc = dead_by_key.get((topic_names().completions, cid), [])
+        df = [d for d in dead_by_key.get((topic_names().feedback, cid), []) if eid in d.payload]
         assert len(dc) <= 1 and not (dc and cid in by_cid), (cid, fld, dc)
         if not ok:  # refused: dead-lettered once, naming the changed field
             assert len(dc) == 1 and names_field(dc[0], fld), (fld, raw[:300], dc)
@@ -496,7 +496,7 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
             assert cid in by_cid, (fld, raw[:300])
         assert (eid in in_samples) + len(df) == 1, (cid, fld, df)  # its vote: one sample or dead letter
     for k, raw, fld, ok in sf:  # one dead letter each: refused, or an orphan (no such completion)
-        df = dead_by_key.get((topics.FEEDBACK, k.decode()), [])
+        df = dead_by_key.get((topic_names().feedback, k.decode()), [])
         assert len(df) == 1, (fld, raw[:300], df)
         if not ok:
             assert names_field(df[0], fld), (fld, raw[:300], df)

@@ -11,7 +11,7 @@ import pytest
 
 from ingest.join import JoinConfig, Joiner, parse_completion, parse_event
 from ingest.state import StateStore
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, RewardedSample
 from schemas.manifest import VersionManifest
 
@@ -39,21 +39,21 @@ def vote_obj(cid: str, created_at: int = T0, value=1) -> dict:
 def test_any_bytes_end_as_a_dead_letter_never_an_exception(raw):
     """Defect 1: 100,000 nested '[' raised RecursionError out of parse_event."""
     for model in (CompletionEvent, FeedbackEvent):
-        dl = parse_event(model, raw, topics.COMPLETIONS, b"k")
+        dl = parse_event(model, raw, topic_names().completions, b"k")
         assert isinstance(dl, DeadLetter) and dl.field and dl.reason
     assert isinstance(parse_completion(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")),
                       DeadLetter)
 
 
 def test_deep_nesting_is_named_as_bad_json():
-    dl = parse_event(CompletionEvent, b"[" * 100_000, topics.COMPLETIONS)
+    dl = parse_event(CompletionEvent, b"[" * 100_000, topic_names().completions)
     assert dl.field == "value" and ("recursion" in dl.reason.lower() or "bad JSON" in dl.reason)
 
 
 def test_feedback_in_seconds_is_dead_lettered_naming_created_at():
     """Defect 2: created_at in seconds was counted 'expired' and vanished."""
     raw = json.dumps(vote_obj(str(uuid.uuid4()), created_at=1_700_000_000)).encode()
-    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK)
+    dl = parse_event(FeedbackEvent, raw, topic_names().feedback)
     assert isinstance(dl, DeadLetter) and dl.field == "created_at" and "seconds" in dl.reason
     dl = parse_completion(json.dumps(completion_obj(created_at=1_700_000_000)).encode())
     assert isinstance(dl, DeadLetter) and dl.field == "created_at"
@@ -66,7 +66,7 @@ def test_expired_vote_in_ms_is_dead_lettered_not_dropped():
     ev = FeedbackEvent.model_validate(vote_obj(str(uuid.uuid4()), created_at=T0))
     outcome, dl = j.on_feedback(ev, now=now)
     assert outcome == "expired" and isinstance(dl, DeadLetter)
-    assert dl.field == "created_at" and "expired" in dl.reason and dl.source_topic == topics.FEEDBACK
+    assert dl.field == "created_at" and "expired" in dl.reason and dl.source_topic == topic_names().feedback
     j.mark_dead([str(ev.event_id)])
     assert j.on_feedback(ev, now=now)[0] == "duplicate"  # a replay is not dead-lettered twice
 
@@ -77,7 +77,7 @@ def test_non_finite_logprobs_never_reach_a_sample(bad):
     obj = completion_obj(behavior_logprobs=[bad, -0.2, -0.3])
     raw = json.dumps(obj, separators=(",", ":")).encode()  # serving's layout; NaN / Infinity literals
     assert b"NaN" in raw or b"Infinity" in raw
-    dl = parse_event(CompletionEvent, raw, topics.COMPLETIONS)
+    dl = parse_event(CompletionEvent, raw, topic_names().completions)
     assert isinstance(dl, DeadLetter) and dl.field == "behavior_logprobs.0" and "finite" in dl.reason
     # through the join: the head passes at consume time, the body is refused at sealing, with its vote
     j = Joiner(StateStore(":memory:"), CFG)
@@ -88,19 +88,19 @@ def test_non_finite_logprobs_never_reach_a_sample(bad):
     res = j.tick(T0 + 10_001)
     assert res.samples == []
     body, vote = res.dead_letters  # the body, and the vote folded into it
-    assert body.field == "behavior_logprobs.0" and body.source_topic == topics.COMPLETIONS
-    assert vote.source_topic == topics.FEEDBACK and "behavior_logprobs.0" in vote.reason
+    assert body.field == "behavior_logprobs.0" and body.source_topic == topic_names().completions
+    assert vote.source_topic == topic_names().feedback and "behavior_logprobs.0" in vote.reason
 
 
 @pytest.mark.parametrize("field,value", [("ttft_ms", float("inf")), ("latency_ms", float("nan"))])
 def test_non_finite_timings_refused(field, value):
-    dl = parse_event(CompletionEvent, json.dumps(completion_obj(**{field: value})).encode(), topics.COMPLETIONS)
+    dl = parse_event(CompletionEvent, json.dumps(completion_obj(**{field: value})).encode(), topic_names().completions)
     assert isinstance(dl, DeadLetter) and dl.field == field
 
 
 def test_non_finite_refused_in_feedback_samples_and_manifests():
     dl = parse_event(FeedbackEvent, json.dumps(vote_obj(str(uuid.uuid4()), value=float("nan"))).encode(),
-                     topics.FEEDBACK)
+                     topic_names().feedback)
     assert isinstance(dl, DeadLetter) and dl.field == "value"
     s = completion_obj()
     for k in ("request_id", "pod", "ttft_ms", "latency_ms"):
@@ -119,14 +119,14 @@ def test_duplicate_keys_are_refused_not_guessed():
     cid = str(uuid.uuid4())
     raw = ('{"event_id":"%s","completion_id":"%s","user_hash":"u","value":1,"value":-1,'
            '"created_at":%d}' % (uuid.uuid4(), cid, T0))
-    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK)
+    dl = parse_event(FeedbackEvent, raw, topic_names().feedback)
     assert isinstance(dl, DeadLetter) and dl.field == "value" and "duplicate key" in dl.reason
     # the same text inside a string value is not a duplicate key
     ok = json.dumps({**vote_obj(cid), "comment": 'he wrote "value": 1 twice, "value": 2'})
-    assert isinstance(parse_event(FeedbackEvent, ok, topics.FEEDBACK), FeedbackEvent)
+    assert isinstance(parse_event(FeedbackEvent, ok, topic_names().feedback), FeedbackEvent)
     body = completion_obj()
     raw = json.dumps(body, separators=(",", ":"))[:-1] + ',"finish_reason":"length"}'
-    assert isinstance(parse_event(CompletionEvent, raw, topics.COMPLETIONS), DeadLetter)
+    assert isinstance(parse_event(CompletionEvent, raw, topic_names().completions), DeadLetter)
 
 
 @pytest.mark.parametrize("value", ["true", "false", '"1"', '"-1"', "null"])
@@ -134,7 +134,7 @@ def test_a_vote_value_must_be_a_json_number(value):
     """A producer writing straight to Kafka cannot have `true` or "1" counted as an up-vote."""
     raw = ('{"event_id":"%s","completion_id":"%s","user_hash":"u","value":%s,"created_at":%d}'
            % (uuid.uuid4(), uuid.uuid4(), value, T0))
-    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK)
+    dl = parse_event(FeedbackEvent, raw, topic_names().feedback)
     assert isinstance(dl, DeadLetter) and dl.field == "value", dl
     ok = raw.replace(f'"value":{value}', '"value":-1')
-    assert parse_event(FeedbackEvent, ok, topics.FEEDBACK).value == -1.0
+    assert parse_event(FeedbackEvent, ok, topic_names().feedback).value == -1.0

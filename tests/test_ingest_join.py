@@ -9,7 +9,7 @@ import pytest
 
 from ingest.join import JoinConfig, Joiner, kept_share, parse_event
 from ingest.state import StateStore
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, SamplingParams
 from schemas.reward import RewardPolicy, ScoreSpec
 
@@ -189,10 +189,10 @@ def test_kind_of_weight_0_is_dead_lettered():
     (b"\xff\xfe", "value", "bad JSON"),
 ])
 def test_malformed_feedback_dead_letter_names_field(raw, field, needle):
-    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, b"k")
+    dl = parse_event(FeedbackEvent, raw, topic_names().feedback, b"k")
     assert isinstance(dl, DeadLetter)
     assert dl.field == field and needle in dl.reason, (dl.field, dl.reason)
-    assert dl.source_topic == topics.FEEDBACK and dl.key == "k"
+    assert dl.source_topic == topic_names().feedback and dl.key == "k"
 
 
 def test_state_survives_reopen_and_recover(tmp_path):
@@ -428,7 +428,7 @@ def test_orphan_commit_dead_keeps_what_arrived_meanwhile(j):
 
 
 def test_null_record_value_is_a_dead_letter():
-    dl = parse_event(CompletionEvent, None, topics.COMPLETIONS, b"k")
+    dl = parse_event(CompletionEvent, None, topic_names().completions, b"k")
     assert isinstance(dl, DeadLetter) and dl.field == "value" and "null" in dl.reason
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import topics
+from schemas.settings import topic_names
 from test_ingest_e2e import ROOT, check, make_traffic, produce, reference_join, start_worker, stop, wait_for
 
 pytestmark = pytest.mark.skipif(not any(Path("/usr/lib/postgresql").glob("*/bin/postgres")),
@@ -282,7 +282,7 @@ def _assigned(log: Path) -> set[int]:
     """Partitions of the completions topic in a worker's last ``ingest assigned`` line."""
     lines = [ln for ln in log.read_text().splitlines() if "ingest assigned" in ln] if log.exists() else []
     tps = json.loads(lines[-1].split("ingest assigned", 1)[1]) if lines else []
-    return {int(tp.rsplit(":", 1)[1]) for tp in tps if tp.rsplit(":", 1)[0] == topics.COMPLETIONS}
+    return {int(tp.rsplit(":", 1)[1]) for tp in tps if tp.rsplit(":", 1)[0] == topic_names().completions}
 
 
 @pytest.mark.timeout(120)
@@ -322,7 +322,7 @@ def test_votes_from_a_librdkafka_producer_meet_their_completion(state, broker, t
                 landed.append((m.key().decode(), m.partition()))
 
         for e in fb:
-            p.produce(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes(), on_delivery=delivered)
+            p.produce(topic_names().feedback, key=str(e.completion_id).encode(), value=e.to_bytes(), on_delivery=delivered)
         assert p.flush(30) == 0 and len(landed) == len(fb)
         del p
         moved = sum(part != (murmur2(k.encode()) & 0x7FFFFFFF) % 6 for k, part in landed)

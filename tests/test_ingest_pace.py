@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import Field, TypeAdapter, ValidationError
 
+from schemas.settings import topic_names
 from schemas.arrow import FORMAT_VERSION, samples_to_table, unwritable_column
 from schemas.events import BASE64_PATTERN, ExpertRoutes, RewardedSample, SamplingParams
 
@@ -172,12 +173,11 @@ def test_a_repeated_key_after_an_empty_string_is_refused():
     """Found by the test above: the regex filter this count replaced read ``"",":k"`` as the key
     ``","`` and missed the second ``":k"``, so the record passed with a duplicate key."""
     from ingest.join import parse_event
-    from schemas import topics
     from schemas.events import DeadLetter, FeedbackEvent
 
     raw = (b'{"event_id":"00000000-0000-0000-0000-000000000001","completion_id":"00000000-0000-0000-0000-000000000002",'
            b'"user_hash":"u","value":1,"created_at":1750000000000,"metadata":{":k":"",":k":"x"}}')
-    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, "k")
+    dl = parse_event(FeedbackEvent, raw, topic_names().feedback, "k")
     assert isinstance(dl, DeadLetter) and dl.field == ":k" and "duplicate key" in dl.reason
 
 
@@ -228,12 +228,11 @@ def test_a_repeated_key_whose_first_copy_is_invalid_is_refused(first):
     """Found by a new user: a repeated metadata key whose first copy the fast path refuses went
     to the second path, which read the last copy and accepted the record."""
     from ingest.join import parse_event
-    from schemas import topics
     from schemas.events import DeadLetter, FeedbackEvent
 
     raw = ('{"event_id":"00000000-0000-0000-0000-000000000001","completion_id":"00000000-0000-0000-0000-000000000002",'
            '"user_hash":"u","value":1,"created_at":1750000000000,"metadata":{"a":' + first + ',"a":"v"}}').encode()
-    dl = parse_event(FeedbackEvent, raw, topics.FEEDBACK, "k")
+    dl = parse_event(FeedbackEvent, raw, topic_names().feedback, "k")
     assert isinstance(dl, DeadLetter) and dl.field == "a" and "duplicate key" in dl.reason
 
 
@@ -242,11 +241,10 @@ def test_a_value_not_in_utf8_is_refused_not_decoded(encoding):
     """Kafka values are UTF-8 JSON: a BOM or UTF-16/32 is refused as bad JSON (field ``value``)
     by both paths (the second used to detect the encoding and read the last of a repeated key)."""
     from ingest.join import parse_event
-    from schemas import topics
     from schemas.events import DeadLetter, FeedbackEvent
 
     text = ('{"event_id":"00000000-0000-0000-0000-000000000001","completion_id":"00000000-0000-0000-0000-000000000002",'
             '"user_hash":"u","value":-1,"created_at":1750000000000,"value":1}')
     for t in (text, text.replace(',"value":1}', "}")):
-        dl = parse_event(FeedbackEvent, t.encode(encoding), topics.FEEDBACK, "k")
+        dl = parse_event(FeedbackEvent, t.encode(encoding), topic_names().feedback, "k")
         assert isinstance(dl, DeadLetter) and dl.field == "value" and dl.reason.startswith("bad JSON"), dl

@@ -17,7 +17,7 @@ import pytest
 from ingest.app import IngestConfig
 from ingest.join import JoinConfig
 from ingest.worker import Worker
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import MAX_FUTURE_SKEW_MS, CompletionEvent, DeadLetter, now_ms
 
 TP = namedtuple("TP", "topic partition")
@@ -96,8 +96,8 @@ def test_a_round_of_several_chunks_names_every_row(worker):
     from ingest.worker import SEAL_CHUNK
 
     cids = [str(uuid.uuid4()) for _ in range(2 * SEAL_CHUNK + 37)]
-    worker.fold(batch(*[(topics.COMPLETIONS, completion(c)) for c in cids]))
-    worker.fold(batch(*[(topics.FEEDBACK, vote(c)) for c in cids]))
+    worker.fold(batch(*[(topic_names().completions, completion(c)) for c in cids]))
+    worker.fold(batch(*[(topic_names().feedback, vote(c)) for c in cids]))
     rows, dead, msgs = seal(worker)
     assert sorted(rows) == sorted(cids) and not dead and len(msgs) == len(cids)
     check_notices(worker, msgs)
@@ -119,7 +119,7 @@ def test_samples_value_sample_publishes_the_whole_sample(tmp_path):
     w = Worker(cfg)
     try:
         cids = [str(uuid.uuid4()) for _ in range(3)]
-        w.fold(batch(*[(topics.COMPLETIONS, completion(c)) for c in cids], *[(topics.FEEDBACK, vote(c)) for c in cids]))
+        w.fold(batch(*[(topic_names().completions, completion(c)) for c in cids], *[(topic_names().feedback, vote(c)) for c in cids]))
         rows, dead, msgs = seal(w)
         got = {str(s.completion_id): s for s in read_samples(cfg.samples_dir)}
         assert sorted(got) == sorted(cids) and not dead
@@ -139,10 +139,10 @@ def test_created_at_beyond_any_integer_is_dead_lettered_and_the_batch_folds(work
     """Defect 1: created_at = 10**19 raised OverflowError out of the fold at every restart."""
     ok, bad, ahead = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
     dead, eids, _, _ = worker.fold(batch(
-        (topics.COMPLETIONS, completion(bad, created_at=10**19)), (topics.COMPLETIONS, completion(ok)),
-        (topics.COMPLETIONS, completion(ahead, created_at=now_ms() + MAX_FUTURE_SKEW_MS + 600_000)),
-        (topics.FEEDBACK, vote(ok))))
-    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "created_at")] * 2
+        (topic_names().completions, completion(bad, created_at=10**19)), (topic_names().completions, completion(ok)),
+        (topic_names().completions, completion(ahead, created_at=now_ms() + MAX_FUTURE_SKEW_MS + 600_000)),
+        (topic_names().feedback, vote(ok))))
+    assert [(d.source_topic, d.field) for d in dead] == [(topic_names().completions, "created_at")] * 2
     assert "2100" in dead[0].reason and str(10**19) in dead[0].payload  # the contract's bound
     assert dead[1].reason.startswith("future:") and ahead in dead[1].payload  # the clock rule
     rows, dead, _ = seal(worker)
@@ -166,9 +166,9 @@ def test_a_value_the_state_refuses_is_dead_lettered_alone(worker, monkeypatch):
             "completion_id": uuid.UUID(ev["completion_id"]), "created_at": ev["created_at"]})()
 
     monkeypatch.setattr("ingest.processor.parse_completion", unbounded)
-    dead, _, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(bad, created_at=10**19)),
-                                      (topics.COMPLETIONS, completion(ok)), (topics.FEEDBACK, vote(ok))))
-    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "value")]
+    dead, _, _, _ = worker.fold(batch((topic_names().completions, completion(bad, created_at=10**19)),
+                                      (topic_names().completions, completion(ok)), (topic_names().feedback, vote(ok))))
+    assert [(d.source_topic, d.field) for d in dead] == [(topic_names().completions, "value")]
     assert dead[0].reason.startswith("unfoldable: OverflowError")
     monkeypatch.undo()
     rows, _, _ = seal(worker)
@@ -182,11 +182,11 @@ def test_lone_surrogates_are_dead_lettered_naming_the_field(worker):
     raw_vote = vote(cid, user="\ud800")  # json.dumps writes the escape "\\ud800": valid JSON
     assert b"\\ud800" in raw_vote
     dead, eids, _, _ = worker.fold(batch(
-        (topics.COMPLETIONS, completion(cid)), (topics.COMPLETIONS, completion(cid2, user_hash="a\udfffb")),
-        (topics.FEEDBACK, raw_vote), (topics.FEEDBACK, vote(cid)), (topics.FEEDBACK, vote(cid2)),
-        (topics.FEEDBACK, vote(cid, user="x", metadata={"\udc80": "v"}))))
+        (topic_names().completions, completion(cid)), (topic_names().completions, completion(cid2, user_hash="a\udfffb")),
+        (topic_names().feedback, raw_vote), (topic_names().feedback, vote(cid)), (topic_names().feedback, vote(cid2)),
+        (topic_names().feedback, vote(cid, user="x", metadata={"\udc80": "v"}))))
     assert sorted((d.source_topic, d.field) for d in dead) == [
-        (topics.COMPLETIONS, "user_hash"), (topics.FEEDBACK, "metadata.\\udc80"), (topics.FEEDBACK, "user_hash")]
+        (topic_names().completions, "user_hash"), (topic_names().feedback, "metadata.\\udc80"), (topic_names().feedback, "user_hash")]
     assert all("surrogate" in d.reason for d in dead)
     for d in dead:
         d.to_bytes()  # publishable
@@ -205,14 +205,14 @@ def test_a_future_dated_vote_never_outranks_the_users_later_vote(worker):
     t = now_ms()
     early = vote(cid, value=1, created_at=t + MAX_FUTURE_SKEW_MS // 2)  # a fast clock, within the tolerance
     far = vote(cid, user="u2", value=1, created_at=t + MAX_FUTURE_SKEW_MS + 60_000)
-    dead, eids, _, _ = worker.fold(batch((topics.COMPLETIONS, completion(cid, created_at=t + 1000)),
-                                         (topics.FEEDBACK, early), (topics.FEEDBACK, far)))
+    dead, eids, _, _ = worker.fold(batch((topic_names().completions, completion(cid, created_at=t + 1000)),
+                                         (topic_names().feedback, early), (topic_names().feedback, far)))
     assert [(d.field, d.reason.split(":")[0]) for d in dead] == [("created_at", "future")]
     import time
 
     time.sleep(0.005)
     later = vote(cid, value=-1, created_at=now_ms())  # the same user's real, later vote
-    worker.fold(batch((topics.FEEDBACK, later)))
+    worker.fold(batch((topic_names().feedback, later)))
     rows, dead, _ = seal(worker)
     r = rows[cid]
     assert (r["votes_up"], r["votes_down"], r["reward"]) == (0, 1, -1.0)
@@ -228,8 +228,8 @@ def test_a_sample_that_cannot_be_written_is_quarantined_and_its_shard_written(wo
     holding the shard back)."""
     cids = [str(uuid.uuid4()) for _ in range(4)]
     bad = cids[1]
-    items = [(topics.COMPLETIONS, completion(c)) for c in cids]
-    items += [(topics.FEEDBACK, vote(c, user=u)) for c in cids for u in ("u1", "u2")]
+    items = [(topic_names().completions, completion(c)) for c in cids]
+    items += [(topic_names().feedback, vote(c, user=u)) for c in cids for u in ("u1", "u2")]
     worker.fold(batch(*items))
     from ingest.join import Joiner
 
@@ -245,8 +245,8 @@ def test_a_sample_that_cannot_be_written_is_quarantined_and_its_shard_written(wo
     rows, dead, msgs = seal(worker)
     assert sorted(rows) == sorted(c for c in cids if c != bad) and len(msgs) == 3
     check_notices(worker, msgs)
-    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "prompt_token_ids")] + [
-        (topics.FEEDBACK, "completion_id")] * 2
+    assert [(d.source_topic, d.field) for d in dead] == [(topic_names().completions, "prompt_token_ids")] + [
+        (topic_names().feedback, "completion_id")] * 2
     assert dead[0].reason.startswith("unwritable sample:") and bad in dead[0].payload
     assert all(isinstance(d, DeadLetter) and d.key == bad for d in dead)
     # decided: nothing is left open or claimed, and a replayed vote is a duplicate
@@ -274,16 +274,16 @@ def test_a_routes_frame_that_does_not_decode_is_quarantined_naming_expert_routes
                         "data": base64.b64encode(f).decode()}
     cids = [str(uuid.uuid4()) for _ in range(3)]
     bad = cids[1]
-    items = [(topics.COMPLETIONS, completion(c, expert_routes=routes(frame if c == bad else good_frame)))
+    items = [(topic_names().completions, completion(c, expert_routes=routes(frame if c == bad else good_frame)))
              for c in cids]
-    items += [(topics.FEEDBACK, vote(c)) for c in cids]
+    items += [(topic_names().feedback, vote(c)) for c in cids]
     dead, _, _, _ = worker.fold(batch(*items))
     assert dead == []  # the contract does not decode the routes
     rows, dead, msgs = seal(worker)
     assert sorted(rows) == sorted(c for c in cids if c != bad) and len(msgs) == 2
     check_notices(worker, msgs)
-    assert [(d.source_topic, d.field) for d in dead] == [(topics.COMPLETIONS, "expert_routes"),
-                                                        (topics.FEEDBACK, "completion_id")]
+    assert [(d.source_topic, d.field) for d in dead] == [(topic_names().completions, "expert_routes"),
+                                                        (topic_names().feedback, "completion_id")]
     assert dead[0].reason.startswith("unwritable sample:") and bad in dead[0].payload
     for c in rows:  # the good ones: the served frame, byte for byte
         assert rows[c]["expert_routes"] == good_frame and rows[c]["expert_routes_codec"] == "zstd"

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from schemas import topics
+from schemas.settings import topic_names
 from test_ingest_e2e import check, make_traffic, reference_join, start_worker, stop, wait_for
 
 GROUP = "flywheel-ingest"
@@ -27,9 +27,9 @@ def produce_acked(bootstrap, comps, fb) -> dict[str, int]:
     from kafka import KafkaProducer
 
     p = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, acks="all")
-    futs = [(topics.COMPLETIONS, p.send(topics.COMPLETIONS, key=str(c.completion_id).encode(), value=c.to_bytes()))
+    futs = [(topic_names().completions, p.send(topic_names().completions, key=str(c.completion_id).encode(), value=c.to_bytes()))
             for c in comps]
-    futs += [(topics.FEEDBACK, p.send(topics.FEEDBACK, key=str(e.completion_id).encode(), value=e.to_bytes()))
+    futs += [(topic_names().feedback, p.send(topic_names().feedback, key=str(e.completion_id).encode(), value=e.to_bytes()))
              for e in fb]
     p.flush()
     end: dict[str, int] = {}
@@ -47,7 +47,7 @@ def committed(bootstrap) -> dict[str, int]:
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=GROUP, enable_auto_commit=False)
     try:
-        out = {t: c.committed(TopicPartition(t, 0)) for t in (topics.COMPLETIONS, topics.FEEDBACK)}
+        out = {t: c.committed(TopicPartition(t, 0)) for t in (topic_names().completions, topic_names().feedback)}
         return {t: o for t, o in out.items() if o is not None}
     except Exception:  # noqa: BLE001 - coordinator not ready on a fresh broker
         return {}
@@ -94,7 +94,7 @@ def test_three_workers_one_partition_broker_restart(fw_home, tmp_path):
         b = spawn(port, partitions=1)  # same port; topics recreated with one partition
         t_restart = time.monotonic()
         end = produce_acked(b.bootstrap, comps2, fb2)
-        assert end == {topics.COMPLETIONS: len(comps2), topics.FEEDBACK: len(fb2)}
+        assert end == {topic_names().completions: len(comps2), topic_names().feedback: len(fb2)}
         wait_for(lambda: in_state(state, comps2, fb2), 120, "phase 2 consumed", procs[0], logs[0])
         wait_for(lambda: committed(b.bootstrap) == end, 60, f"committed offsets == {end}", procs[0], logs[0])
         lag_zero_s = time.monotonic() - t_restart

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ingest.sdk import AsyncFeedbackClient, ClientClosed, FeedbackClient, QueueFull, build_event
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import FeedbackEvent, hash_user
 
 
@@ -538,7 +538,7 @@ def test_kafka_mode(broker):
     tid = fb.edit(cid, final_text="my version", user="carol")
     fid = fb.followup(cid, False, user="carol")
     assert fb.flush(timeout_s=30) == 0 and fb.shutdown() == []
-    c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+    c = KafkaConsumer(topic_names().feedback, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000)
     msgs = list(c)
     c.close()
@@ -576,7 +576,7 @@ def test_doc_examples_run(server, broker, monkeypatch):
              if r["kind"] != "thumb" and r["kind"] != "score"]
     assert wired == [("copy", 1.0, None, "alice"), ("regenerate", 1.0, None, "bob"), ("edit", 0.8, None, "dave"),
                      ("followup", -1.0, None, "erin"), ("edit", None, "The answer is 42.", "carol")]
-    c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+    c = KafkaConsumer(topic_names().feedback, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                       consumer_timeout_ms=3000)
     (m,) = list(c)
     c.close()
@@ -618,7 +618,7 @@ def test_against_the_real_serving_pod(tiny_moe_dir, broker, tmp_path):
         assert up == clash == mine
         st = fb.stats()
         assert (st["accepted"], st["sent"], st["rejected"]) == (3, 2, 1) and "409" in errors[0]
-        c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+        c = KafkaConsumer(topic_names().feedback, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                           consumer_timeout_ms=5000)
         evs = {str(e.event_id): e for e in (FeedbackEvent.from_bytes(m.value) for m in c)}
         c.close()
@@ -663,7 +663,7 @@ def test_new_signals_against_the_real_serving_pod(tiny_moe_dir, broker, tmp_path
                "followup": fb.followup(cid, False, user="erin")}
         assert fb.flush(timeout_s=30) == 0 and fb.shutdown() == []
         assert errors == [] and fb.stats()["sent"] == 5
-        c = KafkaConsumer(topics.FEEDBACK, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+        c = KafkaConsumer(topic_names().feedback, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
                           consumer_timeout_ms=5000)
         evs = {str(e.event_id): e for e in (FeedbackEvent.from_bytes(m.value) for m in c)}
         c.close()

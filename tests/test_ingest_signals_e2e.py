@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import CompletionEvent, FeedbackEvent, SamplingParams, now_ms, signal_event_id
 from schemas.reward import RewardPolicy, ScoreSpec
 from test_ingest_e2e import ROOT, produce, read_dead, start_worker, stop, wait_for
@@ -130,6 +130,6 @@ def test_every_kind_becomes_its_component_and_the_reward(broker, fw_home, tmp_pa
         assert s.label is (reward > 1e-9) and s.reward_policy == POLICY.digest(), i
         assert set(s.event_ids) == eids[i], i
     # the undeclared score is a dead letter with its reason, nothing else is
-    dead = [d for d in read_dead(broker.bootstrap) if d.source_topic == topics.FEEDBACK]
+    dead = [d for d in read_dead(broker.bootstrap) if d.source_topic == topic_names().feedback]
     assert [(d.field, json.loads(d.payload)["name"]) for d in dead] == [("name", "tone")], dead
     assert "score 'tone' is not declared in the reward policy" in dead[0].reason

@@ -18,7 +18,7 @@ import pytest
 
 from ingest.join import CompletionHead, JoinConfig, Joiner, parse_completion, parse_event
 from ingest.state import StateStore
-from schemas import topics
+from schemas.settings import topic_names
 from schemas.events import CompletionEvent, DeadLetter, ExpertRoutes, FeedbackEvent, SamplingParams
 
 T0 = 1_700_000_000_000  # ms
@@ -66,9 +66,9 @@ def test_head_of_a_valid_completion_is_what_full_validation_gives():
     ({"schema_version": 2}, "schema_version"),
 ])
 def test_bad_head_is_dead_lettered_at_consume(changes, field):
-    dl = parse_completion(raw_with(completion(), **changes), topics.COMPLETIONS, b"k")
+    dl = parse_completion(raw_with(completion(), **changes), topic_names().completions, b"k")
     assert isinstance(dl, DeadLetter) and dl.field == field and dl.key == "k"
-    assert dl.source_topic == topics.COMPLETIONS
+    assert dl.source_topic == topic_names().completions
 
 
 def test_other_layouts_are_validated_in_full_at_consume():
@@ -78,7 +78,7 @@ def test_other_layouts_are_validated_in_full_at_consume():
     assert isinstance(parse_completion(sorted_ok), CompletionEvent)
     bad = json.loads(c.to_bytes())
     bad["behavior_logprobs"] = [-0.5]
-    dl = parse_completion(json.dumps(bad, sort_keys=True).encode(), topics.COMPLETIONS, b"k")
+    dl = parse_completion(json.dumps(bad, sort_keys=True).encode(), topic_names().completions, b"k")
     assert isinstance(dl, DeadLetter) and dl.field == "value" and "behavior_logprobs" in dl.reason
     assert isinstance(parse_completion(b"{oops"), DeadLetter)
     assert isinstance(parse_completion(None), DeadLetter)
@@ -102,7 +102,7 @@ def test_malformed_body_is_dead_lettered_with_its_votes_at_sealing(j, changes, f
     raw = raw_with(c, **changes)
     with pytest.raises(Exception):
         CompletionEvent.model_validate_json(raw)  # the reference: really invalid
-    head = parse_completion(raw, topics.COMPLETIONS, str(c.completion_id).encode())
+    head = parse_completion(raw, topic_names().completions, str(c.completion_id).encode())
     assert isinstance(head, CompletionHead)  # consume time: the head is fine
     assert j.on_completion(head, raw, now=T0) == "new"
     votes = [vote(c.completion_id, "u1", 1), vote(c.completion_id, "u2", -1)]
@@ -111,7 +111,7 @@ def test_malformed_body_is_dead_lettered_with_its_votes_at_sealing(j, changes, f
     res = j.tick(T0 + 10_000)
     assert res.samples == [] and res.bad_ids == [str(c.completion_id)]
     first, *rest = res.dead_letters
-    assert (first.source_topic, first.field, first.key) == (topics.COMPLETIONS, field, str(c.completion_id))
+    assert (first.source_topic, first.field, first.key) == (topic_names().completions, field, str(c.completion_id))
     assert needle in first.reason, first.reason
     assert first.payload == raw.decode()
     assert sorted(json.loads(d.payload)["event_id"] for d in rest) == sorted(str(v.event_id) for v in votes)
@@ -135,7 +135,7 @@ def test_unlabelled_malformed_body_is_dead_lettered_not_dropped(j):
     j.on_completion(parse_completion(raw), raw, now=T0)
     res = j.tick(T0 + 100_000)  # max_label_age_s: would be dropped if it were valid
     assert res.dropped == [] and res.bad_ids == [str(c.completion_id)]
-    assert [d.source_topic for d in res.dead_letters] == [topics.COMPLETIONS]
+    assert [d.source_topic for d in res.dead_letters] == [topic_names().completions]
     ok = completion()
     j.on_completion(parse_completion(ok.to_bytes()), ok.to_bytes(), now=T0)
     assert j.tick(T0 + 100_000).dropped == [str(ok.completion_id)]
@@ -188,7 +188,7 @@ def test_valid_bodies_seal_exactly_as_the_full_validation_reads_them(j):
 
 
 def test_feedback_still_validated_in_full_at_consume():
-    dl = parse_event(FeedbackEvent, b'{"event_id":"nope"}', topics.FEEDBACK, b"k")
+    dl = parse_event(FeedbackEvent, b'{"event_id":"nope"}', topic_names().feedback, b"k")
     assert isinstance(dl, DeadLetter) and dl.field == "event_id"
 
 

@@ -17,7 +17,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ingest.metrics import DEADLETTER_REASONS, IngestMetrics, reason_class
-from schemas import topics
 from schemas.events import FeedbackEvent, now_ms
 from schemas.settings import free_port, topic_names
 from tests.test_ingest_e2e import ROOT, _completion, produce, stop, wait_for
@@ -142,7 +141,7 @@ def test_consumer_lag_after_a_multi_record_batch(broker):
             while got < 30:
                 recs = await c.getmany(tp, timeout_ms=2000, max_records=30 - got)
                 got += sum(len(v) for v in recs.values())
-            m = IngestMetrics()
+            m = IngestMetrics(topic_names())
             await m.refresh_lag(c)
             return samples_of(m.exposition().decode()), (await c.end_offsets([tp]))[tp]
         finally:

@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from schemas.settings import topic_names
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +100,7 @@ def exported_series() -> set[str]:
     from learner.metrics import LearnerMetrics
     from serving.http.metrics import ServingMetrics
 
-    regs = [IngestMetrics().registry, LearnerMetrics().registry, ControllerMetrics().registry,
+    regs = [IngestMetrics(topic_names()).registry, LearnerMetrics().registry, ControllerMetrics().registry,
             ServingMetrics("m", None, queue_depth=lambda: 0, running=lambda: 0, swap_pause_s=lambda: None).registry]
     names = set()
     for reg in regs:

@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 
 from schemas.settings import topic_names
 from flywheel.cli import app
-from schemas import topics
 from schemas.json_schema import compatibility_problems, contracts, schema_of
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "docs" / "schemas"

@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from schemas.settings import topic_names
-from schemas import topics
 from schemas.events import CompletionEvent, FeedbackEvent, hash_user
 from schemas.modelspec import load_tokenizer
 from serving.pod import build_pod

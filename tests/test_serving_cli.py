@@ -14,7 +14,6 @@ import httpx
 import pytest
 import openai
 
-from schemas import topics
 from schemas.events import CompletionEvent
 from schemas.settings import free_port, topic_names
 from tests.test_serving_app import consume

@@ -7,7 +7,6 @@ from collections import Counter
 
 from schemas.settings import topic_names
 from flywheel.broker import free_port, spawn
-from schemas import topics
 from serving.eventlog import EventLog
 from tests.test_serving_app import consume
 

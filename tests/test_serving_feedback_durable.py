@@ -17,7 +17,6 @@ import pytest
 
 from schemas.settings import topic_names
 from flywheel.broker import free_port
-from schemas import topics
 from serving.app import create_app
 from serving.engine import TorchEngine
 from serving.eventlog import EventLog

@@ -21,7 +21,6 @@ import openai
 import pytest
 
 from schemas.settings import topic_names
-from schemas import topics
 from schemas.events import CompletionEvent, FeedbackEvent
 from serving.app import create_app
 from serving.engine import TorchEngine

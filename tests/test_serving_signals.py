@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from schemas.settings import topic_names
-from schemas import topics
 from schemas.events import FeedbackEvent, hash_user
 from serving.config import ServeConfig
 from serving.signals import SIGNAL_NAMESPACE, SignalDetector, rule_judge

@@ -116,7 +116,6 @@ def test_two_pods_one_salt_same_user_hash_arm_and_vote(broker, tiny_moe_dir, tmp
     from ingest.app import IngestConfig
     from ingest.join import JoinConfig
     from ingest.worker import Worker
-    from schemas import topics
     from tests.test_deploy_controller import publish_v
     from tests.test_serving_app import consume
 
