@@ -42,6 +42,7 @@ class PodOutcome:
         actions: what the pod did for the target, in order (``promote``, ``rollback to v000001``,
             ``reload v000001``, ``drop v000002``, ``load v000002``, ``weight 0.25``).
         generation: the generation the pod serves (last known), None if it never answered.
+        target_generation: the newest generation the pod has taken (last known), or None.
         stable, stable_digest, candidate, weight: the pod's slots after the pass (last known).
         error: the failing call's message, or None.
         failed_action: the action that failed, or None.
@@ -59,6 +60,7 @@ class PodOutcome:
     failed_action: str | None = None
     swap_pause_ms: float | None = None
     generation: int | None = None
+    target_generation: int | None = None
     exc: ServingAdminError | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -119,18 +121,22 @@ STALE_PREFIX = "generation:"  # how a pod's 409 for an older generation begins (
 
 
 def _at(st, d: DesiredState) -> bool:
-    """Whether a pod's state serves ``d``: it converged to ``d``'s generation, or it took no
-    newer one and its slots already equal ``d``'s serving fields (a change of other fields,
-    such as a pause or the pod list, needs nothing from a pod)."""
+    """Whether a pod's state serves ``d``: its slots equal ``d``'s serving fields, and it
+    converged to ``d``'s generation or took no newer one (a change of other fields, such as a
+    pause or the pod list, needs nothing from a pod). The slots are always compared with the
+    record itself: a pod that took the record's generation number with other versions (a PUT
+    not from this record) does not serve it."""
+    if drift(st.slots, d):
+        return False
     if st.generation == d.generation and st.converged:
         return True
-    return st.target_generation <= d.generation and not st.error and not drift(st.slots, d)
+    return st.target_generation <= d.generation and not st.error
 
 
 def _judge(o: PodOutcome, st, d: DesiredState) -> None:
     """Fill ``o`` from a pod's :class:`schemas.pod_target.PodState` against ``d``."""
     _fill(o, st.slots)
-    o.generation = st.generation
+    o.generation, o.target_generation = st.generation, st.target_generation
     if _at(st, d):
         o.outcome, o.error = CONVERGED, None
     elif st.target_generation > d.generation:

@@ -40,6 +40,9 @@ class ActionResult:
         superseded_by: the newer record that replaced ours while waiting, or None.
         elapsed_s: from the record change to the end (s).
         discovery_error: why pods could not be listed (DNS), or None.
+        raised_from: the generation first written, when the pods had taken a newer one (a
+            record restored or edited to an older generation) and the record was written
+            again past theirs; None otherwise.
     """
 
     desired: DesiredState
@@ -47,6 +50,7 @@ class ActionResult:
     superseded_by: DesiredState | None = None
     elapsed_s: float = 0.0
     discovery_error: str | None = None
+    raised_from: int | None = None
 
     @property
     def converged(self) -> bool:
@@ -120,6 +124,18 @@ def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who
             break
         if res.outcomes and all(o.ok or o.outcome == "refused" for o in res.outcomes):
             break  # a pod that tried this generation and could not load it will not succeed by waiting
+        ahead = max((o.target_generation or 0 for o in res.outcomes if o.outcome == "superseded"), default=0)
+        if ahead > new.generation and not res.raised_from:
+            # pods took a generation the record never reached (restored or edited to an older
+            # one): written again past theirs, or no pod would ever take it
+            with fleet.locked(what, who, lock_s):
+                if fleet.read().generation == new.generation:  # no other writer since: ours to raise
+                    res.raised_from = new.generation
+                    new = fleet.change(lambda d: d, who, what, why, floor=ahead)
+                    res.desired = new
+                    record("", {"generation": new.generation, "raised_from": res.raised_from,
+                                "pods_took": ahead, "desired": new.summary()})
+                    continue
         try:
             cur = fleet.read()
             if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from schemas.events import now_ms
 from schemas.manifest import version_number
+from schemas.pod_target import MAX_GENERATION
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,13 @@ class DesiredState:
     updated_ms: int = 0
 
     def validate(self) -> "DesiredState":
-        """Raise ValueError naming the field when the record is inconsistent; returns self."""
+        """Raise ValueError naming the field when the record is inconsistent (the rules of the
+        pods' :class:`schemas.pod_target.PodTarget`, so what the record holds a pod can take);
+        returns self."""
+        for name in ("generation", "reload_after_ms"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_GENERATION:
+                raise ValueError(f"{name}: must be a whole number in [0, 2**53], got {v!r}")
         for name in ("stable", "candidate"):
             v = getattr(self, name)
             if v is not None:
@@ -118,10 +125,13 @@ class DesiredState:
                     version_number(v)
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
-        if not isinstance(self.weight, (int, float)) or not 0.0 <= float(self.weight) <= 1.0:
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
+                or not 0.0 <= float(self.weight) <= 1.0:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
         if self.candidate is None and self.weight:
             raise ValueError(f"weight: {self.weight} with no candidate")
+        if self.candidate is not None and self.candidate == self.stable:
+            raise ValueError(f"candidate: {self.candidate} is also the stable version")
         return self
 
     def to_json(self) -> bytes:
@@ -243,11 +253,14 @@ class FleetRecord:
             return None
 
     # -- writing ----------------------------------------------------------------------------
-    def change(self, fn, actor: str, action: str, reason: str = "", timeout_s: float | None = None) -> DesiredState:
+    def change(self, fn, actor: str, action: str, reason: str = "", timeout_s: float | None = None,
+               floor: int = 0) -> DesiredState:
         """Apply ``fn(copy of the current record) -> new record`` under the lock and write it
-        with ``generation + 1``; returns the written record. ``fn`` raises ValueError to refuse
-        (nothing is written). A no-op change (same serving fields) still bumps the generation:
-        every operator action is one generation.
+        with ``max(generation, floor) + 1``; returns the written record. ``fn`` raises
+        ValueError to refuse (nothing is written). A no-op change (same serving fields) still
+        bumps the generation: every operator action is one generation. ``floor``: a generation
+        the pods have taken beyond the record's (a record restored or edited to an older
+        generation), which the new one must pass for the pods to take it.
 
         Raises:
             ValueError: ``fn`` refused, or the new record is inconsistent (names the field).
@@ -264,7 +277,7 @@ class FleetRecord:
                 base = max(0, int(legacy.get("generation") or 0))
                 if not new.history:
                     new.history = [dict(h) for h in legacy.get("history") or []]
-            new.generation = base + 1
+            new.generation = max(base, int(floor)) + 1
             new.actor, new.action, new.reason, new.updated_ms = actor, action, reason, self.clock()
             if new.stable and (not new.history or new.history[-1].get("version") != new.stable):
                 new.history = (new.history + [{"version": new.stable, "at": new.updated_ms, "actor": actor,

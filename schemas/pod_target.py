@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from schemas.admin import SlotsStatus
 from schemas.manifest import VERSION_PATTERN
 
+MAX_GENERATION = 2**53  # a generation or time past this is refused: no record counts that far
+
 
 class PodTarget(BaseModel):
     """What one pod should serve.
@@ -45,12 +47,12 @@ class PodTarget(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    generation: Annotated[int, Strict()] = Field(ge=0)
+    generation: Annotated[int, Strict()] = Field(ge=0, le=MAX_GENERATION)
     stable: str = Field(min_length=1, pattern=VERSION_PATTERN)
     candidate: str | None = Field(None, min_length=1, pattern=VERSION_PATTERN)
     # a JSON number only: `true` or "1" would send every user to the candidate
     weight: Annotated[float, Strict()] = Field(0.0, ge=0.0, le=1.0)
-    reload_after_ms: Annotated[int, Strict()] = Field(0, ge=0)
+    reload_after_ms: Annotated[int, Strict()] = Field(0, ge=0, le=MAX_GENERATION)
 
     @model_validator(mode="after")
     def _consistent(self) -> "PodTarget":

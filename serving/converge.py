@@ -65,10 +65,15 @@ class PodReconciler:
             None (a pod started on an explicit version: generation 0 until a target comes).
         converged: whether the start reached ``target`` (else the pod serves generation 0
             and the watch retries it).
+        read_record: returns the fleet record's target now (a :class:`PodTarget`, or None with
+            no record), so a PUT is checked against it: a PUT carries the record's target, and
+            one ahead of the record or naming other versions at its generation is refused
+            (:class:`StaleTarget`). None: PUTs are not checked (a pod with no record to read).
     """
 
-    def __init__(self, slots, target: PodTarget | None = None, converged: bool = True):
+    def __init__(self, slots, target: PodTarget | None = None, converged: bool = True, read_record=None):
         self.slots = slots
+        self.read_record = read_record
         self._lock = threading.Lock()
         self.target: PodTarget | None = target
         self.generation = target.generation if target is not None and converged else 0
@@ -83,15 +88,36 @@ class PodReconciler:
                         converged=t is not None and not plan(s, t), error=self.error, actions=list(self.actions),
                         slots=s)
 
+    def _check_against_record(self, t: PodTarget) -> None:
+        """Refuse a PUT that is not the fleet record's target: ahead of the record's generation,
+        or the record's generation with other versions. A record that cannot be read now does
+        not block a PUT (the controller's push is what converges pods while it is repaired)."""
+        if self.read_record is None:
+            return
+        try:
+            rec = self.read_record()
+        except (OSError, ValueError):
+            return
+        if rec is None or rec.generation == 0:
+            return  # no record written: nothing to check against
+        if t.generation > rec.generation or (t.generation == rec.generation
+                                              and t.serving_fields() != rec.serving_fields()):
+            raise StaleTarget(f"generation: {t.generation} (stable {t.stable}, candidate {t.candidate}) is not "
+                              f"the fleet record's target: fleet/desired.json is at generation {rec.generation} "
+                              f"(stable {rec.stable}, candidate {rec.candidate}); nothing was changed")
+
     def apply(self, t: PodTarget, source: str = "put") -> PodState:
         """Take ``t`` and converge to it (idempotent); ``source`` (``put`` or ``watch``) is logged.
 
         Raises:
             StaleTarget: ``t.generation`` is older than the newest generation taken, or the
-                same generation names other versions (nothing is changed).
+                same generation names other versions, or (a PUT) it is not the fleet record's
+                target (nothing is changed).
             serving.slots.SlotError: a version could not be loaded or verified (the slots keep
                 what they served; the state's ``error`` says so until a later attempt converges).
         """
+        if source == "put":
+            self._check_against_record(t)
         with self._lock:
             cur = self.target
             if cur is not None and t.generation < cur.generation:

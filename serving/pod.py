@@ -65,6 +65,18 @@ def pod_target(d):
                      reload_after_ms=int(d.reload_after_ms))
 
 
+def record_target(store):
+    """The fleet record's target now (:func:`pod_target` of ``fleet/desired.json``), or None.
+
+    Raises:
+        modelstore.desired.RecordUnreadable: the record cannot be read (a ValueError).
+        OSError: the store cannot be read.
+    """
+    from modelstore.desired import FleetRecord
+
+    return pod_target(FleetRecord(store).read())
+
+
 def start_desired_candidate(slots, store):
     """At start, before the pod reports ready: converge the slots (stable already loaded) to the
     fleet's desired state, so a pod (re)started mid-canary serves the same split as the others.
@@ -74,7 +86,7 @@ def start_desired_candidate(slots, store):
 
     d = desired_state(store)
     t = pod_target(d)
-    rec = PodReconciler(slots)
+    rec = PodReconciler(slots, read_record=(lambda: record_target(store)) if hasattr(store, "stable_record") else None)
     if t is None or t.stable != slots.stable.version:
         return rec
     try:
@@ -318,7 +330,8 @@ def build_pod(store, version: str | None = None, *, pod: str | None = None, engi
         else:
             from serving.converge import PodReconciler
 
-            reconciler = PodReconciler(slots)  # generation 0 until a target comes
+            reconciler = PodReconciler(slots, read_record=(lambda: record_target(store)) if hasattr(store, "stable_record")
+                                       else None)  # generation 0 until a target comes
     except Exception:
         engine_obj.close()
         raise

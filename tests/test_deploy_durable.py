@@ -135,9 +135,13 @@ def _reset(e, monkeypatch, i: int) -> None:
     assert s.stable.version == "v000000" and s.candidate is None
 
 
-def _run(e, action: str, ref: Reference) -> None:
+def _run(e, action: str, ref: Reference) -> bool:
+    """Run ``action`` as the operator would; False when there was nothing to run."""
     run = CliRunner().invoke
     if action == "promote":
+        if f"v{ref.next:06d}" == ref.stable:  # the record refuses a candidate that is the stable: nothing to do
+            ref.apply(action)
+            return False
         desire_candidate(e.root, f"v{ref.next:06d}")
         r = run(_cli(), ["promote", "--yes", "--reason", "seq test"])
     else:
@@ -147,6 +151,7 @@ def _run(e, action: str, ref: Reference) -> None:
         assert r.exit_code == 1 and "no earlier stable version" in " ".join(r.output.split()), r.output
     else:
         assert r.exit_code == 0, (action, r.output)
+    return True
 
 
 def test_every_sequence_of_operator_actions_survives_a_restart(pod_env, monkeypatch):
@@ -164,8 +169,9 @@ def test_every_sequence_of_operator_actions_survives_a_restart(pod_env, monkeypa
     for i, seq in enumerate(seqs):
         _reset(e, monkeypatch, i)
         ref = Reference()
+        ran = 0
         for action in seq:
-            _run(e, action, ref)
+            ran += _run(e, action, ref)
             served = e.admin.slots().stable
             assert served.version == ref.stable, (seq, action, served.version)
             assert served.weights_digest == e.digest[ref.stable] and served.digest_ok
@@ -173,7 +179,7 @@ def test_every_sequence_of_operator_actions_survives_a_restart(pod_env, monkeypa
         assert default_version(ModelStore(e.root)) == ref.stable, seq
         rows = [d for d in ledger.decisions(settings.ledger_path())  # this sequence's decisions
                 if not d.decision.startswith("FLEET_")]
-        assert len(rows) == len(seq) and all(r.actor == "oncall-carol" for r in rows), seq
+        assert len(rows) == ran and all(r.actor == "oncall-carol" for r in rows), seq
     assert time.monotonic() - t0 < 600
 
 

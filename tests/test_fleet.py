@@ -337,7 +337,10 @@ def test_desired_record_names_bad_fields_and_a_lost_race_on_an_object_store(tiny
     rec = FleetRecord(store)
     assert (rec.read().generation, rec.read().stable) == (0, "v000000")  # derived from the stable record
     for bad, field in (({"weight": 1.5, "candidate": "v000001"}, "weight"), ({"weight": 0.5}, "weight"),
-                       ({"stable": "latest"}, "stable"), ({"candidate": "newest"}, "candidate")):
+                       ({"stable": "latest"}, "stable"), ({"candidate": "newest"}, "candidate"),
+                       ({"candidate": "v000000", "weight": 0.5}, "candidate: v000000 is also the stable"),
+                       ({"generation": "12"}, "generation"), ({"generation": True}, "generation"),
+                       ({"reload_after_ms": -1}, "reload_after_ms")):
         with pytest.raises(ValueError, match=field):
             rec.change(_with(**bad), "t", "bad")
     assert not rec.exists()  # nothing was written

@@ -114,6 +114,42 @@ def test_a_reload_asked_with_a_flip_to_the_resident_previous_stable_is_done_in_o
         pod.close()
 
 
+def test_a_put_that_is_not_the_records_target_is_refused(store):
+    """With a record written, a PUT carries the record's target: one ahead of the record's
+    generation (a huge one too) or naming other versions at its generation is refused (409,
+    naming fleet/desired.json) and changes nothing; the record's own target is taken."""
+    FleetRecord(store).change(_with_fields(stable="v000001"), "test", "rollback")  # generation 1
+    FleetRecord(store).change(_with_fields(stable="v000002"), "test", "rollback")  # generation 2
+    pod, srv = _pod(store, "pod-g")
+    url = srv.url
+    try:
+        put = lambda body: httpx.put(url + "/admin/desired", json=body, headers=AUTH, timeout=60)  # noqa: E731
+        before = _serving(url)
+        assert before == ("v000002", None, 0.0)
+        for body in ({"generation": 3, "stable": "v000001"}, {"generation": 2**53, "stable": "v000001"},
+                     {"generation": 2, "stable": "v000001"}):
+            r = put(body)
+            assert r.status_code == 409, r.text
+            assert "not the fleet record's target: fleet/desired.json is at generation 2" in r.json()["detail"], r.text
+            assert _serving(url) == before
+        assert put({"generation": 2**53 + 1, "stable": "v000001"}).status_code == 400  # past any record
+        g = httpx.get(url + "/admin/desired", headers=AUTH, timeout=30).json()
+        assert g["error"] is None and g["target_generation"] <= 2
+        r = put({"generation": 2, "stable": "v000002"})  # the record's own target
+        assert r.status_code == 200 and r.json()["generation"] == 2, r.text
+    finally:
+        srv.stop()
+        pod.close()
+
+
+def _with_fields(**kw):
+    def fn(d: DesiredState) -> DesiredState:
+        for k, v in kw.items():
+            setattr(d, k, v)
+        return d
+    return fn
+
+
 @pytest.fixture()
 def watched_fleet(store, monkeypatch):
     """Three pods that watch the record every 0.2 s; no controller; the CLI as the operator."""
@@ -200,3 +236,25 @@ def test_a_pod_changed_by_hand_keeps_it_until_the_next_generation(watched_fleet,
         assert [_serving(u) for u in urls] == [("v000001", "v000002", 0.5)] * 3
     finally:
         a.close()
+
+
+def test_a_record_restored_to_an_older_generation_is_written_again_past_the_pods(watched_fleet, store):
+    """The record restored from a backup (or edited) to a generation older than the pods took:
+    the pods ignore it, so an operator's rollback writes the record again past the newest
+    generation a pod took, and every pod converges; the ledger says so."""
+    urls, cli = watched_fleet
+    for v in ("v000001", "v000002", "v000001"):  # the pods take generations up to 5
+        r, out = cli("rollback", "--to", v, "--yes", "--timeout", "60")
+        assert r.exit_code == 0, out
+    took = FleetRecord(store).read().generation
+    old = FleetRecord(store).read()
+    old.generation = 2  # the restored record
+    store._put_atomic(old.to_json(), "fleet", "desired.json")
+    r, out = cli("rollback", "--to", "v000002", "--yes", "--timeout", "60")
+    assert r.exit_code == 0 and "stable is now v000002 on all 3 pods" in out, out
+    d = FleetRecord(store).read()
+    assert d.generation == took + 1 and d.stable == "v000002"
+    assert [_serving(u) for u in urls] == [("v000002", None, 0.0)] * 3
+    raised = [x for x in ledger.decisions(settings.ledger_path()) if x.numbers.get("raised_from") is not None]
+    assert [(x.numbers["raised_from"], x.numbers["pods_took"], x.numbers["generation"]) for x in raised] == \
+        [(3, took, took + 1)]
