@@ -173,7 +173,7 @@ class StateStore(StoreBase):
             self.db.execute("ROLLBACK")
             raise
         self._init_base()
-        self._batch, self._batch_n, self._batch_t = False, 0, 0.0
+        self._batch = False
         self._seg_fds: dict[str, int] = {}  # read handles of body segments
         self._seg_n, self._seg_name, self._seg_file, self._seg_pos = 0, None, None, 0
         self._parts: list[int] = []
@@ -301,8 +301,7 @@ class StateStore(StoreBase):
         with self._lock:
             if not self._batch:
                 self.db.execute("BEGIN IMMEDIATE")
-                self._batch, self._batch_n, self._batch_t = True, 0, time.monotonic()
-            self._batch_n += 1
+                self._batch = True
 
     def flush(self) -> None:
         """Commit the open batch, if any (durable against a killed process from here)."""
@@ -311,11 +310,6 @@ class StateStore(StoreBase):
                 self._write_counters()
                 self.db.execute("COMMIT")
                 self._batch = False
-
-    def flush_if(self, max_events: int, max_age_s: float) -> None:
-        """:meth:`flush` when the batch holds ``max_events`` or is ``max_age_s`` old."""
-        if self._batch and (self._batch_n >= max_events or time.monotonic() - self._batch_t >= max_age_s):
-            self.flush()
 
     # -- body segments --------------------------------------------------------------------
     @property
