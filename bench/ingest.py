@@ -678,18 +678,13 @@ def state_memory(n: int) -> None:
         rss0 = _rss()
         tracemalloc.start()  # the state's own allocations (the resident set also keeps freed arenas)
         t_ck = 0.0
-        for i in range(0, len(comps), BATCH_MAX_RECORDS):
-            with k.transaction():
-                j.on_completions(comps[i:i + BATCH_MAX_RECORDS])
-            t = time.perf_counter()
-            k.checkpoint()
-            t_ck = time.perf_counter() - t
-        for i in range(0, len(fb), BATCH_MAX_RECORDS):
-            with k.transaction():
-                j.on_feedbacks(fb[i:i + BATCH_MAX_RECORDS])
-            t = time.perf_counter()
-            k.checkpoint()
-            t_ck = time.perf_counter() - t
+        for fold, records in ((j.on_completions, comps), (j.on_feedbacks, fb)):
+            for i in range(0, len(records), BATCH_MAX_RECORDS):
+                with k.transaction():
+                    fold(records[i:i + BATCH_MAX_RECORDS])
+                t = time.perf_counter()
+                k.checkpoint()
+                t_ck = time.perf_counter() - t  # the last checkpoint's time
         del comps, fb
         gc.collect()
         held = tracemalloc.get_traced_memory()[0]

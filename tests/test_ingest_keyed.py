@@ -247,24 +247,10 @@ def _worker(env, log, *extra, script=None):
                             start_new_session=True)
 
 
-def _in_state(path: Path, comps, fb) -> bool:
-    """Every completion open or sealed and every event recorded, in the checkpoint store."""
-    if not path.exists():
-        return False
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
-    try:
-        cids = {r[0] for r in db.execute("SELECT completion_id FROM labels UNION SELECT completion_id FROM sealed")}
-        eids = {r[0] for r in db.execute("SELECT event_id FROM events")}
-    except sqlite3.OperationalError:
-        return False
-    finally:
-        db.close()
-    return {str(c.completion_id) for c in comps} <= cids and {str(e.event_id) for e in fb} <= eids
-
-
 @pytest.mark.timeout(300)
 def test_sigkill_between_a_shard_write_and_its_checkpoint(broker, fw_home, tmp_path):
     from test_ingest_e2e import check, make_traffic, produce, reference_join, stop, wait_for
+    from test_ingest_scale import in_state
 
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
                PYTHONPATH=str(ROOT))
@@ -321,6 +307,7 @@ def test_partitions_rebalanced_mid_stream_between_two_workers(broker, fw_home, t
     A leaves (B restores A's partitions); the last third is folded by B. Each label's votes
     come within one phase, so none is late by construction."""
     from test_ingest_e2e import check, make_traffic, produce, reference_join, stop, wait_for
+    from test_ingest_scale import in_state
 
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
                PYTHONPATH=str(ROOT))
@@ -341,12 +328,12 @@ def test_partitions_rebalanced_mid_stream_between_two_workers(broker, fw_home, t
     b = None
     try:
         produce(broker.bootstrap, comps, phase[0])
-        wait_for(lambda: _in_state(state, comps, phase[0]), 120, "phase 1 checkpointed", a, la)
+        wait_for(lambda: in_state(state, comps, phase[0]), 120, "phase 1 checkpointed", a, la)
         b = _worker(env, lb, "--seal-after-s", "6")
         wait_for(lambda: owned(la) and owned(lb) and not owned(la) & owned(lb) and len(owned(la) | owned(lb)) == 6,
                  120, "the partitions split between A and B", b, lb)
         produce(broker.bootstrap, [], phase[1])
-        wait_for(lambda: _in_state(state, comps, phase[0] + phase[1]), 120, "phase 2 checkpointed", b, lb)
+        wait_for(lambda: in_state(state, comps, phase[0] + phase[1]), 120, "phase 2 checkpointed", b, lb)
         stop(a)
         assert a.returncode == 0, la.read_text()[-3000:]
         wait_for(lambda: len(owned(lb)) == 6, 120, "B owns every partition", b, lb)

@@ -26,6 +26,7 @@ from schemas import settings
 from serving.commands import build_pod
 from servers import ServerThread
 from tests.test_deploy_controller import publish_v
+from tests.test_fleet import _with
 
 TOKEN = "reconciler-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -118,8 +119,8 @@ def test_a_put_that_is_not_the_records_target_is_refused(store):
     """With a record written, a PUT carries the record's target: one ahead of the record's
     generation (a huge one too) or naming other versions at its generation is refused (409,
     naming fleet/desired.json) and changes nothing; the record's own target is taken."""
-    FleetRecord(store).change(_with_fields(stable="v000001"), "test", "rollback")  # generation 1
-    FleetRecord(store).change(_with_fields(stable="v000002"), "test", "rollback")  # generation 2
+    FleetRecord(store).change(_with(stable="v000001"), "test", "rollback")  # generation 1
+    FleetRecord(store).change(_with(stable="v000002"), "test", "rollback")  # generation 2
     pod, srv = _pod(store, "pod-g")
     url = srv.url
     try:
@@ -140,14 +141,6 @@ def test_a_put_that_is_not_the_records_target_is_refused(store):
     finally:
         srv.stop()
         pod.close()
-
-
-def _with_fields(**kw):
-    def fn(d: DesiredState) -> DesiredState:
-        for k, v in kw.items():
-            setattr(d, k, v)
-        return d
-    return fn
 
 
 @pytest.fixture()
