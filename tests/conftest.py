@@ -24,7 +24,7 @@ def broker():
     """A fresh real Tansu broker (memory storage) with all Flywheel topics (6 partitions)."""
     from flywheel.broker import spawn
 
-    b = spawn()
+    b = spawn(die_with_parent=True)
     yield b
     b.stop()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from flywheel.broker import free_port
+from flywheel.supervise import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "fleet-rig-admin"
@@ -85,7 +86,7 @@ class FleetRig:
                               "--pod", f"pod-{i}", "--max-batch", "4", "--threads", "1"],
                              cwd=ROOT, env=self.env(self.tmp / f"pod-{i}-home", FLYWHEEL_FLEET="1"),
                              stdout=open(log, "ab"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
         self.pods[i] = p
         return p
 
@@ -114,7 +115,7 @@ backend pods
 {servers}
 """)
         p = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=open(self.tmp / "haproxy.log", "ab"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
         self.others.append(p)
         _wait_port(self.lb_port, 20, p, self.tmp / "haproxy.log")
 
@@ -124,7 +125,7 @@ backend pods
             args += ["--serving", self.url(i)]
         self.controller = subprocess.Popen(args + list(extra), cwd=ROOT, env=self.env(self.op_home),
                                            stdout=open(self.tmp / "controller.log", "ab"), stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                                           start_new_session=True, preexec_fn=die_with_parent())
 
     def start_workers(self, n: int = 2) -> None:
         for i in range(n):
@@ -132,7 +133,7 @@ backend pods
             self.workers.append(subprocess.Popen(
                 [sys.executable, "-m", "ingest", "--seal-after-s", "3", "--orphan-ttl-s", "30", "--tick-s", "0.5"],
                 cwd=ROOT, env=self.env(self.tmp / f"ingest-{i}-home", **extra),
-                stdout=open(self.tmp / f"ingest-{i}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True))
+                stdout=open(self.tmp / f"ingest-{i}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent()))
 
     def start_learner(self) -> None:
         """The learner daemon on its own home (another node): checks every 0.5 s and trains only
@@ -141,7 +142,7 @@ backend pods
             [sys.executable, "-m", "flywheel.cli", "learn", "--poll-s", "0.5", "--every-n", "10000"],
             cwd=ROOT, env=self.env(self.tmp / "learner-home",
                                    FLYWHEEL_LEARNER_STATE=str(self.tmp / "shared" / "learner")),
-            stdout=open(self.tmp / "learner.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(self.tmp / "learner.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
         self.others.append(self.learner)
 
     def operator(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:

@@ -175,7 +175,7 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
     marks: dict[str, float] = {}
     root = Path(__file__).resolve().parents[1]
     broker_port = free_port()
-    b = spawn(broker_port)
+    b = spawn(broker_port, die_with_parent=True)
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=b.bootstrap,
                FLYWHEEL_MODEL_DIR=str(tiny_moe_dir), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(root),
@@ -230,7 +230,7 @@ def test_chaos_nothing_lost_and_every_pod_serves_its_manifest(fw_home, tiny_moe_
             for w in workers:
                 os.killpg(w.p.pid, signal.SIGCONT)
         time.sleep(1.0)
-        b = spawn(broker_port)
+        b = spawn(broker_port, die_with_parent=True)
         marks["broker_up"] = time.monotonic() - t_start
         more_votes(15, "after the broker restart", pods + workers)
         marks["broker_restart"] = time.monotonic() - t_start

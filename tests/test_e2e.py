@@ -26,6 +26,7 @@ import pytest
 
 from flywheel.broker import free_port
 from schemas.manifest import digest_of_hashes
+from flywheel.supervise import die_with_parent
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,7 +40,7 @@ class Service:
         self.log = log_dir / f"{name}.log"
         self.f = open(self.log, "wb")
         self.p = subprocess.Popen(args, env=env, stdout=self.f, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=die_with_parent())
         self.name = name
 
     def tail(self) -> str:

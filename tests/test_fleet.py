@@ -32,6 +32,7 @@ from schemas import settings
 from serving.commands import build_pod
 from servers import ServerThread
 from tests.test_deploy_controller import publish_v
+from flywheel.supervise import die_with_parent
 
 TOKEN = "fleet-admin"
 REPO = Path(__file__).resolve().parents[1]
@@ -397,7 +398,7 @@ def _serve_process(f, home: Path, name: str) -> tuple[subprocess.Popen, str, Pat
     env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
     p = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(port), "--pod", name,
                           "--max-batch", "2", "--threads", "1"], cwd=REPO, env=env, stdout=open(log, "ab"),
-                         stderr=subprocess.STDOUT, start_new_session=True)
+                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

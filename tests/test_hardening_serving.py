@@ -30,7 +30,7 @@ def pod(tiny_moe_dir, tmp_path_factory):
     from servers import ServerThread
     from serving.slots import CheckpointStore
 
-    b = spawn(partitions=2)
+    b = spawn(partitions=2, die_with_parent=True)
     p = build_pod(CheckpointStore(tiny_moe_dir), pod="pod-hardening", max_batch=2, bootstrap=b.bootstrap,
                   journal=tmp_path_factory.mktemp("j") / "ev.journal")
     srv = ServerThread(p.app).start()

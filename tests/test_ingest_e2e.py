@@ -21,6 +21,7 @@ import pytest
 from schemas.settings import topic_names
 from schemas.arrow import FORMAT_VERSION
 from schemas.events import CompletionEvent, DeadLetter, FeedbackEvent, SamplingParams, now_ms
+from flywheel.supervise import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,7 @@ def start_worker(env, log: Path, orphan_ttl_s: float = 4) -> subprocess.Popen:
     a broker restart re-reads both topics from the start (tests that cause one pass 30)."""
     return subprocess.Popen(
         [sys.executable, "-m", "ingest", "--seal-after-s", "3", "--orphan-ttl-s", f"{orphan_ttl_s:g}", "--tick-s", "0.5"],
-        cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
 
 
 def stop(proc: subprocess.Popen, sig=signal.SIGTERM):

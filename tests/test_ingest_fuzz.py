@@ -24,6 +24,7 @@ from schemas.settings import topic_names
 from schemas.events import now_ms
 
 from test_ingest_e2e import ROOT, check, make_traffic, read_dead, reference_join, stop, wait_for  # noqa: I001
+from flywheel.supervise import die_with_parent
 
 N_RECORDS = 10_000  # run_fuzz's default size; bench/ingest.py --fuzz runs 50,000
 
@@ -421,7 +422,7 @@ def run_fuzz(bootstrap: str, home: Path, log: Path, n_valid: int = 400, n_bad_c:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ingest", "--seal-after-s", str(seal_after_s), "--orphan-ttl-s", str(orphan_ttl_s),
          "--tick-s", "0.5"],
-        cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
     samples_dir = home / "data" / "samples"
     want_dead = Counter({topic_names().feedback: n_bad_f + n_sf, topic_names().completions: n_bad_c})
     want_dead[topic_names().feedback] += sum(1 for _, v in bad_c if v is not None)  # a bad body's vote

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from flywheel.supervise import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -30,7 +31,7 @@ def _env(tmp_path, **kw):
 
 def _one_sample(bootstrap, env, home: Path, log: Path):
     proc = subprocess.Popen([sys.executable, "-m", "ingest"], cwd=ROOT, env=env, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
     try:
         c = _completion(uuid.uuid4(), "v0000")
         produce(bootstrap, [c], [FeedbackEvent(event_id=uuid.uuid4(), completion_id=c.completion_id,

@@ -246,7 +246,7 @@ def test_three_hosts_sigkill_and_broker_restart_equal_reference_join(pg, tmp_pat
     from flywheel.broker import free_port, spawn
 
     port = free_port()
-    b = spawn(port, partitions=3)
+    b = spawn(port, partitions=3, die_with_parent=True)
     shared = tmp_path / "objectstore" / "samples"
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
     comps1, fb1 = make_traffic(45, seed=31)
@@ -263,7 +263,7 @@ def test_three_hosts_sigkill_and_broker_restart_equal_reference_join(pg, tmp_pat
         wait_for(lambda: _all_in_state(pg.url, comps1, fb1a), 60, "phase 1 folded", procs[0], logs[0])
         stop(procs[0], signal.SIGKILL)
         b.stop()  # memory-only: topics, data and committed offsets are gone
-        b = spawn(port, partitions=3)
+        b = spawn(port, partitions=3, die_with_parent=True)
         produce(b.bootstrap, comps2, fb1b + fb2)
         expected = reference_join(comps1 + comps2, fb1a + fb1b + fb2)
         wait_for(lambda: _owned(logs[1]) | _owned(logs[2]) == {0, 1, 2}, 60, "the live hosts owning all partitions",

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from flywheel.supervise import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -36,7 +37,7 @@ def test_non_utf8_source_header_does_not_stop_the_worker(broker, tmp_path, pg_ur
     log = tmp_path / "w.log"
     proc = subprocess.Popen([sys.executable, "-m", "ingest", "--state", pg_url, "--app-id", f"t{uuid.uuid4().hex[:8]}",
                              "--seal-after-s", "1", "--tick-s", "0.3"], cwd=ROOT, env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
     try:
         c1, c2 = _completion(uuid.uuid4(), "v0000"), _completion(uuid.uuid4(), "v0000")
         v1, v2 = (FeedbackEvent(event_id=uuid.uuid4(), completion_id=c.completion_id, user_hash="u", value=1,

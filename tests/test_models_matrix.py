@@ -142,7 +142,7 @@ SALT = "matrix-salt"
 def broker_mod():
     from flywheel.broker import spawn
 
-    b = spawn()
+    b = spawn(die_with_parent=True)
     yield b
     b.stop()
 

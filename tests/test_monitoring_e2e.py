@@ -30,6 +30,7 @@ from deploy.serving_client import ServingAdmin
 from modelstore.store import ModelStore
 from schemas.settings import free_port
 from tests.test_deploy_controller import publish_v
+from flywheel.supervise import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = "/usr/bin/prometheus"
@@ -56,7 +57,7 @@ def wait_for(cond, timeout_s: float, what: str, procs=()):
 
 def spawn(args, env, log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent())
 
 
 def stop(p: subprocess.Popen) -> None:

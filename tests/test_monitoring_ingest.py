@@ -20,6 +20,7 @@ from ingest.metrics import DEADLETTER_REASONS, IngestMetrics, reason_class
 from schemas.events import FeedbackEvent, now_ms
 from schemas.settings import free_port, topic_names
 from tests.test_ingest_e2e import ROOT, _completion, produce, stop, wait_for
+from flywheel.supervise import die_with_parent
 
 
 def samples_of(text: str) -> dict[tuple[str, tuple], float]:
@@ -70,7 +71,7 @@ def test_worker_metrics_endpoint_counts_what_was_produced(broker, fw_home, tmp_p
     proc = subprocess.Popen(
         [sys.executable, "-m", "ingest", "--seal-after-s", "2", "--orphan-ttl-s", "3", "--max-label-age-s", "4",
          "--tick-s", "0.5", "--worker-port", str(port)],
-        cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     try:
         def scrape():

@@ -20,6 +20,7 @@ from schemas.modelspec import load_model
 from schemas.settings import free_port
 from tests.test_learner_cycle import write_shard
 from tests.test_learner_replay import make_samples
+from flywheel.supervise import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def test_learn_daemon_exports_its_cycle(tiny_moe_dir, tmp_path):
          "--state", str(tmp_path / "state"), "--steps", "2", "--batch-size", "4", "--lr", "1e-4",
          "--max-staleness", "0", "--parent", "latest", "--every-n", "1", "--poll-s", "0.3",
          "--metrics-port", str(port)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         deadline = time.monotonic() + 540  # a cold DeepSpeed JIT build takes minutes

@@ -49,7 +49,7 @@ def pod(tiny_moe_dir, tmp_path_factory):
     from flywheel.broker import spawn
 
     os.environ["FLYWHEEL_USER_SALT"] = SALT
-    b = spawn()
+    b = spawn(die_with_parent=True)
     p = build_pod(CheckpointStore(tiny_moe_dir), pod="pod-test", max_batch=8, bootstrap=b.bootstrap,
                   journal=tmp_path_factory.mktemp("j") / "ev.journal")
     srv = ServerThread(p.app).start()

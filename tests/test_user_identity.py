@@ -34,6 +34,7 @@ from schemas import topic_admin
 from schemas.settings import topic_names
 from flywheel.broker import free_port
 from schemas.events import CompletionEvent, hash_user
+from flywheel.supervise import die_with_parent
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,7 +67,7 @@ class Proc:
     def __init__(self, name: str, args: list[str], env: dict, logs: Path):
         self.name, self.log = name, logs / f"{name}.log"
         self.f = open(self.log, "wb")
-        self.p = subprocess.Popen(args, env=env, stdout=self.f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.p = subprocess.Popen(args, env=env, stdout=self.f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
