@@ -39,11 +39,14 @@ a sample's reward is the declared reward policy's (``schemas.reward.RewardPolicy
 ``combine``: thumb +-1 overriding the implicit components, copy +0.5, regenerate -0.5,
 follow-up +-0.5, clip 1). Per look, the analysis' own vectorised functions judge: the reward
 test (:func:`deploy.analysis.reward_bounds`), the signal guards
-(:func:`deploy.analysis.signal_bounds`) and the thumbs-up guard, each guard with the failure
-limit; ``thumbs`` is the thumbs-up test alone on the same replies. Production settings in
+(:func:`deploy.analysis.signal_bounds`), the thumbs-up guard and the no-answer guard on served
+replies (a refusal has no answer; the guard's absolute limit, ``max_no_answer_increase``), each
+guard with the failure limit; ``thumbs`` is the thumbs-up test alone on the same replies. Production settings in
 replies: 100 replies/s (10 votes/s at 10 % thumbed), a look every 500, a 360,000-reply step
-deadline. Cases: equal, half the stable's mean reward, abstaining (30 % more refusals) and a
-selective abstainer (the refusals mostly on prompts it would answer badly).
+deadline. Cases: equal, half the stable's good replies, half the stable's mean reward, abstaining
+(30 % more refusals) and a selective abstainer (the refusals mostly on prompts it would answer
+badly). Every case is judged by both rules on the same replies, so the table shows what the
+reward test costs and catches beside the thumbs-up test.
 
 Run: ``python bench/canary.py [--quick]`` (``--quick``: 500 thumbs canaries at base 0.2 and 200
 reward canaries per case, a few minutes).
@@ -307,7 +310,8 @@ def mean_reward(o: Outcomes, mix) -> float:
 
 
 def reward_cases(o: Outcomes) -> dict[str, tuple]:
-    """The candidates' reply mixes: ``equal``; ``half_as_good_reward`` (fewer good replies,
+    """The candidates' reply mixes: ``equal``; ``half_the_good_replies`` (half the stable's
+    good replies, the rest bad, refusals as the stable's); ``half_as_good_reward`` (fewer good replies,
     refusals as the stable's, so that its mean reward over samples is half the stable's; found
     by bisection); ``abstains`` (refuses on 30 % more of the prompts: a refusal share 0.30 above
     the stable's, its other replies good and bad in the stable's proportions: fewer
@@ -323,7 +327,9 @@ def reward_cases(o: Outcomes) -> dict[str, tuple]:
     keep = (1 - STABLE_MIX[2] - 0.30) / (1 - STABLE_MIX[2])
     abstain = (STABLE_MIX[0] * keep, STABLE_MIX[1] * keep, STABLE_MIX[2] + 0.30)
     selective = (STABLE_MIX[0] - 0.10, STABLE_MIX[1] - 0.20, STABLE_MIX[2] + 0.30)
-    return {"equal": STABLE_MIX, "half_as_good_reward": half, "abstains": abstain, "abstains_selective": selective}
+    half_good = (STABLE_MIX[0] / 2, 1 - STABLE_MIX[2] - STABLE_MIX[0] / 2, STABLE_MIX[2])
+    return {"equal": STABLE_MIX, "half_the_good_replies": half_good, "half_as_good_reward": half, "abstains": abstain,
+            "abstains_selective": selective}
 
 
 @dataclass(frozen=True)
@@ -347,15 +353,18 @@ def simulate_reward(o: Outcomes, mix_s, mix_c, n: int, sim: RewardSim, seed: int
     analysis' own vectorised functions: ``reward`` (:func:`deploy.analysis.reward_bounds`,
     the signal guards of :func:`deploy.analysis.signal_bounds` and the thumbs-up guard, each
     guard failing after ``failure_limit`` failed looks in a row, as :func:`deploy.analysis.analyze`
-    applies it) and ``thumbs`` (the thumbs-up test alone, ``quality = thumbs``).
+    applies it, and the no-answer guard on served replies with its absolute limit
+    ``max_no_answer_increase``) and ``thumbs`` (the thumbs-up test alone, ``quality = thumbs``).
 
     Returns ``{rule: (outcome, replies, samples, by_guard)}``: outcome PROMOTE / ROLLBACK /
     DEADLINE_ROLLBACK / GUARD_ROLLBACK per canary, the replies and samples seen when decided,
     and how many rollbacks each guard decided."""
     cfg = sim.analysis
     pc, ps = category_probs(o, mix_c), category_probs(o, mix_s)
+    served, refusal = np.ones_like(o.sample), (o.kind == "refusal").astype(np.float64)
     stats = np.stack([o.sample, o.sample * o.reward, o.sample * o.reward ** 2, o.up, o.down,
-                      o.sample * o.regen, o.sample * o.dissat, o.sample * o.copied], axis=1)  # (categories, 8)
+                      o.sample * o.regen, o.sample * o.dissat, o.sample * o.copied, served, refusal],
+                     axis=1)  # (categories, 10)
     shares = np.asarray(sim.shares)
     out = {}
     for rule in rules:
@@ -363,7 +372,7 @@ def simulate_reward(o: Outcomes, mix_s, mix_c, n: int, sim: RewardSim, seed: int
         step = np.zeros(n, int)
         step_n, step_all = np.zeros(n), np.zeros(n)
         outcome, replies, samples = np.zeros(n, int), np.zeros(n, int), np.zeros(n, int)
-        fails = {g: np.zeros(n, int) for g in ("thumbs_up", *(g for g, *_ in SIGNAL_GUARDS))}
+        fails = {g: np.zeros(n, int) for g in ("thumbs_up", *(g for g, *_ in SIGNAL_GUARDS), "no_answer")}
         by_guard = {g: 0 for g in fails}
         t = 0
         r = np.random.default_rng(seed)  # the same reply streams for every rule
@@ -393,6 +402,11 @@ def simulate_reward(o: Outcomes, mix_s, mix_c, n: int, sim: RewardSim, seed: int
                 v_ok = (nc_v >= cfg.min_votes) & (ns_v >= cfg.min_votes)
                 _, _, thi, _ = thumbs_bounds(c[:, 3], np.maximum(nc_v, 1), s_[:, 3], np.maximum(ns_v, 1), cfg)
                 verdicts["thumbs_up"] = (v_ok, v_ok & (thi < -cfg.signal_margin))
+                # the no-answer guard over served replies (a refusal is a reply with no answer), its
+                # absolute limit only (deploy.analysis.check_guards also fails a relative rise)
+                a_ok = (c[:, 8] >= cfg.min_guard_completions) & (s_[:, 8] >= cfg.min_guard_completions)
+                rise = c[:, 9] / np.maximum(c[:, 8], 1) - s_[:, 9] / np.maximum(s_[:, 8], 1)
+                verdicts["no_answer"] = (a_ok, a_ok & (rise > cfg.max_no_answer_increase))
                 guard_fail, guard_hold = np.zeros(n, bool), np.zeros(n, bool)
                 for g, (judged, bad) in verdicts.items():
                     fails[g] = np.where(bad, fails[g] + 1, np.where(judged, 0, fails[g]))
@@ -439,7 +453,7 @@ def run_reward(n: int, seed: int, sim: RewardSim | None = None, which=None) -> d
     for i, (case, mix) in enumerate(reward_cases(o).items()):
         if which and case not in which:
             continue
-        rules = ("reward", "thumbs") if case == "equal" else ("reward",)
+        rules = ("reward", "thumbs")
         res = simulate_reward(o, STABLE_MIX, mix, n, sim, seed + 1000 * i, rules)
         out[case] = {r: summarise_reward(*res[r]) for r in rules}
         out[case]["mix"] = list(mix)
@@ -495,10 +509,14 @@ def main() -> None:
         a.json.write_text(json.dumps(allres, indent=1))
     m = f"production settings, n={n_rw}"
     eq = rw["equal"]
-    half = rw["half_as_good_reward"]["reward"]["promote"]["rate"]
-    print(f"RESULT canary_promotion_rate_half_as_good_reward={half:.4f} "
-          f"target<=0.05 (candidate whose mean reward is half the stable's, "
-          f"{rw['half_as_good_reward']['mean_reward']:+.3f} vs {eq['mean_reward']:+.3f}; reward test and guards, {m})")
+    hg = rw["half_the_good_replies"]
+    print(f"RESULT canary_promotion_rate_half_the_good_replies={hg['reward']['promote']['rate']:.4f} target<=0.05 "
+          f"(half the stable's good replies, mean reward {hg['mean_reward']:+.3f} vs {eq['mean_reward']:+.3f}; "
+          f"reward test and guards; thumbs-up test on the same replies {hg['thumbs']['promote']['rate']:.4f}; {m})")
+    half = rw["half_as_good_reward"]
+    print(f"RESULT canary_promotion_rate_half_as_good_reward={half['reward']['promote']['rate']:.4f} (mean reward "
+          f"half the stable's, {half['mean_reward']:+.3f}: inside the margin on the distance from the worst reward, "
+          f"D90; thumbs-up test on the same replies {half['thumbs']['promote']['rate']:.4f}; {m})")
     ab = rw["abstains"]["reward"]
     print(f"RESULT canary_catches_abstention={ab['rollback']['rate']:.4f} target>=0.95 (refuses on 30 % more of the "
           f"prompts: rolled back, {ab['rollback_by_test']['rate']:.3f} by the reward test, "
@@ -506,7 +524,7 @@ def main() -> None:
     sel = rw["abstains_selective"]["reward"]
     print(f"RESULT canary_promotion_rate_selective_abstention={sel['promote']['rate']:.4f} (the same refusals, two "
           f"thirds on prompts it would answer badly: mean reward {rw['abstains_selective']['mean_reward']:+.3f}; "
-          f"not caught by shares of samples, D74; {m})")
+          f"guards that rolled it back {sel['by_guard']}; {m})")
     print(f"RESULT canary_reward_false_rollback_rate={eq['reward']['rollback']['rate']:.4f} target<=0.05 (equal "
           f"candidate rolled back by the reward test, a guard or the deadline; {m})")
     print(f"RESULT canary_reward_median_replies_to_decision={eq['reward']['median_replies']:.0f} (equal candidate, "

@@ -8,10 +8,12 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   empirical-Bernstein confidence sequence for observations bounded by the policy's clip
   (Howard, Ramdas, McAuliffe, Sekhon 2021, Theorem 4, mixed over a grid of rates;
   :func:`deploy.stats.eb_mean_bounds`) at ``alpha / 2``, so the box of both means holds at
-  every look with probability ``1 - alpha``. The margin is relative to the stable's mean on
-  the policy's own scale (0 = neutral): PASS when every point of the box has ``mean_c >
-  mean_s - delta * max(|mean_s|, reward_margin_floor * reward_clip)``, FAIL when every point
-  has ``mean_c < mean_s`` (:func:`reward_bounds`, :func:`check_reward`). The thumbs-up test
+  every look with probability ``1 - alpha``. The margin is relative to the stable's distance
+  from the policy's worst reward ``-reward_clip``, as a rate's is from 0: PASS when every point
+  of the box has ``mean_c + clip > (1 - delta) (mean_s + clip)`` (with ``reward_margin_floor *
+  clip`` as the least distance), FAIL when every point has ``mean_c < mean_s``
+  (:func:`reward_bounds`, :func:`check_reward`). For a policy of thumbs alone (reward +-1 per
+  sample) this is the thumbs-up rule on rates exactly: ``mean + 1 = 2 rate``. The thumbs-up test
   then guards the thumbs signal (FAIL when shown worse by more than ``signal_margin``).
   Shards written before the reward policy (no rewarded sample on either arm) decide on the
   thumbs-up rate as before; ``quality = thumbs`` asks for that test always.
@@ -295,9 +297,9 @@ class AnalysisConfig:
     reward_center: float = _f(0.0, "fixed center of the reward test's empirical-Bernstein variance process, in "
                               "[-reward_clip, reward_clip]: any value is valid, one near the stable's mean reward "
                               "gives the narrowest bounds (default 0, the policy's neutral reward)")
-    reward_margin_floor: float = _f(0.05, "the reward's relative margin is delta * max(|stable mean|, "
-                                    "reward_margin_floor * reward_clip): a stable mean near 0 does not ask the "
-                                    "candidate to be shown better; in [0, 1]", ge=0, le=1)
+    reward_margin_floor: float = _f(0.05, "the reward's relative margin is delta * max(stable mean + "
+                                    "reward_clip, reward_margin_floor * reward_clip): a stable at the worst "
+                                    "reward does not ask the candidate to be shown better; in [0, 1]", ge=0, le=1)
     signal_margin: float = _f(0.1, "a feedback signal's share fails its guard when shown (always-valid bounds) worse "
                               "than the stable's by more than this relative margin: a negative signal (regenerated, "
                               "dissatisfied follow-up) above (1 + margin) times, a positive one (copied) below "
@@ -496,10 +498,13 @@ def reward_bounds(n_c, sum_c, sq_c, n_s, sum_s, sq_s, cfg: AnalysisConfig):
     center ``reward_center``) at level ``alpha / 2`` (``alpha / 4`` per side), so the box
     ``[lc, hc] x [ls, hs]`` holds the two true means at every look at once with probability
     at least ``1 - alpha``. The decision bounds on the relative difference are
-    :func:`deploy.stats.relative_box_bounds` with floor ``reward_margin_floor * reward_clip``:
-    PASS (``lo > -delta``) when every point of the box has the candidate's mean above the
-    stable's minus ``delta * max(|mean_s|, floor)``, FAIL (``hi < 0``) when every point has the
-    candidate's mean below the stable's.
+    :func:`deploy.stats.relative_box_bounds` of the means' distances from the worst reward
+    ``-b`` (the box shifted by ``b``), with floor ``reward_margin_floor * b``: PASS (``lo >
+    -delta``) when every point of the box has the candidate's mean above the stable's minus
+    ``delta * max(mean_s + b, floor)`` (it keeps more than ``1 - delta`` of the stable's
+    distance from the worst reward, as the thumbs test asks of a rate's distance from 0), FAIL
+    (``hi < 0``) when every point has the candidate's mean below the stable's. A policy of
+    thumbs alone (every reward +-1) gets the thumbs-up rule on rates: ``mean + 1 = 2 rate``.
 
     Args:
         n_c, sum_c, sq_c: the candidate's rewarded samples, ``sum r``, ``sum r^2``.
@@ -507,7 +512,7 @@ def reward_bounds(n_c, sum_c, sq_c, n_s, sum_s, sq_s, cfg: AnalysisConfig):
         cfg: ``alpha``, ``reward_clip``, ``reward_center``, ``reward_margin_floor``.
 
     Returns:
-        ``(rel, lo, hi, (lc, hc), (ls, hs))``: ``rel = (mean_c - mean_s) / max(|mean_s|, floor)``,
+        ``(rel, lo, hi, (lc, hc), (ls, hs))``: ``rel = (mean_c - mean_s) / max(mean_s + b, floor)``,
         the decision bounds, and each arm's bounds of its mean reward (float64).
     """
     b = cfg.reward_bound
@@ -516,8 +521,8 @@ def reward_bounds(n_c, sum_c, sq_c, n_s, sum_s, sq_s, cfg: AnalysisConfig):
     floor = cfg.reward_margin_floor * b
     with np.errstate(invalid="ignore", divide="ignore"):
         m_c, m_s = sum_c / np.maximum(n_c, 1), sum_s / np.maximum(n_s, 1)
-    rel = (m_c - m_s) / relative_margin_scale(m_s, floor)
-    lo, hi = relative_box_bounds(lc, hc, ls, hs, floor)
+    rel = (m_c - m_s) / relative_margin_scale(m_s + b, floor)
+    lo, hi = relative_box_bounds(lc + b, hc + b, ls + b, hs + b, floor)
     return rel, lo, hi, (lc, hc), (ls, hs)
 
 
@@ -536,9 +541,9 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
         cfg = replace(cfg, reward_clip=b)  # read the policy once per check
     nums = {"candidate_samples": c.rewarded, "stable_samples": s.rewarded, "min_samples": cfg.min_votes,
             "alpha": cfg.alpha, "delta": cfg.delta, "reward_clip": b, "reward_center": cfg.reward_center,
-            "margin_floor": cfg.reward_margin_floor * b, "scale": "relative",
+            "margin_floor": cfg.reward_margin_floor * b, "scale": "relative to the distance from -reward_clip",
             "method": "empirical-Bernstein confidence sequence per arm (Howard et al. 2021, Thm 4; discrete "
-                      "mixture, Ville), alpha/2 per arm; PASS when lc > hs - delta*max(|hs|, floor), "
+                      "mixture, Ville), alpha/2 per arm; PASS when lc > hs - delta*max(hs + clip, floor), "
                       "FAIL when hc < ls"}
     if c.reward_policy is not None or s.reward_policy is not None:
         nums["reward_policy"] = c.reward_policy or s.reward_policy

@@ -435,9 +435,10 @@ def eb_mean_bounds(n, total, sq_total, lower: float, upper: float, alpha: float,
 
 
 def relative_margin_scale(m, floor: float):
-    """The denominator of the reward's relative difference: ``max(|m|, floor)`` (arrays or
-    scalars); the floor keeps a stable mean near the policy's neutral 0 from asking the
-    candidate to be shown better than it."""
+    """The denominator of a relative difference: ``max(|m|, floor)`` (arrays or scalars), ``m``
+    on a scale whose 0 is the worst value (the reward test passes a mean's distance from the
+    policy's worst reward); the floor keeps a stable at 0 from asking the candidate to be shown
+    better than it."""
     return np.maximum(np.abs(m), floor)
 
 
@@ -449,7 +450,8 @@ def relative_box_bounds(lc, hc, ls, hs, floor: float):
     ``lo > -delta`` exactly when ``lc > g(hs)`` with ``g(m) = m - delta max(|m|, floor)``,
     which is increasing in ``m``: every ``(mu_c, mu_s)`` in the box then has ``mu_c > mu_s -
     delta max(|mu_s|, floor)`` (the candidate keeps more than ``1 - delta`` of the stable's
-    mean, on the scale whose 0 is the reward policy's neutral reward). ``hi < 0`` exactly when
+    mean, on the scale the caller chose: the reward test's is the distance from the policy's
+    worst reward, :func:`deploy.analysis.reward_bounds`). ``hi < 0`` exactly when
     ``hc < ls``: every point of the box has ``mu_c < mu_s`` (surely worse).
 
     Returns ``(lo, hi)`` (float64)."""

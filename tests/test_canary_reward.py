@@ -113,9 +113,10 @@ def test_reward_test_bounds_by_hand():
     uc = mixture_root(c.reward_sq_sum, 0.0125, 2.0)
     us = mixture_root(s.reward_sq_sum, 0.0125, 2.0)
     assert float(lc) == pytest.approx(0.30 - uc / 5000, rel=1e-9) and float(hs) == pytest.approx(0.25 + us / 20000)
-    assert float(rel) == pytest.approx(0.05 / 0.25)
-    assert float(lo) == pytest.approx((float(lc) - float(hs)) / float(hs))
-    assert float(hi) == pytest.approx((float(hc) - float(ls)) / float(ls))
+    # relative to each stable bound's distance from the worst reward, -1
+    assert float(rel) == pytest.approx(0.05 / 1.25)
+    assert float(lo) == pytest.approx((float(lc) - float(hs)) / (float(hs) + 1))
+    assert float(hi) == pytest.approx((float(hc) - float(ls)) / (float(ls) + 1))
     d = analyze(c, s, CFG)
     assert d.outcome == Outcome.PROMOTE, d.reason
     assert d.numbers()["reward"]["check"] == "PASS" and d.numbers()["thumbs_up"]["check"] == "SKIPPED"
@@ -130,21 +131,38 @@ def test_reward_test_clear_loss_rolls_back_and_equal_waits_when_few():
     assert analyze(arm(5, 0.25, 0.6), arm(500, 0.25, 0.6), CFG).numbers()["reward"]["check"] == "INCONCLUSIVE"
 
 
-def test_reward_margin_is_relative_to_the_stables_distance_from_neutral():
-    """The PASS bound is lc > hs - delta max(|hs|, floor): a stable mean of -0.4 lets the
-    candidate be lower by 0.08 (20 %), not by 0.2 (an absolute reading of 0.2 on [-1, 1]).
-    Surely worse still wins: -0.45 against -0.40 over 200,000 samples each is a FAIL."""
+def test_reward_margin_is_relative_to_the_stables_distance_from_the_worst_reward():
+    """The PASS bound is lc > hs - delta max(hs + clip, floor): a stable mean of -0.4 is 0.6
+    above the worst reward -1, so the candidate may be lower by 0.12 (20 % of 0.6), not by 0.08
+    (20 % of |-0.4|) nor 0.2. Surely worse still wins: -0.45 against -0.40 over 200,000
+    samples each is a FAIL."""
     base = arm(200_000, -0.40, 0.5)
     r = analyze(arm(200_000, -0.45, 0.5), base, CFG).numbers()["reward"]
     assert r["ci_lo"] > -0.2 and r["ci_hi"] < 0 and r["check"] == "FAIL"
-    assert r["diff"] == pytest.approx(-0.05 / 0.40)
+    assert r["diff"] == pytest.approx(-0.05 / 0.60)
+    # -0.50: 0.10 below, inside the 0.12 margin (an |mean| reading, 0.08, would put it outside)
+    assert analyze(arm(200_000, -0.50, 0.5), base, CFG).numbers()["reward"]["ci_lo"] > -0.2
     assert analyze(arm(200_000, -0.55, 0.5), base, CFG).numbers()["reward"]["ci_lo"] < -0.2
-    near0 = arm(200_000, 0.0, 0.5)  # floor 0.05 * clip: a margin of 0.01 around a neutral stable
-    r = analyze(arm(200_000, 0.0, 0.5), near0, CFG).numbers()["reward"]
+    worst = arm(200_000, -0.99, 0.05)  # floor 0.05 * clip: a stable at the worst reward
+    r = analyze(arm(200_000, -0.99, 0.05), worst, CFG).numbers()["reward"]
     (lc, _), (_, hs) = r["candidate_bounds"], r["stable_bounds"]
-    assert hs < 0.05 and r["ci_lo"] == pytest.approx((lc - hs) / 0.05, rel=1e-9)  # |hs| below the floor
-    assert r["check"] == "PASS"  # half-width ~0.004 per arm: -0.008 / 0.05 = -16 % > -20 %
-    assert analyze(arm(20_000, 0.0, 0.5), arm(20_000, 0.0, 0.5), CFG).numbers()["reward"]["check"] == "INCONCLUSIVE"
+    assert hs + 1 < 0.05 and r["ci_lo"] == pytest.approx((lc - hs) / 0.05, rel=1e-9)  # below the floor
+    assert analyze(arm(200, 0.0, 0.5), arm(200, 0.0, 0.5), CFG).numbers()["reward"]["check"] == "INCONCLUSIVE"
+
+
+@pytest.mark.parametrize("k_c,n_c,k_s,n_s", [(620, 1000, 3100, 5000), (130, 1000, 1000, 5000), (90, 600, 300, 3000)])
+def test_a_thumbs_only_reward_is_judged_as_the_thumbs_up_rate(k_c, n_c, k_s, n_s):
+    """Rewards of +-1 (a policy of thumbs alone): the decision bounds equal the relative rule
+    on up-rates, ``rate_lo(c) / rate_hi(s) - 1``, with each rate's bounds computed here on
+    0/1 observations in [0, 1] (the same confidence sequence, centered at 1/2: ``mean + 1 = 2
+    rate`` maps one onto the other)."""
+    def bounds(k, n):
+        return eb_mean_bounds(float(n), float(k), float(k), 0.0, 1.0, CFG.alpha / 2, 0.5)[1:]
+    (pc_lo, pc_hi), (ps_lo, ps_hi) = bounds(k_c, n_c), bounds(k_s, n_s)
+    _, lo, hi, _, _ = reward_bounds(float(n_c), 2.0 * k_c - n_c, float(n_c), float(n_s), 2.0 * k_s - n_s,
+                                    float(n_s), CFG)
+    assert float(lo) == pytest.approx(pc_lo / ps_hi - 1, rel=1e-9, abs=1e-12)
+    assert float(hi) == pytest.approx(pc_hi / ps_lo - 1, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("guard,cand", [
@@ -338,15 +356,16 @@ def test_canary_counts_reads_reward_columns_beside_old_shards(tmp_path):
     assert judged_policy(cc_old, "v000001", "v000000") is None
 
 
-def test_bench_keeps_half_as_good_reward_out_and_catches_abstention():
-    """bench/canary.py's reward simulation, run small (seeded): a candidate at half the
-    stable's mean reward is not promoted, one that refuses on 30 % more prompts is rolled back."""
+def test_bench_keeps_half_the_good_replies_out_and_catches_abstention():
+    """bench/canary.py's reward simulation, run small (seeded): a candidate with half the
+    stable's good replies is not promoted, one that refuses on 30 % more prompts is rolled back."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import canary
 
-    r = canary.run_reward(20, seed=3, which={"half_as_good_reward", "abstains"})
-    assert r["half_as_good_reward"]["reward"]["promote"]["k"] == 0
+    r = canary.run_reward(20, seed=3, which={"half_the_good_replies", "abstains"})
+    assert r["half_the_good_replies"]["reward"]["promote"]["k"] == 0
+    assert r["half_the_good_replies"]["mix"] == pytest.approx([0.30, 0.65, 0.05])
     assert r["abstains"]["reward"]["rollback"]["k"] == 20
-    assert r["abstains"]["mean_reward"] < r["half_as_good_reward"]["mean_reward"] * 2  # below the stable's
+    assert r["abstains"]["reward"]["by_guard"]["no_answer"] == 20  # 0.35 vs 0.05 of replies unanswered
