@@ -81,9 +81,8 @@ import numpy as np
 from pydantic import Field
 from pydantic.dataclasses import dataclass as config_dataclass
 
-from deploy.stats import (cuped_rate, cuped_theta, eb_mean_bounds, margin_tau, msprt_interval,  # noqa: F401
-                          newcombe_interval, noninferiority_bounds, normal_cdf, ratio_interval, relative_box_bounds,
-                          relative_margin_scale, two_proportion_z, wilson_interval)
+from deploy.stats import (cuped_rate, cuped_theta, eb_mean_bounds, margin_tau, newcombe_interval,
+                          noninferiority_bounds, relative_box_bounds, relative_margin_scale)
 
 OPERATIONAL = ("error_rate", "p99_latency", "tokens_per_s")
 GUARDS = ("completion_length", "no_answer", "truncated", "repetitive")
@@ -849,13 +848,31 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
         m = MetricResult("source", Check.ERROR, f"metrics unavailable: {source_error}")
         return Decision(Outcome.HOLD, f"HOLD (error): {m.reason}", [m], inconclusive=False, error=True,
                         failed_checks=counts, decided_by="error")
+    results = _judge_each(candidate, stable, cfg, first, stable_all)
+    # Errors/requests are judged only once requests are counted: with no request counts at
+    # all (source did not provide them) the metric is skipped rather than holding forever.
+    names = [m.name for m in results]
+    i_err = names.index("error_rate")
+    if candidate.requests == 0 and stable.requests == 0 and results[i_err].check == Check.INCONCLUSIVE:
+        results[i_err] = MetricResult("error_rate", Check.SKIPPED, "error rate not measured", results[i_err].numbers)
+    for name, why in (skipped or {}).items():
+        if name not in names[1:]:
+            raise ValueError(f"skipped: {name!r} is not a skippable metric ({', '.join(names[1:])})")
+        results[names.index(name)] = MetricResult(name, Check.SKIPPED, f"{name} skipped: {why}", {"skipped": why})
+    results = [results[0]] + [_apply_failure_limit(m, counts, cfg.failure_limit) for m in results[1:]]
+    return _worst_wins(results, counts)
+
+
+def _judge_each(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig, first: ArmStats | None,
+                stable_all: ArmStats | None) -> list[MetricResult]:
+    """Every metric's result, the sequential test first (:func:`analyze`'s arguments)."""
     if candidate.latency_samples is not None and stable.latency_samples is not None:
         n_lat: tuple[int, int] | None = (candidate.latency_samples, stable.latency_samples)
     elif candidate.requests or stable.requests:
         n_lat = (candidate.requests, stable.requests)
     else:
         n_lat = None  # the source counts neither: judged as given
-    results = [
+    return [
         *check_quality(candidate, stable, cfg),
         check_errors(candidate, stable, cfg),
         _ratio_check("p99_latency", candidate.p99_ms, stable.p99_ms, cfg.max_p99_ratio, True, "ms",
@@ -868,17 +885,12 @@ def analyze(candidate: ArmStats, stable: ArmStats, cfg: AnalysisConfig | None = 
                        bridge=(stable, stable_all) if stable_all is not None and stable_all.completions else None)
           if first is not None else []),
     ]
-    # Errors/requests are judged only once requests are counted: with no request counts at
-    # all (source did not provide them) the metric is skipped rather than holding forever.
-    names = [m.name for m in results]
-    i_err = names.index("error_rate")
-    if candidate.requests == 0 and stable.requests == 0 and results[i_err].check == Check.INCONCLUSIVE:
-        results[i_err] = MetricResult("error_rate", Check.SKIPPED, "error rate not measured", results[i_err].numbers)
-    for name, why in (skipped or {}).items():
-        if name not in names[1:]:
-            raise ValueError(f"skipped: {name!r} is not a skippable metric ({', '.join(names[1:])})")
-        results[names.index(name)] = MetricResult(name, Check.SKIPPED, f"{name} skipped: {why}", {"skipped": why})
-    results = [results[0]] + [_apply_failure_limit(m, counts, cfg.failure_limit) for m in results[1:]]
+
+
+def _worst_wins(results: list[MetricResult], counts: dict[str, int]) -> Decision:
+    """The decision of judged ``results`` (the sequential test first): any FAIL rolls back,
+    then an ERROR or INCONCLUSIVE holds, else PROMOTE; the reason lists the metrics of the
+    deciding severity (every PASS for a promotion)."""
     worst = max(results, key=lambda m: _SEVERITY[m.check])
     sev = _SEVERITY[worst.check]
     bad = [m for m in results if _SEVERITY[m.check] == sev]
