@@ -196,6 +196,25 @@ def _payload(raw: bytes | str) -> str:
     return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
 
 
+def _fold_into(st: LabelState, ev: FeedbackEvent, raw: bytes | str | None, eid: str, now: int) -> None:
+    """Fold one accepted event into its open label ``st``: the user's vote (a thumb) or signal
+    of its kind is replaced when this one is later by ``(created_at, seq)``; its raw JSON is
+    kept while the completion has not arrived (an orphan's dead letter needs it); ``now`` in
+    ms since the epoch."""
+    st.seq += 1
+    vote = Vote(event_id=eid, value=None if ev.value is None else float(ev.value),
+                created_at=ev.created_at, seq=st.seq, text=ev.final_text)
+    last = st.votes if ev.kind == "thumb" else st.signals.setdefault(signal_key(ev), {})
+    cur = last.get(ev.user_hash)
+    if cur is None or (vote.created_at, vote.seq) > (cur.created_at, cur.seq):
+        last[ev.user_hash] = vote
+    st.event_ids.append(eid)
+    if st.completion is None:
+        st.pending_raw[eid] = _raw_text(raw, ev)
+    st.first_vote_at = st.first_vote_at or now
+    st.last_vote_at = now
+
+
 def _raw_text(raw: bytes | str | None, ev) -> str:
     """An event's JSON as text (as consumed, else re-serialised): for dead letters and orphans."""
     return _payload(raw) if raw is not None else ev.model_dump_json()
@@ -551,17 +570,10 @@ class Joiner:
                     out.append(("duplicate", None))
                     continue
                 seen.add(eid)  # decided here: a later copy in ``items`` is a duplicate
-                if ev.created_at < horizon:
-                    n["feedback_expired"] += 1
-                    out.append(("expired", dead_letter(
-                        self.tf, cid, "created_at",
-                        f"expired: created_at {ev.created_at} ms is older than the dedupe horizon "
-                        f"(dedupe_retention_s={self.cfg.dedupe_retention_s})", _raw_text(raw, ev), now)))
-                    continue  # decided here: a later copy in ``items`` is a duplicate
-                refused = None if ev.kind == "thumb" and thumbs_on else self._refusal(ev)
-                if refused is not None:
-                    n["feedback_unsupported"] += 1
-                    out.append(("unsupported", dead_letter(self.tf, cid, refused[0], refused[1], _raw_text(raw, ev), now)))
+                early = self._refuse_early(ev, raw, cid, horizon, now, thumbs_on)
+                if early is not None:
+                    n[f"feedback_{early[0]}"] += 1
+                    out.append(early)
                     continue
                 st = states.get(cid)
                 # a label claimed for a shard is being sealed (maybe right now, by the seal
@@ -580,18 +592,7 @@ class Joiner:
                 if eid in st.event_ids:  # also guarded by the events table; kept for in-memory stores
                     out.append(("duplicate", None))
                     continue
-                st.seq += 1
-                vote = Vote(event_id=eid, value=None if ev.value is None else float(ev.value),
-                            created_at=ev.created_at, seq=st.seq, text=ev.final_text)
-                last = st.votes if ev.kind == "thumb" else st.signals.setdefault(signal_key(ev), {})
-                cur = last.get(ev.user_hash)
-                if cur is None or (vote.created_at, vote.seq) > (cur.created_at, cur.seq):
-                    last[ev.user_hash] = vote
-                st.event_ids.append(eid)
-                if st.completion is None:
-                    st.pending_raw[eid] = _raw_text(raw, ev)
-                st.first_vote_at = st.first_vote_at or now
-                st.last_vote_at = now
+                _fold_into(st, ev, raw, eid, now)
                 dirty[cid] = st
                 folded.append((eid, cid, now))
                 n["feedback_folded"] += 1
@@ -603,6 +604,20 @@ class Joiner:
             for k, v in n.items():
                 self.store.bump(k, v)
         return out
+
+    def _refuse_early(self, ev: FeedbackEvent, raw: bytes | str | None, cid: str, horizon: int, now: int,
+                      thumbs_on: bool) -> tuple[str, DeadLetter] | None:
+        """``("expired", dead letter)`` for an event older than the dedupe horizon (ms),
+        ``("unsupported", dead letter)`` for one the reward policy gives no component, or None:
+        the checks that need no label state."""
+        if ev.created_at < horizon:
+            return "expired", dead_letter(
+                self.tf, cid, "created_at", f"expired: created_at {ev.created_at} ms is older than the dedupe "
+                f"horizon (dedupe_retention_s={self.cfg.dedupe_retention_s})", _raw_text(raw, ev), now)
+        refused = None if ev.kind == "thumb" and thumbs_on else self._refusal(ev)
+        if refused is not None:
+            return "unsupported", dead_letter(self.tf, cid, refused[0], refused[1], _raw_text(raw, ev), now)
+        return None
 
     def _refusal(self, ev: FeedbackEvent) -> tuple[str, str] | None:
         """Why ``ev`` has no component under the reward policy, as ``(field, reason)``, or None."""
