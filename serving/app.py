@@ -154,6 +154,18 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
     app.state.event_log = event_log
     for r in (v1_router, feedback_router, admin_router, ops_router):
         app.include_router(r)
+    _install_middlewares(app, metrics, prompts, max_body_bytes=max_body_bytes, api_keys=api_keys,
+                         feedback_keys=feedback_keys, admin_token=admin_token, cors_origins=cors_origins,
+                         admin_port=admin_port)
+    return app
+
+
+def _install_middlewares(app: FastAPI, metrics: ServingMetrics, prompts: PromptBuilder, *, max_body_bytes: int,
+                         api_keys: set[str] | None, feedback_keys: set[str] | None, admin_token: str | None,
+                         cors_origins: list[str] | None, admin_port: int | None) -> None:
+    """The pod's middlewares, innermost first: the catch-all error handler, the body limits
+    (a prompt path's bound from ``prompts``' token limit), auth, the request counter, CORS
+    and the admin-port split (:func:`create_app`'s arguments of the same names)."""
     errors.install(app)  # CatchAllMiddleware: innermost of the middlewares below
     prompt_limit = min(max_body_bytes, prompt_body_bytes(prompts.max_prompt_tokens))
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,  # only after auth
@@ -169,4 +181,3 @@ def create_app(slots: Slots, event_log: EventLog | None, *, pod: str | None = No
                            expose_headers=[CID_HEADER, CIDS_HEADER, VERSION_HEADER, "x-flywheel-split"], max_age=600)
     if admin_port is not None:  # outermost: a path on the wrong port is unknown there, before auth
         app.add_middleware(PortSplitMiddleware, admin_port=admin_port)
-    return app
