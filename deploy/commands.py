@@ -43,8 +43,8 @@ from deploy.operator import ActionResult, run_action
 from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
-from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, discover_pods, gather_status,  # noqa: F401
-                           status_warnings)
+from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_seen,  # noqa: F401
+                           controller_seen_s, controller_warning, discover_pods, gather_status, status_warnings)
 from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore
 from deploy.wiring import ControllerRunConfig, SetupError, build_controller, rollout_status_path
@@ -132,6 +132,14 @@ def _actor(actor: str | None = None) -> str:
     """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``."""
     return _text(actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
                  or "unknown")
+
+
+def _seen_s() -> float:
+    """:func:`deploy.status.controller_seen_s`; a bad ``$FLYWHEEL_CONTROLLER_SEEN_S`` is a usage error."""
+    try:
+        return controller_seen_s()
+    except ValueError as exc:
+        _fail(str(exc), usage=True)
 
 
 def _store() -> ModelStore:
@@ -227,7 +235,8 @@ def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
 
 def _serving_opt():
     return typer.Option(None, "--serving", help="pod URL or dns+http:// spec, used only when the fleet's desired "
-                        "state records no pods (the controller records the ones it discovers); repeatable")
+                        "state records no pods, and then recorded there with the change (the controller records "
+                        "the ones it discovers); repeatable")
 
 
 def _wait_opt():
@@ -243,7 +252,7 @@ def _yes_opt():
 def _read_desired(fleet: FleetRecord, decision: str, what: str, who: str, why: str) -> DesiredState:
     try:
         return fleet.read()
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         _action_failed(decision, what, None, None, who, why, f"fleet desired-state record unreadable: {exc}")
 
 
@@ -256,11 +265,16 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
     t0 = time.monotonic()
     fields = {"stable": stable}
 
+    def change_and_pods(x: DesiredState) -> DesiredState:
+        x = change(x)
+        if serving and not x.pods:  # the pods this command watches are the ones that must converge
+            x.pods = list(serving)
+        return x
+
     def record(suffix: str, numbers: dict) -> None:
         dec = {"": decision, "converged": "FLEET_CONVERGED", "not_converged": "FLEET_NOT_CONVERGED"}[suffix]
-        p = numbers.get("pods") or {}
-        _record_action(dec, version, reason=f"{why} ({p.get('converged', 0)} of {p.get('pods', 0)} pods converged)",
-                       actor=who, numbers={"why": why_flag, **numbers}, **fields)
+        _record_action(dec, version, reason=_row_reason(suffix, why, numbers), actor=who,
+                       numbers={"why": why_flag, **numbers}, **fields)
 
     def statuses(before, after) -> None:  # the record changed: a status write that fails is reported, not fatal
         if row is not None:
@@ -271,17 +285,33 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
             console.print(f"[red]could not update the store's version statuses:[/red] {exc}")
 
     try:
-        return run_action(fleet, pods, change, what=what, who=who, why=why, on_changed=statuses, record=record,
-                          timeout_s=timeout_s)
+        return run_action(fleet, pods, change_and_pods, what=what, who=who, why=why, on_changed=statuses,
+                          record=record, timeout_s=timeout_s)
     except ValueError as exc:
         _action_failed(decision, what, version, stable, who, why_flag, str(exc), t0=t0)
     except LockTimeout as exc:
         _action_failed(decision, what, version, stable, who, why_flag, f"{exc}; nothing was changed", t0=t0)
 
 
-def _report(res: ActionResult, done: str, target: str, hint: str = "") -> None:
-    """Print each pod's outcome and the end (``hint`` too when not every pod converged);
-    exit 1 unless every pod converged."""
+def _row_reason(suffix: str, why: str, numbers: dict) -> str:
+    """The reason of an operator action's ledger row: the decision (``suffix`` ""), with the
+    generation the pods took when the record was written again past it; the watch's end
+    (``converged`` / ``not_converged``), with how many pods converged, or why no pod was
+    watched."""
+    if suffix == "":
+        if numbers.get("raised_from") is not None:
+            return (f"{why} (desired state written again as generation {numbers['generation']}, past generation "
+                    f"{numbers['pods_took']} the pods took)")
+        return why
+    p = numbers.get("pods") or {}
+    if not p.get("pods"):
+        return f"{why} (no pod to watch: {numbers.get('discovery_error') or 'no pod found'})"
+    return f"{why} ({p['converged']} of {p['pods']} pods converged)"
+
+
+def _report(res: ActionResult, done: str, target: str, hint: str = "", footer: str | None = None) -> None:
+    """Print each pod's outcome and the end (``hint`` too when not every pod converged), then
+    ``footer`` as a warning when given; exit 1 unless every pod converged."""
     for o in res.outcomes:
         console.print(("  [green]ok[/green] " if o.ok else "  [red]!![/red] ") + o.line())
     if res.discovery_error:
@@ -295,13 +325,19 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "") -> None:
     if res.converged:
         console.print(f"{done} on all {n} pods ({res.elapsed_s:.2f} s; desired state generation "
                       f"{res.desired.generation})")
+        if footer:
+            console.print(f"[red]warning:[/red] {footer}")
         return
-    console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {k} of {n} pods "
-                  f"serve it after {res.elapsed_s:.1f} s. The record is changed: each pod converges to it by itself "
+    serve = (f"{k} of {n} pods serve it after {res.elapsed_s:.1f} s" if n else
+             f"no pod to watch ({res.discovery_error or 'no pod found'})")
+    console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {serve}. "
+                  "The record is changed: each pod converges to it by itself "
                   "when it can (it reads the record every --desired-poll s), and the controller retries it at each "
                   "poll. A pod that is stopped or hung converges once it runs again; a refused version stays "
                   "refused (`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
                   (f" {hint[0].upper()}{hint[1:]}." if hint else ""))
+    if footer:
+        console.print(f"[red]warning:[/red] {footer}")
     raise typer.Exit(1)
 
 
@@ -351,6 +387,7 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
     Refused while a canary is in progress. Returns when every pod serves it or --timeout
     passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    seen_s = _seen_s()
     store, fleet = _store(), _fleet()
     what = f"canary start of {version}"
     if version not in store.versions():
@@ -382,7 +419,8 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
                version, d.stable, who, reason, why,
                row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
     _report(res, f"canary of {version} at {weight:.0%} started", version,
-            hint="to take the candidate back: `flywheel canary abort --yes`")
+            hint="to take the candidate back: `flywheel canary abort --yes`",
+            footer=controller_warning(controller_seen(fleet, seen_s), res.desired, 0))
 
 def canary_abort(serving: Optional[list[str]] = _serving_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
@@ -503,8 +541,10 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
                last: int = typer.Option(10, min=1, max=100_000, help="decisions to show (1-100000)"),
                serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
     """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
-    from it, the store's stable record, canary phase and step, last decisions. Exits 1 when a
-    pod is unreachable."""
+    from it, the store's stable record, canary phase and step, last decisions, and a warning
+    when a canary is in progress and no controller was seen running (its heartbeat older than
+    $FLYWHEEL_CONTROLLER_SEEN_S plus its poll). Exits 1 when a pod does not answer or the
+    desired-state record is unreadable."""
     fmt = resolve(output, as_json)
     try:
         s = gather_status(serving, _timeout(serving_timeout_s, STATUS_TIMEOUT_S), last)
@@ -527,25 +567,33 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     if desired is not None:
         console.print(f"desired state: [bold]{desired.summary()}[/bold] (last change: {desired.action or '-'} "
                       f"by {desired.actor or '-'} at {_ts(desired.updated_ms)} UTC)")
+    elif s.record_err:
+        console.print(f"[red]error:[/red] {s.record_err}")
     t = Table(title="serving pods")
     for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
         t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
     ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
     dig = None if fmt == Format.wide else 12  # -o wide: whole digests
+    unknown = desired is None  # the record is unreadable: no pod can be called in sync
     for url, p, e, dr in s.rows:
-        if p is None:
-            t.add_row("?", url, "", "", "", "", "", "", f"[red]unreachable[/red]: {e}")
+        if p is None:  # the failure's kind, the word operator commands print for it too
+            t.add_row("?", url, "", "", "", "", "", "", f"[red]{dr[0] if dr else 'error'}[/red]: {e}")
             continue
         t.add_row(p.pod, url, p.stable.version, p.stable.weights_digest[:dig], ok[p.stable.digest_ok],
                   (p.candidate.version + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
-                  if p.candidate else "-", f"{p.candidate_weight:.0%}",
-                  _ts(p.stable.loaded_at), "[red]" + "; ".join(dr) + "[/red]" if dr else "in sync")
+                  if p.candidate else "-", f"{p.candidate_weight:.0%}", _ts(p.stable.loaded_at),
+                  "[red]" + "; ".join(dr) + "[/red]" if dr else "[red]unknown[/red] (record unreadable)" if unknown
+                  else "in sync")
     console.print(t)
     n_ok = sum(1 for _, _, _, dr in s.rows if not dr)
-    console.print(f"{n_ok} of {len(s.rows)} pods serve the desired state" + ("" if n_ok == len(s.rows) and s.rows
-                                                                              else " ([red]drift[/red])"))
+    if unknown:
+        console.print(f"[red]drift unknown:[/red] the desired state cannot be read, so no pod's drift from it can "
+                      f"be judged ({len(s.rows)} pods listed)")
+    else:
+        console.print(f"{n_ok} of {len(s.rows)} pods serve the desired state" +
+                      ("" if n_ok == len(s.rows) and s.rows else " ([red]drift[/red])"))
     if s.err:
-        console.print(f"[red]serving unreachable:[/red] {s.err}")
+        console.print(f"[red]serving error:[/red] {s.err}")
     if s.stable_rec:
         console.print(f"store stable record: {s.stable_rec['version']} (set by {s.stable_rec.get('actor') or '?'} "
                       f"at {_ts(s.stable_rec.get('at') or 0)} UTC)")
@@ -560,7 +608,6 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
                   f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
     lp = desired.paused if desired else None
     if s.record_err:
-        console.print(f"[red]desired-state record unreadable:[/red] {s.record_err}")
         console.print("learner: unknown (a learner that cannot read the record does not train)")
     else:
         console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "

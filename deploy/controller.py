@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -47,7 +48,7 @@ from pydantic.dataclasses import dataclass as config_dataclass
 from deploy import ledger
 from deploy.analysis import AnalysisConfig, ArmStats
 from deploy.decide import DEADLINE_OUTCOMES, Evidence, StepAction, StepPolicy, decide_step
-from modelstore.desired import DESIRED_FILE, CandidateChanged, DesiredState, FleetRecord, RecordUnreadable, drop_candidate
+from modelstore.desired import HEARTBEAT_FILE, CandidateChanged, DesiredState, FleetRecord, RecordUnreadable, drop_candidate
 from deploy.fleet import PodOutcome, reconcile_pods
 from deploy.fleet import summary as fleet_summary
 from deploy.history import user_history_covariate
@@ -378,6 +379,7 @@ class RolloutController:
         from deploy.metrics import ControllerMetrics
 
         self.exported = ControllerMetrics(self.config)  # Prometheus (flywheel controller --metrics-port)
+        self._beat_error: str | None = None  # why the last heartbeat could not be written (logged once)
 
     @property
     def status(self) -> RolloutStatus:
@@ -694,15 +696,37 @@ class RolloutController:
 
     def record_path(self) -> str:
         """Where the fleet's desired-state record lives (for messages)."""
-        return f"{str(self.store.root).rstrip('/')}/{'/'.join(DESIRED_FILE)}"
+        return self.fleet.path
+
+    def beat(self, poll_s: float | None, error: str | None = None) -> None:
+        """Write the controller's heartbeat beside the record (:meth:`modelstore.desired.FleetRecord.beat`:
+        now, this host and process, ``poll_s`` (None: ``--once``) and the last step's error), by
+        which ``flywheel status`` and ``canary start`` tell a running controller from none
+        (``deploy.status.controller_warning``). A heartbeat that cannot be written is logged
+        (once per reason), never stops the controller."""
+        try:
+            self.fleet.beat({"at": int(self.clock()), "host": socket.gethostname(), "pid": os.getpid(),
+                             "poll_s": poll_s, "error": error})
+            self._beat_error = None
+        except Exception as exc:  # noqa: BLE001 - any store error (a full disk, an object store's 5xx)
+            if str(exc) != self._beat_error:
+                self._beat_error = str(exc)
+                log.warning("controller heartbeat %s not written: %s", "/".join(HEARTBEAT_FILE), exc)
 
     def run_once(self, max_steps: int = 100) -> RolloutStatus:
-        """Reconcile until the rollout is terminal or idle, or a step holds (no progress)."""
-        st = self.reconcile()
-        for _ in range(max_steps):
-            if st.phase != RolloutPhase.CANARY or st.last_outcome == "HOLD":
-                break
+        """Reconcile until the rollout is terminal or idle, or a step holds (no progress); the
+        heartbeat (:meth:`beat`) is written before and after, whatever the step raised."""
+        self.beat(None)
+        try:
             st = self.reconcile()
+            for _ in range(max_steps):
+                if st.phase != RolloutPhase.CANARY or st.last_outcome == "HOLD":
+                    break
+                st = self.reconcile()
+        except Exception as exc:
+            self.beat(None, f"{type(exc).__name__}: {exc}")
+            raise
+        self.beat(None)
         return st
 
     def run_forever(self, poll_s: float, stop=None) -> None:
@@ -713,9 +737,14 @@ class RolloutController:
 
         An unreadable desired-state record (:class:`modelstore.desired.RecordUnreadable`) is one
         ERROR line naming the file and what to do, logged again only when the reason changes,
-        and one INFO line once it reads again; meanwhile no pod is called (they keep serving)."""
+        and one INFO line once it reads again; meanwhile no pod is called (they keep serving).
+
+        The heartbeat (:meth:`beat`) is written before the first step and after every step,
+        with the step's error, if any."""
         unreadable: str | None = None  # the reason last logged for an unreadable record
+        self.beat(poll_s)
         while not (stop and stop()):
+            err = None
             try:
                 self.reconcile()
                 if unreadable is not None:
@@ -723,6 +752,7 @@ class RolloutController:
                     unreadable = None
             except RecordUnreadable as exc:
                 self.exported.reconcile_failed()
+                err = f"desired-state record unreadable: {exc}"
                 if str(exc) != unreadable:
                     unreadable = str(exc)
                     log.error("desired-state record %s unreadable (%s): no pod is changed and no canary step "
@@ -731,8 +761,11 @@ class RolloutController:
                               "unpaused, with no candidate)", self.record_path(), exc)
             except ServingAdminError as exc:
                 self.exported.reconcile_failed()
+                err = str(exc)
                 log.warning("reconcile: %s", exc)
-            except Exception:  # noqa: BLE001 - the controller must outlive one bad step
+            except Exception as exc:  # noqa: BLE001 - the controller must outlive one bad step
                 self.exported.reconcile_failed()
+                err = f"{type(exc).__name__}: {exc}"
                 log.exception("reconcile failed")
+            self.beat(poll_s, err)
             time.sleep(poll_s)

@@ -79,7 +79,7 @@ class PodOutcome:
         if self.outcome == "behind":
             return f"{where}: NOT converged: still at generation {self.generation}: {self.error}; serves {serves}{did}"
         if self.outcome == "timeout":
-            return f"{where}: NOT converged (timeout: hung): {self.error}" + \
+            return f"{where}: NOT converged (timeout): {self.error}" + \
                 (f"; last seen serving {serves}{gen}" if self.stable else "")
         return f"{where}: NOT converged ({self.outcome}{': ' + self.failed_action if self.failed_action else ''}): " \
                f"{self.error}" + (f"; serves {serves}{gen}{did}" if self.stable else "")
@@ -285,13 +285,16 @@ def _each(fn, admins, d, deadline, budget, seeds=None) -> list[PodOutcome]:
 
 
 def observe_pods(admins: list[ServingAdmin], d: DesiredState | None) -> list[tuple[str, object, str | None, list[str]]]:
-    """Read-only: ``(url, slots or None, error or None, drift)`` per pod, in parallel; no drift
-    is computed when the desired state ``d`` is unknown (None: its record is unreadable)."""
+    """Read-only: ``(url, slots or None, error or None, drift)`` per pod, in parallel. A pod
+    that did not answer has the failure's kind as its drift (``timeout``, ``unreachable``,
+    ``server``, ``refused``: the words of :attr:`PodOutcome.outcome`, so ``flywheel status``
+    and an operator command name one state alike); no drift is computed when the desired
+    state ``d`` is unknown (None: its record is unreadable)."""
     def one(a):
         try:
             s = a.slots()
         except ServingAdminError as exc:
-            return a.base_url, None, str(exc), ["unreachable"]
+            return a.base_url, None, str(exc), [exc.kind]
         return a.base_url, s, None, (drift(s, d) if d is not None else [])
 
     if not admins:

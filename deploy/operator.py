@@ -14,9 +14,12 @@ pods still converge. The action returns by ``timeout_s`` whatever a pod does (hu
 SIGSTOPped, unreachable). A later change of the record by someone else (a newer generation
 with other serving fields) ends the watch: the action was superseded.
 
-Which pods: the serving specs the controller recorded in the desired state (``pods``), else
-the ones given (``--serving`` / ``$FLYWHEEL_SERVING_URL``). A URL that answers as more than one
-pod (a load balancer) is reported as such, never taken for one pod.
+Which pods: the serving specs recorded in the desired state (``pods``: by the controller, or
+by an earlier command), else the ones given (``--serving`` / ``$FLYWHEEL_SERVING_URL``); pods
+named with ``--serving`` while the record lists none are written into it with the action's
+change, so the record names the pods that must converge and later commands, ``flywheel
+status`` and a controller started without ``--serving`` reach the same ones. A URL that
+answers as more than one pod (a load balancer) is reported as such, never taken for one pod.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def pod_specs(desired: DesiredState, given: list[str] | None, default: str) -> t
     if desired.pods:
         note = None
         if given and set(given) != set(desired.pods):
-            note = (f"acting on the fleet's pods {', '.join(desired.pods)} (recorded by the controller); "
-                    f"--serving {', '.join(given)} is not that list and is not used")
+            note = (f"acting on the fleet's pods {', '.join(desired.pods)} (recorded in its desired state by the "
+                    f"controller or an earlier command); --serving {', '.join(given)} is not that list and is not "
+                    "used")
         return list(desired.pods), note
     return list(given or [default]), None
 

@@ -48,7 +48,7 @@ RUNBOOK: list[tuple[str, str, str]] = [
      "`flywheel rollback --to vNNNNNN --yes --reason '...'` moves the desired state and every pod together; "
      "never promote by hand on /admin (the pod's own watch and the controller undo it: drift)"),
     ("An operator command prints 'not converged: ... k of n pods serve it' and exits 1",
-     "the lines above it name each pod and why (still at generation N, timeout: hung, unreachable, HTTP 5xx, "
+     "the lines above it name each pod and why (still at generation N, timeout, unreachable, HTTP 5xx, "
      "refused); the ledger row FLEET_NOT_CONVERGED carries numbers.pods.by_pod; `flywheel status` shows each "
      "pod and its drift",
      "nothing to redo: the desired state is set; each pod converges to it by itself (it reads the record every "
@@ -87,6 +87,12 @@ RUNBOOK: list[tuple[str, str, str]] = [
     ("Controller process died mid-canary",
      "`flywheel status`: the last ledger decisions (step, weight); serving keeps the current weights meanwhile",
      "restart `flywheel controller`: it resumes from the ledger at the same step (the status file is only a cache)"),
+    ("A canary stays at its first step; `flywheel status` or `canary start` warns 'no controller has been seen'",
+     "the warning names the controller's heartbeat (fleet/controller.json beside the record, rewritten at every "
+     "poll) and its age; a controller counts as running within $FLYWHEEL_CONTROLLER_SEEN_S (default 60 s) plus "
+     "its --poll-s",
+     "start `flywheel controller` (or step it with `flywheel controller --once`), or end the canary by hand: "
+     "`flywheel promote --yes` / `flywheel canary abort --yes`"),
     ("Serving slow or erroring after a promotion",
      "serving `/metrics` (latency, errors, swap pause) and `flywheel status` (which version is stable)",
      "`flywheel rollback --yes`"),

@@ -7,12 +7,14 @@ cannot be read (the part's error is in the result). Rendering stays in ``deploy.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
 from deploy import ledger
-from deploy.controller import RolloutStatus, current_status, status_with_record
-from modelstore.desired import DesiredState, FleetRecord
+from deploy.controller import RolloutPhase, RolloutStatus, current_status, status_with_record
+from modelstore.desired import DESIRED_FILE, HEARTBEAT_FILE, DesiredState, FleetRecord
 from deploy.discovery import PodDiscovery
 from deploy.fleet import drift, observe_pods
 from deploy.operator import pod_specs
@@ -20,8 +22,15 @@ from deploy.serving_client import ServingAdminError
 from modelstore.store import ModelStore
 from deploy.wiring import SetupError, admin, rollout_status_path
 from schemas import settings
+from schemas.events import now_ms
 
 STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
+
+CONTROLLER_SEEN_ENV = "FLYWHEEL_CONTROLLER_SEEN_S"
+# A controller counts as running while its heartbeat (fleet/controller.json, rewritten after
+# every poll) is younger than this plus the --poll-s it declares there (s). Past it, `flywheel
+# status` and `flywheel canary start` warn that nothing advances a canary in progress.
+CONTROLLER_SEEN_S = 60.0
 
 RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable.json "
                  "(the copy of its last stable version and generation), unpaused, with no candidate, and every pod "
@@ -33,6 +42,72 @@ def ts(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%m-%d %H:%M:%S")
 
 
+def controller_seen_s() -> float:
+    """How recently a controller must have written its heartbeat to count as running, before
+    its own ``--poll-s`` is added (s): ``$FLYWHEEL_CONTROLLER_SEEN_S``, else
+    :data:`CONTROLLER_SEEN_S`.
+
+    Raises:
+        ValueError: the variable is not a number of seconds > 0 (names it).
+    """
+    raw = os.environ.get(CONTROLLER_SEEN_ENV, "").strip()
+    if not raw:
+        return CONTROLLER_SEEN_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{CONTROLLER_SEEN_ENV}: must be a number of seconds > 0, got {raw!r}")
+    return v
+
+
+def controller_seen(fleet: FleetRecord, seen_s: float, now: int | None = None) -> dict:
+    """Whether a controller runs, judged by its heartbeat (``fleet/controller.json``,
+    :meth:`modelstore.desired.FleetRecord.beat`): ``{"heartbeat": the last one or None,
+    "file": its path, "age_s": seconds since it was written or None, "limit_s": seen_s plus
+    the controller's declared poll_s, "running": bool, "error": why the file is unreadable or
+    None}``. A heartbeat written in the future (clocks apart) counts as running. ``now``: ms
+    since epoch (default now)."""
+    path = f"{str(fleet.store.root).rstrip('/')}/{'/'.join(HEARTBEAT_FILE)}"
+    out = {"heartbeat": None, "file": path, "age_s": None, "limit_s": seen_s, "running": False, "error": None}
+    try:
+        b = fleet.last_beat()
+    except (OSError, ValueError) as exc:
+        out["error"] = str(exc)
+        return out
+    if b is None:
+        return out
+    poll = b.get("poll_s")
+    limit = seen_s + (float(poll) if isinstance(poll, (int, float)) and not isinstance(poll, bool) else 0.0)
+    age = ((now_ms() if now is None else now) - b["at"]) / 1000
+    out.update(heartbeat=b, age_s=age, limit_s=limit, running=age <= limit)
+    return out
+
+
+def controller_warning(seen: dict, desired: DesiredState | None, step: int | None = None) -> str | None:
+    """What to tell the operator when a canary is in the fleet's desired state and no
+    controller was seen running (``seen``: :func:`controller_seen`): nothing analyses,
+    advances, promotes or rolls back the canary until one runs. None otherwise. ``step``:
+    the canary's step, when known."""
+    if desired is None or desired.candidate is None or seen["running"]:
+        return None
+    at = f"step {step} ({desired.weight:.0%})" if step is not None and step >= 0 else f"{desired.weight:.0%}"
+    b = seen["heartbeat"]
+    if seen["error"]:
+        why = f"its heartbeat {seen['file']} is unreadable ({seen['error']})"
+    elif b is None:
+        why = f"no controller has run: {seen['file']} (the heartbeat `flywheel controller` writes at every poll) " \
+              "does not exist"
+    else:
+        why = (f"no controller has been seen for {seen['age_s']:.0f} s: its last heartbeat ({seen['file']}, "
+               f"{b.get('host') or '?'} pid {b.get('pid') or '?'}, at {ts(b['at'])} UTC) is older than "
+               f"{seen['limit_s']:g} s (${CONTROLLER_SEEN_ENV} plus its --poll-s)")
+    return (f"the canary of {desired.candidate} is in progress but {why}; it stays at {at} until a controller "
+            "runs: start `flywheel controller` (or step it with `flywheel controller --once`), or end it by hand "
+            "(`flywheel promote --yes` / `flywheel canary abort --yes`)")
+
+
 def discover_pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float) -> tuple[PodDiscovery, str | None]:
     """The fleet's pods: the specs the controller recorded in the desired state, else
     ``serving`` / ``$FLYWHEEL_SERVING_URL`` (:func:`deploy.operator.pod_specs`), each call
@@ -41,11 +116,15 @@ def discover_pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: floa
     Raises:
         SetupError: a pod spec that is no URL or ``dns+http://`` spec (``usage``).
     """
+    unreadable = False
     try:
         d = fleet.read()
-    except ValueError:
-        d = DesiredState()
+    except (OSError, ValueError):
+        d, unreadable = DesiredState(), True
     specs, note = pod_specs(d, serving, settings.serving_url())
+    if unreadable:
+        note = (f"the fleet's pod list is in the unreadable desired-state record: showing {', '.join(specs)} "
+                "(--serving, else $FLYWHEEL_SERVING_URL)")
     try:
         return PodDiscovery(specs, lambda u: admin(u, timeout_s)), note
     except ValueError as exc:
@@ -91,8 +170,10 @@ class FleetStatus:
             (``ModelStore.stable_record``; None when the store is unreadable: ``err``).
         rows: ``(url, slots or None, error or None, drift lines)`` per pod.
         err: the first error reaching the store or a pod ("no serving pod found" when none).
-        record_err: why the desired-state record cannot be read, with how to repair it.
-        warnings: :func:`status_warnings` of every pod.
+        record_err: the desired-state record's path and why it cannot be read, with how to
+            repair it; the pods' drift is then unknown (never "in sync").
+        warnings: :func:`status_warnings` of every pod, then :func:`controller_warning`.
+        controller: :func:`controller_seen` (None when the store is unreadable).
         rollout: the controller's rollout status; decisions: the last ledger rows.
         note: where the pods came from, when worth saying (table output only).
     """
@@ -106,6 +187,7 @@ class FleetStatus:
     rollout: RolloutStatus = field(default_factory=RolloutStatus)
     decisions: list = field(default_factory=list)
     note: str | None = None
+    controller: dict | None = None
 
     @property
     def first(self):
@@ -124,23 +206,30 @@ class FleetStatus:
         return {"desired": asdict(d) if d else None,
                 "pods": [{"url": u, "slots": s.model_dump() if s else None, "error": e, "drift": dr}
                          for u, s, e, dr in self.rows],
-                "converged": bool(self.rows) and all(not dr for _, _, _, dr in self.rows),
+                "converged": None if d is None else bool(self.rows) and all(not dr for _, _, _, dr in self.rows),
                 "serving": first.model_dump() if first else None, "serving_error": self.err,
                 "stable_record": self.stable_rec, "warnings": self.warnings,
                 "rollout": sd,
                 "learner": {"paused": d.paused if d else None},
                 "desired_error": self.record_err,
+                "controller": self.controller,
                 "decisions": [asdict(x) for x in self.decisions]}
 
 
 def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S, last: int = 10) -> FleetStatus:
     """Read the fleet's status: the store at ``schemas.settings.store_dir()``, its desired-state
     record, every pod (``serving`` when the record lists none; each call bounded by
-    ``timeout_s``, s), the rollout status and the ``last`` ledger decisions.
+    ``timeout_s``, s), the rollout status, the controller's heartbeat and the ``last`` ledger
+    decisions.
 
     Raises:
-        SetupError: a pod spec that is no URL or ``dns+http://`` spec (``usage``).
+        SetupError: a pod spec that is no URL or ``dns+http://`` spec, or a bad
+            ``$FLYWHEEL_CONTROLLER_SEEN_S`` (``usage``).
     """
+    try:
+        seen_s = controller_seen_s()
+    except ValueError as exc:
+        raise SetupError(str(exc), usage=True) from None
     out = FleetStatus()
     try:
         store = ModelStore(settings.store_dir())
@@ -152,8 +241,10 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
     if fleet is not None:
         try:
             out.desired = fleet.read()
-        except ValueError as exc:  # the pods are still shown, without drift (there is nothing to compare)
-            out.record_err = f"{exc} ({RECORD_REPAIR})"
+        except (OSError, ValueError) as exc:  # the pods are still shown, their drift unknown
+            why = str(exc).removeprefix(f"{'/'.join(DESIRED_FILE)}: ")
+            out.record_err = f"desired-state record unreadable: {fleet.path}: {why} ({RECORD_REPAIR})"
+        out.controller = controller_seen(fleet, seen_s)
         pods, out.note = discover_pods(fleet, serving, timeout_s)
         try:
             out.rows = observe_pods(pods(), out.desired)
@@ -163,5 +254,10 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
     out.err = out.err or (errors[0] if errors else None) or (None if out.rows else "no serving pod found")
     out.warnings = [w for _, s, _, _ in out.rows for w in status_warnings(s, out.desired)]
     out.rollout = status_with_record(current_status(rollout_status_path(), settings.ledger_path()), out.desired)
+    if out.controller is not None:
+        w = controller_warning(out.controller, out.desired,
+                               out.rollout.step if out.rollout.phase == RolloutPhase.CANARY else None)
+        if w:
+            out.warnings.append(w)
     out.decisions = ledger.decisions(settings.ledger_path(), limit=last)
     return out

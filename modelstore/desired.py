@@ -15,6 +15,7 @@ Layout under the store's root::
 
     fleet/desired.json      the record (JSON of :class:`DesiredState`)
     fleet/.lock             flock held by one writer at a time
+    fleet/controller.json   the controller's heartbeat (:meth:`FleetRecord.beat`), rewritten at every poll
     fleet/ledger.duckdb     the deployment ledger beside it (``schemas.settings.ledger_path()``)
 
 Concurrency: on a local (or NFS/RWX-mounted) store, a change holds an exclusive ``flock`` on
@@ -43,12 +44,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 from schemas.events import now_ms
 from schemas.manifest import version_number
-from schemas.pod_target import MAX_GENERATION
+from schemas.pod_target import MAX_GENERATION, check_consistent
 
 log = logging.getLogger(__name__)
 
 DESIRED_FILE = ("fleet", "desired.json")
 LOCK_FILE = ("fleet", ".lock")
+HEARTBEAT_FILE = ("fleet", "controller.json")
 HISTORY_MAX = 200  # stable changes kept in the record (the ledger keeps them all)
 
 
@@ -86,9 +88,10 @@ class DesiredState:
             epoch, the pod's ``loaded_at``) reloads ``stable`` from the store, verified
             (``flywheel rollback --to <the current stable>``); 0 = no reload asked.
         paused: ``{"actor", "at" (ms), "reason"}`` while the learner is paused, else None.
-        pods: the serving specs the controller discovers pods from (URLs or
-            ``dns+http://`` specs, :mod:`deploy.discovery`), so an operator command on any
-            machine reaches the same pods; [] until a controller recorded them.
+        pods: the serving specs of the pods that must converge (URLs or ``dns+http://``
+            specs, :mod:`deploy.discovery`), so an operator command on any machine reaches the
+            same pods: the controller's (it records the ones it discovers from), else the ones
+            the first operator command named with ``--serving``; [] until either recorded them.
         history: the stable versions in the order they became stable, oldest first, the last
             being ``stable`` (``{"version", "at" (ms), "actor", "reason", "generation"}``, the
             newest :data:`HISTORY_MAX`); ``flywheel rollback`` without ``--to`` goes back
@@ -112,8 +115,9 @@ class DesiredState:
 
     def validate(self) -> "DesiredState":
         """Raise ValueError naming the field when the record is inconsistent (the rules of the
-        pods' :class:`schemas.pod_target.PodTarget`, so what the record holds a pod can take);
-        returns self."""
+        pods' :class:`schemas.pod_target.PodTarget`, so what the record holds a pod can take;
+        how the serving fields tie together is :func:`schemas.pod_target.check_consistent`,
+        the one place of that rule); returns self."""
         for name in ("generation", "reload_after_ms"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_GENERATION:
@@ -128,10 +132,7 @@ class DesiredState:
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
                 or not 0.0 <= float(self.weight) <= 1.0:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
-        if self.candidate is None and self.weight:
-            raise ValueError(f"weight: {self.weight} with no candidate")
-        if self.candidate is not None and self.candidate == self.stable:
-            raise ValueError(f"candidate: {self.candidate} is also the stable version")
+        check_consistent(self.stable, self.candidate, self.weight)
         return self
 
     def to_json(self) -> bytes:
@@ -186,6 +187,11 @@ class FleetRecord:
         self._tlock = FleetRecord._local_locks.setdefault(self._key, threading.RLock())
 
     # -- reading ----------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """Where the record lives, for messages (``/shared/store/fleet/desired.json``)."""
+        return f"{str(self.store.root).rstrip('/')}/{'/'.join(DESIRED_FILE)}"
+
     def exists(self) -> bool:
         return self.store._exists(*DESIRED_FILE)
 
@@ -198,6 +204,39 @@ class FleetRecord:
         except FileNotFoundError:
             return DesiredState(generation=0, stable=self.store.stable())
         return DesiredState.from_json(raw)
+
+    # -- the controller's heartbeat -----------------------------------------------------------
+    def beat(self, beat: dict) -> None:
+        """Replace the controller's heartbeat ``fleet/controller.json`` with ``beat`` (JSON-ready:
+        ``{"at" (ms since epoch), "host", "pid", "poll_s" (s, None for --once), "error"}``),
+        beside the record on the shared storage, so an operator on any machine can tell a
+        running controller from none. Not under the fleet lock: one writer, one atomic replace.
+
+        Raises:
+            OSError: the file could not be written.
+        """
+        if self.store.fs is None:
+            (self.store.root / HEARTBEAT_FILE[0]).mkdir(parents=True, exist_ok=True)
+        self.store._put_atomic(json.dumps(beat).encode(), *HEARTBEAT_FILE)
+
+    def last_beat(self) -> dict | None:
+        """The controller's last heartbeat (:meth:`beat`), or None when no controller ever wrote one.
+
+        Raises:
+            ValueError: the file exists but is not a heartbeat (names the file and the reason).
+            OSError: the file could not be read.
+        """
+        try:
+            raw = self.store._read(*HEARTBEAT_FILE)
+        except FileNotFoundError:
+            return None
+        try:
+            b = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"{'/'.join(HEARTBEAT_FILE)}: not JSON: {exc}") from None
+        if not isinstance(b, dict) or isinstance(b.get("at"), bool) or not isinstance(b.get("at"), int):
+            raise ValueError(f"{'/'.join(HEARTBEAT_FILE)}: no whole number 'at' (ms since epoch)")
+        return b
 
     # -- locking ----------------------------------------------------------------------------
     @contextmanager

@@ -30,6 +30,21 @@ from schemas.manifest import VERSION_PATTERN
 MAX_GENERATION = 2**53  # a generation or time past this is refused: no record counts that far
 
 
+def check_consistent(stable: str | None, candidate: str | None, weight: float) -> None:
+    """The rules that tie a target's serving fields together, for :class:`PodTarget` and for
+    the fleet's record (``modelstore.desired.DesiredState.validate``) alike: a weight needs a
+    candidate, and the candidate is not the stable version.
+
+    Raises:
+        ValueError: naming the field (``weight: 0.5 with no candidate``, ``candidate: v000002
+            is also the stable version``).
+    """
+    if candidate is None and weight:
+        raise ValueError(f"weight: {weight} with no candidate")
+    if candidate is not None and candidate == stable:
+        raise ValueError(f"candidate: {candidate} is also the stable version")
+
+
 class PodTarget(BaseModel):
     """What one pod should serve.
 
@@ -56,10 +71,7 @@ class PodTarget(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "PodTarget":
-        if self.candidate is None and self.weight:
-            raise ValueError(f"weight: {self.weight} with no candidate")
-        if self.candidate is not None and self.candidate == self.stable:
-            raise ValueError(f"candidate: {self.candidate} is also the stable version")
+        check_consistent(self.stable, self.candidate, self.weight)
         return self
 
     def serving_fields(self) -> tuple:
