@@ -100,6 +100,8 @@ class KeyedState:
         self.n: int | None = None
         self._loaded = False
         self.checkpoints = 0
+        self.restored = (0, 0, 0)  # rows the last restore read: (labels, dedupe, sealed)
+        self._homes: dict[str, int] = {}  # event_id -> its partition, of the batch being folded
         self._reset()
 
     def _reset(self) -> None:
@@ -118,7 +120,7 @@ class KeyedState:
         self._d_labels: set[str] = set()  # put or deleted since the checkpoint
         self._d_claims: set[str] = set()  # claimed or unclaimed since the checkpoint (the row is not rewritten)
         self._d_events: list[tuple[str, str, int]] = []
-        self._d_dead: list[tuple[str, int]] = []
+        self._d_dead: list[tuple[str, int, int | None]] = []  # (event_id, at, partition or None)
         self._d_sealed: list[tuple[str, int, str]] = []
         self._prune_before: int | None = None
 
@@ -130,6 +132,7 @@ class KeyedState:
     def _load(self, parts: set[int] | None, n: int | None) -> None:
         """Replace the memory with the checkpoint store's state of ``parts`` (None: all)."""
         labels, events, sealed = self.backing.snapshot(None if parts is None else sorted(parts), n)
+        self.restored = (len(labels), len(events), len(sealed))
         self._reset()
         for cid, state, due, claim, owner, has_body in labels:
             self.labels[cid] = LabelState.from_json(state)
@@ -219,10 +222,12 @@ class KeyedState:
     def assign(self, parts, n: int) -> dict[int, int]:
         """Take ownership of partitions ``parts`` of ``n`` in the checkpoint store (a new
         epoch for each one taken over) and restore their state from it: the labels whose
-        ``completion_id`` has its home partition there, and the dedupe and sealed rows of
-        those labels (dead-lettered events, which carry no completion, are kept by every
-        partition). What changed since the last checkpoint is checkpointed first (dropped if a
-        partition was taken over meanwhile: the new owner replays it). Returns ``{part: epoch}``.
+        ``completion_id`` has its home partition there, the dedupe and sealed rows of those
+        labels and the dedupe rows of the events dead-lettered there (those dead-lettered with
+        no known partition are kept by every partition); only those rows are read
+        (``docs/decisions.md`` D88; their counts are :attr:`restored`). What changed since the
+        last checkpoint is checkpointed first (dropped if a partition was taken over
+        meanwhile: the new owner replays it). Returns ``{part: epoch}``.
 
         Raises:
             ingest.store.Fenced: the previous owner's checkpoint held a partition too long
@@ -463,14 +468,29 @@ class KeyedState:
                 if self._record(eid, cid, at):
                     self._d_events.append((eid, cid, at))
 
-    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
-        """See :meth:`ingest.store.JoinStore.mark_dead`."""
+    def event_homes(self, homes: dict[str, int]) -> None:
+        """The partitions (``{event_id: partition}``) of the feedback events of the batch about
+        to be folded, each the one it was consumed from, which is its completion's home
+        partition (only records in their home partition are folded). An event among them
+        that is dead-lettered with no partition given (:meth:`mark_dead`: a late vote dropped
+        in the fold, or the worker recording the batch's dead letters once published) is
+        checkpointed in its partition, so that only that partition's restore reads it. Kept
+        until the next call."""
+        self._homes = homes
+
+    def mark_dead(self, eids: list[str], at: int | None = None, parts: list[int | None] | None = None) -> None:
+        """See :meth:`ingest.store.JoinStore.mark_dead` (an event without a partition in
+        ``parts`` takes the one :meth:`event_homes` gave it, if any)."""
         at = int(time.time() * 1000) if at is None else at
+        if parts is not None and len(parts) != len(eids):
+            raise ValueError(f"parts: {len(parts)} partitions for {len(eids)} event ids (one per event, or None)")
         with self._lock:
             self._ensure()
-            for eid in eids:
+            homes = self._homes
+            for i, eid in enumerate(eids):
                 if self._record(eid, None, at):
-                    self._d_dead.append((eid, at))
+                    p = parts[i] if parts is not None else None
+                    self._d_dead.append((eid, at, homes.get(eid) if p is None else int(p)))
 
     def is_sealed(self, cid: str) -> bool:
         """See :meth:`ingest.store.JoinStore.is_sealed`."""
@@ -595,9 +615,11 @@ class KeyedState:
         """One checkpoint's transaction (see :meth:`checkpoint`)."""
         if self.parts is not None and not self.parts and (puts or dels or mine or unclaim or self._d_sealed):
             raise Fenced(f"{len(puts) + len(dels)} label(s) changed while {self.owner} holds no partition")
-        dead_at: dict[int, list[str]] = {}
-        for eid, at in self._d_dead:
-            dead_at.setdefault(at, []).append(eid)
+        dead_at: dict[int, tuple[list[str], list[int | None]]] = {}
+        for eid, at, part in self._d_dead:
+            eids, parts = dead_at.setdefault(at, ([], []))
+            eids.append(eid)
+            parts.append(part)
         with b.transaction():
             if self.parts is not None:
                 b.fence_ownership(self.parts)
@@ -607,8 +629,8 @@ class KeyedState:
             for cid in unclaim:
                 b.unclaim(cid)
             b.add_events(self._d_events)
-            for at, eids in dead_at.items():
-                b.mark_dead(eids, at)
+            for at, (eids, parts) in dead_at.items():
+                b.mark_dead(eids, at, parts)
             b.mark_sealed_many(self._d_sealed)
             if self._prune_before is not None:
                 b.prune(self._prune_before)

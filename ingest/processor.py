@@ -2,12 +2,14 @@
 
 :class:`Processor` is what the stream runtime (:class:`ingest.worker.Worker`: group
 membership, offset commits, fencing, the internal topic of forwarded records, retries,
-checkpoint cadence) runs. It holds the join state of the worker's partitions in memory
-(:class:`ingest.keyed.KeyedState`, checkpointed to the state store), and it is testable
-alone: hand :meth:`Processor.fold` a batch as ``getmany`` returns it (``{TopicPartition:
-[ConsumerRecord]}``, any objects with ``topic``/``partition`` and ``key``/``value``/
-``offset``/``headers``) and call :meth:`Processor.seal_round`; ``tests/test_ingest_poison.py``
-does.
+checkpoint cadence, the fold and seal threads) holds and calls, as a Kafka Streams
+StreamThread runs its processors. It holds the join state of the worker's partitions in
+memory (:class:`ingest.keyed.KeyedState`, checkpointed to the state store) and owns no thread,
+consumer or producer, so it is testable alone: hand :meth:`Processor.fold` a batch as
+``getmany`` returns it (``{TopicPartition: [ConsumerRecord]}``, any objects with
+``topic``/``partition`` and ``key``/``value``/``offset``/``headers``) and call
+:meth:`Processor.seal_round`; ``tests/test_ingest_poison.py`` does (through the worker's
+delegating methods), ``tests/test_ingest_restore_partition.py`` directly.
 
 * :meth:`Processor.fold`: validate each record (malformed -> dead letter with field and
   reason; of a completion only the head the join needs, ``ingest.join.parse_completion``: its
@@ -31,7 +33,6 @@ import json
 import logging
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -102,6 +103,8 @@ class Processor:
         store: the :class:`ingest.keyed.KeyedState` (an ``ingest.store.JoinStore``).
         joiner: the :class:`ingest.join.Joiner` over it.
         metrics: the :class:`ingest.metrics.IngestMetrics` it updates.
+        partition_count: partitions of the consumed topics, set by the runtime from the
+            assignment; None (no Kafka): every record is folded where it was consumed.
     """
 
     def __init__(self, cfg):
@@ -114,24 +117,15 @@ class Processor:
         # records found elsewhere are forwarded there through the internal topic (ingest.partition)
         self.scoped = True
         self.rekeyed = self.topics.rekeyed
-        self._n: int | None = None  # partitions of the consumed topics (from the assignment)
+        self.partition_count: int | None = None  # partitions of the consumed topics (from the assignment)
         self.joiner = Joiner(self.store, cfg.join, decode=completion_decoder(), topics=self.topics)
         self.metrics = IngestMetrics(self.topics)  # Prometheus: GET /metrics on worker_port
         self.dead_dir = catalog.deadletters_dir(cfg.samples_dir)
         # a dead-letter file was written since the last housekeeping (for the catalog refresh)
         self._wrote_dead = False
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-seal")
-        # the fold runs off the event loop so that aiokafka's next fetch overlaps it
-        self._fold_pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-fold")
-        self._t = {"recover": time.monotonic(), "prune": 0.0, "stats": 0.0, "cat_at": 0.0, "collect": 0.0,
-                   "rekeyed": time.monotonic()}
+        self._t = {"recover": time.monotonic(), "prune": 0.0, "stats": 0.0, "cat_at": 0.0, "collect": 0.0}
         self._cat = {"samples": False, "dead": False}
         self._last_stats: dict | None = None
-
-    def take_partitions(self) -> bool:
-        """Take the partitions of an assignment the runtime has not handed over yet (none
-        here: a processor run without Kafka folds every partition). Returns True."""
-        return True
 
     # -- the fold --------------------------------------------------------------------------
     def fold(self, batch: dict) -> tuple[list[DeadLetter], list[str], dict[str, int], list]:
@@ -147,7 +141,6 @@ class Processor:
         Raises:
             ingest.state_pg.Fenced: another worker took over one of the batch's partitions.
         """
-        self.take_partitions()
         comps, fbs, dead = [], [], []
         malformed = {"deadletter_malformed_completion": 0, "deadletter_malformed_feedback": 0,
                      "deadletter_future": 0}
@@ -171,7 +164,10 @@ class Processor:
                     (comps if is_c else fbs).append((ev, r.value, tp))
         forward: list[tuple[int, bytes, bytes, str]] = []
         comps = self._route(comps, tc, forward, n)
-        fbs = self._route(fbs, self.joiner.tf, forward, n)
+        homes: dict[str, int] = {}
+        fbs = self._route(fbs, self.joiner.tf, forward, n, homes)
+        # a vote dead-lettered in this batch is recorded in its partition (D88)
+        self.store.event_homes(homes)
         parts = {tp.partition for tp in batch}
         try:
             outc, outs = self._fold_tx(comps, fbs, now, parts, n)
@@ -225,17 +221,22 @@ class Processor:
                                                        item[1], now)))
         return outc, outs
 
-    def _route(self, items: list, src: str, forward: list, n: dict[str, int]) -> list:
+    def _route(self, items: list, src: str, forward: list, n: dict[str, int],
+               event_homes: dict[str, int] | None = None) -> list:
         """``(event, raw)`` of the ``(event, raw, TopicPartition)`` items to fold here; those
         outside their home partition (partition-scoped store only) are appended to ``forward``
-        as ``(home, key, raw, src)`` and counted in ``forwarded_*``."""
-        if not (self.scoped and self._n) or not items:
+        as ``(home, key, raw, src)`` and counted in ``forwarded_*``. ``event_homes`` (feedback)
+        receives ``{event_id: partition}`` of the items folded here, when the partition count
+        is known."""
+        if not (self.scoped and self.partition_count) or not items:
             return [(ev, raw) for ev, raw, _ in items]
-        homes = home_partitions([str(ev.completion_id) for ev, _, _ in items], self._n)
+        homes = home_partitions([str(ev.completion_id) for ev, _, _ in items], self.partition_count)
         here = []
         for (ev, raw, tp), h in zip(items, homes):
             if h == tp.partition:  # (a forwarded record is home: it was sent to partition h)
                 here.append((ev, raw))
+                if event_homes is not None:
+                    event_homes[str(ev.event_id)] = h
             else:
                 forward.append((h, str(ev.completion_id).encode(), raw, src))
                 n["forwarded_completions" if src == self.joiner.tc else "forwarded_feedback"] += 1
@@ -303,6 +304,12 @@ class Processor:
             msgs.extend((str(x.completion_id).encode(), v) for x, v in zip(samples, values))
         self.metrics.seal_round.observe(time.perf_counter() - t0)
         return msgs, orphans, more
+
+    def dead_letters_written(self, dead: list[DeadLetter]) -> None:
+        """The runtime published ``dead`` and wrote their dead-letter file: counted, and the
+        catalog's dead-letter view refreshed at the next :meth:`housekeeping`."""
+        self._wrote_dead = True
+        self.metrics.dead_letters(dead)
 
     def _encoder(self, path: str, first_row: int):
         """The samples-topic encoder of shard ``path`` for rows from ``first_row`` on."""

@@ -34,11 +34,23 @@ Tables:
         ``off`` of body segment ``seg`` (see below), or inline in ``body`` (``:memory:``
         stores, and files migrated from an earlier layout). Written once, read once at
         sealing, deleted with the label.
-    events(event_id, completion_id, at ms): every feedback event folded or dead-lettered
-        within the retention horizon (the dedupe set; ``completion_id`` NULL for
+    events(event_id, completion_id, at ms, part): every feedback event folded or
+        dead-lettered within the retention horizon (the dedupe set; ``completion_id`` NULL for
         dead-lettered ones).
-    sealed(completion_id, sealed_at ms, shard): labels already written.
+    sealed(completion_id, sealed_at ms, shard, part): labels already written.
     counters(name, value).
+    meta(name, value): ``partition_count``, the partition count the ``part`` columns were
+        computed with.
+
+Partitions (``docs/decisions.md`` D88): ``labels``, ``events`` and ``sealed`` rows carry
+``part``, the home partition of their ``completion_id`` (``ingest.partition``), so that a
+restore (:meth:`StateStore.snapshot`) reads the rows of the partitions it takes only (index
+on ``part``). A dead-lettered event's row carries the partition it was folded in when the
+caller gives it (``mark_dead(parts=)``), else NULL: read by every restore. ``part`` is NULL
+where the partition count was not known when the row was written (no :meth:`StateStore.
+assign` yet: in-process use) and in files of an earlier layout (the column is added at
+open); :meth:`StateStore.take_ownership` fills those from the ``completion_id`` once the
+count is known, and recomputes every row if the count changed.
 
 Body segments: completion bodies are appended to ``<state>.bodies/<owner>.<n>.seg``, one
 open segment per worker (so workers never contend on it), rotated at ``SEGMENT_BYTES``. The
@@ -67,29 +79,34 @@ from pathlib import Path
 from schemas import topics
 
 from ingest.label import LabelState
-from ingest.partition import home_partitions
 from ingest.store import Fenced, JoinStore, StoreBase, _in_parts, default_owner
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS labels(completion_id TEXT PRIMARY KEY, state TEXT NOT NULL,
-    due_at INTEGER NOT NULL, claim TEXT, owner TEXT);
+    due_at INTEGER NOT NULL, claim TEXT, owner TEXT, part INTEGER);
 CREATE INDEX IF NOT EXISTS labels_due ON labels(due_at);
 CREATE TABLE IF NOT EXISTS completions(completion_id TEXT PRIMARY KEY, seg TEXT, off INTEGER, len INTEGER,
     body BLOB);
-CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at INTEGER);
-CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at INTEGER NOT NULL, shard TEXT);
+CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at INTEGER, part INTEGER);
+CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at INTEGER NOT NULL, shard TEXT,
+    part INTEGER);
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS partitions(part INTEGER PRIMARY KEY, owner TEXT, epoch INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS offsets(topic TEXT NOT NULL, part INTEGER NOT NULL, next_offset INTEGER NOT NULL,
     PRIMARY KEY(topic, part));
+CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 # additive migrations of files written by an earlier layout: (table, column, type)
-_COLUMNS = (("labels", "owner", "TEXT"), ("events", "at", "INTEGER"))
+_COLUMNS = (("labels", "owner", "TEXT"), ("events", "at", "INTEGER"), ("labels", "part", "INTEGER"),
+            ("events", "part", "INTEGER"), ("sealed", "part", "INTEGER"))
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS labels_claim ON labels(claim) WHERE claim IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_at ON events(at);
 CREATE INDEX IF NOT EXISTS sealed_at ON sealed(sealed_at);
 CREATE INDEX IF NOT EXISTS completions_seg ON completions(seg) WHERE seg IS NOT NULL;
+CREATE INDEX IF NOT EXISTS labels_part ON labels(part);
+CREATE INDEX IF NOT EXISTS events_part ON events(part);
+CREATE INDEX IF NOT EXISTS sealed_part ON sealed(part);
 """
 SEGMENT_BYTES = 64 << 20  # a worker's body segment is rotated past this size (bytes)
 CACHE_KIB = 65536  # SQLite page cache per connection (KiB; default 2 MiB)
@@ -181,9 +198,15 @@ class StateStore(StoreBase):
     # -- partitions (one shared file: every worker sees every label) ------------------------
     def assign(self, parts, n: int) -> dict[int, int]:
         """Record Kafka's assignment to this worker. The state is one file shared by the
-        host's workers, so labels are not scoped to it (``ingest.state_pg`` is). Returns
-        ``{part: 0}``."""
-        self._parts = sorted(set(parts))
+        host's workers, so labels are not scoped to it (``ingest.state_pg`` is); rows written
+        from now on carry their home partition among ``n``. Returns ``{part: 0}``.
+
+        Raises:
+            ValueError: ``n`` < 1.
+        """
+        if n < 1:
+            raise ValueError(f"n: partition count must be >= 1, got {n}")
+        self._parts, self._n = sorted(set(parts)), n
         return {p: 0 for p in self._parts}
 
     def revoke(self) -> None:
@@ -406,9 +429,11 @@ class StateStore(StoreBase):
         only if none is stored yet (first wins); ``""``/None store nothing."""
         if not items:
             return
-        self.db.executemany("INSERT INTO labels(completion_id, state, due_at) VALUES(?,?,?) ON CONFLICT"
-                            "(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at",
-                            [(st.completion_id, st.to_json(), due) for st, due in items])
+        homes = self._homes([st.completion_id for st, _ in items])
+        self.db.executemany("INSERT INTO labels(completion_id, state, due_at, part) VALUES(?,?,?,?) ON CONFLICT"
+                            "(completion_id) DO UPDATE SET state=excluded.state, due_at=excluded.due_at, "
+                            "part=coalesce(excluded.part, labels.part)",
+                            [(st.completion_id, st.to_json(), due, h) for (st, due), h in zip(items, homes)])
         new = [st for st, _ in items if st.completion]
         if not new:
             return
@@ -466,7 +491,9 @@ class StateStore(StoreBase):
         if n < 1:
             raise ValueError(f"n: partition count must be >= 1, got {n}")
         epochs = {}
+        self._n = n
         with self.transaction():
+            self._settle_parts(n)
             for p in sorted(set(parts)):
                 epochs[p] = self.db.execute(
                     "INSERT INTO partitions(part, owner, epoch) VALUES(?,?,1) ON CONFLICT(part) DO UPDATE SET "
@@ -490,17 +517,21 @@ class StateStore(StoreBase):
 
     def snapshot(self, parts, n: int | None):
         """See :meth:`ingest.store.CheckpointStore.snapshot`."""
+        if parts is not None and n is None:
+            raise ValueError("n: the partition count is needed to restore partitions")
+        where = ""
+        if parts is not None:  # the rows of ``parts`` (index on part), and those not partitioned yet
+            where = f" WHERE {{t}}part IN ({','.join(str(int(p)) for p in sorted(set(parts)))}) OR {{t}}part IS NULL"
         with self._lock:
             labels = self.db.execute(
-                "SELECT l.completion_id, l.state, l.due_at, l.claim, l.owner, c.completion_id IS NOT NULL FROM labels l "
-                "LEFT JOIN completions c ON c.completion_id = l.completion_id").fetchall()
-            events = self.db.execute("SELECT event_id, completion_id, at FROM events").fetchall()
-            sealed = self.db.execute("SELECT completion_id, sealed_at FROM sealed").fetchall()
-        if parts is not None and labels:
-            keep = set(parts)
-            homes = home_partitions([r[0] for r in labels], n)
-            labels = [r for r, h in zip(labels, homes) if h in keep]
-        return [tuple(r) for r in labels], *_in_parts(events, sealed, parts, n)
+                "SELECT l.completion_id, l.state, l.due_at, l.claim, l.owner, c.completion_id IS NOT NULL, l.part "
+                "FROM labels l LEFT JOIN completions c ON c.completion_id = l.completion_id" + where.format(t="l.")
+            ).fetchall()
+            events = self.db.execute("SELECT event_id, completion_id, at, part FROM events"
+                                     + where.format(t="")).fetchall()
+            sealed = self.db.execute("SELECT completion_id, sealed_at, part FROM sealed"
+                                     + where.format(t="")).fetchall()
+        return _in_parts(labels, parts, n, 0), _in_parts(events, parts, n, 1), _in_parts(sealed, parts, n, 0)
 
     def bodies(self, cids) -> dict[str, bytes]:
         """See :meth:`ingest.store.CheckpointStore.bodies`."""

@@ -10,8 +10,12 @@ replays every open completion body (~18 KiB each) on each rebalance, up to an en
 embedded broker misreports, where a database hands the new owner the rows at once.
 
 Scoping. Every label row carries ``part``, its home partition
-(``ingest.partition.home_partition(completion_id, n)``). A worker folds only records of the
-partitions Kafka assigned to it, and the worker forwards any record found outside its home
+(``ingest.partition.home_partition(completion_id, n)``); so do the dedupe (``events``) and
+sealed rows, so that a restore reads its partitions' rows only (``docs/decisions.md`` D88:
+a dead letter's row carries the partition it was folded in when known, else NULL and is
+restored with every partition; the column is added to a schema of an earlier layout at
+open and filled at the next :meth:`PgStateStore.take_ownership`). A worker folds only
+records of the partitions Kafka assigned to it, and the worker forwards any record found outside its home
 partition there first (``ingest.worker``), so a label's rows are written by the owner of its
 partition only. :meth:`assign` takes ownership of the assigned partitions in the table
 ``partitions(part, owner, epoch)``: the epoch of a partition taken over from another worker is
@@ -63,7 +67,7 @@ from schemas import topics
 
 from ingest.label import LabelState
 from ingest.partition import home_partitions
-from ingest.store import Fenced, StoreBase, _in_parts, default_owner, now_ms  # noqa: F401 - Fenced: also imported from here
+from ingest.store import Fenced, StoreBase, _dead_parts, _in_parts, default_owner, now_ms  # noqa: F401 - Fenced: also imported from here
 
 
 _SCHEMA = """
@@ -73,9 +77,9 @@ CREATE INDEX IF NOT EXISTS labels_due ON labels(part, due_at) WHERE claim IS NUL
 CREATE INDEX IF NOT EXISTS labels_claim ON labels(part) WHERE claim IS NOT NULL;
 CREATE TABLE IF NOT EXISTS completions(completion_id TEXT PRIMARY KEY, body BYTEA NOT NULL);
 ALTER TABLE completions ALTER COLUMN body SET STORAGE EXTERNAL;
-CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at BIGINT);
+CREATE TABLE IF NOT EXISTS events(event_id TEXT PRIMARY KEY, completion_id TEXT, at BIGINT, part INT);
 CREATE INDEX IF NOT EXISTS events_at ON events(at);
-CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at BIGINT NOT NULL, shard TEXT);
+CREATE TABLE IF NOT EXISTS sealed(completion_id TEXT PRIMARY KEY, sealed_at BIGINT NOT NULL, shard TEXT, part INT);
 CREATE INDEX IF NOT EXISTS sealed_at ON sealed(sealed_at);
 CREATE TABLE IF NOT EXISTS counters(owner TEXT NOT NULL, name TEXT NOT NULL, value BIGINT NOT NULL,
     PRIMARY KEY(owner, name));
@@ -83,6 +87,14 @@ CREATE TABLE IF NOT EXISTS partitions(part INT PRIMARY KEY, owner TEXT, epoch BI
 CREATE TABLE IF NOT EXISTS owners(owner TEXT PRIMARY KEY, lock_key BIGINT NOT NULL, host TEXT, started_at BIGINT);
 CREATE TABLE IF NOT EXISTS offsets(topic TEXT NOT NULL, part INT NOT NULL, next_offset BIGINT NOT NULL,
     PRIMARY KEY(topic, part));
+CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value BIGINT NOT NULL);
+"""
+# the partition columns of the dedupe and sealed sets (added to a schema of an earlier layout
+# first: D88) and their indexes
+_PARTED = ("events", "sealed")
+_PART_INDEXES = """
+CREATE INDEX IF NOT EXISTS events_part ON events(part);
+CREATE INDEX IF NOT EXISTS sealed_part ON sealed(part);
 """
 _DDL_LOCK = 0x666C7977  # advisory lock serialising schema creation by workers starting together
 _PRUNE_LOCK = 0x666C7978  # advisory lock held by the one worker pruning the dedupe set
@@ -216,12 +228,19 @@ class PgStateStore(StoreBase):
         self._lit: dict[str, bytes] = {}  # counter name -> its SQL literal
         self._lit_owner = sql.Literal(self.owner).as_bytes(self.db)
         self._epochs: dict[int, int] = {}  # partition -> the epoch this store took it at
-        self._n: int | None = None  # partitions of the consumed topics
         with self.db.transaction():
             self.db.execute("SELECT pg_advisory_xact_lock(%s)", (_DDL_LOCK,))
             self.db.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema)))
             self.db.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
             for stmt in filter(str.strip, _SCHEMA.split(";")):
+                self.db.execute(stmt)
+            have = {t for (t,) in self.db.execute(
+                "SELECT table_name FROM information_schema.columns WHERE table_schema = %s AND column_name = 'part'",
+                (self.schema,))}
+            for table in _PARTED:
+                if table not in have:  # an earlier layout: filled at the next take_ownership
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN part INT")
+            for stmt in filter(str.strip, _PART_INDEXES.split(";")):
                 self.db.execute(stmt)
         self.db.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
         key = _lock_key(self.owner)
@@ -504,27 +523,39 @@ class PgStateStore(StoreBase):
             first: dict[str, tuple[str, str, int]] = {}
             for r in rows:
                 first.setdefault(r[0], r)
-            self._x("INSERT INTO events(event_id, completion_id, at) SELECT * FROM unnest(%s::text[], %s::text[], "
-                    "%s::bigint[]) ON CONFLICT DO NOTHING",
-                    (_texts(first), _texts(r[1] for r in first.values()), _ints(r[2] for r in first.values())))
+            homes = self._homes([r[1] for r in first.values()])
+            self._x("INSERT INTO events(event_id, completion_id, at, part) SELECT * FROM unnest(%s::text[], "
+                    "%s::text[], %s::bigint[], %s::int[]) ON CONFLICT DO NOTHING",
+                    (_texts(first), _texts(r[1] for r in first.values()), _ints(r[2] for r in first.values()),
+                     _ints("NULL" if h is None else h for h in homes)))
 
-    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
-        """Record ``eids`` as dead-lettered at ``at`` ms (default now), with no completion (an
-        event already recorded keeps its first row). One statement."""
+    def mark_dead(self, eids: list[str], at: int | None = None, parts: list[int | None] | None = None) -> None:
+        """Record ``eids`` as dead-lettered at ``at`` ms (default now), with no completion, each
+        in its partition of ``parts`` (None: unknown); an event already recorded, or twice in
+        ``eids``, keeps its first row. One statement.
+
+        Raises:
+            ValueError: ``parts`` not of the length of ``eids``."""
         if eids:
-            self._x("INSERT INTO events(event_id, completion_id, at) SELECT e, NULL, %s::bigint FROM "
-                    "unnest(%s::text[]) AS e ON CONFLICT DO NOTHING",
-                    (now_ms() if at is None else at, _texts(dict.fromkeys(eids))))
+            first = {}
+            for e, p in zip(eids, _dead_parts(eids, parts)):
+                first.setdefault(e, p)
+            self._x("INSERT INTO events(event_id, completion_id, at, part) SELECT e, NULL, %s::bigint, p FROM "
+                    "unnest(%s::text[], %s::int[]) AS v(e, p) ON CONFLICT DO NOTHING",
+                    (now_ms() if at is None else at, _texts(first),
+                     _ints("NULL" if p is None else p for p in first.values())))
 
     def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
         """Record ``(completion_id, sealed_at ms, shard)`` rows as sealed (a later record of a
         completion replaces an earlier one). One statement."""
         if rows:
             last = {r[0]: r for r in rows}
-            self._x("INSERT INTO sealed(completion_id, sealed_at, shard) SELECT * FROM unnest(%s::text[], "
-                    "%s::bigint[], %s::text[]) ON CONFLICT(completion_id) DO UPDATE SET sealed_at=excluded.sealed_at, "
-                    "shard=excluded.shard",
-                    (_texts(last), _ints(r[1] for r in last.values()), _texts(r[2] for r in last.values())))
+            homes = self._homes(list(last))
+            self._x("INSERT INTO sealed(completion_id, sealed_at, shard, part) SELECT * FROM unnest(%s::text[], "
+                    "%s::bigint[], %s::text[], %s::int[]) ON CONFLICT(completion_id) DO UPDATE SET "
+                    "sealed_at=excluded.sealed_at, shard=excluded.shard, part=coalesce(excluded.part, sealed.part)",
+                    (_texts(last), _ints(r[1] for r in last.values()), _texts(r[2] for r in last.values()),
+                     _ints("NULL" if h is None else h for h in homes)))
 
     def _may_prune(self) -> bool:
         # one worker at a time (the others skip it): two concurrent range deletes could deadlock
@@ -532,8 +563,18 @@ class PgStateStore(StoreBase):
 
     # -- the checkpoint store of ingest.keyed ------------------------------------------------
     def take_ownership(self, parts, n: int) -> dict[int, int]:
-        """See :meth:`ingest.store.CheckpointStore.take_ownership`: :meth:`assign`."""
-        return self.assign(parts, n)
+        """See :meth:`ingest.store.CheckpointStore.take_ownership`: :meth:`assign`, then the
+        rows without a partition get theirs (one worker at a time)."""
+        epochs = self.assign(parts, n)
+        with self.transaction():
+            self._x("SELECT pg_advisory_xact_lock(%s)", (_DDL_LOCK,))
+            self._settle_parts(n)
+        return epochs
+
+    def _set_parts(self, table: str, key: str, keys: list[str], parts: list[int]) -> None:
+        """Set ``part`` of the rows of ``table`` whose ``key`` is each of ``keys`` (one statement)."""
+        self._x(f"UPDATE {table} SET part=v.p FROM unnest(%s::text[], %s::int[]) AS v(k, p) WHERE {table}.{key}=v.k",
+                (_texts(keys), _ints(parts)))
 
     def fence_ownership(self, parts) -> None:
         """See :meth:`ingest.store.CheckpointStore.fence_ownership`: :meth:`fence`."""
@@ -541,14 +582,18 @@ class PgStateStore(StoreBase):
 
     def snapshot(self, parts, n: int | None):
         """See :meth:`ingest.store.CheckpointStore.snapshot`."""
+        if parts is not None and n is None:
+            raise ValueError("n: the partition count is needed to restore partitions")
+        where, args = "", ()
+        if parts is not None:  # the rows of ``parts`` (index on part), and those not partitioned yet
+            where, args = " WHERE part = ANY(%s::int[]) OR part IS NULL", (_ints(sorted({int(p) for p in parts})),)
         with self._lock:
-            q = ("SELECT l.completion_id, l.state, l.due_at, l.claim, l.owner, EXISTS(SELECT 1 FROM completions c "
-                 "WHERE c.completion_id = l.completion_id) FROM labels l")
-            labels = self._x(q + " WHERE l.part = ANY(%s)", (list(parts),)).fetchall() if parts is not None else \
-                self._x(q).fetchall()
-            events = self._x("SELECT event_id, completion_id, at FROM events").fetchall()
-            sealed = self._x("SELECT completion_id, sealed_at FROM sealed").fetchall()
-        return [tuple(r) for r in labels], *_in_parts(events, sealed, parts, n)
+            labels = self._x("SELECT l.completion_id, l.state, l.due_at, l.claim, l.owner, EXISTS(SELECT 1 FROM "
+                             "completions c WHERE c.completion_id = l.completion_id), l.part FROM labels l"
+                             + where.replace("part", "l.part"), args).fetchall()
+            events = self._x("SELECT event_id, completion_id, at, part FROM events" + where, args).fetchall()
+            sealed = self._x("SELECT completion_id, sealed_at, part FROM sealed" + where, args).fetchall()
+        return _in_parts(labels, parts, n, 0), _in_parts(events, parts, n, 1), _in_parts(sealed, parts, n, 0)
 
     def bodies(self, cids) -> dict[str, bytes]:
         """See :meth:`ingest.store.CheckpointStore.bodies` (one statement)."""

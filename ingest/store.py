@@ -29,6 +29,11 @@ Vocabulary (every method below uses it):
   dead-lettered (``completion_id`` NULL), with ``at`` (ms, when recorded); the **sealed set**
   every ``completion_id`` already decided, with ``sealed_at`` (ms) and its shard path (``""``
   for a malformed completion). Both are pruned past ``JoinConfig.dedupe_retention_s``.
+* A row's **partition** (``part``) is the home partition of its ``completion_id``
+  (``ingest.partition``) among the partition count of the last :meth:`JoinStore.assign` (NULL
+  before one); a dead-lettered event's is the partition it was folded in when the caller
+  gives it (:meth:`JoinStore.mark_dead`), else NULL. A restore
+  (:meth:`CheckpointStore.snapshot`) reads by it (``docs/decisions.md`` D88).
 * **Counters** are named integers (``samples``, ``feedback_folded``, ...) added up by
   :meth:`JoinStore.bump`, durable with the transaction that bumped them.
 
@@ -214,9 +219,15 @@ class JoinStore(Protocol):
         """Record ``(event_id, completion_id, at ms)`` as folded; an event already recorded
         keeps its first row."""
 
-    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
+    def mark_dead(self, eids: list[str], at: int | None = None, parts: list[int | None] | None = None) -> None:
         """Record ``eids`` as dead-lettered at ``at`` ms (default now), with no completion; an
-        event already recorded keeps its first row."""
+        event already recorded keeps its first row. ``parts``: each event's partition (the
+        one it was consumed from and folded in, which is its completion's home partition;
+        None: unknown, the row is then restored with every partition), one per event.
+
+        Raises:
+            ValueError: ``parts`` not of the length of ``eids``.
+        """
 
     def is_sealed(self, cid: str) -> bool:
         """Whether ``cid`` is in the sealed set."""
@@ -264,7 +275,10 @@ class CheckpointStore(JoinStore, Protocol):
 
     def take_ownership(self, parts: Iterable[int], n: int) -> dict[int, int]:
         """Own partitions ``parts`` of ``n`` for checkpoints: one taken over from another
-        owner gets the next epoch, one this store held keeps its own. Returns ``{part: epoch}``.
+        owner gets the next epoch, one this store held keeps its own. Also gives every row
+        whose ``part`` is NULL its home partition among ``n`` (rows of an earlier layout, or
+        written before the count was known), or recomputes every row's when the rows were
+        partitioned among another count (table ``meta``). Returns ``{part: epoch}``.
 
         Raises:
             Fenced: (PostgreSQL) the previous owner's transaction held a partition too long.
@@ -283,8 +297,14 @@ class CheckpointStore(JoinStore, Protocol):
         sealed)``: ``labels`` rows ``(completion_id, state JSON, due_at, claim, owner,
         has_body)``, ``events`` rows ``(event_id, completion_id or None, at)`` and ``sealed``
         rows ``(completion_id, sealed_at)``, each of a label whose home partition
-        (``ingest.partition``) is in ``parts``; dedupe rows without a completion (dead
-        letters) are in every partition's."""
+        (``ingest.partition``) is in ``parts``, and the dedupe rows of dead letters recorded in
+        those partitions; dead letters recorded without a partition are in every partition's.
+        Only those rows are read (by ``part``, indexed), plus the rows whose ``part`` is still
+        NULL (filtered here by their ``completion_id``).
+
+        Raises:
+            ValueError: ``parts`` given without ``n``.
+        """
 
     def bodies(self, cids: Iterable[str]) -> dict[str, bytes]:
         """The stored completion bodies of ``cids`` (absent ones left out)."""
@@ -297,19 +317,46 @@ class CheckpointStore(JoinStore, Protocol):
         """Every recorded ``(topic, partition) -> next offset``."""
 
 
-def _in_parts(events: list, sealed: list, parts, n):
-    """``(events, sealed)`` rows of labels whose home partition among ``n`` is in ``parts``
-    (every row when ``parts`` is None; a dedupe row without a completion always)."""
+def _in_parts(rows: list, parts, n: int | None, key: int) -> list[tuple]:
+    """Restored ``rows`` (each ending with its ``part``) of partitions ``parts`` among ``n``,
+    the ``part`` dropped: a row read with a NULL ``part`` is kept when the home partition of
+    its field ``key`` (a completion_id) is in ``parts``, or when that field is NULL too (a dead
+    letter recorded without a partition: restored with every partition). ``parts`` None:
+    every row.
+
+    Raises:
+        ValueError: ``parts`` given without ``n``.
+    """
     if parts is None:
-        return [tuple(r) for r in events], [tuple(r) for r in sealed]
+        return [tuple(r[:-1]) for r in rows]
+    if n is None:
+        raise ValueError("n: the partition count is needed to restore partitions")
     from ingest.partition import home_partitions
 
     keep = set(parts)
-    ev = [r for r in events if r[1] is not None]
-    homes = home_partitions([r[1] for r in ev], n) if ev else []
-    out_e = [tuple(r) for r in events if r[1] is None] + [tuple(r) for r, h in zip(ev, homes) if h in keep]
-    homes = home_partitions([r[0] for r in sealed], n) if sealed else []
-    return out_e, [tuple(r) for r, h in zip(sealed, homes) if h in keep]
+    loose = [r for r in rows if r[-1] is None and r[key] is not None]
+    homes = dict(zip((r[key] for r in loose), home_partitions([r[key] for r in loose], n))) if loose else {}
+    return [tuple(r[:-1]) for r in rows if r[-1] is not None or r[key] is None or homes[r[key]] in keep]
+
+
+# (table, key column, completion_id column) of the rows that carry a ``part``
+_PARTED = (("labels", "completion_id", "completion_id"), ("events", "event_id", "completion_id"),
+           ("sealed", "completion_id", "completion_id"))
+PARTITION_COUNT = "partition_count"  # meta row: the count the ``part`` columns were computed with
+
+
+def _dead_parts(eids: list, parts) -> list:
+    """``parts`` of :meth:`JoinStore.mark_dead` checked against ``eids`` (None: all unknown).
+
+    Raises:
+        ValueError: not one partition per event.
+    """
+    if parts is None:
+        return [None] * len(eids)
+    parts = [None if p is None else int(p) for p in parts]
+    if len(parts) != len(eids):
+        raise ValueError(f"parts: {len(parts)} partitions for {len(eids)} event ids (one per event, or None)")
+    return parts
 
 
 class StoreBase(abc.ABC):
@@ -327,6 +374,7 @@ class StoreBase(abc.ABC):
     _PARAM = "?"
     _batch = False  # a group commit is open (SQLite's begin_batch)
     scoped = False
+    _n: int | None = None  # the partition count of the last assign / take_ownership
 
     def _init_base(self) -> None:
         self._lock = threading.RLock()
@@ -389,6 +437,44 @@ class StoreBase(abc.ABC):
     def _abort(self) -> None:
         ...
 
+    # -- partitions of rows ----------------------------------------------------------------
+    def _homes(self, cids: list) -> list[int | None]:
+        """The home partition of each of ``cids`` among the last assignment's count (None for
+        a None id, and for every id while no count is known)."""
+        if self._n is None:
+            return [None] * len(cids)
+        from ingest.partition import home_partitions
+
+        known = [c for c in cids if c is not None]
+        it = iter(home_partitions(known, self._n) if known else ())
+        return [None if c is None else next(it) for c in cids]
+
+    def _settle_parts(self, n: int) -> dict[str, int]:
+        """Inside a transaction: give every row whose ``part`` is NULL (and that has a
+        ``completion_id``) its home partition among ``n``; when the rows were partitioned
+        among another count (``meta``), recompute every row's (dead letters' become NULL:
+        their completion is not recorded). Records ``n``. Returns rows updated per table."""
+        row = self._exec("SELECT value FROM meta WHERE name=?", (PARTITION_COUNT,)).fetchone()
+        every = row is not None and int(row[0]) != n
+        out = {}
+        for table, key, cid in _PARTED:
+            cond = [f"{cid} IS NOT NULL"] + ([] if every else ["part IS NULL"])
+            rows = self._exec(f"SELECT {key}, {cid} FROM {table} WHERE {' AND '.join(cond)}").fetchall()
+            if rows:
+                from ingest.partition import home_partitions
+
+                self._set_parts(table, key, [r[0] for r in rows], home_partitions([r[1] for r in rows], n))
+            out[table] = len(rows)
+        if every:
+            self._exec("UPDATE events SET part=NULL WHERE completion_id IS NULL AND part IS NOT NULL")
+        self._exec("INSERT INTO meta(name, value) VALUES(?,?) ON CONFLICT(name) DO UPDATE SET value=excluded.value",
+                   (PARTITION_COUNT, n))
+        return out
+
+    def _set_parts(self, table: str, key: str, keys: list[str], parts: list[int]) -> None:
+        """Set ``part`` of the rows of ``table`` whose ``key`` is each of ``keys``."""
+        self._execmany(f"UPDATE {table} SET part=? WHERE {key}=?", list(zip(parts, keys)))
+
     # -- single items: their batch forms -------------------------------------------------
     def put(self, st: LabelState, due_at: int) -> None:
         """See :meth:`JoinStore.put`."""
@@ -434,18 +520,23 @@ class StoreBase(abc.ABC):
 
     def add_events(self, rows: list[tuple[str, str, int]]) -> None:
         """See :meth:`JoinStore.add_events`."""
-        self._execmany("INSERT INTO events(event_id, completion_id, at) VALUES(?,?,?) ON CONFLICT DO NOTHING", rows)
+        homes = self._homes([r[1] for r in rows])
+        self._execmany("INSERT INTO events(event_id, completion_id, at, part) VALUES(?,?,?,?) ON CONFLICT DO NOTHING",
+                       [(e, c, at, h) for (e, c, at), h in zip(rows, homes)])
 
-    def mark_dead(self, eids: list[str], at: int | None = None) -> None:
+    def mark_dead(self, eids: list[str], at: int | None = None, parts: list[int | None] | None = None) -> None:
         """See :meth:`JoinStore.mark_dead`."""
         at = now_ms() if at is None else at
-        self._execmany("INSERT INTO events(event_id, completion_id, at) VALUES(?, NULL, ?) ON CONFLICT DO NOTHING",
-                       [(e, at) for e in eids])
+        self._execmany("INSERT INTO events(event_id, completion_id, at, part) VALUES(?, NULL, ?, ?) ON CONFLICT "
+                       "DO NOTHING", [(e, at, p) for e, p in zip(eids, _dead_parts(eids, parts))])
 
     def mark_sealed_many(self, rows: list[tuple[str, int, str]]) -> None:
         """See :meth:`JoinStore.mark_sealed_many`."""
-        self._execmany("INSERT INTO sealed(completion_id, sealed_at, shard) VALUES(?,?,?) ON CONFLICT(completion_id) "
-                       "DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard", rows)
+        homes = self._homes([r[0] for r in rows])
+        self._execmany("INSERT INTO sealed(completion_id, sealed_at, shard, part) VALUES(?,?,?,?) ON CONFLICT"
+                       "(completion_id) DO UPDATE SET sealed_at=excluded.sealed_at, shard=excluded.shard, "
+                       "part=coalesce(excluded.part, sealed.part)",
+                       [(c, at, shard, h) for (c, at, shard), h in zip(rows, homes)])
 
     def _may_prune(self) -> bool:
         """Whether this store prunes now (PostgreSQL: one worker at a time)."""

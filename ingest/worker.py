@@ -94,6 +94,7 @@ import json
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from schemas.events import DeadLetter
@@ -142,20 +143,36 @@ class WorkerStartError(RuntimeError):
     bound (the message names the address; ``flywheel ingest`` prints it in one line, exit 1)."""
 
 
-class Worker(Processor):
+class Worker:
     """One ingest worker process (see the module docstring): the stream runtime (group
-    membership, offset commits, fencing, the internal topic, retries, checkpoint cadence)
-    around the :class:`ingest.processor.Processor` it runs (the fold, the sealing punctuator,
-    the shard sink).
+    membership, offset commits, fencing, the internal topic, retries, checkpoint cadence, the
+    fold and seal threads) that holds and calls an :class:`ingest.processor.Processor` (the
+    fold, the sealing punctuator, the shard sink), as a Kafka Streams StreamThread runs its
+    processors.
 
     Args:
         cfg: ``ingest.app.IngestConfig``.
         consumer_settings / producer_settings: keyword arguments of ``AIOKafkaConsumer`` /
             ``AIOKafkaProducer`` (default: ``ingest.clients.consumer_settings(cfg)`` / ...).
+        processor: the processor to run (default: ``Processor(cfg)``).
+
+    Attributes:
+        processor: the :class:`ingest.processor.Processor`; ``store``, ``joiner``,
+            ``metrics``, ``topics`` and ``dead_dir`` are its, and :meth:`fold`,
+            :meth:`seal_round`, :meth:`housekeeping` and :meth:`stats` call it (:meth:`fold`
+            takes a pending assignment first).
     """
 
-    def __init__(self, cfg, consumer_settings: dict | None = None, producer_settings: dict | None = None):
-        super().__init__(cfg)
+    def __init__(self, cfg, consumer_settings: dict | None = None, producer_settings: dict | None = None,
+                 processor: Processor | None = None):
+        self.cfg = cfg
+        self.processor = processor or Processor(cfg)
+        self.rekeyed = self.topics.rekeyed
+        self.scoped = self.processor.scoped
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-seal")
+        # the fold runs off the event loop so that aiokafka's next fetch overlaps it
+        self._fold_pool = ThreadPoolExecutor(1, thread_name_prefix="ingest-fold")
+        self._rekeyed_at = time.monotonic()  # the internal topic last checked
         self.consumer_kw = consumer_settings or cs(cfg)
         self.producer_kw = producer_settings or ps(cfg)
         self.checkpoint_s = cfg.checkpoint_s
@@ -170,13 +187,57 @@ class Worker(Processor):
         self._pending_member = None
         log.info("ingest owner %s", self.store.owner)
 
+    # -- the processor it runs -----------------------------------------------------------
+    @property
+    def store(self):
+        """The processor's join state (:class:`ingest.keyed.KeyedState`)."""
+        return self.processor.store
+
+    @property
+    def joiner(self):
+        """The processor's :class:`ingest.join.Joiner`."""
+        return self.processor.joiner
+
+    @property
+    def metrics(self):
+        """The processor's :class:`ingest.metrics.IngestMetrics` (``GET /metrics``)."""
+        return self.processor.metrics
+
+    @property
+    def topics(self):
+        """This process's topic names (``schemas.settings.TopicNames``)."""
+        return self.processor.topics
+
+    @property
+    def dead_dir(self):
+        """Where the dead-letter files go."""
+        return self.processor.dead_dir
+
+    def fold(self, batch: dict) -> tuple[list[DeadLetter], list[str], dict[str, int], list]:
+        """In the fold thread: take a pending assignment (:meth:`take_partitions`; one that
+        arrived during the fetch), then :meth:`ingest.processor.Processor.fold` the batch."""
+        self.take_partitions()
+        return self.processor.fold(batch)
+
+    def seal_round(self):
+        """In the seal thread: :meth:`ingest.processor.Processor.seal_round`."""
+        return self.processor.seal_round()
+
+    def housekeeping(self, wrote: int) -> None:
+        """In the seal thread: :meth:`ingest.processor.Processor.housekeeping`."""
+        self.processor.housekeeping(wrote)
+
+    def stats(self) -> dict[str, int]:
+        """:meth:`ingest.processor.Processor.stats`."""
+        return self.processor.stats()
+
     def assigned(self, assigned) -> None:
         """Kafka assigned ``assigned`` (TopicPartitions) to this worker: before the next fold,
         the state takes ownership of their partitions and restores them from the checkpoint
         store (:meth:`take_partitions`)."""
         parts = self.consumer.partitions_for_topic(self.topics.completions) if self.consumer is not None else None
         if parts:
-            self._n = len(parts)
+            self.processor.partition_count = len(parts)
         # taken in the fold thread; a partition count the metadata does not hold yet is asked then
         self._assign = ({tp.partition for tp in assigned}, len(parts) if parts else None)
 
@@ -201,7 +262,7 @@ class Worker(Processor):
             if n is None:
                 log.warning("ingest: %s does not exist; retrying", self.topics.completions)
                 return False
-            self._n = n
+            self.processor.partition_count = n
         try:
             epochs = self.store.assign(parts, n)
         except Fenced as exc:
@@ -210,7 +271,8 @@ class Worker(Processor):
         if self._assign is a:  # (a newer assignment that arrived meanwhile stays pending)
             self._assign = None
         log.info("ingest owns partitions %s", json.dumps(epochs, sort_keys=True))
-        log.info("ingest restored %d open labels", self.store.open_count())
+        log.info("ingest restored %d open labels, %d dedupe and %d sealed rows (read: their partitions' only)",
+                 *self.store.restored)
         # the claims a dead or previous owner left in these partitions
         rec = self.joiner.recover(lambda p: Path(p).exists(), previous_owners=True)
         if rec["sealed"] or rec["released"]:
@@ -294,8 +356,7 @@ class Worker(Processor):
         Raises whatever the send or the file write raised (the caller retries)."""
         await self.publish(self.topics.deadletter, [((d.key or "").encode(), d.to_bytes()) for d in dead])
         await asyncio.get_running_loop().run_in_executor(None, writer.write_deadletters, dead, self.dead_dir)
-        self._wrote_dead = True
-        self.metrics.dead_letters(dead)
+        self.processor.dead_letters_written(dead)
 
     async def consume(self, stop: asyncio.Event) -> None:
         """The consumer loop until ``stop`` is set (finishes the batch in hand first)."""
@@ -324,7 +385,7 @@ class Worker(Processor):
                 await self.forward(fwd)  # acknowledged before the offsets move past them
             if dead:
                 await self.publish_dead(dead)  # delivered before the offsets move past them
-                with self.store.transaction():
+                with self.store.transaction():  # (each in the partition it was folded in: KeyedState.event_homes)
                     self.joiner.store.mark_dead(eids)
                     for k, v in malformed.items():
                         self.store.bump(k, v)
@@ -399,8 +460,8 @@ class Worker(Processor):
                 await asyncio.wait_for(stop.wait(), self.cfg.tick_s)
             except asyncio.TimeoutError:
                 pass
-            if self.scoped and time.monotonic() - self._t["rekeyed"] > REKEYED_CHECK_S:
-                self._t["rekeyed"] = time.monotonic()
+            if self.scoped and time.monotonic() - self._rekeyed_at > REKEYED_CHECK_S:
+                self._rekeyed_at = time.monotonic()
                 try:
                     if self.rekeyed not in await self.consumer.topics():
                         await loop.run_in_executor(None, self.ensure_rekeyed)

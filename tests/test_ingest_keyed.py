@@ -30,6 +30,7 @@ from ingest.partition import home_partitions
 from ingest.state import StateStore
 from ingest.store import Fenced
 from schemas.events import CompletionEvent, FeedbackEvent, SamplingParams
+from flywheel.supervise import die_with_parent
 
 T0 = 1_700_000_000_000  # ms
 CFG = JoinConfig(seal_after_s=10, max_label_age_s=100, orphan_ttl_s=20)
@@ -244,13 +245,12 @@ def _worker(env, log, *extra, script=None):
     args = ["--seal-after-s", "2", "--orphan-ttl-s", "30", "--tick-s", "0.3", *extra]
     cmd = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "ingest", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent())
 
 
 @pytest.mark.timeout(300)
 def test_sigkill_between_a_shard_write_and_its_checkpoint(broker, fw_home, tmp_path):
     from test_ingest_e2e import check, make_traffic, produce, reference_join, stop, wait_for
-    from test_ingest_scale import in_state
 
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
                PYTHONPATH=str(ROOT))
@@ -307,7 +307,6 @@ def test_partitions_rebalanced_mid_stream_between_two_workers(broker, fw_home, t
     A leaves (B restores A's partitions); the last third is folded by B. Each label's votes
     come within one phase, so none is late by construction."""
     from test_ingest_e2e import check, make_traffic, produce, reference_join, stop, wait_for
-    from test_ingest_scale import in_state
 
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
                PYTHONPATH=str(ROOT))

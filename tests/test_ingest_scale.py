@@ -79,7 +79,7 @@ def test_three_workers_one_partition_broker_restart(fw_home, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     port = free_port()
-    b = spawn(port, partitions=1)
+    b = spawn(port, partitions=1, die_with_parent=True)
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=b.bootstrap, PYTHONPATH=str(root))
     state = fw_home / "ingest" / "state.sqlite"
     samples_dir = fw_home / "data" / "samples"
@@ -91,7 +91,7 @@ def test_three_workers_one_partition_broker_restart(fw_home, tmp_path):
         produce_acked(b.bootstrap, comps1, fb1)
         wait_for(lambda: in_state(state, comps1, fb1), 90, "phase 1 consumed", procs[0], logs[0])
         b.stop()  # memory-only: topics, data and committed offsets are gone
-        b = spawn(port, partitions=1)  # same port; topics recreated with one partition
+        b = spawn(port, partitions=1, die_with_parent=True)  # same port; topics recreated with one partition
         t_restart = time.monotonic()
         end = produce_acked(b.bootstrap, comps2, fb2)
         assert end == {topic_names().completions: len(comps2), topic_names().feedback: len(fb2)}
@@ -130,7 +130,7 @@ def test_records_fetched_while_the_group_rejoins_are_never_committed_past(fw_hom
 
     root = Path(__file__).resolve().parents[1]
     port = free_port()
-    b = spawn(port, partitions=1)
+    b = spawn(port, partitions=1, die_with_parent=True)
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=b.bootstrap, PYTHONPATH=str(root))
     state = fw_home / "ingest" / "state.sqlite"
     comps1, fb1 = make_traffic(20, seed=5)
@@ -151,7 +151,7 @@ def test_records_fetched_while_the_group_rejoins_are_never_committed_past(fw_hom
         finally:
             os.killpg(proc.pid, signal.SIGCONT)
         time.sleep(1.0)
-        b = spawn(port, partitions=1)
+        b = spawn(port, partitions=1, die_with_parent=True)
         end2 = produce_acked(b.bootstrap, comps2, fb2)
         assert all(end2[t] > end1[t] for t in end1), (end1, end2)
         for c, f in trickle:  # ~6 s of records: fetched while the worker is outside the group
