@@ -10,8 +10,8 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   :func:`deploy.stats.eb_mean_bounds`) at ``alpha / 2``, so the box of both means holds at
   every look with probability ``1 - alpha``. The margin is relative to the stable's distance
   from the policy's worst reward ``-reward_clip``, as a rate's is from 0: PASS when every point
-  of the box has ``mean_c + clip > (1 - delta) (mean_s + clip)`` (with ``reward_margin_floor *
-  clip`` as the least distance), FAIL when every point has ``mean_c < mean_s``
+  of the box has ``mean_c + clip > (1 - delta) (mean_s + clip)``, FAIL when every point has
+  ``mean_c < mean_s``
   (:func:`reward_bounds`, :func:`check_reward`). For a policy of thumbs alone (reward +-1 per
   sample) this is the thumbs-up rule on rates exactly: ``mean + 1 = 2 rate``. The thumbs-up test
   then guards the thumbs signal (FAIL when shown worse by more than ``signal_margin``).
@@ -260,7 +260,7 @@ class AnalysisConfig:
     above ``-delta``, i.e. the candidate surely keeps more than ``1 - delta`` of the stable's
     mean reward or thumbs-up rate), ``tau`` and ``cuped`` (:func:`deploy.stats.cuped_rate`;
     thumbs only), ``reward_clip`` (every reward is in ``[-reward_clip, reward_clip]``: the
-    reward policy's clip), ``reward_center`` and ``reward_margin_floor``.
+    reward policy's clip) and ``reward_center``.
 
     Signal guards (each feedback signal's share, both ways, :func:`check_signal_guards`):
     ``signal_margin`` and ``signal_floor``.
@@ -296,9 +296,6 @@ class AnalysisConfig:
     reward_center: float = _f(0.0, "fixed center of the reward test's empirical-Bernstein variance process, in "
                               "[-reward_clip, reward_clip]: any value is valid, one near the stable's mean reward "
                               "gives the narrowest bounds (default 0, the policy's neutral reward)")
-    reward_margin_floor: float = _f(0.05, "the reward's relative margin is delta * max(stable mean + "
-                                    "reward_clip, reward_margin_floor * reward_clip): a stable at the worst "
-                                    "reward does not ask the candidate to be shown better; in [0, 1]", ge=0, le=1)
     signal_margin: float = _f(0.1, "a feedback signal's share fails its guard when shown (always-valid bounds) worse "
                               "than the stable's by more than this relative margin: a negative signal (regenerated, "
                               "dissatisfied follow-up) above (1 + margin) times, a positive one (copied) below "
@@ -350,7 +347,7 @@ class AnalysisConfig:
             raise ValueError(f"reward_center: must be a finite number, got {self.reward_center!r}")
         for f in ("max_error_rate_increase", "max_p99_ratio", "min_tokens_per_s_ratio", "max_length_ratio",
                   "min_length_ratio", "max_no_answer_increase", "max_truncated_increase", "max_repetitive_increase",
-                  "share_ratio_floor", "reward_margin_floor", "signal_margin", "signal_floor"):
+                  "share_ratio_floor", "signal_margin", "signal_floor"):
             v = getattr(self, f)
             if not math.isfinite(v):
                 raise ValueError(f"{f}: must be a finite number >= 0, got {v!r}")
@@ -498,31 +495,52 @@ def reward_bounds(n_c, sum_c, sq_c, n_s, sum_s, sq_s, cfg: AnalysisConfig):
     ``[lc, hc] x [ls, hs]`` holds the two true means at every look at once with probability
     at least ``1 - alpha``. The decision bounds on the relative difference are
     :func:`deploy.stats.relative_box_bounds` of the means' distances from the worst reward
-    ``-b`` (the box shifted by ``b``), with floor ``reward_margin_floor * b``: PASS (``lo >
-    -delta``) when every point of the box has the candidate's mean above the stable's minus
-    ``delta * max(mean_s + b, floor)`` (it keeps more than ``1 - delta`` of the stable's
-    distance from the worst reward, as the thumbs test asks of a rate's distance from 0), FAIL
+    ``-b`` (the box shifted by ``b``): PASS (``lo > -delta``) when every point of the box has
+    ``mean_c + b > (1 - delta) (mean_s + b)`` (the candidate keeps more than ``1 - delta`` of
+    the stable's distance from the worst reward, as the thumbs test asks of a rate's distance
+    from 0; the distance is floored at :data:`MIN_DISTANCE` ``* b`` only so that a stable at
+    exactly ``-b`` divides by no zero), FAIL
     (``hi < 0``) when every point has the candidate's mean below the stable's. A policy of
     thumbs alone (every reward +-1) gets the thumbs-up rule on rates: ``mean + 1 = 2 rate``.
 
     Args:
         n_c, sum_c, sq_c: the candidate's rewarded samples, ``sum r``, ``sum r^2``.
         n_s, sum_s, sq_s: the same for the stable version.
-        cfg: ``alpha``, ``reward_clip``, ``reward_center``, ``reward_margin_floor``.
+        cfg: ``alpha``, ``reward_clip``, ``reward_center``.
 
     Returns:
-        ``(rel, lo, hi, (lc, hc), (ls, hs))``: ``rel = (mean_c - mean_s) / max(mean_s + b, floor)``,
+        ``(rel, lo, hi, (lc, hc), (ls, hs))``: ``rel = (mean_c - mean_s) / (mean_s + b)``,
         the decision bounds, and each arm's bounds of its mean reward (float64).
     """
     b = cfg.reward_bound
     _, lc, hc = eb_mean_bounds(n_c, sum_c, sq_c, -b, b, cfg.alpha / 2, cfg.reward_center)
     _, ls, hs = eb_mean_bounds(n_s, sum_s, sq_s, -b, b, cfg.alpha / 2, cfg.reward_center)
-    floor = cfg.reward_margin_floor * b
+    floor = MIN_DISTANCE * b
     with np.errstate(invalid="ignore", divide="ignore"):
         m_c, m_s = sum_c / np.maximum(n_c, 1), sum_s / np.maximum(n_s, 1)
     rel = (m_c - m_s) / relative_margin_scale(m_s + b, floor)
     lo, hi = relative_box_bounds(lc + b, hc + b, ls + b, hs + b, floor)
     return rel, lo, hi, (lc, hc), (ls, hs)
+
+
+#: The least distance of the stable's mean reward from the worst reward, as a share of the clip,
+#: in the reward test's denominator: only a stable at exactly ``-clip`` reaches it.
+MIN_DISTANCE = 1e-12
+
+
+def _inconsistent_sums(a: ArmStats, b: float) -> str | None:
+    """Which of ``a``'s reward sums no ``a.rewarded`` rewards in ``[-b, b]`` (and in
+    ``[reward_min, reward_max]`` when given) can have, as ``"<field> <why>"``, or None."""
+    n, tol = a.rewarded, 1e-9
+    mean, sq = a.reward_sum / n, a.reward_sq_sum / n
+    if abs(mean) > b * (1 + tol):
+        return f"reward_sum: mean {mean:g} is outside [-{b:g}, {b:g}]"
+    if sq > b * b * (1 + tol) or mean * mean > sq * (1 + tol) + tol * b * b:
+        return f"reward_sq_sum: mean square {sq:g} is not between the mean's square {mean * mean:g} and {b * b:g}"
+    lo_r, hi_r = a.reward_min, a.reward_max
+    if lo_r is not None and hi_r is not None and not lo_r - tol * b <= mean <= hi_r + tol * b:
+        return f"reward_min/reward_max: the mean {mean:g} is outside [{lo_r:g}, {hi_r:g}]"
+    return None
 
 
 def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
@@ -531,7 +549,8 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     mean reward (``lo > -delta``), FAIL when every pair has the candidate below the stable
     (``hi < 0``), INCONCLUSIVE before ``min_votes`` rewarded samples per arm or while neither
     holds; ERROR when a reward lies outside ``[-reward_clip, reward_clip]`` (the bounds would
-    not hold) or the reward policy's clip cannot be read."""
+    not hold), an arm's sums cannot come from such rewards (:func:`_inconsistent_sums`), the
+    bounds are not finite, or the reward policy's clip cannot be read."""
     try:
         b = cfg.reward_bound
     except ValueError as exc:
@@ -540,9 +559,9 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
         cfg = replace(cfg, reward_clip=b)  # read the policy once per check
     nums = {"candidate_samples": c.rewarded, "stable_samples": s.rewarded, "min_samples": cfg.min_votes,
             "alpha": cfg.alpha, "delta": cfg.delta, "reward_clip": b, "reward_center": cfg.reward_center,
-            "margin_floor": cfg.reward_margin_floor * b, "scale": "relative to the distance from -reward_clip",
+            "scale": "relative to the distance from -reward_clip",
             "method": "empirical-Bernstein confidence sequence per arm (Howard et al. 2021, Thm 4; discrete "
-                      "mixture, Ville), alpha/2 per arm; PASS when lc > hs - delta*max(hs + clip, floor), "
+                      "mixture, Ville), alpha/2 per arm; PASS when lc + clip > (1 - delta) (hs + clip), "
                       "FAIL when hc < ls"}
     if c.reward_policy is not None or s.reward_policy is not None:
         nums["reward_policy"] = c.reward_policy or s.reward_policy
@@ -557,12 +576,19 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
                 return MetricResult("reward", Check.ERROR, f"{name} rewards span [{lo_r:g}, {hi_r:g}], outside "
                                     f"reward_clip's [-{b:g}, {b:g}]: set reward_clip to the reward policy's clip",
                                     nums)
+            bad = _inconsistent_sums(a, b)
+            if bad is not None:
+                return MetricResult("reward", Check.ERROR, f"{name} {bad}: no rewards in [-{b:g}, {b:g}] have "
+                                    f"these sums (the source's counts are wrong)", nums)
     if c.rewarded < cfg.min_votes or s.rewarded < cfg.min_votes:
         return MetricResult("reward", Check.INCONCLUSIVE, f"too few rewarded samples: candidate {c.rewarded}, "
                             f"stable {s.rewarded}, need {cfg.min_votes} per arm", nums)
     rel, lo, hi, (lc, hc), (ls, hs) = (v for v in reward_bounds(
         float(c.rewarded), c.reward_sum, c.reward_sq_sum, float(s.rewarded), s.reward_sum, s.reward_sq_sum, cfg))
     rel, lo, hi, lc, hc, ls, hs = (float(v) for v in (rel, lo, hi, lc, hc, ls, hs))
+    if not all(map(math.isfinite, (rel, lo, hi, lc, hc, ls, hs))):
+        return MetricResult("reward", Check.ERROR, f"the reward test's bounds are not finite at reward_clip "
+                            f"{b:g} (too small for float64 arithmetic)", nums)
     passed, failed = thumbs_verdict(lo, hi, cfg.delta)
     mc, ms = nums["candidate_mean"], nums["stable_mean"]
     nums.update(diff=rel, ci_lo=lo, ci_hi=hi, abs_diff=mc - ms, candidate_bounds=[lc, hc], stable_bounds=[ls, hs])

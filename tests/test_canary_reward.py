@@ -143,14 +143,16 @@ def test_reward_margin_is_relative_to_the_stables_distance_from_the_worst_reward
     # -0.50: 0.10 below, inside the 0.12 margin (an |mean| reading, 0.08, would put it outside)
     assert analyze(arm(200_000, -0.50, 0.5), base, CFG).numbers()["reward"]["ci_lo"] > -0.2
     assert analyze(arm(200_000, -0.55, 0.5), base, CFG).numbers()["reward"]["ci_lo"] < -0.2
-    worst = arm(200_000, -0.99, 0.05)  # floor 0.05 * clip: a stable at the worst reward
-    r = analyze(arm(200_000, -0.99, 0.05), worst, CFG).numbers()["reward"]
+    near_worst = arm(200_000, -0.99, 0.05)  # 0.01 above the worst reward: the rule still holds there
+    r = analyze(arm(200_000, -0.99, 0.05), near_worst, CFG).numbers()["reward"]
     (lc, _), (_, hs) = r["candidate_bounds"], r["stable_bounds"]
-    assert hs + 1 < 0.05 and r["ci_lo"] == pytest.approx((lc - hs) / 0.05, rel=1e-9)  # below the floor
+    assert r["ci_lo"] == pytest.approx((lc - hs) / (hs + 1), rel=1e-9)
+    assert (r["check"] == "PASS") == (lc + 1 > 0.8 * (hs + 1))
     assert analyze(arm(200, 0.0, 0.5), arm(200, 0.0, 0.5), CFG).numbers()["reward"]["check"] == "INCONCLUSIVE"
 
 
-@pytest.mark.parametrize("k_c,n_c,k_s,n_s", [(620, 1000, 3100, 5000), (130, 1000, 1000, 5000), (90, 600, 300, 3000)])
+@pytest.mark.parametrize("k_c,n_c,k_s,n_s", [(620, 1000, 3100, 5000), (130, 1000, 1000, 5000), (90, 600, 300, 3000),
+                                           (9_000, 10**6, 10_000, 10**6), (10_000, 10**6, 10_000, 10**6)])
 def test_a_thumbs_only_reward_is_judged_as_the_thumbs_up_rate(k_c, n_c, k_s, n_s):
     """Rewards of +-1 (a policy of thumbs alone): the decision bounds equal the relative rule
     on up-rates, ``rate_lo(c) / rate_hi(s) - 1``, with each rate's bounds computed here on
@@ -276,7 +278,7 @@ def test_bad_input_names_the_field():
     m = check_reward(arm(100, 0.2, 0.5, reward_policy="a" * 16), arm(100, 0.2, 0.5, reward_policy="b" * 16), CFG)
     assert m.check == Check.ERROR and "different reward policies" in m.reason
     for kw, field in (({"quality": "votes"}, "quality"), ({"reward_clip": 0.0}, "reward_clip"),
-                      ({"signal_margin": 1.0}, "signal_margin"), ({"reward_margin_floor": 2.0}, "reward_margin_floor"),
+                      ({"signal_margin": 1.0}, "signal_margin"),
                       ({"reward_center": float("nan")}, "reward_center")):
         with pytest.raises(ValueError, match=field):
             AnalysisConfig(**kw)
@@ -354,6 +356,23 @@ def test_canary_counts_reads_reward_columns_beside_old_shards(tmp_path):
     cc_old = canary_counts(old, B, B)
     assert cc_old.rewards == {} and cc_old.votes == {"v000000": (1, 0, 1)}
     assert judged_policy(cc_old, "v000001", "v000000") is None
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"reward_sum": 500.0, "reward_sq_sum": 2500.0, "reward_min": None, "reward_max": None}, "reward_sum"),
+    ({"reward_sum": 10.0, "reward_sq_sum": 150.0}, "reward_sq_sum"),  # mean square 1.5 > clip^2
+    ({"reward_sum": 60.0, "reward_sq_sum": 10.0}, "reward_sq_sum"),  # mean^2 0.36 > mean square 0.1
+    ({"reward_sum": 90.0, "reward_sq_sum": 85.0, "reward_min": -1.0, "reward_max": -0.5}, "reward_min/reward_max"),
+])
+def test_sums_no_rewards_in_the_clip_can_have_are_an_error(bad, field):
+    """An arm whose sums no rewards in [-clip, clip] can have (a mean outside the clip, a mean
+    square above clip^2 or below the mean's square, a mean outside [min, max]) is an ERROR
+    naming the field, never a decision on an inverted box."""
+    c = ArmStats(**{**dict(votes_up=0, votes_down=0, rewarded=100, reward_min=-1.0, reward_max=1.0), **bad})
+    d = analyze(c, arm(5000, 0.2, 0.5), CFG)
+    r = d.numbers()["reward"]
+    assert r["check"] == "ERROR" and d.outcome == Outcome.HOLD and d.error, d.reason
+    assert f"candidate {field}:" in d.reason
 
 
 def test_bench_keeps_half_the_good_replies_out_and_catches_abstention():
