@@ -31,6 +31,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from deploy import ledger
@@ -38,16 +39,16 @@ from deploy.analysis import AnalysisConfig
 from deploy.controller import (DEFAULT_STEPS, ControllerConfig, RolloutController, RolloutPhase, current_status,
                                format_steps)
 from modelstore.desired import DesiredState, FleetRecord, LockTimeout, RecordUnreadable, dropping
-from deploy.discovery import PodDiscovery
-from deploy.operator import ActionResult, run_action
+from deploy.discovery import PodDiscovery, check_spec, unique_specs
+from deploy.operator import ActionResult, PodChoice, run_action
 from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
-from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_seen,  # noqa: F401
-                           controller_seen_s, controller_warning, discover_pods, gather_status, status_warnings)
+from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
+                           discover_pods, gather_status, status_warnings)
 from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore
-from deploy.wiring import ControllerRunConfig, SetupError, build_controller, rollout_status_path
+from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
 from schemas.events import now_ms
 from schemas import settings
@@ -70,7 +71,7 @@ def learner_paused(fleet: FleetRecord | None = None) -> dict | None:
     """The pause (``{"actor", "at" (ms), "reason"}``) in the fleet's desired state, or None."""
     try:
         return (fleet or _fleet()).read().paused
-    except ValueError as exc:  # unreadable record: say so rather than "running"
+    except (OSError, ValueError) as exc:  # unreadable record (or a directory): say so rather than "running"
         return {"actor": "unknown", "at": 0, "reason": f"desired-state record unreadable: {exc}"}
 
 
@@ -78,7 +79,7 @@ def _paused_or_fail() -> dict | None:
     """The pause in the desired state; exit 1 naming the file when the record is unreadable."""
     try:
         return _fleet().read().paused
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         _fail(f"{exc}; nothing was changed ({RECORD_REPAIR})")
 
 
@@ -132,14 +133,6 @@ def _actor(actor: str | None = None) -> str:
     """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``."""
     return _text(actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
                  or "unknown")
-
-
-def _seen_s() -> float:
-    """:func:`deploy.status.controller_seen_s`; a bad ``$FLYWHEEL_CONTROLLER_SEEN_S`` is a usage error."""
-    try:
-        return controller_seen_s()
-    except ValueError as exc:
-        _fail(str(exc), usage=True)
 
 
 def _store() -> ModelStore:
@@ -233,10 +226,38 @@ def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
                         help=f"bound on each call to a pod (s; default ${TIMEOUT_ENV}, else {default_s:g})")
 
 
+def _serving_specs(values: list[str] | None) -> list[str] | None:
+    """``--serving`` of an operator command, checked when the command line is parsed, before
+    anything is read or written: each a pod URL or ``dns+http://`` spec with no user name or
+    password (exit 2 naming ``--serving``, a password masked), each once."""
+    if not values:
+        return None
+    for v in values:
+        try:
+            check_spec(v)
+        except ValueError as exc:
+            _fail(f"--{exc}; nothing was changed", usage=True)
+    return unique_specs(values)
+
+
 def _serving_opt():
-    return typer.Option(None, "--serving", help="pod URL or dns+http:// spec, used only when the fleet's desired "
-                        "state records no pods, and then recorded there with the change (the controller records "
-                        "the ones it discovers); repeatable")
+    return typer.Option(None, "--serving", callback=_serving_specs,
+                        help="pod URL or dns+http:// spec (no user:password@), used only when the fleet's desired "
+                        "state records no pods, and then recorded there with the change if every spec finds a pod "
+                        "and every pod answers (the controller records the ones it discovers); repeatable")
+
+
+def _record_pods_opt():
+    return typer.Option(False, "--record-pods", help="replace the pods recorded in the fleet's desired state with "
+                        "the --serving list, in this command's change (a FLEET_PODS ledger row), whatever they "
+                        "answer")
+
+
+def _given(serving: list[str] | None, record_pods: bool) -> tuple[list[str] | None, bool]:
+    """``(--serving, --record-pods)``; ``--record-pods`` without ``--serving`` is a usage error."""
+    if record_pods and not serving:
+        _fail("--record-pods: needs --serving (the pods to record as the fleet's); nothing was changed", usage=True)
+    return serving, record_pods
 
 
 def _wait_opt():
@@ -259,22 +280,23 @@ def _read_desired(fleet: FleetRecord, decision: str, what: str, who: str, why: s
 def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decision, what, version, stable, who,
          why_flag, why, row=None) -> ActionResult:
     """:func:`deploy.operator.run_action` with this CLI's pods, ledger rows and failures.
-    ``row(after) -> {"stable", "step", "weight"}`` overrides the ledger rows' fields from the
-    record as written (under the lock)."""
-    pods = _pods(fleet, serving, min(serving_timeout_s, WATCH_READ_S))  # reads only, each one short
+    ``serving``: :func:`_given` (``--serving``, ``--record-pods``). ``row(after) -> {"stable",
+    "step", "weight"}`` overrides the ledger rows' fields from the record as written (under
+    the lock)."""
+    specs, replace_pods = serving
+    read_s = min(serving_timeout_s, WATCH_READ_S)  # reads only, each one short
+    _pods(fleet, specs, read_s, quiet=True)  # a bad $FLYWHEEL_SERVING_URL: exit 2 before anything is written
+    choice = PodChoice(given=specs, default=settings.serving_url(), make_admin=lambda u: admin(u, read_s),
+                       replace=replace_pods, probe_s=read_s)
     t0 = time.monotonic()
     fields = {"stable": stable}
 
-    def change_and_pods(x: DesiredState) -> DesiredState:
-        x = change(x)
-        if serving and not x.pods:  # the pods this command watches are the ones that must converge
-            x.pods = list(serving)
-        return x
-
     def record(suffix: str, numbers: dict) -> None:
-        dec = {"": decision, "converged": "FLEET_CONVERGED", "not_converged": "FLEET_NOT_CONVERGED"}[suffix]
-        _record_action(dec, version, reason=_row_reason(suffix, why, numbers), actor=who,
-                       numbers={"why": why_flag, **numbers}, **fields)
+        dec = {"": decision, "converged": "FLEET_CONVERGED", "not_converged": "FLEET_NOT_CONVERGED",
+               "pods": "FLEET_PODS"}[suffix]
+        # the pod list's row names no version: it is no step of a rollout
+        _record_action(dec, None if suffix == "pods" else version, reason=_row_reason(suffix, why, numbers),
+                       actor=who, numbers={"why": why_flag, **numbers}, **fields)
 
     def statuses(before, after) -> None:  # the record changed: a status write that fails is reported, not fatal
         if row is not None:
@@ -282,10 +304,10 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
         try:
             on_changed(before, after)
         except Exception as exc:  # noqa: BLE001 - e.g. a corrupt manifest of the version replaced
-            console.print(f"[red]could not update the store's version statuses:[/red] {exc}")
+            console.print(f"[red]could not update the store's version statuses:[/red] {escape(str(exc))}")
 
     try:
-        return run_action(fleet, pods, change_and_pods, what=what, who=who, why=why, on_changed=statuses,
+        return run_action(fleet, choice, change, what=what, who=who, why=why, on_changed=statuses,
                           record=record, timeout_s=timeout_s)
     except ValueError as exc:
         _action_failed(decision, what, version, stable, who, why_flag, str(exc), t0=t0)
@@ -297,7 +319,11 @@ def _row_reason(suffix: str, why: str, numbers: dict) -> str:
     """The reason of an operator action's ledger row: the decision (``suffix`` ""), with the
     generation the pods took when the record was written again past it; the watch's end
     (``converged`` / ``not_converged``), with how many pods converged, or why no pod was
-    watched."""
+    watched; the pod list's change (``pods``), with the list before and after."""
+    if suffix == "pods":
+        how = "replaced by --record-pods" if numbers.get("replaced") else "recorded from --serving"
+        return (f"{why}: the fleet's pods {how}: {', '.join(numbers['pods']) or 'none'} "
+                f"(were {', '.join(numbers['was']) or 'none'})")
     if suffix == "":
         if numbers.get("raised_from") is not None:
             return (f"{why} (desired state written again as generation {numbers['generation']}, past generation "
@@ -311,25 +337,31 @@ def _row_reason(suffix: str, why: str, numbers: dict) -> str:
 
 def _report(res: ActionResult, done: str, target: str, hint: str = "", footer: str | None = None) -> None:
     """Print each pod's outcome and the end (``hint`` too when not every pod converged), then
-    ``footer`` as a warning when given; exit 1 unless every pod converged."""
+    ``footer`` as a warning when given; exit 1 unless every pod converged. Text from pods,
+    the record and the store is escaped: rich prints it as it is."""
+    for note in res.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     for o in res.outcomes:
-        console.print(("  [green]ok[/green] " if o.ok else "  [red]!![/red] ") + o.line())
+        console.print(("  [green]ok[/green] " if o.ok else "  [red]!![/red] ") + escape(o.line()))
     if res.discovery_error:
-        console.print(f"[red]pods could not be listed:[/red] {res.discovery_error}")
+        console.print(f"[red]pods could not be listed:[/red] {escape(res.discovery_error)}")
     n, k = len(res.outcomes), sum(o.ok for o in res.outcomes)
     if res.superseded_by is not None:
         s = res.superseded_by
-        console.print(f"[red]superseded:[/red] generation {s.generation} ({s.action} by {s.actor}) replaced this "
-                      f"action before every pod converged; the fleet now converges to: {s.summary()}")
+        console.print(f"[red]superseded:[/red] generation {s.generation} ({escape(s.action)} by {escape(s.actor)}) "
+                      f"replaced this action before every pod converged; the fleet now converges to: "
+                      f"{escape(s.summary())}")
+        if footer:
+            console.print(f"[red]warning:[/red] {escape(footer)}")
         raise typer.Exit(1)
     if res.converged:
         console.print(f"{done} on all {n} pods ({res.elapsed_s:.2f} s; desired state generation "
                       f"{res.desired.generation})")
         if footer:
-            console.print(f"[red]warning:[/red] {footer}")
+            console.print(f"[red]warning:[/red] {escape(footer)}")
         return
     serve = (f"{k} of {n} pods serve it after {res.elapsed_s:.1f} s" if n else
-             f"no pod to watch ({res.discovery_error or 'no pod found'})")
+             f"no pod to watch ({escape(res.discovery_error or 'no pod found')})")
     console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {serve}. "
                   "The record is changed: each pod converges to it by itself "
                   "when it can (it reads the record every --desired-poll s), and the controller retries it at each "
@@ -337,7 +369,7 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "", footer: s
                   "refused (`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
                   (f" {hint[0].upper()}{hint[1:]}." if hint else ""))
     if footer:
-        console.print(f"[red]warning:[/red] {footer}")
+        console.print(f"[red]warning:[/red] {escape(footer)}")
     raise typer.Exit(1)
 
 
@@ -379,6 +411,7 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
                                               help="share of users sent to VERSION at the "
                                               "first step, in (0, 1) (the controller's default first step)"),
                  serving: Optional[list[str]] = _serving_opt(),
+                 record_pods: bool = _record_pods_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                  serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                  yes: bool = _yes_opt()) -> None:
@@ -387,7 +420,7 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
     Refused while a canary is in progress. Returns when every pod serves it or --timeout
     passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
-    seen_s = _seen_s()
+    serving = _given(serving, record_pods)
     store, fleet = _store(), _fleet()
     what = f"canary start of {version}"
     if version not in store.versions():
@@ -420,9 +453,10 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
                row=lambda after: {"stable": after.stable, "step": 0, "weight": after.weight})
     _report(res, f"canary of {version} at {weight:.0%} started", version,
             hint="to take the candidate back: `flywheel canary abort --yes`",
-            footer=controller_warning(controller_seen(fleet, seen_s), res.desired, 0))
+            footer=controller_footer(fleet, res.desired, 0))
 
 def canary_abort(serving: Optional[list[str]] = _serving_opt(),
+                 record_pods: bool = _record_pods_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                  serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                  yes: bool = _yes_opt()) -> None:
@@ -430,6 +464,7 @@ def canary_abort(serving: Optional[list[str]] = _serving_opt(),
     traffic) and mark it aborted (the controller does not start it again by itself).
     Returns when every pod dropped it or --timeout passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    serving = _given(serving, record_pods)
     store, fleet = _store(), _fleet()
     d = _read_desired(fleet, "MANUAL_CANARY_ABORT", "canary abort", who, reason)
     st = current_status(rollout_status_path(), settings.ledger_path())
@@ -554,7 +589,7 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
         typer.echo(dumps(s.to_dict(), fmt))
     else:
         if s.note and fmt == Format.table:
-            console.print(f"[yellow]note:[/yellow] {s.note}")
+            console.print(f"[yellow]note:[/yellow] {escape(s.note)}")
         _print_pods(s, fmt)
         _print_rollout(s, fmt)
     if s.failed():
@@ -562,13 +597,15 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
 
 
 def _print_pods(s: FleetStatus, fmt: Format) -> None:
-    """`flywheel status`'s desired state, pods table, drift count, errors and warnings."""
+    """`flywheel status`'s desired state, pods table, drift count, errors and warnings. Every
+    string read from the store, a pod or the ledger is escaped: rich prints it as it is."""
     desired = s.desired
     if desired is not None:
-        console.print(f"desired state: [bold]{desired.summary()}[/bold] (last change: {desired.action or '-'} "
-                      f"by {desired.actor or '-'} at {_ts(desired.updated_ms)} UTC)")
+        console.print(f"desired state: [bold]{escape(desired.summary())}[/bold] (last change: "
+                      f"{escape(desired.action or '-')} by {escape(desired.actor or '-')} at {_ts(desired.updated_ms)} "
+                      "UTC)")
     elif s.record_err:
-        console.print(f"[red]error:[/red] {s.record_err}")
+        console.print(f"[red]error:[/red] {escape(s.record_err)}")
     t = Table(title="serving pods")
     for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
         t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
@@ -577,13 +614,15 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     unknown = desired is None  # the record is unreadable: no pod can be called in sync
     for url, p, e, dr in s.rows:
         if p is None:  # the failure's kind, the word operator commands print for it too
-            t.add_row("?", url, "", "", "", "", "", "", f"[red]{dr[0] if dr else 'error'}[/red]: {e}")
+            t.add_row("?", escape(url), "", "", "", "", "", "",
+                      f"[red]{escape(dr[0] if dr else 'error')}[/red]: {escape(e or '')}")
             continue
-        t.add_row(p.pod, url, p.stable.version, p.stable.weights_digest[:dig], ok[p.stable.digest_ok],
-                  (p.candidate.version + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
+        t.add_row(escape(p.pod), escape(url), escape(p.stable.version), escape(p.stable.weights_digest[:dig]),
+                  ok[p.stable.digest_ok],
+                  (escape(p.candidate.version) + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
                   if p.candidate else "-", f"{p.candidate_weight:.0%}", _ts(p.stable.loaded_at),
-                  "[red]" + "; ".join(dr) + "[/red]" if dr else "[red]unknown[/red] (record unreadable)" if unknown
-                  else "in sync")
+                  "[red]" + escape("; ".join(dr)) + "[/red]" if dr else "[red]unknown[/red] (record unreadable)"
+                  if unknown else "in sync")
     console.print(t)
     n_ok = sum(1 for _, _, _, dr in s.rows if not dr)
     if unknown:
@@ -593,25 +632,27 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
         console.print(f"{n_ok} of {len(s.rows)} pods serve the desired state" +
                       ("" if n_ok == len(s.rows) and s.rows else " ([red]drift[/red])"))
     if s.err:
-        console.print(f"[red]serving error:[/red] {s.err}")
+        console.print(f"[red]serving error:[/red] {escape(s.err)}")
     if s.stable_rec:
-        console.print(f"store stable record: {s.stable_rec['version']} (set by {s.stable_rec.get('actor') or '?'} "
-                      f"at {_ts(s.stable_rec.get('at') or 0)} UTC)")
+        console.print(f"store stable record: {escape(str(s.stable_rec['version']))} (set by "
+                      f"{escape(str(s.stable_rec.get('actor') or '?'))} at {_ts(s.stable_rec.get('at') or 0)} UTC)")
     for w in s.warnings:
-        console.print(f"[red]warning:[/red] {w}")
+        console.print(f"[red]warning:[/red] {escape(w)}")
 
 
 def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     """`flywheel status`'s rollout line, learner state and decisions table."""
     st, desired = s.rollout, s.desired
-    console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={st.candidate} stable={st.stable} "
-                  f"step={st.step} weight={st.weight:.0%} last={st.last_outcome}: {st.last_reason}")
+    console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={escape(str(st.candidate))} "
+                  f"stable={escape(str(st.stable))} step={st.step} weight={st.weight:.0%} "
+                  f"last={escape(str(st.last_outcome))}: {escape(str(st.last_reason))}")
     lp = desired.paused if desired else None
     if s.record_err:
         console.print("learner: unknown (a learner that cannot read the record does not train)")
     else:
-        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {lp['actor']} at {_ts(lp['at'])} UTC: "
-                                     f"{lp.get('reason', '')}" if lp else "running (not paused)"))
+        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {escape(str(lp.get('actor')))} at "
+                                     f"{_ts(lp.get('at') or 0)} UTC: {escape(str(lp.get('reason', '')))}"
+                                     if lp else "running (not paused)"))
     t = Table(title="last decisions")
     for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
         t.add_column(c, no_wrap=True)
@@ -619,8 +660,9 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     if fmt == Format.wide:
         t.add_column("numbers", overflow="fold")
     for d in s.decisions:
-        t.add_row(_ts(d.ts), d.version, d.stable or "", str(d.step), f"{d.weight:.0%}", d.decision,
-                  d.actor, d.reason, *([json.dumps(d.numbers, default=str)] if fmt == Format.wide else []))
+        t.add_row(_ts(d.ts), escape(d.version), escape(d.stable or ""), str(d.step), f"{d.weight:.0%}",
+                  escape(d.decision), escape(d.actor), escape(d.reason),
+                  *([escape(json.dumps(d.numbers, default=str))] if fmt == Format.wide else []))
     console.print(t)
 
 
@@ -652,6 +694,7 @@ def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-rea
     console.print(t)
 
 def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
+                record_pods: bool = _record_pods_opt(),
                 actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                 serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                 yes: bool = _yes_opt()) -> None:
@@ -659,6 +702,7 @@ def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
     stable record. Returns when every pod serves it or --timeout passes (exit 1), printing
     each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    serving = _given(serving, record_pods)
     store, fleet = _store(), _fleet()
     d = _read_desired(fleet, "MANUAL_PROMOTE", "manual promote", who, reason)
     if d.candidate is None:
@@ -684,6 +728,7 @@ def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
 
 def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to restore as stable"),
                  serving: Optional[list[str]] = _serving_opt(),
+                 record_pods: bool = _record_pods_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
                  serving_timeout_s: Optional[float] = _timeout_opt(), timeout: float = _wait_opt(),
                  yes: bool = _yes_opt()) -> None:
@@ -692,6 +737,7 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to
     `--to` the version already stable reloads it from the store on every pod (verified).
     Returns when every pod serves it or --timeout passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
+    serving = _given(serving, record_pods)
     store, fleet = _store(), _fleet()
     if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
         try:

@@ -19,10 +19,10 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from deploy.serving_client import ServingAdmin, ServingAdminError
+from schemas.pod_target import DNS_PREFIX, check_pod_spec
 
 log = logging.getLogger(__name__)
 
-DNS_PREFIX = "dns+"
 Resolver = Callable[..., list]  # socket.getaddrinfo's signature and answer
 
 
@@ -31,32 +31,28 @@ def is_dns(spec: str) -> bool:
     return spec.startswith(DNS_PREFIX)
 
 
-def check_spec(spec: str) -> str:
+def check_spec(spec: str, name: str = "serving") -> str:
     """``spec`` if it is a pod URL ``http(s)://host[:port]`` or a ``dns+http(s)://name:port``
-    spec, before any pod or DNS server is asked.
+    spec with no user name or password (:func:`schemas.pod_target.check_pod_spec`, the rule
+    the fleet record's ``pods`` follow too), before any pod or DNS server is asked.
 
     Raises:
-        ValueError: naming the spec and the form it must have (a usage error for the CLI).
+        ValueError: naming ``name``, the spec (a password in it masked) and the form it must
+            have (a usage error for the CLI).
     """
-    if is_dns(spec):
-        u = urlsplit(spec[len(DNS_PREFIX):])
-        try:
-            ok = u.scheme in ("http", "https") and bool(u.hostname) and bool(u.port) and u.path in ("", "/")
-        except ValueError:  # a port that is no number or out of range
-            ok = False
-        if not ok:
-            raise ValueError(f"serving: {spec!r} is not dns+http(s)://name:port (a headless Service's "
-                             f"name and the pods' port)")
-        return spec
-    try:
-        u = urlsplit(spec)
-        ok = u.scheme in ("http", "https") and bool(u.hostname)
-        u.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
-    except ValueError:  # an unclosed [IPv6 bracket, a bad port
-        ok = False
-    if not ok:
-        raise ValueError(f"serving: {spec!r} is not a pod URL http(s)://host:port (or dns+http(s)://name:port)")
-    return spec
+    return check_pod_spec(spec, name)
+
+
+def unique_specs(specs: list[str]) -> list[str]:
+    """``specs`` in order, each once (a trailing ``/`` does not make another pod)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for s in specs:
+        key = s.rstrip("/")
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
 
 
 def resolve(spec: str, resolver: Resolver = socket.getaddrinfo) -> list[str]:

@@ -14,23 +14,29 @@ pods still converge. The action returns by ``timeout_s`` whatever a pod does (hu
 SIGSTOPped, unreachable). A later change of the record by someone else (a newer generation
 with other serving fields) ends the watch: the action was superseded.
 
-Which pods: the serving specs recorded in the desired state (``pods``: by the controller, or
-by an earlier command), else the ones given (``--serving`` / ``$FLYWHEEL_SERVING_URL``); pods
-named with ``--serving`` while the record lists none are written into it with the action's
-change, so the record names the pods that must converge and later commands, ``flywheel
-status`` and a controller started without ``--serving`` reach the same ones. A URL that
-answers as more than one pod (a load balancer) is reported as such, never taken for one pod.
+Which pods (:class:`PodChoice`), decided from the record as the action wrote it, under the
+fleet lock, so two operators at once watch the same pods: the serving specs recorded in the
+desired state (``pods``: by the controller, by an earlier command, or by ``--record-pods``),
+else the ones given (``--serving``), else ``$FLYWHEEL_SERVING_URL`` (used, never recorded: it is
+often a Service's URL). ``--serving`` given while the record lists none is written into it
+with the action's change only when every spec found at least one pod and every pod found
+answered a read before the change (so a typo is never recorded); otherwise the command says
+why it was not recorded. ``--record-pods`` replaces the record's list with ``--serving`` in the
+action's change, whatever the pods answer. A URL that answers as more than one pod (a load
+balancer) is reported as such, never taken for one pod.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from modelstore.desired import DesiredState, FleetRecord
-from deploy.discovery import PodDiscovery
+from modelstore.desired import DesiredState, FleetRecord, LockTimeout
+from deploy.discovery import PodDiscovery, resolve
 from deploy.fleet import PodOutcome, observe_pods_generation, summary
-from deploy.serving_client import ServingAdminError
+from deploy.serving_client import ServingAdmin, ServingAdminError
 
 
 @dataclass
@@ -46,6 +52,8 @@ class ActionResult:
         raised_from: the generation first written, when the pods had taken a newer one (a
             record restored or edited to an older generation) and the record was written
             again past theirs; None otherwise.
+        notes: what to tell the operator about which pods were watched and whether the record's
+            pod list changed (:func:`choose_pods`).
     """
 
     desired: DesiredState
@@ -54,6 +62,7 @@ class ActionResult:
     elapsed_s: float = 0.0
     discovery_error: str | None = None
     raised_from: int | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def converged(self) -> bool:
@@ -72,54 +81,151 @@ def pod_specs(desired: DesiredState, given: list[str] | None, default: str) -> t
         if given and set(given) != set(desired.pods):
             note = (f"acting on the fleet's pods {', '.join(desired.pods)} (recorded in its desired state by the "
                     f"controller or an earlier command); --serving {', '.join(given)} is not that list and is not "
-                    "used")
+                    "used (`--record-pods` with --serving replaces the list)")
         return list(desired.pods), note
     return list(given or [default]), None
 
 
-def _discover(pods: PodDiscovery) -> tuple[list, str | None]:
+@dataclass
+class PodChoice:
+    """Which pods an operator action watches, and how it may change the record's pod list.
+
+    Fields:
+        given: the ``--serving`` specs (checked, each once), or None.
+        default: ``$FLYWHEEL_SERVING_URL``, watched when the record lists no pods and none is
+            given; never recorded.
+        make_admin: the admin client of one pod URL (its reads bounded short).
+        replace: ``--record-pods``: ``given`` replaces the record's ``pods`` in the action's change.
+        probe_s: the bound on the read of each given pod before the change (s), when the record
+            lists none.
+        resolver: ``socket.getaddrinfo`` or a function with its signature (tests).
+    """
+
+    given: list[str] | None
+    default: str | None
+    make_admin: Callable[[str], ServingAdmin]
+    replace: bool = False
+    probe_s: float = 2.0
+    resolver: Callable = socket.getaddrinfo
+
+
+def probe_pods(choice: PodChoice, deadline: float) -> str | None:
+    """Why ``choice.given`` must not be recorded as the fleet's pods, or None when every spec
+    found at least one pod and every pod found answered one read (``GET /admin/desired``, any
+    state), by ``deadline`` (``time.monotonic()``). Read-only."""
+    urls, why = [], []
+    for spec in choice.given or []:
+        try:
+            found = resolve(spec, choice.resolver)
+        except (ValueError, ServingAdminError) as exc:
+            why.append(f"{spec} found no pod ({exc})")
+            continue
+        urls += [u for u in found if u not in urls]
+    if urls:
+        outcomes = observe_pods_generation([choice.make_admin(u) for u in urls], DesiredState(), deadline)
+        for o in outcomes:
+            if o.exc is not None or o.pod is None or o.outcome in ("timeout", "load_balancer"):
+                why.append(f"{o.url} did not answer ({o.outcome})")
+    return "; ".join(why) or None
+
+
+def choose_pods(choice: PodChoice, before: DesiredState, after: DesiredState,
+                not_recorded: str | None) -> tuple[list[str], list[str]]:
+    """``(specs, notes)``: the pods an action watches, from the record as it wrote it
+    (``after``; ``before``: the record under the lock before the change), and what to tell
+    the operator: the record's pods when it lists some (a note when ``--serving`` is another
+    list), else ``--serving``, else the default. ``not_recorded``: why ``--serving`` was not
+    written into a record that lists none."""
+    given, notes = choice.given, []
+    if after.pods != before.pods:
+        notes.append(f"the fleet's pods are now {', '.join(after.pods)} (written into its desired state, generation "
+                     f"{after.generation}{'; were ' + ', '.join(before.pods) if before.pods else ''})")
+    if after.pods:
+        specs, note = pod_specs(after, given, choice.default or "")
+        notes += [note] if note else []
+        return specs, notes
+    if given:
+        notes.append(f"--serving {', '.join(given)} was not recorded as the fleet's pods: "
+                     f"{not_recorded or 'the record listed pods when this command started'}; it is used for this "
+                     "command only (`--record-pods` with --serving records a list whatever its pods answer)")
+        return list(given), notes
+    return [choice.default or ""], notes
+
+
+def _discover(pods: PodDiscovery | None, why: str | None = None) -> tuple[list, str | None]:
+    if pods is None:
+        return [], why
     try:
         return pods(), None
     except ServingAdminError as exc:
         return [], str(exc)
 
 
-def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who: str, why: str,
+def run_action(fleet: FleetRecord, pods: PodChoice, change, *, what: str, who: str, why: str,
                on_changed, record, timeout_s: float, lock_timeout_s: float | None = None,
                poll_s: float = 0.25) -> ActionResult:
     """Change the record, record the decision, watch the pods converge, record what was observed.
 
     Args:
-        pods: the fleet's pods, read-only here (their clients' timeouts should be short: each
-            read is also cut at the deadline).
+        pods: which pods to watch and how the record's pod list may change
+            (:class:`PodChoice`); the pods are chosen from the record as written
+            (:func:`choose_pods`). Their clients' timeouts should be short: each read is also
+            cut at the deadline.
         change: ``f(DesiredState) -> DesiredState``; raises ValueError to refuse (nothing is
             changed, nothing recorded here: the caller records the refusal).
         on_changed: ``f(before, after)`` run under the lock right after the record changed
             (the version statuses derived from it).
         record: ``f(decision_suffix, numbers)`` writes a ledger row: with ``""`` and the new
-            generation under the lock, then with ``"converged"`` or ``"not_converged"`` and
-            each pod's observed outcome when the watch ends.
+            generation under the lock (then ``"pods"`` with ``{"generation", "pods", "was",
+            "replaced"}`` when the record's pod list changed), then with ``"converged"`` or
+            ``"not_converged"`` and each pod's observed outcome when the watch ends.
         timeout_s: how long to watch (s), from the start of the action (the lock wait
-            included); 0: change the record and return at once, observing each pod once.
+            included); 0: change the record and return at once, observing each pod once. A
+            ``--serving`` list checked before the change adds one read of each of its pods.
         lock_timeout_s: how long to wait for another writer holding the fleet lock (None:
             ``timeout_s``, at least 1 s).
         poll_s: seconds between two reads of the pods.
 
     Raises:
         ValueError: ``change`` refused.
-        modelstore.desired.LockTimeout: the lock was not free within ``lock_timeout_s``.
+        modelstore.desired.LockTimeout: the lock was not acquired within ``lock_timeout_s``.
     """
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     budget = f"--timeout {timeout_s:g} s"
     lock_s = max(1.0, timeout_s) if lock_timeout_s is None else lock_timeout_s
+    probed, not_recorded = False, None
+    if pods.given and not pods.replace:
+        try:
+            listed = fleet.read().pods
+        except (OSError, ValueError):  # the change below reads it again and refuses, naming it
+            listed = None
+        if listed == []:  # a list to record only if all of it answers: a typo is never recorded
+            probed, not_recorded = True, probe_pods(pods, time.monotonic() + pods.probe_s)
+
+    def change_with_pods(x: DesiredState) -> DesiredState:
+        x = change(x)
+        if pods.replace and pods.given:
+            x.pods = list(pods.given)
+        elif pods.given and not x.pods and probed and not_recorded is None:
+            x.pods = list(pods.given)
+        return x
+
     with fleet.locked(what, who, lock_s):
         before = fleet.read()
-        new = fleet.change(change, who, what, why)
+        new = fleet.change(change_with_pods, who, what, why)
         on_changed(before, new)
         record("", {"generation": new.generation, "desired": new.summary()})
-    admins, derr = _discover(pods)
-    res = ActionResult(new, discovery_error=derr)
+        if new.pods != before.pods:
+            record("pods", {"generation": new.generation, "pods": list(new.pods), "was": list(before.pods),
+                            "replaced": bool(pods.replace)})
+    specs, notes = choose_pods(pods, before, new, not_recorded)
+    try:
+        disc, derr = PodDiscovery(specs, pods.make_admin, pods.resolver), None
+    except ValueError as exc:  # $FLYWHEEL_SERVING_URL changed meaning between the check and now
+        disc, derr = None, str(exc)
+    admins, derr = _discover(disc, derr)
+    res = ActionResult(new, discovery_error=derr, notes=notes)
     while True:
         # a round is cut at the deadline; past it, one short round says where each pod is now
         cut = max(deadline, time.monotonic() + 0.5)
@@ -132,27 +238,33 @@ def run_action(fleet: FleetRecord, pods: PodDiscovery, change, *, what: str, who
         if ahead > new.generation and not res.raised_from:
             # pods took a generation the record never reached (restored or edited to an older
             # one): written again past theirs, or no pod would ever take it
-            with fleet.locked(what, who, lock_s):
-                if fleet.read().generation == new.generation:  # no other writer since: ours to raise
-                    res.raised_from = new.generation
-                    new = fleet.change(lambda d: d, who, what, why, floor=ahead)
-                    res.desired = new
-                    record("", {"generation": new.generation, "raised_from": res.raised_from,
-                                "pods_took": ahead, "desired": new.summary()})
-                    continue
+            try:
+                with fleet.locked(what, who, lock_s):
+                    if fleet.read().generation == new.generation:  # no other writer since: ours to raise
+                        res.raised_from = new.generation
+                        new = fleet.change(lambda d: d, who, what, why, floor=ahead)
+                        res.desired = new
+                        record("", {"generation": new.generation, "raised_from": res.raised_from,
+                                    "pods_took": ahead, "desired": new.summary()})
+                        continue
+            except LockTimeout:
+                pass  # another writer holds the record: it is read below, like any newer record
+            except (OSError, ValueError) as exc:
+                res.discovery_error = f"the desired-state record {fleet.path} became unreadable while watching: {exc}"
+                break
         try:
             cur = fleet.read()
             if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):
                 res.superseded_by = cur
                 break
-        except ValueError as exc:  # the record became unreadable while we watched
-            res.discovery_error = f"the desired-state record became unreadable while watching: {exc}"
+        except (OSError, ValueError) as exc:  # the record became unreadable (or a directory) while we watched
+            res.discovery_error = f"the desired-state record {fleet.path} became unreadable while watching: {exc}"
             break
         if time.monotonic() >= deadline:
             break
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
         if not admins:
-            admins, res.discovery_error = _discover(pods)
+            admins, res.discovery_error = _discover(disc, derr)
     res.elapsed_s = time.monotonic() - t0
     record("converged" if res.converged else "not_converged",
            {"generation": new.generation, "pods": summary(res.outcomes), "elapsed_s": res.elapsed_s,

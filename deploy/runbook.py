@@ -55,6 +55,13 @@ RUNBOOK: list[tuple[str, str, str]] = [
      "--desired-poll s) and the controller retries it at each poll, with or without a controller running; a "
      "stopped or hung pod converges once it runs again; one that stays unreachable or hung: restart or replace "
      "it (it reads the desired state before it is ready)"),
+    ("An operator command watches the wrong pods, or says `--serving ... was not recorded as the fleet's pods`",
+     "`flywheel status -o json`: `pods` lists the pods of the desired state's list; the command's note says why "
+     "a --serving list was not recorded (a spec that found no pod, a pod that did not answer) or that it is not "
+     "the recorded list",
+     "fix the pod or the spec and name the pods again with --serving; to replace a recorded list, add "
+     "`--record-pods` and the --serving list to the next action, or now: `flywheel rollback --to <the current "
+     "stable> --record-pods --serving URL --serving URL --yes` (it also reloads the stable, verified)"),
     ("A pod does not converge (drift in `flywheel status` that stays)",
      "`flywheel status -o wide` (the pod's slots and drift) and the controller's log/ledger RECONCILE rows: "
      "'refused' means the pod cannot load the version (corrupt files on its copy of the store), "

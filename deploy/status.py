@@ -38,8 +38,12 @@ RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restart
 
 
 def ts(ms: int) -> str:
-    """``MM-DD HH:MM:SS`` (UTC) of a time in ms since the epoch."""
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%m-%d %H:%M:%S")
+    """``MM-DD HH:MM:SS`` (UTC) of a time in ms since the epoch; ``?`` for one no calendar
+    holds (a damaged file's time must not stop a read command)."""
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError, TypeError):
+        return "?"
 
 
 def controller_seen_s() -> float:
@@ -62,25 +66,40 @@ def controller_seen_s() -> float:
     return v
 
 
+def controller_seen_s_or_default() -> tuple[float, str | None]:
+    """:func:`controller_seen_s`, and None; or, when ``$FLYWHEEL_CONTROLLER_SEEN_S`` is bad,
+    :data:`CONTROLLER_SEEN_S` and the warning to show (naming the variable, the reason and the
+    default used): the variable only tunes a warning, so a bad value never stops a command."""
+    try:
+        return controller_seen_s(), None
+    except ValueError as exc:
+        return CONTROLLER_SEEN_S, f"{exc}; using the default {CONTROLLER_SEEN_S:g} s"
+
+
 def controller_seen(fleet: FleetRecord, seen_s: float, now: int | None = None) -> dict:
     """Whether a controller runs, judged by its heartbeat (``fleet/controller.json``,
-    :meth:`modelstore.desired.FleetRecord.beat`): ``{"heartbeat": the last one or None,
-    "file": its path, "age_s": seconds since it was written or None, "limit_s": seen_s plus
-    the controller's declared poll_s, "running": bool, "error": why the file is unreadable or
-    None}``. A heartbeat written in the future (clocks apart) counts as running. ``now``: ms
-    since epoch (default now)."""
+    :meth:`modelstore.desired.FleetRecord.beat`, read through the bounds of
+    :class:`modelstore.desired.Heartbeat`): ``{"heartbeat": the last one or None, "file": its
+    path, "age_s": seconds since it was written (0 for one dated ahead, within the clock skew
+    allowed) or None, "limit_s": seen_s plus the controller's declared poll_s, "running": bool,
+    "error": why the file is unreadable (the field and the reason) or None}``. ``now``: ms
+    since epoch (default now). Never raises: whatever the file holds, the answer is "running"
+    or not, with the reason."""
+    now = now_ms() if now is None else now
     path = f"{str(fleet.store.root).rstrip('/')}/{'/'.join(HEARTBEAT_FILE)}"
     out = {"heartbeat": None, "file": path, "age_s": None, "limit_s": seen_s, "running": False, "error": None}
     try:
-        b = fleet.last_beat()
+        b = fleet.last_beat(now)
     except (OSError, ValueError) as exc:
         out["error"] = str(exc)
         return out
+    except Exception as exc:  # noqa: BLE001 - a store's own error class: the heartbeat is unreadable
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
     if b is None:
         return out
-    poll = b.get("poll_s")
-    limit = seen_s + (float(poll) if isinstance(poll, (int, float)) and not isinstance(poll, bool) else 0.0)
-    age = ((now_ms() if now is None else now) - b["at"]) / 1000
+    limit = seen_s + (b["poll_s"] or 0.0)
+    age = max(0.0, (now - b["at"]) / 1000)  # bounded: Heartbeat.parse refuses a time outside [0, now + skew]
     out.update(heartbeat=b, age_s=age, limit_s=limit, running=age <= limit)
     return out
 
@@ -89,7 +108,7 @@ def controller_warning(seen: dict, desired: DesiredState | None, step: int | Non
     """What to tell the operator when a canary is in the fleet's desired state and no
     controller was seen running (``seen``: :func:`controller_seen`): nothing analyses,
     advances, promotes or rolls back the canary until one runs. None otherwise. ``step``:
-    the canary's step, when known."""
+    the canary's step, when known. Plain text (the caller escapes it for rich)."""
     if desired is None or desired.candidate is None or seen["running"]:
         return None
     at = f"step {step} ({desired.weight:.0%})" if step is not None and step >= 0 else f"{desired.weight:.0%}"
@@ -101,11 +120,24 @@ def controller_warning(seen: dict, desired: DesiredState | None, step: int | Non
               "does not exist"
     else:
         why = (f"no controller has been seen for {seen['age_s']:.0f} s: its last heartbeat ({seen['file']}, "
-               f"{b.get('host') or '?'} pid {b.get('pid') or '?'}, at {ts(b['at'])} UTC) is older than "
+               f"{b['host'] or '?'} pid {b['pid']}, at {ts(b['at'])} UTC) is older than "
                f"{seen['limit_s']:g} s (${CONTROLLER_SEEN_ENV} plus its --poll-s)")
     return (f"the canary of {desired.candidate} is in progress but {why}; it stays at {at} until a controller "
             "runs: start `flywheel controller` (or step it with `flywheel controller --once`), or end it by hand "
             "(`flywheel promote --yes` / `flywheel canary abort --yes`)")
+
+
+def controller_footer(fleet: FleetRecord, desired: DesiredState | None, step: int | None = None) -> str | None:
+    """:func:`controller_warning` for a command that already changed the record (``flywheel
+    canary start``), with the warning about a bad ``$FLYWHEEL_CONTROLLER_SEEN_S`` if any;
+    computed defensively: whatever goes wrong becomes a line of the warning, never an error
+    of a command whose change is made."""
+    try:
+        seen_s, bad = controller_seen_s_or_default()
+        w = controller_warning(controller_seen(fleet, seen_s), desired, step)
+        return "; ".join(x for x in (bad, w) if x) or None
+    except Exception as exc:  # noqa: BLE001 - the change is made: report, never fail on the warning
+        return f"could not tell whether a controller runs ({type(exc).__name__}: {exc})"
 
 
 def discover_pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float) -> tuple[PodDiscovery, str | None]:
@@ -222,14 +254,12 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
     ``timeout_s``, s), the rollout status, the controller's heartbeat and the ``last`` ledger
     decisions.
 
+    A bad ``$FLYWHEEL_CONTROLLER_SEEN_S`` is a warning (the default is used).
+
     Raises:
-        SetupError: a pod spec that is no URL or ``dns+http://`` spec, or a bad
-            ``$FLYWHEEL_CONTROLLER_SEEN_S`` (``usage``).
+        SetupError: a pod spec that is no URL or ``dns+http://`` spec (``usage``).
     """
-    try:
-        seen_s = controller_seen_s()
-    except ValueError as exc:
-        raise SetupError(str(exc), usage=True) from None
+    seen_s, bad_seen = controller_seen_s_or_default()
     out = FleetStatus()
     try:
         store = ModelStore(settings.store_dir())
@@ -254,6 +284,8 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
     out.err = out.err or (errors[0] if errors else None) or (None if out.rows else "no serving pod found")
     out.warnings = [w for _, s, _, _ in out.rows for w in status_warnings(s, out.desired)]
     out.rollout = status_with_record(current_status(rollout_status_path(), settings.ledger_path()), out.desired)
+    if bad_seen:
+        out.warnings.append(bad_seen)
     if out.controller is not None:
         w = controller_warning(out.controller, out.desired,
                                out.rollout.step if out.rollout.phase == RolloutPhase.CANARY else None)

@@ -36,6 +36,7 @@ import copy
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from schemas.events import now_ms
 from schemas.manifest import version_number
-from schemas.pod_target import MAX_GENERATION, check_consistent
+from schemas.pod_target import MAX_GENERATION, check_consistent, check_pod_spec
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,15 @@ DESIRED_FILE = ("fleet", "desired.json")
 LOCK_FILE = ("fleet", ".lock")
 HEARTBEAT_FILE = ("fleet", "controller.json")
 HISTORY_MAX = 200  # stable changes kept in the record (the ledger keeps them all)
+
+# What a reader of the controller's heartbeat accepts (:class:`Heartbeat`); past these bounds
+# the file is unreadable, so a damaged or hostile file can neither stall a reader nor hide
+# that no controller runs.
+HEARTBEAT_MAX_BYTES = 64 * 1024  # the controller writes ~200 bytes; a larger file is not read
+HEARTBEAT_SKEW_S = 300.0  # how far in the future (clocks apart) a heartbeat may be dated (s)
+HEARTBEAT_MAX_POLL_S = 86_400.0  # the largest --poll-s a heartbeat may declare (s): one day
+HEARTBEAT_HOST_MAX = 255  # characters of a host name (RFC 1035's bound on a full name)
+HEARTBEAT_ERROR_MAX = 1000  # characters of the last step's error kept (longer is cut)
 
 
 class ConflictError(RuntimeError):
@@ -117,7 +127,9 @@ class DesiredState:
         """Raise ValueError naming the field when the record is inconsistent (the rules of the
         pods' :class:`schemas.pod_target.PodTarget`, so what the record holds a pod can take;
         how the serving fields tie together is :func:`schemas.pod_target.check_consistent`,
-        the one place of that rule); returns self."""
+        the one place of that rule), or ``pods`` is not a list of pod specs by the rule of
+        ``--serving`` (:func:`schemas.pod_target.check_pod_spec`; the message names the entry,
+        ``pods[2]``); returns self."""
         for name in ("generation", "reload_after_ms"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_GENERATION:
@@ -133,6 +145,11 @@ class DesiredState:
                 or not 0.0 <= float(self.weight) <= 1.0:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
         check_consistent(self.stable, self.candidate, self.weight)
+        if not isinstance(self.pods, list):
+            raise ValueError(f"pods: must be a list of pod specs (http(s):// URLs or dns+http(s):// specs), got "
+                             f"{type(self.pods).__name__}")
+        for i, spec in enumerate(self.pods):
+            check_pod_spec(spec, f"pods[{i}]")
         return self
 
     def to_json(self) -> bytes:
@@ -167,6 +184,93 @@ class DesiredState:
         if self.paused:
             s += ", learner paused"
         return s
+
+
+def _printable(s: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in s)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The controller's heartbeat (``fleet/controller.json``), as a reader accepts it.
+
+    Fields:
+        at: when it was written, whole ms since the epoch, in ``[0, now + HEARTBEAT_SKEW_S]``.
+        host: the controller's host name (printable, at most :data:`HEARTBEAT_HOST_MAX` chars).
+        pid: its process id (a whole number >= 0).
+        poll_s: the ``--poll-s`` it declared (s, finite, in ``[0, HEARTBEAT_MAX_POLL_S]``), or
+            None (``--once``).
+        error: the last step's error, or None; unprintable characters become ``?`` and it is
+            cut to :data:`HEARTBEAT_ERROR_MAX` characters.
+    """
+
+    at: int
+    host: str
+    pid: int
+    poll_s: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def parse(cls, raw: bytes, now: int) -> "Heartbeat":
+        """The heartbeat in ``raw`` (the file's bytes), judged at ``now`` (ms since epoch).
+        Keys other than the fields are ignored.
+
+        Raises:
+            ValueError: naming the field and the reason (``at: dated 3650 days in the future,
+                beyond the 300 s clock skew allowed``); the file larger than
+                :data:`HEARTBEAT_MAX_BYTES`, not JSON, or not an object.
+        """
+        if len(raw) > HEARTBEAT_MAX_BYTES:
+            raise ValueError(f"larger than {HEARTBEAT_MAX_BYTES} bytes (a heartbeat is a few hundred): not read")
+        try:
+            b = json.loads(raw)
+        except ValueError as exc:  # bad UTF-8, not JSON, an integer of more than 4300 digits
+            raise ValueError(f"not JSON: {str(exc)[:200]}") from None
+        if not isinstance(b, dict):
+            raise ValueError(f"expected an object, got {type(b).__name__}")
+        at = b.get("at")
+        if isinstance(at, bool) or not isinstance(at, int):
+            raise ValueError(f"at: must be a whole number of ms since the epoch, got {type(at).__name__}")
+        if at < 0:
+            raise ValueError("at: before the epoch (negative)")
+        if at > now + HEARTBEAT_SKEW_S * 1000:
+            ahead = (at - now) // 1000  # whole seconds: `at` may be too large for a float
+            far = f"{ahead / 86400:.0f} days" if ahead < 10**12 else "more than 10**12 s"
+            raise ValueError(f"at: dated {far} in the future, beyond the {HEARTBEAT_SKEW_S:g} s clock skew allowed")
+        host = b.get("host")
+        if not isinstance(host, str):
+            raise ValueError(f"host: must be a string, got {type(host).__name__}")
+        if len(host) > HEARTBEAT_HOST_MAX:
+            raise ValueError(f"host: {len(host)} characters (at most {HEARTBEAT_HOST_MAX})")
+        if not host.isprintable():
+            raise ValueError("host: holds unprintable characters")
+        pid = b.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid <= MAX_GENERATION:
+            raise ValueError(f"pid: must be a whole number in [0, 2**53], got {type(pid).__name__}"
+                             + (f" {pid}" if isinstance(pid, int) and abs(pid) < 10**20 else ""))
+        poll = b.get("poll_s")
+        if poll is not None:
+            if isinstance(poll, bool) or not isinstance(poll, (int, float)):
+                raise ValueError(f"poll_s: must be a number of seconds or null, got {type(poll).__name__}")
+            try:
+                poll = float(poll)
+            except OverflowError:  # an integer too large for a float
+                poll = math.inf
+            if not (math.isfinite(poll) and 0 <= poll <= HEARTBEAT_MAX_POLL_S):
+                raise ValueError(f"poll_s: must be a finite number of seconds in [0, {HEARTBEAT_MAX_POLL_S:g}], "
+                                 f"got {poll:g}")
+        err = b.get("error")
+        if err is not None and not isinstance(err, str):
+            raise ValueError(f"error: must be a string or null, got {type(err).__name__}")
+        if err is not None:
+            err = _printable(err)
+            if len(err) > HEARTBEAT_ERROR_MAX:
+                err = err[:HEARTBEAT_ERROR_MAX] + f"... ({len(err) - HEARTBEAT_ERROR_MAX} more characters)"
+        return cls(at=at, host=host, pid=pid, poll_s=poll, error=err)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``{"at", "host", "pid", "poll_s", "error"}``."""
+        return asdict(self)
 
 
 class FleetRecord:
@@ -208,35 +312,40 @@ class FleetRecord:
     # -- the controller's heartbeat -----------------------------------------------------------
     def beat(self, beat: dict) -> None:
         """Replace the controller's heartbeat ``fleet/controller.json`` with ``beat`` (JSON-ready:
-        ``{"at" (ms since epoch), "host", "pid", "poll_s" (s, None for --once), "error"}``),
-        beside the record on the shared storage, so an operator on any machine can tell a
-        running controller from none. Not under the fleet lock: one writer, one atomic replace.
+        ``{"at" (ms since epoch), "host", "pid", "poll_s" (s, None for --once), "error"}``; an
+        error longer than :data:`HEARTBEAT_ERROR_MAX` characters is cut), beside the record on
+        the shared storage, so an operator on any machine can tell a running controller from
+        none. Not under the fleet lock: one writer, one atomic replace.
 
         Raises:
-            OSError: the file could not be written.
+            OSError: the file could not be written (names the file).
         """
+        beat = dict(beat)
+        if isinstance(beat.get("error"), str) and len(beat["error"]) > HEARTBEAT_ERROR_MAX:
+            beat["error"] = beat["error"][:HEARTBEAT_ERROR_MAX] + "..."
         if self.store.fs is None:
             (self.store.root / HEARTBEAT_FILE[0]).mkdir(parents=True, exist_ok=True)
         self.store._put_atomic(json.dumps(beat).encode(), *HEARTBEAT_FILE)
 
-    def last_beat(self) -> dict | None:
-        """The controller's last heartbeat (:meth:`beat`), or None when no controller ever wrote one.
+    def last_beat(self, now: int | None = None) -> dict | None:
+        """The controller's last heartbeat (:meth:`beat`) as :meth:`Heartbeat.to_dict`, or None
+        when no controller ever wrote one. At most :data:`HEARTBEAT_MAX_BYTES` (+1) bytes are
+        read. ``now``: ms since epoch (default the record's clock), what the time ``at`` is
+        judged against.
 
         Raises:
-            ValueError: the file exists but is not a heartbeat (names the file and the reason).
+            ValueError: the file exists but is not a heartbeat (names the file, the field and the
+                reason: :meth:`Heartbeat.parse`).
             OSError: the file could not be read.
         """
         try:
-            raw = self.store._read(*HEARTBEAT_FILE)
+            raw = self.store._read_head(HEARTBEAT_MAX_BYTES + 1, *HEARTBEAT_FILE)
         except FileNotFoundError:
             return None
         try:
-            b = json.loads(raw)
+            return Heartbeat.parse(raw, self.clock() if now is None else now).to_dict()
         except ValueError as exc:
-            raise ValueError(f"{'/'.join(HEARTBEAT_FILE)}: not JSON: {exc}") from None
-        if not isinstance(b, dict) or isinstance(b.get("at"), bool) or not isinstance(b.get("at"), int):
-            raise ValueError(f"{'/'.join(HEARTBEAT_FILE)}: no whole number 'at' (ms since epoch)")
-        return b
+            raise ValueError(f"{'/'.join(HEARTBEAT_FILE)}: {exc}") from None
 
     # -- locking ----------------------------------------------------------------------------
     @contextmanager

@@ -158,13 +158,37 @@ class ModelStore:
                       if info.get(k)), "")
         return (info.get("size"), str(stamp))
 
+    def _read_head(self, limit: int, *parts: str) -> bytes:
+        """The first ``limit`` bytes of one file (all of it when shorter): a reader that bounds
+        what it accepts never reads a huge file whole."""
+        if self.fs is None:
+            with self.root.joinpath(*parts).open("rb") as f:
+                return f.read(limit)
+        with self.fs.open(self._p(*parts), "rb") as f:
+            return f.read(limit)
+
     def _put_atomic(self, data: bytes, *parts: str) -> None:
-        """Replace one file: local temp + ``os.replace``; fsspec one ``pipe`` (one PUT)."""
+        """Replace one file: local temp + ``os.replace``; fsspec one ``pipe`` (one PUT).
+
+        Raises:
+            OSError: the file could not be written or replaced (a full disk, a directory in its
+                place, no permission), naming the file, not the temp file; the temp file is
+                removed, so a write retried at every poll leaves nothing behind.
+        """
         if self.fs is None:
             f = self.root.joinpath(*parts)
             tmp = f.with_name(f".{f.name}.tmp-{uuid.uuid4().hex}")
-            tmp.write_bytes(data)
-            os.replace(tmp, f)
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, f)
+            except BaseException as exc:
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:  # the directory itself unwritable: nothing was created there
+                    pass
+                if isinstance(exc, OSError) and exc.errno is not None:
+                    raise OSError(exc.errno, exc.strerror or type(exc).__name__, str(f)) from exc
+                raise
         else:
             self.fs.pipe_file(self._p(*parts), data)
 

@@ -20,7 +20,9 @@ record reaches every pod whether or not a controller runs.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
@@ -28,6 +30,61 @@ from schemas.admin import SlotsStatus
 from schemas.manifest import VERSION_PATTERN
 
 MAX_GENERATION = 2**53  # a generation or time past this is refused: no record counts that far
+
+DNS_PREFIX = "dns+"  # a pod spec resolved by DNS: dns+http(s)://<headless Service>:<port>
+MAX_SPEC_CHARS = 2048  # a pod spec longer than this is refused (no URL of a pod is that long)
+_USERINFO = re.compile(r"^((?:dns\+)?[A-Za-z][A-Za-z0-9+.-]*://)?([^/?#@]*)@")
+
+
+def redact_spec(spec: str) -> str:
+    """``spec`` with any user name and password before ``@`` replaced by ``***`` (for
+    messages: ``http://ops:hunter2@pod-1:8000`` -> ``http://***@pod-1:8000``)."""
+    return _USERINFO.sub(lambda m: f"{m.group(1) or ''}***@", spec, count=1)
+
+
+def check_pod_spec(spec, name: str = "serving") -> str:
+    """``spec`` if it is a pod URL ``http(s)://host[:port]`` or a ``dns+http(s)://name:port``
+    spec (a headless Service's name and the pods' port) with no user name or password in it:
+    the one rule for ``--serving``, ``$FLYWHEEL_SERVING_URL`` and the fleet record's ``pods``.
+    A pod's admin API takes a bearer token, never a password in the URL, and a spec may be
+    recorded, written to the ledger and printed.
+
+    Args:
+        spec: the spec (a str).
+        name: how the value is named in the message (``serving``, ``pods[2]``).
+
+    Raises:
+        ValueError: naming ``name``, the spec (its user name and password masked) and the form
+            it must have.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"{name}: must be a pod URL (a string), got {type(spec).__name__} {str(spec)[:40]!r}")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"{name}: a pod spec of {len(spec)} characters (at most {MAX_SPEC_CHARS})")
+    shown = redact_spec(spec)
+    if shown != spec:
+        raise ValueError(f"{name}: {shown!r} carries a user name or password (user:password@): refused, as a pod "
+                         "spec is recorded, written to the ledger and printed; pods take the admin token "
+                         "($FLYWHEEL_ADMIN_TOKEN), give the URL without it")
+    if spec.startswith(DNS_PREFIX):
+        try:
+            u = urlsplit(spec[len(DNS_PREFIX):])
+            ok = u.scheme in ("http", "https") and bool(u.hostname) and bool(u.port) and u.path in ("", "/")
+        except ValueError:  # a port that is no number or out of range, an unclosed [IPv6 bracket
+            ok = False
+        if not ok:
+            raise ValueError(f"{name}: {shown!r} is not dns+http(s)://name:port (a headless Service's "
+                             f"name and the pods' port)")
+        return spec
+    try:
+        u = urlsplit(spec)
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and not any(c.isspace() for c in spec)
+        u.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+    except ValueError:  # an unclosed [IPv6 bracket, a bad port
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: {shown!r} is not a pod URL http(s)://host:port (or dns+http(s)://name:port)")
+    return spec
 
 
 def check_consistent(stable: str | None, candidate: str | None, weight: float) -> None:
