@@ -49,6 +49,10 @@ class IngestConfig:
             are written in one transaction to the state store (s, > 0; also before a
             rebalance and at shutdown); offsets are committed to Kafka after each checkpoint
             (``ingest.keyed``, ``docs/decisions.md`` D81).
+        catchup_timeout_s: how long after an assignment the labels of a partition wait for
+            the worker to read the partition up to the end offset it had when assigned (s, >
+            0, finite); past it a warning names the partition and its labels are sealed
+            anyway (``ingest.processor``, ``docs/decisions.md`` D93).
         worker_host: interface of the worker's HTTP port (``0.0.0.0`` for a Prometheus on
             another host).
         worker_port: HTTP port on ``worker_host``: ``GET /metrics`` in the Prometheus text format
@@ -81,6 +85,10 @@ class IngestConfig:
     checkpoint_s: float = Field(1.0, description="How often the in-memory join state and the consumed offsets are "
                                 "checkpointed (offsets are committed to Kafka after each checkpoint).",
                                 json_schema_extra={"unit": "s"})
+    catchup_timeout_s: float = Field(300.0, description=(
+        "How long a newly assigned partition's labels wait, unsealed, for the worker to read the partition up to "
+        "its end offset at the assignment; past it a warning names the partition and they are sealed anyway."),
+        json_schema_extra={"unit": "s"})
     worker_port: int = Field(0, ge=0, le=65535, description=(
         "HTTP port on --worker-host: GET /metrics in the Prometheus text format, other paths the counters as "
         "JSON (0: none)."))
@@ -107,6 +115,9 @@ class IngestConfig:
         if not (self.checkpoint_s > 0 and math.isfinite(self.checkpoint_s)):
             # (inf: no checkpoint, so no offset commit, until revoke or shutdown)
             raise ValueError(f"checkpoint_s: must be > 0 seconds and finite, got {self.checkpoint_s}")
+        if not (self.catchup_timeout_s > 0 and math.isfinite(self.catchup_timeout_s)):
+            # (inf: a partition that never catches up would hold its labels forever)
+            raise ValueError(f"catchup_timeout_s: must be > 0 seconds and finite, got {self.catchup_timeout_s}")
         self.bootstrap = self.bootstrap or settings.bootstrap()
         self.samples_dir = Path(self.samples_dir or settings.samples_dir())
         state = str(self.state_path or os.environ.get("FLYWHEEL_INGEST_STATE") or

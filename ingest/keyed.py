@@ -33,6 +33,14 @@ From then on it holds the assigned partitions only (labels by the home partition
 ``completion_id``, ``ingest.partition``), and :meth:`KeyedState.fence` refuses a fold of any
 other partition. :meth:`KeyedState.revoke` drops everything (the worker checkpoints first);
 correctness does not depend on that last checkpoint: what it would have written is replayed.
+
+Holding. :meth:`KeyedState.assign` can *hold* the partitions it restores (``hold=True``): their
+labels are not handed out by :meth:`KeyedState.due` (so neither sealed, nor dead-lettered as
+orphans, nor dropped) until :meth:`KeyedState.release` lets them go. The worker holds a
+partition until it has read it up to the end offset it had when it was assigned
+(``ingest.processor``, ``docs/decisions.md`` D93): a restored label's earlier or later
+events may lie in the part not read yet. A held label keeps its due time and is sealed at
+the first round after its release.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import time
 from contextlib import contextmanager
 
 from ingest.label import LabelState
+from ingest.partition import home_partition
 from ingest.store import Fenced
 
 _MISSING = object()
@@ -115,6 +124,8 @@ class KeyedState:
         self._ctr: dict[str, int] = {}  # counter deltas since the last checkpoint
         self._clear_dirty()
         self._journal: dict | None = None
+        self.holding: set[int] = set()  # partitions whose labels due() does not hand out (assign(hold=True))
+        self._held: dict[int, list[tuple[int, str]]] = {}  # partition -> due-heap entries set aside while held
 
     def _clear_dirty(self) -> None:
         self._d_labels: set[str] = set()  # put or deleted since the checkpoint
@@ -219,7 +230,7 @@ class KeyedState:
                 self.backing.close()
 
     # -- partitions -----------------------------------------------------------------------
-    def assign(self, parts, n: int) -> dict[int, int]:
+    def assign(self, parts, n: int, hold: bool = False) -> dict[int, int]:
         """Take ownership of partitions ``parts`` of ``n`` in the checkpoint store (a new
         epoch for each one taken over) and restore their state from it: the labels whose
         ``completion_id`` has its home partition there, the dedupe and sealed rows of those
@@ -227,7 +238,9 @@ class KeyedState:
         no known partition are kept by every partition); only those rows are read
         (``docs/decisions.md`` D88; their counts are :attr:`restored`). What changed since the
         last checkpoint is checkpointed first (dropped if a partition was taken over
-        meanwhile: the new owner replays it). Returns ``{part: epoch}``.
+        meanwhile: the new owner replays it). ``hold``: every restored partition is held
+        (:attr:`holding`, in the same step as the restore, so no seal round sees its labels
+        in between) until :meth:`release`. Returns ``{part: epoch}``.
 
         Raises:
             ingest.store.Fenced: the previous owner's checkpoint held a partition too long
@@ -241,7 +254,28 @@ class KeyedState:
                     pass
             epochs = self.backing.take_ownership(parts, n)
             self._load(set(epochs), n)
+            if hold:
+                self.holding = set(epochs)
             return epochs
+
+    def hold(self, parts) -> None:
+        """Hold partitions ``parts`` of this state (see :meth:`assign`'s ``hold``) until
+        :meth:`release` or the next :meth:`assign` / :meth:`revoke`; others are ignored."""
+        with self._lock:
+            self.holding |= set(parts) & set(self.parts or ())
+
+    def release(self, parts) -> int:
+        """Stop holding partitions ``parts`` (see :meth:`assign`'s ``hold``): their labels are
+        handed out by :meth:`due` again, each at its due time. Partitions not held are
+        ignored. Returns how many due-heap entries were set aside for them while held."""
+        with self._lock:
+            back = 0
+            for p in set(parts) & self.holding:
+                self.holding.discard(p)
+                for x in self._held.pop(p, ()):
+                    heapq.heappush(self._heap, x)
+                    back += 1
+            return back
 
     def revoke(self) -> None:
         """Drop the state of every partition (Kafka revoked the assignment; the worker
@@ -382,10 +416,14 @@ class KeyedState:
             self._ensure()
             h, out, keep = self._heap, [], []
             seen = set()
+            holding, n = self.holding, self.n
             while h and h[0][0] <= now and len(out) < limit:
                 d, cid = heapq.heappop(h)
                 if self.due_at.get(cid) != d or cid in self.claimed or cid in seen:
                     continue  # stale: re-pushed when it changed, or claimed (re-pushed when released)
+                if holding and n and (p := home_partition(cid, n)) in holding:
+                    self._held.setdefault(p, []).append((d, cid))  # back in the heap at release()
+                    continue
                 seen.add(cid)
                 out.append(cid)
                 keep.append((d, cid))
@@ -394,6 +432,7 @@ class KeyedState:
             if len(h) > 2 * len(self.labels) + 4096:  # stale entries: rebuild
                 self._heap = [(d, c) for c, d in self.due_at.items() if c not in self.claimed]
                 heapq.heapify(self._heap)
+                self._held = {}  # (held labels are in the rebuilt heap: set aside again when due)
             bodies = self._bodies_of(out)
             return [_copy(self.labels[c], bodies.get(c), None) for c in out]
 

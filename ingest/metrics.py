@@ -36,6 +36,10 @@ exports (names as Prometheus shows them):
   aggregate with ``max``). Read every ``STATE_EVERY_S`` by the seal thread.
 * ``flywheel_ingest_checkpoints``: checkpoints written (state changes and offsets, one
   transaction each).
+* ``flywheel_ingest_partition_caught_up{partition}``: per partition this worker owns, 1 once
+  it has read the partition up to the end offset it had when assigned (or its
+  ``catchup_timeout_s`` passed), 0 while it catches up: its labels are not sealed meanwhile
+  (``ingest.processor``, ``docs/decisions.md`` D93). A partition at 0 for long is a stuck one.
 
 The worker's HTTP port (:func:`serve_http`) answers ``GET /metrics`` in the Prometheus text
 format and any other path with the state's counters as JSON (as it always did).
@@ -144,6 +148,9 @@ class IngestMetrics:
                                  "event ids seen, sealed: completions sealed)", ["table"], registry=r)
         self.state_bytes = Gauge("flywheel_ingest_state_bytes", "bytes of the join state on disk (SQLite "
                                  "database, WAL, completion bodies)", registry=r)
+        self.caught_up = Gauge("flywheel_ingest_partition_caught_up", "1 once this worker has read the "
+                               "partition up to its end offset at the assignment (or the catch-up timed out), 0 "
+                               "while catching up (its labels wait to be sealed)", ["partition"], registry=r)
         self._lag: dict[tuple[str, int], int] = {}
         self._assigned = 0
         self._state_at = 0.0
@@ -174,6 +181,15 @@ class IngestMetrics:
         self.sealed_samples.inc(len(samples))
         for s in samples:
             self.seal_delay.observe(max(s.sealed_at - s.created_at, 0) / 1000.0)
+
+    def partitions_caught_up(self, states: dict[int, bool], update: bool = False) -> None:
+        """Set the caught-up gauge of each partition in ``states`` (``{partition: caught up}``);
+        unless ``update``, the partitions not in ``states`` are removed (a new assignment)."""
+        with self._lock:
+            if not update:
+                self.caught_up.clear()
+            for p, ok in states.items():
+                self.caught_up.labels(str(p)).set(1 if ok else 0)
 
     def observe_state(self, store) -> None:
         """Refresh the state-size gauges from ``store`` (an ``ingest.store.JoinStore``), at most

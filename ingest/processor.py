@@ -25,6 +25,18 @@ delegating methods), ``tests/test_ingest_restore_partition.py`` directly.
   recovery marks the labels of an existing shard sealed instead of sealing them again.
 * :meth:`Processor.housekeeping`: recovery of claims a dead or previous owner left, pruning
   past the dedupe horizon, the catalog views, the state gauges and the stats line.
+
+**Catch-up** (``docs/decisions.md`` D93). :meth:`Processor.assign` restores the assigned
+partitions *held* (:meth:`ingest.keyed.KeyedState.assign`): no label of a partition is sealed,
+dead-lettered as an orphan or dropped until the worker has read that partition up to the end
+offset it had when it was assigned, in each of its topics (:meth:`Processor.caught_up`; the
+runtime reports its positions and end offsets, and :meth:`Processor.fold` the offsets it
+folded). A restored label may have events the checkpoint does not hold in the part not read
+yet: records a killed owner folded after its last checkpoint, or, after a memory-only broker
+restarted, the records below the position a consumer fetched from before its rejoin. Sealed
+before they are read, those events would be dead-lettered as late. A partition that has not
+caught up within ``catchup_timeout_s`` of its assignment is released anyway, with a warning
+naming it (a stuck partition must not hold its samples forever).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -126,6 +139,117 @@ class Processor:
         self._t = {"recover": time.monotonic(), "prune": 0.0, "stats": 0.0, "cat_at": 0.0, "collect": 0.0}
         self._cat = {"samples": False, "dead": False}
         self._last_stats: dict | None = None
+        # partitions held until caught up: partition -> {"tps": {(topic, partition): [end, position]},
+        # "deadline": monotonic s}; the fold thread and the seal thread (timeouts) share it
+        self._catch: dict[int, dict] = {}
+        self._catch_lock = threading.Lock()
+
+    # -- assignment and catch-up -----------------------------------------------------------
+    def assign(self, tps, n: int) -> dict[int, int]:
+        """Take ownership of the partitions of ``tps`` (the assigned TopicPartitions, or
+        ``(topic, partition)`` pairs, of every consumed topic) among ``n`` and restore their
+        state (:meth:`ingest.keyed.KeyedState.assign`), each held until caught up: every one of
+        its ``tps`` read up to the end offset it had when assigned (:meth:`caught_up`), or
+        ``catchup_timeout_s`` passed. Returns ``{partition: epoch}``.
+
+        Raises:
+            ingest.store.Fenced: a takeover waited too long for the previous owner (call again).
+        """
+        keys = {(tp[0], int(tp[1])) for tp in tps}
+        epochs = self.store.assign({p for _, p in keys}, n, hold=True)
+        deadline = time.monotonic() + self.cfg.catchup_timeout_s
+        with self._catch_lock:
+            self._catch = {p: {"tps": {k: [None, None] for k in keys if k[1] == p}, "deadline": deadline}
+                           for p in epochs}
+            self.metrics.partitions_caught_up(dict.fromkeys(epochs, False))
+        return epochs
+
+    def revoke(self) -> None:
+        """Drop the state of every partition (:meth:`ingest.keyed.KeyedState.revoke`) and their
+        catch-up."""
+        self.store.revoke()
+        with self._catch_lock:
+            self._catch = {}
+            self.metrics.partitions_caught_up({})
+
+    def hold_all(self) -> list[int]:
+        """Hold every partition of the state until the next :meth:`assign` (whose catch-up
+        releases them) or :meth:`revoke`: the runtime calls it when its group membership is
+        lost, as its positions may then lie past records it has not read (a restarted
+        memory-only broker). Returns the partitions held, ascending."""
+        parts = self.store.owned()
+        self.store.hold(parts)
+        with self._catch_lock:
+            self._catch = {}  # (released only by the next assignment's catch-up)
+            self.metrics.partitions_caught_up(dict.fromkeys(parts, False))
+        return parts
+
+    def catching_up(self) -> list[int]:
+        """The partitions held until caught up, ascending."""
+        with self._catch_lock:
+            return sorted(self._catch)
+
+    def caught_up(self, progress: dict) -> list[int]:
+        """Record the read progress of assigned TopicPartitions and release the partitions that
+        have caught up (those past ``catchup_timeout_s`` are :meth:`expire_catchup`'s).
+
+        Args:
+            progress: ``{TopicPartition or (topic, partition): (position, end)}``: ``position``
+                the next offset this worker reads (records below it are folded), ``end`` the
+                partition's end offset (the next offset to be written) read since the
+                assignment; either None when not known yet. A TopicPartition's first known
+                ``end`` is its catch-up target; later ones are ignored (a busy partition must
+                not move its target away).
+
+        A partition is caught up once each of its TopicPartitions has a target and a position
+        at or past it (one with nothing to read is caught up at its first figures). Returns
+        the partitions released by this call, ascending."""
+        with self._catch_lock:
+            if not self._catch:
+                return []
+            for tp, (pos, end) in progress.items():
+                w = self._catch.get(int(tp[1]))
+                st = w["tps"].get((tp[0], int(tp[1]))) if w else None
+                if st is None:
+                    continue
+                if st[0] is None and end is not None:
+                    st[0] = int(end)
+                if pos is not None:
+                    st[1] = max(int(pos), st[1] if st[1] is not None else -1)
+            done = [p for p, w in self._catch.items()
+                    if all(e is not None and pos is not None and pos >= e for e, pos in w["tps"].values())]
+            if done:  # {partition: {topic:partition: the end offset read to}}
+                read_to = {p: {f"{t}:{q}": e for (t, q), (e, _) in sorted(self._catch[p]["tps"].items())}
+                           for p in sorted(done)}
+                log.info("ingest caught up on partitions %s", json.dumps(read_to))
+            return self._release(done, now=None)
+
+    def _release(self, done: list[int], now: float | None) -> list[int]:
+        """Release ``done`` and, with ``now``, every partition past its deadline (warning);
+        under ``_catch_lock``. Returns the released partitions, ascending."""
+        late = [p for p, w in self._catch.items() if p not in done and now is not None and now >= w["deadline"]]
+        for p in late:
+            behind = {f"{t}:{q}": {"end": e, "position": pos}
+                      for (t, q), (e, pos) in sorted(self._catch[p]["tps"].items())}
+            log.warning("ingest: partition %d not caught up within catchup_timeout_s=%g s (%s); its labels are "
+                        "sealed anyway: events of the part not read yet may be dead-lettered as late", p,
+                        self.cfg.catchup_timeout_s, json.dumps(behind, sort_keys=True))
+        out = sorted(set(done) | set(late))
+        if out:
+            for p in out:
+                del self._catch[p]
+            self.store.release(out)
+            self.metrics.partitions_caught_up(dict.fromkeys(out, True), update=True)
+        return out
+
+    def expire_catchup(self, now: float | None = None) -> list[int]:
+        """Release the partitions held longer than ``catchup_timeout_s`` (``now``: monotonic
+        seconds, default now), each named in a warning; :meth:`seal_round` calls it. Returns
+        them, ascending."""
+        with self._catch_lock:
+            if not self._catch:
+                return []
+            return self._release([], time.monotonic() if now is None else now)
 
     # -- the fold --------------------------------------------------------------------------
     def fold(self, batch: dict) -> tuple[list[DeadLetter], list[str], dict[str, int], list]:
@@ -176,6 +300,8 @@ class Processor:
                         len(comps) + len(fbs), type(exc).__name__, exc)
             outc, outs = self._fold_each(comps, fbs, now, parts, n, dead)
         self.metrics.folded(batch, outc, outs)
+        if self._catch:  # (read without the lock: a stale empty dict only delays a release to the next call)
+            self.caught_up({tp: (recs[-1].offset + 1, None) for tp, recs in batch.items() if recs})
         eids = []
         for (ev, _), (_, dl) in zip(fbs, outs):
             if dl is not None:
@@ -255,6 +381,7 @@ class Processor:
         chunk's token lists at a time, so the next chunk reuses their memory (a round of
         ``SHARD_ROWS`` labels would otherwise hold ~75 MB of Python lists; D67)."""
         t0 = time.perf_counter()
+        self.expire_catchup()
         shard_for = writer.shard_namer(self.cfg.samples_dir)  # one shard per partition per round
         shards: dict[str, list[tuple[list, pa.Table, list[bytes]]]] = {}  # path -> chunks (samples, table, values)
         rows_in: dict[str, int] = {}  # path -> rows converted so far (a notice names its row)

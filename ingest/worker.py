@@ -46,18 +46,31 @@ Crash safety (no label lost, none counted twice; ``docs/decisions.md`` D81):
    partition's ownership has an epoch in the state store, and a checkpoint is fenced by it,
    so a worker that lost a partition can neither checkpoint it nor write a shard for it
    after the takeover (its claims' checkpoint is refused first).
-4. Nothing depends on end offsets, lag, or changelog highwaters (wrong on the embedded
-   broker, DESIGN §3): the consumer starts from the group's committed offsets, else from
-   the earliest record, and the state's dedupe makes any overlap harmless.
+4. The consumer starts from the group's committed offsets, else from the earliest record,
+   and the state's dedupe makes any overlap harmless. **A partition's labels are not
+   sealed until the worker has caught up on it** (``docs/decisions.md`` D93): restored
+   held (:meth:`ingest.processor.Processor.assign`), each partition is released once the
+   consumer's position has reached, in each of its topics, the end offset it had when
+   assigned, so a label restored from the checkpoint meets the events the checkpoint does
+   not hold (records a killed owner folded after its last checkpoint) before it is sealed,
+   dead-lettered as an orphan or dropped. That end offset is the high watermark of the
+   first Fetch response under the assignment (at or past the end at the assignment), not
+   ListOffsets, which under-reports on the embedded broker (DESIGN §3). A partition not
+   caught up within ``catchup_timeout_s`` is released with a warning naming it.
 5. A restart of the memory-only embedded broker loses topics, data and committed offsets:
    the heartbeat fails (unknown member), the worker rejoins the group, finds no committed
    offset and reads the recreated topics from the beginning. Until the rejoin completes the
    fetcher still reads the old assignment from its old positions, which on the new broker
    may lie past records it never delivered: offsets are committed only as the member the
    batch was fetched as (:mod:`ingest.commit`), so those commits are refused (unknown
-   member) or not sent (no member), never taken as a standalone commit; their records are
-   consumed again, then deduped.
-   Open labels stay in the state and are sealed as usual. The worker never lets
+   member) or not sent (no member), never taken as a standalone commit. Once the worker
+   sees it is no longer a member (a heartbeat found the member unknown) it folds no batch
+   until the rejoin and holds every partition it has
+   (:meth:`ingest.processor.Processor.hold_all`), so nothing it folded from the old
+   positions is sealed; the assignment after the rejoin reads each partition from its
+   committed offset (none: the beginning) and, by point 4, up to its end before sealing, so
+   the records below the old position are read, and the ones above it consumed again and
+   deduped, before any label of the partition is sealed. The worker never lets
    its metadata requests auto-create a topic (:func:`no_topic_auto_creation`: the broker
    would create it with its own partition count before ``ensure_topics`` runs), refreshes
    metadata every 5 s to see the re-created topics, and retries publishes that fail
@@ -103,7 +116,7 @@ from samplestore import shards as writer
 from ingest.clients import consumer_settings as cs, producer_settings as ps
 from ingest.commit import CommitRefused, membership
 from ingest.commit import commit as commit_offsets
-from ingest.metrics import serve_http
+from ingest.metrics import POSITION_TIMEOUT_S, serve_http
 from ingest.partition import SOURCE_HEADER
 from ingest.processor import (RECORD_ERRORS, SEAL_CHUNK, SHARD_ROWS, Processor,  # noqa: F401 - re-exported
                               completion_decoder)
@@ -178,7 +191,9 @@ class Worker:
         self.checkpoint_s = cfg.checkpoint_s
         self._ckpt_at = time.monotonic()
         self._seal_lock: asyncio.Lock | None = None  # one seal iteration at a time (revoke waits for it)
-        self._assign: tuple[set[int], int | None] | None = None  # an assignment the state has not taken yet
+        # an assignment the state has not taken yet: its (topic, partition) pairs and partition count
+        self._assign: tuple[set[tuple[str, int]], int | None] | None = None
+        self._member_ok = False  # a member of the group at the last poll (its loss holds the partitions)
         self.producer = None
         self.consumer = None
         # offsets of folded batches not committed yet, and the membership they were fetched as
@@ -239,12 +254,13 @@ class Worker:
         if parts:
             self.processor.partition_count = len(parts)
         # taken in the fold thread; a partition count the metadata does not hold yet is asked then
-        self._assign = ({tp.partition for tp in assigned}, len(parts) if parts else None)
+        self._assign = ({(tp.topic, tp.partition) for tp in assigned}, len(parts) if parts else None)
 
     def take_partitions(self) -> bool:
         """In the fold thread (before each fetch and each fold): make the state own the
         partitions of the last assignment (:meth:`assigned`) and restore them from the
-        checkpoint store (:meth:`ingest.keyed.KeyedState.assign`), then finish or release the
+        checkpoint store, held until caught up (:meth:`ingest.processor.Processor.assign`;
+        :meth:`report_catchup`), then finish or release the
         claims a dead or previous owner left there (:meth:`ingest.join.Joiner.recover`). A
         takeover that waited too long for the previous owner is retried before the next fetch;
         the batches of those partitions are refused meanwhile. Returns whether nothing is left
@@ -252,7 +268,7 @@ class Worker:
         a = self._assign
         if a is None:
             return True
-        parts, n = a
+        tps, n = a
         if n is None:  # the client's metadata lacked the topic at the assignment: ask the cluster
             try:
                 n = self.ensure_rekeyed()
@@ -264,7 +280,7 @@ class Worker:
                 return False
             self.processor.partition_count = n
         try:
-            epochs = self.store.assign(parts, n)
+            epochs = self.processor.assign(tps, n)
         except Fenced as exc:
             log.warning("ingest: %s; retrying", exc)
             return False
@@ -278,6 +294,29 @@ class Worker:
         if rec["sealed"] or rec["released"]:
             log.info("ingest recover: %s", rec)
         return True
+
+    async def report_catchup(self) -> list[int]:
+        """Hand the processor the read progress of the partitions it holds until caught up
+        (:meth:`ingest.processor.Processor.caught_up`): per assigned TopicPartition, the high
+        watermark of the last Fetch response under this assignment (the end offset; the first
+        one becomes the target) and the consumer's position. Nothing while an assignment is
+        not taken yet. Returns the partitions released."""
+        waiting = set(self.processor.catching_up())
+        if not waiting or self._assign is not None or self.consumer is None:
+            return []
+        progress = {}
+        for tp in list(self.consumer.assignment()):
+            if tp.partition not in waiting:
+                continue
+            try:
+                end = self.consumer.highwater(tp)  # (None: not fetched yet under this assignment)
+                pos = None if end is None else await asyncio.wait_for(self.consumer.position(tp), POSITION_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - revoked or resetting meanwhile: next poll
+                continue
+            progress[tp] = (pos, end)
+        if not progress:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self._fold_pool, self.processor.caught_up, progress)
 
     async def publish(self, topic: str, msgs: list[tuple], on_retry=None) -> None:
         """Send ``(key, value)`` or ``(key, value, partition, headers)`` messages and wait
@@ -364,9 +403,22 @@ class Worker:
         while not stop.is_set():
             if self._assign is not None and not await loop.run_in_executor(self._fold_pool, self.take_partitions):
                 await asyncio.sleep(1.0)
+            await self.report_catchup()
             batch = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=BATCH_MAX_RECORDS)
             member = membership(self.consumer)  # the assignment these records were fetched under
             batch = {tp: recs for tp, recs in batch.items() if recs}
+            if member is None and self._member_ok:  # a heartbeat found this member unknown: rejoining
+                held = await loop.run_in_executor(self._fold_pool, self.processor.hold_all)  # (none once revoked)
+                log.warning("ingest: no longer a member of the group (rejoining); no batch is folded and no label "
+                            "sealed until the next assignment has caught up%s",
+                            f" (partitions {json.dumps(held)} held)" if held else "")
+            self._member_ok = member is not None
+            if member is None and batch:
+                # fetched from positions the group no longer vouches for (after a memory-only broker
+                # restarted they can lie past records not read): the next assignment reads them again
+                log.debug("ingest: %d records fetched outside the group not folded",
+                          sum(len(r) for r in batch.values()))
+                batch = {}
             if not batch:
                 if time.monotonic() - self._ckpt_at >= self.checkpoint_s:
                     await self.checkpoint_and_commit()
@@ -431,7 +483,7 @@ class Worker:
         restores it from the checkpoint store)."""
         async with self._seal_lock:
             await self.checkpoint_and_commit()
-            await asyncio.get_running_loop().run_in_executor(self._fold_pool, self.store.revoke)
+            await asyncio.get_running_loop().run_in_executor(self._fold_pool, self.processor.revoke)
             self._pending = {}  # (records folded after the checkpoint: consumed again by the next owner)
 
     async def commit_pending(self) -> None:
@@ -506,7 +558,7 @@ class Worker:
 
         self._seal_lock = asyncio.Lock()
         # under Kafka the state holds the assigned partitions only: none until the first assignment
-        await loop.run_in_executor(self._fold_pool, self.store.revoke)
+        await loop.run_in_executor(self._fold_pool, self.processor.revoke)
 
         class _Listener(ConsumerRebalanceListener):
             async def on_partitions_revoked(self, revoked):

@@ -307,6 +307,7 @@ def test_partitions_rebalanced_mid_stream_between_two_workers(broker, fw_home, t
     A leaves (B restores A's partitions); the last third is folded by B. Each label's votes
     come within one phase, so none is late by construction."""
     from test_ingest_e2e import check, make_traffic, produce, reference_join, stop, wait_for
+    from test_ingest_scale import in_state
 
     env = dict(os.environ, FLYWHEEL_HOME=str(fw_home), FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
                PYTHONPATH=str(ROOT))
