@@ -656,8 +656,12 @@ def check_signal_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[M
     answering less (fewer regenerates, but fewer copies too) is caught as well as one that
     draws more of them; and the mean kept share of edited replies (:data:`KEPT_GUARD`), which
     fails when it falls. SKIPPED when neither arm has the guard's samples (shards without the
-    signal columns; no edits), INCONCLUSIVE before ``min_guard_completions`` of them per arm.
-    Always-valid, so the failure limit only delays a FAIL."""
+    signal columns; no edits). Before ``min_guard_completions`` of them per arm a share guard
+    is INCONCLUSIVE (its samples are the reward test's, which waits for as many), while the
+    kept-share guard is SKIPPED: edits come on a few replies, and, as the thumbs-up guard
+    (:func:`check_quality`), a guard on a rare signal fails a canary once it has its samples
+    but never holds one for want of them. Always-valid, so the failure limit only delays a
+    FAIL."""
     out = []
     g, worse, center, label = KEPT_GUARD
     guards = [(g, worse, center, label, "rewarded samples", c.rewarded, getattr(c, g), None, s.rewarded,
@@ -671,8 +675,11 @@ def check_signal_guards(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> list[M
         nums = {"candidate_n": nc, "baseline_n": ns, "against": "stable", "worse": worse,
                 "margin": cfg.signal_margin, "floor": cfg.signal_floor, "center": center}
         if min(nc, ns) < cfg.min_guard_completions:
-            out.append(MetricResult(g, Check.INCONCLUSIVE, f"{g}: {nc} vs {ns} {what_n}, "
-                                    f"need {cfg.min_guard_completions} per arm", nums))
+            rare = g == KEPT_GUARD[0]
+            out.append(MetricResult(g, Check.SKIPPED if rare else Check.INCONCLUSIVE,
+                                    f"{g}: {nc} vs {ns} {what_n}, need {cfg.min_guard_completions} per arm"
+                                    + (" (a rare signal's guard: not judged yet, holds nothing)" if rare else ""),
+                                    nums))
             continue
         failed, (lc, hc), (ls, hs) = signal_bounds(float(kc), float(nc), float(ks), float(ns), cfg, worse, center,
                                                    sqc, sqs)

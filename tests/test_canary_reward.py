@@ -10,6 +10,7 @@ the controller's one query reading shards with and without the reward columns to
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import uuid
 from pathlib import Path
 
@@ -226,6 +227,22 @@ def test_kept_share_guard_by_hand_fails_a_candidate_whose_edits_keep_less():
         arm(10, 0.0, 0.1, edited=2, kept_sum=3.0)
     with pytest.raises(ValueError, match="kept_sq_sum"):
         arm(10, 0.0, 0.1, edited=2, kept_sum=1.0, kept_sq_sum=1.5)
+
+
+def test_few_edits_never_hold_a_canary_the_reward_test_passed():
+    """Edits are rare: with 3 against 5 edited samples (min_guard_completions 10) the kept-share
+    guard is SKIPPED, so a candidate the reward test passes is promoted (it was held to the
+    step deadline by an INCONCLUSIVE guard); with enough edits it still judges."""
+    cfg = replace(CFG, min_guard_completions=10)
+    c = arm(5000, 0.30, 0.5, edited=3, kept_sum=1.5, kept_sq_sum=0.75)
+    s = arm(20000, 0.25, 0.5, edited=5, kept_sum=4.0, kept_sq_sum=3.2)
+    d = analyze(c, s, cfg)
+    kept = next(x for x in d.metrics if x.name == "kept_share")
+    assert kept.check == Check.SKIPPED and "3 vs 5 edited samples" in kept.reason
+    assert d.numbers()["reward"]["check"] == "PASS" and d.outcome == Outcome.PROMOTE, d.reason
+    many = analyze(arm(5000, 0.30, 0.5, edited=2000, kept_sum=1000.0, kept_sq_sum=500.0),
+                   arm(20000, 0.25, 0.5, edited=8000, kept_sum=6400.0, kept_sq_sum=5120.0), cfg)
+    assert next(x for x in many.metrics if x.name == "kept_share").check == Check.FAIL
 
 
 def test_thumbs_guard_and_the_failure_limit():
