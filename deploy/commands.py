@@ -45,7 +45,7 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
-                           discover_pods, gather_status, status_warnings)
+                           discover_pods, gather_status, json_safe, status_warnings)
 from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
@@ -60,6 +60,14 @@ WATCH_READ_S = 2.0  # bound on each read of a pod while an operator command watc
 console = Console()
 if not console.is_terminal and "COLUMNS" not in os.environ:
     console = Console(width=200)  # piped to a file or a pager: do not cut tables at 80 columns
+
+
+def _say(markup: str, text="") -> None:
+    """Print ``markup`` (rich markup written in this module, never data) followed by ``text``
+    (anything from the operator, the record, a pod, the store or the ledger) escaped: rich
+    prints ``text`` as it is, ``[/]``, ``[word]`` and ``[fe80::1]`` included, never as markup
+    (an unbalanced tag would raise rich's MarkupError). The one way this CLI prints data."""
+    console.print(markup + escape(str(text)))
 
 
 def _fleet(store: ModelStore | None = None) -> FleetRecord:
@@ -157,7 +165,7 @@ def _pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float, quiet
     except SetupError as exc:
         _fail(str(exc), usage=True)
     if note and not quiet:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        _say("[yellow]note:[/yellow] ", note)
     return pods
 
 
@@ -171,7 +179,8 @@ def _record_action(decision: str, version: str | None, stable: str | None, reaso
             version=version or "-", stable=stable, step=step, weight=weight, decision=decision, reason=reason,
             numbers=numbers or {}, actor=actor), _bootstrap())
     except Exception as exc:  # noqa: BLE001 - the operator must still see what happened
-        console.print(f"[red]could not record {decision} in the ledger {settings.ledger_path()}:[/red] {exc}")
+        _say(f"[red]could not record {escape(decision)} in the ledger {escape(str(settings.ledger_path()))}:[/red] ",
+             exc)
 
 
 def _action_failed(decision: str, what: str, version: str | None, stable: str | None, actor: str,
@@ -199,9 +208,9 @@ def _confirm(what: str, yes: bool) -> None:
 
 
 def _fail(msg: str, usage: bool = False) -> None:
-    """Print ``msg``; exit 2 for a usage error (a bad flag value), else 1 (a state or runtime error:
-    nothing to promote, an unreachable pod, an unknown version)."""
-    console.print(f"[red]error:[/red] {msg}")
+    """Print ``msg`` (escaped: :func:`_say`); exit 2 for a usage error (a bad flag value), else 1
+    (a state or runtime error: nothing to promote, an unreachable pod, an unknown version)."""
+    _say("[red]error:[/red] ", msg)
     raise typer.Exit(2 if usage else 1)
 
 
@@ -304,7 +313,7 @@ def _run(fleet, serving, serving_timeout_s, timeout_s, change, on_changed, decis
         try:
             on_changed(before, after)
         except Exception as exc:  # noqa: BLE001 - e.g. a corrupt manifest of the version replaced
-            console.print(f"[red]could not update the store's version statuses:[/red] {escape(str(exc))}")
+            _say("[red]could not update the store's version statuses:[/red] ", exc)
 
     try:
         return run_action(fleet, choice, change, what=what, who=who, why=why, on_changed=statuses,
@@ -340,36 +349,37 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "", footer: s
     ``footer`` as a warning when given; exit 1 unless every pod converged. Text from pods,
     the record and the store is escaped: rich prints it as it is."""
     for note in res.notes:
-        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+        _say("[yellow]note:[/yellow] ", note)
     for o in res.outcomes:
-        console.print(("  [green]ok[/green] " if o.ok else "  [red]!![/red] ") + escape(o.line()))
+        _say("  [green]ok[/green] " if o.ok else "  [red]!![/red] ", o.line())
     if res.discovery_error:
-        console.print(f"[red]pods could not be listed:[/red] {escape(res.discovery_error)}")
+        _say("[red]pods could not be listed:[/red] ", res.discovery_error)
     n, k = len(res.outcomes), sum(o.ok for o in res.outcomes)
     if res.superseded_by is not None:
         s = res.superseded_by
-        console.print(f"[red]superseded:[/red] generation {s.generation} ({escape(s.action)} by {escape(s.actor)}) "
+        console.print(f"[red]superseded:[/red] generation {s.generation} ({escape(str(s.action))} by "
+                      f"{escape(str(s.actor))}) "
                       f"replaced this action before every pod converged; the fleet now converges to: "
                       f"{escape(s.summary())}")
         if footer:
-            console.print(f"[red]warning:[/red] {escape(footer)}")
+            _say("[red]warning:[/red] ", footer)
         raise typer.Exit(1)
     if res.converged:
         console.print(f"{done} on all {n} pods ({res.elapsed_s:.2f} s; desired state generation "
                       f"{res.desired.generation})")
         if footer:
-            console.print(f"[red]warning:[/red] {escape(footer)}")
+            _say("[red]warning:[/red] ", footer)
         return
     serve = (f"{k} of {n} pods serve it after {res.elapsed_s:.1f} s" if n else
              f"no pod to watch ({escape(res.discovery_error or 'no pod found')})")
-    console.print(f"[red]not converged:[/red] the fleet's desired state is {res.desired.summary()}; {serve}. "
+    console.print(f"[red]not converged:[/red] the fleet's desired state is {escape(res.desired.summary())}; {serve}. "
                   "The record is changed: each pod converges to it by itself "
                   "when it can (it reads the record every --desired-poll s), and the controller retries it at each "
                   "poll. A pod that is stopped or hung converges once it runs again; a refused version stays "
                   "refused (`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
-                  (f" {hint[0].upper()}{hint[1:]}." if hint else ""))
+                  escape(f" {hint[0].upper()}{hint[1:]}." if hint else ""))
     if footer:
-        console.print(f"[red]warning:[/red] {escape(footer)}")
+        _say("[red]warning:[/red] ", footer)
     raise typer.Exit(1)
 
 
@@ -382,14 +392,14 @@ def _controller_once(ctl: RolloutController) -> None:
         _fail(str(exc))
     except RecordUnreadable as exc:
         _fail(f"desired-state record {ctl.record_path()} unreadable ({exc}): no pod was changed ({RECORD_REPAIR})")
-    console.print(f"phase={st.phase.value} candidate={st.candidate} step={st.step} "
-                  f"weight={st.weight} last={st.last_outcome}: {st.last_reason}")
+    _say("", f"phase={st.phase.value} candidate={st.candidate} step={st.step} "
+             f"weight={st.weight} last={st.last_outcome}: {st.last_reason}")
     bad = [o for o in ctl.last_outcomes if not o.ok]
     for o in bad:
-        console.print(f"[red]pod not converged:[/red] {o.line()}")
+        _say("[red]pod not converged:[/red] ", o.line())
     if st.last_outcome == "FAILED" or bad:
-        console.print(f"[red]error:[/red] the step failed ({st.last_outcome if st.last_outcome == 'FAILED' else ''}"
-                      f"{len(bad)} of {len(ctl.last_outcomes)} pods not converged)")
+        _say("[red]error:[/red] ", f"the step failed ({st.last_outcome if st.last_outcome == 'FAILED' else ''}"
+             f"{len(bad)} of {len(ctl.last_outcomes)} pods not converged)")
         raise typer.Exit(1)
 
 
@@ -488,11 +498,11 @@ def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in
     publishes nothing new until `flywheel resume` (a cycle already running finishes)."""
     cur = _paused_or_fail()
     if cur:
-        console.print(f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
+        _say("", f"learner already paused by {cur['actor']} at {_ts(cur['at'])}: {cur.get('reason', '')}")
         return
     _confirm("pause the learner", yes)
     pause_learner(_actor(actor), reason)
-    console.print(f"learner paused by {_actor(actor)} (fleet desired state, {_fleet().read().summary()})")
+    _say("", f"learner paused by {_actor(actor)} (fleet desired state, {_fleet().read().summary()})")
 
 def resume_cmd(actor: Optional[str] = _actor_opt(),
                yes: bool = _yes_opt()) -> None:
@@ -503,7 +513,7 @@ def resume_cmd(actor: Optional[str] = _actor_opt(),
         return
     _confirm(f"resume the learner (paused by {cur['actor']})", yes)
     resume_learner(_actor(actor))
-    console.print(f"learner resumed by {_actor(actor)}")
+    _say("", f"learner resumed by {_actor(actor)}")
 
 def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
                 output: Optional[Format] = OUTPUT) -> None:
@@ -589,7 +599,7 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
         typer.echo(dumps(s.to_dict(), fmt))
     else:
         if s.note and fmt == Format.table:
-            console.print(f"[yellow]note:[/yellow] {escape(s.note)}")
+            _say("[yellow]note:[/yellow] ", s.note)
         _print_pods(s, fmt)
         _print_rollout(s, fmt)
     if s.failed():
@@ -605,7 +615,7 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
                       f"{escape(desired.action or '-')} by {escape(desired.actor or '-')} at {_ts(desired.updated_ms)} "
                       "UTC)")
     elif s.record_err:
-        console.print(f"[red]error:[/red] {escape(s.record_err)}")
+        _say("[red]error:[/red] ", s.record_err)
     t = Table(title="serving pods")
     for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
         t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
@@ -632,12 +642,12 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
         console.print(f"{n_ok} of {len(s.rows)} pods serve the desired state" +
                       ("" if n_ok == len(s.rows) and s.rows else " ([red]drift[/red])"))
     if s.err:
-        console.print(f"[red]serving error:[/red] {escape(s.err)}")
+        _say("[red]serving error:[/red] ", s.err)
     if s.stable_rec:
         console.print(f"store stable record: {escape(str(s.stable_rec['version']))} (set by "
                       f"{escape(str(s.stable_rec.get('actor') or '?'))} at {_ts(s.stable_rec.get('at') or 0)} UTC)")
     for w in s.warnings:
-        console.print(f"[red]warning:[/red] {escape(w)}")
+        _say("[red]warning:[/red] ", w)
 
 
 def _print_rollout(s: FleetStatus, fmt: Format) -> None:
@@ -662,7 +672,7 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     for d in s.decisions:
         t.add_row(_ts(d.ts), escape(d.version), escape(d.stable or ""), str(d.step), f"{d.weight:.0%}",
                   escape(d.decision), escape(d.actor), escape(d.reason),
-                  *([escape(json.dumps(d.numbers, default=str))] if fmt == Format.wide else []))
+                  *([escape(json.dumps(json_safe(d.numbers), default=str))] if fmt == Format.wide else []))
     console.print(t)
 
 
@@ -675,7 +685,7 @@ def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-rea
     rows = [_version_row(store, v, stable) for v in store.versions()]
     fmt = resolve(output, as_json)
     if fmt in (Format.json, Format.yaml):
-        typer.echo(dumps(rows, fmt))
+        typer.echo(dumps(json_safe(rows), fmt))
         return
     wide = fmt == Format.wide  # whole digests and the manifests' metrics
     t = Table(title=f"model store {store.root}")
@@ -684,13 +694,13 @@ def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-rea
         t.add_column(c, no_wrap=c != "metrics", overflow="fold")
     for r in rows:
         if r["status"] == "corrupt":
-            t.add_row(r["version"], "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
-                      r["error"], "")
+            t.add_row(escape(r["version"]), "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
+                      escape(r["error"]), "")
             continue
-        t.add_row(r["version"], "*" if r["stable"] else "", r["parent"] or "", r["kind"], f"{r['size_bytes'] / 1e6:.2f} MB",
-                  f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "", r["status"],
-                  r["digest"] if wide else r["digest"][:12], _ts(r["created_at"]),
-                  *([json.dumps(r["metrics"], default=str)] if wide else []))
+        t.add_row(escape(r["version"]), "*" if r["stable"] else "", escape(r["parent"] or ""), escape(r["kind"]),
+                  f"{r['size_bytes'] / 1e6:.2f} MB", f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "",
+                  escape(r["status"]), escape(r["digest"] if wide else r["digest"][:12]), _ts(r["created_at"]),
+                  *([escape(json.dumps(json_safe(r["metrics"]), default=str))] if wide else []))
     console.print(t)
 
 def promote_cmd(serving: Optional[list[str]] = _serving_opt(),

@@ -19,7 +19,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from deploy.serving_client import ServingAdmin, ServingAdminError
-from schemas.pod_target import DNS_PREFIX, check_pod_spec
+from schemas.pod_target import DNS_PREFIX, check_pod_spec, normalize_spec
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,13 @@ def check_spec(spec: str, name: str = "serving") -> str:
 
 
 def unique_specs(specs: list[str]) -> list[str]:
-    """``specs`` in order, each once (a trailing ``/`` does not make another pod)."""
+    """``specs`` in order, each once: two specs of one form
+    (:func:`schemas.pod_target.normalize_spec`: ``http://h:1``, ``HTTP://h:1``, ``http://h:1/``)
+    are one pod; the first spelling is kept."""
     out: list[str] = []
     seen: set[str] = set()
     for s in specs:
-        key = s.rstrip("/")
+        key = normalize_spec(s)
         if key not in seen:
             seen.add(key)
             out.append(s)
@@ -60,7 +62,8 @@ def resolve(spec: str, resolver: Resolver = socket.getaddrinfo) -> list[str]:
 
     Args:
         spec: ``dns+http://name:port`` (every address ``name`` resolves to, on ``port``) or a
-            plain ``http(s)://host:port`` URL (returned as is).
+            plain ``http(s)://host:port`` URL (returned in its normal form,
+            :func:`schemas.pod_target.normalize_spec`: one pod has one URL).
         resolver: ``socket.getaddrinfo`` or a function with its signature and answer (tests
             pass a fake DNS answer).
 
@@ -70,14 +73,14 @@ def resolve(spec: str, resolver: Resolver = socket.getaddrinfo) -> list[str]:
             (``kind="unreachable"``, the URL is the spec).
     """
     if not is_dns(spec):
-        return [spec.rstrip("/")]
+        return [normalize_spec(spec)]
     u = urlsplit(spec[len(DNS_PREFIX):])
     if u.scheme not in ("http", "https") or not u.hostname or not u.port or u.path not in ("", "/"):
         raise ValueError(f"serving: {spec!r} is not dns+http(s)://name:port (a headless Service's "
                          f"name and the pods' port)")
     try:
         answer = resolver(u.hostname, u.port, type=socket.SOCK_STREAM)
-    except OSError as exc:  # socket.gaierror: NXDOMAIN, no answer, resolver down
+    except (OSError, UnicodeError) as exc:  # socket.gaierror: NXDOMAIN, no answer, resolver down; a bad name
         raise ServingAdminError(spec, 0, f"DNS lookup of {u.hostname} failed: {exc}") from None
     urls = set()
     for _family, _type, _proto, _canon, sockaddr in answer:

@@ -37,6 +37,7 @@ from modelstore.desired import DesiredState, FleetRecord, LockTimeout
 from deploy.discovery import PodDiscovery, resolve
 from deploy.fleet import PodOutcome, observe_pods_generation, summary
 from deploy.serving_client import ServingAdmin, ServingAdminError
+from schemas.pod_target import normalize_spec
 
 
 @dataclass
@@ -75,10 +76,11 @@ class ActionResult:
 
 def pod_specs(desired: DesiredState, given: list[str] | None, default: str) -> tuple[list[str], str | None]:
     """``(specs, note)``: the fleet's recorded pod specs when there are some (note says when
-    ``given`` differs), else ``given``, else ``[default]``."""
+    ``given`` is another set of pods, compared in :func:`schemas.pod_target.normalize_spec`'s
+    form), else ``given``, else ``[default]``."""
     if desired.pods:
         note = None
-        if given and set(given) != set(desired.pods):
+        if given and {normalize_spec(g) for g in given} != {normalize_spec(p) for p in desired.pods}:
             note = (f"acting on the fleet's pods {', '.join(desired.pods)} (recorded in its desired state by the "
                     f"controller or an earlier command); --serving {', '.join(given)} is not that list and is not "
                     "used (`--record-pods` with --serving replaces the list)")

@@ -28,7 +28,8 @@ TIMEOUT_FLAG = "--serving-timeout-s"
 DEFAULT_TIMEOUT_S = 120.0  # a load reconstructs and hash-verifies the whole model
 CONNECT_TIMEOUT_S = 5.0  # at most this for the TCP connect, whatever the timeout
 
-KINDS = ("timeout", "unreachable", "server", "refused")
+KINDS = ("timeout", "unreachable", "server", "refused", "not_a_pod")
+BODY_SHOWN = 80  # characters of a body that is no answer of a pod quoted in the error
 
 
 def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
@@ -62,8 +63,10 @@ class ServingAdminError(RuntimeError):
         status: HTTP status, 0 when no answer came.
         reason: the server's message, or what went wrong on the way.
         kind: ``timeout`` (no answer within ``timeout_s``), ``unreachable`` (connection
-            refused, DNS, reset), ``server`` (HTTP 5xx), ``refused`` (HTTP 4xx: the pod
-            answered and said no, e.g. 409 for a corrupt version).
+            refused, DNS, reset, or a URL no HTTP client can call: an invalid host name, a
+            control character), ``server`` (HTTP 5xx), ``refused`` (HTTP 4xx: the pod
+            answered and said no, e.g. 409 for a corrupt version), ``not_a_pod`` (HTTP 2xx
+            with a body that is no answer of a pod's admin API: not JSON, or not its shape).
         timeout_s: the timeout the call ran under (s).
     """
 
@@ -77,6 +80,8 @@ class ServingAdminError(RuntimeError):
         if kind == "timeout":
             msg = (f"serving admin {url}: no answer within {timeout_s:g} s (timeout set by {TIMEOUT_FLAG} "
                    f"or {TIMEOUT_ENV}): {reason}")
+        elif kind == "not_a_pod":
+            msg = f"serving admin {url}: not a pod: {reason}"
         elif status == 0:
             msg = f"serving admin {url}: unreachable: {reason}"
         else:
@@ -86,7 +91,7 @@ class ServingAdminError(RuntimeError):
     @property
     def transport(self) -> bool:
         """True when the pod did not give an answer about the request (timeout, unreachable,
-        5xx): the version asked for may be perfectly good; retry, do not mark it failed."""
+        5xx, not a pod): the version asked for may be perfectly good; retry, do not mark it failed."""
         return self.kind != "refused"
 
     @property
@@ -115,6 +120,11 @@ class ServingAdmin:
             reconstruct and verify whole models). Connecting takes at most
             ``min(timeout_s, 5)`` s.
 
+    Every failure of a call is a :class:`ServingAdminError` with its kind, whatever the URL or
+    the answer: a URL no HTTP client can call (an invalid host name, a control character) is
+    ``unreachable`` at each call (building the client never raises for it); a 2xx answer that
+    is not JSON, or not the admin API's shape, is ``not_a_pod``.
+
     Raises:
         ValueError: ``timeout_s`` (or the environment variable) is not a number > 0.
     """
@@ -124,16 +134,38 @@ class ServingAdmin:
         self.timeout_s = timeout_from_env() if timeout_s is None else check_timeout(timeout_s)
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         timeout = httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, CONNECT_TIMEOUT_S))
-        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._bad_url: str | None = None  # why no call can be made to base_url, or None
+        try:
+            self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        except (httpx.InvalidURL, UnicodeError, ValueError) as exc:  # idna.IDNAError is a UnicodeError
+            self._bad_url = f"invalid URL ({type(exc).__name__}: {exc})"
+            self._client = None
 
     def _request(self, method: str, path: str, body=None) -> httpx.Response:
         url = self.base_url + path
+        if self._client is None:
+            raise ServingAdminError(url, 0, self._bad_url, "unreachable", self.timeout_s)
         try:
             return self._client.request(method, path, json=body.model_dump() if body is not None else None)
         except httpx.TimeoutException as exc:
             raise ServingAdminError(url, 0, f"{type(exc).__name__}", "timeout", self.timeout_s) from exc
         except httpx.HTTPError as exc:
             raise ServingAdminError(url, 0, f"{type(exc).__name__}: {exc}", "unreachable", self.timeout_s) from exc
+        except (httpx.InvalidURL, UnicodeError, ValueError) as exc:  # a host httpx or IDNA cannot encode
+            raise ServingAdminError(url, 0, f"invalid URL ({type(exc).__name__}: {exc})", "unreachable",
+                                    self.timeout_s) from exc
+
+    def _parse(self, r: httpx.Response, path: str, model):
+        """A 2xx answer as ``model``; ServingAdminError ``not_a_pod`` when the body is not JSON or
+        not the admin API's shape (something else answers on that port)."""
+        try:
+            return model.model_validate(r.json())
+        except (ValueError, TypeError, RecursionError) as exc:  # JSON, UTF-8, pydantic's ValidationError
+            body = r.text[:BODY_SHOWN] if isinstance(exc, ValueError) and not hasattr(exc, "errors") else None
+            why = (f"HTTP {r.status_code} with a body that is not JSON ({body!r})" if body is not None else
+                   f"HTTP {r.status_code} with JSON that is no {model.__name__} ({type(exc).__name__}: "
+                   f"{str(exc)[:200]})")
+            raise ServingAdminError(self.base_url + path, r.status_code, why, "not_a_pod", self.timeout_s) from None
 
     def _call(self, method: str, path: str, body=None, model=SlotsStatus):
         r = self._request(method, path, body)
@@ -147,7 +179,7 @@ class ServingAdmin:
             except ValueError:
                 reason = r.text[:500]
             raise ServingAdminError(self.base_url + path, r.status_code, str(reason), timeout_s=self.timeout_s)
-        return model.model_validate(r.json())
+        return self._parse(r, path, model)
 
     def slots(self) -> SlotsStatus:
         """Current stable/candidate slots and the candidate's traffic weight."""
@@ -191,4 +223,5 @@ class ServingAdmin:
         return r.text
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()

@@ -37,6 +37,19 @@ RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restart
                  "converges to that")
 
 
+def json_safe(x):
+    """``x`` (JSON-ready dicts, lists, numbers, strings) with every NaN or infinite float
+    replaced by None, so a JSON document of it is valid JSON (``json.dumps(..., allow_nan=False)``
+    accepts it): a damaged ledger row or record must not make ``-o json`` emit ``NaN``."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def ts(ms: int) -> str:
     """``MM-DD HH:MM:SS`` (UTC) of a time in ms since the epoch; ``?`` for one no calendar
     holds (a damaged file's time must not stop a read command)."""
@@ -231,11 +244,12 @@ class FleetStatus:
         return bool(self.err or self.record_err)
 
     def to_dict(self) -> dict:
-        """The ``-o json|yaml`` document."""
+        """The ``-o json|yaml`` document, valid JSON whatever the pods, the record and the
+        ledger hold (:func:`json_safe`: no NaN or infinity)."""
         sd = asdict(self.rollout)
         sd["phase"] = self.rollout.phase.value
         d, first = self.desired, self.first
-        return {"desired": asdict(d) if d else None,
+        return json_safe({"desired": asdict(d) if d else None,
                 "pods": [{"url": u, "slots": s.model_dump() if s else None, "error": e, "drift": dr}
                          for u, s, e, dr in self.rows],
                 "converged": None if d is None else bool(self.rows) and all(not dr for _, _, _, dr in self.rows),
@@ -245,7 +259,7 @@ class FleetStatus:
                 "learner": {"paused": d.paused if d else None},
                 "desired_error": self.record_err,
                 "controller": self.controller,
-                "decisions": [asdict(x) for x in self.decisions]}
+                "decisions": [asdict(x) for x in self.decisions]})
 
 
 def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S, last: int = 10) -> FleetStatus:

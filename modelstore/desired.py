@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from schemas.events import now_ms
 from schemas.manifest import version_number
-from schemas.pod_target import MAX_GENERATION, check_consistent, check_pod_spec
+from schemas.pod_target import MAX_GENERATION, check_consistent, check_pod_spec, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,12 @@ class ConflictError(RuntimeError):
 class RecordUnreadable(ValueError):
     """``fleet/desired.json`` exists but cannot be read as a record (bad bytes, not JSON, an
     unknown or inconsistent field); the message names the file and the field. A ValueError,
-    so callers that refuse on any bad record keep catching it."""
+    so callers that refuse on any bad record keep catching it. The message is redacted
+    (:func:`schemas.pod_target.redact_text`): whatever of the record's text it quotes, a user
+    name or password never reaches a pod's log, the controller's log or the terminal."""
+
+    def __init__(self, msg: str):
+        super().__init__(redact_text(str(msg)))
 
 
 class LockTimeout(TimeoutError):
@@ -82,6 +87,52 @@ class LockTimeout(TimeoutError):
         who = (f"{holder.get('who', '?')} ({holder.get('what', '?')}, pid {holder.get('pid', '?')})"
                if holder else "another process")
         super().__init__(f"fleet lock: {who} held it for more than {timeout_s:g} s")
+
+
+def _check_str(v, name: str) -> None:
+    if not isinstance(v, str):
+        raise ValueError(f"{name}: must be a string, got {type(v).__name__}")
+
+
+def _check_ms(v, name: str) -> None:
+    """A time in whole ms since the epoch, or a generation: an int in [0, 2**53] (not a bool)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_GENERATION:
+        shown = repr(v) if isinstance(v, float) or (type(v) is int and abs(v) < 10**20) else type(v).__name__
+        raise ValueError(f"{name}: must be a whole number in [0, 2**53], got {shown}")
+
+
+def _check_paused(p) -> None:
+    if not isinstance(p, dict):
+        raise ValueError(f"paused: must be null or {{\"actor\", \"at\", \"reason\"}}, got {type(p).__name__}")
+    unknown = sorted(set(p) - {"actor", "at", "reason"})
+    if unknown:
+        raise ValueError(f"paused: unknown field {unknown[0]!r}")
+    for k in ("actor", "at"):
+        if k not in p:
+            raise ValueError(f"paused.{k}: missing")
+    _check_str(p["actor"], "paused.actor")
+    _check_ms(p["at"], "paused.at")
+    if "reason" in p:
+        _check_str(p["reason"], "paused.reason")
+
+
+def _check_change(h, name: str) -> None:
+    if not isinstance(h, dict):
+        raise ValueError(f"{name}: must be an object (a stable change), got {type(h).__name__}")
+    if "version" not in h:
+        raise ValueError(f"{name}.version: missing")
+    if not isinstance(h["version"], str):
+        raise ValueError(f"{name}.version: must be a version id (a string), got {type(h['version']).__name__}")
+    try:
+        version_number(h["version"])
+    except ValueError as exc:
+        raise ValueError(f"{name}.version: {exc}") from None
+    for k in ("at", "generation"):
+        if k in h:
+            _check_ms(h[k], f"{name}.{k}")
+    for k in ("actor", "reason"):
+        if h.get(k) is not None:
+            _check_str(h[k], f"{name}.{k}")
 
 
 @dataclass
@@ -129,7 +180,12 @@ class DesiredState:
         how the serving fields tie together is :func:`schemas.pod_target.check_consistent`,
         the one place of that rule), or ``pods`` is not a list of pod specs by the rule of
         ``--serving`` (:func:`schemas.pod_target.check_pod_spec`; the message names the entry,
-        ``pods[2]``); returns self."""
+        ``pods[2]``), or a field of another type than the record writes: ``actor``, ``action``,
+        ``reason`` strings; ``updated_ms`` a whole number of ms in [0, 2**53]; ``paused`` None or
+        ``{"actor": str, "at": ms, "reason": str}`` (``reason`` may be absent); ``history`` a
+        list of ``{"version": vNNNNNN, "at": ms, "actor": str or null, "reason": str or null,
+        "generation": int}`` (only ``version`` required). No value it accepts is NaN or infinite, so every
+        JSON document built from it is valid JSON. Returns self."""
         for name in ("generation", "reload_after_ms"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_GENERATION:
@@ -137,6 +193,8 @@ class DesiredState:
         for name in ("stable", "candidate"):
             v = getattr(self, name)
             if v is not None:
+                if not isinstance(v, str):
+                    raise ValueError(f"{name}: must be a version id (a string) or null, got {type(v).__name__}")
                 try:
                     version_number(v)
                 except ValueError as exc:
@@ -145,6 +203,15 @@ class DesiredState:
                 or not 0.0 <= float(self.weight) <= 1.0:
             raise ValueError(f"weight: must be in [0, 1], got {self.weight!r}")
         check_consistent(self.stable, self.candidate, self.weight)
+        for name in ("actor", "action", "reason"):
+            _check_str(getattr(self, name), name)
+        _check_ms(self.updated_ms, "updated_ms")
+        if self.paused is not None:
+            _check_paused(self.paused)
+        if not isinstance(self.history, list):
+            raise ValueError(f"history: must be a list of stable changes, got {type(self.history).__name__}")
+        for i, h in enumerate(self.history):
+            _check_change(h, f"history[{i}]")
         if not isinstance(self.pods, list):
             raise ValueError(f"pods: must be a list of pod specs (http(s):// URLs or dns+http(s):// specs), got "
                              f"{type(self.pods).__name__}")

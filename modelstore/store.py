@@ -24,12 +24,14 @@ This module knows nothing about serving or training: it stores ``{name: tensor}`
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections import OrderedDict
@@ -77,6 +79,35 @@ class CorruptManifestError(CorruptVersionError):
 def _is_url(root) -> bool:
     return isinstance(root, str) and "://" in root
 
+
+
+_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (its first ``limit`` bytes when given), read
+    without ever blocking on what is not a regular file: ``os.stat`` first, then an open with
+    ``O_NONBLOCK`` whose ``fstat`` must show the same kind of file (one swapped in between the
+    two is refused too).
+
+    Raises:
+        FileNotFoundError: no such file. IsADirectoryError: a directory (errno EISDIR).
+        OSError: errno EINVAL, "not a regular file (a FIFO)" (or a socket, a device), naming
+            ``path``; or the read failed.
+    """
+    def check(mode: int) -> None:
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _FILE_TYPES if test(mode)), "no regular file")
+            raise OSError(errno.EINVAL, f"not a regular file ({what}): not read", str(path))
+
+    check(os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        check(os.fstat(fd).st_mode)
+        return f.read() if limit is None else f.read(limit)
 
 class ModelStore:
     """Versions of one model's weights on a local directory or any fsspec URL.
@@ -135,8 +166,15 @@ class ModelStore:
         return "/".join((self._fs_root, *parts))
 
     def _read(self, *parts: str) -> bytes:
+        """One file's bytes. Locally only a regular file is read (:func:`read_regular`): a FIFO,
+        socket or device in its place is an OSError, never a read that blocks.
+
+        Raises:
+            FileNotFoundError: no such file. IsADirectoryError: a directory in its place.
+            OSError: not a regular file (names the file and what it is), or a failed read.
+        """
         if self.fs is None:
-            return self.root.joinpath(*parts).read_bytes()
+            return read_regular(self.root.joinpath(*parts))
         return self.fs.cat_file(self._p(*parts))
 
     def _exists(self, *parts: str) -> bool:
@@ -160,10 +198,15 @@ class ModelStore:
 
     def _read_head(self, limit: int, *parts: str) -> bytes:
         """The first ``limit`` bytes of one file (all of it when shorter): a reader that bounds
-        what it accepts never reads a huge file whole."""
+        what it accepts never reads a huge file whole. Locally only a regular file is read
+        (:func:`read_regular`: a FIFO in its place is an OSError, never a read that blocks).
+
+        Raises:
+            FileNotFoundError: no such file. IsADirectoryError: a directory in its place.
+            OSError: not a regular file (names the file and what it is), or a failed read.
+        """
         if self.fs is None:
-            with self.root.joinpath(*parts).open("rb") as f:
-                return f.read(limit)
+            return read_regular(self.root.joinpath(*parts), limit)
         with self.fs.open(self._p(*parts), "rb") as f:
             return f.read(limit)
 

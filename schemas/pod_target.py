@@ -20,10 +20,12 @@ record reaches every pod whether or not a controller runs.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated
 from urllib.parse import urlsplit
 
+import idna
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from schemas.admin import SlotsStatus
@@ -33,13 +35,151 @@ MAX_GENERATION = 2**53  # a generation or time past this is refused: no record c
 
 DNS_PREFIX = "dns+"  # a pod spec resolved by DNS: dns+http(s)://<headless Service>:<port>
 MAX_SPEC_CHARS = 2048  # a pod spec longer than this is refused (no URL of a pod is that long)
-_USERINFO = re.compile(r"^((?:dns\+)?[A-Za-z][A-Za-z0-9+.-]*://)?([^/?#@]*)@")
+MAX_HOST_CHARS = 253  # a host name's length, its labels joined by dots (RFC 1035)
+MAX_LABEL_CHARS = 63  # one label of a host name (RFC 1035)
+DEFAULT_PORTS = {"http": 80, "https": 443}
+_ASCII_LABEL = re.compile(r"^[A-Za-z0-9_-]+$")  # letters, digits, '-', and '_' (compose service names)
+_IPV4_STYLE = re.compile(r"^[0-9.]+$")  # digits and dots: an IPv4 address or nothing
+_PORT = re.compile(r"^[0-9]{1,5}$")  # ASCII digits only ('+1', '1_0', Arabic-Indic digits are no port)
+_URL_TEXT = re.compile(r"((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)")
+_WORD_AT = re.compile(r"""[^\s'"]*@""")
 
 
-def redact_spec(spec: str) -> str:
-    """``spec`` with any user name and password before ``@`` replaced by ``***`` (for
-    messages: ``http://ops:hunter2@pod-1:8000`` -> ``http://***@pod-1:8000``)."""
-    return _USERINFO.sub(lambda m: f"{m.group(1) or ''}***@", spec, count=1)
+def redact_spec(spec) -> str:
+    """``spec`` with everything between ``://`` (or a leading ``//``, or the start when it has
+    neither) and its LAST ``@`` replaced by ``***``, whatever a URL parser would make of it
+    (``http://ops:hunter2@pod-1:8000`` -> ``http://***@pod-1:8000``; ``http://ops:p/ss@pod:1``,
+    ``http:///ops:pw@pod:1``, `` http://ops:pw@pod:1`` -> ``http://***@pod:1``); leading and
+    trailing whitespace is trimmed when something is masked. A spec without ``@`` is returned
+    as it is. For messages: a password in a spec is never printed, logged or recorded."""
+    spec = spec if isinstance(spec, str) else str(spec)
+    at = spec.rfind("@")
+    if at < 0:
+        return spec
+    s = spec.strip()
+    at = s.rfind("@")
+    i = s.find("://")
+    start = i + 3 if 0 <= i < at else 2 if s.startswith("//") else 0
+    return s[:start] + "***" + s[at:]
+
+
+def redact_text(text: str) -> str:
+    """``text`` (a message that may quote a spec or a record's bytes) with everything from the
+    first ``scheme://`` or ``//`` not already followed by ``***@`` to the text's last ``@``
+    replaced by ``***``, and in a text with ``@`` but no ``//`` each word's part up to its last
+    ``@`` (``stable: 'ops:pw@h'`` -> ``stable: '***@h'``):
+    a user name or password never reaches a log, the ledger or the terminal, whatever else is
+    masked with it. A text whose specs are masked already is returned as it is."""
+    if "@" not in text:
+        return text
+    for m in _URL_TEXT.finditer(text):
+        if text.startswith("***@", m.end(1)):  # masked by redact_spec already
+            continue
+        at = text.rfind("@")
+        if at < m.end(1):
+            break
+        return text[:m.end(1)] + "***" + text[at:]
+    if _URL_TEXT.search(text):
+        return text
+    return _WORD_AT.sub("***@", text)
+
+
+def normalize_spec(spec: str) -> str:
+    """The form two pod specs are compared in (duplicates count once): scheme and host in
+    lower case, the scheme's default port dropped from a URL (``http://h:80`` is ``http://h``), a trailing
+    ``/`` and an empty fragment or query dropped. ``HTTP://Pod:1/`` -> ``http://pod:1``. A spec
+    that is no URL is returned stripped of its trailing ``/`` only."""
+    prefix = DNS_PREFIX if spec[:len(DNS_PREFIX)].lower() == DNS_PREFIX else ""
+    try:
+        u = urlsplit(spec[len(prefix):])
+        scheme, host, port = u.scheme.lower(), u.hostname or "", u.port
+    except ValueError:
+        return spec.rstrip("/#?")
+    if ":" in host:
+        host = f"[{host}]"
+    if port is not None and (prefix or port != DEFAULT_PORTS.get(scheme)):  # a dns+ spec keeps its port
+        host += f":{port}"
+    path = u.path.rstrip("/")
+    rest = path + (f"?{u.query}" if u.query else "") + (f"#{u.fragment}" if u.fragment else "")
+    return f"{prefix}{scheme}://{host}{rest}"
+
+
+def _host_error(host: str) -> str | None:
+    """Why ``host`` (from a URL's authority, brackets kept) is no host a pod can have, or None:
+    an IP literal, or a name of IDNA-encodable labels of 1-63 characters, at most 253 in all."""
+    if host.startswith("["):
+        if not host.endswith("]"):
+            return "an unclosed [ of an IPv6 address"
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host} is no IPv6 address"
+        return None
+    if not host:
+        return "no host"
+    if _IPV4_STYLE.match(host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"{host} is no IPv4 address"
+        return None
+    name = host
+    if not name.isascii():
+        try:
+            name = idna.encode(name.lower()).decode("ascii")
+        except (idna.IDNAError, UnicodeError, ValueError) as exc:
+            return f"the host name is not IDNA-encodable ({exc})"
+    name = name[:-1] if name.endswith(".") else name
+    if len(name) > MAX_HOST_CHARS:
+        return f"a host name of {len(name)} characters (at most {MAX_HOST_CHARS})"
+    for label in name.split("."):
+        if not label:
+            return "an empty label in the host name (two dots, or a leading dot)"
+        if len(label) > MAX_LABEL_CHARS:
+            return f"a host name label of {len(label)} characters (at most {MAX_LABEL_CHARS})"
+        if not _ASCII_LABEL.match(label):
+            return f"the host name label {label!r} holds characters other than letters, digits, '-' and '_'"
+        if label[:4].lower() == "xn--":
+            try:
+                idna.decode(label.lower())
+            except (idna.IDNAError, UnicodeError, ValueError) as exc:
+                return f"the host name label {label!r} is no valid IDNA A-label ({exc})"
+    return None
+
+
+def _url_error(url: str, need_port: bool) -> str | None:
+    """Why ``url`` (a spec without its ``dns+`` prefix) is no ``http(s)://host[:port]``, or None."""
+    u = urlsplit(url)
+    if u.scheme.lower() not in ("http", "https") or not url[len(u.scheme):].startswith("://"):
+        return "the scheme is not http:// or https://"
+    if u.query or "?" in url:
+        return "a query (?...) is not part of a pod's URL"
+    if u.fragment:
+        return "a fragment (#...) is not part of a pod's URL"
+    if u.path not in ("", "/"):
+        return f"a path ({u.path[:40]!r}) other than / is not part of a pod's URL"
+    netloc = u.netloc
+    if netloc.startswith("["):
+        end = netloc.find("]")
+        host, rest = (netloc, "") if end < 0 else (netloc[:end + 1], netloc[end + 1:])
+        if rest and not rest.startswith(":"):
+            return f"{rest!r} after the IPv6 address"
+        port = rest[1:] if rest else None
+    else:
+        host, sep, port = netloc.rpartition(":")
+        if not sep:
+            host, port = netloc, None
+    err = _host_error(host)
+    if err:
+        return err
+    if port is not None:
+        if port == "":
+            return "an empty port (':' with no number)"
+        if not _PORT.match(port) or not 1 <= int(port) <= 65535:
+            return f"the port {port[:20]!r} is not a number in [1, 65535]"
+    elif need_port:
+        return "no port"
+    return None
 
 
 def check_pod_spec(spec, name: str = "serving") -> str:
@@ -49,41 +189,42 @@ def check_pod_spec(spec, name: str = "serving") -> str:
     A pod's admin API takes a bearer token, never a password in the URL, and a spec may be
     recorded, written to the ledger and printed.
 
+    The host is an IP literal (``[::1]`` for IPv6) or a name whose labels are 1-63 characters
+    (letters, digits, ``-``, ``_``; a non-ASCII name must be IDNA-encodable, an ``xn--`` label a
+    valid A-label), at most 253 in all; the port, when given, a number in [1, 65535]; no query,
+    no fragment, no path but ``/``, no whitespace or control character, no ``@`` anywhere.
+
     Args:
         spec: the spec (a str).
         name: how the value is named in the message (``serving``, ``pods[2]``).
 
     Raises:
-        ValueError: naming ``name``, the spec (its user name and password masked) and the form
-            it must have.
+        ValueError: naming ``name``, the spec (its user name and password masked,
+            :func:`redact_spec`), the reason and the form it must have.
     """
     if not isinstance(spec, str):
-        raise ValueError(f"{name}: must be a pod URL (a string), got {type(spec).__name__} {str(spec)[:40]!r}")
+        raise ValueError(f"{name}: must be a pod URL (a string), got {type(spec).__name__} "
+                         f"{redact_spec(str(spec))[:40]!r}")
     if len(spec) > MAX_SPEC_CHARS:
         raise ValueError(f"{name}: a pod spec of {len(spec)} characters (at most {MAX_SPEC_CHARS})")
     shown = redact_spec(spec)
-    if shown != spec:
+    if "@" in spec:
         raise ValueError(f"{name}: {shown!r} carries a user name or password (user:password@): refused, as a pod "
                          "spec is recorded, written to the ledger and printed; pods take the admin token "
                          "($FLYWHEEL_ADMIN_TOKEN), give the URL without it")
-    if spec.startswith(DNS_PREFIX):
+    dns = spec.startswith(DNS_PREFIX)
+    form = ("dns+http(s)://name:port (a headless Service's name and the pods' port)" if dns
+            else "a pod URL http(s)://host:port (or dns+http(s)://name:port)")
+    bad = next((c for c in spec if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        why = f"it holds the control or space character {bad!r}"
+    else:
         try:
-            u = urlsplit(spec[len(DNS_PREFIX):])
-            ok = u.scheme in ("http", "https") and bool(u.hostname) and bool(u.port) and u.path in ("", "/")
-        except ValueError:  # a port that is no number or out of range, an unclosed [IPv6 bracket
-            ok = False
-        if not ok:
-            raise ValueError(f"{name}: {shown!r} is not dns+http(s)://name:port (a headless Service's "
-                             f"name and the pods' port)")
-        return spec
-    try:
-        u = urlsplit(spec)
-        ok = u.scheme in ("http", "https") and bool(u.hostname) and not any(c.isspace() for c in spec)
-        u.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
-    except ValueError:  # an unclosed [IPv6 bracket, a bad port
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}: {shown!r} is not a pod URL http(s)://host:port (or dns+http(s)://name:port)")
+            why = _url_error(spec[len(DNS_PREFIX):] if dns else spec, need_port=dns)
+        except ValueError as exc:  # anything urlsplit itself refuses
+            why = str(exc)
+    if why:
+        raise ValueError(f"{name}: {shown!r} is not {form}: {why}")
     return spec
 
 
