@@ -194,85 +194,121 @@ def run_action(fleet: FleetRecord, pods: PodChoice, change, *, what: str, who: s
     """
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    budget = f"--timeout {timeout_s:g} s"
     lock_s = max(1.0, timeout_s) if lock_timeout_s is None else lock_timeout_s
-    probed, not_recorded = False, None
-    if pods.given and not pods.replace:
-        try:
-            listed = fleet.read().pods
-        except (OSError, ValueError):  # the change below reads it again and refuses, naming it
-            listed = None
-        if listed == []:  # a list to record only if all of it answers: a typo is never recorded
-            probed, not_recorded = True, probe_pods(pods, time.monotonic() + pods.probe_s)
-
-    def change_with_pods(x: DesiredState) -> DesiredState:
-        x = change(x)
-        if pods.replace and pods.given:
-            x.pods = list(pods.given)
-        elif pods.given and not x.pods and probed and not_recorded is None:
-            x.pods = list(pods.given)
-        return x
-
-    with fleet.locked(what, who, lock_s):
-        before = fleet.read()
-        new = fleet.change(change_with_pods, who, what, why)
-        on_changed(before, new)
-        record("", {"generation": new.generation, "desired": new.summary()})
-        if new.pods != before.pods:
-            record("pods", {"generation": new.generation, "pods": list(new.pods), "was": list(before.pods),
-                            "replaced": bool(pods.replace)})
-    specs, notes = choose_pods(pods, before, new, not_recorded)
+    write = _RecordWrite(fleet, what, who, why, lock_s, record)
+    not_recorded = _probe_unrecorded(fleet, pods)
+    before, new = write.change(change, pods, not_recorded, on_changed)
+    specs, notes = choose_pods(pods, before, new, None if not_recorded is _UNPROBED else not_recorded)
     try:
         disc, derr = PodDiscovery(specs, pods.make_admin, pods.resolver), None
     except ValueError as exc:  # $FLYWHEEL_SERVING_URL changed meaning between the check and now
         disc, derr = None, str(exc)
-    admins, derr = _discover(disc, derr)
-    res = ActionResult(new, discovery_error=derr, notes=notes)
-    while True:
-        # a round is cut at the deadline; past it, one short round says where each pod is now
-        cut = max(deadline, time.monotonic() + 0.5)
-        res.outcomes = observe_pods_generation(admins, new, cut, budget, previous=res.outcomes or None)
-        if res.converged:
-            break
-        if res.outcomes and all(o.ok or o.outcome == "refused" for o in res.outcomes):
-            break  # a pod that tried this generation and could not load it will not succeed by waiting
-        ahead = max((o.target_generation or 0 for o in res.outcomes if o.outcome == "superseded"), default=0)
-        if ahead > new.generation and not res.raised_from:
-            # pods took a generation the record never reached (restored or edited to an older
-            # one): written again past theirs, or no pod would ever take it
-            try:
-                with fleet.locked(what, who, lock_s):
-                    if fleet.read().generation == new.generation:  # no other writer since: ours to raise
-                        res.raised_from = new.generation
-                        new = fleet.change(lambda d: d, who, what, why, floor=ahead)
-                        res.desired = new
-                        record("", {"generation": new.generation, "raised_from": res.raised_from,
-                                    "pods_took": ahead, "desired": new.summary()})
-                        continue
-            except LockTimeout:
-                pass  # another writer holds the record: it is read below, like any newer record
-            except (OSError, ValueError) as exc:
-                res.discovery_error = f"the desired-state record {fleet.path} became unreadable while watching: {exc}"
-                break
-        try:
-            cur = fleet.read()
-            if cur.generation != new.generation and _serving_fields(cur) != _serving_fields(new):
-                res.superseded_by = cur
-                break
-        except (OSError, ValueError) as exc:  # the record became unreadable (or a directory) while we watched
-            res.discovery_error = f"the desired-state record {fleet.path} became unreadable while watching: {exc}"
-            break
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-        if not admins:
-            admins, res.discovery_error = _discover(disc, derr)
+    res = ActionResult(new, notes=notes)
+    _watch(write, res, disc, derr, deadline, f"--timeout {timeout_s:g} s", poll_s)
     res.elapsed_s = time.monotonic() - t0
     record("converged" if res.converged else "not_converged",
-           {"generation": new.generation, "pods": summary(res.outcomes), "elapsed_s": res.elapsed_s,
+           {"generation": res.desired.generation, "pods": summary(res.outcomes), "elapsed_s": res.elapsed_s,
             "superseded_by": res.superseded_by.generation if res.superseded_by else None,
             "discovery_error": res.discovery_error})
     return res
+
+
+_UNPROBED = object()  # --serving was not probed: the record lists pods, or none was given, or it is replaced
+
+
+def _probe_unrecorded(fleet: FleetRecord, pods: PodChoice):
+    """Why ``--serving`` must not be recorded (:func:`probe_pods`: None when all of it
+    answered), when the record lists no pods and it is given without ``--record-pods``;
+    :data:`_UNPROBED` otherwise. A typo is never recorded."""
+    if not pods.given or pods.replace:
+        return _UNPROBED
+    try:
+        listed = fleet.read().pods
+    except (OSError, ValueError):  # the change reads it again and refuses, naming it
+        return _UNPROBED
+    return probe_pods(pods, time.monotonic() + pods.probe_s) if listed == [] else _UNPROBED
+
+
+@dataclass
+class _RecordWrite:
+    """One action's writes of the fleet record and its ledger rows, under the fleet lock."""
+
+    fleet: FleetRecord
+    what: str
+    who: str
+    why: str
+    lock_s: float
+    record: Callable
+
+    def change(self, change, pods: PodChoice, not_recorded, on_changed) -> tuple[DesiredState, DesiredState]:
+        """Apply ``change`` (and the pod list ``pods`` asks for) under the lock; record the
+        decision row (and a ``pods`` row when the list changed). Returns ``(before, after)``."""
+
+        def change_with_pods(x: DesiredState) -> DesiredState:
+            x = change(x)
+            if pods.replace and pods.given:
+                x.pods = list(pods.given)
+            elif pods.given and not x.pods and not_recorded is None:
+                x.pods = list(pods.given)
+            return x
+
+        with self.fleet.locked(self.what, self.who, self.lock_s):
+            before = self.fleet.read()
+            new = self.fleet.change(change_with_pods, self.who, self.what, self.why)
+            on_changed(before, new)
+            self.record("", {"generation": new.generation, "desired": new.summary()})
+            if new.pods != before.pods:
+                self.record("pods", {"generation": new.generation, "pods": list(new.pods), "was": list(before.pods),
+                                     "replaced": bool(pods.replace)})
+        return before, new
+
+    def raise_past(self, res: ActionResult, ahead: int) -> bool:
+        """Write the record again past generation ``ahead`` that the pods took (a record
+        restored or edited to an older generation), if no other writer changed it since;
+        True when written (``res.desired`` and ``res.raised_from`` set). Raises OSError or
+        ValueError when the record became unreadable."""
+        try:
+            with self.fleet.locked(self.what, self.who, self.lock_s):
+                if self.fleet.read().generation != res.desired.generation:
+                    return False  # another writer: its record is read by the watch like any newer one
+                res.raised_from = res.desired.generation
+                res.desired = self.fleet.change(lambda d: d, self.who, self.what, self.why, floor=ahead)
+                self.record("", {"generation": res.desired.generation, "raised_from": res.raised_from,
+                                 "pods_took": ahead, "desired": res.desired.summary()})
+                return True
+        except LockTimeout:
+            return False
+
+
+def _watch(write: _RecordWrite, res: ActionResult, disc, derr: str | None, deadline: float, budget: str,
+           poll_s: float) -> None:
+    """Read the pods until they serve ``res.desired`` (or cannot: every pod refused it), the
+    record is superseded or unreadable, or ``deadline`` passes; fills ``res``."""
+    admins, res.discovery_error = _discover(disc, derr)
+    while True:
+        # a round is cut at the deadline; past it, one short round says where each pod is now
+        cut = max(deadline, time.monotonic() + 0.5)
+        res.outcomes = observe_pods_generation(admins, res.desired, cut, budget, previous=res.outcomes or None)
+        if res.converged:
+            return
+        if res.outcomes and all(o.ok or o.outcome == "refused" for o in res.outcomes):
+            return  # a pod that tried this generation and could not load it will not succeed by waiting
+        try:
+            ahead = max((o.target_generation or 0 for o in res.outcomes if o.outcome == "superseded"), default=0)
+            if ahead > res.desired.generation and not res.raised_from and write.raise_past(res, ahead):
+                continue  # pods took a generation the record never reached: written again past theirs
+            cur = write.fleet.read()
+        except (OSError, ValueError) as exc:  # the record became unreadable (or a directory) while we watched
+            res.discovery_error = f"the desired-state record {write.fleet.path} became unreadable while watching: {exc}"
+            return
+        if cur.generation != res.desired.generation and _serving_fields(cur) != _serving_fields(res.desired):
+            res.superseded_by = cur
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        if not admins:
+            admins, res.discovery_error = _discover(disc, derr)
 
 
 def _serving_fields(d: DesiredState) -> tuple:
