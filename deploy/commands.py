@@ -45,7 +45,7 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
-                           discover_pods, gather_status, json_safe, status_warnings)
+                           discover_pods, gather_status, status_warnings)
 from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
@@ -53,7 +53,7 @@ from deploy.wiring import bootstrap as _bootstrap
 from schemas.events import now_ms
 from schemas import settings
 from schemas.options import config_options, model_fields
-from schemas.output import OUTPUT, Format, dumps, resolve
+from schemas.output import OUTPUT, Format, dumps, json_safe, resolve
 
 WATCH_READ_S = 2.0  # bound on each read of a pod while an operator command watches the fleet (s)
 

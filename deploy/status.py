@@ -23,6 +23,7 @@ from modelstore.store import ModelStore
 from deploy.wiring import SetupError, admin, rollout_status_path
 from schemas import settings
 from schemas.events import now_ms
+from schemas.output import json_safe
 
 STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not stall on-call
 
@@ -35,19 +36,6 @@ CONTROLLER_SEEN_S = 60.0
 RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable.json "
                  "(the copy of its last stable version and generation), unpaused, with no candidate, and every pod "
                  "converges to that")
-
-
-def json_safe(x):
-    """``x`` (JSON-ready dicts, lists, numbers, strings) with every NaN or infinite float
-    replaced by None, so a JSON document of it is valid JSON (``json.dumps(..., allow_nan=False)``
-    accepts it): a damaged ledger row or record must not make ``-o json`` emit ``NaN``."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def ts(ms: int) -> str:

@@ -13,6 +13,7 @@ the table.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from enum import Enum
 from typing import Optional
@@ -49,14 +50,28 @@ def resolve(output: Optional[Format | str], as_json: bool = False) -> Format:
     return Format.json if as_json else (output or Format.table)
 
 
+def json_safe(x):
+    """``x`` (JSON-ready dicts, lists, numbers, strings) with every NaN or infinite float
+    replaced by None, so a JSON document of it is valid JSON (``json.dumps(..., allow_nan=False)``
+    accepts it): a damaged ledger row or record must not make ``-o json`` emit ``NaN``."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def dumps(data, fmt: Format) -> str:
-    """``data`` as JSON (indent 1) or YAML (block style, keys in insertion order)."""
-    plain = json.loads(json.dumps(data, default=str))  # one normalisation for both (UUIDs, paths, enums)
+    """``data`` as JSON (indent 1) or YAML (block style, keys in insertion order); a NaN or
+    infinite number is written as null (:func:`json_safe`), so the JSON is valid for any parser."""
+    plain = json_safe(json.loads(json.dumps(data, default=str)))  # one normalisation for both (UUIDs, paths, enums)
     if fmt == Format.yaml:
         import yaml
 
         return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False).rstrip("\n")
-    return json.dumps(plain, indent=1)
+    return json.dumps(plain, indent=1, allow_nan=False)
 
 
 def emit(data, fmt: Format, table: Callable[[bool], None]) -> None:

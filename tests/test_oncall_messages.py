@@ -724,6 +724,13 @@ def test_status_on_a_record_with_wrong_types_says_unreadable_and_its_json_is_str
         r, _ = cli("status", "-o", "json")
         doc = strict(r.output)
         assert r.exit_code == 1 and doc["desired"] is None and why in doc["desired_error"], r.output
-    from deploy.status import json_safe
+    from schemas.output import json_safe
     assert json.dumps(json_safe({"a": [float("nan"), 1.5, {"b": float("-inf")}]}), allow_nan=False) == \
         '{"a": [null, 1.5, {"b": null}]}'
+
+
+def test_every_read_commands_json_and_yaml_write_a_non_finite_number_as_null():
+    from schemas.output import Format, dumps
+    data = {"mean": float("nan"), "rows": [{"p99": float("inf")}, {"p99": -float("inf")}], "n": 3}
+    assert json.loads(dumps(data, Format.json)) == {"mean": None, "rows": [{"p99": None}, {"p99": None}], "n": 3}
+    assert dumps(data, Format.yaml).splitlines()[0] == "mean: null"
