@@ -13,12 +13,19 @@ capture and replay each architecture's routers are in ``schemas.routers`` (D38).
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 
 ATTN_IMPLEMENTATION = "eager"  # bitwise-stable across batch shapes on CPU (DESIGN §4)
 # MoE experts as one grouped matmul over the tokens sorted by expert (transformers'
 # ``grouped_mm``): 2x the decode speed of the per-expert loop on CPU (docs/decisions.md D4).
 EXPERTS_IMPLEMENTATION = "grouped_mm"
+# Held while a model is constructed in this process (:func:`load_model`, :func:`build_model`):
+# :func:`build_model` patches ``torch.nn.Module.register_parameter`` for the whole process, so a
+# model built at the same time in another thread (a pod's watch loading a version while its
+# admin thread, or a second pod in the same process, loads another) would get parameters on the
+# meta device. Reentrant: a caller may hold it around a call that takes it again.
+BUILD_LOCK = threading.RLock()
 
 
 def experts_implementation(config) -> str:
@@ -81,9 +88,10 @@ def load_model(model_dir: str | Path, dtype=None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), config=config, dtype=dtype or checkpoint_dtype(config), attn_implementation=ATTN_IMPLEMENTATION,
-        experts_implementation=experts_implementation(config))
+    with BUILD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), config=config, dtype=dtype or checkpoint_dtype(config),
+            attn_implementation=ATTN_IMPLEMENTATION, experts_implementation=experts_implementation(config))
     model.eval()
     return model
 
@@ -184,22 +192,24 @@ class WeightsMismatchError(ValueError):
 @contextlib.contextmanager
 def _parameters_on_meta():
     """While active, every parameter a module registers is moved to the meta device (no
-    storage); buffers stay real (rotary ``inv_freq`` is computed at construction)."""
+    storage); buffers stay real (rotary ``inv_freq`` is computed at construction). The patch
+    is process-wide, so it is applied under :data:`BUILD_LOCK`."""
     import torch
 
-    register = torch.nn.Module.register_parameter
+    with BUILD_LOCK:
+        register = torch.nn.Module.register_parameter
 
-    def on_meta(module, name, param):
-        register(module, name, param)
-        p = module._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        def on_meta(module, name, param):
+            register(module, name, param)
+            p = module._parameters.get(name)
+            if p is not None and p.device.type != "meta":
+                module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
+        torch.nn.Module.register_parameter = on_meta
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = register
 
 
 def trim_heap() -> None:

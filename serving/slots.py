@@ -76,9 +76,6 @@ def sticky_fraction(user_hash: str) -> float:
     return int(hashlib.sha256(f"slot:{user_hash}".encode()).hexdigest()[:12], 16) / float(16 ** 12)
 
 
-_BUILD_LOCK = threading.Lock()  # one model build at a time per process (several pods in one test process)
-
-
 class Slots:
     """Stable + candidate weights over one engine.
 
@@ -111,8 +108,7 @@ class Slots:
             manifest = self.store.manifest(version)
             state = self._load_state(version)
             expected = {k: v.sha256 for k, v in manifest.tensors.items()}
-            with _BUILD_LOCK:  # the engine builds modules under a process-wide torch patch
-                return self.engine.load_weights(state, version, expected_hashes=expected)
+            return self.engine.load_weights(state, version, expected_hashes=expected)
         except SlotError:
             raise
         except Exception as exc:  # noqa: BLE001 - CorruptVersionError, KeyError, FileNotFoundError...
