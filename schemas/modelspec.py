@@ -20,11 +20,12 @@ ATTN_IMPLEMENTATION = "eager"  # bitwise-stable across batch shapes on CPU (DESI
 # MoE experts as one grouped matmul over the tokens sorted by expert (transformers'
 # ``grouped_mm``): 2x the decode speed of the per-expert loop on CPU (docs/decisions.md D4).
 EXPERTS_IMPLEMENTATION = "grouped_mm"
-# Held while a model is constructed in this process (:func:`load_model`, :func:`build_model`):
-# :func:`build_model` patches ``torch.nn.Module.register_parameter`` for the whole process, so a
-# model built at the same time in another thread (a pod's watch loading a version while its
-# admin thread, or a second pod in the same process, loads another) would get parameters on the
-# meta device. Reentrant: a caller may hold it around a call that takes it again.
+# Held while a model is constructed or its parameters assigned in this process
+# (:func:`load_model`, :func:`build_model`, a serving engine's load): :func:`build_model`
+# patches ``torch.nn.Module.register_parameter`` for the whole process, so a parameter another
+# thread registers meanwhile (a store loading a checkpoint, a second pod in the same process
+# assigning a version's tensors) would be moved to the meta device. Reentrant: a caller may
+# hold it around a call that takes it again.
 BUILD_LOCK = threading.RLock()
 
 
@@ -245,16 +246,19 @@ def build_model(model_dir: str | Path, state: dict, dtype=None):
 
     dtype = dtype or torch.float32
     cfg = AutoConfig.from_pretrained(str(model_dir))
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 experts_implementation=experts_implementation(cfg))
-    names = set(model.state_dict())
-    unexpected = sorted(set(state) - names)
-    if unexpected:
-        raise WeightsMismatchError(f"weights: unexpected tensors {unexpected[:5]}")
-    model.load_state_dict({k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()},
-                          strict=False, assign=True)
-    model.tie_weights()  # tied aliases (lm_head -> embed_tokens) point at the assigned tensors
+    # the whole build under the lock: ``assign=True`` sets each parameter through
+    # ``register_parameter``, which another thread's build may have patched meanwhile
+    with BUILD_LOCK:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                     experts_implementation=experts_implementation(cfg))
+        names = set(model.state_dict())
+        unexpected = sorted(set(state) - names)
+        if unexpected:
+            raise WeightsMismatchError(f"weights: unexpected tensors {unexpected[:5]}")
+        model.load_state_dict({k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()},
+                              strict=False, assign=True)
+        model.tie_weights()  # tied aliases (lm_head -> embed_tokens) point at the assigned tensors
     missing = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
     if missing:
         raise WeightsMismatchError(f"weights: tensors missing from the version: {missing[:5]}")

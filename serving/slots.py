@@ -20,6 +20,7 @@ from pathlib import Path
 
 from schemas.admin import SlotInfo, SlotsStatus
 from schemas.manifest import BASE_VERSION, TensorMeta, VersionManifest, state_sha256
+from schemas.modelspec import BUILD_LOCK
 from serving.engine_base import Engine, LoadedModel
 
 
@@ -108,7 +109,8 @@ class Slots:
             manifest = self.store.manifest(version)
             state = self._load_state(version)
             expected = {k: v.sha256 for k, v in manifest.tensors.items()}
-            return self.engine.load_weights(state, version, expected_hashes=expected)
+            with BUILD_LOCK:  # the engine builds and assigns parameters under a process-wide torch patch
+                return self.engine.load_weights(state, version, expected_hashes=expected)
         except SlotError:
             raise
         except Exception as exc:  # noqa: BLE001 - CorruptVersionError, KeyError, FileNotFoundError...

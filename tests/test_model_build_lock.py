@@ -38,3 +38,37 @@ def test_a_checkpoint_loaded_while_a_version_is_built_has_no_meta_tensor(tiny_mo
     # once it has assigned the tensors)
     model = build_model(tiny_moe_dir, {k: v.clone() for k, v in got.items()})
     assert all(v.device.type == "cpu" for v in model.state_dict().values())
+
+
+def test_a_version_built_while_another_thread_starts_a_build_is_whole(tiny_moe_dir, monkeypatch):
+    """The second half of a build (assigning the version's tensors, which goes through
+    ``register_parameter``) is under the lock too: a build that starts in another thread
+    meanwhile waits, and the first model gets no meta tensor."""
+    import torch
+
+    state = {k: v.clone() for k, v in load_model(tiny_moe_dir).state_dict().items()}
+    assigning, patched, assigned = threading.Event(), threading.Event(), threading.Event()
+    real = torch.nn.Module.load_state_dict
+
+    def load_after_a_chance(self, *args, **kwargs):  # give the other thread its chance to patch first
+        assigning.set()
+        patched.wait(2.0)  # (it cannot while this build holds the lock: the wait runs out)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            assigned.set()
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", load_after_a_chance)
+
+    def other_build():  # another thread's build, its patch held until the assignment is done
+        assert assigning.wait(30)
+        with _parameters_on_meta():
+            patched.set()
+            assigned.wait(30)
+
+    other = threading.Thread(target=other_build)
+    other.start()
+    model = build_model(tiny_moe_dir, state)
+    other.join(30)
+    meta = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
+    assert meta == [], meta
