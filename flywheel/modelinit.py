@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# the checks that need no model built live in schemas (flywheel serve --model-dir runs them too)
+from schemas.checkpoint_check import (  # noqa: F401 - check_expert_count re-exported: bring-a-checkpoint's API
+    CheckpointError, check_checkpoint_dir, check_expert_count, check_structure_types, check_tokenizer_files,
+    config_num_experts, library_text,
+)
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_STOP = "<|im_end|>"
@@ -179,26 +184,8 @@ def init_model(out_dir: Path, num_experts: int = 4, top_k: int = 2, force: bool 
 
 # safetensors dtype names -> the dtype Flywheel keeps weights in (docs/decisions.md D41)
 SUPPORTED_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
-# bytes per element of the safetensors dtypes (sub-byte F4/F6 are not checked)
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory Flywheel cannot take, and why.
-
-    Attributes:
-        field: what is at fault (``config.json``, ``weights``, ``chat_template``,
-            ``pad_token``, ``router adapter``, a file name, ...).
-        reason: what is wrong and, where there is one, how to fix it.
-    """
-
-    def __init__(self, field: str, reason: str):
-        self.field, self.reason = field, reason
-        super().__init__(f"{field}: {reason}")
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
+                "F6_E2M3", "F6_E3M2", "F4"}
 
 
 @dataclass
@@ -228,179 +215,6 @@ class CheckpointInfo:
     moe_layers: int = 0
     top_k: int = 0
     pad_fallback: bool = False
-
-
-def config_experts_key(config: dict) -> tuple[str, int]:
-    """``(key, experts per MoE layer)`` named by a ``config.json`` dict: the first of
-    :data:`EXPERT_KEYS` set to a positive int (``text_config.<key>`` when it is there);
-    ``("", 0)`` when it names none."""
-    for prefix, c in (("", config), ("text_config.", config.get("text_config") or {})):
-        for k in EXPERT_KEYS:
-            if isinstance(c.get(k), int) and not isinstance(c[k], bool) and c[k] > 0:
-                return prefix + k, int(c[k])
-    return "", 0
-
-
-def config_num_experts(config: dict) -> int:
-    """Experts per MoE layer named by a ``config.json`` dict (any of :data:`EXPERT_KEYS`,
-    also under ``text_config``), 0 when it names none."""
-    return config_experts_key(config)[1]
-
-
-def _read_config(d: Path) -> dict:
-    f = d / "config.json"
-    if not f.is_file():
-        raise CheckpointError("config.json", f"missing from {d}: not a Hugging Face checkpoint directory")
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError("config.json", f"not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict) or not cfg.get("model_type"):
-        raise CheckpointError("config.json", "has no model_type")
-    if cfg.get("quantization_config"):
-        method = (cfg["quantization_config"] or {}).get("quant_method", "?")
-        raise CheckpointError("config.json quantization_config", f"quantized weights ({method}) are not supported; "
-                              "Flywheel trains and serves bfloat16 or float32 weights: dequantize first")
-    return cfg
-
-
-def _weight_files(d: Path) -> list[Path]:
-    """The safetensors files of the checkpoint (the index's shards, or model.safetensors)."""
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wmap = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(wmap.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(index.name, f"not a valid safetensors index ({type(exc).__name__}: {exc})") from None
-        missing = [n for n in names if not (d / n).is_file()]
-        if missing:
-            raise CheckpointError("weights", f"{index.name} names {len(names)} shard files; missing: "
-                                  f"{', '.join(missing[:5])}")
-        return [d / n for n in names]
-    single = d / "model.safetensors"
-    if single.is_file():
-        return [single]
-    pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt*"))
-    hint = (f"; found only {', '.join(pickles[:3])} (pickle): save it with save_pretrained(safe_serialization=True)"
-            if pickles else "")
-    raise CheckpointError("weights", f"no model.safetensors or model.safetensors.index.json in {d}{hint}")
-
-
-def read_safetensors_header(f: Path) -> dict[str, dict]:
-    """The tensor entries of a safetensors file's header (``{name: {dtype, shape,
-    data_offsets}}``), checked against the file: the header must be valid JSON of at most
-    :data:`MAX_HEADER_BYTES`, each tensor's ``data_offsets`` must lie in the data section
-    and hold ``prod(shape) x`` its dtype's width in bytes, and the tensors' byte ranges must
-    tile the data section exactly (the format's own rules), so a truncated or garbled file is
-    caught before any load.
-
-    Raises:
-        CheckpointError: naming the file and what is wrong: the tensor, its offsets and the
-            data section's size when a tensor lies past the end, or the two tensors around a
-            gap or an overlap.
-    """
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f.name, f"not a safetensors file: {size} bytes, no header")
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(f.name, f"not a safetensors file: header length {n} does not fit the file's "
-                                  f"{size} bytes (truncated or corrupt)")
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f.name, f"corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f.name, "corrupt safetensors header (not a JSON object)")
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    data = size - 8 - n  # bytes of the data section
-    spans = []
-    for name, v in tensors.items():
-        offs = v.get("data_offsets") if isinstance(v, dict) else None
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)
-                and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)):
-            raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} has no dtype, shape and "
-                                  "data_offsets [begin, end]")
-        a, b = offs
-        if not 0 <= a <= b:
-            raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} has data_offsets [{a}, {b}], "
-                                  "not a byte range")
-        if b > data:
-            raise CheckpointError(f.name, f"tensor {name!r} has data_offsets [{a}, {b}], past the end of the data "
-                                  f"section, which holds {data} bytes (truncated or corrupt)")
-        width, shape = DTYPE_BYTES.get(v["dtype"]), v["shape"]
-        if width and all(type(x) is int and x >= 0 for x in shape):
-            need = width * _prod(shape)
-            if b - a != need:
-                raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} ({v['dtype']} {shape}) "
-                                      f"needs {need} bytes, its data_offsets [{a}, {b}] hold {b - a}")
-        spans.append((a, b, name))
-    pos, prev = 0, None
-    for a, b, name in sorted(spans):  # the format's rule: the tensors tile the data section
-        if a != pos:
-            where = f"the tensor before it, {prev!r}, ends at {pos}" if prev else "the first tensor must start at 0"
-            raise CheckpointError(f.name, f"corrupt safetensors header: tensor {name!r} has data_offsets [{a}, {b}] "
-                                  f"but {where} ({'a gap' if a > pos else 'an overlap'} in the data section)")
-        pos, prev = b, name
-    if pos != data:
-        raise CheckpointError(f.name, f"corrupt safetensors file: the tensors end at byte {pos}"
-                              + (f" (the last, {prev!r})" if prev else "")
-                              + f", the data section holds {data} bytes ({data - pos} bytes belong to no tensor)")
-    return tensors
-
-
-def _prod(shape: list[int]) -> int:
-    out = 1
-    for x in shape:
-        out *= x
-    return out
-
-
-_EXPERT_INDEXED = re.compile(r"^(.*\.experts)\.(\d+)\.")  # per-expert tensors: ...experts.3.w1.weight
-_EXPERT_FUSED = re.compile(r"^(.*\.experts)\.[A-Za-z_]+(\.weight)?$")  # (E, ...) tensors: ...experts.gate_up_proj
-_ROUTER = re.compile(r"\.(gate|router)\.weight$")  # (E, hidden): ...mlp.gate.weight, ...mlp.router.weight
-
-
-def check_expert_count(headers: dict[Path, dict], config: dict) -> None:
-    """The experts per MoE layer that ``config.json`` names against those the weights hold,
-    read from the safetensors headers (no weights loaded): each router tensor
-    (``*.gate.weight`` / ``*.router.weight`` of shape ``(E, hidden_size)``), else the expert
-    tensors (``*.experts.<i>.*``, or fused ``*.experts.<name>`` of shape ``(E, ...)``).
-
-    Raises:
-        CheckpointError: field ``config.json <key>`` (``num_local_experts``, ``num_experts``,
-            ...), naming a tensor of the files and both counts.
-    """
-    key, n = config_experts_key(config)
-    if n <= 1:
-        return
-    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
-    found: list[tuple[str, str, int, str]] = []  # (tensor, file, experts, how)
-    for f, h in headers.items():
-        for name, v in h.items():
-            shape = v["shape"]
-            if _ROUTER.search(name) and len(shape) == 2 and (not hidden or shape[1] == hidden):
-                found.append((name, f.name, shape[0], f"the router, of shape {shape}"))
-    if not found:
-        indexed: dict[str, dict[int, tuple[str, str]]] = {}  # layer's experts -> {index: (tensor, file)}
-        for f, h in headers.items():
-            for name, v in h.items():
-                m = _EXPERT_INDEXED.match(name)
-                if m:
-                    indexed.setdefault(m.group(1), {})[int(m.group(2))] = (name, f.name)
-                elif _EXPERT_FUSED.match(name) and len(v["shape"]) == 3:
-                    found.append((name, f.name, v["shape"][0], f"fused experts, of shape {v['shape']}"))
-        for by_index in indexed.values():
-            name, where = by_index[max(by_index)]
-            found.append((name, where, len(by_index), f"the expert of the highest index, {max(by_index)}"))
-    for name, where, got, how in found:
-        if got != n:
-            raise CheckpointError(f"config.json {key}", f"says {n} experts per MoE layer, but the weights hold "
-                                  f"{got}: tensor {name} in {where} ({how}); set {key} to {got}, or bring the "
-                                  "weights saved with this config")
 
 
 def _weights_dtype(headers: dict[Path, dict], config: dict) -> str:
@@ -435,12 +249,10 @@ def _transformers_config(d: Path, raw: dict):
     try:
         return AutoConfig.from_pretrained(str(d))
     except (TypeError, AttributeError) as exc:  # a field of the wrong type (e.g. num_experts "four")
-        raise CheckpointError("config.json", f"transformers refuses it: {type(exc).__name__}: "
-                              f"{str(exc)[:300]}") from None
+        raise CheckpointError("config.json", f"transformers refuses it: {library_text(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - strict config dataclasses raise their own kinds
         if not isinstance(exc, (ValueError, KeyError, OSError)) and "Validation" in type(exc).__name__:
-            raise CheckpointError("config.json", f"transformers refuses it: {type(exc).__name__}: "
-                                  f"{str(exc)[:300]}") from None
+            raise CheckpointError("config.json", f"transformers refuses it: {library_text(exc)}") from None
         if not isinstance(exc, (ValueError, KeyError, OSError)):
             raise
         arch = raw.get("model_type")
@@ -451,7 +263,7 @@ def _transformers_config(d: Path, raw: dict):
                                   "model is never treated as dense). docs/models.md lists the supported "
                                   "architectures and how to add one") from None
         raise CheckpointError("config.json model_type", f"{arch!r} is not an architecture the installed "
-                              f"transformers knows ({type(exc).__name__}: {str(exc)[:200]})") from None
+                              f"transformers knows ({library_text(exc)})") from None
 
 
 def check_router_adapter(config) -> tuple[int, int]:
@@ -496,14 +308,14 @@ def _check_tokenizer(d: Path, vocab_size: int) -> bool:
     """Tokenizer checks; returns True when the eos token stands in for a missing pad token."""
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(d)
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
-        raise CheckpointError("tokenizer", f"cannot load the tokenizer from {d} ({type(exc).__name__}: "
-                              f"{str(exc)[:200]}); the checkpoint needs its tokenizer files") from None
-    if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")) or len(tok) < 2:
-        raise CheckpointError("tokenizer", f"no tokenizer files in {d} (tokenizer.json, tokenizer.model or "
-                              f"vocab.json; the tokenizer loaded holds {len(tok)} tokens): every prompt would "
+        raise CheckpointError("tokenizer", f"cannot load the tokenizer from {d}; the checkpoint needs its "
+                              f"tokenizer files, saved by tokenizer.save_pretrained ({library_text(exc)})") from None
+    if len(tok) < 2:
+        raise CheckpointError("tokenizer", f"the tokenizer in {d} holds {len(tok)} tokens: every prompt would "
                               "tokenise to nothing")
     if not getattr(tok, "chat_template", None):
         raise CheckpointError("chat_template", "the tokenizer has none (tokenizer_config.json \"chat_template\" or "
@@ -513,7 +325,7 @@ def _check_tokenizer(d: Path, vocab_size: int) -> bool:
                                       tokenize=True)
     except Exception as exc:  # noqa: BLE001 - jinja2 and transformers raise many kinds here
         raise CheckpointError("chat_template", f"does not render a one-message conversation "
-                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+                              f"({library_text(exc)})") from None
     if hasattr(ids, "keys"):  # a BatchEncoding on some tokenizers
         ids = ids["input_ids"]
     if not ids:
@@ -533,12 +345,15 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
     """Check that a local Hugging Face checkpoint directory is one Flywheel can serve and
     train, without loading its weights.
 
-    Checks, in order: ``config.json`` (valid, a ``model_type``, not quantized); the
-    safetensors files (``model.safetensors``, or an index and every shard it names; each
-    header valid and covering its file exactly); one weights dtype, bfloat16 or float32,
-    named by the config; the config's experts per MoE layer equal to the weights'
-    (:func:`check_expert_count`); an architecture transformers knows; for an MoE config, a router
-    adapter (:func:`check_router_adapter`); the tokenizer (loads, a chat template, an eos
+    Checks, in order: everything that needs no model built
+    (:func:`schemas.checkpoint_check.check_checkpoint_dir`: ``config.json`` valid, a
+    ``model_type``, not quantized; the safetensors files and their headers, every dtype and
+    dimension valid and covering the files exactly; the config's structure fields within
+    bounds and consistent with the weights' layer count, embedding, experts per MoE layer
+    and tensor shapes; tokenizer files present); one weights dtype, bfloat16 or float32,
+    named by the config; an architecture transformers knows, its structure fields ints; for
+    an MoE config, a router adapter (:func:`check_router_adapter`, the first step that
+    builds a model, on the meta device); the tokenizer (loads, a chat template, an eos
     token, fits the vocabulary). A tokenizer without a pad token pads with its eos token
     (``pad_fallback``; the padding is masked, so its id never reaches a logit).
 
@@ -548,12 +363,11 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
     d = Path(src).expanduser()
     if not d.is_dir():
         raise CheckpointError("--from", f"{d} is not a directory")
-    raw = _read_config(d)
-    files = _weight_files(d)
-    headers = {f: read_safetensors_header(f) for f in files}
+    checked = check_checkpoint_dir(d, check_types=False)
+    raw, files, headers = checked.config, checked.weight_files, checked.headers
     dtype = _weights_dtype(headers, raw)
-    check_expert_count(headers, raw)
     config = _transformers_config(d, raw)
+    check_structure_types(raw)  # a config class that took a float or a string where an int belongs
     n_exp, moe_layers = check_router_adapter(config)
     pad_fallback = _check_tokenizer(d, int(getattr(config, "vocab_size", 0) or raw.get("vocab_size") or 0))
     return CheckpointInfo(path=d, model_type=str(raw["model_type"]),
@@ -580,18 +394,20 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
             str(info.path), dtype=getattr(torch, info.dtype), attn_implementation=ATTN_IMPLEMENTATION,
-            output_loading_info=True)
-    except Exception as exc:  # noqa: BLE001 - a shape mismatch, a bad tensor: name it
-        raise CheckpointError("weights", f"transformers could not load them ({type(exc).__name__}: "
-                              f"{str(exc)[:300]})") from None
+            output_loading_info=True, ignore_mismatched_sizes=True)  # mismatches are refused below, by name
+    except Exception as exc:  # noqa: BLE001 - a bad tensor: name it
+        raise CheckpointError("weights", f"transformers could not load them ({library_text(exc)})") from None
     missing = sorted(loading.get("missing_keys") or [])
     if missing:
         raise CheckpointError("weights", f"{len(missing)} tensors the model needs are not in "
                               f"{', '.join(info.weight_files[:3])}: {', '.join(missing[:5])}")
-    bad = sorted(loading.get("mismatched_keys") or [])
+    bad = sorted((str(k[0]), list(k[1]), list(k[2])) if isinstance(k, (tuple, list)) and len(k) == 3
+                 else (str(k), None, None) for k in loading.get("mismatched_keys") or [])
     if bad:
-        raise CheckpointError("weights", f"{len(bad)} tensors have another shape than config.json implies: "
-                              f"{', '.join(str(b) for b in bad[:5])}")
+        shown = "; ".join(f"{name}: the files hold {held}, config.json implies {want}" if held is not None
+                          else name for name, held, want in bad[:5])
+        raise CheckpointError("weights", f"{len(bad)} tensors have another shape than config.json implies: {shown}"
+                              + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
     return model.state_dict()
 
 

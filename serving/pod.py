@@ -448,7 +448,8 @@ def _check_engine(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig) -> None
 
 def check_serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig) -> str:
     """Every check ``flywheel serve`` makes before the (slow) model load, in order: the engine
-    settings, the ports, the admin token, the user salt, ``--model-dir``. Returns the salt.
+    settings, the ports, the admin token, the user salt, ``--model-dir``
+    (:func:`check_model_dir`). Returns the salt.
 
     Raises:
         SettingError: the first setting that cannot work, naming its flag or variable.
@@ -463,9 +464,29 @@ def check_serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig) -> str:
         raise SettingError("--host", f"{cfg.host} is reachable from other machines and /admin/* (load, promote, "
                                      "roll back) would have no auth: set FLYWHEEL_ADMIN_TOKEN")
     salt = fleet_salt(cfg.host, cfg.fleet)
-    if cfg.model_dir is not None and not (cfg.model_dir / "config.json").is_file():
-        raise SettingError("--model-dir", f"{cfg.model_dir} holds no Hugging Face checkpoint (no config.json)")
+    if cfg.model_dir is not None:
+        check_model_dir(cfg.model_dir)
     return salt
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """``--model-dir``: a Hugging Face checkpoint that passes the checks that need no model
+    built (:func:`schemas.checkpoint_check.check_checkpoint_dir`, as ``flywheel model init
+    --from`` runs them): config.json, the safetensors headers, the config's sizes against
+    the weights, tokenizer files.
+
+    Raises:
+        SettingError: ``--model-dir``, naming the directory, the file or config field, and
+            what is wrong.
+    """
+    from schemas.checkpoint_check import CheckpointError, check_checkpoint_dir
+
+    if not (model_dir / "config.json").is_file():
+        raise SettingError("--model-dir", f"{model_dir} holds no Hugging Face checkpoint (no config.json)")
+    try:
+        check_checkpoint_dir(model_dir)
+    except CheckpointError as exc:
+        raise SettingError("--model-dir", f"{model_dir}: {exc}") from None
 
 
 def open_pod_store(cfg: ServeConfig):
