@@ -47,7 +47,7 @@ from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminE
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
                            discover_pods, gather_status, status_warnings)
 from deploy.status import ts as _ts
-from modelstore.store import CorruptVersionError, ModelStore
+from modelstore.store import CorruptVersionError, ModelStore, StoreMissingError
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
 from schemas.events import now_ms
@@ -146,6 +146,15 @@ def _actor(actor: str | None = None) -> str:
 def _store() -> ModelStore:
     """The model store at ``schemas.settings.store_dir()`` (a directory or an fsspec URL)."""
     return ModelStore(settings.store_dir())
+
+
+def _read_store() -> ModelStore:
+    """The model store of a read command (``versions``), opened read-only: it creates nothing;
+    no store there exits 1 naming the path (:class:`StoreMissingError`)."""
+    try:
+        return ModelStore(settings.store_dir(), create=False)
+    except StoreMissingError as exc:
+        _fail(exc.strerror)
 
 
 def _timeout(flag: float | None, default: float = DEFAULT_TIMEOUT_S) -> float:
@@ -679,8 +688,9 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
 def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
                  output: Optional[Format] = OUTPUT) -> None:
     """Versions in the model store: parent, kind, size, delta ratio, status (``corrupt`` when
-    the manifest cannot be read, with the reason)."""
-    store = _store()
+    the manifest cannot be read, with the reason). Exits 1 when there is no model store
+    (creating none)."""
+    store = _read_store()
     stable = store.stable()
     rows = [_version_row(store, v, stable) for v in store.versions()]
     fmt = resolve(output, as_json)

@@ -19,7 +19,7 @@ from deploy.discovery import PodDiscovery
 from deploy.fleet import drift, observe_pods
 from deploy.operator import pod_specs
 from deploy.serving_client import ServingAdminError
-from modelstore.store import ModelStore
+from modelstore.store import ModelStore, StoreMissingError
 from deploy.wiring import SetupError, admin, rollout_status_path
 from schemas import settings
 from schemas.events import now_ms
@@ -141,9 +141,10 @@ def controller_footer(fleet: FleetRecord, desired: DesiredState | None, step: in
         return f"could not tell whether a controller runs ({type(exc).__name__}: {exc})"
 
 
-def discover_pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: float) -> tuple[PodDiscovery, str | None]:
-    """The fleet's pods: the specs the controller recorded in the desired state, else
-    ``serving`` / ``$FLYWHEEL_SERVING_URL`` (:func:`deploy.operator.pod_specs`), each call
+def discover_pods(fleet: FleetRecord | None, serving: list[str] | None,
+                  timeout_s: float) -> tuple[PodDiscovery, str | None]:
+    """The fleet's pods: the specs the controller recorded in the desired state (none without
+    a ``fleet``), else ``serving`` / ``$FLYWHEEL_SERVING_URL`` (:func:`deploy.operator.pod_specs`), each call
     bounded by ``timeout_s`` (s); and the note to show about where they came from, or None.
 
     Raises:
@@ -151,7 +152,7 @@ def discover_pods(fleet: FleetRecord, serving: list[str] | None, timeout_s: floa
     """
     unreadable = False
     try:
-        d = fleet.read()
+        d = fleet.read() if fleet is not None else DesiredState()
     except (OSError, ValueError):
         d, unreadable = DesiredState(), True
     specs, note = pod_specs(d, serving, settings.serving_url())
@@ -263,10 +264,13 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
     """
     seen_s, bad_seen = controller_seen_s_or_default()
     out = FleetStatus()
+    missing = False
     try:
-        store = ModelStore(settings.store_dir())
+        store = ModelStore(settings.store_dir(), create=False)
         out.stable_rec = store.stable_record()
         fleet = FleetRecord(store)
+    except StoreMissingError as exc:  # said, and none created; the pods given are still shown
+        out.err, fleet, missing = exc.strerror, None, True
     except Exception as exc:  # noqa: BLE001 - status must show what it can
         out.err = f"model store unreadable: {exc}"
         fleet = None
@@ -277,11 +281,12 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
             why = str(exc).removeprefix(f"{'/'.join(DESIRED_FILE)}: ")
             out.record_err = f"desired-state record unreadable: {fleet.path}: {why} ({RECORD_REPAIR})"
         out.controller = controller_seen(fleet, seen_s)
+    if fleet is not None or missing:
         pods, out.note = discover_pods(fleet, serving, timeout_s)
         try:
             out.rows = observe_pods(pods(), out.desired)
         except ServingAdminError as exc:
-            out.err = str(exc)
+            out.err = out.err or str(exc)
     errors = [e for _, _, e, _ in out.rows if e]
     out.err = out.err or (errors[0] if errors else None) or (None if out.rows else "no serving pod found")
     out.warnings = [w for _, s, _, _ in out.rows for w in status_warnings(s, out.desired)]

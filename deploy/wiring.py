@@ -81,7 +81,7 @@ class SetupError(Exception):
 
 def rollout_status_path() -> Path:
     """Where the controller persists its :class:`deploy.controller.RolloutStatus` (a cache of the ledger)."""
-    return settings.home() / "deploy" / "rollout.json"
+    return settings.home(create=False) / "deploy" / "rollout.json"  # RolloutStatus.save creates its directory
 
 
 def bootstrap() -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -27,16 +28,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 import httpx
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError, core_schema
 from rich.console import Console
 
 from flywheel import report as rep
 from samplestore import votes as sample_queries
 from flywheel.supervise import StopSignals, die_with_parent, run_measuring_peak
 from flywheel.users import SIGNALS, UserBehaviour
-from flywheel.workload import Task, Workload, fixed_eval_set, fixed_kind
-from learner.config import LearnerConfig, check_learner, learn_flags
+from flywheel.workload import GYM_VARIANTS, Task, Workload, fixed_eval_set, fixed_kind
+from learner.config import SEED_MAX, LearnerConfig, check_learner, learn_flags
 from schemas.options import check_overrides, flags_for
 
 
@@ -98,6 +100,52 @@ QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1,
              family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
 
 
+# upper bounds of the run's size (DemoConfig): a full run of the defaults takes 25-28 min on 2
+# cores; these allow runs of days, not of centuries
+MAX_CYCLES = 100
+MAX_PROMPTS = 10_000
+# the default model (SmolLM2-135M-Instruct) reads 8192 tokens (config.json
+# max_position_embeddings): a reply may take half, the prompt keeps the rest
+MAX_REPLY_TOKENS = 4096
+
+
+def _finite(name: str, v: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``v`` when it is a number in [lo, hi] ((lo, hi] with ``lo_open``).
+
+    Raises:
+        ValueError: nan, an infinity or a value outside; the message starts with ``name``.
+    """
+    span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    if math.isnan(v):
+        raise ValueError(f"{name}: nan is not a number; give a finite number in {span}")
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+        raise ValueError(f"{name}: must be a finite number in {span}, got {v}")
+    return v
+
+
+def _nonempty_path(v: Any) -> Any:
+    """``v`` for pydantic's ``Path`` validation (a :class:`ReportDir` as a plain ``Path``).
+
+    Raises:
+        PydanticCustomError: ``v`` is an empty or blank string.
+    """
+    if isinstance(v, (str, bytes)) and not v.strip():
+        raise PydanticCustomError("empty_path", "out: an empty path names no directory (Path('') is the current "
+                                                "one); give a directory, or . for the current one")
+    return Path(v) if isinstance(v, ReportDir) else v
+
+
+class ReportDir(type(Path())):
+    """The type of :attr:`DemoConfig.out`: a path, refused when empty. ``Path("")`` is the
+    current directory, so an empty ``--out ""`` would write there silently; typer validates an
+    option of a ``Path`` subclass with the subclass's pydantic schema, which sees the string
+    before it becomes a path. Values are plain ``pathlib.Path``."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return core_schema.no_info_before_validator_function(_nonempty_path, handler(Path))
+
+
 def role_models(role: str) -> list[type]:
     """The config models of ``flywheel <role>``, whose fields the demo's overrides name
     (``serve``, ``ingest``, ``controller``)."""
@@ -129,12 +177,15 @@ class DemoConfig:
             message starts with the field's name.
     """
 
-    out: Path = Field(Path("flywheel-demo"), description="Report directory.")
+    out: ReportDir = Field(Path("flywheel-demo"), description="Report directory (not empty).")
     quick: bool = Field(False, description="Small run (about 4 min on 2 cores; one cycle).",
                         json_schema_extra={"flags": "--quick"})
-    cycles: int = Field(2, ge=1, description="Learner cycles, each canaried (--quick: 1).")
-    prompts_per_phase: int = Field(288, ge=1, description="Requests per traffic phase (the first version's "
-                                                          "traffic, before the first learner cycle; --quick: 8).",
+    cycles: int = Field(2, ge=1, le=MAX_CYCLES, description=f"Learner cycles, each canaried, at most {MAX_CYCLES} "
+                                                            f"(--quick: {QUICK['cycles']}).")
+    prompts_per_phase: int = Field(288, ge=1, le=MAX_PROMPTS,
+                                   description=f"Requests per traffic phase (the first version's traffic, before the "
+                                               f"first learner cycle), at most {MAX_PROMPTS} "
+                                               f"(--quick: {QUICK['prompts_per_phase']}).",
                                    json_schema_extra={"flags": "--prompts"})
     between_prompts: int = Field(128, description="The stable version's traffic before each later cycle.",
                                  json_schema_extra=_PROGRAM)
@@ -156,9 +207,13 @@ class DemoConfig:
     held_out: tuple[str, ...] = Field(DEFAULT_HELD_OUT, description="Families asked only in the eval split (the "
                                                                     "default: gcd when asked).",
                                       json_schema_extra=_PROGRAM)
-    # half the prompts are never trained on: the eval figures need the votes
-    eval_share: float = Field(0.5, ge=0, le=1, description="Share of the other prompts in the eval split.")
-    max_tokens: int = Field(HUMANEVAL_MAX_TOKENS, ge=1, description="New tokens per HumanEval completion.")
+    # half the prompts are never trained on: the eval figures need the votes. Its bounds are
+    # checked by _floats, not ge/le: a click range would refuse nan as "not <= 1"
+    eval_share: float = Field(0.5, description=f"Share of the other prompts in the eval split, a finite number in "
+                                               f"[0, 1] (--quick: {QUICK['eval_share']}).")
+    max_tokens: int = Field(HUMANEVAL_MAX_TOKENS, ge=1, le=MAX_REPLY_TOKENS,
+                            description=f"New tokens per HumanEval completion, at most {MAX_REPLY_TOKENS}: half the "
+                                        f"default model's 8192-token context (--quick: {QUICK['max_tokens']}).")
     max_tokens_short: int = Field(48, description="New tokens per reasoning-gym reply (a number, perhaps with a "
                                                   "sentence).", json_schema_extra=_PROGRAM)
     bad_candidate: bool = Field(False, description="End with a deliberately degraded candidate; its canary must "
@@ -166,9 +221,10 @@ class DemoConfig:
                                 json_schema_extra={"flags": "--bad-candidate"})
     final_prompts: int = Field(288, description="Requests served after the last canary: the last stable's eval "
                                                 "figures.", json_schema_extra=_PROGRAM)
-    temperature: float = Field(TEMPERATURE, description="Sampling temperature of the users' requests.",
+    temperature: float = Field(TEMPERATURE, description="Sampling temperature of the users' requests, in [0, 2].",
                                json_schema_extra=_PROGRAM)
-    top_p: float = Field(TOP_P, description="Nucleus sampling of the users' requests.", json_schema_extra=_PROGRAM)
+    top_p: float = Field(TOP_P, description="Nucleus sampling of the users' requests, in (0, 1].",
+                         json_schema_extra=_PROGRAM)
     # requests in flight, and the pod's --max-batch: a CPU decode step reads every expert's
     # weights whatever the batch, so 32 rows cost 11.3 ms per token against 15.9 ms at 16
     concurrency: int = Field(32, description="Requests in flight, and the pod's --max-batch.",
@@ -188,8 +244,10 @@ class DemoConfig:
     controller: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_CONTROLLER),
                                        description="`flywheel controller` settings the demo changes, by name "
                                                    "(DEMO_CONTROLLER).", json_schema_extra=_PROGRAM)
-    seed: Optional[int] = Field(None, description="RNG seed of the workload and the users; learner cycle c trains "
-                                                  "with seed + c (default: the learner's seed, LearnerConfig.seed).")
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX - MAX_CYCLES,
+                                description=f"RNG seed of the workload and the users, at most 2**63-1 - {MAX_CYCLES} "
+                                            "(learner cycle c trains with seed + c, a signed 64-bit int; default: the "
+                                            "learner's seed, LearnerConfig.seed).")
     behaviour: UserBehaviour = Field(default_factory=UserBehaviour, description="How the users vote.",
                                      json_schema_extra=_PROGRAM)
     # thumbs by default: every figure in README and docs/experiments.md up to experiment 3 was
@@ -204,17 +262,47 @@ class DemoConfig:
     fixed_humaneval: int = Field(8, ge=0, le=44, description="Fixed eval HumanEval problems (from 120).",
                                  json_schema_extra=_PROGRAM)
 
+    @field_validator("eval_share", "temperature", "top_p")
+    @classmethod
+    def _floats(cls, v: float, info) -> float:
+        lo, hi, lo_open = {"eval_share": (0, 1, False), "temperature": (0, 2, False), "top_p": (0, 1, True)}[
+            info.field_name]
+        return _finite(info.field_name, v, lo, hi, lo_open)
+
     def __post_init__(self):
         if self.seed is None:  # the run's seed starts where the learner's does
             self.seed = LearnerConfig.seed
         if self.signals not in SIGNALS:
             raise ValueError(f"signals: one of {', '.join(SIGNALS)}, got {self.signals!r}")
+        for f, w in (self.family_weights or {}).items():
+            if not (math.isfinite(w) and w >= 0):
+                raise ValueError(f"family_weights: the weight of {f!r} must be a finite number >= 0, got {w}")
         check_learner(self.learner)
         for where, values in (("serve", self.serve), ("ingest", self.ingest), ("controller", self.controller)):
             check_overrides(role_models(where), values, where=where)
         # the default held-out family applies when it is asked (--families may leave it out)
         if self.held_out == DEFAULT_HELD_OUT:
             self.held_out = tuple(f for f in self.held_out if f in self.families)
+        self._check_held_out()
+
+    def _check_held_out(self) -> None:
+        """Check that no held-out family is the base of a harder variant asked (the base must
+        be trained on) and that some family asked is trained on.
+
+        Raises:
+            ValueError: the message starts with ``held_out:``.
+        """
+        for variant in self.families:
+            base = GYM_VARIANTS.get(variant, (None,))[0]
+            if base in self.held_out:
+                raise ValueError(f"held_out: {base!r} is the base family of {variant!r}, a harder variant asked, "
+                                 f"which must be trained on: hold out another family or leave {variant!r} out of "
+                                 "--families")
+        trained = [f for f in self.families if f not in self.held_out and f not in GYM_VARIANTS]
+        if self.families and not trained:
+            raise ValueError(f"held_out: no family asked is trained on (families {','.join(self.families)}, held "
+                             f"out {','.join(self.held_out) or 'none'}): leave at least one family of --families "
+                             "out of --held-out (--held-out '' holds out none)")
 
     def weights(self) -> dict[str, float] | None:
         """``family_weights`` restricted to the families asked (None: uniform)."""

@@ -25,7 +25,6 @@ pass rate on the workload, not the noise of sparse feedback.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -83,8 +82,10 @@ class ExperimentConfig:
     max_tokens: int = Field(HUMANEVAL_MAX_TOKENS, ge=1, description="New tokens per completion.")
     temperature: float = Field(TEMPERATURE, description="Sampling temperature, in (0, 2] (sampling, not greedy).")
     top_p: float = Field(TOP_P, description="Nucleus sampling, in (0, 1].")
-    seed: Optional[int] = Field(None, description="Sampling seeds; learner cycle r trains with seed + r (default: "
-                                                  "the learner's seed, LearnerConfig.seed).")
+    seed: Optional[int] = Field(None, ge=0, le=10**12,
+                                description="Sampling seeds, 0 to 10**12: the request seeds seed x 1000003 + offsets "
+                                            "stay signed 64-bit ints; learner cycle r trains with seed + r (default: "
+                                            "the learner's seed, LearnerConfig.seed).")
     max_batch: int = Field(16, ge=1, description="Engine batch size (requests per batch).")
     learner: dict[str, Any] = Field(default_factory=lambda: dict(EXPERIMENT_LEARNER),
                                     description="LearnerConfig fields the experiment changes, by name.",

@@ -58,6 +58,9 @@ def readable_errors(cls, values, handler):
 #: the model (OverflowError); ``--poll-s inf`` stopped the daemon (time.sleep)
 FINITE = ConfigDict(allow_inf_nan=False)
 
+#: the largest seed: a seed is a signed 64-bit int (torch.manual_seed, the events' int64 seed)
+SEED_MAX = 2**63 - 1
+
 
 @dataclass(config=FINITE)
 class LearnerConfig:
@@ -86,7 +89,8 @@ class LearnerConfig:
     grad_clip: float = Field(1.0, description="Global gradient-norm clip (> 0).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     zero_stage: Literal[1, 2] = Field(2, description="DeepSpeed ZeRO stage (1 or 2).")
-    seed: int = Field(0, description="RNG seed (sample order, torch).")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="RNG seed (sample order, torch), 0 to 2**63-1 (a signed "
+                                                        "64-bit int).")
     # --- objective
     objective: Literal["kto", "reinforce"] = Field(
         "kto", description="kto (Ethayarajh et al. 2024, arXiv:2402.01306) | reinforce (REINFORCE with a "

@@ -63,6 +63,11 @@ class StoreUnusableError(OSError):
     an unreachable URL): the message names the root and the reason, for one line of the CLI."""
 
 
+class StoreMissingError(StoreUnusableError):
+    """No model store at the root a reader opened (``ModelStore(root, create=False)``): no
+    ``versions`` directory there. ``strerror`` names the root and how a store is started."""
+
+
 class CorruptManifestError(CorruptVersionError):
     """A version's ``manifest.json`` cannot be parsed (bad bytes, not JSON, fails the schema).
 
@@ -119,6 +124,15 @@ class ModelStore:
         snapshot_every: every K-th version (by number) is stored as a full snapshot,
             which bounds delta chains to K-1 links.
         storage_options: passed to ``fsspec.core.url_to_fs`` for URLs (credentials, ...).
+        create: create ``root/versions`` when missing (a writer). False opens an existing store
+            and creates nothing (a read command: ``flywheel versions``, ``flywheel status``).
+
+    Raises:
+        ValueError: ``snapshot_every`` < 1.
+        StoreMissingError: ``create`` is False and ``root`` holds no ``versions`` directory
+            (the message names ``root``).
+        StoreUnusableError: ``root`` cannot be a store (a file, a read-only mount, no
+            permission; the message names the path and the reason).
 
     Atomicity: on a local directory a version is written to a temp dir and renamed into
     place, manifests are replaced with ``os.replace``, and writers hold an ``flock`` on
@@ -130,7 +144,8 @@ class ModelStore:
     serialised within one process there: run one publisher (the learner) per remote store.
     """
 
-    def __init__(self, root: str | Path, snapshot_every: int = 10, storage_options: dict | None = None):
+    def __init__(self, root: str | Path, snapshot_every: int = 10, storage_options: dict | None = None, *,
+                 create: bool = True):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every: must be >= 1, got {snapshot_every}")
         self.snapshot_every = snapshot_every
@@ -146,10 +161,14 @@ class ModelStore:
                 self.fs, self._fs_root = fs, path.rstrip("/")
         self.root: Path | str = root if self.fs is not None else Path(root)
         try:
-            if self.fs is None:
+            if not create:
+                self._check_exists(root)
+            elif self.fs is None:
                 (self.root / "versions").mkdir(parents=True, exist_ok=True)
             else:
                 self.fs.makedirs(self._p("versions"), exist_ok=True)
+        except StoreMissingError:
+            raise
         except OSError as exc:  # a file, a read-only mount, no permission: say which, no traceback
             why = exc.strerror or str(exc) or type(exc).__name__
             raise StoreUnusableError(exc.errno, f"model store {root}: cannot use it as a store ({why}: "
@@ -159,6 +178,26 @@ class ModelStore:
         self._cache: OrderedDict[str, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._write_lock = threading.Lock()
+
+    def _check_exists(self, root: str | Path) -> None:
+        """Creates nothing. Raises StoreMissingError when ``versions`` is missing under the
+        root; an OSError (NotADirectoryError: the root is a file) when it cannot be looked at."""
+        if self.fs is None:
+            versions = self.root / "versions"
+            try:
+                st = os.stat(versions)  # NotADirectoryError: the root is a file; PermissionError
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                return
+            if st is not None:
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(versions))
+        elif self.fs.isdir(self._p("versions")):
+            return
+        raise StoreMissingError(errno.ENOENT, f"no model store at {root} (no versions directory there); start one "
+                                              "with `flywheel serve` (the default model) or `flywheel model init "
+                                              "--from DIR` (your checkpoint), or set FLYWHEEL_HOME or FLYWHEEL_STORE "
+                                              "to an existing one")
 
     # -- storage (local Path or fsspec) -------------------------------------------------
     def _p(self, *parts: str) -> str:

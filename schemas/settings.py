@@ -44,14 +44,19 @@ class HomeUnusableError(RuntimeError):
     created); the message names the variable and the reason. Commands print it in one line."""
 
 
-def home() -> Path:
-    """Root of Flywheel's local state; created on first use.
+def home(create: bool = True) -> Path:
+    """Root of Flywheel's local state; created on first use (``create``; False: a path to
+    read from, created by whatever writes there first).
 
     Raises:
         HomeUnusableError: ``FLYWHEEL_HOME`` names a file, or a directory that cannot be
             created (the message names the variable and the reason).
     """
     p = Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).absolute()
+    if not create:
+        if p.exists() and not p.is_dir():
+            raise HomeUnusableError(f"FLYWHEEL_HOME={p}: cannot be used as Flywheel's home: not a directory")
+        return p
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there (FileExistsError), no permission, read-only disk
@@ -85,7 +90,7 @@ def store_dir() -> Path | str:
     when it is an fsspec URL (``s3://bucket/fw``, ``memory://fw``; ``modelstore.store.ModelStore``
     opens it), else a local directory (``$FLYWHEEL_STORE`` or ``$FLYWHEEL_HOME/store``)."""
     raw = os.environ.get("FLYWHEEL_STORE", "")
-    return raw if "://" in raw else Path(raw or home() / "store")
+    return raw if "://" in raw else Path(raw or home(create=False) / "store")  # ModelStore creates it
 
 
 def samples_dir() -> Path:

@@ -32,6 +32,7 @@ def test_config_not_utf8_is_a_usage_error(tmp_path):
 def test_config_utf8_still_works(tmp_path):
     cfg = tmp_path / "flywheel.toml"
     cfg.write_text("[versions]\noutput = \"json\"\n")
+    (tmp_path / "home" / "store" / "versions").mkdir(parents=True)  # an empty model store (none: exit 1)
     r = _cli(["--config", str(cfg), "versions"], tmp_path / "home")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.lstrip().startswith(("[", "{")), r.stdout

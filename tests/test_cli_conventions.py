@@ -76,6 +76,7 @@ def test_read_commands_take_output_formats():
 
 
 def test_json_yaml_wide_show_the_same_data(fw_home):
+    (fw_home / "store" / "versions").mkdir(parents=True)  # an empty model store (none: versions exits 1)
     for args in (["runbook"], ["versions"]):
         j = CliRunner().invoke(app, [*args, "-o", "json"])
         y = CliRunner().invoke(app, [*args, "-o", "yaml"])
@@ -167,6 +168,7 @@ def test_bad_kafka_settings_stop_kafka_commands_at_start(fw_home, monkeypatch):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 1, (args, r.output)
         assert "error: Kafka settings: FLYWHEEL_KAFKA_SECURITY_PROTOCOL: Input should be 'PLAINTEXT'" in r.stderr
+    (fw_home / "store" / "versions").mkdir(parents=True)  # an empty model store (none: versions exits 1)
     r = CliRunner().invoke(app, ["versions", "-o", "json"])  # no Kafka client: not concerned
     assert r.exit_code == 0 and json.loads(r.stdout) == []
 
@@ -175,6 +177,7 @@ def test_the_command_starts_without_torch(fw_home):
     """Shell completion runs the entry point on every TAB, and --version, status, versions and
     runbook need no tensor: importing the CLI and running them must not import torch (seconds
     of start-up: `flywheel --version` took 5.6 s on 2 cores with it, 0.6 s without)."""
+    (fw_home / "store" / "versions").mkdir(parents=True)  # an empty model store (none: versions exits 1)
     code = ("import sys; from typer.testing import CliRunner; from flywheel.cli import app\n"
             "codes = [CliRunner().invoke(app, a).exit_code for a in (['versions', '-o', 'json'], "
             "['runbook', '-o', 'yaml'], ['status', '-o', 'json', '--serving', 'http://127.0.0.1:9', "

@@ -87,7 +87,7 @@ def test_the_named_rows_read_as_users_expect():
     assert re.fullmatch(r"--once\s+reconcile .*", _row(_help(("controller",)), "--once"))
     cuped = _row(_help(("controller",)), "--cuped")
     assert re.match(r"--cuped\s+--no-cuped\s+adjust each arm", cuped), cuped
-    assert re.match(r"--cycles\s+<int range> \[x>=1\]\s+Learner cycles", _row(_help(("demo",)), "--cycles"))
+    assert re.match(r"--cycles\s+<int range> \[1<=x<=100\]\s+Learner cycles", _row(_help(("demo",)), "--cycles"))
 
 
 def test_every_flag_on_by_default_has_its_off_switch():

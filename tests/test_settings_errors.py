@@ -16,6 +16,7 @@ def flywheel(tmp_path, *args, **env):
     e = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     e.update(FLYWHEEL_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), COLUMNS="200")
     e.update(env)
+    (tmp_path / "home" / "store" / "versions").mkdir(parents=True, exist_ok=True)  # `versions` reads a store
     return subprocess.run([sys.executable, "-m", "flywheel.cli", *args], cwd=tmp_path, env=e,
                           capture_output=True, text=True, timeout=120)
 
