@@ -55,6 +55,7 @@ def test_policy_accepts_its_earlier_names_and_the_cli_text():
 
 
 def test_gather_status_reports_an_unreachable_pod(fw_home):
+    ModelStore(settings.store_dir())  # a fleet's store (status creates none: D99)
     url = _dead_url()
     s = gather_status([url], timeout_s=0.5, last=3)
     assert s.failed() and s.err and [r[0] for r in s.rows] == [url]
