@@ -695,7 +695,7 @@ def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-rea
     rows = [_version_row(store, v, stable) for v in store.versions()]
     fmt = resolve(output, as_json)
     if fmt in (Format.json, Format.yaml):
-        typer.echo(dumps(json_safe(rows), fmt))
+        typer.echo(dumps(rows, fmt))
         return
     wide = fmt == Format.wide  # whole digests and the manifests' metrics
     t = Table(title=f"model store {store.root}")
