@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pytest-xdist gives its workers COLUMNS (the controller's terminal width, 80 without one); the
+# CLIs' rich consoles read it once, at import, so a worker runs them as a plain pytest process does
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture()

@@ -181,13 +181,14 @@ def test_internal_error_keeps_the_connection(env):
                              '"temperature": -Infinity}', "temperature"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "presence_penalty": NaN}', "presence_penalty"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "max_tokens": 1e999}', "max_tokens"),
-    ("/v1/feedback", '{"completion_id": "%s", "value": NaN}' % "00000000-0000-4000-8000-000000000001", "value"),
-    ("/v1/feedback", '{"completion_id": "%s", "kind": "score", "name": "q", "value": Infinity}' % "00000000-0000-4000-8000-000000000002",
-     "value"),
-    ("/v1/feedback", '{"completion_id": "%s", "value": true}' % "00000000-0000-4000-8000-000000000003", "value"),
+    ("/v1/feedback", '{"completion_id": "00000000-0000-4000-8000-000000000001", "value": NaN}', "value"),
+    ("/v1/feedback", '{"completion_id": "00000000-0000-4000-8000-000000000002", "kind": "score", "name": "q", '
+                     '"value": Infinity}', "value"),
+    ("/v1/feedback", '{"completion_id": "00000000-0000-4000-8000-000000000003", "value": true}', "value"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "temperature": true}', "temperature"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "n": true}', "n"),
-    ("/v1/feedback", '{"completion_id": "%s", "value": "1"}' % "00000000-0000-4000-8000-000000000004", "value"),  # a string is not a vote
+    # a string is not a vote
+    ("/v1/feedback", '{"completion_id": "00000000-0000-4000-8000-000000000004", "value": "1"}', "value"),
     ("/v1/completions", '{"model": "flywheel", "prompt": "x", "temperature": "0.7"}', "temperature"),
     ("/v1/completions", '{"model": "flywheel", "prompt": [true, 5]}', "prompt"),  # true is not token id 1
     ("/v1/completions", '{"model": "flywheel", "prompt": [[5, false]]}', "prompt"),
