@@ -4,6 +4,7 @@ and the report's paired fields (values worked out by hand)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -104,3 +105,140 @@ def test_report_has_the_paired_fields(pilot):
     assert report["fixed_by_kind"] == {"fresh": 4, "unseen": 2}
     assert report["settings"]["reward_policy_is_default"] is True
     json.dumps(report, default=str)
+
+
+# ------------------------------------------------------------------ --reask
+def seed_of(*parts) -> int:
+    """The pilot's derived seed, worked out here: sha256 of the ':'-joined parts, first 4 bytes >> 2."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "big") >> 2
+
+
+def regen() -> VotePlan:
+    return VotePlan(events=[(0.5, str(uuid.uuid4()), "regenerate", 1.0)], action=("regenerate", 1.0))
+
+
+def copy() -> VotePlan:
+    return VotePlan(events=[(0.5, str(uuid.uuid4()), "copy", 1.0)], action=("copy", 1.0))
+
+
+def test_reask_loop_picks_the_regenerated_tasks_with_their_seeds_up_to_the_cap(pilot):
+    # task 1 and 3 regenerate; 0 copies, 2 does nothing, 4 follows up dissatisfied
+    first = [copy(), regen(), VotePlan(), regen(),
+             VotePlan(events=[(0.5, str(uuid.uuid4()), "followup", -1.0)], action=("followup", -1.0))]
+    # the users' plans for the re-asks: task 1 regenerates every time, task 3 copies its first re-ask
+    then = {(1, 1): regen, (3, 1): copy, (1, 2): regen, (1, 3): regen}
+    waves = []
+
+    def ask(wave):
+        waves.append([(r.i, r.k) for r in wave])
+        return [({"prompt": [r.i], "k": r.k}, then[(r.i, r.k)]()) for r in wave]
+
+    got = pilot.reask_loop(first, 2, 7, 0, ask)
+    assert waves == [[(1, 1), (3, 1)], [(1, 2)]]  # wave 3 is past the cap N = 2
+    assert [(r.i, r.k) for r, _, _ in got] == [(1, 1), (3, 1), (1, 2)]  # ordered by (k, i)
+    for r, s, p in got:
+        assert r.seed == seed_of("pilot-reask", 7, 0, r.i, r.k)
+        assert r.user_seed == seed_of("pilot-user-reask", 7, 0, r.i, r.k)
+        assert s == {"prompt": [r.i], "k": r.k} and p.action == then[(r.i, r.k)]().action
+    assert len({r.seed for r, _, _ in got}) == 3  # each re-ask samples with a seed of its own
+    waves.clear()
+    got3 = pilot.reask_loop(first, 3, 7, 1, ask)
+    assert waves == [[(1, 1), (3, 1)], [(1, 2)], [(1, 3)]]
+    assert got3[0][0].seed == seed_of("pilot-reask", 7, 1, 1, 1)  # the round is part of the seed
+    waves.clear()
+    assert pilot.reask_loop(first, 0, 7, 0, ask) == [] and waves == []  # --reask 0: nothing is asked again
+    assert pilot.reask_loop([copy(), VotePlan()], 3, 7, 0, ask) == [] and waves == []
+    with pytest.raises(ValueError, match="reask: ask answered 1 of 2"):
+        pilot.reask_loop(first, 1, 7, 0, lambda wave: [({}, copy())])
+    with pytest.raises(ValueError, match=r"reask: must be in 0\.\.3, got 4"):
+        pilot.reask_loop(first, 4, 7, 0, ask)
+
+
+def test_reask_option_is_validated_and_recorded(pilot, capsys):
+    assert pilot.parse_args([]).reask == 0
+    assert pilot.parse_args(["--reask", "3"]).reask == 3
+    for bad in ("-1", "4"):
+        with pytest.raises(SystemExit) as exc:
+            pilot.parse_args(["--reask", bad])
+        assert exc.value.code == 2
+        assert f"--reask: must be in 0..3, got {bad}" in capsys.readouterr().err
+    args = pilot.parse_args(["--reask", "2", "--out", "/x"])
+    report = pilot.build_report(args, [], pilot.demo_config(7), [], [], [], {}, {}, 1.0, RewardPolicy())
+    assert report["settings"]["reask"] == 2
+
+
+def test_reasked_completions_share_prompt_and_user_through_the_join(pilot):
+    def reply(prompt, passed, tok):
+        res = GenResult(completion_token_ids=[4, tok], behavior_logprobs=[-0.5, -1.0], top_logprobs=[],
+                        expert_routes=None, finish_reason="stop", ttft_ms=1.0, latency_ms=2.0, version="v000000")
+        sp = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, seed=tok)
+        return {"prompt": list(prompt), "sampling": sp, "result": res, "text": "", "passed": passed,
+                "has_answer": passed}
+
+    prompts = [[1, 2, 3], [1, 2, 9], [7, 8]]
+    served = [reply(prompts[0], True, 10), reply(prompts[1], False, 11), reply(prompts[2], False, 12)]
+    plans = [copy(), regen(), regen()]
+    users = ["user-0", "user-1", "user-2"]
+    # task 1: re-ask 1 wrong and regenerated again, re-ask 2 right and copied; task 2: re-ask 1 gets no feedback
+    then = {(1, 1): (False, regen), (2, 1): (False, VotePlan), (1, 2): (True, copy)}
+    asked = pilot.reask_loop(plans, 3, 7, 0, lambda wave: [
+        (reply(prompts[r.i], then[(r.i, r.k)][0], 20 + 10 * r.k + r.i), then[(r.i, r.k)][1]()) for r in wave])
+    served2, plans2, users2, reasks = pilot.with_reasks(served, plans, users, asked)
+    assert [(r.i, r.k) for r in reasks] == [(1, 1), (2, 1), (1, 2)]
+    assert users2 == users + ["user-1", "user-2", "user-1"] and plans2[:3] == plans
+    events = pilot.completion_events(served2, users2, T0)
+    samples = pilot.join_samples(events, plans2, T0, RewardPolicy())
+    # by hand, default policy: copy +0.5, regenerate -0.5; the re-ask of task 2 has no event: no sample
+    assert [s.completion_token_ids[-1] for s in samples] == [10, 11, 12, 31, 41]
+    assert [s.reward for s in samples] == [0.5, -0.5, -0.5, -0.5, 0.5]
+    task1 = [s for s in samples if s.prompt_token_ids == prompts[1]]
+    assert len(task1) == 3 and len({s.user_hash for s in task1}) == 1
+    assert task1[0].user_hash not in {samples[0].user_hash, samples[2].user_hash}
+    summary = pilot.sample_summary(samples, plans2, served2, reasks)
+    assert (summary["replies"], summary["right"], summary["samples"]) == (6, 2, 5)
+    assert (summary["reasks"], summary["reasks_right"], summary["tasks_reasked"]) == (3, 1, 2)
+    assert summary["reasks_by_k"] == {"1": {"served": 2, "right": 0}, "2": {"served": 1, "right": 1}}
+    # prompts 1 (3 completions) and 2 (2) repeat; only prompt 1 has 2+ samples, and of mixed reward
+    assert (summary["prompts_2plus"], summary["prompts_2plus_in_samples"], summary["prompts_mixed_reward"]) == (2, 1, 1)
+    assert pilot.sample_summary(samples[:3], plans, served)["reasks"] == 0  # --reask 0: no re-asks counted
+    bad = [(asked[0][0], reply([5], False, 1), copy())]
+    with pytest.raises(RuntimeError, match="task 1 re-ask 1 was served another prompt"):
+        pilot.with_reasks(served, plans, users, bad)
+
+
+def test_reask_serves_the_same_prompt_again_deterministically_on_a_tiny_engine(pilot, tiny_moe_dir):
+    import random
+
+    from flywheel.users import UserBehaviour
+    from serving.engine import TorchEngine
+
+    never_right = types.SimpleNamespace(score=lambda text: 0.0, has_answer=lambda text: False)
+    tasks = [types.SimpleNamespace(family="chain_sum", verifier=never_right,
+                                   messages=[{"role": "user", "content": f"hello world {i}"}]) for i in range(6)]
+    # every reply is wrong and every user acts without noise: each re-ask regenerates or follows up
+    dc = types.SimpleNamespace(temperature=1.0, top_p=1.0, max_tokens=6, max_tokens_short=6,
+                               behaviour=UserBehaviour(p_act=1.0, p_wrong_action=0.0))
+    eng = TorchEngine(tiny_moe_dir, max_batch=8)
+    try:
+        run = types.SimpleNamespace(eng=eng, dc=dc, args=types.SimpleNamespace(reask=3, seed=7, signals="implicit"))
+        lm = eng.load_base("v000000")
+        served = pilot.serve(eng, lm, tasks, [100 + i for i in range(6)], dc)
+        plans, users = [regen() for _ in tasks], [f"user-{i}" for i in range(6)]
+        got = [pilot.Pilot.reask(run, lm, tasks, 0, served, plans, users) for _ in range(2)]
+    finally:
+        eng.close()
+    (s1, p1, u1, r1), (s2, p2, u2, r2) = got
+    assert [(r.i, r.k) for r in r1[:6]] == [(i, 1) for i in range(6)] and len(r1) <= 6 * 3
+    assert [(r.k, r.i) for r in r1] == sorted((r.k, r.i) for r in r1)
+    for r, s, p in zip(r1, s1[6:], p1[6:]):
+        assert s["prompt"] == served[r.i]["prompt"] and s["sampling"].seed == seed_of("pilot-reask", 7, 0, r.i, r.k)
+        want = dc.behaviour.plan(False, random.Random(seed_of("pilot-user-reask", 7, 0, r.i, r.k)), signals="implicit")
+        assert (p.action, p.noisy, [e[0] for e in p.events]) == (want.action, want.noisy, [e[0] for e in want.events])
+        # a task is asked again only while its user regenerates
+        later = [x for x in r1 if x.i == r.i and x.k == r.k + 1]
+        assert bool(later) == (p.action[0] == "regenerate" and r.k < 3)
+    assert u1 == users + [users[r.i] for r in r1]
+    # two calls with the same arguments: the same re-asks, token ids and plans (event ids are fresh uuids)
+    assert r1 == r2 and u1 == u2
+    assert [s["result"].completion_token_ids for s in s1] == [s["result"].completion_token_ids for s in s2]
+    assert [(p.action, [e[0] for e in p.events]) for p in p1] == [(p.action, [e[0] for e in p.events]) for p in p2]

@@ -17,6 +17,19 @@ What it does (each step is the demo's own code where the demo has one):
    policy ingest reads, ``RewardPolicy.from_env()``): components, reward, label, dedupe and
    unlabelled completions are the join's, not this file's. The completion events are built by
    serving's own :class:`serving.http.completion_log.CompletionLogger`.
+   With ``--reask N`` (0..3, default 0: none) a user who regenerates a reply is served the
+   same prompt again, as a product's user who presses "regenerate" is: the same task and
+   prompt token ids, by the same user (one user hash in the join), a sampling seed of its own
+   (``derived_seed("pilot-reask", seed, round, i, k)`` for task ``i``'s ``k``-th re-ask);
+   the new reply is judged by the verifier and planned by the user with an RNG of its own
+   (``"pilot-user-reask"``, same parts); a user who regenerates again is asked again, up to
+   N re-asks per task. First and re-asked completions go through the join together (first
+   replies in task order, then re-asks by ``(k, i)``), so a regenerated prompt carries 2 to
+   N + 1 completions for the learner's per-prompt baseline (``baseline: prompt``, RLOO).
+   Both rounds (``--rounds 2``) re-ask alike; each round's summary counts the re-asks, their right
+   replies, the prompts with 2+ completions and with 2+ samples, and those of mixed reward
+   (its ``replies``, ``right``, ``samples`` and ``mean_reward`` count first and re-asked replies).
+   ``--signals thumbs`` sends no regenerate, so it re-asks nothing.
 3. Each arm (``--arms``, default ``demo`` = ``flywheel.demo.DEMO_LEARNER`` and ``more`` = the
    same with 16 steps) trains one real learner cycle (``flywheel learn --once``) from v000000
    on those samples (its first ``n_samples`` when given) in a FLYWHEEL_HOME of its own, with
@@ -36,6 +49,8 @@ arm's store, samples and learner logs are under ``<out>/arms/<name>/``.
     python docs/pilots/implicit_pilot.py --out /tmp/implicit-pilot
     python docs/pilots/implicit_pilot.py --out /tmp/ip --arms '[{"name": "demo"},
         {"name": "lr1e-4", "learner": {"lr": 1e-4}}, {"name": "half", "n_samples": 40}]'
+    python docs/pilots/implicit_pilot.py --out /tmp/ip-reask --reask 2 --arms '[{"name": "reask_batch"},
+        {"name": "reask_prompt", "learner": {"baseline": "prompt"}}]'
 
 An arm's ``learner`` holds LearnerConfig fields that change DEMO_LEARNER (the demo's
 settings are the base); ``--model-dir`` picks a checkpoint other than the project's
@@ -57,6 +72,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -65,6 +81,7 @@ BASE = "v000000"
 ARM_NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 USERS = 256  # simulated users, as DemoConfig.users
 JOIN_TOPIC = "flywheel.completions"
+MAX_REASK = 3  # --reask: at most this many re-asks per train task
 
 
 # ------------------------------------------------------------------ settings
@@ -86,7 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=None, help="Checkpoint to start from (default: the project's "
                                                       "default model, schemas.settings.base_model_dir).")
     ap.add_argument("--max-batch", type=int, default=32, help="Engine batch size (the demo's concurrency).")
+    ap.add_argument("--reask", type=int, default=0, help=f"Re-asks per train task whose user regenerates, "
+                                                         f"0..{MAX_REASK} (default 0: none).")
     a = ap.parse_args(argv)
+    if not 0 <= a.reask <= MAX_REASK:
+        ap.error(f"--reask: must be in 0..{MAX_REASK}, got {a.reask}")
     for name in ("n_train", "max_batch"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
@@ -260,6 +281,76 @@ def plan_feedback(tasks: list, served: list[dict], behaviour, signals: str, seed
     return plans
 
 
+class Reask(NamedTuple):
+    """One re-ask: train task ``i`` (index in the round's tasks) asked again for the ``k``-th
+    time (1-based), sampling seed ``seed``, its user's plan drawn from
+    ``random.Random(user_seed)``."""
+
+    i: int
+    k: int
+    seed: int
+    user_seed: int
+
+
+def regenerates(plan) -> bool:
+    """The plan's action is ``regenerate``: the user asked for another reply."""
+    return bool(plan.action) and plan.action[0] == "regenerate"
+
+
+def reask_loop(plans: list, n: int, seed: int, rnd: int, ask) -> list[tuple]:
+    """Ask again every train task whose user regenerates, up to ``n`` re-asks per task.
+
+    ``plans[i]`` is the plan for task ``i``'s first reply. Wave ``k`` (1..n) re-asks, in task
+    order, the tasks whose latest plan regenerates (wave 1: the first plans; wave k: the plans
+    of wave k-1's replies), task ``i`` with sampling seed ``derived_seed("pilot-reask", seed,
+    rnd, i, k)`` and user RNG seed ``derived_seed("pilot-user-reask", seed, rnd, i, k)``.
+    ``ask(wave)`` serves and plans one wave (a list of :class:`Reask`) and returns
+    ``[(served, plan)]`` aligned with it. Stops after wave ``n`` or when no plan regenerates.
+
+    Returns:
+        ``[(Reask, served, plan)]`` ordered by ``(k, i)``; empty for ``n == 0``.
+
+    Raises:
+        ValueError: ``n`` outside 0..MAX_REASK, or ``ask`` answered a wave with another length.
+    """
+    if not 0 <= n <= MAX_REASK:
+        raise ValueError(f"reask: must be in 0..{MAX_REASK}, got {n}")
+    out: list[tuple] = []
+    latest = list(enumerate(plans))
+    for k in range(1, n + 1):
+        wave = [Reask(i, k, derived_seed("pilot-reask", seed, rnd, i, k),
+                      derived_seed("pilot-user-reask", seed, rnd, i, k)) for i, p in latest if regenerates(p)]
+        if not wave:
+            break
+        got = list(ask(wave))
+        if len(got) != len(wave):
+            raise ValueError(f"reask: ask answered {len(got)} of {len(wave)} re-asks in wave {k}")
+        out += [(r, s, p) for r, (s, p) in zip(wave, got)]
+        latest = [(r.i, p) for r, (_, p) in zip(wave, got)]
+    return out
+
+
+def reask_plans(tasks: list, wave: list, served: list[dict], behaviour, signals: str) -> list:
+    """The users' VotePlans for re-asked replies ``served`` (aligned with ``wave``), each from
+    ``random.Random(Reask.user_seed)``."""
+    return [behaviour.plan(s["passed"], random.Random(r.user_seed), signals=signals,
+                           code=tasks[r.i].family == "humaneval") for r, s in zip(wave, served)]
+
+
+def with_reasks(served: list[dict], plans: list, users: list[str], asked: list[tuple]) -> tuple:
+    """The first replies followed by the re-asked ones (:func:`reask_loop`'s order), each
+    re-ask with its task's user: ``(served, plans, users, reasks)``.
+
+    Raises:
+        RuntimeError: a re-asked reply's prompt token ids differ from its task's first reply's.
+    """
+    for r, s, _ in asked:
+        if list(s["prompt"]) != list(served[r.i]["prompt"]):
+            raise RuntimeError(f"reask: task {r.i} re-ask {r.k} was served another prompt")
+    return (served + [s for _, s, _ in asked], plans + [p for _, _, p in asked],
+            users + [users[r.i] for r, _, _ in asked], [r for r, _, _ in asked])
+
+
 class _Captured:
     """An event log that keeps what serving's CompletionLogger emits (the event's bytes)."""
 
@@ -328,9 +419,11 @@ def join_samples(events: list, plans: list, created_ms: int, policy=None) -> lis
     return sorted(res.samples, key=lambda s: order[str(s.completion_id)])
 
 
-def sample_summary(samples: list, plans: list, served: list[dict]) -> dict:
-    """Counts of one round's training data: replies, right replies, actions, samples, their
-    mean reward and positive share, and the join's dedupe (events sent vs folded)."""
+def sample_summary(samples: list, plans: list, served: list[dict], reasks: list = ()) -> dict:
+    """Counts of one round's training data: replies (first and re-asked), right replies,
+    actions, samples, their mean reward and positive share, the join's dedupe (events sent vs
+    folded) and the re-asks (:func:`reask_summary`; ``reasks`` aligned with the last
+    ``len(reasks)`` of ``served``)."""
     actions: dict[str, int] = {}
     for p in plans:
         if p.action:
@@ -342,7 +435,37 @@ def sample_summary(samples: list, plans: list, served: list[dict]) -> dict:
             "mean_reward": (sum(s.reward for s in samples) / n) if n else None,
             "positive": sum(s.label for s in samples),
             "events_sent": sum(len(p.events) for p in plans),
-            "events_in_samples": sum(len(s.event_ids) for s in samples)}
+            "events_in_samples": sum(len(s.event_ids) for s in samples),
+            **reask_summary(samples, served, list(reasks))}
+
+
+def _repeated(keys) -> int:
+    """How many distinct keys occur 2+ times in ``keys``."""
+    seen: dict = {}
+    for k in keys:
+        seen[k] = seen.get(k, 0) + 1
+    return sum(n > 1 for n in seen.values())
+
+
+def reask_summary(samples: list, served: list[dict], reasks: list) -> dict:
+    """The re-asks of a round: ``reasks`` served and right (in all and by re-ask number ``k``),
+    the tasks re-asked, the prompts (by token ids) with 2+ served completions and with 2+
+    samples, and those of the latter whose samples' rewards differ (the prompts where a
+    per-prompt baseline gives a non-zero advantage)."""
+    again = served[len(served) - len(reasks):] if reasks else []
+    by_k: dict[str, dict] = {}
+    for r, s in zip(reasks, again):
+        d = by_k.setdefault(str(r.k), {"served": 0, "right": 0})
+        d["served"] += 1
+        d["right"] += int(s["passed"])
+    rewards: dict = {}
+    for s in samples:
+        rewards.setdefault(tuple(s.prompt_token_ids), set()).add(s.reward)
+    return {"reasks": len(reasks), "reasks_right": sum(int(s["passed"]) for s in again), "reasks_by_k": by_k,
+            "tasks_reasked": len({r.i for r in reasks}),
+            "prompts_2plus": _repeated(tuple(s["prompt"]) for s in served),
+            "prompts_2plus_in_samples": _repeated(tuple(s.prompt_token_ids) for s in samples),
+            "prompts_mixed_reward": sum(len(v) > 1 for v in rewards.values())}
 
 
 # ------------------------------------------------------------------ arms
@@ -544,19 +667,35 @@ class Pilot:
         self.con.print(f"[{time.time() - self.t0:6.0f} s] {msg}")
 
     def samples_for(self, lm, tasks: list, rnd: int, label: str) -> tuple[list, dict]:
-        """Serve ``tasks`` with ``lm``, let the users react and join: ``(samples, summary)``."""
+        """Serve ``tasks`` with ``lm``, let the users react, re-ask the regenerated ones
+        (``--reask``, :meth:`reask`) and join: ``(samples, summary)``."""
         seeds = [derived_seed("pilot-train", self.args.seed, rnd, i) for i in range(len(tasks))]
         served = serve(self.eng, lm, tasks, seeds, self.dc)
         plans = plan_feedback(tasks, served, self.dc.behaviour, self.args.signals, self.args.seed, rnd)
         users = [f"user-{random.Random(derived_seed('pilot-who', self.args.seed, rnd, i)).randrange(USERS)}"
                  for i in range(len(tasks))]
+        served, plans, users, reasks = self.reask(lm, tasks, rnd, served, plans, users)
         created = int(time.time() * 1000)
         samples = join_samples(completion_events(served, users, created), plans, created, self.policy)
-        summary = {"round": rnd, "served_by": label, **sample_summary(samples, plans, served)}
+        summary = {"round": rnd, "served_by": label, **sample_summary(samples, plans, served, reasks)}
+        again = (f", re-asked {summary['reasks']} (right {summary['reasks_right']}; by k {summary['reasks_by_k']}), "
+                 f"prompts with 2+ completions {summary['prompts_2plus']}, with 2+ samples "
+                 f"{summary['prompts_2plus_in_samples']} ({summary['prompts_mixed_reward']} of mixed reward)"
+                 if self.args.reask else "")
         self.say(f"round {rnd} {label}: right {summary['right']}/{summary['replies']}, actions {summary['actions']}, "
-                 f"{summary['samples']} samples, mean reward {summary['mean_reward']}")
+                 f"{summary['samples']} samples, mean reward {summary['mean_reward']}{again}")
         self.rounds.append(summary)
         return samples, summary
+
+    def reask(self, lm, tasks: list, rnd: int, served: list[dict], plans: list, users: list[str]) -> tuple:
+        """``--reask``: the round's re-asks (:func:`reask_loop`) served by ``lm`` and planned by
+        the same users, appended after the first replies: ``(served, plans, users, reasks)``."""
+        def ask(wave: list) -> list:
+            got = serve(self.eng, lm, [tasks[r.i] for r in wave], [r.seed for r in wave], self.dc)
+            return list(zip(got, reask_plans(tasks, wave, got, self.dc.behaviour, self.args.signals)))
+
+        asked = reask_loop(plans, self.args.reask, self.args.seed, rnd, ask)
+        return with_reasks(served, plans, users, asked)
 
     def train(self, arm: dict, rnd: int, samples: list) -> str:
         got = learn_arm(self.arms_dir, arm, rnd, samples, self.model_dir, self.args.seed, self.con)
