@@ -71,6 +71,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -441,10 +442,7 @@ def sample_summary(samples: list, plans: list, served: list[dict], reasks: list 
 
 def _repeated(keys) -> int:
     """How many distinct keys occur 2+ times in ``keys``."""
-    seen: dict = {}
-    for k in keys:
-        seen[k] = seen.get(k, 0) + 1
-    return sum(n > 1 for n in seen.values())
+    return sum(n > 1 for n in Counter(keys).values())
 
 
 def reask_summary(samples: list, served: list[dict], reasks: list) -> dict:
