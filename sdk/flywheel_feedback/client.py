@@ -775,13 +775,19 @@ class FeedbackClient:
                 self._counts["retries"] += 1
             if self._stopping():
                 return
-            delay = after if after is not None else random.uniform(
-                0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+            delay = after if after is not None else random.uniform(0, self.backoff_ceiling_s(attempt))
             attempt += 1
             if self._stop_at is not None:
                 delay = min(delay, max(0.0, self._stop_at - time.monotonic()))
             self._wake.wait(delay)
             self._wake.clear()
+
+    def backoff_ceiling_s(self, attempt: int) -> float:
+        """The ceiling of the full-jitter backoff after ``attempt`` failed sends in a row:
+        ``min(max_backoff_s, backoff_s * 2**attempt)`` seconds (the wait is uniform in [0,
+        ceiling]; AWS Architecture Blog, "Exponential Backoff And Jitter"). The exponent stops
+        at 64, so an outage of any length (thousands of attempts) never overflows a float."""
+        return min(self.max_backoff_s, self.backoff_s * 2.0 ** min(attempt, 64))
 
     def _settle(self, chunk: list[dict], resend: set[int], rejected: list[tuple[int, str]]) -> None:
         rej = dict(rejected)
