@@ -102,7 +102,9 @@ def test_pg_store_takeover_waits_bounded_and_a_frozen_owner_is_ended(pg):
         b.assign([0], 2)
     assert time.monotonic() - t0 < 20 and b.owned() == []  # refused after takeover_wait_s, not held by the fold
     assert b.owner_alive("host-a")
-    time.sleep(1.5)  # host-a is frozen inside its transaction: the server ends its session
+    deadline = time.monotonic() + 60  # host-a is frozen inside its transaction: the server ends its session
+    while b.owner_alive("host-a") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not b.owner_alive("host-a")
     assert b.assign([0], 2) == {0: 2}
     import psycopg

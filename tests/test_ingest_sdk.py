@@ -241,11 +241,26 @@ def test_down_then_up_keeps_order(server):
     fb = FeedbackClient(url, backoff_s=0.01, max_backoff_s=0.05, linger_s=0)
     rec.fail_next = 10**6
     ids = [fb.thumbs_up(uuid.uuid4()) for _ in range(30)]
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60  # two failed sends, however busy the box
+    while fb.stats()["retries"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert rec.received == [] and fb.stats()["pending"] == 30 and fb.stats()["retries"] >= 2
     rec.fail_next = 0
     assert fb.flush(timeout_s=10) == 0
     assert [r["event_id"] for r in rec.received] == ids  # order kept across retries and batches
+    fb.shutdown()
+
+
+def test_an_outage_of_thousands_of_attempts_keeps_the_sender_alive(server):
+    """2**attempt passes a float's range at attempt 1024: the backoff's exponent is capped,
+    so the sender thread lives through any outage and delivers when the server is back."""
+    url, rec = server
+    fb = FeedbackClient(url, backoff_s=1e-6, max_backoff_s=1e-5, linger_s=0)
+    assert [fb.backoff_ceiling_s(a) for a in (0, 1, 3, 10**6)] == [1e-6, 2e-6, 8e-6, 1e-5]
+    rec.fail_next = 1100
+    eid = fb.thumbs_up(uuid.uuid4())
+    assert fb.flush(timeout_s=300) == 0, fb.last_error
+    assert [r["event_id"] for r in rec.received] == [eid] and fb.stats()["retries"] == 1100
     fb.shutdown()
 
 
