@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # pytest-xdist gives its workers COLUMNS (the controller's terminal width, 80 without one); the
 # CLIs' rich consoles read it once, at import, so a worker runs them as a plain pytest process does
 os.environ.pop("COLUMNS", None)
+# vLLM's engines open ZMQ IPC sockets named by uuid in VLLM_RPC_BASE_PATH (the temp dir unless
+# set) and leave them there; a directory of this process's own, removed at exit, keeps them with
+# the run (engine subprocesses inherit the variable)
+_VLLM_RPC_DIR = tempfile.mkdtemp(prefix="fw-vllm-rpc-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_RPC_DIR)
+atexit.register(shutil.rmtree, _VLLM_RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture()

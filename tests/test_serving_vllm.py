@@ -20,6 +20,7 @@ moves logprobs by far more than the tolerance).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
 from pathlib import Path
@@ -163,7 +164,8 @@ def vllm_run(tmp_path_factory):
         r = subprocess.run([str(VPY), str(tmp_path / "child.py"), str(model_dir), str(tmp_path / "v1.pt"),
                             str(tmp_path / "h.json"), json.dumps(prompts), *extra], cwd=REPO, env={
                                 "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                                "OMP_NUM_THREADS": "1"},
+                                "OMP_NUM_THREADS": "1",  # vLLM's IPC sockets in conftest's folder, removed at exit
+                                "VLLM_RPC_BASE_PATH": os.environ["VLLM_RPC_BASE_PATH"]},
                            capture_output=True, text=True, timeout=900)
         line = [x for x in r.stdout.splitlines() if x.startswith("CHILD_JSON ")]
         assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
@@ -285,7 +287,7 @@ def test_flywheel_serve_engine_vllm_end_to_end(tmp_path, broker):
     port = free_port()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "FLYWHEEL_HOME": str(tmp_path / "home"),
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap, "FLYWHEEL_API_KEYS": "k-vllm",
-           "OMP_NUM_THREADS": "1",
+           "OMP_NUM_THREADS": "1", "VLLM_RPC_BASE_PATH": os.environ["VLLM_RPC_BASE_PATH"],
            "PYTHONPATH": str(REPO)}  # this checkout's code, whichever repo the vLLM venv's .pth names
     log = open(tmp_path / "serve.log", "w")
     p = subprocess.Popen([str(VPY), "-m", "flywheel.cli", "serve", "--engine", "vllm", "--model-dir", str(d),

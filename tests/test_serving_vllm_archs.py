@@ -134,7 +134,9 @@ def test_vllm_generates_and_updates_in_place_per_architecture(tmp_path, tiny_moe
     (tmp_path / "child.py").write_text(CHILD)
     r = subprocess.run([str(VPY), str(tmp_path / "child.py"), json.dumps(jobs)], cwd=REPO,
                        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                            "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1700)
+                            "OMP_NUM_THREADS": "1",  # vLLM's IPC sockets in conftest's folder, removed at exit
+                            "VLLM_RPC_BASE_PATH": os.environ["VLLM_RPC_BASE_PATH"]},
+                       capture_output=True, text=True, timeout=1700)
     line = [x for x in r.stdout.splitlines() if x.startswith("CHILD_JSON ")]
     assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
     out = json.loads(line[0][len("CHILD_JSON "):])
