@@ -235,7 +235,8 @@ def _ci(c: dict | None, key: str) -> str:
 
 def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each a full `flywheel demo --out`."),
               out: Path = typer.Option(Path("flywheel-pool"), help="Where pool.json and pool.png go."),
-              bootstrap_seed: int = typer.Option(0, help="Seed of the cluster bootstrap's generator."),
+              bootstrap_seed: int = typer.Option(0, min=0, max=2**63 - 1,
+                                                 help="Seed of the cluster bootstrap's generator, in [0, 2^63 - 1]."),
               output: Optional[Format] = OUTPUT):
     """Pool full demo runs: per run and pooled, the last promoted version minus the first on
     each kind of prompt (train, fresh, harder, unseen, all votes), with Newcombe's interval and

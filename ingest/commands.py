@@ -106,6 +106,11 @@ def stats_cmd(output: Optional[Format] = OUTPUT) -> None:
     from samplestore import catalog
     from schemas import settings
 
+    samples = settings.samples_dir(create_home=False)
+    if not samples.is_dir():  # a mistyped home or FLYWHEEL_SAMPLES: said, and nothing created there
+        typer.echo(f"no samples at {samples} (no directory there); the join writes them (`flywheel ingest`), "
+                   "or set FLYWHEEL_HOME or FLYWHEEL_SAMPLES to an existing one", err=True)
+        raise typer.Exit(1)
     catalog.refresh_catalog()
     views = {v: catalog.query(f"SELECT * FROM {v}")
              for v in ("votes_by_version", "votes_by_split", "label_balance", "deadletters_by_reason")}

@@ -93,9 +93,12 @@ def store_dir() -> Path | str:
     return raw if "://" in raw else Path(raw or home(create=False) / "store")  # ModelStore creates it
 
 
-def samples_dir() -> Path:
-    """Parquet shards of RewardedSamples written by ingest."""
-    return Path(os.environ.get("FLYWHEEL_SAMPLES", home() / "data" / "samples"))
+def samples_dir(create_home: bool = True) -> Path:
+    """Parquet shards of RewardedSamples written by ingest: ``$FLYWHEEL_SAMPLES``, else
+    ``$FLYWHEEL_HOME/data/samples``. ``create_home`` False: a path to read from (the home is
+    not created; see :func:`home`)."""
+    raw = os.environ.get("FLYWHEEL_SAMPLES")
+    return Path(raw) if raw else home(create=create_home) / "data" / "samples"
 
 
 def catalog_path() -> Path:

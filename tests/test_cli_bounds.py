@@ -175,6 +175,15 @@ def test_6_a_read_command_on_a_mistyped_home_creates_nothing(tmp_path, monkeypat
     assert code == 1 and NO_STORE.format(tmp_path / "typo" / "store") in out, out
 
 
+@pytest.mark.parametrize("args", [["data", "stats"], ["data", "stats", "-o", "json"]])
+def test_6_data_stats_on_a_mistyped_home_creates_nothing(tmp_path, monkeypatch, args):
+    monkeypatch.delenv("FLYWHEEL_SAMPLES", raising=False)
+    code, out = _read_on(Path("typo"), tmp_path, monkeypatch, args)
+    samples = tmp_path / "typo" / "data" / "samples"
+    assert code == 1 and f"no samples at {samples} (no directory there)" in out, out
+    assert "set FLYWHEEL_HOME or FLYWHEEL_SAMPLES to an existing one" in out, out
+
+
 def test_7_an_empty_out_is_refused_naming_out(demo):
     for empty in ("", "  "):
         code, out, cfg = demo("--out", empty)

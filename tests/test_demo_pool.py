@@ -161,6 +161,11 @@ def test_demo_pool_command_writes_pool_and_plot_and_refuses_a_run_without_votes(
     (tmp_path / "s1" / "votes.jsonl").unlink()
     r = _cli("demo-pool", str(tmp_path / "s0"), str(tmp_path / "s1"), cwd=tmp_path)
     assert r.returncode == 2 and "votes.jsonl: missing" in r.stderr
+    for bad in ("-1", str(2**63)):  # numpy's generator refuses a negative seed; bounded as every seed is (D99)
+        r = _cli("demo-pool", str(tmp_path / "s0"), "--bootstrap-seed", bad, cwd=tmp_path)
+        flat = " ".join(r.stderr.replace("│", " ").split())
+        assert r.returncode == 2 and "Invalid value for '--bootstrap-seed'" in flat, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_promotion_with_more_unanswered_replies_is_listed(tmp_path):
