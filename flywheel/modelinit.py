@@ -383,8 +383,8 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
     e.g. per-expert tensors, to the model's).
 
     Raises:
-        CheckpointError: tensors the model needs are missing from the files, or a tensor's
-            shape differs from the config's.
+        CheckpointError: tensors the model needs are missing from the files, a tensor's
+            shape differs from the config's, or a tensor holds NaN or infinite values.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -408,7 +408,14 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
                           else name for name, held, want in bad[:5])
         raise CheckpointError("weights", f"{len(bad)} tensors have another shape than config.json implies: {shown}"
                               + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
-    return model.state_dict()
+    state = model.state_dict()
+    nonfinite = [(k, int((~torch.isfinite(t)).sum()), t.numel()) for k, t in state.items()
+                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if nonfinite:  # a NaN weight serves NaN logits: nothing a pod could answer with
+        shown = "; ".join(f"{k}: {n} of {total}" for k, n, total in nonfinite[:5])
+        raise CheckpointError("weights", f"{len(nonfinite)} tensors hold NaN or infinite values: {shown}"
+                              + (f"; and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else ""))
+    return state
 
 
 def import_checkpoint(src: str | Path, store_root, log=print):

@@ -330,6 +330,23 @@ def test_init_from_refusals(chat_tok, tmp_path):
         import_checkpoint(d, tmp_path / "store", log=lambda s: None)
     assert ei.value.field == "weights" and gone in str(ei.value)
 
+    # NaN and infinite weights: a pod would answer with NaN logits
+    d = tmp_path / "bad" / "nonfinite"
+    shutil.copytree(good, d)
+    poisoned = {"model.norm.weight": (float("nan"), [0, 3]), "model.layers.0.post_attention_layernorm.weight":
+                (float("inf"), [5])}
+    for name, (value, at) in poisoned.items():
+        f = d / idx["weight_map"][name]
+        st = load_file(str(f))
+        st[name][at] = value
+        save_file(st, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="2 tensors hold NaN or infinite values") as ei:
+        import_checkpoint(d, tmp_path / "store", log=lambda s: None)
+    hidden = json.loads((good / "config.json").read_text())["hidden_size"]
+    assert ei.value.field == "weights" and f"model.norm.weight: 2 of {hidden}" in str(ei.value), str(ei.value)
+    assert f"model.layers.0.post_attention_layernorm.weight: 1 of {hidden}" in str(ei.value), str(ei.value)
+    assert ModelStore(tmp_path / "store").versions() == []
+
     # through the CLI: exit 2, the option and the reason on stderr; a non-empty store is refused
     from typer.testing import CliRunner
 
