@@ -165,7 +165,7 @@ class ControllerConfig:
     deadline_s: float = Field(3600.0, validation_alias=AliasChoices("deadline_s", "step_deadline_s"),
                               description="a step still undecided after this takes --deadline-outcome (> 0)",
                               json_schema_extra={"unit": "s"})
-    deadline_outcome: str = Field("rollback", description=f"one of {DEADLINE_OUTCOMES}")
+    deadline_outcome: str = Field("rollback", description=f"one of {', '.join(DEADLINE_OUTCOMES)}")
     analysis: AnalysisConfig = Field(default_factory=AnalysisConfig, description="the canary analysis' thresholds "
                                      "(the options of AnalysisConfig)", json_schema_extra={"cli": False})
     min_votes_per_step: Optional[int] = Field(None, ge=0, description="new candidate votes a step needs before "

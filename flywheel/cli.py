@@ -26,7 +26,8 @@ import typer
 from flywheel import DISTRIBUTION
 
 app = typer.Typer(help="Flywheel: keep a production MoE model learning from its users.",
-                  no_args_is_help=True, add_completion=True)
+                  no_args_is_help=True, add_completion=True,
+                  context_settings={"help_option_names": ["-h", "--help"]})  # every command's context inherits it
 
 _PACKAGES = ("flywheel.commands", "flywheel.kafka_commands", "serving.commands", "ingest.commands",
              "learner.commands", "deploy.commands")

@@ -67,7 +67,7 @@ def broker_status(output: Optional[Format] = OUTPUT):
 def model_init(out: Optional[Path] = typer.Option(None, help="Checkpoint dir (default ~/.cache/flywheel/models/...)."),
                experts: int = typer.Option(4, min=1, max=64, help="Experts per MoE layer."),
                top_k: int = typer.Option(2, min=1, help="Experts per token."),
-               force: bool = typer.Option(False, help="Rebuild even if cached."),
+               force: bool = typer.Option(False, "--force", help="Rebuild even if cached."),
                from_dir: Optional[Path] = typer.Option(
                    None, "--from", help="Your own Hugging Face checkpoint dir (config.json, safetensors in bf16 or "
                    "fp32, tokenizer with a chat template): checked and stored as v000000 of --store, as it is."),

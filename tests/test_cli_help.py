@@ -202,3 +202,13 @@ def test_table_names_in_help_keep_their_brackets():
     """``[reward]`` in a help text is the TOML table's name, not rich markup."""
     text = " ".join(_help(("ingest",)).replace("│", " ").split())
     assert "the reward policy ([reward] in flywheel.toml" in text and "Overrides [reward] thumb_up" in text
+
+
+def test_h_is_help_on_every_command_force_is_one_flag_and_choices_read_as_words():
+    for path in COMMANDS:
+        r = CliRunner().invoke(cli.app, [*path, "-h"], env=WIDE)
+        assert r.exit_code == 0 and r.output == _help(path), path
+    init = _help(("model", "init"))
+    assert re.search(r"--force\s", init) and "--no-force" not in init, init
+    controller = " ".join(_help(("controller",)).replace("│", " ").split())
+    assert "one of rollback, promote" in controller and "('rollback'" not in controller, controller
