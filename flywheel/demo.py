@@ -177,7 +177,8 @@ class DemoConfig:
             message starts with the field's name.
     """
 
-    out: ReportDir = Field(Path("flywheel-demo"), description="Report directory (not empty).")
+    out: ReportDir = Field(Path("flywheel-demo"), description="Report directory (a non-empty path); the home an earlier "
+                                                              "run left in it is replaced.")
     quick: bool = Field(False, description="Small run (about 4 min on 2 cores; one cycle).",
                         json_schema_extra={"flags": "--quick"})
     cycles: int = Field(2, ge=1, le=MAX_CYCLES, description=f"Learner cycles, each canaried, at most {MAX_CYCLES} "
@@ -440,6 +441,8 @@ class Demo:
                 raise ValueError(f"out: {self.home} exists and was not made by flywheel demo; "
                                  "choose another --out or remove it yourself")
             import shutil
+            self.log(f"replacing {self.home}: the home (store, samples, ledger) an earlier flywheel demo "
+                     "left in this --out")
             shutil.rmtree(self.home)
         self.home.mkdir(parents=True)
         (self.home / DEMO_MARKER).write_text("made by flywheel demo; the next run with this --out replaces it\n")
@@ -773,8 +776,18 @@ class Demo:
                     continue
                 loaded = True
             t0 = time.monotonic()
+            self.log(f"fixed eval: asking {v} the {len(self.fixed)} fixed prompts")
+            done, lock, every = [0], threading.Lock(), max(1, len(self.fixed) // 4)
 
             def ask(i: int, v: str = v) -> dict | None:
+                row = _ask(i, v)
+                with lock:  # progress, a line per quarter of the set
+                    done[0] += 1
+                    if done[0] % every == 0 and done[0] < len(self.fixed):
+                        self.log(f"fixed eval: {v} {done[0]}/{len(self.fixed)} prompts answered")
+                return row
+
+            def _ask(i: int, v: str) -> dict | None:
                 task = self.fixed[i]
                 body = {"model": v, "messages": task.messages, "temperature": self.cfg.temperature,
                         "top_p": self.cfg.top_p, "user": f"fixed-eval-{v}", "seed": seeds[i],
@@ -796,8 +809,9 @@ class Demo:
             with ThreadPoolExecutor(self.cfg.concurrency) as ex:
                 got = [x for x in ex.map(ask, range(len(self.fixed))) if x is not None]
             rows += got
-            self.log(f"fixed eval: {v} right on {sum(x['passed'] for x in got)}/{len(got)} of {len(self.fixed)} "
-                     f"prompts in {time.monotonic() - t0:.0f} s")
+            lost = len(self.fixed) - len(got)
+            self.log(f"fixed eval: {v} right on {sum(x['passed'] for x in got)} of {len(self.fixed)} prompts"
+                     + (f" ({lost} not answered)" if lost else "") + f", in {time.monotonic() - t0:.0f} s")
         if loaded:
             httpx.post(self.url + "/admin/rollback", json={}, timeout=60)
         return rows
