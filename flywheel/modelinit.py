@@ -389,6 +389,7 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from modelstore.store import describe_nonfinite, nonfinite_tensors
     from schemas.modelspec import ATTN_IMPLEMENTATION
 
     try:
@@ -409,12 +410,9 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
         raise CheckpointError("weights", f"{len(bad)} tensors have another shape than config.json implies: {shown}"
                               + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
     state = model.state_dict()
-    nonfinite = [(k, int((~torch.isfinite(t)).sum()), t.numel()) for k, t in state.items()
-                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if nonfinite:  # a NaN weight serves NaN logits: nothing a pod could answer with
-        shown = "; ".join(f"{k}: {n} of {total}" for k, n, total in nonfinite[:5])
-        raise CheckpointError("weights", f"{len(nonfinite)} tensors hold NaN or infinite values: {shown}"
-                              + (f"; and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else ""))
+    bad = nonfinite_tensors(state)
+    if bad:  # a NaN weight serves NaN logits: nothing a pod could answer with
+        raise CheckpointError("weights", describe_nonfinite(bad))
     return state
 
 

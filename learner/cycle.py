@@ -32,6 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
+from modelstore.store import describe_nonfinite, nonfinite_tensors
 from samplestore.catalog import Shard, count_rows, find_shards, read_shards
 from schemas.arrow import table_to_samples
 from schemas.events import RewardedSample, now_ms
@@ -194,9 +195,9 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
 
     Returns:
         The published :class:`VersionManifest`, or None when fewer than
-        ``config.min_samples`` trainable samples are available (nothing is consumed then) or
-        the gate rejected the candidate (shards consumed; the reason is the last entry of
-        ``learner_state.json`` ``cycles``).
+        ``config.min_samples`` trainable samples are available (nothing is consumed then), or
+        the gate rejected the candidate or its weights hold NaN or infinite values (shards
+        consumed; the reason is the last entry of ``learner_state.json`` ``cycles``).
 
     Raises:
         RuntimeError: the store has no version to train from.
@@ -320,6 +321,11 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
     publish_state = {k: new_state[k].detach().to(parent_dtypes[k]).contiguous() if k in parent_dtypes
                      else new_state[k] for k in keys}
     del new_state
+    bad = nonfinite_tensors(publish_state)
+    if bad:  # a diverged step (NaN loss, an overflow in the parent's dtype): never published
+        record.update({"version": None, "rejected": f"candidate weights: {describe_nonfinite(bad)}",
+                       "metrics": metrics})
+        return None
     manifest = store.publish(publish_state, parent=parent, metrics=metrics, eval=eval_result)
     record["version"] = manifest.version
     return manifest

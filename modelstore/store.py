@@ -81,6 +81,29 @@ class CorruptManifestError(CorruptVersionError):
         ValueError.__init__(self, f"version {version}: {self.path} is corrupt: {reason}")
 
 
+def nonfinite_tensors(state: dict[str, "torch.Tensor"]) -> list[tuple[str, int, int]]:
+    """The floating tensors of ``state`` holding NaN or infinite values, as ``(name, count,
+    numel)`` in the state's order; empty when every value is finite. One pass over the
+    weights (a boolean mask per tensor at a time)."""
+    import torch
+
+    bad = []
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():  # anything else: the codec names it
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                bad.append((name, int(finite.numel() - finite.sum()), t.numel()))
+    return bad
+
+
+def describe_nonfinite(bad: list[tuple[str, int, int]], shown: int = 5) -> str:
+    """``"2 tensors hold NaN or infinite values: a: 1 of 64; b: 3 of 64"`` for
+    :func:`nonfinite_tensors`' list (the first ``shown`` named, then a count)."""
+    names = "; ".join(f"{k}: {n} of {total}" for k, n, total in bad[:shown])
+    more = f"; and {len(bad) - shown} more" if len(bad) > shown else ""
+    return f"{len(bad)} tensors hold NaN or infinite values: {names}{more}"
+
+
 def _is_url(root) -> bool:
     return isinstance(root, str) and "://" in root
 
@@ -401,7 +424,8 @@ class ModelStore:
 
         Raises:
             KeyError: ``parent`` is not in the store.
-            ValueError: ``state`` holds a non-tensor or an unsupported dtype.
+            ValueError: ``state`` holds a non-tensor, an unsupported dtype, or NaN or
+                infinite values (:func:`nonfinite_tensors`); nothing is written then.
         """
         with self._lock():
             self.manifest(parent)
@@ -414,6 +438,9 @@ class ModelStore:
                                "published", "")
 
     def _write(self, version, parent, state, parent_state, metrics, eval_, status, reason):
+        bad = nonfinite_tensors(state)
+        if bad:  # a version whose weights serve NaN logits is never stored
+            raise ValueError(f"state: {describe_nonfinite(bad)}")
         entries, payload = encode_state(state, parent_state)
         tensors = {k: TensorMeta(dtype=str(v.dtype), shape=list(v.shape), sha256=tensor_sha256(v))
                    for k, v in sorted(state.items())}

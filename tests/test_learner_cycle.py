@@ -466,3 +466,35 @@ def test_parent_of_a_delta_chain_loads_and_publishes_without_extra_copies(tiny_m
     assert m.kind == "delta" and not store._cache  # noqa: SLF001
     assert all(torch.equal(store.load("v000003", cache=False)[k], t) for k, t in model.state_dict().items()
                if k in dtypes)
+
+
+def test_a_candidate_with_nonfinite_weights_is_recorded_rejected_and_never_stored(tiny_moe_dir, tmp_path,
+                                                                                   monkeypatch):
+    """A diverged cycle (here: training returns a NaN and an infinity; the training is what is
+    faked, the publishing is under test) publishes nothing; the cycle's record says which
+    tensors; the store refuses such weights by itself too."""
+    import learner.cycle as cycle_mod
+
+    store = ModelStore(tmp_path / "store")
+    store.init_base(tiny_moe_dir)
+    model = load_model(store.base_dir)
+    samples_dir = tmp_path / "samples"
+    write_shard(samples_dir, make_samples(model, 8, version="v000000", seed=3), "v000000", "a")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.norm.weight"][[1, 2]] = float("nan")
+    state["model.layers.0.input_layernorm.weight"][5] = float("inf")
+    monkeypatch.setattr(cycle_mod, "train", lambda *a, **k: (dict(state), {"data/n_samples": 8}))
+    cfg = LearnerConfig(steps=1, batch_size=8, lr=1e-3, seed=0)
+    assert run_cycle(tmp_path / "store", samples_dir, tmp_path / "state", cfg, show_progress=False) is None
+    assert store.versions() == ["v000000"]
+    rec = json.loads((tmp_path / "state" / "learner_state.json").read_text())["cycles"][-1]
+    hidden = model.config.hidden_size
+    assert rec["version"] is None and rec["rejected"].startswith("candidate weights: 2 tensors hold NaN"), rec
+    assert f"model.norm.weight: 2 of {hidden}" in rec["rejected"], rec
+    assert f"model.layers.0.input_layernorm.weight: 1 of {hidden}" in rec["rejected"], rec
+    with pytest.raises(ValueError, match=r"state: 2 tensors hold NaN or infinite values"):
+        store.publish(state, parent="v000000")
+    assert store.versions() == ["v000000"]
+    state["model.norm.weight"][[1, 2]] = 1.0
+    state["model.layers.0.input_layernorm.weight"][5] = 0.5
+    assert store.publish(state, parent="v000000").version == "v000001"  # finite again: stored
