@@ -401,6 +401,11 @@ class ModelStore:
             model_dir = Path(model_dir)
             if not (model_dir / "config.json").exists():
                 raise ValueError(f"model_dir: {model_dir} has no config.json")
+            if state is None:
+                state = load_model(model_dir).state_dict()
+            bad = nonfinite_tensors(state)
+            if bad:  # refused before base/ is copied: a refusal leaves the store as it was
+                raise ValueError(f"state: {describe_nonfinite(bad)}")
             if self.fs is None:
                 tmp_base = self.root / f".tmp-base-{uuid.uuid4().hex}"
                 shutil.copytree(model_dir, tmp_base)
@@ -411,8 +416,6 @@ class ModelStore:
                 for f in sorted(model_dir.iterdir()):
                     if f.is_file():
                         self.fs.pipe_file(self._p("base", f.name), f.read_bytes())
-            if state is None:
-                state = load_model(model_dir).state_dict()
             m = self._write(v0, None, state, None, {}, {}, "promoted", "base model")
             self._write_stable(v0, "init_base", "base model")
             return m
