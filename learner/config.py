@@ -92,9 +92,11 @@ class LearnerConfig:
     seed: int = Field(0, ge=0, le=SEED_MAX, description="RNG seed (sample order, torch), 0 to 2**63-1 (a signed "
                                                         "64-bit int).")
     # --- objective
-    objective: Literal["kto", "reinforce"] = Field(
+    objective: Literal["kto", "reinforce", "psr"] = Field(
         "kto", description="kto (Ethayarajh et al. 2024, arXiv:2402.01306) | reinforce (REINFORCE with a "
-                           "leave-one-out baseline, Kool et al. 2019).")
+                           "leave-one-out baseline, Kool et al. 2019) | psr (positive sample reinforcement, Zhu "
+                           "et al. 2025, arXiv:2506.01347: only samples with reward > 0, weighted by their reward, "
+                           "no baseline).")
     beta: float = Field(0.1, description="KTO beta (> 0).")
     desirable_weight: float = Field(1.0, description="KTO lambda_D (weight of desirable samples, > 0).")
     undesirable_weight: float = Field(1.0, description="KTO lambda_U (weight of undesirable samples, > 0).")

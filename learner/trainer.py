@@ -365,7 +365,8 @@ def step_loss(model, b: LearnerBatch, cfg: LearnerConfig, z0: torch.Tensor | Non
     routes to replay). ``z0`` given: the step's value over all its micro-batches
     (:func:`kto_z0`), so accumulation reproduces the full batch. REINFORCE:
     :func:`learner.losses.reinforce_loss` (token mean) with a LOO baseline (``b.baselines``
-    or the batch's own). ``replay=False`` when the caller holds the replay context (it must
+    or the batch's own); PSR: the same loss with baseline 0 over the cycle's samples of
+    positive reward (:func:`train`). ``replay=False`` when the caller holds the replay context (it must
     stay open through backward under activation checkpointing).
     """
     tok = forward_token_logprobs(model, b, replay=replay and cfg.router_replay)  # (B, T)
@@ -636,6 +637,10 @@ def train(model, samples: list[RewardedSample] | SampleSource, parent: str, cfg:
     for reason, n in counts.items():
         key = "data/newer_than_parent" if reason == "newer_than_parent" else f"data/dropped_{reason}"
         metrics[key] = n
+    if cfg.objective == "psr":  # positive sample reinforcement trains on the rewarded samples only
+        positive = [i for i in kept if src.meta.rewards[i] > 0]
+        metrics["data/dropped_not_positive"] = len(kept) - len(positive)
+        kept = positive
     metrics["data/n_samples"] = len(kept)
     if len(kept) < cfg.min_samples:
         metrics["data/skipped_reason"] = f"{len(kept)} trainable samples < min_samples {cfg.min_samples}"
@@ -647,6 +652,8 @@ def train(model, samples: list[RewardedSample] | SampleSource, parent: str, cfg:
     baselines = None
     if cfg.objective == "reinforce" and cfg.baseline == "prompt":
         baselines = _prompt_baselines(src, kept, metrics)
+    elif cfg.objective == "psr":  # A_i = r_i: each rewarded completion's likelihood, weighted by its reward
+        baselines = dict.fromkeys(kept, 0.0)
     metrics["kto/desirable_weight"] = cfg.desirable_weight
     metrics["kto/undesirable_weight"] = cfg.undesirable_weight
     metrics["data/n_completion_tokens"] = sum(meta.completion_lens[i] for i in kept)

@@ -201,6 +201,37 @@ def test_reinforce_cycle_reports_the_hand_worked_advantages(tiny_moe_dir, mixed)
     assert met["pg/loss_first"] == pytest.approx(want, abs=1e-4)
 
 
+def test_psr_trains_on_the_positive_samples_weighted_by_their_reward(tiny_moe_dir, mixed):
+    """Positive sample reinforcement (Zhu et al. 2025, arXiv:2506.01347) on the mixed batch:
+    only the three samples of reward > 0 (thumb +1.0, copy +0.5, edit +0.2) are kept, the
+    zero-reward and negative ones are dropped and counted, and the advantage is the reward
+    itself (no baseline). At lr 0 the first step's token-mean loss is
+    -(1.0 lp_0 + 0.5 lp_1 + 0.2 lp_3) / (C_0 + C_1 + C_3), lp_i the completion's summed
+    behavior logprobs (the model is the one that logged them), and the mean advantage
+    (1.0 + 0.5 + 0.2) / 3."""
+    model = load_model(tiny_moe_dir)
+    cfg = LearnerConfig(objective="psr", steps=1, batch_size=6, lr=0.0)
+    state, met = train(model, mixed, "v000000", cfg, model.config.pad_token_id)
+    assert state is not None
+    assert met["data/n_samples"] == 3 and met["data/dropped_not_positive"] == 3
+    assert met["train/batch_size"] == 3  # the batch is cut to the kept samples
+    assert met["pg/adv_mean_first"] == pytest.approx((1.0 + 0.5 + 0.2) / 3, abs=1e-6)
+    pos = [(0, 1.0), (1, 0.5), (3, 0.2)]
+    want = (-sum(r * sum(mixed[i].behavior_logprobs) for i, r in pos)
+            / sum(len(mixed[i].completion_token_ids) for i, _ in pos))
+    assert met["pg/loss_first"] == pytest.approx(want, abs=1e-4)
+
+
+def test_psr_skips_a_cycle_with_no_positive_sample(tiny_moe_dir, mixed):
+    """A cycle whose samples all have reward <= 0 trains nothing under PSR (min_samples 1)."""
+    model = load_model(tiny_moe_dir)
+    negatives = [s for s in mixed if s.reward <= 0]
+    state, met = train(model, negatives, "v000000", LearnerConfig(objective="psr", steps=1, batch_size=3),
+                       model.config.pad_token_id)
+    assert state is None and met["data/n_samples"] == 0 and met["data/dropped_not_positive"] == 3
+    assert "min_samples" in met["data/skipped_reason"]
+
+
 def _rewrite(path: Path, fn) -> None:
     t = fn(pq.read_table(path))
     pq.write_table(t, path)
