@@ -19,6 +19,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -91,7 +92,8 @@ DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_
                    "min_length_ratio": 0.0, "max_p99_ratio": 4.0,
                    "guards_from": "completions", "reply_judge": "flywheel.workload:reply_judge"}
 # --quick sizes the run down (about 4 min, one cycle, too few votes for the canary to decide);
-# a setting given on the command line or to for_mode wins
+# a setting given on the command line or to for_mode wins. Its deadline_s 45 is a floor: the
+# controller runs with step_deadline_s (DEADLINE_REQUESTS request times when that is longer)
 QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1,
              controller={**DEMO_CONTROLLER, "min_votes": 2, "deadline_s": 45.0},
              concurrency=8, final_prompts=0, between_prompts=0, eval_share=0.25, learner=QUICK_LEARNER,
@@ -99,6 +101,22 @@ QUICK = dict(prompts_per_phase=8, problems=8, max_tokens=64, cycles=1,
              # a few harder and unseen prompts; the one short cycle keeps its train samples
              family_weights={"chain_sum_3terms": 0.25, "gcd": 0.25})
 
+
+# The canary's step deadline is never shorter than DEADLINE_REQUESTS times the median request
+# time the first traffic phase measured (step_deadline_s); the controller's deadline_s setting
+# is the floor. A vote counts only once sealed into a sample: it arrives up to 1.5 s after its
+# reply (a flip 0.05-0.8 s later), the label seals seal_after_s (3 s) after it, ingest ticks
+# every 0.5 s and the controller looks every 5 s: ~11 s from reply to count. The rule lengthens
+# the 45 s quick deadline only when a request takes over 45 / 4 = 11.25 s, longer than that
+# lag, so the replies done by 3 request times are counted by 4: at the quick demo's 8 requests
+# in flight, 50 % to the candidate and a thumb on 80 % of replies, 3 x 8 x 0.5 x 0.8 = 9.6
+# votes per arm expected, against the 2 per arm the analysis needs (min_votes)
+DEADLINE_REQUESTS = 4
+
+# the fixed eval's changes of the fleet's desired-state record: who makes them (the record's
+# actor and the ledger rows'), and how long a version may take to load on the pod (s)
+EVAL_ACTOR = "flywheel demo"
+EVAL_LOAD_TIMEOUT_S = 900.0
 
 # upper bounds of the run's size (DemoConfig): a full run of the defaults takes 25-28 min on 2
 # cores; these allow runs of days, not of centuries
@@ -331,6 +349,71 @@ class DemoConfig:
         return cfg.sized(set(kw)) if quick else cfg
 
 
+def step_deadline_s(floor_s: float, request_s: list[float], k: float = DEADLINE_REQUESTS) -> float:
+    """The canary's step deadline (s): ``max(floor_s, k x median(request_s))``, so a step
+    lasts at least ``k`` request times on a slow box; ``floor_s`` when no request was measured.
+
+    Args:
+        floor_s: the configured step deadline (the controller's ``deadline_s``), s, finite, > 0.
+        request_s: wall seconds of each request measured (finite, >= 0), in any order.
+        k: request times per step deadline (:data:`DEADLINE_REQUESTS`), finite, > 0.
+
+    Raises:
+        ValueError: a value out of bounds; the message names it (``floor_s``, ``k``,
+            ``request_s[2]``) and gives the value.
+    """
+    def check(name: str, v, positive: bool, what: str = "number of seconds") -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not (v > 0 if positive else v >= 0):
+            raise ValueError(f"{name}: must be a finite {what} {'> 0' if positive else '>= 0'}, got {v!r}")
+
+    check("floor_s", floor_s, True)
+    check("k", k, True, "number")
+    for i, t in enumerate(request_s):
+        check(f"request_s[{i}]", t, False)
+    if not request_s:
+        return float(floor_s)
+    return float(max(floor_s, k * statistics.median(request_s)))
+
+
+def feedback_by_version(results: list[dict], with_feedback: set[str]) -> dict[str, int]:
+    """How many of ``results`` (a traffic phase's replies: dicts with ``version`` and
+    ``completion_id``) got feedback the API accepted (``completion_id`` in ``with_feedback``),
+    by version, sorted by version; versions with none are left out."""
+    out: dict[str, int] = {}
+    for r in results:
+        if r["completion_id"] in with_feedback:
+            out[r["version"]] = out.get(r["version"], 0) + 1
+    return dict(sorted(out.items()))
+
+
+def canary_counts_line(decision: dict, fed: dict[str, int], seal_after_s: float | None) -> str:
+    """The line printed after a canary's decision that sets the controller's counts beside the
+    demo's, each labelled: what the decision counted (votes, and rewarded samples when the
+    reward test ran, per arm: replies sealed into samples since the canary started, from the
+    ledger row's ``numbers``) and the canary phase's replies with feedback the API accepted,
+    per arm (``fed``: :func:`feedback_by_version` of the phase). The second is at least the
+    first while ingest has not sealed every reply or the controller has not looked since; a
+    count the row does not hold is ``?``.
+
+    Args:
+        decision: the ledger row as a dict (``version``: the candidate, ``stable``, ``numbers``).
+        fed: replies with accepted feedback by version.
+        seal_after_s: ingest's ``seal_after_s`` (s), or None when not known.
+    """
+    cand, stable = decision.get("version"), decision.get("stable")
+    nums = decision.get("numbers") or {}
+    t, r = nums.get("thumbs_up") or {}, nums.get("reward") or {}
+    counted = f"votes candidate {t.get('candidate_votes', '?')}, stable {t.get('stable_votes', '?')}"
+    if "candidate_samples" in r:
+        counted += f"; rewarded samples candidate {r['candidate_samples']}, stable {r.get('stable_samples', '?')}"
+    seal = f"{seal_after_s:g} s" if seal_after_s is not None else "seal_after_s"
+    return (f"the decision counted replies sealed into samples since the canary started ({counted}); the users' "
+            f"feedback was accepted on {fed.get(cand, 0)} candidate and {fed.get(stable, 0)} stable replies of the "
+            f"canary's traffic: a reply counts once ingest seals it ({seal} after its last feedback) and the "
+            f"controller looks again, so the decision can count fewer")
+
+
 def _canary_interval(decision: dict | None) -> dict | None:
     """The sequential test's always-valid interval of the relative difference
     rate(candidate) / rate(stable) - 1 at the final decision (from the ledger row's numbers),
@@ -395,6 +478,9 @@ class Demo:
         self.rng = random.Random(cfg.seed)
         self.procs: list[Proc] = []
         self.accepted: set[str] = set()  # feedback event_ids the API accepted (HTTP 200)
+        self.with_feedback: set[str] = set()  # completion_ids with at least one accepted feedback event
+        self.controller: Proc | None = None  # started after the first traffic phase (start_controller)
+        self.deadline_s: float | None = None  # the canary step deadline the controller runs with (s)
         self.feedback_rejected = 0
         self.requests_ok = 0
         self.requests_failed = 0
@@ -475,10 +561,28 @@ class Demo:
         serve = flags_for(role_models("serve"), {"max_batch": cfg.concurrency, **cfg.serve})
         self.serving = self._start("serving", _cli("serve", "--port", str(self.port), "--pod", "pod-0", *serve), env)
         self.ingest = self._start("ingest", _cli("ingest", *flags_for(role_models("ingest"), cfg.ingest)), env)
-        self.controller = self._start("controller", _cli(
-            "controller", "--serving", self.url, *flags_for(role_models("controller"), cfg.controller)), env)
         self._wait_http(self.url + "/healthz", 180, self.serving)
         self.log(f"serving ready at {self.url}")
+
+    def start_controller(self, first: list[dict]) -> None:
+        """Start the rollout controller with the step deadline :func:`step_deadline_s` gives
+        from the first traffic phase's request times (``first``: :meth:`traffic`'s replies,
+        each with ``latency_s``), and log the deadline chosen. No canary runs before the first
+        learner cycle, so the controller is not needed earlier."""
+        from deploy.controller import ControllerConfig
+
+        floor = float(self.cfg.controller.get("deadline_s", ControllerConfig.deadline_s))
+        times = [r["latency_s"] for r in first]
+        self.deadline_s = step_deadline_s(floor, times)
+        if times:
+            self.log(f"canary step deadline {self.deadline_s:.0f} s: the larger of the configured {floor:g} s and "
+                     f"{DEADLINE_REQUESTS} x the median request time of the first phase "
+                     f"({statistics.median(times):.1f} s over {len(times)} requests)")
+        else:
+            self.log(f"canary step deadline {self.deadline_s:.0f} s (configured; no request of the first phase "
+                     "was answered to measure)")
+        flags = flags_for(role_models("controller"), {**self.cfg.controller, "deadline_s": self.deadline_s})
+        self.controller = self._start("controller", _cli("controller", "--serving", self.url, *flags), self._env())
 
     def _start(self, name: str, args: list[str], env: dict) -> Proc:
         p = Proc(name, args, self.logs, env)
@@ -504,12 +608,14 @@ class Demo:
         body = {"model": "flywheel", "messages": task.messages, "max_tokens": max_tokens,
                 "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "user": user,
                 "seed": self.rng.randrange(1 << 30), "metadata": {"flywheel_split": task.split}}
+        t0 = time.monotonic()
         try:
             r = client.post(self.url + "/v1/chat/completions", json=body, timeout=600)
         except httpx.HTTPError:
             with self.lock:
                 self.requests_failed += 1
             return None
+        latency_s = time.monotonic() - t0
         if r.status_code != 200:
             with self.lock:
                 self.requests_failed += 1
@@ -531,7 +637,7 @@ class Demo:
         t = threading.Thread(target=self._send_votes, args=(data["id"], user, plan), daemon=True)
         t.start()
         self.vote_threads.append(t)
-        return {**rec, "voted": plan.final}
+        return {**rec, "voted": plan.final, "completion_id": data["id"], "latency_s": latency_s}
 
     def _send_votes(self, completion_id: str, user: str, plan) -> None:
         start = time.monotonic()
@@ -551,19 +657,28 @@ class Demo:
                             if event_id not in self.accepted:
                                 self.signals_sent[kind] = self.signals_sent.get(kind, 0) + 1
                             self.accepted.add(event_id)
+                            self.with_feedback.add(completion_id)
                         else:
                             self.feedback_rejected += 1
                     break
 
     def traffic(self, phase: str, n: int) -> list[dict]:
-        """Send ``n`` chat requests with ``concurrency`` in flight; users vote in background."""
+        """Send ``n`` chat requests with ``concurrency`` in flight; users vote in background.
+        Returns the replies as :meth:`traffic_until` does."""
         return self.traffic_until(phase, lambda: False, n)
 
     def traffic_until(self, phase: str, done, limit: int) -> list[dict]:
         """Send requests with ``concurrency`` in flight, as a steady stream, until ``done()``
         (checked every second) is true or ``limit`` requests were sent; users vote in
-        background. Shows a live bar on a terminal, a status line every 30 s otherwise. On
-        any exit (SIGTERM included) no new request starts; those in flight finish.
+        background. Shows a live bar on a terminal, a status line every 30 s otherwise: the
+        phase's replies right and by version, and how many of them got feedback the API
+        accepted, by version. On any exit (SIGTERM included) no new request starts; those in
+        flight finish.
+
+        Returns one dict per answered request: the demo's record of the reply (``version``,
+        ``family``, ``split``, ``kind``, ``key``, ``passed``, ``has_answer``,
+        ``finish_reason``, ``tokens``, ``thumb``, ``action``, ``noisy``) with ``voted``,
+        ``completion_id`` and ``latency_s`` (the request's wall seconds).
 
         Raises:
             RuntimeError: serving, ingest or the controller died.
@@ -594,7 +709,10 @@ class Demo:
             with lock:
                 by_v = {v: sum(1 for x in results if x["version"] == v) for v in sorted({x["version"] for x in results})}
                 right = sum(1 for x in results if x["passed"])
-                return f"right {right}/{len(results)} by version {by_v} votes accepted {len(self.accepted)}"
+                rows = list(results)
+            with self.lock:
+                fed = feedback_by_version(rows, self.with_feedback)
+            return f"right {right}/{len(rows)} by version {by_v}, replies with feedback accepted {fed}"
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.cfg.concurrency)]
         bounded = limit < 1_000_000
@@ -666,7 +784,7 @@ class Demo:
 
     def _check_alive(self) -> None:
         for p in (self.serving, self.ingest, self.controller):
-            if not p.alive():
+            if p is not None and not p.alive():
                 raise RuntimeError(f"{p.name} died:\n{p.tail(40)}")
 
     # ---------------------------------------------------------------- cycles
@@ -718,7 +836,7 @@ class Demo:
         from schemas import settings
 
         ledger = Ledger(settings.ledger_path())
-        deadline = time.monotonic() + max(600.0, 6 * self.cfg.controller["deadline_s"])
+        deadline = time.monotonic() + max(600.0, 6 * self.deadline_s)
         # canary traffic only makes sense once the controller has loaded the candidate
         while time.monotonic() < deadline and ledger.final_decision(version) is None:
             slots = httpx.get(self.url + "/admin/slots", timeout=10).json()
@@ -728,53 +846,141 @@ class Demo:
                 break
             self._check_alive()
             time.sleep(0.5)
-        self.traffic_until(f"canary {version}",
-                           lambda: ledger.final_decision(version) is not None or time.monotonic() > deadline,
-                           limit=1_000_000)
+        served = self.traffic_until(f"canary {version}",
+                                    lambda: ledger.final_decision(version) is not None or time.monotonic() > deadline,
+                                    limit=1_000_000)
         decision = ledger.final_decision(version)
         if decision is not None:
             by = (decision.get("numbers") or {}).get("decided_by")
             if by == "deadline":
                 self.log(f"[yellow]canary of {version} was INCONCLUSIVE: the sequential test did not decide "
-                         f"before the step deadline, so it was {decision['decision']} by the deadline "
-                         f"policy, not promoted[/yellow]")
+                         f"before the step deadline ({self.deadline_s:.0f} s), so it was {decision['decision']} by "
+                         f"the deadline policy, not promoted[/yellow]")
             self.log(f"controller decided [bold]{decision['decision']}[/bold] for {version} "
                      f"(decided by {by}): {decision['reason']}")
+            with self.lock:
+                fed = feedback_by_version(served, self.with_feedback)
+            self.log(canary_counts_line(decision, fed, self.cfg.ingest.get("seal_after_s")))
             return decision
         raise RuntimeError(f"no canary decision for {version} in time:\n{self.controller.tail(40)}")
 
     # ------------------------------------------------------------ fixed eval
-    def fixed_eval(self) -> list[dict]:
+    def _eval_candidate(self, version: str | None, expected: str | None = None):
+        """Put ``version`` in the fleet's candidate slot at weight 0 (None: empty the slot,
+        whose candidate must still be ``expected``) the way the operator commands change the
+        fleet (:func:`deploy.operator.run_action`): one change of the desired-state record, then
+        a watch of the pods until each serves it (they load it by their own watch of the
+        record), at most :data:`EVAL_LOAD_TIMEOUT_S`. The record's ``action`` says ``fixed
+        eval`` and its actor :data:`EVAL_ACTOR`, which ``flywheel status`` shows; the watch's
+        end is a ``FLEET_CONVERGED`` / ``FLEET_NOT_CONVERGED`` ledger row (rows that no
+        rollout's status or final decision reads).
+
+        Returns:
+            ``(changed, converged, text)``: whether the record was changed, whether every pod
+            serves it, and a line on how it ended (each pod not serving it, or why the record
+            was not changed).
+        """
+        from deploy import ledger
+        from deploy.operator import PodChoice, run_action
+        from deploy.wiring import admin, bootstrap
+        from modelstore.desired import FleetRecord, LockTimeout, dropping
+        from schemas import settings
+        from schemas.ledger import LedgerEntry
+
+        fleet = FleetRecord(self.store)
+        if version is None:
+            change, what = dropping(expected), "fixed eval done"
+            why = f"fixed eval done: candidate slot emptied ({expected} was asked by id at 0 %)"
+        else:
+            def change(x):
+                if x.stable == version:
+                    raise ValueError(f"candidate: {version} is the fleet's stable version")
+                x.candidate, x.weight = version, 0.0
+                return x
+            what = "fixed eval"
+            why = (f"fixed eval: {version} in the candidate slot at 0 % of users, asked the fixed prompts by id "
+                   "(no user is sent to it)")
+
+        written: list = []  # the record as the change wrote it
+
+        def record(suffix: str, numbers: dict) -> None:
+            if suffix not in ("converged", "not_converged"):  # the record itself holds the change
+                return
+            p = numbers.get("pods") or {}
+            try:
+                ledger.record(settings.ledger_path(), LedgerEntry(
+                    version=version or expected or "-", stable=written[0].stable if written else None, step=-1,
+                    weight=0.0, decision="FLEET_CONVERGED" if suffix == "converged" else "FLEET_NOT_CONVERGED",
+                    reason=f"{why} ({p.get('converged', 0)} of {p.get('pods', 0)} pods converged)",
+                    numbers=numbers, actor=EVAL_ACTOR), bootstrap())
+            except Exception as exc:  # noqa: BLE001 - the eval goes on; the record holds the change
+                self.log(f"[yellow]fixed eval: could not write the ledger row ({exc})")
+
+        choice = PodChoice(given=None, default=self.url, make_admin=lambda u: admin(u, 2.0))
+        try:
+            res = run_action(fleet, choice, change, what=what, who=EVAL_ACTOR, why=why,
+                             on_changed=lambda before, after: written.append(after),
+                             record=record, timeout_s=EVAL_LOAD_TIMEOUT_S)
+        except (ValueError, LockTimeout, OSError) as exc:
+            return False, False, f"the fleet's desired state was not changed: {exc}"
+        if res.converged:
+            return True, True, f"every pod serves {res.desired.summary()} ({res.elapsed_s:.1f} s)"
+        bad = "; ".join(o.line() for o in res.not_converged()) or res.discovery_error or "no pod found"
+        return True, False, f"not every pod serves {res.desired.summary()} after {res.elapsed_s:.0f} s: {bad}"
+
+    def fixed_eval(self, on_version=None) -> list[dict]:
         """Score every version in the store on the fixed eval set (:attr:`fixed`): the same
         prompts, each with the same sampling seed under every version (common random numbers:
         the per-prompt outcomes are pairs), asked by no user and sent no feedback, so never
-        trained on. Runs after the last canary: the controller is stopped first (it must not
-        act on the slots), each version other than the stable is loaded into the candidate
-        slot at weight 0 and asked by id, and the candidate slot is emptied at the end. Each
-        version's requests come from a user of their own (``fixed-eval-<version>``): the same
-        messages from one user would be read by serving as a regenerate of the earlier reply.
+        trained on. Runs after the last canary: the controller is stopped first (it would take
+        a candidate in the record for a canary to run). Each version other than the stable is
+        put in the candidate slot at weight 0 through the fleet's desired-state record
+        (:meth:`_eval_candidate`), so every pod serves what the record says and ``flywheel
+        status`` shows no drift; its prompts are asked by version id once the pods serve it,
+        and the slot is emptied in the record at the end. Each version's requests come from a
+        user of their own (``fixed-eval-<version>``): the same messages from one user would be
+        read by serving as a regenerate of the earlier reply.
+
+        Args:
+            on_version: called as ``on_version(version)`` once the pods serve ``version`` and
+                before its prompts are asked (a check of the fleet's state), or None.
 
         Returns one row per (version, prompt): ``{"version", "key", "family", "kind",
-        "passed", "has_answer", "finish_reason", "tokens"}``; a version that does not load is
-        logged and left out.
+        "passed", "has_answer", "finish_reason", "tokens"}``; a version the pods do not load is
+        logged, taken out of the record again and left out.
         """
         from concurrent.futures import ThreadPoolExecutor
 
+        from modelstore.desired import FleetRecord
+
         if not self.fixed:
             return []
-        self.controller.stop()
-        stable = httpx.get(self.url + "/admin/slots", timeout=30).json()["stable"]["version"]
+        if self.controller is not None:
+            self.controller.stop()
+        try:
+            stable = FleetRecord(self.store).read().stable
+        except (OSError, ValueError) as exc:
+            self.log(f"[yellow]fixed eval not run: the fleet's desired-state record is unreadable ({exc})")
+            return []
         rows: list[dict] = []
-        loaded = False
+        placed: str | None = None  # the candidate the eval put in the record
         seeds = [int.from_bytes(hashlib.sha256(f"fixed-seed:{self.cfg.seed}:{i}".encode()).digest()[:4], "big")
                  >> 2 for i in range(len(self.fixed))]
         for v in self.store.versions():
             if v != stable:
-                r = httpx.post(self.url + "/admin/load", json={"version": v}, timeout=900)
-                if r.status_code != 200:
-                    self.log(f"[yellow]fixed eval: {v} did not load ({r.status_code}: {r.text[:200]})")
+                changed, ok, how = self._eval_candidate(v)
+                placed = v if changed else placed
+                if not ok:
+                    self.log(f"[yellow]fixed eval: {v} did not load: {how}")
+                    if changed:  # the record must not keep a candidate the pods cannot serve
+                        changed, ok, how = self._eval_candidate(None, expected=v)
+                        placed = None if changed else v
+                        if not ok:
+                            self.log(f"[yellow]fixed eval: {v} not taken out of the candidate slot: {how}")
                     continue
-                loaded = True
+                self.log(f"fixed eval: {v} in the candidate slot at 0 %: {how}")
+            if on_version is not None:
+                on_version(v)
             t0 = time.monotonic()
             self.log(f"fixed eval: asking {v} the {len(self.fixed)} fixed prompts")
             done, lock, every = [0], threading.Lock(), max(1, len(self.fixed) // 4)
@@ -812,8 +1018,10 @@ class Demo:
             lost = len(self.fixed) - len(got)
             self.log(f"fixed eval: {v} right on {sum(x['passed'] for x in got)} of {len(self.fixed)} prompts"
                      + (f" ({lost} not answered)" if lost else "") + f", in {time.monotonic() - t0:.0f} s")
-        if loaded:
-            httpx.post(self.url + "/admin/rollback", json={}, timeout=60)
+        if placed is not None:
+            _, ok, how = self._eval_candidate(None, expected=placed)
+            self.log(f"fixed eval: candidate slot emptied: {how}" if ok else
+                     f"[yellow]fixed eval: the candidate slot was not emptied: {how}")
         return rows
 
     # ---------------------------------------------------------------- report
@@ -903,6 +1111,7 @@ class Demo:
             "requests_ok": self.requests_ok, "requests_failed": self.requests_failed,
             "phases": self.phase_log,
             "quick": self.cfg.quick,
+            "canary_step_deadline_s": self.deadline_s,  # the controller's, from start_controller
             "wall_s": time.time() - t0,
         }
 
@@ -950,7 +1159,7 @@ class Demo:
 
     def _run(self, t0: float) -> dict:
         self.setup()
-        self.traffic("v000000 traffic", self.cfg.prompts_per_phase)
+        self.start_controller(self.traffic("v000000 traffic", self.cfg.prompts_per_phase))
         for cycle in range(1, self.cfg.cycles + 1):
             if cycle > 1 and self.cfg.between_prompts:
                 # the stable version's own traffic: a canary alone leaves the next cycle
