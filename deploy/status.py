@@ -30,7 +30,8 @@ STATUS_TIMEOUT_S = 5.0  # `flywheel status` is a read: a wedged pod must not sta
 CONTROLLER_SEEN_ENV = "FLYWHEEL_CONTROLLER_SEEN_S"
 # A controller counts as running while its heartbeat (fleet/controller.json, rewritten after
 # every poll) is younger than this plus the --poll-s it declares there (s). Past it, `flywheel
-# status` and `flywheel canary start` warn that nothing advances a canary in progress.
+# status` and `flywheel canary start` warn that nothing advances a canary in progress, and
+# `flywheel status` says a candidate held at 0 % would become one once a controller runs.
 CONTROLLER_SEEN_S = 60.0
 
 RECORD_REPAIR = ("repair it from a backup, or remove it: the record then restarts from the store's stable.json "
@@ -105,24 +106,60 @@ def controller_seen(fleet: FleetRecord, seen_s: float, now: int | None = None) -
     return out
 
 
-def controller_warning(seen: dict, desired: DesiredState | None, step: int | None = None) -> str | None:
-    """What to tell the operator when a canary is in the fleet's desired state and no
-    controller was seen running (``seen``: :func:`controller_seen`): nothing analyses,
-    advances, promotes or rolls back the canary until one runs. None otherwise. ``step``:
-    the canary's step, when known. Plain text (the caller escapes it for rich)."""
-    if desired is None or desired.candidate is None or seen["running"]:
+REASON_SHOWN_MAX = 120  # characters of the record's reason the held-candidate line quotes (the rest is cut: "...")
+
+
+def candidate_held(desired: DesiredState | None) -> dict | None:
+    """The record's candidate when it is held at weight 0 (in every pod's candidate slot, no
+    user sent to it: a version asked by id, today only the demo's fixed eval puts one there,
+    since ``flywheel canary start --weight`` is in (0, 1) and the controller's steps in (0, 1]),
+    with the record's last change, which left it so: ``{"version", "weight" (0.0), "generation",
+    "actor", "action", "reason", "updated_ms" (ms since epoch)}``; None without a candidate, at a
+    weight > 0 or when the record is unreadable (None). ``flywheel status -o json`` holds it as
+    ``candidate_held``, whether or not a controller runs (one that runs opens a canary of it)."""
+    if desired is None or desired.candidate is None or desired.weight != 0:
         return None
-    at = f"step {step} ({desired.weight:.0%})" if step is not None and step >= 0 else f"{desired.weight:.0%}"
+    return {"version": desired.candidate, "weight": 0.0, "generation": desired.generation, "actor": desired.actor,
+            "action": desired.action, "reason": desired.reason, "updated_ms": desired.updated_ms}
+
+
+def _no_controller(seen: dict) -> str:
+    """Why no controller counts as running (``seen``: :func:`controller_seen`, not running)."""
     b = seen["heartbeat"]
     if seen["error"]:
-        why = f"its heartbeat {seen['file']} is unreadable ({seen['error']})"
-    elif b is None:
-        why = f"no controller has run: {seen['file']} (the heartbeat `flywheel controller` writes at every poll) " \
-              "does not exist"
-    else:
-        why = (f"no controller has been seen for {seen['age_s']:.0f} s: its last heartbeat ({seen['file']}, "
-               f"{b['host'] or '?'} pid {b['pid']}, at {ts(b['at'])} UTC) is older than "
-               f"{seen['limit_s']:g} s (${CONTROLLER_SEEN_ENV} plus its --poll-s)")
+        return f"its heartbeat {seen['file']} is unreadable ({seen['error']})"
+    if b is None:
+        return (f"no controller has run: {seen['file']} (the heartbeat `flywheel controller` writes at every poll) "
+                "does not exist")
+    return (f"no controller has been seen for {seen['age_s']:.0f} s: its last heartbeat ({seen['file']}, "
+            f"{b['host'] or '?'} pid {b['pid']}, at {ts(b['at'])} UTC) is older than "
+            f"{seen['limit_s']:g} s (${CONTROLLER_SEEN_ENV} plus its --poll-s)")
+
+
+def controller_warning(seen: dict, desired: DesiredState | None, step: int | None = None) -> str | None:
+    """What to tell the operator when a candidate is in the fleet's desired state and no
+    controller was seen running (``seen``: :func:`controller_seen`); None otherwise. ``step``:
+    the canary's step, when known. Plain text (the caller escapes it for rich).
+
+    At a weight > 0 it is a canary in progress that nothing analyses, advances, promotes or
+    rolls back until a controller runs. At weight 0 (:func:`candidate_held`) no user is sent to
+    the candidate and no canary is in progress: the line names the change of the record that
+    left it so (actor, action, generation, time, the reason cut at :data:`REASON_SHOWN_MAX`
+    characters) and says that a controller started now would open a canary of it
+    (``RolloutController._maybe_start`` takes a candidate in the record for one)."""
+    if desired is None or desired.candidate is None or seen["running"]:
+        return None
+    why = _no_controller(seen)
+    held = candidate_held(desired)
+    if held is not None:
+        reason = " ".join(held["reason"].split())
+        if len(reason) > REASON_SHOWN_MAX:
+            reason = reason[:REASON_SHOWN_MAX - 3] + "..."
+        return (f"the candidate {held['version']} is held at 0 % (no user is sent to it) as "
+                f"{held['actor'] or '?'}'s \"{held['action'] or 'set'}\" left it (generation {held['generation']} at "
+                f"{ts(held['updated_ms'])} UTC" + (f": {reason}" if reason else "") + f"); {why}: a controller "
+                "started now would open a canary of it")
+    at = f"step {step} ({desired.weight:.0%})" if step is not None and step >= 0 else f"{desired.weight:.0%}"
     return (f"the canary of {desired.candidate} is in progress but {why}; it stays at {at} until a controller "
             "runs: start `flywheel controller` (or step it with `flywheel controller --once`), or end it by hand "
             "(`flywheel promote --yes` / `flywheel canary abort --yes`)")
@@ -206,7 +243,8 @@ class FleetStatus:
         err: the first error reaching the store or a pod ("no serving pod found" when none).
         record_err: the desired-state record's path and why it cannot be read, with how to
             repair it; the pods' drift is then unknown (never "in sync").
-        warnings: :func:`status_warnings` of every pod, then :func:`controller_warning`.
+        warnings: :func:`status_warnings` of every pod, then :func:`controller_warning` (a
+            canary with no controller, or a candidate held at 0 % with none).
         controller: :func:`controller_seen` (None when the store is unreadable).
         rollout: the controller's rollout status; decisions: the last ledger rows.
         note: where the pods came from, when worth saying (table output only).
@@ -234,7 +272,8 @@ class FleetStatus:
 
     def to_dict(self) -> dict:
         """The ``-o json|yaml`` document, valid JSON whatever the pods, the record and the
-        ledger hold (:func:`json_safe`: no NaN or infinity)."""
+        ledger hold (:func:`json_safe`: no NaN or infinity). ``candidate_held``:
+        :func:`candidate_held` of the record (None unless a candidate is at weight 0)."""
         sd = asdict(self.rollout)
         sd["phase"] = self.rollout.phase.value
         d, first = self.desired, self.first
@@ -248,6 +287,7 @@ class FleetStatus:
                 "learner": {"paused": d.paused if d else None},
                 "desired_error": self.record_err,
                 "controller": self.controller,
+                "candidate_held": candidate_held(d),
                 "decisions": [asdict(x) for x in self.decisions]})
 
 
