@@ -382,14 +382,16 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
     ``info.dtype``), loaded once through transformers (which converts on-disk layouts,
     e.g. per-expert tensors, to the model's).
 
+    Values are not checked here: whether they are finite is the model store's check
+    (``ModelStore.init_base``, which :func:`import_checkpoint` turns into a CheckpointError).
+
     Raises:
-        CheckpointError: tensors the model needs are missing from the files, a tensor's
-            shape differs from the config's, or a tensor holds NaN or infinite values.
+        CheckpointError: tensors the model needs are missing from the files, or a tensor's
+            shape differs from the config's.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    from modelstore.store import describe_nonfinite, nonfinite_tensors
     from schemas.modelspec import ATTN_IMPLEMENTATION
 
     try:
@@ -409,11 +411,7 @@ def load_checkpoint_state(info: CheckpointInfo) -> dict:
                           else name for name, held, want in bad[:5])
         raise CheckpointError("weights", f"{len(bad)} tensors have another shape than config.json implies: {shown}"
                               + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
-    state = model.state_dict()
-    bad = nonfinite_tensors(state)
-    if bad:  # a NaN weight serves NaN logits: nothing a pod could answer with
-        raise CheckpointError("weights", describe_nonfinite(bad))
-    return state
+    return model.state_dict()
 
 
 def import_checkpoint(src: str | Path, store_root, log=print):
@@ -426,9 +424,11 @@ def import_checkpoint(src: str | Path, store_root, log=print):
 
     Raises:
         CheckpointError: the checkpoint is refused (:func:`inspect_checkpoint`,
-            :func:`load_checkpoint_state`), or the store already holds versions.
+            :func:`load_checkpoint_state`; field ``weights`` when a tensor holds NaN or
+            infinite values, which the store refuses before writing anything), or the store
+            already holds versions.
     """
-    from modelstore.store import ModelStore
+    from modelstore.store import ModelStore, NonFiniteWeightsError
 
     info = inspect_checkpoint(src)
     store = ModelStore(store_root)
@@ -442,5 +442,8 @@ def import_checkpoint(src: str | Path, store_root, log=print):
         f"{len(info.weight_files)} safetensors file(s)"
         + ("; no pad token: the eos token pads" if info.pad_fallback else ""))
     state = load_checkpoint_state(info)
-    manifest = store.init_base(info.path, state=state)
+    try:
+        manifest = store.init_base(info.path, state=state)
+    except NonFiniteWeightsError as exc:  # a NaN weight serves NaN logits: nothing a pod could answer with
+        raise CheckpointError("weights", exc.reason) from None
     return info, manifest

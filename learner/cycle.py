@@ -32,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-from modelstore.store import describe_nonfinite, nonfinite_tensors
+from modelstore.store import NonFiniteWeightsError
 from samplestore.catalog import Shard, count_rows, find_shards, read_shards
 from schemas.arrow import table_to_samples
 from schemas.events import RewardedSample, now_ms
@@ -287,7 +287,8 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
                        show_progress: bool, evaluate: Evaluator | None, record: dict, t0: float):
     """Load the parent, train, gate (``evaluate``, else the preference margin on ``hold``
     when it has both labels), publish. Returns the manifest, None when the gate rejected the
-    candidate (``record`` says why), or False when training did not run."""
+    candidate or the store refused its weights as NaN or infinite (``record`` says why), or
+    False when training did not run."""
     model, parent_dtypes = _load_parent(store, parent)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     if evaluate is None and any(s.label for s in hold) and not all(s.label for s in hold):
@@ -321,11 +322,10 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
     publish_state = {k: new_state[k].detach().to(parent_dtypes[k]).contiguous() if k in parent_dtypes
                      else new_state[k] for k in keys}
     del new_state
-    bad = nonfinite_tensors(publish_state)
-    if bad:  # a diverged step (NaN loss, an overflow in the parent's dtype): never published
-        record.update({"version": None, "rejected": f"candidate weights: {describe_nonfinite(bad)}",
-                       "metrics": metrics})
+    try:
+        manifest = store.publish(publish_state, parent=parent, metrics=metrics, eval=eval_result)
+    except NonFiniteWeightsError as exc:  # a diverged step (NaN loss, an overflow in the parent's dtype)
+        record.update({"version": None, "rejected": f"candidate weights: {exc.reason}", "metrics": metrics})
         return None
-    manifest = store.publish(publish_state, parent=parent, metrics=metrics, eval=eval_result)
     record["version"] = manifest.version
     return manifest

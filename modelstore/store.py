@@ -83,14 +83,17 @@ class CorruptManifestError(CorruptVersionError):
 
 def nonfinite_tensors(state: dict[str, "torch.Tensor"]) -> list[tuple[str, int, int]]:
     """The floating tensors of ``state`` holding NaN or infinite values, as ``(name, count,
-    numel)`` in the state's order; empty when every value is finite. One pass over the
-    weights (a boolean mask per tensor at a time)."""
+    numel)`` in the state's order (``count``: NaN and infinite values together); empty when
+    every value is finite. One pass over the weights (a boolean mask per tensor at a time)."""
     import torch
 
     bad = []
     for name, t in state.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point():  # anything else: the codec names it
-            finite = torch.isfinite(t)
+            try:
+                finite = torch.isfinite(t)
+            except NotImplementedError:  # float8 e4m3fn, e4m3fnuz, e5m2fnuz: no infinity, NaN is
+                finite = ~torch.isnan(t)  # their one non-finite value (torch has no isfinite for them)
             if not bool(finite.all()):
                 bad.append((name, int(finite.numel() - finite.sum()), t.numel()))
     return bad
@@ -102,6 +105,34 @@ def describe_nonfinite(bad: list[tuple[str, int, int]], shown: int = 5) -> str:
     names = "; ".join(f"{k}: {n} of {total}" for k, n, total in bad[:shown])
     more = f"; and {len(bad) - shown} more" if len(bad) > shown else ""
     return f"{len(bad)} tensors hold NaN or infinite values: {names}{more}"
+
+
+class NonFiniteWeightsError(ValueError):
+    """A state the store refuses: floating tensors holding NaN or infinite values (a version
+    whose weights serve NaN logits is never stored; D101).
+
+    Attributes:
+        bad: :func:`nonfinite_tensors`' list, ``[(name, count, numel), ...]`` in the state's
+            order (``count`` the NaN and infinite values together).
+        reason: :func:`describe_nonfinite`'s text for ``bad``; ``str()`` is ``"state: " + reason``.
+    """
+
+    def __init__(self, bad: list[tuple[str, int, int]]):
+        self.bad = list(bad)
+        self.reason = describe_nonfinite(self.bad)
+        super().__init__(f"state: {self.reason}")
+
+
+def _refuse_nonfinite(state: dict[str, "torch.Tensor"]) -> None:
+    """The store's one finiteness check of a state it is asked to write (:meth:`ModelStore.publish`,
+    :meth:`ModelStore.init_base`), before anything is written.
+
+    Raises:
+        NonFiniteWeightsError: a floating tensor of ``state`` holds NaN or infinite values.
+    """
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise NonFiniteWeightsError(bad)
 
 
 def _is_url(root) -> bool:
@@ -391,6 +422,11 @@ class ModelStore:
         Args:
             state: the checkpoint's weights already loaded by the caller, as the model
                 names them (saves loading them again); default: loaded here.
+
+        Raises:
+            ValueError: ``model_dir`` has no config.json.
+            NonFiniteWeightsError: (a ValueError) a weight is NaN or infinite; checked before
+                ``base/`` is copied, so the store is left as it was.
         """
         from schemas.modelspec import load_model
 
@@ -403,9 +439,7 @@ class ModelStore:
                 raise ValueError(f"model_dir: {model_dir} has no config.json")
             if state is None:
                 state = load_model(model_dir).state_dict()
-            bad = nonfinite_tensors(state)
-            if bad:  # refused before base/ is copied: a refusal leaves the store as it was
-                raise ValueError(f"state: {describe_nonfinite(bad)}")
+            _refuse_nonfinite(state)  # before base/ is copied: a refusal leaves the store as it was
             if self.fs is None:
                 tmp_base = self.root / f".tmp-base-{uuid.uuid4().hex}"
                 shutil.copytree(model_dir, tmp_base)
@@ -427,9 +461,13 @@ class ModelStore:
 
         Raises:
             KeyError: ``parent`` is not in the store.
-            ValueError: ``state`` holds a non-tensor, an unsupported dtype, or NaN or
-                infinite values (:func:`nonfinite_tensors`); nothing is written then.
+            ValueError: ``state`` holds a non-tensor or an unsupported dtype; nothing is
+                written then.
+            NonFiniteWeightsError: (a ValueError) ``state`` holds NaN or infinite values
+                (``.bad`` names the tensors, :func:`nonfinite_tensors`); checked before the
+                parent is read, nothing is written.
         """
+        _refuse_nonfinite(state)  # a version whose weights serve NaN logits is never stored
         with self._lock():
             self.manifest(parent)
             n = version_number(self.latest()) + 1
@@ -441,9 +479,8 @@ class ModelStore:
                                "published", "")
 
     def _write(self, version, parent, state, parent_state, metrics, eval_, status, reason):
-        bad = nonfinite_tensors(state)
-        if bad:  # a version whose weights serve NaN logits is never stored
-            raise ValueError(f"state: {describe_nonfinite(bad)}")
+        """Write ``state`` as ``version`` (its callers, publish and init_base, have run
+        :func:`_refuse_nonfinite` on it)."""
         entries, payload = encode_state(state, parent_state)
         tensors = {k: TensorMeta(dtype=str(v.dtype), shape=list(v.shape), sha256=tensor_sha256(v))
                    for k, v in sorted(state.items())}
