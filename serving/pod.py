@@ -473,20 +473,44 @@ def check_model_dir(model_dir: Path) -> None:
     """``--model-dir``: a Hugging Face checkpoint that passes the checks that need no model
     built (:func:`schemas.checkpoint_check.check_checkpoint_dir`, as ``flywheel model init
     --from`` runs them): config.json, the safetensors headers, the config's sizes against
-    the weights, tokenizer files.
+    the weights, tokenizer files; then every weight finite (:func:`nonfinite_weights`; the
+    model store's check, which the engine's own read of the files bypasses).
 
     Raises:
         SettingError: ``--model-dir``, naming the directory, the file or config field, and
-            what is wrong.
+            what is wrong (``weights: N tensors hold NaN or infinite values: name: count of
+            numel; ...``, as ``model init --from`` says it).
     """
+    from modelstore.store import describe_nonfinite
     from schemas.checkpoint_check import CheckpointError, check_checkpoint_dir
 
     if not (model_dir / "config.json").is_file():
         raise SettingError("--model-dir", f"{model_dir} holds no Hugging Face checkpoint (no config.json)")
     try:
-        check_checkpoint_dir(model_dir)
+        checked = check_checkpoint_dir(model_dir)
     except CheckpointError as exc:
         raise SettingError("--model-dir", f"{model_dir}: {exc}") from None
+    bad = nonfinite_weights(checked.weight_files)
+    if bad:  # a NaN weight serves NaN logits: nothing a pod could answer with
+        raise SettingError("--model-dir", f"{model_dir}: {CheckpointError('weights', describe_nonfinite(bad))}")
+
+
+def nonfinite_weights(files: list[Path]) -> list[tuple[str, int, int]]:
+    """The tensors of the safetensors ``files`` holding NaN or infinite values, as
+    :func:`modelstore.store.nonfinite_tensors` lists them (``(name, count, numel)``, names as
+    the files hold them, the files' order then each file's). Read with safetensors' own
+    reader one tensor at a time: one pass over the files, one tensor in memory (plus its
+    boolean mask), no model built."""
+    from safetensors import safe_open
+
+    from modelstore.store import nonfinite_tensors
+
+    bad = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                bad += nonfinite_tensors({name: st.get_tensor(name)})
+    return bad
 
 
 def open_pod_store(cfg: ServeConfig):
