@@ -596,8 +596,9 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
                serving_timeout_s: Optional[float] = _timeout_opt(STATUS_TIMEOUT_S)) -> None:
     """The fleet's desired state, every pod (stable, digest, candidate, weight) with its drift
     from it, the store's stable record, canary phase and step, last decisions, and a warning
-    when a canary is in progress and no controller was seen running (its heartbeat older than
-    $FLYWHEEL_CONTROLLER_SEEN_S plus its poll). Exits 1 when a pod does not answer or the
+    when the record holds a candidate (a canary in progress, or one held at 0 % by an eval) and
+    no controller was seen running (its heartbeat older than $FLYWHEEL_CONTROLLER_SEEN_S plus
+    its poll). Exits 1 when a pod does not answer or the
     desired-state record is unreadable."""
     fmt = resolve(output, as_json)
     try:

@@ -112,8 +112,10 @@ def test_pod_flags_and_reloads_changed_files(pod_env, tmp_path, tiny_moe_dir):
     assert "NO" in out and "warning:" in out
     s = admin.load("v000001")  # the new files load (no "sha256 mismatch" from a stale cache)
     assert (s.candidate.weights_digest, s.candidate.digest_ok) == (m1b.weights_digest, True)
-    w = json.loads(run(app, ["status", "--json"]).output)["warnings"]  # the canary's: no controller runs here
-    assert len(w) == 1 and "the canary of v000001 is in progress but no controller has run" in w[0], w
+    # the candidate is at weight 0 (desire_candidate's default) and no controller runs here
+    w = json.loads(run(app, ["status", "--json"]).output)["warnings"]
+    assert len(w) == 1 and "the candidate v000001 is held at 0 % (no user is sent to it)" in w[0], w
+    assert "no controller has run" in w[0], w
     # the same for stable: promote, change the files again, the fix the warning names
     assert run(app, ["promote", "--yes"]).exit_code == 0
     other2, m1c = _other_v1(tmp_path, tiny_moe_dir, 1.003, "other2")
