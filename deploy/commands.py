@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+import unicodedata
 from dataclasses import replace
 from typing import Optional
 
@@ -45,7 +46,7 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
-                           discover_pods, gather_status, status_warnings)
+                           discover_pods, gather_status, shown, status_warnings)
 from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore, StoreMissingError
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
@@ -62,12 +63,20 @@ if not console.is_terminal and "COLUMNS" not in os.environ:
     console = Console(width=200)  # piped to a file or a pager: do not cut tables at 80 columns
 
 
+def _data(text) -> str:
+    """``text`` (anything from the operator, the record, a pod, the store or the ledger) ready
+    to go into rich markup: its control and other unprintable characters shown as escapes
+    (:func:`deploy.status.shown`: ``\\x1b``, ``\\n``; a terminal acts on none of them), then
+    escaped for rich, so rich prints it as it is, ``[/]``, ``[word]`` and ``[fe80::1]``
+    included, never as markup (an unbalanced tag would raise rich's MarkupError)."""
+    return escape(shown(str(text)))
+
+
 def _say(markup: str, text="") -> None:
     """Print ``markup`` (rich markup written in this module, never data) followed by ``text``
-    (anything from the operator, the record, a pod, the store or the ledger) escaped: rich
-    prints ``text`` as it is, ``[/]``, ``[word]`` and ``[fe80::1]`` included, never as markup
-    (an unbalanced tag would raise rich's MarkupError). The one way this CLI prints data."""
-    console.print(markup + escape(str(text)))
+    as :func:`_data` makes it. The one way this CLI prints a line of data; a line that embeds
+    data in markup passes each piece through :func:`_data`."""
+    console.print(markup + _data(text))
 
 
 def _fleet(store: ModelStore | None = None) -> FleetRecord:
@@ -137,10 +146,54 @@ def _text(s: str | None) -> str | None:
         return s.encode("utf-8", "replace").decode("utf-8")
 
 
+REASON_CONTROLS_ALLOWED = "\t\n"  # the control characters a --reason may hold (a multi-line reason)
+
+
+def _control_char(s: str, allowed: str = "") -> str | None:
+    """Why ``s`` is refused as operator text, or None: it holds a control character (Unicode
+    category Cc: C0 with ESC and NUL, DEL, C1 with the 8-bit CSI U+009B) not in ``allowed``,
+    which a terminal printing the ledger or the record would act on (``\\x1b[2J`` clears the
+    screen). The reason names the first one as ``repr`` writes it and its position."""
+    i = next((i for i, c in enumerate(s) if unicodedata.category(c) == "Cc" and c not in allowed), None)
+    if i is None:
+        return None
+    return (f"holds the control character {s[i]!r} at position {i} (a terminal printing it would act on it); "
+            "write the text without it")
+
+
+def _reason_text(s: str | None) -> str | None:
+    """``--reason`` as :func:`_text`, refused (exit 2 naming the flag) when it holds a control
+    character other than a tab or a line break (:func:`_control_char`)."""
+    s = _text(s)
+    why = _control_char(s or "", REASON_CONTROLS_ALLOWED)
+    if why:
+        raise typer.BadParameter(why)
+    return s
+
+
+def _actor_text(s: str | None) -> str | None:
+    """``--actor`` as :func:`_text`, refused (exit 2 naming the flag) when it holds any control
+    character (:func:`_control_char`): an actor is a name on one line."""
+    s = _text(s)
+    why = _control_char(s or "")
+    if why:
+        raise typer.BadParameter(why)
+    return s
+
+
 def _actor(actor: str | None = None) -> str:
-    """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``."""
-    return _text(actor or os.environ.get("FLYWHEEL_ACTOR") or os.environ.get("USER") or getpass.getuser()
-                 or "unknown")
+    """Who runs the command: ``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``; exit 2
+    naming the variable when the one used holds a control character (:func:`_control_char`)."""
+    if actor:
+        return _text(actor)
+    for var in ("FLYWHEEL_ACTOR", "USER"):
+        v = _text(os.environ.get(var) or "")
+        if v:
+            why = _control_char(v)
+            if why:
+                _fail(f"${var}: {why}; nothing was changed", usage=True)
+            return v
+    return _text(getpass.getuser() or "unknown")
 
 
 def _store() -> ModelStore:
@@ -188,7 +241,7 @@ def _record_action(decision: str, version: str | None, stable: str | None, reaso
             version=version or "-", stable=stable, step=step, weight=weight, decision=decision, reason=reason,
             numbers=numbers or {}, actor=actor), _bootstrap())
     except Exception as exc:  # noqa: BLE001 - the operator must still see what happened
-        _say(f"[red]could not record {escape(decision)} in the ledger {escape(str(settings.ledger_path()))}:[/red] ",
+        _say(f"[red]could not record {_data(decision)} in the ledger {_data(str(settings.ledger_path()))}:[/red] ",
              exc)
 
 
@@ -211,7 +264,7 @@ def _because(reason: str, why: str) -> str:
 
 
 def _confirm(what: str, yes: bool) -> None:
-    if not yes and not typer.confirm(f"{what}?"):
+    if not yes and not typer.confirm(f"{shown(what)}?"):
         console.print("aborted")
         raise typer.Exit(1)
 
@@ -231,12 +284,12 @@ def _share(w: float) -> float:
 
 
 def _actor_opt():
-    return typer.Option(None, "--actor", callback=_text,
+    return typer.Option(None, "--actor", callback=_actor_text,
                         help="who does this, recorded in the ledger (default $FLYWHEEL_ACTOR, else $USER)")
 
 
 def _reason_opt():
-    return typer.Option("", "--reason", callback=_text, help="why, recorded in the ledger")
+    return typer.Option("", "--reason", callback=_reason_text, help="why, recorded in the ledger")
 
 
 def _timeout_opt(default_s: float = DEFAULT_TIMEOUT_S):
@@ -366,10 +419,10 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "", footer: s
     n, k = len(res.outcomes), sum(o.ok for o in res.outcomes)
     if res.superseded_by is not None:
         s = res.superseded_by
-        console.print(f"[red]superseded:[/red] generation {s.generation} ({escape(str(s.action))} by "
-                      f"{escape(str(s.actor))}) "
+        console.print(f"[red]superseded:[/red] generation {s.generation} ({_data(str(s.action))} by "
+                      f"{_data(str(s.actor))}) "
                       f"replaced this action before every pod converged; the fleet now converges to: "
-                      f"{escape(s.summary())}")
+                      f"{_data(s.summary())}")
         if footer:
             _say("[red]warning:[/red] ", footer)
         raise typer.Exit(1)
@@ -380,13 +433,13 @@ def _report(res: ActionResult, done: str, target: str, hint: str = "", footer: s
             _say("[red]warning:[/red] ", footer)
         return
     serve = (f"{k} of {n} pods serve it after {res.elapsed_s:.1f} s" if n else
-             f"no pod to watch ({escape(res.discovery_error or 'no pod found')})")
-    console.print(f"[red]not converged:[/red] the fleet's desired state is {escape(res.desired.summary())}; {serve}. "
+             f"no pod to watch ({_data(res.discovery_error or 'no pod found')})")
+    console.print(f"[red]not converged:[/red] the fleet's desired state is {_data(res.desired.summary())}; {serve}. "
                   "The record is changed: each pod converges to it by itself "
                   "when it can (it reads the record every --desired-poll s), and the controller retries it at each "
                   "poll. A pod that is stopped or hung converges once it runs again; a refused version stays "
                   "refused (`flywheel status` shows each pod; `flywheel runbook`: 'a pod does not converge')." +
-                  escape(f" {hint[0].upper()}{hint[1:]}." if hint else ""))
+                  _data(f" {hint[0].upper()}{hint[1:]}." if hint else ""))
     if footer:
         _say("[red]warning:[/red] ", footer)
     raise typer.Exit(1)
@@ -500,7 +553,7 @@ def canary_abort(serving: Optional[list[str]] = _serving_opt(),
                           outcome="MANUAL_CANARY_ABORT", step=st.step)
     _report(res, f"aborted the canary of {cand}; stable {d.stable} serves all traffic", d.stable)
 
-def pause_cmd(reason: str = typer.Option("", callback=_text, help="why (shown in status and the ledger)"),
+def pause_cmd(reason: str = typer.Option("", callback=_reason_text, help="why (shown in status and the ledger)"),
               actor: Optional[str] = _actor_opt(),
               yes: bool = _yes_opt()) -> None:
     """Pause the learner (through the fleet's desired state, wherever the learner runs): it
@@ -621,8 +674,8 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     string read from the store, a pod or the ledger is escaped: rich prints it as it is."""
     desired = s.desired
     if desired is not None:
-        console.print(f"desired state: [bold]{escape(desired.summary())}[/bold] (last change: "
-                      f"{escape(desired.action or '-')} by {escape(desired.actor or '-')} at {_ts(desired.updated_ms)} "
+        console.print(f"desired state: [bold]{_data(desired.summary())}[/bold] (last change: "
+                      f"{_data(desired.action or '-')} by {_data(desired.actor or '-')} at {_ts(desired.updated_ms)} "
                       "UTC)")
     elif s.record_err:
         _say("[red]error:[/red] ", s.record_err)
@@ -634,14 +687,14 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     unknown = desired is None  # the record is unreadable: no pod can be called in sync
     for url, p, e, dr in s.rows:
         if p is None:  # the failure's kind, the word operator commands print for it too
-            t.add_row("?", escape(url), "", "", "", "", "", "",
-                      f"[red]{escape(dr[0] if dr else 'error')}[/red]: {escape(e or '')}")
+            t.add_row("?", _data(url), "", "", "", "", "", "",
+                      f"[red]{_data(dr[0] if dr else 'error')}[/red]: {_data(e or '')}")
             continue
-        t.add_row(escape(p.pod), escape(url), escape(p.stable.version), escape(p.stable.weights_digest[:dig]),
+        t.add_row(_data(p.pod), _data(url), _data(p.stable.version), _data(p.stable.weights_digest[:dig]),
                   ok[p.stable.digest_ok],
-                  (escape(p.candidate.version) + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
+                  (_data(p.candidate.version) + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
                   if p.candidate else "-", f"{p.candidate_weight:.0%}", _ts(p.stable.loaded_at),
-                  "[red]" + escape("; ".join(dr)) + "[/red]" if dr else "[red]unknown[/red] (record unreadable)"
+                  "[red]" + _data("; ".join(dr)) + "[/red]" if dr else "[red]unknown[/red] (record unreadable)"
                   if unknown else "in sync")
     console.print(t)
     n_ok = sum(1 for _, _, _, dr in s.rows if not dr)
@@ -654,8 +707,8 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     if s.err:
         _say("[red]serving error:[/red] ", s.err)
     if s.stable_rec:
-        console.print(f"store stable record: {escape(str(s.stable_rec['version']))} (set by "
-                      f"{escape(str(s.stable_rec.get('actor') or '?'))} at {_ts(s.stable_rec.get('at') or 0)} UTC)")
+        console.print(f"store stable record: {_data(str(s.stable_rec['version']))} (set by "
+                      f"{_data(str(s.stable_rec.get('actor') or '?'))} at {_ts(s.stable_rec.get('at') or 0)} UTC)")
     for w in s.warnings:
         _say("[red]warning:[/red] ", w)
 
@@ -663,15 +716,15 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
 def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     """`flywheel status`'s rollout line, learner state and decisions table."""
     st, desired = s.rollout, s.desired
-    console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={escape(str(st.candidate))} "
-                  f"stable={escape(str(st.stable))} step={st.step} weight={st.weight:.0%} "
-                  f"last={escape(str(st.last_outcome))}: {escape(str(st.last_reason))}")
+    console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={_data(str(st.candidate))} "
+                  f"stable={_data(str(st.stable))} step={st.step} weight={st.weight:.0%} "
+                  f"last={_data(str(st.last_outcome))}: {_data(str(st.last_reason))}")
     lp = desired.paused if desired else None
     if s.record_err:
         console.print("learner: unknown (a learner that cannot read the record does not train)")
     else:
-        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {escape(str(lp.get('actor')))} at "
-                                     f"{_ts(lp.get('at') or 0)} UTC: {escape(str(lp.get('reason', '')))}"
+        console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {_data(str(lp.get('actor')))} at "
+                                     f"{_ts(lp.get('at') or 0)} UTC: {_data(str(lp.get('reason', '')))}"
                                      if lp else "running (not paused)"))
     t = Table(title="last decisions")
     for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
@@ -680,9 +733,9 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     if fmt == Format.wide:
         t.add_column("numbers", overflow="fold")
     for d in s.decisions:
-        t.add_row(_ts(d.ts), escape(d.version), escape(d.stable or ""), str(d.step), f"{d.weight:.0%}",
-                  escape(d.decision), escape(d.actor), escape(d.reason),
-                  *([escape(json.dumps(json_safe(d.numbers), default=str))] if fmt == Format.wide else []))
+        t.add_row(_ts(d.ts), _data(d.version), _data(d.stable or ""), str(d.step), f"{d.weight:.0%}",
+                  _data(d.decision), _data(d.actor), _data(d.reason),
+                  *([_data(json.dumps(json_safe(d.numbers), default=str))] if fmt == Format.wide else []))
     console.print(t)
 
 
@@ -705,13 +758,13 @@ def versions_cmd(as_json: bool = typer.Option(False, "--json", help="machine-rea
         t.add_column(c, no_wrap=c != "metrics", overflow="fold")
     for r in rows:
         if r["status"] == "corrupt":
-            t.add_row(escape(r["version"]), "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
-                      escape(r["error"]), "")
+            t.add_row(_data(r["version"]), "*" if r["stable"] else "", "", "", "", "", "[red]corrupt[/red]",
+                      _data(r["error"]), "")
             continue
-        t.add_row(escape(r["version"]), "*" if r["stable"] else "", escape(r["parent"] or ""), escape(r["kind"]),
+        t.add_row(_data(r["version"]), "*" if r["stable"] else "", _data(r["parent"] or ""), _data(r["kind"]),
                   f"{r['size_bytes'] / 1e6:.2f} MB", f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "",
-                  escape(r["status"]), escape(r["digest"] if wide else r["digest"][:12]), _ts(r["created_at"]),
-                  *([escape(json.dumps(json_safe(r["metrics"]), default=str))] if wide else []))
+                  _data(r["status"]), _data(r["digest"] if wide else r["digest"][:12]), _ts(r["created_at"]),
+                  *([_data(json.dumps(json_safe(r["metrics"]), default=str))] if wide else []))
     console.print(t)
 
 def promote_cmd(serving: Optional[list[str]] = _serving_opt(),

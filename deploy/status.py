@@ -107,20 +107,47 @@ def controller_seen(fleet: FleetRecord, seen_s: float, now: int | None = None) -
 
 
 REASON_SHOWN_MAX = 120  # characters of the record's reason the held-candidate line quotes (the rest is cut: "...")
+NAME_SHOWN_MAX = 120  # characters of the record's actor and action the held-candidate line quotes
+
+
+def shown(s: str) -> str:
+    """``s`` as a terminal may print it: every character that is not printable
+    (``str.isprintable``: C0 controls with ESC, NUL, newline and tab, DEL, C1 controls with
+    the 8-bit CSI U+009B, format characters such as bidi overrides, lone surrogates, line
+    and paragraph separators, spaces other than " ") written as ``repr`` writes it: ``\\x1b``,
+    ``\\n``, ``\\x9b``, ``\\u202e`` (4 to 10 printable characters each). Printable text,
+    backslashes included, is unchanged, so the escapes are for a reader, not a parser: the
+    exact value is what ``-o json`` holds. Every string an operator, a record, a ledger or a
+    pod supplies goes through it before the on-call CLI prints it, and before any cut, so a
+    cut never splits an escape sequence into one a terminal acts on."""
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
+def _quote(s: str, limit: int) -> str:
+    """``s`` on one line (runs of whitespace, line breaks included, become one space),
+    :func:`shown`, cut to ``limit`` characters (the last 3 of them "...")."""
+    s = shown(" ".join(s.split()))
+    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
 def candidate_held(desired: DesiredState | None) -> dict | None:
     """The record's candidate when it is held at weight 0 (in every pod's candidate slot, no
     user sent to it: a version asked by id, today only the demo's fixed eval puts one there,
-    since ``flywheel canary start --weight`` is in (0, 1) and the controller's steps in (0, 1]),
-    with the record's last change, which left it so: ``{"version", "weight" (0.0), "generation",
-    "actor", "action", "reason", "updated_ms" (ms since epoch)}``; None without a candidate, at a
+    since ``flywheel canary start --weight`` is in (0, 1) and the controller's steps in (0, 1]):
+    ``{"version", "weight" (0.0), "last_change": {"generation", "actor", "action", "reason",
+    "updated_ms" (ms since epoch)}}``, ``last_change`` being the record's last change, whatever
+    it was (a pause or a resume after the eval's change included: the record keeps only its last
+    change, so it does not say who put the candidate there); None without a candidate, at a
     weight > 0 or when the record is unreadable (None). ``flywheel status -o json`` holds it as
-    ``candidate_held``, whether or not a controller runs (one that runs opens a canary of it)."""
+    ``candidate_held``, whether or not a controller runs (one that runs opens a canary of it),
+    with the exact strings of the record."""
     if desired is None or desired.candidate is None or desired.weight != 0:
         return None
-    return {"version": desired.candidate, "weight": 0.0, "generation": desired.generation, "actor": desired.actor,
-            "action": desired.action, "reason": desired.reason, "updated_ms": desired.updated_ms}
+    return {"version": desired.candidate, "weight": 0.0,
+            "last_change": {"generation": desired.generation, "actor": desired.actor, "action": desired.action,
+                            "reason": desired.reason, "updated_ms": desired.updated_ms}}
 
 
 def _no_controller(seen: dict) -> str:
@@ -143,22 +170,26 @@ def controller_warning(seen: dict, desired: DesiredState | None, step: int | Non
 
     At a weight > 0 it is a canary in progress that nothing analyses, advances, promotes or
     rolls back until a controller runs. At weight 0 (:func:`candidate_held`) no user is sent to
-    the candidate and no canary is in progress: the line names the change of the record that
-    left it so (actor, action, generation, time, the reason cut at :data:`REASON_SHOWN_MAX`
-    characters) and says that a controller started now would open a canary of it
-    (``RolloutController._maybe_start`` takes a candidate in the record for one)."""
+    the candidate and no canary is in progress: the line names the record's last change
+    (actor, action, generation, time, the reason), says it need not be the change that put the
+    candidate there (the record keeps only its last change: a later pause or resume replaces
+    it), and says that a controller started now would open a canary of it
+    (``RolloutController._maybe_start`` takes a candidate in the record for one). The actor,
+    the action and the reason are quoted on one line through :func:`shown`, each cut at
+    :data:`NAME_SHOWN_MAX` / :data:`REASON_SHOWN_MAX` characters."""
     if desired is None or desired.candidate is None or seen["running"]:
         return None
     why = _no_controller(seen)
     held = candidate_held(desired)
     if held is not None:
-        reason = " ".join(held["reason"].split())
-        if len(reason) > REASON_SHOWN_MAX:
-            reason = reason[:REASON_SHOWN_MAX - 3] + "..."
-        return (f"the candidate {held['version']} is held at 0 % (no user is sent to it) as "
-                f"{held['actor'] or '?'}'s \"{held['action'] or 'set'}\" left it (generation {held['generation']} at "
-                f"{ts(held['updated_ms'])} UTC" + (f": {reason}" if reason else "") + f"); {why}: a controller "
-                "started now would open a canary of it")
+        last = held["last_change"]
+        reason = _quote(last["reason"], REASON_SHOWN_MAX)
+        actor = _quote(last["actor"], NAME_SHOWN_MAX) or "?"
+        action = _quote(last["action"], NAME_SHOWN_MAX) or "set"
+        return (f"the candidate {held['version']} is held at 0 % (no user is sent to it); the record's last change "
+                f"was {actor}'s \"{action}\" (generation {last['generation']} at {ts(last['updated_ms'])} UTC"
+                + (f": {reason}" if reason else "") + "), not necessarily the one that put the candidate there; "
+                f"{why}: a controller started now would open a canary of it")
     at = f"step {step} ({desired.weight:.0%})" if step is not None and step >= 0 else f"{desired.weight:.0%}"
     return (f"the canary of {desired.candidate} is in progress but {why}; it stays at {at} until a controller "
             "runs: start `flywheel controller` (or step it with `flywheel controller --once`), or end it by hand "

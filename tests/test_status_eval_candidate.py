@@ -2,8 +2,10 @@
 each version in the fleet record's candidate slot at weight 0 (no user sent to it) with the
 controller stopped, and once the stopped controller's heartbeat is older than
 ``$FLYWHEEL_CONTROLLER_SEEN_S`` plus its ``--poll-s``, status says the candidate is held at 0 %
-by the eval's change and that a controller started now would open a canary of it, not that a
-canary is in progress; ``-o json`` holds it as ``candidate_held``. A candidate at a weight > 0
+naming the record's last change (the eval's, until a later change replaces it; the record keeps
+only its last change, so the line never calls it the one that put the candidate there) and that
+a controller started now would open a canary of it, not that a canary is in progress; ``-o json``
+holds it as ``candidate_held``. A candidate at a weight > 0
 with no controller keeps the "canary in progress" warning word for word.
 
 Real parts: a serving pod (torch engine, tiny MoE) watching the record of a real model store,
@@ -83,8 +85,9 @@ def test_a_candidate_held_at_0_by_the_fixed_eval_is_named_as_such(rig):
     s = gather_status([url])
     assert s.err is None and [dr for _, _, _, dr in s.rows] == [[]], (s.err, s.rows)
     assert len(s.warnings) == 1, s.warnings
-    held = (f'the candidate v000001 is held at 0 % (no user is sent to it) as flywheel demo\'s "fixed eval" left it '
-            f"(generation {d.generation} at {_utc(d.updated_ms)} UTC: {EVAL_REASON})")
+    held = (f"the candidate v000001 is held at 0 % (no user is sent to it); the record's last change was flywheel "
+            f'demo\'s "fixed eval" (generation {d.generation} at {_utc(d.updated_ms)} UTC: {EVAL_REASON}), not '
+            "necessarily the one that put the candidate there")
 
     def line(age: int) -> str:
         return (f"{held}; no controller has been seen for {age} s: its last heartbeat ({beat}, {b['host']} pid "
@@ -97,9 +100,10 @@ def test_a_candidate_held_at_0_by_the_fixed_eval_is_named_as_such(rig):
     r, _ = cli("status", "-o", "json")
     doc = json.loads(r.output)
     assert r.exit_code == 0, r.output
-    assert doc["candidate_held"] == {"version": "v000001", "weight": 0.0, "generation": d.generation,
-                                     "actor": EVAL_ACTOR, "action": "fixed eval", "reason": EVAL_REASON,
-                                     "updated_ms": d.updated_ms}
+    assert doc["candidate_held"] == {"version": "v000001", "weight": 0.0,
+                                     "last_change": {"generation": d.generation, "actor": EVAL_ACTOR,
+                                                     "action": "fixed eval", "reason": EVAL_REASON,
+                                                     "updated_ms": d.updated_ms}}
     assert len(doc["warnings"]) == 1 and doc["warnings"] == [line(_age(doc["warnings"][0], t0))]
     assert doc["controller"]["running"] is False
     # the table: the line, never "a canary in progress"
@@ -123,9 +127,9 @@ def test_a_candidate_held_at_0_by_the_fixed_eval_is_named_as_such(rig):
     d2 = FleetRecord(store).change(hold, "oncall-noa", "fixed eval", long)
     w = controller_warning(controller_seen(FleetRecord(store), 60.0), FleetRecord(store).read())
     quoted = ("word " * 30 + "second line")[:117] + "..."
-    assert w.startswith(f'the candidate v000001 is held at 0 % (no user is sent to it) as oncall-noa\'s "fixed eval" '
-                        f"left it (generation {d2.generation} at {_utc(d2.updated_ms)} UTC: {quoted}); no controller "
-                        "has run: "), w
+    assert w.startswith(f"the candidate v000001 is held at 0 % (no user is sent to it); the record's last change was "
+                        f'oncall-noa\'s "fixed eval" (generation {d2.generation} at {_utc(d2.updated_ms)} UTC: '
+                        f"{quoted}), not necessarily the one that put the candidate there; no controller has run: "), w
 
     # a controller seen running: nothing to say (it opens the canary itself)
     FleetRecord(store).beat({**b, "at": now_ms()})
