@@ -17,7 +17,7 @@ from schemas.options import config_options
 @config_options(daemon=DaemonConfig, cfg=LearnerConfig)
 def _learn(daemon: DaemonConfig, cfg: LearnerConfig, *,
            once: bool = typer.Option(False, "--once", help="Run one cycle and exit.")) -> None:
-    """Train on new sealed samples (KTO + router replay, DeepSpeed) and publish a version."""
+    """Train on new sealed samples (KTO, REINFORCE or PSR; router replay, DeepSpeed) and publish a version."""
     from learner.daemon import SettingError, StartError, build_learner
 
     try:

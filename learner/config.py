@@ -104,7 +104,7 @@ class LearnerConfig:
         False, description="Per cycle, raise the minority class's KTO weight so that lambda_D*n_D = lambda_U*n_U "
                            "(the KTO paper, section 4.2, recommends a ratio in [1, 4/3]; product feedback is "
                            "mostly one class).")
-    kl_coef: float = Field(0.0, ge=0, description="REINFORCE: k3 KL penalty to the reference.")
+    kl_coef: float = Field(0.0, ge=0, description="REINFORCE and PSR: k3 KL penalty to the reference (KTO: unused).")
     baseline: Literal["batch", "prompt"] = Field(
         "batch", description="REINFORCE baseline: 'batch' (leave-one-out over the step's batch) or 'prompt' "
                              "(leave-one-out over the other completions of the same prompt in the cycle, RLOO "
@@ -116,7 +116,9 @@ class LearnerConfig:
     max_staleness: int = Field(4, ge=0, description="Drop (and count) samples produced by a version more than "
                                                     "this many versions older than the parent.")
     min_samples: int = Field(1, ge=1, description="Skip the cycle (publish nothing, consume nothing) below this "
-                                                  "many trainable samples.")
+                                                  "many trainable samples; the reason is said and recorded in the "
+                                                  "learner state, and the daemon waits for every_n samples "
+                                                  "beyond those it judged.")
     lateness_s: float = Field(600.0, ge=0, description="How late a shard may appear after a newer one was consumed "
                                                        "and still be found (the watermark's allowed lateness, "
                                                        "learner.cycle).", json_schema_extra={"unit": "s"})

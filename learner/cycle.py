@@ -13,7 +13,7 @@ ingest names a shard when it seals it and renames it into place seconds later, s
 State (``<state_dir>/learner_state.json``, bounded: no per-sample ids)::
 
     {"format": 2, "watermark_ms": W, "consumed": {"date=../hour=../part-...": first_seal_ms},
-     "cycles": [the last MAX_CYCLES cycle records]}
+     "cycles": [the last MAX_CYCLES cycle records: published, rejected or skipped (run_cycle)]}
 
 A format-1 state (every trained completion id) is upgraded once, by one scan of the shards
 (:func:`upgrade_state`). ``<state_dir>/ckpt`` holds the resumable DeepSpeed checkpoint of an
@@ -156,6 +156,37 @@ def read_samples(samples_dir: str | Path, exclude: set[str] | None = None) -> li
     return sorted(out, key=lambda s: (s.sealed_at, str(s.completion_id)))
 
 
+#: what each of the trainer's ``data/dropped_<reason>`` counts means, in a skipped cycle's reason
+_DROPPED = {
+    "stale": "stale (made more than max_staleness {max_staleness} versions before the parent {parent})",
+    "bad_version": "with an unreadable model_version",
+    "eval_split": "in the eval split (never trained on)",
+    "empty_completion": "with an empty prompt or completion",
+    "logprobs_misaligned": "whose behavior_logprobs do not match their completion",
+    "routes_missing": "without expert routes (router replay needs them; see --allow-free-routing)",
+    "routes_misaligned": "whose expert routes do not fit the model's layers and top_k",
+    "routes_out_of_range": "whose expert routes name an expert the model lacks",
+    "not_positive": "with reward <= 0 (objective psr trains on rewards > 0 only)",
+}
+
+
+def skip_reason(metrics: dict, config: LearnerConfig, parent: str, n_held: int = 0) -> str:
+    """Why a cycle trained nothing, from the trainer's ``data/*`` metrics (:func:`learner.trainer.train`
+    returned no state): ``"4 new samples, none trainable: 4 with reward <= 0 (objective psr
+    trains on rewards > 0 only)"``; ``n_held`` samples held out for the gate are counted too.
+    Drop reasons without wording here are named as the trainer counts them."""
+    n = int(metrics.get("data/n_candidates", 0)) + n_held
+    kept = int(metrics.get("data/n_samples", 0))
+    parts = [f"{int(c)} " + _DROPPED.get(k.removeprefix("data/dropped_"), k.removeprefix("data/dropped_")).format(
+                 max_staleness=config.max_staleness, parent=parent)
+             for k, c in metrics.items() if k.startswith("data/dropped_") and c]
+    if n_held:
+        parts.append(f"{n_held} held out for the eval gate")
+    head = f"{n} new samples, " + ("none trainable" if kept == 0 else
+                                   f"{kept} trainable, fewer than min_samples {config.min_samples}")
+    return head + (": " + ", ".join(parts) if parts else "")
+
+
 def parent_version(store, which: str = "stable") -> str | None:
     """The version a cycle trains from.
 
@@ -177,8 +208,8 @@ def parent_version(store, which: str = "stable") -> str | None:
 
 
 def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config: LearnerConfig,
-              show_progress: bool = True, parent: str = DaemonConfig.parent, evaluate: Evaluator | None = None
-              ) -> VersionManifest | None:
+              show_progress: bool = True, parent: str = DaemonConfig.parent, evaluate: Evaluator | None = None,
+              skipped: dict | None = None) -> VersionManifest | None:
     """Train on the sealed samples of the shards not yet consumed and publish one new version.
 
     Args:
@@ -192,12 +223,20 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
         evaluate: evaluation gate ``evaluate(model) -> {"score": float, ...}`` run on the
             parent and on the candidate; default: with ``config.holdout_frac > 0``, the
             preference margin on held-out new ``train`` samples (:mod:`learner.gate`), else no gate.
+        skipped: when given, filled (on every rank) with the skip record of a cycle whose
+            samples the trainer's filters left fewer than ``config.min_samples`` (below).
 
     Returns:
-        The published :class:`VersionManifest`, or None when fewer than
-        ``config.min_samples`` trainable samples are available (nothing is consumed then), or
-        the gate rejected the candidate or its weights hold NaN or infinite values (shards
-        consumed; the reason is the last entry of ``learner_state.json`` ``cycles``).
+        The published :class:`VersionManifest`, or None when:
+
+        - fewer than ``config.min_samples`` new ``train`` samples exist: nothing is read,
+          consumed or recorded;
+        - the trainer's filters (staleness, sample checks, psr's reward > 0) left fewer than
+          ``config.min_samples``: nothing is consumed; the state's ``cycles`` gets a record
+          ``{"parent", "at", "version": None, "skipped": reason (:func:`skip_reason`),
+          "n_new": new train samples judged, "n_samples", "metrics": the trainer's data/*}``;
+        - the gate rejected the candidate or its weights hold NaN or infinite values (shards
+          consumed; the reason is the last entry of ``learner_state.json`` ``cycles``).
 
     Raises:
         RuntimeError: the store has no version to train from.
@@ -210,7 +249,8 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
     lateness_ms = int(config.lateness_s * 1000)
     state = _loaded(state_dir, samples_dir, lateness_ms)
     shards = new_shards(samples_dir, state, lateness_ms)
-    if count_rows(shards, "train") < config.min_samples:
+    n_new = count_rows(shards, "train")
+    if n_new < config.min_samples:
         return None
     t0 = time.perf_counter()
     work = Path(state_dir) / "cycle"
@@ -223,8 +263,15 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
               "at": now_ms()}
     manifest = _train_and_publish(store, parent, src, hold, state_dir, config, show_progress, evaluate, record, t0)
     trim_heap()  # the cycle's model, engine and decode buffers are freed: give their pages back (daemon)
-    if manifest is False:  # fewer than min_samples survived the trainer's filters: nothing consumed
+    if manifest is False:  # training did not run (or another rank publishes): nothing consumed
         shutil.rmtree(work, ignore_errors=True)
+        if "skipped" in record:  # fewer than min_samples survived the trainer's filters
+            record["n_new"] = n_new
+            if skipped is not None:
+                skipped.update(record)
+            if int(os.environ.get("RANK", "0")) == 0:  # the record only: watermark and consumed as they were
+                state["cycles"] = (state["cycles"] + [record])[-MAX_CYCLES:]
+                save_state(state_dir, state)
         return None
     state = consume(state, shards, lateness_ms)
     state["cycles"] = (state["cycles"] + [record])[-MAX_CYCLES:]
@@ -288,7 +335,8 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
     """Load the parent, train, gate (``evaluate``, else the preference margin on ``hold``
     when it has both labels), publish. Returns the manifest, None when the gate rejected the
     candidate or the store refused its weights as NaN or infinite (``record`` says why), or
-    False when training did not run."""
+    False when training did not run (``record["skipped"]`` says why when the trainer's filters
+    left too few samples) or another rank publishes."""
     model, parent_dtypes = _load_parent(store, parent)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     if evaluate is None and any(s.label for s in hold) and not all(s.label for s in hold):
@@ -304,6 +352,8 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
             bar.stop()
     trim_heap()  # the step's activations and the optimizer's state are freed: publish starts from the model
     if new_state is None:
+        record.update({"version": None, "n_samples": metrics.get("data/n_samples"),
+                       "skipped": skip_reason(metrics, config, parent, len(hold)), "metrics": metrics})
         return False
     if int(os.environ.get("RANK", "0")) != 0:  # multi-process (torchrun): rank 0 publishes
         return False

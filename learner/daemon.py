@@ -85,15 +85,26 @@ class Learner:
     Built by :func:`build_learner`: ``store`` is the store's directory or URL (what the cycle
     opens), ``model_store`` the opened ``modelstore.store.ModelStore``; ``say`` receives each line
     the role reports (stdout in the CLI).
+
+    The daemon's memory between polls (:meth:`poll`): ``skipped`` is the skip record of the
+    last cycle when the trainer's filters left it too few samples (``learner.cycle.run_cycle``),
+    else None; ``judged`` is ``(new train samples that cycle judged, its parent)`` while the
+    daemon waits for samples beyond those, else None.
     """
 
     def __init__(self, cfg: LearnerConfig, daemon: DaemonConfig, store: str, model_store, samples: Path,
                  state: Path, evaluate, metrics, say: Callable[[str], None] = print):
         self.cfg, self.daemon, self.store, self.model_store = cfg, daemon, store, model_store
         self.samples, self.state, self.evaluate, self.metrics, self.say = samples, state, evaluate, metrics, say
+        self.skipped: dict | None = None
+        self.judged: tuple[int, str] | None = None
+        self._fleet = None
+        self._was_paused = False
+        self._last = time.monotonic()
 
     def cycle(self) -> None:
-        """Run one cycle (train, gate, publish) and report its outcome on rank 0.
+        """Run one cycle (train, gate, publish) and report its outcome on rank 0; sets
+        :attr:`skipped` on every rank.
 
         Raises:
             Exception: whatever the cycle raised (counted as a failed cycle first).
@@ -102,24 +113,34 @@ class Learner:
         from learner.metrics import cycle_outcome
 
         lm, started_ms, rank0, t0 = self.metrics, now_ms(), _rank0(), time.monotonic()
+        skipped: dict = {}
+        self.skipped = None
         try:
             m = run_cycle(self.store, self.samples, self.state, self.cfg, parent=self.daemon.parent,
-                          show_progress=rank0, evaluate=self.evaluate)
+                          show_progress=rank0, evaluate=self.evaluate, skipped=skipped)
         except Exception:
             lm.cycle_done("failed", {}, time.monotonic() - t0)
             raise
+        self.skipped = skipped or None
         if not rank0:
             return
         # Waiting samples are recounted before the cycle is reported, so a scrape that sees the
         # cycle also sees what it left behind (not the count that started it).
-        lm.samples_waiting.set(count_new(self.samples, self.state, int(self.cfg.lateness_s * 1000)))
-        lm.cycle_done(*cycle_outcome(m, load_state(self.state), started_ms), time.monotonic() - t0)
+        n_left = count_new(self.samples, self.state, int(self.cfg.lateness_s * 1000))
+        lm.samples_waiting.set(n_left)
+        state = load_state(self.state)
+        lm.cycle_done(*cycle_outcome(m, state, started_ms), time.monotonic() - t0)
         if m is None:
-            cycles = load_state(self.state)["cycles"]
-            if cycles and cycles[-1].get("rejected") and cycles[-1]["at"] >= started_ms:
-                self.say(f"learn: candidate rejected by the eval gate: {cycles[-1]['rejected']}")
-            else:
-                self.say(f"learn: fewer than {self.cfg.min_samples} new trainable samples; nothing published")
+            last = state["cycles"][-1] if state["cycles"] else {}
+            if last.get("rejected") and last["at"] >= started_ms:
+                self.say(f"learn: candidate rejected by the eval gate: {last['rejected']}")
+            elif self.skipped is not None:
+                self.say(f"learn: {self.skipped['skipped']}; nothing published")
+            elif n_left < self.cfg.min_samples:
+                self.say(f"learn: {n_left} new samples, fewer than min_samples {self.cfg.min_samples}; "
+                         "nothing published")
+            else:  # samples arrived while the cycle ran: it saw fewer
+                self.say(f"learn: fewer than min_samples {self.cfg.min_samples} new samples; nothing published")
             return
         keys = ("data/n_samples", "kto/loss_first", "kto/loss", "mismatch/max", "is/ratio_mean",
                 "perf/tokens_per_s")
@@ -133,39 +154,62 @@ class Learner:
         except ValueError as exc:  # unreadable record: do not train on a pause we cannot see
             return {"actor": "unknown", "reason": f"desired-state record unreadable: {exc}"}
 
-    def serve(self) -> None:
-        """The daemon: a cycle every ``every_h`` hours or ``every_n`` new samples, whichever
-        comes first, checked every ``poll_s`` seconds; never returns.
+    def poll(self) -> bool:
+        """One check of the daemon loop (:meth:`serve`); returns whether it ran a cycle.
+
+        A cycle runs when at least ``min_samples`` new train samples are waiting and either
+        ``max(every_n, 1)`` of them are unjudged or ``every_h`` hours passed since the last
+        cycle with at least one unjudged. Unjudged: all of them, except after a cycle that the
+        trainer's filters left too few samples (psr with no reward > 0, all stale, ...): that
+        cycle consumed nothing, so its samples are still waiting and would start the same
+        empty cycle at every poll; they count as judged until a cycle consumes them, fewer are
+        waiting than were judged, or the parent changes (staleness is measured from it). The
+        wait is said once.
 
         Operator pause (``flywheel pause`` / ``flywheel resume``): read from the fleet's
-        desired state on the store before each cycle, wherever this learner runs; a cycle
+        desired state on the store at each poll, wherever this learner runs; a cycle
         already running finishes.
         """
+        from learner.cycle import count_new, parent_version
         from modelstore.desired import FleetRecord
-        from learner.cycle import count_new
 
         d, lm = self.daemon, self.metrics
-        fleet = FleetRecord(self.model_store)  # `flywheel pause` writes the fleet's desired state on the store
-        last, was_paused = time.monotonic(), False
+        if self._fleet is None:
+            self._fleet = FleetRecord(self.model_store)  # `flywheel pause` writes the fleet's desired state there
+        paused = self._paused(self._fleet)
+        lm.paused.set(bool(paused))
+        if paused:
+            if not self._was_paused:
+                self.say(f"learn: paused by operator ({json.dumps(paused)}); waiting")
+            self._was_paused = True
+            return False
+        if self._was_paused:
+            self.say("learn: resumed")
+            self._was_paused = False
+        n_new = count_new(self.samples, self.state, int(self.cfg.lateness_s * 1000))  # from the watermark
+        lm.samples_waiting.set(n_new)
+        if self.judged is not None and (n_new < self.judged[0]
+                                        or parent_version(self.model_store, d.parent) != self.judged[1]):
+            self.judged = None
+        unjudged = n_new - (self.judged[0] if self.judged else 0)
+        due = time.monotonic() - self._last >= d.every_h * 3600
+        if n_new < self.cfg.min_samples or not (unjudged >= max(d.every_n, 1) or (due and unjudged >= 1)):
+            return False
+        self.cycle()
+        self._last = time.monotonic()
+        self.judged = None
+        if self.skipped is not None:
+            self.judged = (int(self.skipped["n_new"]), str(self.skipped["parent"]))
+            if _rank0():
+                self.say(f"learn: waiting for {max(d.every_n, 1)} new samples beyond the {self.judged[0]} judged "
+                         f"(or one after every_h {d.every_h:g} h) before the next cycle")
+        return True
+
+    def serve(self) -> None:
+        """The daemon: :meth:`poll` every ``poll_s`` seconds; never returns."""
         while True:
-            paused = self._paused(fleet)
-            lm.paused.set(bool(paused))
-            if paused:
-                if not was_paused:
-                    self.say(f"learn: paused by operator ({json.dumps(paused)}); waiting")
-                was_paused = True
-                time.sleep(d.poll_s)
-                continue
-            if was_paused:
-                self.say("learn: resumed")
-                was_paused = False
-            n_new = count_new(self.samples, self.state, int(self.cfg.lateness_s * 1000))  # from the watermark
-            lm.samples_waiting.set(n_new)
-            min_n = self.cfg.min_samples
-            if n_new >= max(d.every_n, min_n) or (time.monotonic() - last >= d.every_h * 3600 and n_new >= min_n):
-                self.cycle()
-                last = time.monotonic()
-            time.sleep(d.poll_s)
+            self.poll()
+            time.sleep(self.daemon.poll_s)
 
 
 def build_learner(cfg: LearnerConfig, daemon: DaemonConfig, say: Callable[[str], None] = print) -> Learner:
