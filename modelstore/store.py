@@ -82,34 +82,48 @@ class CorruptManifestError(CorruptVersionError):
 
 
 def nonfinite_tensors(state: dict[str, "torch.Tensor"]) -> list[tuple[str, int, int]]:
-    """The floating tensors of ``state`` holding NaN or infinite values, as ``(name, count,
-    numel)`` in the state's order (``count``: NaN and infinite values together); empty when
-    every value is finite. One pass over the weights (a boolean mask per tensor at a time)."""
+    """The floating and complex tensors of ``state`` holding NaN or infinite values, as
+    ``(name, count, numel)`` in the state's order; empty when every value is finite. One pass
+    over the weights (a boolean mask per tensor at a time).
+
+    ``count`` is the elements that are NaN or infinite; for a complex tensor, the elements whose
+    real or imaginary part is. Per dtype: float8_e8m0fnu's one non-finite value is NaN, the byte
+    0xFF (read as bytes: ``torch.isfinite`` says True for it); float8 e4m3fn, e4m3fnuz and
+    e5m2fnuz have no infinity and NaN is their one non-finite value (torch has no ``isfinite``
+    for them); float4_e2m1fn_x2 has no non-finite value. Integer and bool tensors are skipped
+    (the codec names a dtype the store does not hold)."""
     import torch
 
     bad = []
     for name, t in state.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point():  # anything else: the codec names it
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            continue
+        if t.dtype == torch.float8_e8m0fnu:
+            finite = t.view(torch.uint8) != 0xFF
+        else:
             try:
-                finite = torch.isfinite(t)
-            except NotImplementedError:  # float8 e4m3fn, e4m3fnuz, e5m2fnuz: no infinity, NaN is
-                finite = ~torch.isnan(t)  # their one non-finite value (torch has no isfinite for them)
-            if not bool(finite.all()):
-                bad.append((name, int(finite.numel() - finite.sum()), t.numel()))
+                finite = torch.isfinite(t)  # complex: False where either part is NaN or infinite
+            except NotImplementedError:
+                finite = ~torch.isnan(t)
+        if not bool(finite.all()):
+            bad.append((name, int(finite.numel() - finite.sum()), t.numel()))
     return bad
 
 
 def describe_nonfinite(bad: list[tuple[str, int, int]], shown: int = 5) -> str:
-    """``"2 tensors hold NaN or infinite values: a: 1 of 64; b: 3 of 64"`` for
-    :func:`nonfinite_tensors`' list (the first ``shown`` named, then a count)."""
-    names = "; ".join(f"{k}: {n} of {total}" for k, n, total in bad[:shown])
+    """``"2 tensors hold NaN or infinite values: 'a': 1 of 64; 'b': 3 of 64"`` (``"1 tensor
+    holds ..."`` for one) for :func:`nonfinite_tensors`' list: the first ``shown`` named, then a
+    count. Names are quoted with ``repr`` (as the checkpoint checks quote them), so a name
+    holding a newline or a terminal escape prints as its escaped text."""
+    names = "; ".join(f"{k!r}: {n} of {total}" for k, n, total in bad[:shown])
     more = f"; and {len(bad) - shown} more" if len(bad) > shown else ""
-    return f"{len(bad)} tensors hold NaN or infinite values: {names}{more}"
+    subject = "1 tensor holds" if len(bad) == 1 else f"{len(bad)} tensors hold"
+    return f"{subject} NaN or infinite values: {names}{more}"
 
 
 class NonFiniteWeightsError(ValueError):
-    """A state the store refuses: floating tensors holding NaN or infinite values (a version
-    whose weights serve NaN logits is never stored; D101).
+    """A state the store refuses: floating or complex tensors holding NaN or infinite values
+    (a version whose weights serve NaN logits is never stored; D101).
 
     Attributes:
         bad: :func:`nonfinite_tensors`' list, ``[(name, count, numel), ...]`` in the state's

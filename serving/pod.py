@@ -473,13 +473,14 @@ def check_model_dir(model_dir: Path) -> None:
     """``--model-dir``: a Hugging Face checkpoint that passes the checks that need no model
     built (:func:`schemas.checkpoint_check.check_checkpoint_dir`, as ``flywheel model init
     --from`` runs them): config.json, the safetensors headers, the config's sizes against
-    the weights, tokenizer files; then every weight finite (:func:`nonfinite_weights`; the
-    model store's check, which the engine's own read of the files bypasses).
+    the weights, tokenizer files; then every weight read and finite (:func:`nonfinite_weights`;
+    the model store's check, which the engine's own read of the files bypasses).
 
     Raises:
         SettingError: ``--model-dir``, naming the directory, the file or config field, and
-            what is wrong (``weights: N tensors hold NaN or infinite values: name: count of
-            numel; ...``, as ``model init --from`` says it).
+            what is wrong: ``weights: N tensors hold NaN or infinite values: 'name': count of
+            numel; ... (names as the safetensors files hold them)``, or ``<file>: tensor
+            'name' cannot be read: <the reader's error>``.
     """
     from modelstore.store import describe_nonfinite
     from schemas.checkpoint_check import CheckpointError, check_checkpoint_dir
@@ -488,28 +489,52 @@ def check_model_dir(model_dir: Path) -> None:
         raise SettingError("--model-dir", f"{model_dir} holds no Hugging Face checkpoint (no config.json)")
     try:
         checked = check_checkpoint_dir(model_dir)
+        bad = nonfinite_weights(checked.weight_files)
     except CheckpointError as exc:
         raise SettingError("--model-dir", f"{model_dir}: {exc}") from None
-    bad = nonfinite_weights(checked.weight_files)
     if bad:  # a NaN weight serves NaN logits: nothing a pod could answer with
-        raise SettingError("--model-dir", f"{model_dir}: {CheckpointError('weights', describe_nonfinite(bad))}")
+        reason = f"{describe_nonfinite(bad)} (names as the safetensors files hold them)"
+        raise SettingError("--model-dir", f"{model_dir}: {CheckpointError('weights', reason)}")
 
 
 def nonfinite_weights(files: list[Path]) -> list[tuple[str, int, int]]:
     """The tensors of the safetensors ``files`` holding NaN or infinite values, as
-    :func:`modelstore.store.nonfinite_tensors` lists them (``(name, count, numel)``, names as
-    the files hold them, the files' order then each file's). Read with safetensors' own
-    reader one tensor at a time: one pass over the files, one tensor in memory (plus its
-    boolean mask), no model built."""
+    :func:`modelstore.store.nonfinite_tensors` lists them (``(name, count, numel)``), the
+    files' order then the reader's within a file (by name). Read with safetensors' own reader (the one the engine
+    loads the weights with) one tensor at a time: one pass over the files, one tensor in
+    memory (plus its boolean mask), no model built.
+
+    Names are the files' own, which are not always the names ``flywheel model init --from``
+    reports for the same checkpoint: that checks the model's state after loading it, where a
+    tied ``lm_head.weight`` is a second name for the embedding and per-expert file tensors
+    (``...experts.3.w1.weight``) are fused into one (``...experts.gate_up_proj``), so the
+    names and the number of tensors can differ (an embedding holding inf, tied to the head:
+    one tensor here, two there).
+
+    Raises:
+        CheckpointError: field the file's name, when the reader cannot open a file or load
+            one of its tensors (a dtype this safetensors/torch cannot load, such as F6_E2M3;
+            a file it refuses); the reason names the tensor (``repr``) and the reader's error.
+    """
     from safetensors import safe_open
 
     from modelstore.store import nonfinite_tensors
+    from schemas.checkpoint_check import CheckpointError, library_text
 
     bad = []
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        try:
+            st_cm = safe_open(str(f), framework="pt")
+        except Exception as exc:  # the reader's own errors (SafetensorError, OSError, ...), any of them
+            raise CheckpointError(f.name, f"cannot be read: {library_text(exc)}") from None
+        with st_cm as st:
             for name in st.keys():
-                bad += nonfinite_tensors({name: st.get_tensor(name)})
+                try:
+                    t = st.get_tensor(name)
+                except Exception as exc:
+                    raise CheckpointError(f.name, f"tensor {name!r} cannot be read: {library_text(exc)}") from None
+                bad += nonfinite_tensors({name: t})
+                del t
     return bad
 
 

@@ -53,7 +53,7 @@ def test_publish_raises_the_subclass_naming_each_tensor_and_writes_nothing(tiny_
     expect = sorted([(NORM, 3, hidden), (emb, 1, bad[emb].numel())])  # 2 NaN + 1 inf; 1 -inf
     assert sorted(err.bad) == expect, err.bad
     assert err.reason.startswith("2 tensors hold NaN or infinite values: ")
-    assert f"{NORM}: 3 of {hidden}" in err.reason and f"{emb}: 1 of {bad[emb].numel()}" in err.reason
+    assert f"{NORM!r}: 3 of {hidden}" in err.reason and f"{emb!r}: 1 of {bad[emb].numel()}" in err.reason
     assert str(err) == f"state: {err.reason}"
     assert store.versions() == ["v000000"]
     assert not [p for p in (tmp_path / "store" / "versions").iterdir() if p.name != "v000000"]  # no temp dir left
@@ -100,6 +100,51 @@ def test_float8_weights_are_checked_too(tmp_path):
         store.init_base(_config_only(tmp_path), state={"w": fine})
 
 
+def test_float8_e8m0_nan_is_counted_from_its_bytes():
+    """float8_e8m0fnu (exponent only: 2**(b - 127)) has one non-finite value, NaN, the byte
+    0xFF; torch's isfinite says True for it, so the bytes are what is checked."""
+    from modelstore.store import nonfinite_tensors
+
+    raw = torch.tensor([0x7F, 0xFF, 0x80, 0x00, 0xFF, 0xFE], dtype=torch.uint8)  # 1.0, NaN, 2.0, 2**-127, NaN, 2**127
+    e8 = raw.view(torch.float8_e8m0fnu)
+    fine = torch.tensor([0x7F, 0xFE], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert nonfinite_tensors({"fine": fine, "e8": e8}) == [("e8", 2, 6)]
+
+
+def test_complex_tensors_count_elements_with_a_nonfinite_part():
+    """An element of a complex tensor is non-finite when its real or its imaginary part is
+    (both non-finite: still one element)."""
+    from modelstore.store import nonfinite_tensors
+
+    nan, inf = float("nan"), float("inf")
+    c64 = torch.complex(torch.tensor([1.0, nan, 0.0, -inf, 3.0, 2.0]), torch.tensor([2.0, 0.0, inf, nan, 0.0, -1.0]))
+    assert c64.dtype == torch.complex64
+    c128 = torch.complex(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([nan, 0.0], dtype=torch.float64))
+    fine = torch.complex(torch.tensor([1.0]), torch.tensor([-1.0]))
+    assert nonfinite_tensors({"c64": c64, "fine": fine, "c128": c128}) == [("c64", 3, 6), ("c128", 1, 2)]
+
+
+def test_float4_has_no_nonfinite_value():
+    """float4_e2m1fn_x2 (two e2m1 values a byte) encodes only finite values: any byte passes,
+    and the check does not fail on a dtype torch has no isfinite for."""
+    from modelstore.store import nonfinite_tensors
+
+    f4 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float4_e2m1fn_x2)
+    assert nonfinite_tensors({"f4": f4}) == []
+
+
+def test_describe_nonfinite_quotes_names_and_counts_in_words():
+    from modelstore.store import describe_nonfinite
+
+    evil = "evil\x1b[31mRED\x1b[0m\nname"
+    text = describe_nonfinite([(evil, 1, 4)])
+    assert text == "1 tensor holds NaN or infinite values: 'evil\\x1b[31mRED\\x1b[0m\\nname': 1 of 4"
+    assert "\x1b" not in text and "\n" not in text
+    bad = [(f"t{i}", i + 1, 10) for i in range(7)]
+    assert describe_nonfinite(bad, shown=2) == ("7 tensors hold NaN or infinite values: 't0': 1 of 10; 't1': 2 of 10; "
+                                                "and 5 more")
+
+
 def _config_only(tmp_path: Path) -> Path:
     d = tmp_path / "cfg"
     d.mkdir()
@@ -137,7 +182,8 @@ def test_check_model_dir_names_the_tensor(nan_ck, tiny_moe_dir, monkeypatch):
     with pytest.raises(SettingError) as ei:
         check_model_dir(d)
     assert ei.value.flag == "--model-dir"
-    assert ei.value.reason == f"{d}: weights: 1 tensors hold NaN or infinite values: {name}: 2 of {numel}"
+    assert ei.value.reason == (f"{d}: weights: 1 tensor holds NaN or infinite values: {name!r}: 2 of {numel} "
+                               "(names as the safetensors files hold them)")
 
 
 def test_nonfinite_weights_reads_every_shard(tiny_moe_dir, tmp_path):
@@ -156,6 +202,82 @@ def test_nonfinite_weights_reads_every_shard(tiny_moe_dir, tmp_path):
     part_b[last].view(-1)[:4] = float("inf")
     save_file(part_b, str(b))
     assert nonfinite_weights([a, b]) == [(last, 4, st[last].numel())]
+
+
+def write_raw_safetensors(path: Path, tensors: dict, entries: list[tuple[str, str, list[int], bytes]]) -> None:
+    """A safetensors file holding the torch ``tensors`` (as safetensors writes them) and then
+    ``entries`` ``(name, safetensors dtype, shape, bytes)`` appended to the data section by
+    hand, after the format's description (8-byte little-endian header length, JSON header,
+    data section): dtypes torch cannot make, names safetensors' writer would not be given."""
+    from safetensors.torch import save
+
+    blob = save(tensors)
+    n = int.from_bytes(blob[:8], "little")
+    header, data = json.loads(blob[8:8 + n]), blob[8 + n:]
+    for name, dtype, shape, raw in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data)
+
+
+@pytest.fixture()
+def raw_ck(tiny_moe_dir, tmp_path):
+    """``make(entries)``: a copy of the tiny checkpoint whose model.safetensors also holds
+    ``entries`` (see :func:`write_raw_safetensors`); returns the directory."""
+    from safetensors.torch import load_file
+
+    st = load_file(str(tiny_moe_dir / "model.safetensors"))
+
+    def make(entries, name="ck"):
+        d = Path(shutil.copytree(tiny_moe_dir, tmp_path / name))
+        write_raw_safetensors(d / "model.safetensors", st, entries)
+        return d
+
+    return make
+
+
+def test_check_model_dir_refuses_a_tensor_the_reader_cannot_load(raw_ck):
+    """F6_E2M3 passes the header check (a safetensors dtype, 6 bits an element) but this
+    safetensors cannot load it for torch: refused naming the file, the tensor and the reader's
+    error, not a traceback."""
+    from schemas.checkpoint_check import CheckpointError, check_checkpoint_dir
+    from serving.config import SettingError
+    from serving.pod import check_model_dir, nonfinite_weights
+
+    d = raw_ck([("extra.f6", "F6_E2M3", [4], bytes(3))])  # 4 x 6 bits = 3 bytes
+    check_checkpoint_dir(d)  # the format's check passes it
+    with pytest.raises(CheckpointError) as ce:
+        nonfinite_weights([d / "model.safetensors"])
+    assert ce.value.field == "model.safetensors"
+    assert ce.value.reason.startswith("tensor 'extra.f6' cannot be read: SafetensorError: "), ce.value.reason
+    assert "F6_E2M3" in ce.value.reason, ce.value.reason
+    with pytest.raises(SettingError) as ei:
+        check_model_dir(d)
+    assert ei.value.flag == "--model-dir"
+    assert ei.value.reason == f"{d}: model.safetensors: {ce.value.reason}"
+
+
+def test_check_model_dir_reads_e8m0_and_complex_nan_and_quotes_names(raw_ck):
+    """An E8M0 NaN (0xFF) and a complex NaN in the file, and a name holding a terminal escape
+    and a newline: all counted, the name printed as its repr."""
+    from serving.config import SettingError
+    from serving.pod import check_model_dir, nonfinite_weights
+
+    evil = "evil\x1b[31mRED\x1b[0m\nname"
+    nan = float("nan")
+    c64 = torch.complex(torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.0, nan, 1.0]))
+    d = raw_ck([("extra.e8", "F8_E8M0", [3], bytes([0x7F, 0xFF, 0x80])),
+                ("extra.c64", "C64", [3], torch.view_as_real(c64).numpy().tobytes()),
+                (evil, "F32", [2], torch.tensor([nan, 1.0]).numpy().tobytes())])
+    # in the reader's order (safetensors lists a file's tensors sorted by name)
+    assert nonfinite_weights([d / "model.safetensors"]) == [(evil, 1, 2), ("extra.c64", 1, 3), ("extra.e8", 1, 3)]
+    with pytest.raises(SettingError) as ei:
+        check_model_dir(d)
+    assert ei.value.reason == (f"{d}: weights: 3 tensors hold NaN or infinite values: "
+                               "'evil\\x1b[31mRED\\x1b[0m\\nname': 1 of 2; 'extra.c64': 1 of 3; 'extra.e8': 1 of 3 "
+                               "(names as the safetensors files hold them)")
 
 
 def _connects(port: int) -> bool:
@@ -190,7 +312,7 @@ def test_serve_model_dir_with_a_nan_weight_exits_2_and_never_listens(nan_ck, tmp
     assert proc.returncode == 2, out[-3000:]
     assert not listened and "serving " not in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
-    assert "--model-dir" in flat and f"weights: 1 tensors hold NaN or infinite values: {name}: 2 of {numel}" in flat, \
-        out[-3000:]
+    assert "--model-dir" in flat, out[-3000:]
+    assert f"weights: 1 tensor holds NaN or infinite values: {name!r}: 2 of {numel}" in flat, out[-3000:]
     with socket.socket() as s:  # nothing holds the port now either
         s.bind(("127.0.0.1", port))

@@ -490,8 +490,8 @@ def test_a_candidate_with_nonfinite_weights_is_recorded_rejected_and_never_store
     rec = json.loads((tmp_path / "state" / "learner_state.json").read_text())["cycles"][-1]
     hidden = model.config.hidden_size
     assert rec["version"] is None and rec["rejected"].startswith("candidate weights: 2 tensors hold NaN"), rec
-    assert f"model.norm.weight: 2 of {hidden}" in rec["rejected"], rec
-    assert f"model.layers.0.input_layernorm.weight: 1 of {hidden}" in rec["rejected"], rec
+    assert f"'model.norm.weight': 2 of {hidden}" in rec["rejected"], rec
+    assert f"'model.layers.0.input_layernorm.weight': 1 of {hidden}" in rec["rejected"], rec
     with pytest.raises(ValueError, match=r"state: 2 tensors hold NaN or infinite values"):
         store.publish(state, parent="v000000")
     assert store.versions() == ["v000000"]

@@ -343,8 +343,8 @@ def test_init_from_refusals(chat_tok, tmp_path):
     with pytest.raises(CheckpointError, match="2 tensors hold NaN or infinite values") as ei:
         import_checkpoint(d, tmp_path / "store", log=lambda s: None)
     hidden = json.loads((good / "config.json").read_text())["hidden_size"]
-    assert ei.value.field == "weights" and f"model.norm.weight: 2 of {hidden}" in str(ei.value), str(ei.value)
-    assert f"model.layers.0.post_attention_layernorm.weight: 1 of {hidden}" in str(ei.value), str(ei.value)
+    assert ei.value.field == "weights" and f"'model.norm.weight': 2 of {hidden}" in str(ei.value), str(ei.value)
+    assert f"'model.layers.0.post_attention_layernorm.weight': 1 of {hidden}" in str(ei.value), str(ei.value)
     assert ModelStore(tmp_path / "store").versions() == []
 
     # through the CLI: exit 2, the option and the reason on stderr; a non-empty store is refused
