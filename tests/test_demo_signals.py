@@ -195,16 +195,25 @@ def test_stop_signals_run_the_cleanup_once_and_keep_an_inherited_ignore():
         time.sleep(0.05)
 
     prev_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    # Python's own SIGINT handler, whatever an earlier test in this worker left (an ignored
+    # SIGINT is respected by StopSignals, as SIGHUP is here, and would make this test vacuous)
+    prev_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(SystemExit) as exc:
             with StopSignals(cleanup):
                 assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # nohup is respected
                 os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(1)
+                # the kernel may deliver the signal to another thread (an earlier test's), which
+                # does not interrupt the main thread's sleep: Python runs the handler at the main
+                # thread's next check, so wait in short sleeps, never ending the block first
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
         assert exc.value.code == 128 + signal.SIGINT and calls == [1]
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGHUP, prev_hup)
+        signal.signal(signal.SIGINT, prev_int)
     with StopSignals(cleanup := lambda: calls.append(2)) as st:  # noqa: F841 - ends normally: cleanup once
         pass
     assert calls == [1, 2] and st.received is None
