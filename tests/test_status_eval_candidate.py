@@ -25,15 +25,12 @@ import socket
 import time
 from datetime import datetime, timezone
 
-import typer
-from typer.testing import CliRunner
-
-from deploy.commands import register
 from deploy.status import controller_seen, controller_warning, gather_status
 from flywheel.demo import EVAL_ACTOR
 from modelstore.desired import HEARTBEAT_FILE, FleetRecord
 from schemas.events import now_ms
 from tests.test_demo_eval_record import _slots, rig  # noqa: F401 - fixture
+from tests.test_oncall_messages import _cli
 
 AGE_S = 71  # the stopped controller's heartbeat age: past 60 s ($FLYWHEEL_CONTROLLER_SEEN_S default) + 5 s poll
 EVAL_REASON = ("fixed eval: v000001 in the candidate slot at 0 % of users, asked the fixed prompts by id "
@@ -60,16 +57,6 @@ def _age(line: str, t0: float) -> int:
     age = int(m.group(1))
     assert AGE_S <= age <= AGE_S + time.monotonic() - t0 + 1, (age, line)
     return age
-
-
-def _cli():
-    app = typer.Typer()
-    register(app)
-
-    def cli(*args):
-        r = CliRunner().invoke(app, list(args))
-        return r, " ".join(r.output.split())
-    return cli
 
 
 def test_a_candidate_held_at_0_by_the_fixed_eval_is_named_as_such(rig):
