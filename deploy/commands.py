@@ -46,13 +46,14 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
-                           discover_pods, gather_status, shown, status_warnings)
+                           discover_pods, gather_status, status_warnings)
 from deploy.status import ts as _ts
 from modelstore.store import CorruptVersionError, ModelStore, StoreMissingError
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
 from schemas.events import now_ms
 from schemas import settings
+from schemas.display import shown
 from schemas.options import config_options, model_fields
 from schemas.output import OUTPUT, Format, dumps, json_safe, resolve
 
@@ -66,7 +67,7 @@ if not console.is_terminal and "COLUMNS" not in os.environ:
 def _data(text) -> str:
     """``text`` (anything from the operator, the record, a pod, the store or the ledger) ready
     to go into rich markup: its control and other unprintable characters shown as escapes
-    (:func:`deploy.status.shown`: ``\\x1b``, ``\\n``; a terminal acts on none of them), then
+    (:func:`schemas.display.shown`: ``\\x1b``, ``\\n``; a terminal acts on none of them), then
     escaped for rich, so rich prints it as it is, ``[/]``, ``[word]`` and ``[fe80::1]``
     included, never as markup (an unbalanced tag would raise rich's MarkupError)."""
     return escape(shown(str(text)))

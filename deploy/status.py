@@ -22,6 +22,7 @@ from deploy.serving_client import ServingAdminError
 from modelstore.store import ModelStore, StoreMissingError
 from deploy.wiring import SetupError, admin, rollout_status_path
 from schemas import settings
+from schemas.display import shown
 from schemas.events import now_ms
 from schemas.output import json_safe
 
@@ -110,24 +111,9 @@ REASON_SHOWN_MAX = 120  # characters of the record's reason the held-candidate l
 NAME_SHOWN_MAX = 120  # characters of the record's actor and action the held-candidate line quotes
 
 
-def shown(s: str) -> str:
-    """``s`` as a terminal may print it: every character that is not printable
-    (``str.isprintable``: C0 controls with ESC, NUL, newline and tab, DEL, C1 controls with
-    the 8-bit CSI U+009B, format characters such as bidi overrides, lone surrogates, line
-    and paragraph separators, spaces other than " ") written as ``repr`` writes it: ``\\x1b``,
-    ``\\n``, ``\\x9b``, ``\\u202e`` (4 to 10 printable characters each). Printable text,
-    backslashes included, is unchanged, so the escapes are for a reader, not a parser: the
-    exact value is what ``-o json`` holds. Every string an operator, a record, a ledger or a
-    pod supplies goes through it before the on-call CLI prints it, and before any cut, so a
-    cut never splits an escape sequence into one a terminal acts on."""
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
-
-
 def _quote(s: str, limit: int) -> str:
     """``s`` on one line (runs of whitespace, line breaks included, become one space),
-    :func:`shown`, cut to ``limit`` characters (the last 3 of them "...")."""
+    :func:`schemas.display.shown`, cut to ``limit`` characters (the last 3 of them "...")."""
     s = shown(" ".join(s.split()))
     return s if len(s) <= limit else s[:limit - 3] + "..."
 

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from schemas.events import now_ms
 from schemas.manifest import version_number
+from schemas.display import shown
 from schemas.pod_target import MAX_GENERATION, check_consistent, check_pod_spec, redact_text
 
 log = logging.getLogger(__name__)
@@ -253,10 +254,6 @@ class DesiredState:
         return s
 
 
-def _printable(s: str) -> str:
-    return "".join(c if c.isprintable() else "?" for c in s)
-
-
 @dataclass(frozen=True)
 class Heartbeat:
     """The controller's heartbeat (``fleet/controller.json``), as a reader accepts it.
@@ -267,8 +264,9 @@ class Heartbeat:
         pid: its process id (a whole number >= 0).
         poll_s: the ``--poll-s`` it declared (s, finite, in ``[0, HEARTBEAT_MAX_POLL_S]``), or
             None (``--once``).
-        error: the last step's error, or None; unprintable characters become ``?`` and it is
-            cut to :data:`HEARTBEAT_ERROR_MAX` characters.
+        error: the last step's error, or None; its unprintable characters written as escapes
+            (:func:`schemas.display.shown`: ``\\x1b``, ``\\n``), then cut to
+            :data:`HEARTBEAT_ERROR_MAX` characters.
     """
 
     at: int
@@ -330,7 +328,7 @@ class Heartbeat:
         if err is not None and not isinstance(err, str):
             raise ValueError(f"error: must be a string or null, got {type(err).__name__}")
         if err is not None:
-            err = _printable(err)
+            err = shown(err)  # escaped before the cut, as every display does (D104)
             if len(err) > HEARTBEAT_ERROR_MAX:
                 err = err[:HEARTBEAT_ERROR_MAX] + f"... ({len(err) - HEARTBEAT_ERROR_MAX} more characters)"
         return cls(at=at, host=host, pid=pid, poll_s=poll, error=err)
