@@ -40,6 +40,7 @@ from schemas.manifest import VersionManifest
 from learner.daemon_config import DaemonConfig
 from learner.data import SpilledSamples
 from learner.gate import Evaluator, gate_decision, in_holdout, preference_margin_evaluator
+from learner.rank import is_rank0
 from learner.trainer import LearnerConfig, train
 
 STATE_FILE = "learner_state.json"
@@ -241,7 +242,10 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
     Raises:
         RuntimeError: the store has no version to train from.
         samplestore.catalog.OldShardsError: format-1 shards are present (``flywheel data migrate``).
+        learner.rank.RankError: (a ValueError) ``$RANK`` is set but names no rank
+            (:func:`learner.rank.is_rank0`); raised before anything is read.
     """
+    rank0 = is_rank0()  # under torchrun only rank 0 writes the state and publishes
     store = open_store(store_root)
     parent = parent_version(store, parent)
     if parent is None:
@@ -269,7 +273,7 @@ def run_cycle(store_root, samples_dir: str | Path, state_dir: str | Path, config
             record["n_new"] = n_new
             if skipped is not None:
                 skipped.update(record)
-            if int(os.environ.get("RANK", "0")) == 0:  # the record only: watermark and consumed as they were
+            if rank0:  # the record only: watermark and consumed as they were
                 state["cycles"] = (state["cycles"] + [record])[-MAX_CYCLES:]
                 save_state(state_dir, state)
         return None
@@ -355,7 +359,7 @@ def _train_and_publish(store, parent: str, src, hold: list[RewardedSample], stat
         record.update({"version": None, "n_samples": metrics.get("data/n_samples"),
                        "skipped": skip_reason(metrics, config, parent, len(hold)), "metrics": metrics})
         return False
-    if int(os.environ.get("RANK", "0")) != 0:  # multi-process (torchrun): rank 0 publishes
+    if not is_rank0():  # multi-process (torchrun): rank 0 publishes
         return False
     metrics["perf/load_s"] = load_s
     metrics["perf/cycle_s"] = time.perf_counter() - t0

@@ -17,13 +17,13 @@ This module imports no torch at import time (the CLI imports it to build its opt
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
 
 from learner.config import LearnerConfig
 from learner.daemon_config import DaemonConfig
+from learner.rank import RANK_ENV, RankError, is_rank0
 from schemas.events import now_ms
 
 
@@ -37,10 +37,6 @@ class SettingError(ValueError):
 
 class StartError(RuntimeError):
     """The learner cannot start on this store (a state error, not a usage error)."""
-
-
-def _rank0() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def build_gate(daemon: DaemonConfig, base_dir, seed: int):
@@ -112,7 +108,7 @@ class Learner:
         from learner.cycle import count_new, load_state, run_cycle
         from learner.metrics import cycle_outcome
 
-        lm, started_ms, rank0, t0 = self.metrics, now_ms(), _rank0(), time.monotonic()
+        lm, started_ms, rank0, t0 = self.metrics, now_ms(), is_rank0(), time.monotonic()
         skipped: dict = {}
         self.skipped = None
         try:
@@ -200,7 +196,7 @@ class Learner:
         self.judged = None
         if self.skipped is not None:
             self.judged = (int(self.skipped["n_new"]), str(self.skipped["parent"]))
-            if _rank0():
+            if is_rank0():
                 self.say(f"learn: waiting for {max(d.every_n, 1)} new samples beyond the {self.judged[0]} judged "
                          f"(or one after every_h {d.every_h:g} h) before the next cycle")
         return True
@@ -219,8 +215,13 @@ def build_learner(cfg: LearnerConfig, daemon: DaemonConfig, say: Callable[[str],
 
     Raises:
         StartError: the model store has no version yet (publish the base first).
-        SettingError: the gate's settings are unusable (see :func:`build_gate`).
+        SettingError: the gate's settings are unusable (see :func:`build_gate`), or ``$RANK`` is
+            set but names no rank (flag ``$RANK``: :func:`learner.rank.is_rank0`), checked first.
     """
+    try:
+        rank0 = is_rank0()  # before ensure_dist_env, which hands RANK to torch
+    except RankError as exc:
+        raise SettingError(f"${RANK_ENV}", exc.reason) from None
     from learner.cycle import open_store
     from learner.metrics import LearnerMetrics
     from learner.trainer import ensure_dist_env
@@ -236,6 +237,6 @@ def build_learner(cfg: LearnerConfig, daemon: DaemonConfig, say: Callable[[str],
     state = daemon.state or settings.learner_state_dir()
     ensure_dist_env()  # sets MASTER_PORT etc. when unset; subprocess-friendly
     lm = LearnerMetrics()
-    if daemon.metrics_port and _rank0():
+    if daemon.metrics_port and rank0:
         lm.serve(daemon.metrics_port)
     return Learner(cfg, daemon, store, st, samples, state, evaluate, lm, say)
