@@ -19,6 +19,7 @@ def _learn(daemon: DaemonConfig, cfg: LearnerConfig, *,
            once: bool = typer.Option(False, "--once", help="Run one cycle and exit.")) -> None:
     """Train on new sealed samples (KTO, REINFORCE or PSR; router replay, DeepSpeed) and publish a version."""
     from learner.daemon import SettingError, StartError, build_learner
+    from samplestore.shards import BadShardError
 
     try:
         learner = build_learner(cfg, daemon, say=typer.echo)
@@ -27,10 +28,14 @@ def _learn(daemon: DaemonConfig, cfg: LearnerConfig, *,
     except StartError as exc:  # a state error: exit 1
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from exc
-    if once:
-        learner.cycle()
-    else:
-        learner.serve()
+    try:
+        if once:
+            learner.cycle()
+        else:
+            learner.serve()
+    except BadShardError as exc:  # a shard breaks the sample contract: named, exit 1 (nothing consumed)
+        typer.echo(f"learn: {exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 def register(app: typer.Typer) -> None:

@@ -114,30 +114,39 @@ class SpilledSamples:
         returns False go to the list ``aside`` instead (e.g. a gate's holdout).
 
         Raises:
-            pydantic.ValidationError / ValueError: a row is not a valid sample (names the field).
+            samplestore.shards.BadShardError: (a ``ValueError``) a row is not a valid
+                RewardedSample (e.g. a NaN reward, or one beyond ``schemas.reward.REWARD_LIMIT``);
+                the message names the shard file, the row, its completion_id, the field and the
+                reason. Nothing is left at ``path`` (or its temp file) then.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         meta, seen = SampleMeta(), set()
         cols = [f.name for f in SAMPLE_SCHEMA]
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SAMPLE_SCHEMA) as w:
-            for sp in shard_paths:
-                pf = pq.ParquetFile(sp)
-                have = set(pf.schema_arrow.names)  # a format-2 shard lacks the format-3 columns
-                for rb in pf.iter_batches(batch_size=READ_ROWS, columns=[c for c in cols if c in have]):
-                    t = conform(pa.Table.from_batches([rb])).select(cols).cast(SAMPLE_SCHEMA)
-                    for i, s in enumerate(table_to_samples(t)):
-                        cid = str(s.completion_id)
-                        if cid in seen:
-                            continue
-                        seen.add(cid)
-                        if keep is not None and not keep(s):
-                            if aside is not None:
-                                aside.append(s)
-                            continue
-                        w.write_batch(t.slice(i, 1).combine_chunks().to_batches()[0])
-                        meta.add(s)
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SAMPLE_SCHEMA) as w:
+                for sp in shard_paths:
+                    pf = pq.ParquetFile(sp)
+                    have = set(pf.schema_arrow.names)  # a format-2 shard lacks the format-3 columns
+                    first = 0  # the batch's first row in the shard
+                    for rb in pf.iter_batches(batch_size=READ_ROWS, columns=[c for c in cols if c in have]):
+                        t = conform(pa.Table.from_batches([rb])).select(cols).cast(SAMPLE_SCHEMA)
+                        for i, s in enumerate(_samples_of(t, sp, first)):
+                            cid = str(s.completion_id)
+                            if cid in seen:
+                                continue
+                            seen.add(cid)
+                            if keep is not None and not keep(s):
+                                if aside is not None:
+                                    aside.append(s)
+                                continue
+                            w.write_batch(t.slice(i, 1).combine_chunks().to_batches()[0])
+                            meta.add(s)
+                        first += t.num_rows
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no partial spill file stays behind
+            raise
         tmp.replace(path)
         return cls(path, meta)
 
@@ -148,6 +157,30 @@ class SpilledSamples:
             r = pa.ipc.open_file(f)
             t = pa.Table.from_batches([r.get_batch(int(i)) for i in idx], schema=r.schema)
         return table_to_samples(t)
+
+
+def _samples_of(t: pa.Table, shard: Path, first: int) -> list[RewardedSample]:
+    """The samples of ``t``, rows ``first``.. of ``shard``: the whole batch at once, and row by
+    row only when that fails, to name the first bad row.
+
+    Raises:
+        samplestore.shards.BadShardError: a row is not a valid RewardedSample."""
+    from pydantic import ValidationError
+
+    from samplestore.shards import BadShardError
+
+    try:
+        return table_to_samples(t)
+    except (ValidationError, ValueError):
+        pass
+    out = []
+    for j in range(t.num_rows):
+        try:
+            out.append(table_to_samples(t.slice(j, 1))[0])
+        except (ValidationError, ValueError) as exc:
+            cid = t.column("completion_id")[j].as_py()
+            raise BadShardError.of(shard, first + j, None if cid is None else str(cid), exc) from None
+    return out
 
 
 class RefLogprobs:

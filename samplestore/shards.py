@@ -52,6 +52,44 @@ STATISTICS_COLUMNS = ["completion_id", "model_version", "split", "created_at", "
 SHARD_NAME = re.compile(r"^part-(\d{13})-[0-9a-zA-Z_-]+\.parquet$")
 
 
+class BadShardError(ValueError):
+    """A shard row that is not a valid :class:`schemas.events.RewardedSample` (a NaN reward, a
+    reward beyond ``schemas.reward.REWARD_LIMIT``, routes that do not fill their shape, ...).
+
+    Attributes: ``path`` (the shard file), ``row`` (0-based row in it), ``completion_id`` (the
+    row's, or None when unreadable), ``field`` (the first refused field, dotted for a nested
+    one: ``sampling.top_p``) and ``reason`` (why, with the value). The message names all of
+    them. The learner reads such a shard as it reads every contract break: the cycle stops
+    before training and consumes nothing (``learner.data.SpilledSamples.from_shards``).
+    """
+
+    def __init__(self, path: str | Path, row: int, completion_id: str | None, field: str, reason: str):
+        self.path, self.row, self.completion_id, self.field, self.reason = Path(path), row, completion_id, field, reason
+        super().__init__(f"shard {self.path}: row {row} (completion_id {completion_id}): {field}: {reason}; "
+                         f"not a valid RewardedSample (schemas.events), so the cycle trains on nothing and "
+                         f"consumes nothing: move the shard out of the samples directory to train on the others")
+
+    @classmethod
+    def of(cls, path: str | Path, row: int, completion_id: str | None, exc: Exception) -> "BadShardError":
+        """The error for row ``row`` of ``path`` that ``schemas.arrow.row_to_sample`` refused
+        with ``exc``: a ``pydantic.ValidationError`` gives its first error's location and
+        message (and the refused value); a ``ValueError`` whose text starts ``"<field>: "``
+        (``schemas.arrow.routes_from_raw``) gives that field; any other the exception's type."""
+        import pydantic
+
+        if isinstance(exc, pydantic.ValidationError):
+            e = exc.errors()[0]
+            field = ".".join(str(x) for x in e["loc"]) or "row"
+            reason = e["msg"].removeprefix("Value error, ")
+            if "input" in e and not isinstance(e["input"], (dict, list)):
+                reason += f", got {e['input']!r}"
+            return cls(path, row, completion_id, field, reason)
+        head, sep, rest = str(exc).partition(": ")
+        if sep and head.isidentifier():
+            return cls(path, row, completion_id, head, rest)
+        return cls(path, row, completion_id, "row", f"{type(exc).__name__}: {exc}")
+
+
 def partition_dir(samples_dir: Path, sealed_at_ms: int) -> Path:
     """``samples_dir/date=<YYYY-MM-DD>/hour=<HH>`` (UTC day and hour of ``sealed_at_ms``).
 

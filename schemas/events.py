@@ -18,6 +18,8 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from schemas.reward import REWARD_LIMIT
+
 SCHEMA_VERSION = 1
 
 
@@ -47,8 +49,11 @@ MAX_EVENT_TIME_MS = 4_102_444_800_000
 MAX_DURATION_MS = 86_400_000.0  # ttft_ms, latency_ms: at most one day
 INT32_MAX = 2**31 - 1  # token ids, counts, top_k, max_tokens, route shape (Arrow int32)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # sampling seed (Arrow int64)
-FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: logprobs, rewards (Arrow float32)
-SCORE_MAX_ABS = 1e6  # a feedback score's |value|
+FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: logprobs (Arrow float32)
+# A reward's |value| and a feedback score's |value|: the bound of every reward policy
+# (schemas.reward.REWARD_LIMIT: no weight, thumb value, score range or clip exceeds it, so a
+# combined reward never does). One constant, so the contract refuses what no policy produces.
+SCORE_MAX_ABS = REWARD_LIMIT
 MAX_ID_CHARS = 256  # request_id, pod, user_hash, model_version, event ids, topic, field
 # Text: no NUL (U+0000) and no lone surrogate (U+D800..U+DFFF), written as the allowed ranges
 # U+0001..U+D7FF and U+E000..U+10FFFF (the last endpoint a literal character, not an escape),
@@ -434,8 +439,9 @@ def _distinct(v: list[str]) -> list[str]:
 
 #: A label's feedback event ids, each once (:class:`RewardedSample`, :class:`SampleNotice`).
 EventIds = Annotated[list[IdText], AfterValidator(_distinct)]
-#: A shaped reward, finite as float32.
-Reward = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+#: A reward policy's reward: [-REWARD_LIMIT, REWARD_LIMIT] = [-1e6, 1e6], what any policy's clip
+#: allows (a learner's advantages, means and squares of such rewards stay finite in float32).
+Reward = Annotated[float, Field(ge=-REWARD_LIMIT, le=REWARD_LIMIT)]
 #: A label's vote count: at least one, int32.
 NVotes = Annotated[int, Field(ge=1, le=INT32_MAX)]
 #: A reward policy's digest (``schemas.reward.RewardPolicy.digest``): 16 lowercase hex characters.
@@ -469,8 +475,9 @@ class RewardedSample(_Event):
     name -> mean value ({}: none).
 
     Bounds as :class:`CompletionEvent` for the completion's fields; ``created_at`` and
-    ``sealed_at`` in [10**12, 4102444800000] ms; ``reward`` finite as float32; counts in
-    [0, 2**31 - 1] (``n_votes`` >= 1).
+    ``sealed_at`` in [10**12, 4102444800000] ms; ``reward`` in [-1e6, 1e6]
+    (``schemas.reward.REWARD_LIMIT``, the bound of every policy's clip); the components as
+    above (``scores`` values in [-1e6, 1e6]); counts in [0, 2**31 - 1] (``n_votes`` >= 1).
     """
 
     completion_id: uuid.UUID
@@ -516,10 +523,10 @@ class SampleNotice(_Event):
     ``row`` is the sample's 0-based row in it; ``shard_format`` is the shard's format version
     (its Parquet metadata ``flywheel.samples.format``, ``schemas.arrow.FORMAT_VERSION``). The
     rest are the :class:`RewardedSample`'s own values, same bounds: ``created_at`` and
-    ``sealed_at`` ms since the epoch (UTC), ``reward`` the reward policy's reward (finite
-    float32), the vote counts int32, ``event_ids`` distinct, ``reward_policy`` and the
-    components (``thumb``, ``copied``, ``regenerated``, ``kept_share``, ``followup``,
-    ``scores``) as in the sample.
+    ``sealed_at`` ms since the epoch (UTC), ``reward`` the reward policy's reward (in
+    [-1e6, 1e6], ``schemas.reward.REWARD_LIMIT``), the vote counts int32, ``event_ids``
+    distinct, ``reward_policy`` and the components (``thumb``, ``copied``, ``regenerated``,
+    ``kept_share``, ``followup``, ``scores``) as in the sample.
     """
 
     completion_id: uuid.UUID

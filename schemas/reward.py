@@ -59,7 +59,9 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-#: The largest weight, thumb value or clip: every combined reward stays finite as float32.
+#: The largest weight, thumb value, score bound or clip, so every combined reward is in
+#: [-REWARD_LIMIT, REWARD_LIMIT]; the sample contract's bound on ``reward`` and on a score's
+#: value (``schemas.events.Reward``, ``SCORE_MAX_ABS``) is this constant.
 REWARD_LIMIT = 1e6
 #: The kinds of feedback (``schemas.events.FeedbackKind``), each a component of the reward.
 KINDS = ("thumb", "score", "copy", "regenerate", "edit", "followup")
