@@ -104,7 +104,8 @@ class LearnerConfig:
         False, description="Per cycle, raise the minority class's KTO weight so that lambda_D*n_D = lambda_U*n_U "
                            "(the KTO paper, section 4.2, recommends a ratio in [1, 4/3]; product feedback is "
                            "mostly one class).")
-    kl_coef: float = Field(0.0, ge=0, description="REINFORCE and PSR: k3 KL penalty to the reference (KTO: unused).")
+    kl_coef: float = Field(0.0, ge=0, description="REINFORCE and PSR: k3 KL penalty to the reference (KTO does not "
+                                                    "read it: refused with kto).")
     baseline: Literal["batch", "prompt"] = Field(
         "batch", description="REINFORCE baseline: 'batch' (leave-one-out over the step's batch) or 'prompt' "
                              "(leave-one-out over the other completions of the same prompt in the cycle, RLOO "
@@ -170,9 +171,27 @@ class LearnerConfig:
             ("is_level", not (self.objective == "kto" and self.is_level == "token"),
              "KTO's loss is per sequence: use 'sequence'"),
         ]
+        # a setting only one objective reads is refused with another when it is not its default,
+        # never accepted and ignored (as `baseline` above)
+        for name, users in OBJECTIVE_ONLY.items():
+            if self.objective not in users and getattr(self, name) != getattr(type(self), name):
+                which = ("objective " if len(users) == 1 else "objectives ") + " and ".join(map(repr, users))
+                checks.append((name, False, f"is read by {which} only, not by objective {self.objective!r}: "
+                                            f"leave it at its default ({getattr(type(self), name)!r}) or use "
+                                            f"objective {' or '.join(map(repr, users))}"))
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+
+#: The settings only some objectives read (field -> those objectives): :class:`LearnerConfig`
+#: refuses one set away from its default with any other objective. KTO's beta, lambda_D,
+#: lambda_U and class balancing are read by KTO's loss only; the k3 KL penalty by the REINFORCE
+#: loss (REINFORCE and PSR) only. (``baseline`` is REINFORCE's, checked with the bounds.)
+OBJECTIVE_ONLY: dict[str, tuple[str, ...]] = {
+    "beta": ("kto",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",), "balance_classes": ("kto",),
+    "kl_coef": ("reinforce", "psr"),
+}
 
 
 def learn_flags(values: dict) -> list[str]:
