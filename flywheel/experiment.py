@@ -49,8 +49,10 @@ from schemas.options import model_fields
 
 # The learner's settings the experiment changes, by LearnerConfig field name (`flywheel learn`
 # flags of the same names); every other learner setting is LearnerConfig's default.
-EXPERIMENT_LEARNER = {"steps": 8, "batch_size": 16, "lr": 2e-5, "train_layers": 4, "balance_classes": True,
-                      "measure_free_max": 2}
+EXPERIMENT_LEARNER = {"steps": 8, "batch_size": 16, "lr": 2e-5, "train_layers": 4, "measure_free_max": 2}
+# The experiment's settings of the KTO-only learner fields (learner.config.OBJECTIVE_ONLY), applied
+# only when the objective is kto: the learner refuses them with any other objective.
+EXPERIMENT_KTO_LEARNER = {"balance_classes": True}
 # the learner settings `flywheel experiment` takes as flags (EXPERIMENT_LEARNER's values, or
 # LearnerConfig's, are their defaults)
 LEARNER_FLAGS = ("steps", "batch_size", "lr", "train_layers", "beta", "balance_classes", "objective", "baseline")
@@ -87,7 +89,7 @@ class ExperimentConfig:
                                             "stay signed 64-bit ints; learner cycle r trains with seed + r (default: "
                                             "the learner's seed, LearnerConfig.seed).")
     max_batch: int = Field(16, ge=1, description="Engine batch size (requests per batch).")
-    learner: dict[str, Any] = Field(default_factory=lambda: dict(EXPERIMENT_LEARNER),
+    learner: dict[str, Any] = Field(default_factory=lambda: experiment_learner({}),
                                     description="LearnerConfig fields the experiment changes, by name.",
                                     json_schema_extra=_PROGRAM)
     extra: dict = Field(default_factory=dict, description="Free-form notes kept with the config.",
@@ -124,6 +126,12 @@ def _learner_options() -> type:
         if n not in EXPERIMENT_LEARNER:
             info = FieldInfo.merge_field_infos(fields[n], default=None, description=(
                 f"{fields[n].description} Default: the learner's ({fields[n].default!r})."))
+            if n in EXPERIMENT_KTO_LEARNER:  # the experiment's value with kto, the learner's otherwise
+                flag = n.replace("_", "-")
+                info = FieldInfo.merge_field_infos(fields[n], default=None, description=(
+                    f"{fields[n].description} Default: {EXPERIMENT_KTO_LEARNER[n]!r} with objective kto, the "
+                    f"learner's ({fields[n].default!r}) with any other (which refuses a value other than that)."),
+                    json_schema_extra={**(fields[n].json_schema_extra or {}), "flags": f"--{flag}/--no-{flag}"})
             spec[n] = (Optional[hints[n]], info)
             continue
         info = FieldInfo.merge_field_infos(fields[n], default=EXPERIMENT_LEARNER[n])
@@ -138,12 +146,20 @@ def _learner_options() -> type:
 ExperimentLearnerOptions = _learner_options()
 
 
+def experiment_learner(changes: dict) -> dict:
+    """``ExperimentConfig.learner`` for these ``LearnerConfig`` field values (by name):
+    :data:`EXPERIMENT_LEARNER`, then :data:`EXPERIMENT_KTO_LEARNER` when the objective (``changes``'
+    or the learner's default) is kto, then ``changes``; less what equals LearnerConfig's default."""
+    kto = changes.get("objective", LearnerConfig.objective) == "kto"
+    values = {**EXPERIMENT_LEARNER, **(EXPERIMENT_KTO_LEARNER if kto else {}), **changes}
+    return {k: v for k, v in values.items() if v != getattr(LearnerConfig, k)}
+
+
 def learner_changes(options) -> dict:
     """``ExperimentConfig.learner`` from the learner flags (an ``ExperimentLearnerOptions``):
-    :data:`EXPERIMENT_LEARNER` with the flags' values, less what equals LearnerConfig's default
-    (or is None: left to the learner)."""
-    values = {**EXPERIMENT_LEARNER, **{k: v for k, v in options.model_dump().items() if v is not None}}
-    return {k: v for k, v in values.items() if v != getattr(LearnerConfig, k)}
+    :func:`experiment_learner` of the flags given (a flag left at None is the experiment's or
+    the learner's default)."""
+    return experiment_learner({k: v for k, v in options.model_dump().items() if v is not None})
 
 
 # ------------------------------------------------------------------ statistics

@@ -18,9 +18,10 @@ an earlier export of that version stays valid (:func:`compatibility_problems` ch
 Removing or renaming a field, a new required field, or any change of an existing field's
 type or bounds needs the next ``schema_version`` and a new file; consumers refuse versions
 they do not know (``schema_version`` is a ``const`` in the schema and a ``Literal`` in the model).
-One exception was made within v1 (decision D43): the bounds D43 added refuse only
-values that no consumer could use (they crashed ingest, overflowed an Arrow column, or were
-refused by the models already), so they tightened v1 rather than start v2.
+Two exceptions were made within v1 (decisions D43 and D107): the bounds they added refuse
+only values that no consumer could use (they crashed ingest or the learner, overflowed an
+Arrow column, were refused by the models already, or no reward policy can produce), so they
+tightened v1 rather than start v2.
 """
 
 from __future__ import annotations

@@ -103,3 +103,20 @@ def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
         assert row["new"]["n"] == row["pooled"]["n"] == 3 and set(row["pooled"]["by_problem"]) == {5}
     with pytest.raises(ValueError, match="not in the store"):
         evaluate(cfg, ["v000009"])
+
+
+def test_kto_settings_follow_the_objective():
+    """The experiment balances KTO's classes by default; with reinforce or psr that setting is
+    left at the learner's default (the learner refuses it), and asking for it is refused."""
+    from flywheel.experiment import ExperimentLearnerOptions as Options, learner_changes
+
+    assert learner_changes(Options())["balance_classes"] is True  # objective kto (the learner's default)
+    assert ExperimentConfig().learner["balance_classes"] is True
+    for objective in ("reinforce", "psr"):
+        changes = learner_changes(Options(objective=objective))
+        assert "balance_classes" not in changes and changes["objective"] == objective
+        ExperimentConfig(learner=changes)  # accepted
+        assert "balance_classes" not in learner_changes(Options(objective=objective, balance_classes=False))
+        with pytest.raises(ValueError, match="balance_classes: is read by objective 'kto' only"):
+            ExperimentConfig(learner=learner_changes(Options(objective=objective, balance_classes=True)))
+    assert "balance_classes" not in learner_changes(Options(balance_classes=False))  # kto, turned off
