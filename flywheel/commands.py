@@ -285,9 +285,18 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
             typer.echo(f"pooled fixed eval (paired, last promoted - first; no promotion counts 0): "
                        f"{f['rate_from']:.3f} -> {f['rate_to']:.3f}, {f['diff']:+.3f}, bootstrap stratified by run "
                        f"{_ci(f, 'ci95')}, McNemar p={f['mcnemar_p']:.3g}, {f['prompts']} prompts")
-        typer.echo(f"every run positive on fresh: {pool['every_run_positive_on_fresh']}; pooled fresh cluster "
-                   f"interval excludes 0: {pool['pooled_fresh_cluster_excludes_0']}; promotions shown worse: "
-                   f"{len(pool['worse_promotions'])}; {out / 'pool.json'}, {out / 'pool.png'}")
+            for k, c in (f.get("by_kind") or {}).items():
+                typer.echo(f"  {k:7s} {c['rate_from']:.3f} -> {c['rate_to']:.3f}, {c['diff']:+.3f} {_ci(c, 'ci95')}, "
+                           f"McNemar p={c['mcnemar_p']:.3g} ({c['only_from']} lost, {c['only_to']} gained), "
+                           f"{c['prompts']} prompts")
+        def said(v) -> str:
+            return "n/a" if v is None else str(v)
+
+        typer.echo(f"fresh prompts, fixed eval set: every run positive {said(pool['fixed_every_run_positive_on_fresh'])}, "
+                   f"pooled paired interval excludes 0 {said(pool['fixed_pooled_fresh_excludes_0'])}; users' thumbs: "
+                   f"every run positive {said(pool['every_run_positive_on_fresh'])}, pooled cluster interval "
+                   f"excludes 0 {said(pool['pooled_fresh_cluster_excludes_0'])} (n/a: no thumbs on fresh prompts); "
+                   f"promotions shown worse: {len(pool['worse_promotions'])}; {out / 'pool.json'}, {out / 'pool.png'}")
 
     emit(pool, fmt, table)
 

@@ -24,6 +24,13 @@ is compared with its first paired by prompt (``fixed_eval`` per run), and
 against itself: no change): the mean paired difference, exact McNemar on
 the pooled discordant pairs, and a paired bootstrap over prompts stratified by run
 (:func:`flywheel.report.paired_comparison`).
+
+Two verdicts each way, on ``fresh`` prompts: from the users' live thumbs
+(``every_run_positive_on_fresh``, ``pooled_fresh_cluster_excludes_0``; None when no run has
+thumbs on fresh prompts, as with ``--signals implicit``) and from the fixed eval set
+(``fixed_every_run_positive_on_fresh``: each run's paired difference > 0, a run with no
+promotion counting 0; ``fixed_pooled_fresh_excludes_0``: the pooled paired interval's lower
+bound > 0; None without fixed eval outcomes).
 """
 from __future__ import annotations
 
@@ -184,36 +191,71 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
     worse = [dict(p, dir=r["dir"]) for r in per_run for p in r["promotions"]
              if p["shown_worse"] or p["guards_shown_worse"]]
     fresh = [r["by_kind"].get("fresh") for r in per_run]
+    live = any(f is not None for f in fresh)  # no thumbs on fresh prompts (implicit signals): no live verdict
+    fixed_pooled = paired_comparison(fixed_rows, "first", "last", seed=seed, strata_key="run")
+    fixed_fresh = [((r.get("fixed_eval") or {}).get("by_kind") or {}).get("fresh") for r in per_run]
+    has_fixed = all(run.get("fixed") for run in runs) and bool(runs)
+    pooled_fixed_fresh = ((fixed_pooled or {}).get("by_kind") or {}).get("fresh")
     return {"runs": per_run, "pooled": pooled, "worse_promotions": worse,
-            "fixed_eval_pooled": paired_comparison(fixed_rows, "first", "last", seed=seed, strata_key="run"),
-            "every_run_positive_on_fresh": all(f is not None and f["diff"] > 0 for f in fresh) and bool(fresh),
-            "pooled_fresh_cluster_excludes_0": bool(pooled["fresh"] and pooled["fresh"]["cluster_ci95"]
-                                                    and pooled["fresh"]["cluster_ci95"][0] > 0)}
+            "fixed_eval_pooled": fixed_pooled,
+            "every_run_positive_on_fresh": (all(f is not None and f["diff"] > 0 for f in fresh) and bool(fresh)
+                                            if live else None),
+            "pooled_fresh_cluster_excludes_0": (bool(pooled["fresh"] and pooled["fresh"]["cluster_ci95"]
+                                                     and pooled["fresh"]["cluster_ci95"][0] > 0) if live else None),
+            "fixed_every_run_positive_on_fresh": (all(f is not None and f["diff"] > 0 for f in fixed_fresh)
+                                                  if has_fixed else None),
+            "fixed_pooled_fresh_excludes_0": (bool(pooled_fixed_fresh and pooled_fixed_fresh["ci95"][0] > 0)
+                                              if has_fixed else None)}
+
+
+def _forest_rows(pool: dict) -> tuple[list, list]:
+    """The forest plot's rows: ``(name, diff, (lo, hi))`` for the fixed eval set (paired
+    bootstrap) and for the users' live thumbs (cluster bootstrap), on fresh prompts and on all."""
+    fixed, live = [], []
+    for k in ("fresh", "all"):
+        for r in pool["runs"]:
+            f = r.get("fixed_eval")
+            f = f if k == "all" else ((f or {}).get("by_kind") or {}).get("fresh")
+            if f:
+                fixed.append((f"{Path(r['dir']).name} ({k})", f["diff"], tuple(f["ci95"])))
+            c = r["by_kind"].get(k)
+            if c and c.get("cluster_ci95"):
+                live.append((f"{Path(r['dir']).name} ({k})", c["diff"], tuple(c["cluster_ci95"])))
+        f = pool.get("fixed_eval_pooled")
+        f = f if k == "all" else ((f or {}).get("by_kind") or {}).get("fresh")
+        if f:
+            fixed.append((f"pooled ({k})", f["diff"], tuple(f["ci95"])))
+        c = pool["pooled"].get(k)
+        if c and c.get("cluster_ci95"):
+            live.append((f"pooled ({k})", c["diff"], tuple(c["cluster_ci95"])))
+    return fixed, live
 
 
 def write_forest_plot(pool: dict, path: Path) -> None:
-    """Forest plot: each run's and the pooled gain on ``fresh`` prompts and on all votes, with
-    the cluster bootstrap 95 % intervals."""
+    """Forest plot: each run's and the pooled gain on ``fresh`` prompts and on all, with 95 %
+    intervals: the fixed eval set's paired difference (paired bootstrap) and, where users sent
+    thumbs, the live thumbs-up rate's (cluster bootstrap), one panel each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = []
-    for k in ("fresh", "all"):
-        rows += [(f"{Path(r['dir']).name} ({k})", r["by_kind"].get(k)) for r in pool["runs"]]
-        rows.append((f"pooled ({k})", pool["pooled"].get(k)))
-    rows = [(n, c) for n, c in rows if c and c.get("cluster_ci95")]
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
-    for i, (name, c) in enumerate(rows):
-        lo, hi = c["cluster_ci95"]
-        y = len(rows) - i
-        ax.plot([lo, hi], [y, y], color="black" if name.startswith("pooled") else "tab:blue")
-        ax.plot([c["diff"]], [y], "D" if name.startswith("pooled") else "o", color="black")
-    ax.axvline(0, color="grey", linestyle="--")
-    ax.set_yticks(range(len(rows), 0, -1), [n for n, _ in rows])
-    ax.set_xlabel("thumbs-up rate, last promoted minus first version (95% cluster bootstrap)")
-    ax.set_title("Flywheel demo runs pooled")
+    panels = [(rows, label) for rows, label in zip(_forest_rows(pool), (
+        "fixed eval set: pass rate, last promoted minus first (paired, 95% bootstrap)",
+        "users' thumbs-up rate, last promoted minus first (95% cluster bootstrap)")) if rows]
+    if not panels:
+        panels = [([], "no run has fixed eval outcomes or thumbs on these prompts")]
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(7, sum(0.45 * len(r) + 1.2 for r, _ in panels)))
+    for ax, (rows, label) in zip(axes[:, 0], panels):
+        for i, (name, diff, (lo, hi)) in enumerate(rows):
+            y = len(rows) - i
+            ax.plot([lo, hi], [y, y], color="black" if name.startswith("pooled") else "tab:blue")
+            ax.plot([diff], [y], "D" if name.startswith("pooled") else "o", color="black")
+        ax.axvline(0, color="grey", linestyle="--")
+        ax.set_yticks(range(len(rows), 0, -1), [n for n, _, _ in rows])
+        ax.set_xlabel(label)
+    axes[0, 0].set_title("Flywheel demo runs pooled")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -224,3 +224,19 @@ def test_fixed_eval_pools_pairs_by_run_and_counts_a_run_without_promotion_as_no_
     assert (f["prompts"], f["only_to"], f["only_from"]) == (5, 2, 0)
     assert abs(f["diff"] - 0.4) < 1e-12 and f["mcnemar_p"] == 0.5
     assert abs(p["runs"][0]["fixed_eval"]["diff"] - 2 / 3) < 1e-12 and "fixed_eval" not in p["runs"][1]
+    # no thumbs (implicit signals): no live verdict; the fixed set's: run b promoted nothing, so
+    # not every run is positive; the pooled interval (5 prompts, 2 gained) is the bootstrap's
+    assert p["every_run_positive_on_fresh"] is None and p["pooled_fresh_cluster_excludes_0"] is None
+    assert p["fixed_every_run_positive_on_fresh"] is False
+    assert p["fixed_pooled_fresh_excludes_0"] is (f["by_kind"]["fresh"]["ci95"][0] > 0)
+    runs[1]["report"]["versions"][1]["decision"] = "PROMOTE"  # b: (0,1) gained, (1,0) lost: diff 0
+    assert pool_runs(runs)["fixed_every_run_positive_on_fresh"] is False
+    runs[1]["fixed"] = rows("v0", "v1", [(0, 1), (0, 0)])  # b: +1/2
+    p = pool_runs(runs)
+    assert p["fixed_every_run_positive_on_fresh"] is True
+    # 5 pairs: a (0,1) (0,1) (1,1), b (0,1) (0,0); every resample's mean is >= 0, and is 0 only
+    # when both strata draw only their non-gaining pairs: P = (1/3)^3 * (1/2)^2 = 1/108 < 2.5 %
+    assert p["fixed_eval_pooled"]["by_kind"]["fresh"]["ci95"][0] > 0 and p["fixed_pooled_fresh_excludes_0"] is True
+    for run in runs:
+        run["fixed"] = []
+    assert pool_runs(runs)["fixed_every_run_positive_on_fresh"] is None
