@@ -435,9 +435,13 @@ class Proc:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                  stdin=subprocess.DEVNULL, start_new_session=True,
-                                  preexec_fn=die_with_parent())
+        try:
+            self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent())
+        except BaseException:
+            self._log.close()
+            raise
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -448,21 +452,46 @@ class Proc:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait()
-        self._log.close()
+    stop_timeout_s = 10.0  # stop()'s default wait after each of SIGTERM and SIGKILL (s)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM to its process group, then SIGKILL after ``timeout_s`` (default
+        :attr:`stop_timeout_s`); returns within ``2 x timeout_s`` whatever happens: a stop
+        signal's handler may run it while the code it interrupted holds this Popen's wait lock
+        (inside :meth:`alive`), which no wait here can take, so none is unbounded.
+
+        Raises:
+            RuntimeError: it was sent SIGKILL but not seen to exit within ``timeout_s`` more.
+        """
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
+        try:
+            if self.p.poll() is None:
+                try:
+                    os.killpg(self.p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    self.p.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(self.p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    try:
+                        self.p.wait(timeout_s)
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"{self.name} (pid {self.p.pid}) was sent SIGKILL but not seen to exit "
+                                           f"within {timeout_s:g} s") from None
+        finally:
+            self._log.close()
 
 
 DEMO_MARKER = ".flywheel-demo"  # in <out>/home: made by a demo, so a later demo may replace it
+# the traffic threads' joins share one deadline (s): a request's own timeout is 600 s; after a
+# stop signal serving is already stopped, so the requests in flight fail at once
+TRAFFIC_JOIN_S = 660.0
+STOPPING_JOIN_S = 10.0
+VOTES_JOIN_S = 60.0  # the vote threads' joins share one deadline (s)
 
 
 def _cli(*args: str) -> list[str]:
@@ -480,6 +509,9 @@ class Demo:
         self.accepted: set[str] = set()  # feedback event_ids the API accepted (HTTP 200)
         self.with_feedback: set[str] = set()  # completion_ids with at least one accepted feedback event
         self.controller: Proc | None = None  # started after the first traffic phase (start_controller)
+        # SIGINT, SIGTERM and SIGHUP stop every child (active during run()); _start and the
+        # waiting loops refuse to go on once one was received
+        self.stop_signals = StopSignals(self.stop_children)
         self.deadline_s: float | None = None  # the canary step deadline the controller runs with (s)
         self.feedback_rejected = 0
         self.requests_ok = 0
@@ -536,13 +568,15 @@ class Demo:
         self.logs = cfg.out / "logs"
         self.logs.mkdir(exist_ok=True)
         self.broker = None
+        self.stop_signals.check()
         if os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"):
             self.bootstrap = os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"]
             from schemas.topic_admin import ensure_topics
             ensure_topics(self.bootstrap)
             self.log(f"using external Kafka at {self.bootstrap}")
         else:
-            self.broker = spawn(log_path=self.logs / "broker.log", die_with_parent=True)
+            with self.stop_signals.deferred():  # a stop signal meanwhile finds it in self.broker
+                self.broker = spawn(log_path=self.logs / "broker.log", die_with_parent=True)
             self.bootstrap = self.broker.bootstrap
             self.log(f"embedded Tansu broker on {self.bootstrap}, topics created (6 partitions)")
         os.environ["FLYWHEEL_KAFKA_BOOTSTRAP"] = self.bootstrap
@@ -568,7 +602,13 @@ class Demo:
         """Start the rollout controller with the step deadline :func:`step_deadline_s` gives
         from the first traffic phase's request times (``first``: :meth:`traffic`'s replies,
         each with ``latency_s``), and log the deadline chosen. No canary runs before the first
-        learner cycle, so the controller is not needed earlier."""
+        learner cycle, so the controller is not needed earlier.
+
+        Raises:
+            SystemExit: ``128 + signum``: a stop signal was received (before: no controller is
+                started; during its start: it is stopped).
+        """
+        self.stop_signals.check()
         from deploy.controller import ControllerConfig
 
         floor = float(self.cfg.controller.get("deadline_s", ControllerConfig.deadline_s))
@@ -585,13 +625,27 @@ class Demo:
         self.controller = self._start("controller", _cli("controller", "--serving", self.url, *flags), self._env())
 
     def _start(self, name: str, args: list[str], env: dict) -> Proc:
-        p = Proc(name, args, self.logs, env)
-        self.procs.append(p)
+        """Start child ``name`` (:class:`Proc`, log in :attr:`logs`) and track it in
+        :attr:`procs`, which :meth:`stop_children` stops. Refused once a stop signal was
+        received; a stop signal during the start is acted on once the child is tracked
+        (:meth:`StopSignals.deferred`: the fork runs Python's at-fork hooks, where an exception
+        raised by a handler is dropped).
+
+        Raises:
+            SystemExit: ``128 + signum``: a stop signal was received before the child was
+                started (none is), or while it was (it is stopped first).
+            OSError: the child could not be started.
+        """
+        self.stop_signals.check()
+        with self.stop_signals.deferred():
+            p = Proc(name, args, self.logs, env)
+            self.procs.append(p)
         return p
 
     def _wait_http(self, url: str, timeout_s: float, proc: Proc) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self.stop_signals.check()
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
             try:
@@ -733,8 +787,9 @@ class Demo:
                                            f"{last - t0:.0f} s, {status()}")
             finally:
                 stop.set()
-                for t in threads:
-                    t.join(timeout=660)
+                deadline = time.monotonic() + (STOPPING_JOIN_S if self.stop_signals.received else TRAFFIC_JOIN_S)
+                for t in threads:  # daemon threads: one still running at the deadline ends with the demo
+                    t.join(timeout=max(0.0, deadline - time.monotonic()))
             prog.update(bar, completed=len(results), status=status())
         self.phase_log.append({"phase": phase, "requests": sent, "ok": len(results),
                                "passed": sum(1 for x in results if x["passed"]),
@@ -744,8 +799,10 @@ class Demo:
 
     def wait_votes_sealed(self, timeout_s: float) -> None:
         """Wait until every accepted vote is in a sample or dead-lettered."""
+        self.stop_signals.check()
+        joined = time.monotonic() + VOTES_JOIN_S
         for t in self.vote_threads:
-            t.join(timeout=60)
+            t.join(timeout=max(0.0, joined - time.monotonic()))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             in_samples = set(sample_queries.event_ids_in_samples(self.samples_dir))
@@ -783,19 +840,22 @@ class Demo:
         return ids
 
     def _check_alive(self) -> None:
+        """Raise if a stop signal was received (SystemExit) or a child died (RuntimeError)."""
+        self.stop_signals.check()
         for p in (self.serving, self.ingest, self.controller):
             if p is not None and not p.alive():
                 raise RuntimeError(f"{p.name} died:\n{p.tail(40)}")
 
     # ---------------------------------------------------------------- cycles
     def learn(self, cycle: int) -> str | None:
+        self.stop_signals.check()
         before = set(self.store.versions())
         objective = self.cfg.learner_setting("objective")
         self.log(f"cycle {cycle}: learner (DeepSpeed ZeRO-2, {objective}, router replay) ...")
         args = _cli("learn", "--once", *learn_flags(self.cfg.learner), "--seed", str(self.cfg.seed + cycle))
-        with open(self.logs / f"learner-{cycle}.log", "ab") as logf:
-            code, peak = run_measuring_peak(args, env=self._env(), stdout=logf, stderr=subprocess.STDOUT,
-                                            preexec_fn=die_with_parent())
+        with open(self.logs / f"learner-{cycle}.log", "ab") as logf:  # a stop signal kills the learner
+            code, peak = run_measuring_peak(args, stop=self.stop_signals, env=self._env(), stdout=logf,
+                                            stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
         self.learner_peak_gb[cycle] = round(peak / 1e9, 2)
         if code != 0:
             raise RuntimeError(f"learner failed (exit {code}); see {self.logs}/learner-{cycle}.log")
@@ -953,6 +1013,7 @@ class Demo:
 
         from modelstore.desired import FleetRecord
 
+        self.stop_signals.check()
         if not self.fixed:
             return []
         if self.controller is not None:
@@ -1146,16 +1207,18 @@ class Demo:
             except Exception as exc:  # noqa: BLE001 - the next child must still be stopped
                 try:
                     self.console.log(f"[red]could not stop {name}: {exc}")
-                except OSError:  # a hung-up terminal
+                except Exception:  # noqa: BLE001 - a hung-up terminal; a handler inside a write to it
                     pass
 
     def run(self) -> dict:
         t0 = time.time()
-        # every child is stopped once, however the run ends: on SIGINT, SIGTERM or SIGHUP first
+        # every child is stopped, however the run ends: on SIGINT, SIGTERM or SIGHUP first
         # (then SystemExit(128 + signum); stopping them first also ends the traffic threads'
         # requests at once), else when the run returns or raises
-        with StopSignals(self.stop_children):
-            return self._run(t0)
+        with self.stop_signals:
+            report = self._run(t0)
+            self.stop_signals.check()  # a stop whose SystemExit was dropped still ends the run so
+            return report
 
     def _run(self, t0: float) -> dict:
         self.setup()
