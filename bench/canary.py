@@ -23,7 +23,7 @@ covariate. Rules, side by side on the SAME vote streams:
   margin (``deploy.stats.msprt_bounds``, tau = margin), at the demo's 0.2 / production 0.1.
 
 Settings (``SETTINGS``): the demo's (one analysed share of 50 %, 20-vote burn-in, ~450-vote
-deadline, a look every vote: ``flywheel.demo.DemoConfig``) and production's (the controller's
+deadline, a look every vote: ``flywheel.demo_config.DemoConfig``) and production's (the controller's
 defaults, ``deploy.controller.ControllerConfig``: shares 5/25/50 %, 10-vote burn-in, a
 36,000-vote step deadline = the 3,600 s deadline at an assumed 10 votes/s, a look every 50
 votes = 5 s polls). Base rates 0.05, 0.2, 0.5; candidates equal, better by the margin
@@ -69,7 +69,7 @@ from deploy.analysis import (SIGNAL_GUARDS, AnalysisConfig, reward_bounds, signa
                              thumbs_verdict)
 from deploy.controller import ControllerConfig, parse_steps  # noqa: E402
 from deploy.wiring import ControllerRunConfig  # noqa: E402
-from flywheel.demo import DemoConfig  # noqa: E402
+from flywheel.demo_config import DemoConfig  # noqa: E402
 from deploy.stats import msprt_bounds, wilson_interval  # noqa: E402
 
 PROMOTE, ROLLBACK, DEADLINE_ROLLBACK, GUARD_ROLLBACK = 1, 2, 3, 4
@@ -79,14 +79,14 @@ RULES = ("relative", "relative_cuped", "absolute")
 # Votes per second the settings assume: the demo's ~0.75 (its traffic), production's 10.
 DEMO_VOTES_PER_S = 0.75
 PRODUCTION_VOTES_PER_S = 10.0
-_DEMO = DemoConfig(out=Path("flywheel-demo"))  # the demo's canary settings (flywheel/demo.py), its overrides of the controller's
+_DEMO = DemoConfig(out=Path("flywheel-demo"))  # the demo's canary settings (flywheel/demo_config.py), its overrides of the controller's
 _PRODUCTION = ControllerConfig()  # the controller's defaults (deploy/controller.py, deploy/analysis.py)
 
 
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated rollout policy (units: votes; rates in [0, 1]); the defaults are the
-    demo's settings, read from ``flywheel.demo.DemoConfig`` and the controller's models.
+    demo's settings, read from ``flywheel.demo_config.DemoConfig`` and the controller's models.
 
     Fields:
         shares: the analysed candidate shares (the final 1.0, the promotion, is not simulated).
@@ -114,7 +114,7 @@ class SimConfig:
         return AnalysisConfig(min_votes=self.min_votes, alpha=self.alpha, delta=self.delta, cuped=cuped)
 
 
-# The demo's settings (flywheel/demo.py DEMO_CONTROLLER: steps, min_votes, delta, deadline_s at
+# The demo's settings (flywheel/demo_config.py DEMO_CONTROLLER: steps, min_votes, delta, deadline_s at
 # ~0.75 votes/s) and production's (the controller's defaults at 10 votes/s).
 SETTINGS = {
     "demo": SimConfig(),

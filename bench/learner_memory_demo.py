@@ -74,7 +74,7 @@ import learner.trainer as lt
 from modelstore.store import ModelStore
 from learner.config import LearnerConfig
 from learner.daemon import DaemonConfig, build_learner
-from flywheel.demo import DEMO_LEARNER
+from flywheel.demo_config import DEMO_LEARNER
 
 probe(lc, "_load_parent", "load parent")
 probe(lt, "_measure_pass", "reference pass")

@@ -1,6 +1,6 @@
 """Top-level commands: ``broker``, ``model init``, ``demo``, ``demo-pool``, ``experiment``.
 
-``demo`` and ``experiment`` take their options from ``flywheel.demo.DemoConfig`` and
+``demo`` and ``experiment`` take their options from ``flywheel.demo_config.DemoConfig`` and
 ``flywheel.experiment.ExperimentConfig`` (``schemas.options.config_options``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from flywheel.demo import DemoConfig
+from flywheel.demo_config import DemoConfig
 from flywheel.experiment import ExperimentConfig, ExperimentLearnerOptions
 from schemas.options import cli_fields, config_options
 from schemas.output import OUTPUT, Format, emit, resolve

@@ -42,7 +42,7 @@ from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
 from deploy.stats import newcombe_interval, two_proportion_z, wilson_interval
-from flywheel.demo import HUMANEVAL_MAX_TOKENS, HUMANEVAL_PROBLEMS, TEMPERATURE, TOP_P
+from flywheel.demo_config import HUMANEVAL_MAX_TOKENS, HUMANEVAL_PROBLEMS, TEMPERATURE, TOP_P
 from learner.config import LearnerConfig, check_learner, learn_flags, readable_errors
 from schemas.options import model_fields
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import deploy.status
 from flywheel.cli import app
-from flywheel.demo import QUICK, DemoConfig
+from flywheel.demo_config import QUICK, DemoConfig
 from learner.config import LearnerConfig
 from schemas import settings
 from schemas.options import cli_fields

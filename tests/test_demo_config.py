@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.demo import DEMO_LEARNER, QUICK, QUICK_LEARNER, DemoConfig
+from flywheel.demo_config import DEMO_LEARNER, QUICK, QUICK_LEARNER, DemoConfig
 from learner.config import LearnerConfig
 
 
@@ -81,7 +81,7 @@ def test_the_flags_the_demo_passes_parse_to_its_values_in_the_real_command(role)
     import typer
 
     from flywheel.cli import app
-    from flywheel.demo import role_models
+    from flywheel.demo_config import role_models
     from schemas.options import flags_for
 
     cfg = DemoConfig()

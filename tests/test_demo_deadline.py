@@ -21,8 +21,8 @@ from rich.console import Console
 
 from deploy.analysis import AnalysisConfig, ArmStats, analyze
 from deploy.controller import ControllerConfig
-from flywheel.demo import (DEADLINE_REQUESTS, QUICK, Demo, DemoConfig, canary_counts_line, feedback_by_version,
-                           step_deadline_s)
+from flywheel.demo import DEADLINE_REQUESTS, Demo, canary_counts_line, feedback_by_version, step_deadline_s
+from flywheel.demo_config import QUICK, DemoConfig
 
 
 def test_the_rule_is_four_median_request_times_with_the_configured_deadline_as_floor():

@@ -24,7 +24,8 @@ from deploy import ledger
 from deploy.controller import current_status
 from deploy.status import gather_status
 from deploy.wiring import rollout_status_path
-from flywheel.demo import EVAL_ACTOR, Demo, DemoConfig
+from flywheel.demo import EVAL_ACTOR, Demo
+from flywheel.demo_config import DemoConfig
 from modelstore.desired import FleetRecord
 from modelstore.store import ModelStore
 from schemas import settings

@@ -29,7 +29,8 @@ import pytest
 from rich.console import Console
 
 import flywheel.demo as demo_mod
-from flywheel.demo import Demo, DemoConfig
+from flywheel.demo import Demo
+from flywheel.demo_config import DemoConfig
 from flywheel.supervise import StopSignals, die_with_parent, run_measuring_peak
 
 # at most one hook per process (os.register_at_fork cannot unregister): it acts while armed

@@ -70,7 +70,7 @@ def test_plans_become_the_joins_samples_with_hand_worked_rewards(pilot):
 
 
 def test_arms_are_demo_learner_with_overrides(pilot):
-    from flywheel.demo import DEMO_LEARNER
+    from flywheel.demo_config import DEMO_LEARNER
 
     demo, more = pilot.resolve_arms(None)
     assert demo == {"name": "demo", "learner": DEMO_LEARNER, "n_samples": None}

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.demo import DEMO_LEARNER, QUICK_LEARNER
+from flywheel.demo_config import DEMO_LEARNER, QUICK_LEARNER
 from flywheel.experiment import EXPERIMENT_LEARNER
 from learner.config import LearnerConfig, check_learner, learn_flags
 from learner.daemon import DaemonConfig, SettingError, build_gate

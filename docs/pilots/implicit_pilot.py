@@ -6,7 +6,7 @@ or the canary.
 What it does (each step is the demo's own code where the demo has one):
 
 1. Draws ``--n-train`` train-split tasks from :class:`flywheel.workload.Workload` with the
-   demo's families, held-out family, weights and eval share (``flywheel.demo.DemoConfig``),
+   demo's families, held-out family, weights and eval share (``flywheel.demo_config.DemoConfig``),
    serves them with v000000 in process (:class:`serving.engine.TorchEngine`, the demo's
    temperature, top_p and max tokens) and judges each reply with its task's verifier.
 2. Lets the demo's simulated users react (``UserBehaviour().plan(passed, rng,
@@ -30,7 +30,7 @@ What it does (each step is the demo's own code where the demo has one):
    replies, the prompts with 2+ completions and with 2+ samples, and those of mixed reward
    (its ``replies``, ``right``, ``samples`` and ``mean_reward`` count first and re-asked replies).
    ``--signals thumbs`` sends no regenerate, so it re-asks nothing.
-3. Each arm (``--arms``, default ``demo`` = ``flywheel.demo.DEMO_LEARNER`` and ``more`` = the
+3. Each arm (``--arms``, default ``demo`` = ``flywheel.demo_config.DEMO_LEARNER`` and ``more`` = the
    same with 16 steps) trains one real learner cycle (``flywheel learn --once``) from v000000
    on those samples (its first ``n_samples`` when given) in a FLYWHEEL_HOME of its own, with
    the learner seed ``--seed``. With ``--rounds 2`` each arm then serves a second batch of
@@ -136,7 +136,7 @@ def resolve_arms(text: str | None, model_layers: int | None = None) -> list[dict
             settings the learner refuses, or ``train_layers`` above ``model_layers``; the
             message names ``arms[i].<field>``.
     """
-    from flywheel.demo import DEMO_LEARNER
+    from flywheel.demo_config import DEMO_LEARNER
     from learner.config import LearnerConfig, check_learner
 
     arms = default_arms() if text is None else json.loads(text)
@@ -171,7 +171,7 @@ def resolve_arms(text: str | None, model_layers: int | None = None) -> list[dict
 def demo_config(seed: int):
     """The demo's default DemoConfig (families, held-out family, weights, eval share, sampling,
     users) with ``seed``."""
-    from flywheel.demo import DemoConfig
+    from flywheel.demo_config import DemoConfig
 
     return DemoConfig(seed=seed)
 
@@ -391,7 +391,7 @@ def join_samples(events: list, plans: list, created_ms: int, policy=None) -> lis
     Raises:
         ValueError: a completion event the join refuses (field and reason).
     """
-    from flywheel.demo import DEMO_INGEST
+    from flywheel.demo_config import DEMO_INGEST
     from ingest.join import JoinConfig, Joiner, parse_completion
     from ingest.state import StateStore
     from schemas.events import DeadLetter, FeedbackEvent
