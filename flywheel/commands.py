@@ -233,6 +233,52 @@ def _ci(c: dict | None, key: str) -> str:
     return f"[{c[key][0]:+.3f}, {c[key][1]:+.3f}]" if c and c.get(key) else "-"
 
 
+def _print_pool(pool: dict, out: Path) -> None:
+    """`flywheel demo-pool`'s text: per run, pooled, the fixed set's pairs, the verdicts."""
+    from flywheel.pool import KINDS
+
+    for r in pool["runs"]:
+        typer.echo(f"{r['dir']}: {r['first']} -> {r['last'] or '(no promotion)'}, "
+                   f"{(r['wall_s'] or 0) / 60:.1f} min, {r['events_lost']} of {r['events_accepted']} events lost")
+        for k in KINDS:
+            c = r["by_kind"].get(k)
+            if c:
+                typer.echo(f"  {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
+                           f"Newcombe {_ci(c, 'ci95')} cluster {_ci(c, 'cluster_ci95')}")
+        for p in r["promotions"]:
+            typer.echo(f"  promoted {p['candidate']} over {p['replaced']} ({p['decided_by']}): own votes "
+                       f"{p['up_candidate']}/{p['n_candidate']} vs {p['up_replaced']}/{p['n_replaced']}"
+                       + (f" {p['diff']:+.3f} {_ci(p, 'ci95')}" if p["diff"] is not None else "")
+                       + (" SHOWN WORSE" if p["shown_worse"] else "")
+                       + "".join(f"; {k} {c['candidate'][0]}/{c['candidate'][1]} vs {c['replaced'][0]}/"
+                                 f"{c['replaced'][1]}" + (" SHOWN WORSE" if k in p["guards_shown_worse"] else "")
+                                 for k, c in p["replies"].items()))
+    for k in KINDS:
+        c = pool["pooled"].get(k)
+        if c:
+            typer.echo(f"pooled {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
+                       f"Newcombe {_ci(c, 'ci95')} cluster (stratified by run) {_ci(c, 'cluster_ci95')}, "
+                       f"{c['prompts']} prompts")
+    f = pool.get("fixed_eval_pooled")
+    if f:
+        typer.echo(f"pooled fixed eval (paired, last promoted - first; no promotion counts 0): "
+                   f"{f['rate_from']:.3f} -> {f['rate_to']:.3f}, {f['diff']:+.3f}, bootstrap stratified by run "
+                   f"{_ci(f, 'ci95')}, McNemar p={f['mcnemar_p']:.3g}, {f['prompts']} prompts")
+        for k, c in (f.get("by_kind") or {}).items():
+            typer.echo(f"  {k:7s} {c['rate_from']:.3f} -> {c['rate_to']:.3f}, {c['diff']:+.3f} {_ci(c, 'ci95')}, "
+                       f"McNemar p={c['mcnemar_p']:.3g} ({c['only_from']} lost, {c['only_to']} gained), "
+                       f"{c['prompts']} prompts")
+
+    def said(v) -> str:
+        return "n/a" if v is None else str(v)
+
+    typer.echo(f"fresh prompts, fixed eval set: every run positive {said(pool['fixed_every_run_positive_on_fresh'])}, "
+               f"pooled paired interval excludes 0 {said(pool['fixed_pooled_fresh_excludes_0'])}; users' thumbs: "
+               f"every run positive {said(pool['every_run_positive_on_fresh'])}, pooled cluster interval "
+               f"excludes 0 {said(pool['pooled_fresh_cluster_excludes_0'])} (n/a: no promoted run has thumbs on fresh prompts); "
+               f"promotions shown worse: {len(pool['worse_promotions'])}; {out / 'pool.json'}, {out / 'pool.png'}")
+
+
 def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each a full `flywheel demo --out`."),
               out: Path = typer.Option(Path("flywheel-pool"), help="Where pool.json and pool.png go."),
               bootstrap_seed: int = typer.Option(0, min=0, max=2**63 - 1,
@@ -245,7 +291,7 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
 
     Example: flywheel demo-pool /tmp/seeds/s0 /tmp/seeds/s1 /tmp/seeds/s2 --out /tmp/pool
     """
-    from flywheel.pool import KINDS, load_run, pool_runs, write_forest_plot
+    from flywheel.pool import load_run, pool_runs, write_forest_plot
 
     fmt = resolve(output)
     try:
@@ -257,48 +303,7 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
     (out / "pool.json").write_text(json.dumps(pool, indent=2))
     write_forest_plot(pool, out / "pool.png")
 
-    def table(wide: bool) -> None:
-        for r in pool["runs"]:
-            typer.echo(f"{r['dir']}: {r['first']} -> {r['last'] or '(no promotion)'}, "
-                       f"{(r['wall_s'] or 0) / 60:.1f} min, {r['events_lost']} of {r['events_accepted']} events lost")
-            for k in KINDS:
-                c = r["by_kind"].get(k)
-                if c:
-                    typer.echo(f"  {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
-                               f"Newcombe {_ci(c, 'ci95')} cluster {_ci(c, 'cluster_ci95')}")
-            for p in r["promotions"]:
-                typer.echo(f"  promoted {p['candidate']} over {p['replaced']} ({p['decided_by']}): own votes "
-                           f"{p['up_candidate']}/{p['n_candidate']} vs {p['up_replaced']}/{p['n_replaced']}"
-                           + (f" {p['diff']:+.3f} {_ci(p, 'ci95')}" if p["diff"] is not None else "")
-                           + (" SHOWN WORSE" if p["shown_worse"] else "")
-                           + "".join(f"; {k} {c['candidate'][0]}/{c['candidate'][1]} vs {c['replaced'][0]}/"
-                                     f"{c['replaced'][1]}" + (" SHOWN WORSE" if k in p["guards_shown_worse"] else "")
-                                     for k, c in p["replies"].items()))
-        for k in KINDS:
-            c = pool["pooled"].get(k)
-            if c:
-                typer.echo(f"pooled {k:7s} {c['up_from']}/{c['n_from']} -> {c['up_to']}/{c['n_to']}: {c['diff']:+.3f} "
-                           f"Newcombe {_ci(c, 'ci95')} cluster (stratified by run) {_ci(c, 'cluster_ci95')}, "
-                           f"{c['prompts']} prompts")
-        f = pool.get("fixed_eval_pooled")
-        if f:
-            typer.echo(f"pooled fixed eval (paired, last promoted - first; no promotion counts 0): "
-                       f"{f['rate_from']:.3f} -> {f['rate_to']:.3f}, {f['diff']:+.3f}, bootstrap stratified by run "
-                       f"{_ci(f, 'ci95')}, McNemar p={f['mcnemar_p']:.3g}, {f['prompts']} prompts")
-            for k, c in (f.get("by_kind") or {}).items():
-                typer.echo(f"  {k:7s} {c['rate_from']:.3f} -> {c['rate_to']:.3f}, {c['diff']:+.3f} {_ci(c, 'ci95')}, "
-                           f"McNemar p={c['mcnemar_p']:.3g} ({c['only_from']} lost, {c['only_to']} gained), "
-                           f"{c['prompts']} prompts")
-        def said(v) -> str:
-            return "n/a" if v is None else str(v)
-
-        typer.echo(f"fresh prompts, fixed eval set: every run positive {said(pool['fixed_every_run_positive_on_fresh'])}, "
-                   f"pooled paired interval excludes 0 {said(pool['fixed_pooled_fresh_excludes_0'])}; users' thumbs: "
-                   f"every run positive {said(pool['every_run_positive_on_fresh'])}, pooled cluster interval "
-                   f"excludes 0 {said(pool['pooled_fresh_cluster_excludes_0'])} (n/a: no thumbs on fresh prompts); "
-                   f"promotions shown worse: {len(pool['worse_promotions'])}; {out / 'pool.json'}, {out / 'pool.png'}")
-
-    emit(pool, fmt, table)
+    emit(pool, fmt, lambda wide: _print_pool(pool, out))
 
 
 def register(app: typer.Typer) -> None:

@@ -26,8 +26,8 @@ the pooled discordant pairs, and a paired bootstrap over prompts stratified by r
 (:func:`flywheel.report.paired_comparison`).
 
 Two verdicts each way, on ``fresh`` prompts: from the users' live thumbs
-(``every_run_positive_on_fresh``, ``pooled_fresh_cluster_excludes_0``; None when no run has
-thumbs on fresh prompts, as with ``--signals implicit``) and from the fixed eval set
+(``every_run_positive_on_fresh``, ``pooled_fresh_cluster_excludes_0``; None when no promoted
+run has thumbs on fresh prompts, as with ``--signals implicit``) and from the fixed eval set
 (``fixed_every_run_positive_on_fresh``: each run's paired difference > 0, a run with no
 promotion counting 0; ``fixed_pooled_fresh_excludes_0``: the pooled paired interval's lower
 bound > 0; None without fixed eval outcomes).
@@ -191,7 +191,7 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
     worse = [dict(p, dir=r["dir"]) for r in per_run for p in r["promotions"]
              if p["shown_worse"] or p["guards_shown_worse"]]
     fresh = [r["by_kind"].get("fresh") for r in per_run]
-    live = any(f is not None for f in fresh)  # no thumbs on fresh prompts (implicit signals): no live verdict
+    live = any(f is not None for f in fresh)  # no promoted run with thumbs on fresh prompts: no live verdict
     fixed_pooled = paired_comparison(fixed_rows, "first", "last", seed=seed, strata_key="run")
     fixed_fresh = [((r.get("fixed_eval") or {}).get("by_kind") or {}).get("fresh") for r in per_run]
     has_fixed = all(run.get("fixed") for run in runs) and bool(runs)
