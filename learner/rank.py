@@ -31,7 +31,8 @@ def is_rank0() -> bool:
 
     Raises:
         RankError: (a ValueError) ``$RANK`` is set but is not a whole number >= 0 (the empty
-            string included); the message names ``RANK`` and quotes the value.
+            string included), or names a rank > 0 with no ``$WORLD_SIZE`` above it (such a
+            process would wait forever for rank 0); the message names ``RANK`` and quotes the value.
     """
     raw = os.environ.get(RANK_ENV)
     if raw is None:
@@ -43,4 +44,13 @@ def is_rank0() -> bool:
     if rank < 0:
         raise RankError(f"must be a whole number >= 0 (this process's torch.distributed rank, as torchrun "
                         f"sets it) or unset (one process, rank 0), got {raw[:40]!r}")
+    if rank > 0:  # a rank with no world of its own waits forever for a rank 0 that never comes
+        world = os.environ.get("WORLD_SIZE")
+        try:
+            size = int(world) if world is not None else 0
+        except ValueError:
+            size = 0
+        if rank >= size:
+            raise RankError(f"{rank} needs WORLD_SIZE greater than it (torchrun sets both; a single process "
+                            f"leaves both unset), got WORLD_SIZE={world[:40] if world is not None else None!r}")
     return rank == 0

@@ -85,11 +85,31 @@ def test_a_reason_in_status_and_a_heartbeat_error_show_the_same_escaped_text(tmp
 def test_is_rank0(monkeypatch, value, rank0):
     from learner.rank import is_rank0
 
+    monkeypatch.setenv("WORLD_SIZE", "16")  # as torchrun sets it beside RANK
     if value is None:
         monkeypatch.delenv("RANK", raising=False)
     else:
         monkeypatch.setenv("RANK", value)
     assert is_rank0() is rank0
+
+
+@pytest.mark.parametrize("world", [None, "1", "2", "x"])
+def test_a_rank_outside_its_world_is_refused_naming_both(monkeypatch, world):
+    """RANK=2 with WORLD_SIZE unset (a single process's ensure_dist_env would then set it to 1),
+    1, 2 or unreadable: that process would wait forever for a rank 0 in its rendezvous."""
+    from learner.rank import RankError, is_rank0
+
+    monkeypatch.setenv("RANK", "2")
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(RankError) as exc:
+        is_rank0()
+    assert str(exc.value) == f"RANK: 2 needs WORLD_SIZE greater than it (torchrun sets both; a single process " \
+                             f"leaves both unset), got WORLD_SIZE={world!r}"
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert is_rank0() is False
 
 
 @pytest.mark.parametrize("value", ["", "abc", "-1", "0.0", "1e0"])
