@@ -150,8 +150,17 @@ def decisions(path: Path, version: str | None = None, limit: int | None = None) 
     finally:
         con.close()
     out = [LedgerEntry(ts=r[0], version=r[1], stable=r[2], step=r[3], weight=r[4], decision=r[5],
-                       reason=r[6], numbers=json.loads(r[7] or "{}"), actor=r[8]) for r in rows]
+                       reason=r[6], numbers=_numbers(r[7]), actor=r[8]) for r in rows]
     return out[::-1]
+
+
+def _numbers(raw):
+    """A ledger row's ``numbers`` column as written (JSON text), or, when another tool wrote
+    something that is not JSON there, ``{"unreadable": raw}``: one bad row never hides the rest."""
+    try:
+        return json.loads(raw or "{}")
+    except ValueError:
+        return {"unreadable": str(raw)}
 
 
 FINAL_DECISIONS = ("PROMOTE", "ROLLBACK", "FAILED", "ABORT", "MANUAL_PROMOTE", "MANUAL_ROLLBACK")

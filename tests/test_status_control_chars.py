@@ -181,3 +181,24 @@ def test_a_reason_may_hold_a_line_break_and_an_actor_variable_with_an_escape_is_
     assert ("error: $FLYWHEEL_ACTOR: holds the control character '\\x1b' at position 3" in " ".join(out.split())
             and _bad_bytes(out) == []), out
     assert FleetRecord(cli.store).read().paused is not None  # nothing was changed
+
+
+def test_a_ledger_row_whose_numbers_another_tool_wrote_as_not_json_is_shown_not_fatal(cli):
+    """The ledger is a DuckDB file other tools can write: a row whose ``numbers`` is not JSON is
+    kept and shown as ``{"unreadable": <text>}``; status still prints every row (it raised
+    ``JSONDecodeError`` before)."""
+    import duckdb
+
+    path = settings.ledger_path()
+    ledger.record(path, LedgerEntry(version="v000001", stable="v000000", step=-1, weight=0.0,
+                                    decision="MANUAL_PROMOTE", reason="good row", numbers={"n": 1}, actor="a"))
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE decisions SET numbers = 'not json' WHERE reason = 'good row'")
+    con.execute("INSERT INTO decisions SELECT * REPLACE ('second row' AS reason, '{\"n\": 2}' AS numbers) FROM decisions")
+    con.close()
+    rows = ledger.decisions(path)
+    assert [(r.reason, r.numbers) for r in rows] == [("good row", {"unreadable": "not json"}), ("second row", {"n": 2})]
+    r, out = cli("status", "-o", "json")
+    assert "Traceback" not in out and [d["reason"] for d in json.loads(out)["decisions"]] == ["good row", "second row"]
+    r, out = cli("status")
+    assert r.exit_code == 1 and "second row" in " ".join(out.split()), out
