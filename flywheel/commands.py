@@ -294,10 +294,19 @@ def demo_pool(runs: list[Path] = typer.Argument(..., help="Run directories, each
     from flywheel.pool import load_run, pool_runs, write_forest_plot
 
     fmt = resolve(output)
+    seen: dict[Path, Path] = {}
+    for r in runs:  # one run pooled twice would count twice and narrow every interval
+        if r.resolve() in seen:
+            raise typer.BadParameter(f"{r}: the same run as {seen[r.resolve()]}; give each run once", param_hint="RUNS")
+        seen[r.resolve()] = r
     try:
         loaded = [load_run(r) for r in runs]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="RUNS") from exc
+    for run in loaded:
+        if run["report"].get("quick"):
+            typer.echo(f"note: {run['dir']} is a --quick run (too small for its canary to decide): pooled as given",
+                       err=True)
     pool = pool_runs(loaded, seed=bootstrap_seed)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pool.json").write_text(json.dumps(pool, indent=2))

@@ -158,6 +158,11 @@ def test_demo_pool_command_writes_pool_and_plot_and_refuses_a_run_without_votes(
     pool = json.loads((tmp_path / "pool" / "pool.json").read_text())
     assert (tmp_path / "pool" / "pool.png").stat().st_size > 1000
     assert "pooled fresh" in r.stdout and pool["pooled"]["fresh"]["n_from"] == 240
+    (tmp_path / "alias").symlink_to(tmp_path / "s0")
+    for twice in (["s0", "s0"], ["s0", "alias"], ["s0", "./s1/../s0"]):  # one run twice would count twice
+        r = _cli("demo-pool", *twice, cwd=tmp_path)
+        flat = " ".join(r.stderr.replace("│", " ").split())
+        assert r.returncode == 2 and f"{Path(twice[1])}: the same run as s0; give each run once" in flat, r.stderr
     (tmp_path / "s1" / "votes.jsonl").unlink()
     r = _cli("demo-pool", str(tmp_path / "s0"), str(tmp_path / "s1"), cwd=tmp_path)
     assert r.returncode == 2 and "votes.jsonl: missing" in r.stderr
