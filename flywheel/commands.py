@@ -171,6 +171,14 @@ def _run_demo(cfg) -> None:
 
     try:
         report = Demo(cfg).run()
+    except SystemExit as exc:  # a stop signal (flywheel.supervise.StopSignals): 128 + its number
+        if isinstance(exc.code, int) and exc.code > 128:
+            import signal
+
+            name = signal.Signals(exc.code - 128).name if exc.code - 128 in signal.valid_signals() else exc.code
+            typer.echo(f"\nflywheel demo: stopped by {name}; every process it started is stopped "
+                       f"(the run's files so far are in {cfg.out})", err=True)
+        raise
     except ValueError as exc:
         if str(exc).startswith("out:"):
             raise typer.BadParameter(str(exc)[5:], param_hint="--out") from exc

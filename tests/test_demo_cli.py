@@ -67,6 +67,8 @@ def test_sigterm_stops_every_child(tiny_moe_dir, tmp_path):
     assert len(ports) == 2 and all(_listening(x) for x in ports), ports  # the broker's and the pod's
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=120)
+    assert p.returncode == 143
+    assert "flywheel demo: stopped by SIGTERM; every process it started is stopped" in flat(p.stdout.read())
     time.sleep(1)
     alive = [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [psutil.Process(k).cmdline()[:4] for k in alive]
