@@ -93,7 +93,7 @@ def test_base_url_without_scheme_or_host_refused(url):
 
 
 @pytest.mark.parametrize("odd", [{"results": [1, "x"]}, {"results": [{"index": 0, "status": "200"}]},
-                                 {"results": "none"}])
+                                 {"results": "none"}, {"ok": True}])
 def test_odd_batch_answer_is_resent_and_the_sender_lives(server, odd):
     server["odd"].append(odd)
     fb = FeedbackClient(server["url"], backoff_s=0.01, linger_s=0.2)
@@ -137,3 +137,26 @@ def test_kafka_mode_missing_broker_try_is_bounded_by_timeout_s():
     assert [p["event_id"] for p in unsent] == [eid]
     fb._thread.join(5)
     assert not fb._thread.is_alive()
+
+
+def test_a_200_that_is_not_the_feedback_apis_answer_sends_nothing(tmp_path):
+    """base_url pointed at a product's web front end: every route answers 200 with an HTML page.
+    No event counts as sent; each stays pending and shutdown hands every one back."""
+    from fastapi.responses import HTMLResponse
+
+    app = FastAPI()
+    page = HTMLResponse("<html><body>Welcome</body></html>")
+    app.post("/v1/feedback/batch")(lambda: page)
+    app.post("/v1/feedback")(lambda: page)
+    url, srv, th = _serve(app)
+    try:
+        fb = FeedbackClient(url, backoff_s=0.01, max_backoff_s=0.05, linger_s=0.01)
+        cid = uuid.uuid4()
+        ids = [fb.thumbs_up(cid)]  # one event: the one-event route
+        assert fb.flush(1) == 1
+        ids += [fb.copy(cid), fb.regenerate(cid)]  # the batch route
+        assert fb.flush(1) == 3 and fb.stats()["sent"] == 0
+        assert sorted(e["event_id"] for e in fb.shutdown(1)) == sorted(ids)
+    finally:
+        srv.should_exit = True
+        th.join(5)

@@ -264,6 +264,10 @@ class _HttpTransport:
                 return list(range(i, len(batch))), rejected
             if r.status_code != 200:
                 rejected.append((i, f"HTTP {r.status_code}: {r.text[:300]}"))
+            elif not _acknowledges(r, p):  # e.g. a web front end's HTML page: not known to be published
+                if i == 0:
+                    raise _Retry(_NOT_THE_API.format(url=self.base_url + "/v1/feedback", body=r.text[:120]))
+                return list(range(i, len(batch))), rejected
         return [], rejected
 
     def _post(self, path: str, body) -> httpx.Response:
@@ -289,8 +293,8 @@ class _HttpTransport:
     def _batch_results(r: httpx.Response, n: int) -> tuple[list[int], list[tuple[int, str]]]:
         try:
             results = r.json()["results"]
-        except (ValueError, KeyError, TypeError):
-            return [], []  # a 200 without per-event results: the batch was accepted
+        except (ValueError, KeyError, TypeError):  # a 200 without per-event results: nothing is known published
+            raise _Retry(_NOT_THE_API.format(url=str(r.request.url), body=r.text[:120])) from None
         seen, resend, rejected = set(), [], []
         if not isinstance(results, list):
             return list(range(n)), []  # not the contract's answer: nothing is known to be published
@@ -311,6 +315,25 @@ class _HttpTransport:
 
     def close(self) -> None:
         self.http.close()
+
+
+_NOT_THE_API = ("HTTP 200 from {url} without the feedback API's answer (is base_url Flywheel serving's?): "
+                "{body!r}; the events are kept and retried")
+
+
+def _acknowledges(r: httpx.Response, payload: dict) -> bool:
+    """Whether a 200 from ``POST /v1/feedback`` is serving's answer for this event:
+    ``{"event_id": <the event's>, "accepted": ..., "duplicate": ...}`` (docs/sdk.md)."""
+    try:
+        body = r.json()
+    except ValueError:
+        return False
+    if not isinstance(body, dict) or "accepted" not in body:
+        return False
+    try:  # serving answers the event_id in its canonical form
+        return uuid.UUID(str(body.get("event_id"))) == uuid.UUID(str(payload.get("event_id")))
+    except ValueError:
+        return False
 
 
 class _KafkaTransport:
