@@ -193,9 +193,9 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
     fresh = [r["by_kind"].get("fresh") for r in per_run]
     live = any(f is not None for f in fresh)  # no promoted run with thumbs on fresh prompts: no live verdict
     fixed_pooled = paired_comparison(fixed_rows, "first", "last", seed=seed, strata_key="run")
-    fixed_fresh = [((r.get("fixed_eval") or {}).get("by_kind") or {}).get("fresh") for r in per_run]
+    fixed_fresh = [_of_kind(r.get("fixed_eval"), "fresh") for r in per_run]
     has_fixed = all(run.get("fixed") for run in runs) and bool(runs)
-    pooled_fixed_fresh = ((fixed_pooled or {}).get("by_kind") or {}).get("fresh")
+    pooled_fixed_fresh = _of_kind(fixed_pooled, "fresh")
     return {"runs": per_run, "pooled": pooled, "worse_promotions": worse,
             "fixed_eval_pooled": fixed_pooled,
             "every_run_positive_on_fresh": (all(f is not None and f["diff"] > 0 for f in fresh) and bool(fresh)
@@ -208,26 +208,29 @@ def pool_runs(runs: list[dict], seed: int = 0) -> dict:
                                               if has_fixed else None)}
 
 
+def _of_kind(comparison: dict | None, kind: str) -> dict | None:
+    """A paired comparison's figures for ``kind`` (its ``by_kind`` entry; ``all``: the whole)."""
+    if kind == "all":
+        return comparison
+    return ((comparison or {}).get("by_kind") or {}).get(kind)
+
+
 def _forest_rows(pool: dict) -> tuple[list, list]:
     """The forest plot's rows: ``(name, diff, (lo, hi))`` for the fixed eval set (paired
     bootstrap) and for the users' live thumbs (cluster bootstrap), on fresh prompts and on all."""
     fixed, live = [], []
+
+    def add(name: str, fixed_cmp: dict | None, live_cmp: dict | None, k: str) -> None:
+        f = _of_kind(fixed_cmp, k)
+        if f:
+            fixed.append((f"{name} ({k})", f["diff"], tuple(f["ci95"])))
+        if live_cmp and live_cmp.get("cluster_ci95"):
+            live.append((f"{name} ({k})", live_cmp["diff"], tuple(live_cmp["cluster_ci95"])))
+
     for k in ("fresh", "all"):
         for r in pool["runs"]:
-            f = r.get("fixed_eval")
-            f = f if k == "all" else ((f or {}).get("by_kind") or {}).get("fresh")
-            if f:
-                fixed.append((f"{Path(r['dir']).name} ({k})", f["diff"], tuple(f["ci95"])))
-            c = r["by_kind"].get(k)
-            if c and c.get("cluster_ci95"):
-                live.append((f"{Path(r['dir']).name} ({k})", c["diff"], tuple(c["cluster_ci95"])))
-        f = pool.get("fixed_eval_pooled")
-        f = f if k == "all" else ((f or {}).get("by_kind") or {}).get("fresh")
-        if f:
-            fixed.append((f"pooled ({k})", f["diff"], tuple(f["ci95"])))
-        c = pool["pooled"].get(k)
-        if c and c.get("cluster_ci95"):
-            live.append((f"pooled ({k})", c["diff"], tuple(c["cluster_ci95"])))
+            add(Path(r["dir"]).name, r.get("fixed_eval"), r["by_kind"].get(k), k)
+        add("pooled", pool.get("fixed_eval_pooled"), pool["pooled"].get(k), k)
     return fixed, live
 
 
