@@ -45,12 +45,41 @@ from flywheel.report import paired_comparison, stratified_cluster_bootstrap  # t
 KINDS = ("train", "fresh", "harder", "unseen", "all")
 
 
+def _read_text(p: Path) -> str:
+    """``p``'s text as UTF-8. Raises ValueError naming ``p`` when it is not UTF-8."""
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}: not UTF-8 text: {exc}") from exc
+
+
+def _json_lines(p: Path) -> list:
+    """Each non-blank line of ``p`` parsed as JSON. Raises ValueError naming ``p``, the line
+    and the reason when ``p`` is not UTF-8 or a line is not JSON."""
+    out = []
+    for i, line in enumerate(_read_text(p).splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}: line {i}: not JSON: {exc}") from exc
+    return out
+
+
+def _check_version(p: Path, where: str, v) -> None:
+    """Raise ValueError naming ``p`` and ``where`` unless ``v`` is a version name (a string)."""
+    if not isinstance(v, str):
+        raise ValueError(f"{p}: {where}version: must be a string (a version name such as 'v000001'), got {v!r}")
+
+
 def load_run(path: Path) -> dict:
-    """Read one run directory: ``{"dir", "report", "votes"}``.
+    """Read one run directory: ``{"dir", "report", "votes", "fixed"}``.
 
     Raises:
-        ValueError: ``report.json`` or ``votes.jsonl`` is missing or not what the demo writes
-            (the message names the file and the reason).
+        ValueError: ``report.json``, ``votes.jsonl`` or ``fixed_eval.jsonl`` is missing (the
+            first two), not UTF-8, not JSON or not what the demo writes (a field missing or of
+            the wrong type, e.g. a ``version`` that is not a string); the message names the
+            file, the line or field, and the reason.
     """
     path = Path(path)
     rp, vp = path / "report.json", path / "votes.jsonl"
@@ -58,35 +87,36 @@ def load_run(path: Path) -> dict:
         if not p.is_file():
             raise ValueError(f"{p}: missing (a full `flywheel demo` run writes it)")
     try:
-        report = json.loads(rp.read_text())
-        votes = [json.loads(line) for line in vp.read_text().splitlines() if line.strip()]
+        report = json.loads(_read_text(rp))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON: {exc}") from exc
+        raise ValueError(f"{rp}: not JSON (truncated?): {exc}") from exc
+    votes = _json_lines(vp)
     if not isinstance(report, dict) or "versions" not in report:
         raise ValueError(f"{rp}: no 'versions' (not a demo report)")
     vs = report["versions"]
     if not isinstance(vs, list) or not vs or not all(isinstance(r, dict) and "version" in r for r in vs):
         raise ValueError(f"{rp}: versions: must be a non-empty list of versions (the run ended before its report?)")
+    for i, r in enumerate(vs):
+        _check_version(rp, f"versions[{i}].", r["version"])
     for i, v in enumerate(votes, 1):
         if not isinstance(v, dict):
             raise ValueError(f"{vp}: line {i}: not a JSON object")
         missing = {"version", "kind", "key", "votes_up", "votes_down"} - set(v)
         if missing:
             raise ValueError(f"{vp}: line {i}: missing {sorted(missing)}")
+        _check_version(vp, f"line {i}: ", v["version"])
         for f in ("votes_up", "votes_down"):
             if not isinstance(v[f], int) or isinstance(v[f], bool) or v[f] < 0:
                 raise ValueError(f"{vp}: line {i}: {f}: must be an integer >= 0, got {v[f]!r}")
     fixed = []
     fp = path / "fixed_eval.jsonl"
     if fp.is_file():  # runs before the fixed eval set have none
-        try:
-            fixed = [json.loads(line) for line in fp.read_text().splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{fp}: not JSON lines: {exc}") from exc
+        fixed = _json_lines(fp)
         for i, r in enumerate(fixed, 1):
             missing = {"version", "key", "passed"} - set(r) if isinstance(r, dict) else {"an object"}
             if missing:
                 raise ValueError(f"{fp}: line {i}: missing {sorted(missing)}")
+            _check_version(fp, f"line {i}: ", r["version"])
     return {"dir": str(path), "report": report, "votes": votes, "fixed": fixed}
 
 

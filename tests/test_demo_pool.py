@@ -207,6 +207,30 @@ def test_load_run_names_the_file_and_the_field(tmp_path, report, votes, msg):
         load_run(tmp_path)
 
 
+@pytest.mark.parametrize("name,content,reason", [
+    ("report.json", b'{"versions": [{"version": "v0\xff"}]}', "not UTF-8 text"),
+    ("report.json", b'{"versions": [{"version": "v000000"}, {"vers', "not JSON (truncated?)"),
+    ("report.json", b'{"versions": [{"version": 1}]}', "versions[0].version: must be a string"),
+    ("report.json", b'{"versions": [{"version": "v000000"}, {"version": null}]}', "versions[1].version: must be a string"),
+    ("votes.jsonl", b'{"version": "v000000", "kind": "fresh", "key": "k", "votes_up": 1, "votes_down": 0}\n\xfe\n',
+     "not UTF-8 text"),
+    ("votes.jsonl", b'{"version": "v000000", "kind": "fresh", "key": "k", "votes_up": 1, "votes_down": 0}\n'
+                    b'{"version": 7, "kind": "fresh", "key": "k", "votes_up": 1, "votes_down": 0}\n',
+     "line 2: version: must be a string"),
+    ("fixed_eval.jsonl", b'{"version": null, "key": "k", "passed": true}\n', "line 1: version: must be a string"),
+    ("fixed_eval.jsonl", b'{"version": "v000000", "key": "k", "pas', "line 1: not JSON"),
+])
+def test_demo_pool_names_the_bad_file_and_the_reason(tmp_path, name, content, reason):
+    """A report or votes file that is not UTF-8, is cut short, or has a version that is not a
+    string: a clear refusal naming the file (not the run directory) and the reason, no traceback."""
+    make_run(tmp_path / "s0", random.Random(3), 0.2, 0.4, prompts=5)
+    (tmp_path / "s0" / name).write_bytes(content)
+    r = _cli("demo-pool", "s0", "--out", str(tmp_path / "pool"), cwd=tmp_path)
+    flat = " ".join(r.stderr.replace("│", " ").split())
+    assert r.returncode == 2 and f"{Path('s0') / name}: {reason}" in flat, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "pool").exists(), r.stderr
+
+
 def test_fixed_eval_pools_pairs_by_run_and_counts_a_run_without_promotion_as_no_change():
     """Run a: v2 promoted, pairs (0,1), (0,1), (1,1); run b: nothing promoted, so its 2 prompts
     count as first against first (no discordant pair). Pooled: 5 prompts, 2 discordant for the
