@@ -211,7 +211,8 @@ def test_load_run_names_the_file_and_the_field(tmp_path, report, votes, msg):
     ("report.json", b'{"versions": [{"version": "v0\xff"}]}', "not UTF-8 text"),
     ("report.json", b'{"versions": [{"version": "v000000"}, {"vers', "not JSON (truncated?)"),
     ("report.json", b'{"versions": [{"version": 1}]}', "versions[0].version: must be a string"),
-    ("report.json", b'{"versions": [{"version": "v000000"}, {"version": null}]}', "versions[1].version: must be a string"),
+    ("report.json", b'{"versions": [{"version": "v000000"}, {"version": null}]}',
+     "versions[1].version: must be a string"),
     ("votes.jsonl", b'{"version": "v000000", "kind": "fresh", "key": "k", "votes_up": 1, "votes_down": 0}\n\xfe\n',
      "not UTF-8 text"),
     ("votes.jsonl", b'{"version": "v000000", "kind": "fresh", "key": "k", "votes_up": 1, "votes_down": 0}\n'
