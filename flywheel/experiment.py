@@ -306,13 +306,24 @@ def compare(first: dict, last: dict, seed: int = 0) -> dict:
             "cluster_bootstrap_ci95": [blo, bhi], "z": z, "p_one_sided": pv, "improved": dlo > 0 and blo > 0}
 
 
+def _store_root(cfg: ExperimentConfig):
+    """The experiment's model store root (``out/home/store`` unless ``FLYWHEEL_STORE`` names
+    one); points ``FLYWHEEL_HOME`` at ``out/home``. Creates nothing."""
+    from schemas import settings
+
+    os.environ["FLYWHEEL_HOME"] = str(cfg.out / "home")
+    return settings.store_dir()
+
+
 def _setup(cfg: ExperimentConfig):
+    """Create ``out/logs`` and the store (with the base checkpoint as v000000 when empty).
+    Returns ``(store, model_dir)``. Raises ValueError ("model dir: ...") without a checkpoint."""
     from modelstore.store import ModelStore
     from schemas import settings
 
+    root = _store_root(cfg)
     (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
-    os.environ["FLYWHEEL_HOME"] = str(cfg.out / "home")
-    store = ModelStore(settings.store_dir())
+    store = ModelStore(root)
     model_dir = settings.base_model_dir()
     if not store.versions():
         if not (model_dir / "config.json").is_file():
@@ -375,19 +386,47 @@ def evaluate(cfg: ExperimentConfig, versions: list[str], console=None) -> dict:
     on the pooled counts (other problems: not pooled, the pooled figures equal the new ones).
     Writes ``out/eval-seed<seed>.json`` and ``out/learning_curve_pooled.png``.
 
+    Everything is checked before anything is created or served: a refusal leaves ``cfg.out``
+    as it was.
+
     Raises:
-        ValueError: a version is not in the store.
+        ValueError: ``versions`` is empty, there is no store, a version is not in the store, the
+            base model directory holds no checkpoint ("model dir: ..."), or ``out/experiment.json``
+            is not an experiment's report (the message names the file and the reason).
     """
     from rich.console import Console
 
+    from modelstore.store import ModelStore, StoreMissingError
+    from schemas import settings
+
     console = console or Console()
-    store, model_dir = _setup(cfg)
-    missing = [v for v in versions if v not in store.versions()]
+    if not versions:
+        raise ValueError("versions: give at least one version of the store, e.g. 'v000000,v000002'")
+    root = _store_root(cfg)
+    try:
+        have = ModelStore(root, create=False).versions()
+    except StoreMissingError:
+        raise ValueError(f"versions: no model store at {root} (run `flywheel experiment --out {cfg.out}` "
+                         "first)") from None
+    missing = [v for v in versions if v not in have]
     if missing:
-        raise ValueError(f"versions: {missing} not in the store at {cfg.out}/home/store")
+        raise ValueError(f"versions: {missing} not in the store at {root} (it holds {have})")
+    model_dir = settings.base_model_dir()
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model dir: {model_dir} holds no checkpoint; run 'flywheel model init' first "
+                         "(or set FLYWHEEL_MODEL_DIR)")
+    exp = None
+    ep = cfg.out / "experiment.json"
+    if ep.exists():
+        try:
+            exp = json.loads(ep.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{ep}: not JSON: {exc}") from exc
+        if not isinstance(exp, dict) or not isinstance(exp.get("versions"), list):
+            raise ValueError(f"{ep}: versions: missing (not an experiment's report)")
+    store, model_dir = _setup(cfg)
     prior = {}
-    if (cfg.out / "experiment.json").exists():
-        exp = json.loads((cfg.out / "experiment.json").read_text())
+    if exp is not None:
         ec = exp.get("config", {})
         served = ec.get("problem_ids") or list(range(ec.get("problems", 0)))
         mine = cfg.problem_ids if cfg.problem_ids is not None else list(range(cfg.problems))

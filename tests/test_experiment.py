@@ -63,6 +63,45 @@ def test_no_model_built_says_to_run_model_init(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "flywheel model init" in r.output and "Traceback" not in r.output, r.output
 
 
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else None
+
+
+def test_eval_only_refusals_leave_the_out_dir_as_it_was(tmp_path, monkeypatch):
+    """`--eval-only` with no store, an unknown version, no versions or a broken experiment.json
+    is refused before anything is created: no home/, no logs/, the out dir's files unchanged."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path / "elsewhere"))  # restored after (the command sets it)
+    monkeypatch.delenv("FLYWHEEL_STORE", raising=False)
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path / "no-model"))
+
+    def refuse(out, versions, says):
+        before = _tree(out)
+        r = CliRunner().invoke(app, ["experiment", "--out", str(out), "--eval-only", versions], env={"COLUMNS": "400"})
+        flat = " ".join(r.output.replace("│", " ").split())
+        assert r.exit_code == 2 and says in flat and "Traceback" not in r.output, r.output
+        assert _tree(out) == before, r.output
+
+    refuse(tmp_path / "new", "v9", "no model store at")
+    assert not (tmp_path / "new").exists()
+    out = tmp_path / "exp"  # a store holding v000000 only (a complete version: its manifest)
+    (out / "home/store/versions/v000000").mkdir(parents=True)
+    (out / "home/store/versions/v000000/manifest.json").write_text("{}")
+    refuse(out, "v000000,v9", "['v9'] not in the store")
+    refuse(out, " , ", "give at least one version")
+    refuse(out, "v000000", "holds no checkpoint")  # the known version, but no base model to serve it with
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path / "model"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{}")
+    (out / "experiment.json").write_text('{"versions": [')  # cut short
+    refuse(out, "v000000", "experiment.json: not JSON")
+    assert _tree(out) == ["experiment.json", "home", "home/store", "home/store/versions",
+                          "home/store/versions/v000000", "home/store/versions/v000000/manifest.json"]
+
+
 def test_one_round_on_the_tiny_moe(tiny_moe_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tiny_moe_dir))
     monkeypatch.delenv("FLYWHEEL_STORE", raising=False)
