@@ -171,22 +171,19 @@ class Proc:
         timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
         try:
             if self.p.poll() is None:
-                try:
-                    os.killpg(self.p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                try:
-                    self.p.wait(timeout_s)
-                except subprocess.TimeoutExpired:
+                for sig in (signal.SIGTERM, signal.SIGKILL):  # each followed by one bounded wait
                     try:
-                        os.killpg(self.p.pid, signal.SIGKILL)
+                        os.killpg(self.p.pid, sig)
                     except ProcessLookupError:
                         pass
                     try:
                         self.p.wait(timeout_s)
+                        break
                     except subprocess.TimeoutExpired:
-                        raise RuntimeError(f"{self.name} (pid {self.p.pid}) was sent SIGKILL but not seen to exit "
-                                           f"within {timeout_s:g} s") from None
+                        pass
+                else:
+                    raise RuntimeError(f"{self.name} (pid {self.p.pid}) was sent SIGKILL but not seen to exit "
+                                       f"within {timeout_s:g} s")
         finally:
             self._log.close()
 
