@@ -21,10 +21,12 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from schemas import settings, topics
 
 # the Kafka client settings live in ingest.clients (ingest.worker reads them there, so the
-# worker never imports this module); named here too: ``ingest.app.consumer_settings`` etc.
-from ingest.clients import (METADATA_MAX_AGE_MS, SESSION_TIMEOUT_S,  # noqa: F401
-                            consumer_settings, producer_settings)
+# worker never imports this module); consumer_settings is named here too (tests and bench
+# import ``ingest.app.consumer_settings``)
+from ingest.clients import consumer_settings
 from ingest.join import JoinConfig
+
+__all__ = ["APP_ID", "LOGLEVELS", "IngestConfig", "consumer_settings", "run_worker"]
 
 APP_ID = topics.INGEST_APP_ID  # the group is this under the topic prefix; bump a suffix if the state layout changes
 

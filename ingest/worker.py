@@ -118,9 +118,12 @@ from ingest.commit import CommitRefused, membership
 from ingest.commit import commit as commit_offsets
 from ingest.metrics import POSITION_TIMEOUT_S, serve_http
 from ingest.partition import SOURCE_HEADER
-from ingest.processor import (RECORD_ERRORS, SEAL_CHUNK, SHARD_ROWS, Processor,  # noqa: F401 - re-exported
-                              completion_decoder)
+from ingest.processor import SEAL_CHUNK, Processor
 from ingest.store import Fenced
+
+# SEAL_CHUNK is ingest.processor's, named here too (tests import it from the worker)
+__all__ = ["BATCH_MAX_RECORDS", "POLL_TIMEOUT_MS", "SEAL_CHUNK", "Worker", "WorkerStartError", "configure_gc",
+           "no_topic_auto_creation", "run"]
 
 log = logging.getLogger("ingest")
 

@@ -11,11 +11,10 @@ import typer
 
 from schemas.options import config_options
 from serving.config import EngineConfig, ServeConfig, SettingError, VLLMConfig
-# the pod's assembly, as programs and tests have imported it from here
-from serving.pod import (  # noqa: F401 - re-exported
-    Pod, build_pod, check_listen, default_version, desired_state, fleet_salt, is_loopback, listen_socket, open_store,
-    start_desired_candidate,
-)
+# the pod's assembly lives in serving.pod; these two are named here too (tests and bench import them from here)
+from serving.pod import build_pod, default_version
+
+__all__ = ["build_pod", "default_version", "register"]
 
 
 def register(app: typer.Typer) -> None:
