@@ -61,6 +61,9 @@ FINITE = ConfigDict(allow_inf_nan=False)
 #: the largest seed: a seed is a signed 64-bit int (torch.manual_seed, the events' int64 seed)
 SEED_MAX = 2**63 - 1
 
+#: a field read by KTO's loss only (:data:`OBJECTIVE_ONLY`)
+_KTO = {"objectives": ("kto",)}
+
 
 @dataclass(config=FINITE)
 class LearnerConfig:
@@ -97,15 +100,18 @@ class LearnerConfig:
                            "leave-one-out baseline, Kool et al. 2019) | psr (positive sample reinforcement, Zhu "
                            "et al. 2025, arXiv:2506.01347: only samples with reward > 0, weighted by their reward, "
                            "no baseline).")
-    beta: float = Field(0.1, description="KTO beta (> 0).")
-    desirable_weight: float = Field(1.0, description="KTO lambda_D (weight of desirable samples, > 0).")
-    undesirable_weight: float = Field(1.0, description="KTO lambda_U (weight of undesirable samples, > 0).")
+    beta: float = Field(0.1, description="KTO beta (> 0).", json_schema_extra=_KTO)
+    desirable_weight: float = Field(1.0, description="KTO lambda_D (weight of desirable samples, > 0).",
+                                    json_schema_extra=_KTO)
+    undesirable_weight: float = Field(1.0, description="KTO lambda_U (weight of undesirable samples, > 0).",
+                                      json_schema_extra=_KTO)
     balance_classes: bool = Field(
         False, description="Per cycle, raise the minority class's KTO weight so that lambda_D*n_D = lambda_U*n_U "
                            "(the KTO paper, section 4.2, recommends a ratio in [1, 4/3]; product feedback is "
-                           "mostly one class).")
-    kl_coef: float = Field(0.0, ge=0, description="REINFORCE and PSR: k3 KL penalty to the reference (KTO does not "
-                                                    "read it: refused with kto).")
+                           "mostly one class).",
+        json_schema_extra={**_KTO, "flags": "--balance-classes/--no-balance-classes"})
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the reference.",
+                           json_schema_extra={"objectives": ("reinforce", "psr")})
     baseline: Literal["batch", "prompt"] = Field(
         "batch", description="REINFORCE baseline: 'batch' (leave-one-out over the step's batch) or 'prompt' "
                              "(leave-one-out over the other completions of the same prompt in the cycle, RLOO "
@@ -145,7 +151,8 @@ class LearnerConfig:
                                                   "(--no-replay: free routing).",
                                 json_schema_extra={"flags": "--replay/--no-replay"})
     allow_free_routing: bool = Field(False, description="Train samples without usable routes on free routing "
-                                                        "instead of refusing (and counting) them.")
+                                                        "instead of refusing (and counting) them.",
+                                     json_schema_extra={"flags": "--allow-free-routing/--no-allow-free-routing"})
     # --- memory
     micro_batch_size: int = Field(0, ge=0, description="Samples per forward/backward; a step's batch is "
                                                        "accumulated over micro-batches (0 = one micro-batch).")
@@ -153,8 +160,9 @@ class LearnerConfig:
         "auto", description="auto | fp32 | bf16. auto: the parent version's dtype. bf16: bf16 weights and "
                             "activations, fp32 master weights and AdamW state under ZeRO. The new version keeps "
                             "the parent's dtype (docs/decisions.md D41).")
-    activation_checkpointing: bool = Field(False, description="Recompute layer activations in backward "
-                                                              "(non-reentrant gradient checkpointing).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute layer activations in backward (non-reentrant gradient checkpointing).",
+        json_schema_extra={"flags": "--activation-checkpointing/--no-activation-checkpointing"})
 
     _readable = model_validator(mode="wrap")(classmethod(readable_errors))
 
@@ -184,14 +192,14 @@ class LearnerConfig:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
 
-#: The settings only some objectives read (field -> those objectives): :class:`LearnerConfig`
+#: The settings only some objectives read (field -> those objectives), declared by each field's
+#: ``objectives`` (its help says "(kto only)": ``schemas.options``): :class:`LearnerConfig`
 #: refuses one set away from its default with any other objective. KTO's beta, lambda_D,
 #: lambda_U and class balancing are read by KTO's loss only; the k3 KL penalty by the REINFORCE
 #: loss (REINFORCE and PSR) only. (``baseline`` is REINFORCE's, checked with the bounds.)
 OBJECTIVE_ONLY: dict[str, tuple[str, ...]] = {
-    "beta": ("kto",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",), "balance_classes": ("kto",),
-    "kl_coef": ("reinforce", "psr"),
-}
+    name: tuple(info.json_schema_extra["objectives"]) for name, info in LearnerConfig.__pydantic_fields__.items()
+    if isinstance(info.json_schema_extra, dict) and "objectives" in info.json_schema_extra}
 
 
 def learn_flags(values: dict) -> list[str]:

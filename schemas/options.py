@@ -15,6 +15,8 @@ A field's ``json_schema_extra`` may hold:
         off switch gets ``--no-field-name`` beside its flag, so the command line can turn it
         off);
     ``unit``: shown after the help text (``"s"``, ``"ms"``, ``"h"``, ``"tokens"``);
+    ``objectives``: the learner objectives that read the field (``("kto",)``), shown after
+        the help text as ``(kto only)`` (``learner.config.OBJECTIVE_ONLY`` is built from it);
     ``cli``: ``False`` keeps the field off the command line (set by programs only);
     ``envvar``: an environment variable click reads for the option (a flag wins over it, it
         wins over ``flywheel.toml``), for a setting that had one before it was a field.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import typing
 from typing import Annotated, Any, Callable, Sequence
 
@@ -97,9 +100,12 @@ def _bounds(info: FieldInfo) -> dict[str, Any]:
 
 
 def _help(info: FieldInfo) -> str:
+    """The option's help: the field's description, then ``(unit: s)`` and ``(kto only)`` (its
+    ``objectives``) where the field declares them."""
     text = (info.description or "").strip()
-    unit = _extra(info).get("unit")
-    return f"{text} (unit: {unit})" if unit else text
+    unit, objectives = _extra(info).get("unit"), _extra(info).get("objectives")
+    text = f"{text} (unit: {unit})" if unit else text
+    return f"{text} ({' and '.join(objectives)} only)" if objectives else text
 
 
 def _declarations(name: str, info: FieldInfo, annotation: Any) -> tuple[str, ...]:
@@ -143,8 +149,9 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
     Raises:
         TypeError: a model is not a pydantic model or dataclass, or option names collide
             (at decoration time).
-        typer.BadParameter: at run time, a value the model refuses; the message names the
-            flag and the model's reason (exit code 2).
+        typer.BadParameter: at run time, a value the model refuses; the message names where
+            the value came from (the flag, the environment variable, or ``flywheel.toml``'s
+            file and key: :func:`value_origin`) and the model's reason (exit code 2).
     """
 
     def wrap(func: Callable) -> Callable:
@@ -169,16 +176,28 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
         flags = {name: _declarations(name, info, _annotation(model, name, info))
                  for model in configs.values() for name, info in cli_fields(model).items()}
 
-        def hint_for(name: str, msg: str) -> str | None:
-            """The flag of field ``name``, else of the field a ``"field: reason"`` message names."""
+        # the click context reaches the command through a typer.Context parameter: the function's
+        # own when it declares one (it still receives it), else one added here
+        ctx_name = next((p.name for p in own if p.annotation is typer.Context), None)
+        added_ctx = ctx_name is None
+        if added_ctx:
+            ctx_name = "_flywheel_ctx"
+            own.append(inspect.Parameter(ctx_name, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
+
+        def refused(ctx, name: str, msg: str) -> typer.BadParameter:
+            """The usage error for a value a model refused: it names where the value of field
+            ``name`` (else of the field a ``"field: reason"`` message names) came from."""
             name = name or msg.split(":", 1)[0].strip()
             decl = flags.get(name)
-            if decl is None:
-                return None
-            return (decl if isinstance(decl, str) else decl[0]).split("/")[0]
+            flag = None if decl is None else (decl if isinstance(decl, str) else decl[0]).split("/")[0]
+            hint, where = value_origin(ctx, name, flag)
+            if where is not None:
+                msg = f"{where}: {msg.removeprefix(name + ': ')}"
+            return typer.BadParameter(msg, param_hint=hint)
 
         @functools.wraps(func)
         def command(**kwargs):
+            ctx = kwargs.pop(ctx_name) if added_ctx else kwargs[ctx_name]
             built = {}
             for key, model in configs.items():
                 values = {k: kwargs.pop(k) for k in list(kwargs) if owner.get(k) == key}
@@ -187,9 +206,9 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                 except ValidationError as exc:
                     e = exc.errors()[0]
                     msg = e["msg"].removeprefix("Value error, ")
-                    raise typer.BadParameter(msg, param_hint=hint_for(str(e["loc"][0]) if e["loc"] else "", msg)) from None
+                    raise refused(ctx, str(e["loc"][0]) if e["loc"] else "", msg) from None
                 except ValueError as exc:  # a model's own __post_init__ check
-                    raise typer.BadParameter(str(exc), param_hint=hint_for("", str(exc))) from None
+                    raise refused(ctx, "", str(exc)) from None
                 except RuntimeError as exc:  # its surroundings are missing (no Kafka broker): one line
                     typer.echo(f"error: {exc}", err=True)
                     raise typer.Exit(1) from None
@@ -203,6 +222,46 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
         return command
 
     return wrap
+
+
+CONFIG_HINT = "'--config' / FLYWHEEL_CONFIG"  # how schemas.config names the file in a usage error
+
+
+def value_origin(ctx, name: str, flag: str | None) -> tuple[str | None, str | None]:
+    """Where the value of option ``name`` (its Python name) of the command running in ``ctx``
+    (a click context) came from, as a usage error names it: ``(param_hint, where)``, the
+    message then being ``"<where>: <reason>"`` when ``where`` is not None.
+
+    * the command line, or no value given (the default): ``(flag, None)``;
+    * the option's own environment variable (a field's ``envvar``): ``(that variable, None)``;
+    * a ``FLYWHEEL_<COMMAND>__<OPTION>`` variable: ``(the variable as set, "learn.beta")``;
+    * ``flywheel.toml`` (``--config`` or ``FLYWHEEL_CONFIG``): ``("'--config' /
+      FLYWHEEL_CONFIG", "<file>: learn.beta")``, the form ``schemas.config`` gives the file's
+      other refused values.
+
+    The variable wins over the file for one option, as ``schemas.config`` merges them.
+    """
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    kind = getattr(source, "name", None)
+    if kind == "ENVIRONMENT":
+        param = next((p for p in ctx.command.params if p.name == name), None)
+        envvar = getattr(param, "envvar", None)
+        envvar = next((v for v in ([envvar] if isinstance(envvar, str) else envvar or ()) if v in os.environ), None)
+        return (envvar or flag), None
+    if kind != "DEFAULT_MAP":
+        return flag, None
+    names, c = [], ctx
+    while c.parent is not None:  # the command's path below the root: ["learn"], ["broker", "start"]
+        names.append(c.info_name)
+        c = c.parent
+    path = ".".join(reversed(names)) or str(ctx.info_name)
+    head = "FLYWHEEL_" + "__".join(p.upper().replace("-", "_") for p in path.split(".")) + "__"
+    var = next((k for k in sorted(os.environ)
+                if k.startswith(head) and k[len(head):].lower().replace("-", "_") == name), None)
+    if var is not None:
+        return var, f"{path}.{name}"
+    config = ctx.find_root().params.get("config") or os.environ.get("FLYWHEEL_CONFIG")
+    return (CONFIG_HINT, f"{config}: {path}.{name}") if config else (flag, None)
 
 
 def overrides(model: type, values: dict[str, Any], *, where: str) -> dict[str, Any]:
