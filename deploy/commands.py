@@ -52,6 +52,7 @@ from modelstore.store import CorruptVersionError, ModelStore, StoreMissingError
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
 from schemas.events import now_ms
+from schemas.manifest import version_number
 from schemas import settings
 from schemas.display import shown
 from schemas.options import config_options, model_fields
@@ -179,6 +180,22 @@ def _actor_text(s: str | None) -> str | None:
     why = _control_char(s or "")
     if why:
         raise typer.BadParameter(why)
+    return s
+
+
+def _version_text(s: str | None) -> str | None:
+    """A version named on the command line (``--to``): None, or a name of the form
+    ``v000123`` (:func:`schemas.manifest.version_number`); anything else (a control character,
+    an escape, a path) is refused before anything is read or written (exit 2 naming the flag,
+    the value as ``repr`` writes it: ``'v\\x1b[2J'``)."""
+    if s is None:
+        return None
+    s = _text(s)
+    try:
+        version_number(s)
+    except ValueError:
+        raise typer.BadParameter(f"not a version name of the form v000123, got {s!r} (`flywheel versions` lists "
+                                 "the store's)") from None
     return s
 
 
@@ -801,7 +818,8 @@ def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
                f"manual promote of {cand}", cand, stable, who, reason, why)
     _report(res, f"stable is now {cand}", cand)
 
-def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", help="version to restore as stable"),
+def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", callback=_version_text,
+                                                  help="version to restore as stable (v000123)"),
                  serving: Optional[list[str]] = _serving_opt(),
                  record_pods: bool = _record_pods_opt(),
                  actor: Optional[str] = _actor_opt(), reason: str = _reason_opt(),
