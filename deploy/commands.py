@@ -118,19 +118,21 @@ def pause_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None
     return rec
 
 
-def resume_learner(actor: str, fleet: FleetRecord | None = None) -> dict | None:
-    """Clear the pause in the desired state and record a RESUME ledger row; returns the pause it ended."""
+def resume_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None) -> dict | None:
+    """Clear the pause in the desired state (one generation, its change's reason ``reason``)
+    and record a RESUME ledger row (``"learner resumed by <actor>: <reason>"``), as
+    :func:`pause_learner` records a pause; returns the pause it ended."""
     fleet = fleet or _fleet()
     prev = fleet.read().paused
 
     def fn(d: DesiredState) -> DesiredState:
         d.paused = None
         return d
-    new = fleet.change(fn, actor, "resume")
+    new = fleet.change(fn, actor, "resume", reason)
     ledger.record(settings.ledger_path(), ledger.LedgerEntry(
         version="learner", stable=None, step=-1, weight=0.0, decision="RESUME",
-        reason=f"learner resumed by {actor}", numbers={"paused": prev or {}, "generation": new.generation},
-        actor=actor), _bootstrap())
+        reason=f"learner resumed by {actor}" + (f": {reason}" if reason else ""),
+        numbers={"paused": prev or {}, "generation": new.generation}, actor=actor), _bootstrap())
     return prev
 
 
@@ -584,7 +586,8 @@ def pause_cmd(reason: str = typer.Option("", callback=_reason_text, help="why (s
     pause_learner(_actor(actor), reason)
     _say("", f"learner paused by {_actor(actor)} (fleet desired state, {_fleet().read().summary()})")
 
-def resume_cmd(actor: Optional[str] = _actor_opt(),
+def resume_cmd(reason: str = _reason_opt(),
+               actor: Optional[str] = _actor_opt(),
                yes: bool = _yes_opt()) -> None:
     """Resume the learner after `flywheel pause`."""
     cur = _paused_or_fail()
@@ -592,7 +595,7 @@ def resume_cmd(actor: Optional[str] = _actor_opt(),
         console.print("learner is not paused")
         return
     _confirm(f"resume the learner (paused by {cur['actor']})", yes)
-    resume_learner(_actor(actor))
+    resume_learner(_actor(actor), reason)
     _say("", f"learner resumed by {_actor(actor)}")
 
 def runbook_cmd(as_json: bool = typer.Option(False, "--json", help="machine-readable output (-o json)"),
@@ -687,6 +690,22 @@ def status_cmd(serving: Optional[list[str]] = typer.Option(
         raise typer.Exit(1)  # scripts can tell "serving down" from the exit status
 
 
+# `flywheel status`'s tables show a value on one line, cut to this many characters (the last one
+# "…") so that one long value (a version or an actor full of escaped control characters) cannot
+# squeeze the other columns to nothing; `-o json` holds the whole value. Names and versions fit
+# in CELL_SHOWN_MAX, a whole sha256 digest (-o wide) in DIGEST_SHOWN_MAX, a pod's cluster DNS URL
+# in URL_SHOWN_MAX. The columns of text that wraps (drift, reason, numbers) are not cut.
+CELL_SHOWN_MAX = 40
+DIGEST_SHOWN_MAX = 64
+URL_SHOWN_MAX = 80
+
+
+def _cut_column(t: Table, name: str, max_chars: int = CELL_SHOWN_MAX) -> None:
+    """Add column ``name`` to ``t``: one line per cell, at most ``max_chars`` characters wide,
+    a longer value cut with an ellipsis."""
+    t.add_column(name, no_wrap=True, overflow="ellipsis", max_width=max_chars)
+
+
 def _print_pods(s: FleetStatus, fmt: Format) -> None:
     """`flywheel status`'s desired state, pods table, drift count, errors and warnings. Every
     string read from the store, a pod or the ledger is escaped: rich prints it as it is."""
@@ -698,8 +717,9 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     elif s.record_err:
         _say("[red]error:[/red] ", s.record_err)
     t = Table(title="serving pods")
-    for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)", "drift"):
-        t.add_column(c, no_wrap=c not in ("drift",), overflow="fold")
+    for c in ("pod", "url", "stable", "digest", "= manifest", "candidate", "weight", "loaded at (UTC)"):
+        _cut_column(t, c, {"url": URL_SHOWN_MAX, "digest": DIGEST_SHOWN_MAX}.get(c, CELL_SHOWN_MAX))
+    t.add_column("drift", overflow="fold")
     ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
     dig = None if fmt == Format.wide else 12  # -o wide: whole digests
     unknown = desired is None  # the record is unreadable: no pod can be called in sync
@@ -746,7 +766,7 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
                                      if lp else "running (not paused)"))
     t = Table(title="last decisions")
     for c in ("time (UTC)", "version", "stable", "step", "weight", "decision", "actor"):
-        t.add_column(c, no_wrap=True)
+        _cut_column(t, c)
     t.add_column("reason", ratio=1, overflow="fold")
     if fmt == Format.wide:
         t.add_column("numbers", overflow="fold")

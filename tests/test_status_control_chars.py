@@ -5,7 +5,9 @@ escapes (``\\x1b``, ``\\n``), never as bytes a terminal acts on (``ESC [2J`` cle
 C1 controls); the held-candidate line's 120-character cut comes after the escaping, so it never
 splits a sequence into one that acts; ``-o json`` holds the exact values. `--reason` and
 `--actor` refuse control characters (a tab or a line break allowed in a reason), naming the
-flag, before anything is written. And the held-candidate line names the record's last change as
+flag, before anything is written. A long escaped value is cut in the status tables (an
+ellipsis), never squeezing the other columns; ``flywheel resume --reason`` is recorded as
+``pause --reason`` is. And the held-candidate line names the record's last change as
 that (a pause after the eval's change included), never as the change that put the candidate
 there (hostile tester, D2/D3).
 
@@ -157,7 +159,7 @@ def test_the_held_line_names_the_records_last_change_after_a_later_pause(cli):
 def test_reason_and_actor_refuse_control_characters_naming_the_flag_before_anything_is_written(cli, args, flag,
                                                                                                   shown):
     before = FleetRecord(cli.store).read()
-    for cmd in (["pause", "--yes"], ["rollback", "--to", "v000000", "--yes", "--timeout", "0"]):
+    for cmd in (["pause", "--yes"], ["resume", "--yes"], ["rollback", "--to", "v000000", "--yes", "--timeout", "0"]):
         r, out = cli(*cmd, *args)
         assert r.exit_code == 2, (cmd, out)
         flat = " ".join(out.split())
@@ -202,3 +204,61 @@ def test_a_ledger_row_whose_numbers_another_tool_wrote_as_not_json_is_shown_not_
     assert "Traceback" not in out and [d["reason"] for d in json.loads(out)["decisions"]] == ["good row", "second row"]
     r, out = cli("status")
     assert r.exit_code == 1 and "second row" in " ".join(out.split()), out
+
+
+LONG_VERSION, LONG_ACTOR = "v\x1b" * 40, "ops\x1b[2J" * 10  # 200 and 100 characters once escaped
+
+
+@pytest.mark.parametrize("fmt", ["wide", "table"])
+def test_a_long_escaped_value_is_cut_in_the_decisions_table_not_the_other_columns(cli, fmt):
+    """A ledger row whose version and actor are long runs of control characters (each shown as a
+    4-character escape): each is cut to 40 characters, the last one "…", so every column keeps its
+    width (before, the time, step, weight, decision and reason columns were squeezed to nothing
+    in a 200-column table); ``-o json`` keeps the whole values."""
+    from deploy.commands import console
+
+    FleetRecord(cli.store).change(_hold("ops", "set", "x"), "ops", "set", "x")
+    ledger.record(settings.ledger_path(), LedgerEntry(version=LONG_VERSION, stable="v000000", step=3, weight=0.25,
+                                                      decision="MANUAL_PROMOTE", reason="the reason, whole",
+                                                      numbers={"n": 1}, actor=LONG_ACTOR))
+    r, out = cli("status", "-o", fmt)
+    assert r.exit_code == 1 and _bad_bytes(out) == [], out
+    lines = out.splitlines()
+    top = next(i for i, line in enumerate(lines) if "last decisions" in line)
+    table = lines[top + 1:]
+    assert max(len(line) for line in table) <= console.width, (console.width, out)
+    heads = [c.strip() for c in table[1].strip("┃").split("┃")]
+    assert heads == ["time (UTC)", "version", "stable", "step", "weight", "decision", "actor", "reason",
+                     *(["numbers"] if fmt == "wide" else [])], heads
+    cells = [c.strip() for c in table[3].strip("│").split("│")]
+    # the 40 characters shown, written out: 7 escapes of 5 characters, then "v\x1" and the ellipsis
+    assert cells[1] == "v\\x1bv\\x1bv\\x1bv\\x1bv\\x1bv\\x1bv\\x1bv\\x1…" and len(cells[1]) == 40, cells
+    assert cells[6] == "ops\\x1b[2Jops\\x1b[2Jops\\x1b[2Jops\\x1b[2…" and len(cells[6]) == 40, cells
+    assert cells[2:6] == ["v000000", "3", "25%", "MANUAL_PROMOTE"], cells
+    assert cells[7] == "the reason, whole" and len(cells[0]) == len("01-02 03:04:05"), cells
+    if fmt == "wide":
+        assert cells[8] == '{"n": 1}', cells
+    doc = json.loads(cli("status", "-o", "json")[1])
+    row = doc["decisions"][-1]
+    assert (row["version"], row["actor"]) == (LONG_VERSION, LONG_ACTOR)
+
+
+def test_resume_records_its_reason_as_pause_does(cli):
+    """``flywheel resume --reason`` goes where ``pause --reason`` goes: the RESUME ledger row's
+    reason and the fleet record's change."""
+    r, out = cli("pause", "--yes", "--actor", "bob", "--reason", "eval broken")
+    assert r.exit_code == 0, out
+    r, out = cli("resume", "--yes", "--actor", "ann", "--reason", "eval fixed in 4c1e\nback on")
+    assert r.exit_code == 0 and "learner resumed by ann" in out, out
+    rows = ledger.decisions(settings.ledger_path())
+    assert [(x.decision, x.actor, x.reason) for x in rows] == [
+        ("PAUSE", "bob", "learner paused by bob: eval broken"),
+        ("RESUME", "ann", "learner resumed by ann: eval fixed in 4c1e\nback on")]
+    assert rows[1].numbers["paused"]["reason"] == "eval broken"
+    d = FleetRecord(cli.store).read()
+    assert (d.paused, d.actor, d.action, d.reason) == (None, "ann", "resume", "eval fixed in 4c1e\nback on")
+    assert rows[1].numbers["generation"] == d.generation
+    # without --reason: the row says who, as before
+    cli("pause", "--yes", "--actor", "bob")
+    r, out = cli("resume", "--yes", "--actor", "ann")
+    assert r.exit_code == 0 and ledger.decisions(settings.ledger_path())[-1].reason == "learner resumed by ann"
