@@ -38,7 +38,7 @@ from learner.extensions import clear_stale_locks
 from learner.data import InMemorySamples, RefLogprobs, SampleSource
 from learner.losses import (group_loo_baseline, kl_to_reference, kto_loss, loo_baseline, reinforce_loss, sequence_logprobs,
                             tis_weights, token_logprobs_lean)
-from schemas.settings import free_port  # noqa: F401 - MASTER_PORT's default; re-exported for callers
+from schemas.settings import free_port  # MASTER_PORT's default with more than one rank
 from learner.config import LearnerConfig  # declared there (no torch); imported from here as well
 from learner.replay import capture_routes, router_replay, stack_routes
 
@@ -75,32 +75,104 @@ def destroy_process_group_at_exit() -> None:
         logging.getLogger("flywheel.learner").warning("process group teardown at exit failed: %s", exc)
 
 
+LOOPBACK = "127.0.0.1"
+IFF_LOOPBACK = 0x8  # Linux's flag of a loopback interface (include/uapi/linux/if.h)
+
+
+def loopback_interface() -> str | None:
+    """This host's loopback network interface's name (``lo`` on Linux), the first whose
+    ``/sys/class/net/<name>/flags`` has :data:`IFF_LOOPBACK`; None where that directory is
+    not readable (not Linux) or no interface has the flag."""
+    try:
+        names = sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        return None
+    for name in names:
+        try:
+            if int((Path("/sys/class/net") / name / "flags").read_text().strip(), 16) & IFF_LOOPBACK:
+                return name
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def init_loopback_group(timeout) -> None:
+    """Initialise a one-rank gloo process group that listens on the loopback interface only.
+
+    torch's ``env://`` rendezvous starts its TCPStore server on every interface
+    (``*:MASTER_PORT``, whatever ``MASTER_ADDR`` says) and gloo's device on the address the
+    host name resolves to. Here the store serves a socket bound to 127.0.0.1 (port
+    ``MASTER_PORT`` when set, else one the kernel picks) that this function hands it
+    (``master_listen_fd``: the store owns the socket and closes it with the group), and gloo's
+    device is made on the loopback interface (``GLOO_SOCKET_IFNAME`` set to it for the init
+    when unset, then unset again). ``timeout`` (a ``datetime.timedelta``) bounds the store's
+    and the group's waits.
+
+    Raises:
+        OSError: ``MASTER_PORT`` is set and 127.0.0.1 cannot listen on it (e.g. in use).
+    """
+    import socket
+
+    port = int(os.environ.get("MASTER_PORT") or 0)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"MASTER_PORT={port}: cannot listen on {LOOPBACK} ({exc.strerror})") from None
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store closes it
+    try:
+        store = torch.distributed.TCPStore(LOOPBACK, port, 1, True, timeout=timeout, wait_for_workers=False,
+                                           master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    ifname = None if os.environ.get("GLOO_SOCKET_IFNAME") else loopback_interface()
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    finally:
+        if ifname:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    os.environ.setdefault("MASTER_PORT", str(port))  # as env:// would leave it (popped by ensure_dist_env)
+
+
 def ensure_dist_env() -> None:
     """Set the single-process torch.distributed env (gloo) where unset and init DeepSpeed.
 
-    Sets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``WORLD_SIZE=1 RANK=0 LOCAL_RANK=0``
-    and ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/flywheel/torch_extensions``: with more
+    Sets ``MASTER_ADDR=127.0.0.1``, ``WORLD_SIZE=1 RANK=0 LOCAL_RANK=0`` and
+    ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/flywheel/torch_extensions``: with more
     than one rank DeepSpeed's shm comm op is JIT-built there, ~40 s cold; with one rank it is
     skipped, :func:`skip_shm_comm_op`); removes a build lock there that a
     killed builder left behind (:func:`learner.extensions.clear_stale_locks`, else every
-    later init waits on it forever). A ``MASTER_PORT`` chosen here is removed from the
-    environment once the process group holds it, so a child process (a learner subprocess
-    started later by the same process) picks its own instead of colliding. A group it
-    initialises is destroyed at exit (:func:`destroy_process_group_at_exit`). Idempotent.
+    later init waits on it forever). With one rank the group listens on the loopback
+    interface only (:func:`init_loopback_group`); with more (torchrun) it joins through
+    ``env://`` (``MASTER_PORT``: a free port where unset). A ``MASTER_PORT`` chosen here is
+    removed from the environment once the process group holds it, so a child process (a
+    learner subprocess started later by the same process) picks its own instead of
+    colliding. A group it initialises is destroyed at exit
+    (:func:`destroy_process_group_at_exit`). Idempotent.
     """
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "flywheel" / "torch_extensions"))
     clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_ADDR", LOOPBACK)
     own_port = "MASTER_PORT" not in os.environ
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     for k, v in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
     import deepspeed
+    from deepspeed.constants import default_pg_timeout
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         if os.environ["WORLD_SIZE"] == "1":
             skip_shm_comm_op(deepspeed)
+            init_loopback_group(default_pg_timeout)  # DeepSpeed then wraps this group
+        else:
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         deepspeed.init_distributed("gloo")
         atexit.register(destroy_process_group_at_exit)
     if own_port and torch.distributed.is_initialized():

@@ -1,0 +1,93 @@
+"""Fixes from stop 45's hostile test: the learner's process group listens on loopback only
+(learner/trainer.py) and `flywheel serve` exits soon after it stops (serving/)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A child that initialises the learner's group and prints its own listening TCP sockets,
+# read from /proc (state 0A = LISTEN; an address is hex, little-endian per 32-bit word).
+LISTENERS_CHILD = r"""
+import json, os, socket, struct, torch
+from learner.trainer import ensure_dist_env
+
+def listeners():
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    out = []
+    for name, fam in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in open(f"/proc/self/net/{name}").read().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in mine:
+                continue
+            addr, port = f[1].split(":")
+            raw = b"".join(struct.pack("<I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
+            out.append([socket.inet_ntop(fam, raw), int(port, 16)])
+    return sorted(out)
+
+ensure_dist_env()
+t = torch.tensor([1.5]); torch.distributed.all_reduce(t)
+print(json.dumps({"during": listeners(), "sum": t.item(), "master_port": os.environ.get("MASTER_PORT"),
+                  "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}))
+torch.distributed.destroy_process_group()
+print(json.dumps({"after": listeners()}))
+"""
+
+
+def _run_child(env_extra: dict) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_extra)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"):
+        if k not in env_extra:
+            env.pop(k, None)
+    r = subprocess.run([sys.executable, "-c", LISTENERS_CHILD], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
+@pytest.mark.timeout(300)
+def test_learner_group_listens_on_loopback_only():
+    """torch's env:// rendezvous would serve its store on every interface (``*:port``); the
+    learner's one-rank group must listen on 127.0.0.1 only: its store and gloo's device, two
+    sockets, none on another address; the port chosen here is not left in the environment
+    (a child picks its own), and the sockets close with the group."""
+    during, after = _run_child({})
+    assert during["sum"] == 1.5
+    addrs = [a for a, _ in during["during"]]
+    assert len(addrs) == 2 and addrs == ["127.0.0.1", "127.0.0.1"], during["during"]
+    assert during["master_port"] is None and during["gloo_ifname"] is None
+    assert after["after"] == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
+@pytest.mark.timeout(300)
+def test_learner_group_listens_on_a_given_master_port_on_loopback():
+    """``MASTER_PORT`` set: the store listens there, on 127.0.0.1, and the variable stays."""
+    with socket.socket() as s:  # a port free now (the child binds it a moment later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    during, _ = _run_child({"MASTER_PORT": str(port)})
+    assert ["127.0.0.1", port] in during["during"] and {a for a, _ in during["during"]} == {"127.0.0.1"}
+    assert during["master_port"] == str(port)
+
+
+@pytest.mark.skipif(not Path("/sys/class/net/lo").exists(), reason="Linux names its loopback interface lo")
+def test_loopback_interface_is_lo_on_linux():
+    from learner.trainer import loopback_interface
+
+    assert loopback_interface() == "lo"
