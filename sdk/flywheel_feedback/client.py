@@ -9,9 +9,11 @@ when the queue is full.
 
 Transports:
 
-* HTTP (default): ``POST {base_url}/v1/feedback/batch`` with ``{"events": [...]}`` (at
-  most 100 per request), the wire contract of ``docs/sdk.md`` "HTTP API"; a server without
-  the batch route (404/405) is sent one ``POST /v1/feedback`` per event instead.
+* HTTP (default): a batch of two or more events is ``POST {base_url}/v1/feedback/batch``
+  with ``{"events": [...]}`` (at most 100 per request), a batch of one event is ``POST
+  {base_url}/v1/feedback`` with the event as the body; the wire contract of ``docs/sdk.md``
+  "HTTP API". A server without the batch route (404/405) is sent one ``POST /v1/feedback``
+  per event from then on.
 * Direct to Kafka (``kafka_bootstrap=...``): a ``schemas.events.FeedbackEvent`` on
   ``flywheel.feedback`` keyed by completion_id; ``user`` is hashed here with ``user_salt``.
   This mode reads the fleet's Kafka settings and salt with flywheel-loop's ``schemas``
@@ -33,14 +35,18 @@ silent):
   ``rejected``, logged with the reason, kept in :attr:`FeedbackClient.rejected` (last
   ``keep_rejected``) and passed to ``on_error``. Never retried.
 * **unsent at shutdown**: :meth:`FeedbackClient.shutdown` tries to deliver for up to its
-  timeout and *returns* what is still unsent (counted ``unsent_at_shutdown``, logged), and
-  appends it to ``spool_path`` when one is set: the next client with that path sends it
-  first. Interpreter exit runs ``shutdown(atexit_timeout_s)``.
+  timeout and *returns* what is still unsent (counted ``unsent_at_shutdown``, logged, and no
+  longer ``pending``), and appends it to ``spool_path`` when one is set: the next client
+  with that path sends it first. Interpreter exit runs ``shutdown(atexit_timeout_s)``.
+
+After shutdown every accepted event is counted once: ``accepted == sent + rejected + pending
++ unsent_at_shutdown`` (``pending`` is 0 once shutdown has returned).
 
 Bad arguments raise ``ValueError`` naming the argument, in the caller's thread, before
-anything is queued. Every event is validated against the FeedbackEvent JSON Schema shipped
-with this package (:mod:`flywheel_feedback.contract`), so the client refuses what the
-consumers refuse.
+anything is queued (a time in seconds is a finite number, not a bool, at most
+:data:`MAX_SECONDS`; a count is an int, not a bool). Every event is validated against the
+FeedbackEvent JSON Schema shipped with this package (:mod:`flywheel_feedback.contract`), so
+the client refuses what the consumers refuse.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import collections
 import json
 import logging
 import math
+import operator
 import os
 import random
 import re
@@ -69,6 +76,11 @@ log = logging.getLogger("flywheel.sdk")
 #: The event kinds, from the shipped schema.
 KINDS = contract.kinds()
 MAX_BATCH = 100  # the batch endpoint's limit (docs/sdk.md, HTTP API)
+#: The longest time any seconds argument may give (1,000,000 s, 11.6 days): every wait of the
+#: SDK (linger, backoff, a server's Retry-After, timeouts) stays below what the platform's
+#: timers take (``threading.TIMEOUT_MAX`` is about 49.7 days on Windows; sockets overflow above
+#: about 9.2e9 s on Linux), so no wait can raise OverflowError in the sender thread.
+MAX_SECONDS = 1_000_000.0
 # what FeedbackEvent's text fields refuse (NUL, lone surrogates): refused here, in the caller's
 # thread, with the index of the character (the schema's pattern says the same without it), so
 # that no such payload reaches the sender (a lone surrogate cannot even be encoded)
@@ -118,6 +130,38 @@ def _finite(value: Any) -> bool:
         return False
 
 
+def _seconds(name: str, value: Any, *, positive: bool = False) -> float:
+    """``value`` as a number of seconds: finite, not a bool, >= 0 (> 0 when ``positive``), at
+    most :data:`MAX_SECONDS`.
+
+    Raises:
+        ValueError: it is not; the message starts with ``name``.
+    """
+    if not _finite(value):
+        what = "a number of seconds, not a boolean" if isinstance(value, bool) else "a finite number of seconds"
+        raise ValueError(f"{name}: must be {what}, got {repr(value)[:40]}")
+    if (value <= 0) if positive else (value < 0):
+        raise ValueError(f"{name}: must be {'>' if positive else '>='} 0 seconds, got {value!r}")
+    if value > MAX_SECONDS:
+        raise ValueError(f"{name}: at most {MAX_SECONDS:,.0f} seconds (11.6 days; longer waits overflow the "
+                         f"platform's timers), got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi] (an ``int`` or anything with ``__index__``, not a bool).
+
+    Raises:
+        ValueError: it is not; the message starts with ``name``.
+    """
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ValueError(f"{name}: must be an integer, not {type(value).__name__}, got {repr(value)[:40]}")
+    value = operator.index(value)
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}: must be {f'{lo}-{hi}' if hi is not None else f'>= {lo}'}, got {value}")
+    return value
+
+
 def build_event(completion_id: Any, kind: str, value: Any = None, comment: str | None = None,
                 user: str | None = None, *, event_id: Any = None, name: str | None = None,
                 metadata: dict[str, str] | None = None, final_text: str | None = None) -> dict:
@@ -132,7 +176,8 @@ def build_event(completion_id: Any, kind: str, value: Any = None, comment: str |
         value: finite number, not a bool, within +-1e6: +1 / -1 for a thumb and a followup
             (satisfied / not), 1 for a copy and a regenerate, the kept share in [0, 1] for an
             edit without ``final_text``; None only for an edit with ``final_text``.
-        comment: at most 4096 chars. user: 1-256 chars (hashed by serving).
+        comment: at most 4096 chars. user: a string (the product's user id; an int id is
+            refused, not turned into text), 1-256 chars (hashed by serving).
         event_id: the idempotency key (UUID); a fresh UUID4 when None.
         name: the score's name (required for, and only allowed with, ``kind="score"``):
             1-64 chars of ``A-Za-z0-9_.:/-``.
@@ -180,9 +225,13 @@ def build_event(completion_id: Any, kind: str, value: Any = None, comment: str |
         if not isinstance(comment, str):
             raise ValueError(f"comment: must be a string, got {type(comment).__name__}")
         _check_text("comment", comment)
-    if user is not None and (not isinstance(user, str) or not user or len(user) > 256):
-        raise ValueError(f"user: must be a non-empty string of at most 256 characters, got {str(user)[:40]!r}")
     if user is not None:
+        if not isinstance(user, str):
+            raise ValueError(f"user: must be a string (the product's user id, e.g. str(user_id)), got "
+                             f"{type(user).__name__} {repr(user)[:40]}")
+        if not user or len(user) > 256:
+            raise ValueError(f"user: must be a non-empty string of at most 256 characters, got {len(user)} "
+                             f"characters")
         _check_text("user", user)
     if event_id is None:
         eid = str(uuid.uuid4())
@@ -284,9 +333,7 @@ class _HttpTransport:
                           self.base_url, r.status_code, r.text[:200])
             raise _Retry(f"HTTP {r.status_code}: credentials refused (a wrong or rotated key): {r.text[:200]}")
         if r.status_code == 429 or r.status_code >= 500:
-            after = r.headers.get("retry-after", "")
-            raise _Retry(f"HTTP {r.status_code}: {r.text[:200]}",
-                         float(after) if after.replace(".", "", 1).isdigit() else None)
+            raise _Retry(f"HTTP {r.status_code}: {r.text[:200]}", _retry_after(r.headers.get("retry-after", "")))
         return r
 
     @staticmethod
@@ -319,6 +366,14 @@ class _HttpTransport:
 
 _NOT_THE_API = ("HTTP 200 from {url} without the feedback API's answer (is base_url Flywheel serving's?): "
                 "{body!r}; the events are kept and retried")
+
+
+def _retry_after(header: str) -> float | None:
+    """The seconds of a ``Retry-After`` header (``120`` or ``1.5``), at most
+    :data:`MAX_SECONDS`; None when it is absent or not that form (an HTTP date, ``inf``)."""
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", header.strip()):
+        return None
+    return min(float(header), MAX_SECONDS)
 
 
 def _acknowledges(r: httpx.Response, payload: dict) -> bool:
@@ -403,6 +458,27 @@ def _fleet_salt() -> str:
         raise ValueError(f"user_salt: {exc}") from None
 
 
+def _spool_file(spool_path: Any) -> Path:
+    """``spool_path`` as a Path to a file (it need not exist yet).
+
+    Raises:
+        ValueError: not a str or os.PathLike, a directory, or its parent exists and is not a
+            directory; the message starts ``spool_path:``.
+    """
+    if not isinstance(spool_path, (str, os.PathLike)):
+        raise ValueError(f"spool_path: must be a file path (str or os.PathLike), got {type(spool_path).__name__}")
+    try:
+        path = Path(spool_path)
+    except TypeError as exc:  # an os.PathLike giving bytes
+        raise ValueError(f"spool_path: must be a file path, got {spool_path!r} ({exc})") from None
+    if path.is_dir():
+        raise ValueError(f"spool_path: {str(path)!r} is a directory; give a file in it, e.g. "
+                         f"{str(path / 'feedback.spool')!r}")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"spool_path: {str(path.parent)!r} is not a directory, so {str(path)!r} cannot be a file")
+    return path
+
+
 class FeedbackClient:
     """Non-blocking feedback client (thread-safe; one per process is enough).
 
@@ -416,25 +492,36 @@ class FeedbackClient:
             ``FLYWHEEL_USER_SALT`` or ``FLYWHEEL_USER_SALT_FILE``, as serving reads it. Needs
             flywheel-loop installed (its ``schemas`` package reads the fleet's Kafka settings).
         timeout_s: per-request timeout of the background sender (s).
-        queue_size: most events waiting to be sent; beyond it, ``on_full``.
+        queue_size: most events waiting to be sent (an int >= 1); beyond it, ``on_full``.
         enqueue_timeout_s: the longest a call waits for room in a full queue (s).
         on_full: ``"drop"`` (the call returns None, counted and logged) or ``"raise"``
             (:class:`QueueFull`).
-        batch_size: most events per request (1-100). linger_s: after the first event, how
-            long the sender waits for more before it sends a partial batch (s).
+        batch_size: most events per request (an int, 1-100). linger_s: after the first
+            event, how long the sender waits for more before it sends a partial batch (s);
+            :meth:`flush` and :meth:`shutdown` cut it short.
         backoff_s / max_backoff_s: retry backoff base and cap (s), full jitter.
         atexit_timeout_s: how long interpreter exit waits for the queue to drain (s).
-        keep_rejected: how many rejected events :attr:`rejected` keeps (oldest leave first;
-            all are counted and logged).
+        keep_rejected: how many rejected events :attr:`rejected` keeps (an int >= 0; oldest
+            leave first; all are counted and logged).
         on_error: called as ``on_error(payload, reason)`` in the sender thread for every
             rejected event.
         spool_path: a JSON-lines file: :meth:`shutdown` (and interpreter exit) appends the
             events it could not send, and a client started with the same path queues them
             again first (same ``event_id``). Without it unsent events are only returned and
-            logged. A process killed with SIGKILL still loses its in-memory queue.
+            logged. A process killed with SIGKILL still loses its in-memory queue. A path of
+            a file (existing or not) in a directory, not a directory.
+
+    Every time in seconds (``timeout_s``, ``enqueue_timeout_s``, ``linger_s``, ``backoff_s``,
+    ``max_backoff_s``, ``atexit_timeout_s``) is a finite number, not a bool, at most
+    :data:`MAX_SECONDS`; ``timeout_s``, ``backoff_s`` and ``max_backoff_s`` are > 0, the rest
+    >= 0.
 
     Raises:
-        ValueError: a bad argument, named first in the message.
+        ValueError: a bad argument, named first in the message: a time that is NaN, infinite,
+            negative or above :data:`MAX_SECONDS`; a count that is a bool, a float or out of
+            range; a ``base_url`` that is not an http(s) URL with a host, or has a query string
+            or fragment; a ``spool_path`` that is a directory, in a path that is not a
+            directory, or cannot be read.
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
@@ -447,6 +534,8 @@ class FeedbackClient:
         if base_url is None and kafka_bootstrap is None:
             raise ValueError("base_url: required unless kafka_bootstrap is given")
         if base_url is not None:
+            if not isinstance(base_url, str):
+                raise ValueError(f"base_url: must be a string, got {type(base_url).__name__}")
             try:
                 u = httpx.URL(base_url)
             except (httpx.InvalidURL, TypeError) as exc:
@@ -454,25 +543,27 @@ class FeedbackClient:
             if u.scheme not in ("http", "https") or not u.host:
                 raise ValueError(f"base_url: must be http:// or https:// with a host, e.g. http://127.0.0.1:8000, "
                                  f"got {base_url!r}")
+            if u.query or u.fragment or "?" in base_url or "#" in base_url:
+                raise ValueError(f"base_url: must have no query string or fragment (the client appends "
+                                 f"/v1/feedback to it), got {base_url!r}")
         if kafka_bootstrap is not None:
             _flywheel_schemas()
         if kafka_bootstrap is not None and not user_salt:
             user_salt = _fleet_salt()
         if api_key and feedback_key:
             raise ValueError("feedback_key: give api_key or feedback_key, not both (both are the Bearer key)")
-        for name, v in (("timeout_s", timeout_s), ("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
-            if not v > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {v}")
-        for name, v in (("enqueue_timeout_s", enqueue_timeout_s), ("linger_s", linger_s),
-                        ("atexit_timeout_s", atexit_timeout_s)):
-            if not v >= 0:
-                raise ValueError(f"{name}: must be >= 0 seconds, got {v}")
-        if queue_size < 1:
-            raise ValueError(f"queue_size: must be >= 1, got {queue_size}")
-        if not 1 <= batch_size <= MAX_BATCH:
-            raise ValueError(f"batch_size: must be 1-{MAX_BATCH}, got {batch_size}")
+        timeout_s = _seconds("timeout_s", timeout_s, positive=True)
+        backoff_s = _seconds("backoff_s", backoff_s, positive=True)
+        max_backoff_s = _seconds("max_backoff_s", max_backoff_s, positive=True)
+        enqueue_timeout_s = _seconds("enqueue_timeout_s", enqueue_timeout_s)
+        linger_s = _seconds("linger_s", linger_s)
+        atexit_timeout_s = _seconds("atexit_timeout_s", atexit_timeout_s)
+        queue_size = _count("queue_size", queue_size, 1)
+        batch_size = _count("batch_size", batch_size, 1, MAX_BATCH)
+        keep_rejected = _count("keep_rejected", keep_rejected, 0)
         if on_full not in ("drop", "raise"):
             raise ValueError(f"on_full: 'drop' or 'raise', got {on_full!r}")
+        spool = _spool_file(spool_path) if spool_path is not None else None
         self.base_url = base_url.rstrip("/") if base_url else None
         self.kafka_bootstrap, self.user_salt = kafka_bootstrap, user_salt
         self.queue_size, self.enqueue_timeout_s, self.on_full = queue_size, enqueue_timeout_s, on_full
@@ -488,22 +579,37 @@ class FeedbackClient:
         self._wake = threading.Event()  # cuts a backoff sleep short (flush, shutdown)
         self._closed = False  # no new events
         self._stop_at: float | None = None  # monotonic deadline for the sender
+        # events taken from the queue so far, and the ``accepted`` count at the last flush():
+        # the queue is in accepted order, so while taken < flush_upto an event queued before a
+        # flush is still waiting and the sender does not linger
+        self._taken = self._flush_upto = 0
+        self._unsent: list[dict] | None = None  # what shutdown handed back (None before it did)
         self._counts = collections.Counter()
         self._last_drop_log = 0.0
-        self.spool_path = Path(spool_path) if spool_path is not None else None
+        self.spool_path = spool
         if self.spool_path is not None:
-            self._load_spool()
+            try:
+                self._load_spool()
+            except BaseException:
+                self._transport.close()
+                raise
         self._thread = threading.Thread(target=self._run, name="flywheel-feedback-sender", daemon=True)
         self._thread.start()
         atexit.register(self._atexit)
 
     def _load_spool(self) -> None:
         """Queue the events a previous client spooled at shutdown (before any new one), then
-        remove the file; they are counted ``accepted`` and ``respooled``."""
+        remove the file; they are counted ``accepted`` and ``respooled``.
+
+        Raises:
+            ValueError: the file exists and cannot be read; the message starts ``spool_path:``.
+        """
         try:
             lines = self.spool_path.read_text().splitlines()
         except FileNotFoundError:
             return
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"spool_path: cannot read {str(self.spool_path)!r}: {exc}") from None
         bad = []
         for line in lines:
             if not line.strip():
@@ -670,8 +776,11 @@ class FeedbackClient:
 
     def stats(self) -> dict[str, int]:
         """Counters: ``accepted`` (queued), ``sent``, ``rejected``, ``dropped_full``,
-        ``retries``, ``unsent_at_shutdown`` (of which ``spooled`` went to ``spool_path``),
-        ``respooled`` (queued from the spool at start), and ``pending`` (queued + in flight now)."""
+        ``retries``, ``unsent_at_shutdown`` (handed back by :meth:`shutdown`; of which
+        ``spooled`` went to ``spool_path``), ``respooled`` (queued from the spool at start), and
+        ``pending`` (queued + in flight now; 0 once shutdown has handed the rest back). Each
+        accepted event is in one of them: ``accepted == sent + rejected + pending +
+        unsent_at_shutdown``."""
         with self._cond:
             out = {k: int(self._counts.get(k, 0)) for k in
                    ("accepted", "sent", "rejected", "dropped_full", "retries", "unsent_at_shutdown", "spooled",
@@ -685,22 +794,44 @@ class FeedbackClient:
         return self._counts.get("last_error")
 
     def flush(self, timeout_s: float = 10.0) -> int:
-        """Wait until every event queued before this call is sent or rejected, at most
-        ``timeout_s``; a sender sleeping between retries tries again at once. Returns the
-        number of events still pending (0: all delivered)."""
+        """Send what is queued now and wait until every event queued before this call is sent
+        or rejected, at most ``timeout_s`` seconds. A sender lingering for a fuller batch
+        (``linger_s``) sends at once, and one sleeping between retries tries again at once.
+
+        Returns:
+            The number of events not delivered: still pending, or handed back by
+            :meth:`shutdown` (0: all delivered).
+
+        Raises:
+            ValueError: ``timeout_s`` is not a finite number of seconds in [0,
+                :data:`MAX_SECONDS`] (the message starts ``timeout_s:``).
+        """
+        timeout_s = _seconds("timeout_s", timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            target = self._counts["accepted"]
-            self._wake.set()
-            while (self._counts["sent"] + self._counts["rejected"] < target
+            target = self._flush_upto = self._counts["accepted"]
+            self._cond.notify_all()  # ends a linger (_take), even when timeout_s is 0
+            self._wake.set()  # ends a backoff sleep (_deliver)
+            while (self._counts["sent"] + self._counts["rejected"] < target and self._unsent is None
                    and time.monotonic() < deadline and self._thread.is_alive()):
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-            return len(self._queue) + len(self._inflight)
+            return len(self._queue) + len(self._inflight) + len(self._unsent or ())
 
     def shutdown(self, timeout_s: float = 5.0) -> list[dict]:
-        """Stop accepting events, deliver what is queued for at most ``timeout_s``, stop
-        the sender. Returns the payloads still unsent (in order; empty when all went),
-        which are also counted ``unsent_at_shutdown`` and logged. Idempotent."""
+        """Stop accepting events, deliver what is queued for at most ``timeout_s`` seconds,
+        stop the sender.
+
+        Returns:
+            The payloads still unsent (in order; empty when all went). They are handed back:
+            counted ``unsent_at_shutdown`` (and no longer ``pending``), logged, and appended
+            to ``spool_path`` when set. A sender still inside a request when the time is up
+            counts nothing more. A later call returns the same list (idempotent).
+
+        Raises:
+            ValueError: ``timeout_s`` is not a finite number of seconds in [0,
+                :data:`MAX_SECONDS`] (the message starts ``timeout_s:``).
+        """
+        timeout_s = _seconds("timeout_s", timeout_s)
         atexit.unregister(self._atexit)
         with self._cond:
             if self._stop_at is None:
@@ -710,26 +841,35 @@ class FeedbackClient:
         self._wake.set()
         self._thread.join(max(0.0, self._stop_at - time.monotonic()) + 0.05)
         with self._cond:
-            unsent = [{k: v for k, v in p.items() if k != "_bytes"} for p in self._inflight + list(self._queue)]
-            if unsent and not self._counts["unsent_at_shutdown"]:
-                self._counts["unsent_at_shutdown"] = len(unsent)
-                log.warning("feedback client shut down with %d unsent events (last error: %s): %s",
-                            len(unsent), self.last_error, ", ".join(p["event_id"] for p in unsent[:20]))
-                if self.spool_path is not None:
-                    self._spool(unsent)
-        if not self._thread.is_alive():
-            self._transport.close()
-        return unsent
+            if self._unsent is None:  # the first call to get here hands back what is left
+                self._unsent = [{k: v for k, v in p.items() if k != "_bytes"}
+                                for p in self._inflight + list(self._queue)]
+                self._inflight, self._queue = [], collections.deque()
+                self._counts["unsent_at_shutdown"] = len(self._unsent)
+                self._cond.notify_all()
+                if self._unsent:
+                    log.warning("feedback client shut down with %d unsent events (last error: %s): %s",
+                                len(self._unsent), self.last_error,
+                                ", ".join(p["event_id"] for p in self._unsent[:20]))
+                    if self.spool_path is not None:
+                        self._spool(self._unsent)
+            return [dict(p) for p in self._unsent]
 
     close = shutdown
 
     def _spool(self, unsent: list[dict]) -> None:
-        """Append ``unsent`` to the spool file (JSON lines), for the next client."""
-        self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spool_path, "a") as f:
-            f.writelines(json.dumps(p) + "\n" for p in unsent)
-            f.flush()
-            os.fsync(f.fileno())
+        """Append ``unsent`` to the spool file (JSON lines), for the next client. A file
+        system error is logged (the events are still returned by :meth:`shutdown`), not raised."""
+        try:
+            self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.spool_path, "a") as f:
+                f.writelines(json.dumps(p) + "\n" for p in unsent)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            log.error("feedback: could not spool %d unsent events to %s (%s); they are only returned by "
+                      "shutdown()", len(unsent), self.spool_path, exc)
+            return
         self._counts["spooled"] = len(unsent)
         log.warning("feedback: %d unsent events spooled to %s; a client with this spool_path sends them",
                     len(unsent), self.spool_path)
@@ -759,20 +899,29 @@ class FeedbackClient:
             self._cond.wait_for(lambda: self._queue or self._closed)
             if not self._queue:
                 return False
-            if len(self._queue) < self.batch_size and self.linger_s > 0 and not self._closed:
-                self._cond.wait_for(lambda: len(self._queue) >= self.batch_size or self._closed, self.linger_s)
+            if len(self._queue) < self.batch_size and self.linger_s > 0:  # linger, unless flush/shutdown says go
+                self._cond.wait_for(lambda: len(self._queue) >= self.batch_size or self._closed
+                                    or self._taken < self._flush_upto, self.linger_s)
             n = min(self.batch_size, len(self._queue))
             self._inflight = [self._queue.popleft() for _ in range(n)]
+            self._taken += n
             self._cond.notify_all()  # room in the queue
             return True
 
     def _run(self) -> None:
-        while not self._stopping() and self._take():
-            self._deliver()
+        try:
+            while not self._stopping() and self._take():
+                self._deliver()
+        finally:
+            try:
+                self._transport.close()
+            except Exception:  # noqa: BLE001 - the sender is ending anyway
+                log.exception("feedback: closing the transport failed")
 
     def _deliver(self) -> None:
         """Send ``_inflight`` until every event in it is sent or rejected, or the stop
-        deadline passes (then the rest stays in ``_inflight`` for :meth:`shutdown`)."""
+        deadline passes (then the rest stays in ``_inflight`` for :meth:`shutdown`), or
+        shutdown has handed the events back."""
         attempt, part = 0, len(self._inflight)
         while self._inflight:
             chunk = self._inflight[:part]
@@ -789,10 +938,13 @@ class FeedbackClient:
                 resend, rejected, after = list(range(len(chunk))), [], exc.after_s
                 with self._cond:
                     self._counts["last_error"] = str(exc)
-            self._settle(chunk, set(resend), rejected)
+            if not self._settle(chunk, set(resend), rejected):
+                return  # shutdown handed these events back: they are not this thread's any more
             part = len(self._inflight)
             if not resend:
                 attempt = 0
+                if self._stopping():
+                    return
                 continue
             with self._cond:
                 self._counts["retries"] += 1
@@ -802,6 +954,7 @@ class FeedbackClient:
             attempt += 1
             if self._stop_at is not None:
                 delay = min(delay, max(0.0, self._stop_at - time.monotonic()))
+            delay = min(delay, MAX_SECONDS)
             self._wake.wait(delay)
             self._wake.clear()
 
@@ -812,7 +965,14 @@ class FeedbackClient:
         at 64, so an outage of any length (thousands of attempts) never overflows a float."""
         return min(self.max_backoff_s, self.backoff_s * 2.0 ** min(attempt, 64))
 
-    def _settle(self, chunk: list[dict], resend: set[int], rejected: list[tuple[int, str]]) -> None:
+    def _settle(self, chunk: list[dict], resend: set[int], rejected: list[tuple[int, str]]) -> bool:
+        """Report the rejected events of ``chunk`` (the head of ``_inflight``), then count the
+        answer and keep the events to resend; False (nothing counted) when shutdown has already
+        handed them back (a shutdown whose time ends while ``on_error`` runs hands back the
+        whole chunk, rejected events included: each is counted once, as unsent)."""
+        with self._cond:
+            if self._unsent is not None:
+                return False
         rej = dict(rejected)
         keep = [p for i, p in enumerate(chunk) if i in resend]
         for i, reason in rejected:
@@ -825,10 +985,13 @@ class FeedbackClient:
                 except Exception:  # noqa: BLE001 - the caller's callback must not stop the sender
                     log.exception("feedback on_error callback failed")
         with self._cond:
+            if self._unsent is not None:
+                return False
             self._counts["sent"] += len(chunk) - len(keep) - len(rej)
             self._counts["rejected"] += len(rej)
             self._inflight = keep + self._inflight[len(chunk):]
             self._cond.notify_all()
+        return True
 
 
 class AsyncFeedbackClient:
@@ -899,4 +1062,4 @@ class AsyncFeedbackClient:
 
 
 __all__ = ["AsyncFeedbackClient", "ClientClosed", "FeedbackClient", "QueueFull",
-           "build_event", "KINDS", "MAX_BATCH"]
+           "build_event", "KINDS", "MAX_BATCH", "MAX_SECONDS"]
