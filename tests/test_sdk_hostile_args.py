@@ -1,7 +1,9 @@
 """Feedback SDK (ingest/sdk.py) against a real HTTP server on a port: arguments the server
 would refuse (a lone surrogate) are refused in the caller's thread and the sender thread goes
 on; an answer that is not the contract's does not stop the sender; a truncated spool does not
-stop the next client; a base_url without a scheme is refused at construction."""
+stop the next client; a base_url without a scheme, or with a query string or fragment, is
+refused at construction, as are a bool or float where a count goes, a user id that is not a
+string and a spool_path that is a directory (each ValueError names the argument)."""
 
 from __future__ import annotations
 
@@ -160,3 +162,73 @@ def test_a_200_that_is_not_the_feedback_apis_answer_sends_nothing(tmp_path):
     finally:
         srv.should_exit = True
         th.join(5)
+
+
+@pytest.mark.parametrize("kw,name,why", [
+    ({"batch_size": True}, "batch_size", "not bool"),
+    ({"queue_size": True}, "queue_size", "not bool"),
+    ({"keep_rejected": True}, "keep_rejected", "not bool"),
+    ({"batch_size": 2.0}, "batch_size", "not float"),
+    ({"queue_size": 1.5}, "queue_size", "not float"),
+    ({"keep_rejected": -1}, "keep_rejected", ">= 0"),
+    ({"timeout_s": float("inf")}, "timeout_s", "finite"),
+    ({"linger_s": float("nan")}, "linger_s", "finite"),
+])
+def test_counts_and_times_of_the_wrong_type_refused(kw, name, why):
+    """bool is an int subclass and a float is not a count: both refused, naming the argument."""
+    with pytest.raises(ValueError, match=f"^{name}: ") as e:
+        FeedbackClient("http://127.0.0.1:9", **kw)
+    assert why in str(e.value)
+
+
+@pytest.mark.parametrize("user", [5, 5.0, b"alice", ["alice"]])
+def test_a_user_that_is_not_a_string_is_refused_not_turned_into_text(server, user):
+    with pytest.raises(ValueError, match="^user: must be a string") as e:
+        build_event(uuid.uuid4(), "thumb", 1, user=user)
+    assert type(user).__name__ in str(e.value)
+    fb = FeedbackClient(server["url"])
+    with pytest.raises(ValueError, match="^user: must be a string"):
+        fb.thumbs_up(uuid.uuid4(), user=user)
+    assert fb.stats()["accepted"] == 0 and fb.shutdown(2) == [] and server["received"] == []
+
+
+def test_spool_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="^spool_path: .* is a directory") as e:
+        FeedbackClient("http://127.0.0.1:9", spool_path=tmp_path)
+    assert str(tmp_path / "feedback.spool") in str(e.value)  # says what to give instead
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="^spool_path: .* is not a directory"):
+        FeedbackClient("http://127.0.0.1:9", spool_path=tmp_path / "f" / "fb.spool")
+    with pytest.raises(ValueError, match="^spool_path: must be a file path"):
+        FeedbackClient("http://127.0.0.1:9", spool_path=5)
+
+
+def test_spool_that_cannot_be_written_at_shutdown_still_returns_the_events(tmp_path):
+    """The spool's directory was replaced by a file after the client started: shutdown logs
+    the failure and still hands the events back (spooled 0), instead of raising."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed: nothing listens
+    d = tmp_path / "d"
+    d.mkdir()
+    fb = FeedbackClient(f"http://127.0.0.1:{port}", spool_path=d / "fb.spool", backoff_s=0.01)
+    eid = fb.thumbs_up(uuid.uuid4())
+    d.rmdir()
+    d.write_text("not a directory")
+    assert [p["event_id"] for p in fb.shutdown(0.2)] == [eid]
+    st = fb.stats()
+    assert (st["unsent_at_shutdown"], st["spooled"], st["pending"]) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000/?tenant=a", "http://127.0.0.1:8000?", "http://h/api#x",
+                                 "https://h/#"])
+def test_base_url_with_a_query_or_fragment_refused(url):
+    with pytest.raises(ValueError, match="^base_url: must have no query string or fragment"):
+        FeedbackClient(url)
+
+
+@pytest.mark.parametrize("url", [b"http://127.0.0.1:8000", 8000])
+def test_base_url_that_is_not_a_string_refused(url):
+    with pytest.raises(ValueError, match="^base_url: must be a string"):
+        FeedbackClient(url)
