@@ -10,7 +10,7 @@ from flywheel_feedback.client import (
     KINDS, MAX_BATCH, AsyncFeedbackClient, ClientClosed, FeedbackClient, QueueFull, build_event,
 )
 
-__version__ = "0.1.1"
+__version__ = "0.2.0"
 
 __all__ = ["AsyncFeedbackClient", "ClientClosed", "FeedbackClient", "QueueFull", "build_event", "KINDS",
            "MAX_BATCH", "__version__"]
