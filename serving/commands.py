@@ -36,9 +36,16 @@ def register(app: typer.Typer) -> None:
     @config_options(cfg=ServeConfig, eng=EngineConfig, vllm=VLLMConfig)
     def serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
-        from serving.pod import run_pod
+        from serving.pod import exit_now, run_pod
 
         try:
             run_pod(cfg, eng, vllm, echo=typer.echo)
         except SettingError as exc:  # before the model load: a usage error naming the flag
             raise typer.BadParameter(exc.reason, param_hint=exc.flag) from None
+        # the pod served and is closed (its journal written): end the process without the
+        # interpreter's teardown, which holds nothing of the pod's (serving.pod.exit_now)
+        except SystemExit as exc:  # SIGTERM (run_pod's handler), or uvicorn could not start
+            exit_now(exc.code)
+        except KeyboardInterrupt:  # SIGINT (Ctrl-C): 128 + SIGINT, as a shell reports it
+            exit_now(130)
+        exit_now(0)

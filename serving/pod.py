@@ -569,6 +569,42 @@ def app_options(cfg: ServeConfig, salt: str) -> dict:
             "signals": SignalDetector.from_config(cfg)}
 
 
+def exit_now(code: int | str | None = 0) -> None:
+    """End this process once the pod is closed (:meth:`Pod.close`), as a normal exit would but
+    without the interpreter's teardown: join the threads that are not daemons and run the
+    ``threading`` and ``atexit`` exit hooks (Python's own first steps of an exit), flush the log
+    handlers, stdout and stderr, then ``os._exit``. The teardown skipped (every module's
+    objects freed and garbage-collected) holds nothing of the pod's: its event journal is
+    written, fsync'd and closed by :meth:`Pod.close`. With torch and transformers loaded it is
+    ~0.7 s of CPU, 10-20 s of wall time on a box whose cores are busy (D112).
+
+    ``code`` as ``SystemExit`` takes it: None is 0, a string is printed to stderr and exits 1.
+    Never returns.
+    """
+    import atexit
+    import sys
+
+    if code is None:
+        rc = 0
+    elif isinstance(code, int):
+        rc = code
+    else:
+        print(code, file=sys.stderr)
+        rc = 1
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # what an exit runs first: joins non-daemon threads
+        if shutdown is not None and threading.current_thread() is threading.main_thread():
+            shutdown()
+        atexit._run_exitfuncs()  # logging.shutdown among them: the handlers flushed
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):  # closed or replaced by a broken stream
+                pass
+        os._exit(rc)
+
+
 def run_pod(cfg: ServeConfig | None = None, eng: EngineConfig | None = None, vllm: VLLMConfig | None = None,
             *, echo: Callable[[str], Any] | None = None) -> None:
     """``flywheel serve``: check the settings, open the store, build the pod and serve it

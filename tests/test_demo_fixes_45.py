@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,59 @@ def test_loopback_interface_is_lo_on_linux():
     from learner.trainer import loopback_interface
 
     assert loopback_interface() == "lo"
+
+
+def _journal_events(home: Path) -> list[dict]:
+    """Every entry of the pods' event journals under ``home``: ``{"topic", "key", "value"}``,
+    the value base64-decoded (bytes)."""
+    import base64
+
+    out = []
+    for j in sorted((home / "serving").glob("*.journal")):
+        for line in j.read_text().splitlines():
+            e = json.loads(line)
+            out.append({**e, "value": base64.b64decode(e["value"])})
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig,rc", [(signal.SIGTERM, 0), (signal.SIGINT, 128 + signal.SIGINT)])
+def test_serve_exits_after_stopped_with_its_events_in_the_journal(tiny_moe_dir, tmp_path, sig, rc):
+    """A real `flywheel serve` (torch engine, tiny model, no broker: events go to the journal)
+    answers one completion, gets a stop signal, logs "stopped" and ends: SIGTERM exit 0,
+    SIGINT 130; the completion's event is in the journal on disk after it ended."""
+    import httpx
+
+    from schemas.settings import free_port
+
+    port = free_port()
+    env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    for k in ("FLYWHEEL_KAFKA_BOOTSTRAP", "FLYWHEEL_STORE", "FLYWHEEL_MODEL_DIR", "FLYWHEEL_ADMIN_TOKEN",
+              "FLYWHEEL_API_KEYS"):
+        env.pop(k, None)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--port", str(port), "--model-dir",
+                                 str(tiny_moe_dir), "--max-batch", "2"], env=env, cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard: the model load on a busy box
+        while "serving " not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                       json={"model": "v000000", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        cid = r.headers["x-flywheel-completion-id"]
+        proc.send_signal(sig)
+        assert proc.wait(60) == rc, log.read_text()[-3000:]  # 60 s: a hang guard, not a timing claim
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    journal = tmp_path / "home" / "serving" / "pod-0.journal"
+    assert "stopped in" in text and f"not delivered yet, kept in {journal}" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    mine = [e for e in _journal_events(tmp_path / "home") if cid.encode() in e["value"]]
+    assert mine and all(e["topic"].endswith("completions") for e in mine), _journal_events(tmp_path / "home")
