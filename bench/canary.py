@@ -391,7 +391,7 @@ def simulate_reward(o: Outcomes, mix_s, mix_c, n: int, sim: RewardSim, seed: int
                 step_n += got_c[:, 0]
                 ok = (c[:, 0] >= cfg.min_votes) & (s_[:, 0] >= cfg.min_votes)
                 _, lo, hi, _, _ = reward_bounds(c[:, 0], c[:, 1], c[:, 2], s_[:, 0], s_[:, 1], s_[:, 2], cfg)
-                passed, failed = thumbs_verdict(lo, hi, cfg.delta)
+                passed, failed = thumbs_verdict(lo, hi, cfg.reward_delta)
                 passed, failed = ok & passed, ok & failed
                 g_ok = (c[:, 0] >= cfg.min_guard_completions) & (s_[:, 0] >= cfg.min_guard_completions)
                 verdicts = {}
@@ -465,7 +465,8 @@ def _print_reward_table(sim: RewardSim, n: int, res: dict) -> None:
     o = outcomes()
     p = category_probs(o, STABLE_MIX)
     print(f"\nreward test (quality = reward) at production settings: {n} canaries per case; shares {sim.shares}, "
-          f"a look every {sim.every} replies, step deadline {sim.deadline} replies -> roll back; thumbs on "
+          f"a look every {sim.every} replies, step deadline {sim.deadline} replies -> roll back; reward_delta "
+          f"{sim.analysis.reward_delta:g}, thumbs-up test delta {sim.analysis.delta:g}; thumbs on "
           f"{THUMB_SHARE:.0%} of replies, {float((p * o.sample).sum()):.0%} of the stable's replies become samples; "
           f"stable mean reward {mean_reward(o, STABLE_MIX):+.3f} (mix good/bad/refusal {STABLE_MIX})")
     print(f"{'case':<21}{'rule':<8}{'mean r':>8}{'promote [95% CI]':>24}{'test rb':>9}{'guard rb':>9}{'deadline':>9}"
@@ -514,9 +515,12 @@ def main() -> None:
           f"(half the stable's good replies, mean reward {hg['mean_reward']:+.3f} vs {eq['mean_reward']:+.3f}; "
           f"reward test and guards; thumbs-up test on the same replies {hg['thumbs']['promote']['rate']:.4f}; {m})")
     half = rw["half_as_good_reward"]
-    print(f"RESULT canary_promotion_rate_half_as_good_reward={half['reward']['promote']['rate']:.4f} (mean reward "
-          f"half the stable's, {half['mean_reward']:+.3f}: inside the margin on the distance from the worst reward, "
-          f"D90; thumbs-up test on the same replies {half['thumbs']['promote']['rate']:.4f}; {m})")
+    rd = sim.analysis.reward_delta
+    ratio = (half["mean_reward"] + 1) / (eq["mean_reward"] + 1)
+    print(f"RESULT canary_promotion_rate_half_as_good_reward={half['reward']['promote']['rate']:.4f} target<=0.05 "
+          f"(mean reward half the stable's, {half['mean_reward']:+.3f}: {ratio:.3f} of its distance from the worst "
+          f"reward, reward_delta {rd:g}, D113; thumbs-up test on the same replies "
+          f"{half['thumbs']['promote']['rate']:.4f}; {m})")
     ab = rw["abstains"]["reward"]
     print(f"RESULT canary_catches_abstention={ab['rollback']['rate']:.4f} target>=0.95 (refuses on 30 % more of the "
           f"prompts: rolled back, {ab['rollback_by_test']['rate']:.3f} by the reward test, "

@@ -10,10 +10,12 @@ Each metric is judged into PASS | FAIL | INCONCLUSIVE | ERROR | SKIPPED:
   :func:`deploy.stats.eb_mean_bounds`) at ``alpha / 2``, so the box of both means holds at
   every look with probability ``1 - alpha``. The margin is relative to the stable's distance
   from the policy's worst reward ``-reward_clip``, as a rate's is from 0: PASS when every point
-  of the box has ``mean_c + clip > (1 - delta) (mean_s + clip)``, FAIL when every point has
-  ``mean_c < mean_s``
+  of the box has ``mean_c + clip > (1 - reward_delta) (mean_s + clip)``, FAIL when every point
+  has ``mean_c < mean_s``
   (:func:`reward_bounds`, :func:`check_reward`). For a policy of thumbs alone (reward +-1 per
-  sample) this is the thumbs-up rule on rates exactly: ``mean + 1 = 2 rate``. The thumbs-up test
+  sample) this is the thumbs-up rule on rates exactly (``mean + 1 = 2 rate``) when
+  ``reward_delta`` equals ``delta``; the reward test's default margin is the narrower 0.08, so
+  that a candidate at half the stable's mean reward is not promoted (D113). The thumbs-up test
   then guards the thumbs signal (FAIL when shown worse by more than ``signal_margin``).
   Shards written before the reward policy (no rewarded sample on either arm) decide on the
   thumbs-up rate as before; ``quality = thumbs`` asks for that test always.
@@ -255,10 +257,10 @@ class AnalysisConfig:
     Quality (sequential test): ``quality`` (``reward``: the mean reward by the declared reward
     policy, :func:`check_reward`; ``thumbs``: the thumbs-up rate, :func:`check_thumbs`;
     shards without reward columns decide on thumbs either way), ``min_votes`` (burn-in, in
-    votes or rewarded samples), ``alpha``, ``delta`` (the RELATIVE non-inferiority margin:
-    PASS when the always-valid lower bound of ``quality(candidate) / quality(stable) - 1`` is
-    above ``-delta``, i.e. the candidate surely keeps more than ``1 - delta`` of the stable's
-    mean reward or thumbs-up rate), ``tau`` and ``cuped`` (:func:`deploy.stats.cuped_rate`;
+    votes or rewarded samples), ``alpha``, ``delta`` (the thumbs-up test's RELATIVE
+    non-inferiority margin: PASS when the always-valid lower bound of ``rate(candidate) /
+    rate(stable) - 1`` is above ``-delta``), ``reward_delta`` (the reward test's margin, the
+    same rule on the distance from the worst reward, ``mean + reward_clip``: D90, D113), ``tau`` and ``cuped`` (:func:`deploy.stats.cuped_rate`;
     thumbs only), ``reward_clip`` (every reward is in ``[-reward_clip, reward_clip]``: the
     reward policy's clip) and ``reward_center``.
 
@@ -285,6 +287,11 @@ class AnalysisConfig:
     delta: float = _f(0.2, "relative non-inferiority margin in (0, 1): advance when the always-valid lower bound "
                       "of rate(candidate) / rate(stable) - 1 is above -delta (0.2: the candidate keeps more than "
                       "80 % of the stable's thumbs-up rate)")
+    reward_delta: float = _f(0.08, "relative non-inferiority margin of the reward test in (0, 1), on the distance "
+                             "from the worst reward (D90): advance when the always-valid lower bound of (mean "
+                             "reward(candidate) + clip) / (mean reward(stable) + clip) - 1 is above -reward_delta "
+                             "(0.08: under the default [reward] policy a candidate at half a stable's mean reward "
+                             "is outside the margin for any stable mean above +0.19; D113)")
     tau: Optional[float] = _f(None, "mixing standard deviation of the mSPRT on the log rate ratio (default "
                               "-log(1 - delta): the distance of a candidate exactly at the margin); > 0")
     quality: str = _f("reward", "what the sequential test judges: reward (the mean reward of the samples by the "
@@ -335,6 +342,10 @@ class AnalysisConfig:
         if not 0 < self.delta < 1:
             raise ValueError(f"delta: must be in (0, 1) (relative margin: the candidate keeps more than "
                              f"1 - delta of the stable's rate), got {self.delta}")
+        if not 0 < self.reward_delta < 1:
+            raise ValueError(f"reward_delta: must be in (0, 1) (relative margin of the reward test: the candidate "
+                             f"keeps more than 1 - reward_delta of the stable's distance from the worst reward), "
+                             f"got {self.reward_delta}")
         if self.tau is not None and not self.tau > 0:
             raise ValueError(f"tau: must be > 0 or None (= -log(1 - delta)), got {self.tau}")
         if not 0 <= self.signal_margin < 1:
@@ -545,8 +556,8 @@ def _inconsistent_sums(a: ArmStats, b: float) -> str | None:
 
 def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     """The sequential reward test (``quality = reward``): PASS when every mean pair in the
-    always-valid box of :func:`reward_bounds` keeps more than ``1 - delta`` of the stable's
-    mean reward (``lo > -delta``), FAIL when every pair has the candidate below the stable
+    always-valid box of :func:`reward_bounds` keeps more than ``1 - reward_delta`` of the
+    stable's distance from the worst reward (``lo > -reward_delta``), FAIL when every pair has the candidate below the stable
     (``hi < 0``), INCONCLUSIVE before ``min_votes`` rewarded samples per arm or while neither
     holds; ERROR when a reward lies outside ``[-reward_clip, reward_clip]`` (the bounds would
     not hold), an arm's sums cannot come from such rewards (:func:`_inconsistent_sums`), the
@@ -558,10 +569,10 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     if cfg.reward_clip is None:
         cfg = replace(cfg, reward_clip=b)  # read the policy once per check
     nums = {"candidate_samples": c.rewarded, "stable_samples": s.rewarded, "min_samples": cfg.min_votes,
-            "alpha": cfg.alpha, "delta": cfg.delta, "reward_clip": b, "reward_center": cfg.reward_center,
+            "alpha": cfg.alpha, "delta": cfg.reward_delta, "reward_clip": b, "reward_center": cfg.reward_center,
             "scale": "relative to the distance from -reward_clip",
             "method": "empirical-Bernstein confidence sequence per arm (Howard et al. 2021, Thm 4; discrete "
-                      "mixture, Ville), alpha/2 per arm; PASS when lc + clip > (1 - delta) (hs + clip), "
+                      "mixture, Ville), alpha/2 per arm; PASS when lc + clip > (1 - reward_delta) (hs + clip), "
                       "FAIL when hc < ls"}
     if c.reward_policy is not None or s.reward_policy is not None:
         nums["reward_policy"] = c.reward_policy or s.reward_policy
@@ -589,12 +600,12 @@ def check_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> MetricResult:
     if not all(map(math.isfinite, (rel, lo, hi, lc, hc, ls, hs))):
         return MetricResult("reward", Check.ERROR, f"the reward test's bounds are not finite at reward_clip "
                             f"{b:g} (too small for float64 arithmetic)", nums)
-    passed, failed = thumbs_verdict(lo, hi, cfg.delta)
+    passed, failed = thumbs_verdict(lo, hi, cfg.reward_delta)
     mc, ms = nums["candidate_mean"], nums["stable_mean"]
     nums.update(diff=rel, ci_lo=lo, ci_hi=hi, abs_diff=mc - ms, candidate_bounds=[lc, hc], stable_bounds=[ls, hs])
     what = (f"mean reward {mc:+.3f} (n={c.rewarded}, always-valid [{lc:+.3f}, {hc:+.3f}]) vs {ms:+.3f} "
             f"(n={s.rewarded}, [{ls:+.3f}, {hs:+.3f}]): relative {rel:+.1%}, decision bounds [{lo:+.1%}, {hi:+.1%}]")
-    return _sequential_result("reward", what, passed, failed, cfg.delta, nums)
+    return _sequential_result("reward", what, passed, failed, cfg.reward_delta, nums)
 
 
 def judges_reward(c: ArmStats, s: ArmStats, cfg: AnalysisConfig) -> bool:

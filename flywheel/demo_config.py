@@ -52,8 +52,9 @@ DEMO_SERVE = {"prefix_caching": True, "waiting_served_ratio": 0.3, "derive_regen
               "derive_followup": False}
 # votes arrive within seconds of their reply; a label lives 15 min, an orphan vote waits 2 min
 DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "orphan_ttl_s": 120.0}
-# the relative non-inferiority margin 0.5: the candidate must keep more than half the stable's
-# thumbs-up rate; ~450 votes per canary cannot show more (bench/canary.py, demo settings: a
+# the relative non-inferiority margin 0.5 (delta for the thumbs-up test, reward_delta for the
+# reward test, D113): the candidate must keep more than half the stable's thumbs-up rate, or
+# half its distance from the worst reward; ~450 votes per canary cannot show more (bench/canary.py, demo settings: a
 # half-as-good candidate promoted <= 0.05; production uses 0.2 with far more votes). The step
 # deadline 600 s (an undecided step is rolled back; at the 0.37 votes/s of runs H-J an equal
 # candidate needs ~200 votes per arm, D61); 20 votes per arm of burn-in.
@@ -65,7 +66,7 @@ DEMO_INGEST = {"seal_after_s": 3.0, "tick_s": 0.5, "max_label_age_s": 900.0, "or
 # so a request's latency is its reply length in decode steps; over ~100 requests an arm's p99 is
 # its longest reply or two, and one HumanEval reply (160 tokens) against none in the other arm
 # (48) is a ratio of ~3.3 (D63)
-DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "deadline_s": 600.0,
+DEMO_CONTROLLER = {"steps": "0.5,1.0", "min_votes": 20, "delta": 0.5, "reward_delta": 0.5, "deadline_s": 600.0,
                    "min_length_ratio": 0.0, "max_p99_ratio": 4.0,
                    "guards_from": "completions", "reply_judge": "flywheel.workload:reply_judge"}
 # --quick sizes the run down (about 4 min, one cycle, too few votes for the canary to decide);

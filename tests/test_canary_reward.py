@@ -25,7 +25,7 @@ from deploy.stats import EB_GRID, eb_boundary, eb_mean_bounds, psi_e
 from schemas.arrow import samples_to_table
 from schemas.events import RewardedSample, SamplingParams
 
-CFG = AnalysisConfig(min_votes=10, delta=0.2, failure_limit=1, reward_clip=1.0)
+CFG = AnalysisConfig(min_votes=10, delta=0.2, reward_delta=0.2, failure_limit=1, reward_clip=1.0)
 
 
 def mixture_root(v: float, alpha: float, c: float, grid=EB_GRID) -> float:
@@ -152,6 +152,30 @@ def test_reward_margin_is_relative_to_the_stables_distance_from_the_worst_reward
     assert analyze(arm(200, 0.0, 0.5), arm(200, 0.0, 0.5), CFG).numbers()["reward"]["check"] == "INCONCLUSIVE"
 
 
+def test_the_reward_test_decides_on_reward_delta_and_keeps_half_the_mean_out():
+    """The reward test's margin is ``reward_delta`` (default 0.08), the thumbs-up test's is
+    ``delta``. A candidate at +0.16 against +0.228, 2,000 samples each (sd 0.6), keeps 1.16 /
+    1.228 = 0.945 of the stable's distance from the worst reward -1; its decision bounds
+    (about [-0.139, +0.036]) pass a 0.2 margin whatever ``delta`` is and are undecided at 0.08.
+    Worked by hand: a candidate at half a stable mean m keeps (m / 2 + 1) / (m + 1), outside
+    the 0.08 margin exactly when m > 2 * 0.08 / (1 - 2 * 0.08) = 0.1905 (the bench's stable,
+    +0.228, keeps 0.907 at half its mean)."""
+    assert AnalysisConfig().reward_delta == 0.08 and AnalysisConfig().delta == 0.2
+    c, s = arm(2_000, 0.16, 0.6), arm(2_000, 0.228, 0.6)
+    wide = AnalysisConfig(min_votes=10, delta=0.05, reward_delta=0.2, failure_limit=1, reward_clip=1.0)
+    r = check_reward(c, s, wide)
+    assert r.numbers["diff"] == pytest.approx(1.16 / 1.228 - 1)
+    assert -0.2 < r.numbers["ci_lo"] < -0.08 and r.numbers["ci_hi"] > 0, r.numbers
+    assert r.check == Check.PASS and r.numbers["delta"] == 0.2
+    r = check_reward(c, s, replace(wide, delta=0.5, reward_delta=0.08))
+    assert r.check == Check.INCONCLUSIVE and "lower bound <= -8%" in r.reason and r.numbers["delta"] == 0.08
+    for m, outside in ((0.18, False), (0.19, False), (0.191, True), (0.228, True), (0.5, True)):
+        assert ((m / 2 + 1) / (m + 1) < 1 - 0.08) == outside, m
+    assert (0.114 + 1) / (0.228 + 1) == pytest.approx(0.9072, abs=1e-4)
+    with pytest.raises(ValueError, match="reward_delta"):
+        AnalysisConfig(reward_delta=1.0)
+
+
 @pytest.mark.parametrize("k_c,n_c,k_s,n_s", [(620, 1000, 3100, 5000), (130, 1000, 1000, 5000), (90, 600, 300, 3000),
                                            (9_000, 10**6, 10_000, 10**6), (10_000, 10**6, 10_000, 10**6)])
 def test_a_thumbs_only_reward_is_judged_as_the_thumbs_up_rate(k_c, n_c, k_s, n_s):
@@ -251,7 +275,7 @@ def test_thumbs_guard_and_the_failure_limit():
     c, s = arm(4000, 0.25, 0.4, up=100, down=300), arm(4000, 0.25, 0.4, up=250, down=150)
     d = analyze(c, s, CFG)
     assert d.numbers()["thumbs_up"]["check"] == "FAIL" and d.decided_by == "guard"
-    cfg3 = AnalysisConfig(min_votes=10, delta=0.2, failure_limit=3, reward_clip=1.0)
+    cfg3 = AnalysisConfig(min_votes=10, delta=0.2, reward_delta=0.2, failure_limit=3, reward_clip=1.0)
     counts: dict = {}
     for look in range(3):
         d = analyze(c, s, cfg3, failed_checks=counts)
