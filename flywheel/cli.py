@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
@@ -175,6 +176,11 @@ def main() -> None:
 
     try:
         app()
+    except SystemExit as exc:
+        pod = sys.modules.get("serving.pod")  # loaded only by a command that ran a pod
+        if pod is not None and pod.exit_after_close_requested():
+            pod.exit_now(exc.code)  # the pod is closed: no interpreter teardown (D112)
+        raise
     except StoreUnusableError as exc:  # FLYWHEEL_STORE names a file or an unwritable place
         typer.echo(f"error: {exc.strerror}", err=True)
         raise SystemExit(1) from None

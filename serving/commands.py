@@ -36,16 +36,19 @@ def register(app: typer.Typer) -> None:
     @config_options(cfg=ServeConfig, eng=EngineConfig, vllm=VLLMConfig)
     def serve(cfg: ServeConfig, eng: EngineConfig, vllm: VLLMConfig):
         """Serve the OpenAI-compatible API, log every completion and feedback to Kafka."""
-        from serving.pod import exit_now, run_pod
+        from serving.pod import exit_after_close, run_pod
 
+        # once the pod served and is closed (its journal written), the process's entry point
+        # ends it without the interpreter's teardown, which holds nothing of the pod's
+        # (serving.pod.exit_now); a command invoked in process returns as any other
         try:
             run_pod(cfg, eng, vllm, echo=typer.echo)
         except SettingError as exc:  # before the model load: a usage error naming the flag
             raise typer.BadParameter(exc.reason, param_hint=exc.flag) from None
-        # the pod served and is closed (its journal written): end the process without the
-        # interpreter's teardown, which holds nothing of the pod's (serving.pod.exit_now)
-        except SystemExit as exc:  # SIGTERM (run_pod's handler), or uvicorn could not start
-            exit_now(exc.code)
+        except SystemExit:  # SIGTERM (run_pod's handler), or uvicorn could not start
+            exit_after_close()
+            raise
         except KeyboardInterrupt:  # SIGINT (Ctrl-C): 128 + SIGINT, as a shell reports it
-            exit_now(130)
-        exit_now(0)
+            exit_after_close()
+            raise SystemExit(130) from None
+        exit_after_close()

@@ -569,6 +569,23 @@ def app_options(cfg: ServeConfig, salt: str) -> dict:
             "signals": SignalDetector.from_config(cfg)}
 
 
+_exit_after_close = False
+
+
+def exit_after_close() -> None:
+    """Ask the process's entry point (:func:`flywheel.cli.main`) to end the process with
+    :func:`exit_now` once the command returns: the ``serve`` command calls it after its pod
+    closed. Only the entry point acts on it, so a command invoked in process (typer's
+    ``CliRunner``, a program embedding the CLI) returns normally."""
+    global _exit_after_close
+    _exit_after_close = True
+
+
+def exit_after_close_requested() -> bool:
+    """Whether :func:`exit_after_close` was called in this process."""
+    return _exit_after_close
+
+
 def exit_now(code: int | str | None = 0) -> None:
     """End this process once the pod is closed (:meth:`Pod.close`), as a normal exit would but
     without the interpreter's teardown: join the threads that are not daemons and run the

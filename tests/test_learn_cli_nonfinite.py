@@ -1,5 +1,5 @@
-"""``flywheel learn`` refuses NaN and +-Infinity in its float settings, naming the flag, exit 2
-(``--lr``, ``--beta``, ``--weight-decay``, ``--lateness-s``, ``--poll-s``). Real CLI
+"""``flywheel learn`` refuses NaN and +-Infinity in its float settings, naming where the value
+came from (the flag, or the ``FLYWHEEL_LEARN__*`` variable: D111), exit 2. Real CLI
 subprocesses."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--once", "--beta", "inf"], {}, "--beta"),
     (["--once", "--weight-decay", "inf"], {}, "--weight-decay"),
     (["--once", "--lateness-s", "inf"], {}, "--lateness-s"),
-    (["--once"], {"FLYWHEEL_LEARN__KL_COEF": "Infinity"}, "--kl-coef"),
-    ([], {"FLYWHEEL_LEARN__POLL_S": "inf"}, "--poll-s"),
+    (["--once"], {"FLYWHEEL_LEARN__KL_COEF": "Infinity"}, "FLYWHEEL_LEARN__KL_COEF"),
+    ([], {"FLYWHEEL_LEARN__POLL_S": "inf"}, "FLYWHEEL_LEARN__POLL_S"),
 ], ids=["lr", "beta", "weight_decay", "lateness", "kl_env", "poll_env"])
 def test_non_finite_learner_settings_refused(tmp_path, args, env, flag):
     e = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}

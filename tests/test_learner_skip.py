@@ -165,4 +165,4 @@ def test_learn_help_names_the_objectives_and_kl_coef_users():
     assert cmd.help.splitlines()[0] == ("Train on new sealed samples (KTO, REINFORCE or PSR; router replay, "
                                         "DeepSpeed) and publish a version.")
     helps = {p.name: p.help for p in cmd.params}
-    assert helps["kl_coef"].startswith("REINFORCE and PSR: k3 KL penalty")
+    assert helps["kl_coef"].startswith("k3 KL penalty") and helps["kl_coef"].endswith("(reinforce and psr only)")
