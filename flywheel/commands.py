@@ -216,9 +216,13 @@ def _run_experiment(cfg, eval_only: str | None) -> None:
     """Run the experiment (or with ``eval_only`` its evaluation) and print the comparison."""
     from flywheel.experiment import evaluate, run
 
+    if eval_only is not None and not eval_only.strip():  # given but empty: never a full run by mistake
+        raise typer.BadParameter(f"no version named, got {eval_only!r}: give comma-separated versions of the "
+                                 f"store, e.g. v000001,v000002, or leave --eval-only out to run the experiment",
+                                 param_hint="--eval-only")
     out, seed = cfg.out, cfg.seed
     try:
-        if eval_only:
+        if eval_only is not None:
             rep = evaluate(cfg, [v.strip() for v in eval_only.split(",") if v.strip()])
             c = rep["comparison_pooled"]
         else:
@@ -227,14 +231,14 @@ def _run_experiment(cfg, eval_only: str | None) -> None:
     except ValueError as exc:
         if str(exc).startswith("model dir:"):
             raise typer.BadParameter(str(exc).split(": ", 1)[1], param_hint="FLYWHEEL_MODEL_DIR") from exc
-        if eval_only:
+        if eval_only is not None:
             raise typer.BadParameter(str(exc), param_hint="--eval-only") from exc
         raise
     typer.echo(f"experiment: {c['last']} - {c['first']} thumbs-up = {c['diff']:+.3f} (Newcombe 95% "
                f"[{c['newcombe_ci95'][0]:+.3f}, {c['newcombe_ci95'][1]:+.3f}], problem bootstrap "
                f"[{c['cluster_bootstrap_ci95'][0]:+.3f}, {c['cluster_bootstrap_ci95'][1]:+.3f}], one-sided "
                f"p={c['p_one_sided']:.4f}); " + (f"{out}/eval-seed{seed}.json, {out}/learning_curve_pooled.png"
-                                                  if eval_only else f"{out}/experiment.json, {out}/learning_curve.png"))
+                                                  if eval_only is not None else f"{out}/experiment.json, {out}/learning_curve.png"))
 
 
 def _ci(c: dict | None, key: str) -> str:

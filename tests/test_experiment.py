@@ -92,6 +92,8 @@ def test_eval_only_refusals_leave_the_out_dir_as_it_was(tmp_path, monkeypatch):
     (out / "home/store/versions/v000000/manifest.json").write_text("{}")
     refuse(out, "v000000,v9", "['v9'] not in the store")
     refuse(out, " , ", "give at least one version")
+    refuse(out, "", "no version named")  # given but empty: refused, never the full experiment
+    refuse(out, " ", "no version named")
     refuse(out, "v000000", "holds no checkpoint")  # the known version, but no base model to serve it with
     monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path / "model"))
     (tmp_path / "model").mkdir()
