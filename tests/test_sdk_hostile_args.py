@@ -3,7 +3,10 @@ would refuse (a lone surrogate) are refused in the caller's thread and the sende
 on; an answer that is not the contract's does not stop the sender; a truncated spool does not
 stop the next client; a base_url without a scheme, or with a query string or fragment, is
 refused at construction, as are a bool or float where a count goes, a user id that is not a
-string and a spool_path that is a directory (each ValueError names the argument)."""
+string, a spool_path that is a directory, an api_key/feedback_key that cannot be a Bearer
+header (empty, not a str, whitespace, control or non-ASCII characters), and a base_url with a
+port outside 1-65535 or a space in the host (each ValueError names the argument); a spool
+line that is not UTF-8 is moved to the .corrupt file and the rest is sent."""
 
 from __future__ import annotations
 
@@ -232,3 +235,74 @@ def test_base_url_with_a_query_or_fragment_refused(url):
 def test_base_url_that_is_not_a_string_refused(url):
     with pytest.raises(ValueError, match="^base_url: must be a string"):
         FeedbackClient(url)
+
+
+@pytest.mark.parametrize("key,why", [("a\nb", "whitespace (U+000A) at index 1"),
+                                     ("a b", "whitespace (U+0020) at index 1"),
+                                     ("ab\x00", "a control character (U+0000) at index 2"),
+                                     ("a\x7f", "a control character (U+007F) at index 1"),
+                                     ("ключ", "a non-ASCII character (U+043A) at index 0"),
+                                     ("", "is empty"),
+                                     (5, "must be a string"), (b"key", "must be a string")])
+@pytest.mark.parametrize("name", ["api_key", "feedback_key"])
+def test_a_key_that_cannot_be_a_bearer_header_is_refused(name, key, why):
+    """A key with a line break or a non-ASCII character made every request fail (or httpx
+    raise UnicodeEncodeError in the constructor); an empty key sent no header at all."""
+    with pytest.raises(ValueError, match=f"^{name}: ") as e:
+        FeedbackClient("http://127.0.0.1:9", **{name: key})
+    assert why in str(e.value)
+
+
+def test_a_printable_ascii_key_is_sent_as_the_bearer_header():
+    seen = []
+    app = FastAPI()
+
+    @app.post("/v1/feedback")
+    async def one(req: Request):
+        body = await req.json()
+        seen.append(req.headers.get("authorization"))
+        return {"event_id": body["event_id"], "accepted": True, "duplicate": False}
+
+    url, srv, th = _serve(app)
+    try:
+        key = "k-1._~+/=!$"
+        fb = FeedbackClient(url, api_key=key, linger_s=0)
+        fb.thumbs_up(uuid.uuid4())
+        assert fb.flush(10) == 0 and fb.shutdown(2) == []
+        assert seen == ["Bearer k-1._~+/=!$"]
+    finally:
+        srv.should_exit = True
+        th.join(5)
+
+
+@pytest.mark.parametrize("url,why", [("http://127.0.0.1:99999", "port 99999 is out of range"),
+                                     ("http://127.0.0.1:65536/", "port 65536 is out of range"),
+                                     ("http://127.0.0.1:0", "port 0 is out of range"),
+                                     ("http://a b/", "the host 'a%20b'"),
+                                     ("http://ex%41mple.com/", "the host")])
+def test_base_url_with_a_port_out_of_range_or_a_space_in_the_host_refused(url, why):
+    with pytest.raises(ValueError, match="^base_url: ") as e:
+        FeedbackClient(url)
+    assert why in str(e.value)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:65535", "http://my_host.local:1/api", "http://[::1]:8000",
+                                 "https://bücher.example"])
+def test_base_urls_with_valid_ports_and_hosts_are_taken(url):
+    FeedbackClient(url).shutdown(0)
+
+
+def test_a_spool_line_that_is_not_utf8_is_moved_to_corrupt_and_the_rest_sent(server, tmp_path):
+    """A byte that is not UTF-8 made the constructor refuse the whole spool (spool_path:
+    cannot read), so its valid events were stuck; now that line alone is corrupt."""
+    spool = tmp_path / "fb.spool"
+    a, b = build_event(uuid.uuid4(), "thumb", 1), build_event(uuid.uuid4(), "copy", 1)
+    bad = b'{"comment": "caf\xe9"}'  # latin-1 e-acute: not UTF-8
+    spool.write_bytes(json.dumps(a).encode() + b"\n" + bad + b"\n" + json.dumps(b).encode() + b"\n")
+    fb = FeedbackClient(server["url"], spool_path=spool, backoff_s=0.01)
+    assert fb.stats()["respooled"] == 2
+    assert fb.flush(10) == 0
+    assert [e["event_id"] for e in server["received"]] == [a["event_id"], b["event_id"]]
+    assert (tmp_path / "fb.spool.corrupt").read_bytes() == bad + b"\n"
+    assert not spool.exists()
+    assert fb.shutdown(2) == []

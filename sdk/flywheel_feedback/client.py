@@ -458,6 +458,30 @@ def _fleet_salt() -> str:
         raise ValueError(f"user_salt: {exc}") from None
 
 
+def _check_key(name: str, key: Any) -> None:
+    """Refuse a key that cannot be sent as ``Authorization: Bearer <key>``.
+
+    A key is None (no ``Authorization`` header) or a non-empty str of printable ASCII
+    without whitespace (U+0021-U+007E): a header value is ASCII, a control character or
+    line break makes every request fail, and an empty key would silently send no header.
+
+    Raises:
+        ValueError: it is not; the message starts with ``name`` and says why.
+    """
+    if key is None:
+        return
+    if not isinstance(key, str):
+        raise ValueError(f"{name}: must be a string (or None for no key), got {type(key).__name__}")
+    if not key:
+        raise ValueError(f"{name}: is empty; pass None to send no key")
+    for i, ch in enumerate(key):
+        if not "\x21" <= ch <= "\x7e":
+            what = ("whitespace" if ch.isspace() else "a control character" if ord(ch) < 0x20 or ord(ch) == 0x7f
+                    else "a non-ASCII character")
+            raise ValueError(f"{name}: {what} (U+{ord(ch):04X}) at index {i}: a key is printable ASCII without "
+                             f"whitespace (it is sent in the Authorization header)")
+
+
 def _spool_file(spool_path: Any) -> Path:
     """``spool_path`` as a Path to a file (it need not exist yet).
 
@@ -519,8 +543,10 @@ class FeedbackClient:
     Raises:
         ValueError: a bad argument, named first in the message: a time that is NaN, infinite,
             negative or above :data:`MAX_SECONDS`; a count that is a bool, a float or out of
-            range; a ``base_url`` that is not an http(s) URL with a host, or has a query string
-            or fragment; a ``spool_path`` that is a directory, in a path that is not a
+            range; a ``base_url`` that is not an http(s) URL with a host, has a port outside
+            1-65535, a host with a space or '%', or a query string or fragment; an ``api_key``
+            or ``feedback_key`` that is not None or a non-empty str of printable ASCII without
+            whitespace; a ``spool_path`` that is a directory, in a path that is not a
             directory, or cannot be read.
     """
 
@@ -546,11 +572,21 @@ class FeedbackClient:
             if u.query or u.fragment or "?" in base_url or "#" in base_url:
                 raise ValueError(f"base_url: must have no query string or fragment (the client appends "
                                  f"/v1/feedback to it), got {base_url!r}")
+            if u.port is not None and not 1 <= u.port <= 65535:
+                raise ValueError(f"base_url: port {u.port} is out of range (1-65535), got {base_url!r}")
+            host = u.raw_host.decode("ascii", "replace")
+            if ":" not in host and not re.fullmatch(r"[A-Za-z0-9._-]+", host):
+                # httpx percent-encodes a space or other odd character in the host and connects
+                # to nothing; an IPv6 literal (with ':') is left to httpx
+                raise ValueError(f"base_url: the host {u.host!r} has a character a host name cannot have "
+                                 f"(a space, '%', ...), got {base_url!r}")
         if kafka_bootstrap is not None:
             _flywheel_schemas()
         if kafka_bootstrap is not None and not user_salt:
             user_salt = _fleet_salt()
-        if api_key and feedback_key:
+        _check_key("api_key", api_key)
+        _check_key("feedback_key", feedback_key)
+        if api_key is not None and feedback_key is not None:
             raise ValueError("feedback_key: give api_key or feedback_key, not both (both are the Bearer key)")
         timeout_s = _seconds("timeout_s", timeout_s, positive=True)
         backoff_s = _seconds("backoff_s", backoff_s, positive=True)
@@ -603,18 +639,21 @@ class FeedbackClient:
 
         Raises:
             ValueError: the file exists and cannot be read; the message starts ``spool_path:``.
+                A line that is not UTF-8 or not an event is moved to ``<spool_path>.corrupt``
+                (its bytes as they were), not raised.
         """
         try:
-            lines = self.spool_path.read_text().splitlines()
+            raw_lines = self.spool_path.read_bytes().splitlines()
         except FileNotFoundError:
             return
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             raise ValueError(f"spool_path: cannot read {str(self.spool_path)!r}: {exc}") from None
-        bad = []
-        for line in lines:
-            if not line.strip():
+        bad: list[tuple[bytes, str]] = []
+        for raw in raw_lines:
+            if not raw.strip():
                 continue
             try:  # a line cut short (a crash while spooling) or edited by hand must not stop the client
+                line = raw.decode("utf-8")  # UnicodeDecodeError is a ValueError: the line is corrupt
                 p = json.loads(line)
                 p = build_event(p["completion_id"], p["kind"], p.get("value"), p.get("comment"), p.get("user"),
                                 event_id=p["event_id"], name=p.get("name"), metadata=p.get("metadata"),
@@ -622,13 +661,13 @@ class FeedbackClient:
                 if self.kafka_bootstrap is not None:
                     p["_bytes"] = self._to_event(p).to_bytes()
             except (ValueError, KeyError, TypeError) as exc:
-                bad.append((line, f"{type(exc).__name__}: {exc}"))
+                bad.append((raw, f"{type(exc).__name__}: {exc}"))
                 continue
             self._queue.append(p)
         if bad:
             corrupt = self.spool_path.with_name(self.spool_path.name + ".corrupt")
-            with open(corrupt, "a") as f:
-                f.writelines(line + "\n" for line, _ in bad)
+            with open(corrupt, "ab") as f:  # the bytes as they were, undecodable ones included
+                f.writelines(raw + b"\n" for raw, _ in bad)
             log.error("feedback: %d lines of the spool %s are not events (first: %s); kept in %s, not sent",
                       len(bad), self.spool_path, bad[0][1], corrupt)
         self._counts["accepted"] += len(self._queue)
