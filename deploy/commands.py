@@ -17,6 +17,10 @@ the ledger whether it succeeded or failed (decision ``X`` or ``X_FAILED``), with
 (``--actor``, else ``$FLYWHEEL_ACTOR``, else ``$USER``) and why (``--reason``). Every read of
 a pod is bounded by ``--serving-timeout-s`` (else ``$FLYWHEEL_SERVING_TIMEOUT_S``) and by
 :data:`WATCH_READ_S`, and the whole command by ``--timeout``.
+
+With no model store at the configured root every command but ``status`` exits 1 naming the
+root, as ``versions`` does, and creates nothing (no ``versions`` directory, no ledger);
+``status`` shows the pods it is given and says the store is missing.
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ from deploy.runbook import RUNBOOK
 from deploy.serving_client import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ServingAdminError, check_timeout,
                                    timeout_from_env)
 from deploy.status import (RECORD_REPAIR, STATUS_TIMEOUT_S, FleetStatus, controller_footer,  # noqa: F401
-                           discover_pods, gather_status, status_warnings)
+                           discover_pods, gather_status, last_decision, status_warnings)
 from deploy.status import ts as _ts
-from modelstore.store import CorruptVersionError, ModelStore, StoreMissingError
+from modelstore.store import CorruptVersionError, ModelStore, StoreMissingError, StoreUnusableError  # noqa: F401
 from deploy.wiring import ControllerRunConfig, SetupError, admin, build_controller, rollout_status_path
 from deploy.wiring import bootstrap as _bootstrap
 from schemas.events import now_ms
@@ -82,7 +86,11 @@ def _say(markup: str, text="") -> None:
 
 
 def _fleet(store: ModelStore | None = None) -> FleetRecord:
-    """The desired-state record of the configured store."""
+    """The desired-state record of ``store`` (default: the configured store, :func:`_store`).
+
+    Raises:
+        StoreMissingError: no ``store`` given and no model store at the configured root.
+    """
     return FleetRecord(store or _store())
 
 
@@ -95,16 +103,22 @@ def learner_paused(fleet: FleetRecord | None = None) -> dict | None:
 
 
 def _paused_or_fail() -> dict | None:
-    """The pause in the desired state; exit 1 naming the file when the record is unreadable."""
+    """The pause in the desired state; exit 1 naming the root when there is no model store
+    (:func:`_read_store`, creating none), or naming the file when the record is unreadable."""
+    fleet = _fleet(_read_store())
     try:
-        return _fleet().read().paused
+        return fleet.read().paused
     except (OSError, ValueError) as exc:
         _fail(f"{exc}; nothing was changed ({RECORD_REPAIR})")
 
 
 def pause_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None) -> dict:
     """Record the pause in the fleet's desired state (one generation) and a PAUSE ledger row.
-    The learner reads the record before each cycle, wherever it runs."""
+    The learner reads the record before each cycle, wherever it runs.
+
+    Raises:
+        StoreMissingError: no ``fleet`` given and no model store at the configured root.
+    """
     rec = {"actor": actor, "at": now_ms(), "reason": reason}
 
     def fn(d: DesiredState) -> DesiredState:
@@ -121,7 +135,12 @@ def pause_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None
 def resume_learner(actor: str, reason: str = "", fleet: FleetRecord | None = None) -> dict | None:
     """Clear the pause in the desired state (one generation, its change's reason ``reason``)
     and record a RESUME ledger row (``"learner resumed by <actor>: <reason>"``), as
-    :func:`pause_learner` records a pause; returns the pause it ended."""
+    :func:`pause_learner` records a pause; returns the pause it ended.
+
+    Raises:
+        StoreMissingError: no ``fleet`` given and no model store at the configured root (as
+            :func:`pause_learner`).
+    """
     fleet = fleet or _fleet()
     prev = fleet.read().paused
 
@@ -217,17 +236,26 @@ def _actor(actor: str | None = None) -> str:
 
 
 def _store() -> ModelStore:
-    """The model store at ``schemas.settings.store_dir()`` (a directory or an fsspec URL)."""
-    return ModelStore(settings.store_dir())
+    """The existing model store at ``schemas.settings.store_dir()`` (a directory or an fsspec
+    URL), opened without creating anything: the on-call commands act on a store the learner or
+    ``flywheel serve`` / ``flywheel model init`` started, never start one.
+
+    Raises:
+        StoreMissingError: no ``versions`` directory there (the message names the root).
+        StoreUnusableError: the root cannot be a store (a file; the message names the reason).
+    """
+    return ModelStore(settings.store_dir(), create=False)
 
 
 def _read_store() -> ModelStore:
-    """The model store of a read command (``versions``), opened read-only: it creates nothing;
-    no store there exits 1 naming the path (:class:`StoreMissingError`)."""
+    """The model store of every on-call command but ``status`` (``versions``, ``promote``,
+    ``rollback``, ``canary start|abort``, ``pause``, ``resume``): :func:`_store`; no store
+    there (or a root that cannot be one) exits 1 naming the path, before anything is read,
+    asked or written, and creates nothing."""
     try:
-        return ModelStore(settings.store_dir(), create=False)
-    except StoreMissingError as exc:
-        _fail(exc.strerror)
+        return _store()
+    except StoreUnusableError as exc:  # StoreMissingError included
+        _fail(exc.strerror or str(exc))
 
 
 def _timeout(flag: float | None, default: float = DEFAULT_TIMEOUT_S) -> float:
@@ -475,7 +503,7 @@ def _controller_once(ctl: RolloutController) -> None:
     except RecordUnreadable as exc:
         _fail(f"desired-state record {ctl.record_path()} unreadable ({exc}): no pod was changed ({RECORD_REPAIR})")
     _say("", f"phase={st.phase.value} candidate={st.candidate} step={st.step} "
-             f"weight={st.weight} last={st.last_outcome}: {st.last_reason}")
+             f"weight={st.weight} last={last_decision(st.last_outcome, st.last_reason)}")
     bad = [o for o in ctl.last_outcomes if not o.ok]
     for o in bad:
         _say("[red]pod not converged:[/red] ", o.line())
@@ -513,7 +541,8 @@ def canary_start(version: str = typer.Argument(..., help="version to canary, e.g
     passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
     serving = _given(serving, record_pods)
-    store, fleet = _store(), _fleet()
+    store = _read_store()
+    fleet = _fleet(store)
     what = f"canary start of {version}"
     if version not in store.versions():
         _action_failed("MANUAL_CANARY_START", what, version, None, who, reason,
@@ -557,7 +586,8 @@ def canary_abort(serving: Optional[list[str]] = _serving_opt(),
     Returns when every pod dropped it or --timeout passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
     serving = _given(serving, record_pods)
-    store, fleet = _store(), _fleet()
+    store = _read_store()
+    fleet = _fleet(store)
     d = _read_desired(fleet, "MANUAL_CANARY_ABORT", "canary abort", who, reason)
     st = current_status(rollout_status_path(), settings.ledger_path())
     cand = d.candidate or (st.candidate if st.phase == RolloutPhase.CANARY else None)
@@ -722,7 +752,8 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
     t.add_column("drift", overflow="fold")
     ok = {True: "yes", False: "[red]NO[/red]", None: "?"}
     dig = None if fmt == Format.wide else 12  # -o wide: whole digests
-    unknown = desired is None  # the record is unreadable: no pod can be called in sync
+    unknown = desired is None  # no record (no store, or unreadable): no pod can be called in sync
+    why = "no store" if s.store_missing else "record unreadable" if s.record_err else "store unreadable"
     for url, p, e, dr in s.rows:
         if p is None:  # the failure's kind, the word operator commands print for it too
             t.add_row("?", _data(url), "", "", "", "", "", "",
@@ -732,13 +763,17 @@ def _print_pods(s: FleetStatus, fmt: Format) -> None:
                   ok[p.stable.digest_ok],
                   (_data(p.candidate.version) + (" [red]digest NO[/red]" if p.candidate.digest_ok is False else ""))
                   if p.candidate else "-", f"{p.candidate_weight:.0%}", _ts(p.stable.loaded_at),
-                  "[red]" + _data("; ".join(dr)) + "[/red]" if dr else "[red]unknown[/red] (record unreadable)"
+                  "[red]" + _data("; ".join(dr)) + "[/red]" if dr else f"[red]unknown[/red] ({why})"
                   if unknown else "in sync")
     console.print(t)
     n_ok = sum(1 for _, _, _, dr in s.rows if not dr)
-    if unknown:
+    listed = f"{len(s.rows)} pod{'' if len(s.rows) == 1 else 's'} listed"
+    if unknown and s.store_missing:
+        console.print(f"[red]drift unknown:[/red] there is no model store, so no desired state to judge a pod's "
+                      f"drift from ({listed})")
+    elif unknown:
         console.print(f"[red]drift unknown:[/red] the desired state cannot be read, so no pod's drift from it can "
-                      f"be judged ({len(s.rows)} pods listed)")
+                      f"be judged ({listed})")
     else:
         console.print(f"{n_ok} of {len(s.rows)} pods serve the desired state" +
                       ("" if n_ok == len(s.rows) and s.rows else " ([red]drift[/red])"))
@@ -756,10 +791,12 @@ def _print_rollout(s: FleetStatus, fmt: Format) -> None:
     st, desired = s.rollout, s.desired
     console.print(f"rollout: phase=[bold]{st.phase.value}[/bold] candidate={_data(str(st.candidate))} "
                   f"stable={_data(str(st.stable))} step={st.step} weight={st.weight:.0%} "
-                  f"last={_data(str(st.last_outcome))}: {_data(str(st.last_reason))}")
+                  f"last={_data(last_decision(st.last_outcome, st.last_reason))}")
     lp = desired.paused if desired else None
     if s.record_err:
         console.print("learner: unknown (a learner that cannot read the record does not train)")
+    elif desired is None:
+        console.print("learner: unknown (" + ("no store" if s.store_missing else "store unreadable") + ")")
     else:
         console.print("learner: " + (f"[yellow]PAUSED[/yellow] by {_data(str(lp.get('actor')))} at "
                                      f"{_ts(lp.get('at') or 0)} UTC: {_data(str(lp.get('reason', '')))}"
@@ -815,7 +852,8 @@ def promote_cmd(serving: Optional[list[str]] = _serving_opt(),
     each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
     serving = _given(serving, record_pods)
-    store, fleet = _store(), _fleet()
+    store = _read_store()
+    fleet = _fleet(store)
     d = _read_desired(fleet, "MANUAL_PROMOTE", "manual promote", who, reason)
     if d.candidate is None:
         _action_failed("MANUAL_PROMOTE", "manual promote", None, d.stable, who, reason,
@@ -851,7 +889,8 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", callback=_versio
     Returns when every pod serves it or --timeout passes (exit 1), printing each pod's outcome."""
     who, serving_timeout_s = _actor(actor), _timeout(serving_timeout_s)  # flags first: usage errors exit 2
     serving = _given(serving, record_pods)
-    store, fleet = _store(), _fleet()
+    store = _read_store()
+    fleet = _fleet(store)
     if to is not None:  # the store first: a version that does not exist is named as such, no pod asked
         try:
             store.manifest(to)
@@ -869,10 +908,12 @@ def rollback_cmd(to: Optional[str] = typer.Option(None, "--to", callback=_versio
         _report(res, f"dropped candidate {cand}; stable is {stable}", stable)
         return
     if to is None:
-        to = store.previous_stable(stable)
+        to = store.previous_stable(stable) if stable is not None else None
         if to is None:
             _action_failed("MANUAL_ROLLBACK", "manual rollback", None, stable, who, reason,
-                           f"no earlier stable version than {stable} to roll back to (see `flywheel versions`)")
+                           (f"no earlier stable version than {stable} to roll back to" if stable is not None else
+                            "no stable version in the fleet's desired state: nothing to roll back to") +
+                           " (see `flywheel versions`)")
     reload = to == stable
     _confirm(f"reload stable {to} from the store on every pod" if reload else f"replace stable {stable} by {to}",
              yes)

@@ -49,6 +49,16 @@ def ts(ms: int) -> str:
         return "?"
 
 
+def last_decision(outcome: str, reason: str) -> str:
+    """The rollout's last decision on one line: ``"<outcome>: <reason>"``, the outcome once
+    when the reason already starts with it (the analysis writes ``"ROLLBACK: ..."``);
+    ``outcome`` alone for an empty reason."""
+    outcome, reason = str(outcome or ""), str(reason or "")
+    if reason.startswith(f"{outcome}:") and outcome:
+        return reason
+    return f"{outcome}: {reason}" if reason else outcome
+
+
 def controller_seen_s() -> float:
     """How recently a controller must have written its heartbeat to count as running, before
     its own ``--poll-s`` is added (s): ``$FLYWHEEL_CONTROLLER_SEEN_S``, else
@@ -265,6 +275,8 @@ class FleetStatus:
         controller: :func:`controller_seen` (None when the store is unreadable).
         rollout: the controller's rollout status; decisions: the last ledger rows.
         note: where the pods came from, when worth saying (table output only).
+        store_missing: there is no model store at the configured root (``err`` says so; none
+            is created); ``desired`` is then None and the learner's state unknown.
     """
 
     desired: DesiredState | None = None
@@ -277,6 +289,7 @@ class FleetStatus:
     decisions: list = field(default_factory=list)
     note: str | None = None
     controller: dict | None = None
+    store_missing: bool = False
 
     @property
     def first(self):
@@ -328,6 +341,7 @@ def gather_status(serving: list[str] | None, timeout_s: float = STATUS_TIMEOUT_S
         fleet = FleetRecord(store)
     except StoreMissingError as exc:  # said, and none created; the pods given are still shown
         out.err, fleet, missing = exc.strerror, None, True
+        out.store_missing = True
     except Exception as exc:  # noqa: BLE001 - status must show what it can
         out.err = f"model store unreadable: {exc}"
         fleet = None
