@@ -25,6 +25,9 @@ def _rollback(tmp_path: Path, to: str) -> subprocess.CompletedProcess:
 
 
 def test_rollback_to_unknown_version_message(tmp_path):
+    from modelstore.store import ModelStore
+
+    ModelStore(tmp_path / "store")  # a store without v000009 (no store at all is refused before --to is read)
     r = _rollback(tmp_path, "v000009")
     out = " ".join((r.stdout + r.stderr).split())
     assert r.returncode == 1, out
