@@ -35,14 +35,16 @@ bound > 0; None without fixed eval outcomes).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from deploy.stats import newcombe_interval
 from flywheel.report import paired_comparison, stratified_cluster_bootstrap  # the one bootstrap (re-exported)
+from flywheel.workload import KINDS as PROMPT_KINDS  # a prompt's kind, as the demo writes it
 
-KINDS = ("train", "fresh", "harder", "unseen", "all")
+KINDS = (*PROMPT_KINDS, "all")
 
 
 def _read_text(p: Path) -> str:
@@ -66,10 +68,103 @@ def _json_lines(p: Path) -> list:
     return out
 
 
-def _check_version(p: Path, where: str, v) -> None:
-    """Raise ValueError naming ``p`` and ``where`` unless ``v`` is a version name (a string)."""
-    if not isinstance(v, str):
-        raise ValueError(f"{p}: {where}version: must be a string (a version name such as 'v000001'), got {v!r}")
+# counts far above any demo run's (a full run serves about 10^4 replies), so a typo or a
+# corrupted figure (1e23) is refused rather than pooled
+MAX_COUNT = 10**9
+
+
+def _count(v) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+        return f"must be an integer in [0, {MAX_COUNT}]"
+    return None
+
+
+def _version(v) -> str | None:
+    return None if isinstance(v, str) else "must be a string (a version name such as 'v000001')"
+
+
+def _string(v) -> str | None:
+    return None if isinstance(v, str) else "must be a string"
+
+
+def _boolean(v) -> str | None:
+    return None if isinstance(v, bool) else "must be true or false (a JSON boolean)"
+
+
+def _kind(v) -> str | None:
+    return None if isinstance(v, str) and v in PROMPT_KINDS else f"must be one of {', '.join(PROMPT_KINDS)}"
+
+
+def _seconds(v) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return None if ok else "must be a finite number of seconds >= 0"
+
+
+def _or_null(check):
+    return lambda v: None if v is None else check(v)
+
+
+# one schema per record: field -> (check returning the reason it fails or None, required)
+VOTE = {"version": (_version, True), "kind": (_or_null(_kind), True), "key": (_or_null(_string), True),
+        "votes_up": (_count, True), "votes_down": (_count, True)}
+FIXED = {"version": (_version, True), "key": (_string, True), "passed": (_boolean, True),
+         "kind": (_or_null(_kind), False)}
+REPORT = {"events_accepted": (_count, True), "events_lost": (_count, True), "wall_s": (_or_null(_seconds), False),
+          "quick": (_or_null(_boolean), False)}
+VERSION = {"version": (_version, True), "decision": (_or_null(_string), False)}
+SHARE = {"votes_up": (_count, True), "votes": (_count, True)}  # a reply figure: votes_up of votes
+
+
+def _check_record(p: Path, where: str, rec, schema: dict) -> None:
+    """Raise ValueError naming ``p``, ``where`` (e.g. ``"line 3: "``), the field and the reason
+    unless ``rec`` is an object with every required field of ``schema`` and each field present
+    passes its check."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{p}: {where}not a JSON object")
+    missing = {f for f, (_, required) in schema.items() if required} - set(rec)
+    if missing:
+        raise ValueError(f"{p}: {where}missing {sorted(missing)}")
+    for f, (check, _) in schema.items():
+        if f in rec:
+            reason = check(rec[f])
+            if reason:
+                raise ValueError(f"{p}: {where}{f}: {reason}, got {rec[f]!r}")
+
+
+def _check_report(rp: Path, report) -> None:
+    """Raise ValueError naming ``rp``, the field and the reason unless ``report`` is what the
+    demo writes: its event counts, and each version's name, decision and reply figures."""
+    if not isinstance(report, dict) or "versions" not in report:
+        raise ValueError(f"{rp}: no 'versions' (not a demo report)")
+    vs = report["versions"]
+    if not isinstance(vs, list) or not vs or not all(isinstance(r, dict) and "version" in r for r in vs):
+        raise ValueError(f"{rp}: versions: must be a non-empty list of versions (the run ended before its report?)")
+    for i, r in enumerate(vs):
+        _check_record(rp, f"versions[{i}].", r, VERSION)
+        replies = r.get("replies")
+        if replies is not None and not isinstance(replies, dict):
+            raise ValueError(f"{rp}: versions[{i}].replies: must be an object, got {replies!r}")
+        for k in ("no_answer", "truncated"):
+            share = (replies or {}).get(k)
+            if share is not None:
+                _check_record(rp, f"versions[{i}].replies.{k}.", share, SHARE)
+                if share["votes_up"] > share["votes"]:
+                    raise ValueError(f"{rp}: versions[{i}].replies.{k}.votes_up: must be <= votes "
+                                     f"({share['votes']}), got {share['votes_up']}")
+    if vs[0].get("decision") == "PROMOTE":
+        raise ValueError(f"{rp}: versions[0].decision: the first version is what every promotion is measured "
+                         f"from, so it cannot be 'PROMOTE' (not a demo report)")
+    _check_record(rp, "", report, REPORT)
+
+
+def _regular_file(p: Path) -> bool:
+    """Whether ``p`` exists; raises ValueError naming ``p`` when it is there but not a regular
+    file (a directory, a device such as a link to /dev/zero)."""
+    if not p.exists():
+        return False
+    if not p.is_file():
+        raise ValueError(f"{p}: not a regular file")
+    return True
 
 
 def load_run(path: Path) -> dict:
@@ -77,46 +172,31 @@ def load_run(path: Path) -> dict:
 
     Raises:
         ValueError: ``report.json``, ``votes.jsonl`` or ``fixed_eval.jsonl`` is missing (the
-            first two), not UTF-8, not JSON or not what the demo writes (a field missing or of
-            the wrong type, e.g. a ``version`` that is not a string); the message names the
-            file, the line or field, and the reason.
+            first two), not a regular file, not UTF-8, not JSON or not what the demo writes (a
+            field missing or of the wrong type: a ``version`` or ``key`` that is not a string,
+            a count that is not an integer in [0, :data:`MAX_COUNT`], a ``passed`` that is not a
+            boolean, a ``kind`` not in :data:`PROMPT_KINDS`, a first version already promoted);
+            the message names the file, the line or field, and the reason.
     """
     path = Path(path)
     rp, vp = path / "report.json", path / "votes.jsonl"
     for p in (rp, vp):
-        if not p.is_file():
+        if not _regular_file(p):
             raise ValueError(f"{p}: missing (a full `flywheel demo` run writes it)")
     try:
         report = json.loads(_read_text(rp))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{rp}: not JSON (truncated?): {exc}") from exc
+    _check_report(rp, report)
     votes = _json_lines(vp)
-    if not isinstance(report, dict) or "versions" not in report:
-        raise ValueError(f"{rp}: no 'versions' (not a demo report)")
-    vs = report["versions"]
-    if not isinstance(vs, list) or not vs or not all(isinstance(r, dict) and "version" in r for r in vs):
-        raise ValueError(f"{rp}: versions: must be a non-empty list of versions (the run ended before its report?)")
-    for i, r in enumerate(vs):
-        _check_version(rp, f"versions[{i}].", r["version"])
     for i, v in enumerate(votes, 1):
-        if not isinstance(v, dict):
-            raise ValueError(f"{vp}: line {i}: not a JSON object")
-        missing = {"version", "kind", "key", "votes_up", "votes_down"} - set(v)
-        if missing:
-            raise ValueError(f"{vp}: line {i}: missing {sorted(missing)}")
-        _check_version(vp, f"line {i}: ", v["version"])
-        for f in ("votes_up", "votes_down"):
-            if not isinstance(v[f], int) or isinstance(v[f], bool) or v[f] < 0:
-                raise ValueError(f"{vp}: line {i}: {f}: must be an integer >= 0, got {v[f]!r}")
+        _check_record(vp, f"line {i}: ", v, VOTE)
     fixed = []
     fp = path / "fixed_eval.jsonl"
-    if fp.is_file():  # runs before the fixed eval set have none
+    if _regular_file(fp):  # runs before the fixed eval set have none
         fixed = _json_lines(fp)
         for i, r in enumerate(fixed, 1):
-            missing = {"version", "key", "passed"} - set(r) if isinstance(r, dict) else {"an object"}
-            if missing:
-                raise ValueError(f"{fp}: line {i}: missing {sorted(missing)}")
-            _check_version(fp, f"line {i}: ", r["version"])
+            _check_record(fp, f"line {i}: ", r, FIXED)
     return {"dir": str(path), "report": report, "votes": votes, "fixed": fixed}
 
 

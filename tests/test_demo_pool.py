@@ -135,7 +135,8 @@ def test_write_votes_round_trips_through_load_run(tmp_path):
             {"completion_id": "c2", "model_version": "v000001", "split": "train", "votes_up": 0, "votes_down": 2}]
     comps = {"c1": {"family": "chain_sum", "kind": "fresh", "key": "k1", "has_answer": True,
                     "finish_reason": "stop", "tokens": 7}}
-    (tmp_path / "report.json").write_text(json.dumps({"versions": [{"version": "v000000", "decision": "base"}]}))
+    (tmp_path / "report.json").write_text(json.dumps({"versions": [{"version": "v000000", "decision": "base"}],
+                                                      "events_accepted": 3, "events_lost": 0}))
     assert rep.write_votes(rows, comps, tmp_path / "votes.jsonl") == 2
     got = load_run(tmp_path)["votes"]
     assert got[0] == {"completion_id": "c1", "version": "v000000", "family": "chain_sum", "split": "eval",
@@ -201,6 +202,8 @@ def test_a_promotion_with_more_unanswered_replies_is_listed(tmp_path):
     ({"versions": [{"version": "v000000"}]}, '{"version": \n', "not JSON"),
 ])
 def test_load_run_names_the_file_and_the_field(tmp_path, report, votes, msg):
+    if isinstance(report, dict):
+        report.update(events_accepted=1, events_lost=0)
     (tmp_path / "report.json").write_text(json.dumps(report))
     (tmp_path / "votes.jsonl").write_text(votes)
     with pytest.raises(ValueError, match=msg):
@@ -270,3 +273,79 @@ def test_fixed_eval_pools_pairs_by_run_and_counts_a_run_without_promotion_as_no_
     for run in runs:
         run["fixed"] = []
     assert pool_runs(runs)["fixed_every_run_positive_on_fresh"] is None
+
+
+def _edit_report(change):
+    def edit(run: Path) -> None:
+        report = json.loads((run / "report.json").read_text())
+        for v in report["versions"]:
+            v["replies"] = {"no_answer": {"votes_up": 1, "votes": 10}, "truncated": {"votes_up": 0, "votes": 10}}
+        change(report)
+        (run / "report.json").write_text(json.dumps(report))
+    return edit
+
+
+def _edit_line(name: str, line: int, **fields):
+    """Set ``fields`` on line ``line`` (1-based) of the run's ``name`` (a valid fixed_eval.jsonl
+    of two prompts under v000000 and v000001 is written first when ``name`` is that file)."""
+    def edit(run: Path) -> None:
+        if name == "fixed_eval.jsonl":
+            (run / name).write_text("".join(json.dumps({"version": v, "key": f"q{k}", "kind": "fresh", "passed": True})
+                                            + "\n" for v in ("v000000", "v000001") for k in range(2)))
+        rows = [json.loads(x) for x in (run / name).read_text().splitlines()]
+        rows[line - 1].update(fields)
+        (run / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return edit
+
+
+def _drop_counts(report: dict) -> None:
+    del report["events_accepted"], report["events_lost"]
+
+
+def _zero_link(run: Path) -> None:
+    (run / "report.json").unlink()
+    (run / "report.json").symlink_to("/dev/zero")
+
+
+M = "must be an integer in [0, 1000000000]"
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (_edit_report(lambda r: r["versions"][0]["replies"]["no_answer"].update(votes_up="x")),
+     f"report.json: versions[0].replies.no_answer.votes_up: {M}, got 'x'"),
+    (_edit_report(lambda r: r["versions"][1]["replies"]["truncated"].update(votes_up=1e23)),
+     f"report.json: versions[1].replies.truncated.votes_up: {M}, got 1e+23"),
+    (_edit_report(lambda r: r["versions"][1]["replies"]["truncated"].update(votes_up=11)),
+     "report.json: versions[1].replies.truncated.votes_up: must be <= votes (10), got 11"),
+    (_edit_report(lambda r: r["versions"][0].update(decision="PROMOTE")),
+     "report.json: versions[0].decision: the first version is what every promotion is measured from"),
+    (_edit_report(_drop_counts), "report.json: missing ['events_accepted', 'events_lost']"),
+    (_zero_link, "report.json: not a regular file"),
+    (_edit_line("votes.jsonl", 2, key={"a": 1}), "votes.jsonl: line 2: key: must be a string, got {'a': 1}"),
+    (_edit_line("votes.jsonl", 3, kind="bogus"),
+     "votes.jsonl: line 3: kind: must be one of train, fresh, harder, unseen, got 'bogus'"),
+    (_edit_line("fixed_eval.jsonl", 2, key=["q", 1]), "fixed_eval.jsonl: line 2: key: must be a string, got ['q', 1]"),
+    (_edit_line("fixed_eval.jsonl", 4, passed="yes"),
+     "fixed_eval.jsonl: line 4: passed: must be true or false (a JSON boolean), got 'yes'"),
+])
+def test_demo_pool_refuses_a_field_the_demo_does_not_write(tmp_path, edit, reason):
+    """A hostile run directory: a count that is not an integer or is absurd, a key that is not a
+    string, an unknown kind, a ``passed`` that is not a boolean, a first version already
+    promoted, the event counts missing, a report that is a link to a device: exit 2 naming the
+    file, the line (jsonl) or field, and the reason; no traceback, nothing written."""
+    make_run(tmp_path / "s0", random.Random(3), 0.2, 0.4, prompts=5)
+    edit(tmp_path / "s0")
+    r = _cli("demo-pool", "s0", "--out", str(tmp_path / "pool"), cwd=tmp_path)
+    flat = " ".join(r.stderr.replace("│", " ").split())
+    assert r.returncode == 2 and " ".join(f"{Path('s0')}/{reason}".split()) in flat, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "pool").exists(), r.stderr
+
+
+def test_the_valid_run_the_hostile_cases_start_from_pools(tmp_path):
+    """The run the refusals above edit, with reply figures and a fixed eval file, loads and pools."""
+    make_run(tmp_path / "s0", random.Random(3), 0.2, 0.4, prompts=5)
+    _edit_report(lambda r: None)(tmp_path / "s0")
+    _edit_line("fixed_eval.jsonl", 1)(tmp_path / "s0")
+    pool = pool_runs([load_run(tmp_path / "s0")])
+    assert pool["runs"][0]["first"] == "v000000" and pool["runs"][0]["last"] == "v000001"
+    assert pool["runs"][0]["events_lost"] == 0 and pool["fixed_eval_pooled"]["prompts"] == 2
