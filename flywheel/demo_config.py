@@ -108,11 +108,22 @@ def _nonempty_path(v: Any) -> Any:
     """``v`` for pydantic's ``Path`` validation (a :class:`ReportDir` as a plain ``Path``).
 
     Raises:
-        PydanticCustomError: ``v`` is an empty or blank string.
+        PydanticCustomError: ``v`` is an empty or blank string, or names (or lies under) an
+            existing file that is not a directory (the demo writes its report into it).
     """
     if isinstance(v, (str, bytes)) and not v.strip():
         raise PydanticCustomError("empty_path", "out: an empty path names no directory (Path('') is the current "
                                                 "one); give a directory, or . for the current one")
+    if isinstance(v, (str, Path)):
+        p = Path(v)
+        for above in (p, *p.parents):  # the nearest existing path must be a directory
+            if above.exists() or above.is_symlink():
+                if not above.is_dir():
+                    where = "" if above == p else f" (in {p})"
+                    raise PydanticCustomError("not_a_directory",
+                                              "out: {path}{where} is a file, not a directory; give a directory "
+                                              "(new or existing)", {"path": str(above), "where": where})
+                break
     return Path(v) if isinstance(v, ReportDir) else v
 
 

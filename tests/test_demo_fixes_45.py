@@ -1,5 +1,6 @@
 """Fixes from stop 45's hostile test: the learner's process group listens on loopback only
-(learner/trainer.py) and `flywheel serve` exits soon after it stops (serving/)."""
+(learner/trainer.py), `flywheel serve` exits soon after it stops (serving/), and `flywheel demo
+--out` naming an existing file is refused before anything starts (flywheel/demo_config.py)."""
 from __future__ import annotations
 
 import json
@@ -149,3 +150,27 @@ def test_serve_exits_after_stopped_with_its_events_in_the_journal(tiny_moe_dir, 
     assert "Traceback" not in text, text[-3000:]
     mine = [e for e in _journal_events(tmp_path / "home") if cid.encode() in e["value"]]
     assert mine and all(e["topic"].endswith("completions") for e in mine), _journal_events(tmp_path / "home")
+
+
+@pytest.mark.parametrize("out,said", [("afile", "out: {d}/afile is a file, not a directory"),
+                                      ("afile/sub", "out: {d}/afile (in {d}/afile/sub) is a file, not a directory")])
+def test_demo_out_naming_a_file_is_refused_before_anything_starts(tmp_path, monkeypatch, out, said):
+    """`flywheel demo --quick --out afile` with afile an existing regular file (or a path under
+    it): exit 2 naming --out and why, and the run (which starts every process) is never
+    reached; a new directory is taken."""
+    from typer.testing import CliRunner
+
+    import flywheel.commands as fc
+    from flywheel.cli import app
+
+    started: list = []
+    monkeypatch.setattr(fc, "require_demo_extra", lambda: None)
+    monkeypatch.setattr(fc, "_run_demo", lambda cfg: started.append(cfg))
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path / "home"))
+    (tmp_path / "afile").write_text("mine")
+    r = CliRunner().invoke(app, ["demo", "--quick", "--out", str(tmp_path / out)], env={"COLUMNS": "300"})
+    flat = " ".join(r.output.replace("\u2502", " ").split())
+    assert r.exit_code == 2 and f"Invalid value for '--out': {said.format(d=tmp_path)}" in flat, r.output
+    assert started == [] and (tmp_path / "afile").read_text() == "mine" and not (tmp_path / "home").exists()
+    r = CliRunner().invoke(app, ["demo", "--quick", "--out", str(tmp_path / "new")], env={"COLUMNS": "300"})
+    assert r.exit_code == 0 and [c.out for c in started] == [tmp_path / "new"], r.output
