@@ -240,7 +240,10 @@ def _leaf_paths(d: dict, where: str = "") -> set[str]:
     return out
 
 
-def _env_var(path: str) -> str:
+CONFIG_HINT = "'--config' / FLYWHEEL_CONFIG"  # how a usage error names the file
+
+
+def env_var(path: str) -> str:
     """``FLYWHEEL_BROKER__START__PARTITIONS`` for ``broker.start.partitions``."""
     return "FLYWHEEL_" + "__".join(p.upper().replace("-", "_") for p in path.split("."))
 
@@ -296,7 +299,7 @@ def _defaults(tables: dict, group, where: str, src, ctx, env, env_keys: set[str]
         vals = {}
         for key, value in table.items():
             # a value from a FLYWHEEL_<COMMAND>__<OPTION> variable is named as that variable
-            origin = f"environment: {_env_var(f'{path}.{key}')}" if f"{path}.{key}" in (env_keys or ()) else src
+            origin = f"environment: {env_var(f'{path}.{key}')}" if f"{path}.{key}" in (env_keys or ()) else src
             p = params.get(key)
             if p is None:
                 raise ConfigError(f"{origin}: {path}.{key}: not an option of `flywheel {path.replace('.', ' ')}` "
@@ -409,6 +412,6 @@ def configure_cli(ctx, path: str | os.PathLike) -> FlywheelConfig:
         defaults = command_defaults(cfg, ctx.command, ctx)
         cfg.apply_env()
     except ConfigError as exc:
-        raise typer.BadParameter(str(exc), ctx=ctx, param_hint="'--config' / FLYWHEEL_CONFIG") from None
+        raise typer.BadParameter(str(exc), ctx=ctx, param_hint=CONFIG_HINT) from None
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return cfg

@@ -39,6 +39,8 @@ import typer
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
+from schemas.config import CONFIG_HINT, env_var
+
 CONFIG_MODELS: dict[str, type] = {}  # qualified name -> model, every model a command takes
 
 _typer_type_column = typer.core.TyperOption.display_type_rich
@@ -164,6 +166,7 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                if p.name not in configs]
         params: list[inspect.Parameter] = []
         owner: dict[str, str] = {}
+        flags: dict[str, Any] = {}  # each option's declarations, for naming it in a usage error
         for key, model in configs.items():
             CONFIG_MODELS[f"{model.__module__}.{model.__qualname__}"] = model
             for name, info in cli_fields(model).items():
@@ -171,29 +174,10 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                     raise TypeError(f"{func.__name__}: option {name!r} of {model.__name__} is declared twice")
                 owner[name] = key
                 ann = _annotation(model, name, info)
+                flags[name] = _declarations(name, info, ann)
                 params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
                                                 default=option_for(name, info, ann)))
-        flags = {name: _declarations(name, info, _annotation(model, name, info))
-                 for model in configs.values() for name, info in cli_fields(model).items()}
-
-        # the click context reaches the command through a typer.Context parameter: the function's
-        # own when it declares one (it still receives it), else one added here
-        ctx_name = next((p.name for p in own if p.annotation is typer.Context), None)
-        added_ctx = ctx_name is None
-        if added_ctx:
-            ctx_name = "_flywheel_ctx"
-            own.append(inspect.Parameter(ctx_name, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
-
-        def refused(ctx, name: str, msg: str) -> typer.BadParameter:
-            """The usage error for a value a model refused: it names where the value of field
-            ``name`` (else of the field a ``"field: reason"`` message names) came from."""
-            name = name or msg.split(":", 1)[0].strip()
-            decl = flags.get(name)
-            flag = None if decl is None else (decl if isinstance(decl, str) else decl[0]).split("/")[0]
-            hint, where = value_origin(ctx, name, flag)
-            if where is not None:
-                msg = f"{where}: {msg.removeprefix(name + ': ')}"
-            return typer.BadParameter(msg, param_hint=hint)
+        ctx_name, added_ctx = _context_param(own)
 
         @functools.wraps(func)
         def command(**kwargs):
@@ -206,9 +190,9 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
                 except ValidationError as exc:
                     e = exc.errors()[0]
                     msg = e["msg"].removeprefix("Value error, ")
-                    raise refused(ctx, str(e["loc"][0]) if e["loc"] else "", msg) from None
+                    raise _refused(ctx, flags, str(e["loc"][0]) if e["loc"] else "", msg) from None
                 except ValueError as exc:  # a model's own __post_init__ check
-                    raise refused(ctx, "", str(exc)) from None
+                    raise _refused(ctx, flags, "", str(exc)) from None
                 except RuntimeError as exc:  # its surroundings are missing (no Kafka broker): one line
                     typer.echo(f"error: {exc}", err=True)
                     raise typer.Exit(1) from None
@@ -224,7 +208,28 @@ def config_options(**configs: type) -> Callable[[Callable], Callable]:
     return wrap
 
 
-CONFIG_HINT = "'--config' / FLYWHEEL_CONFIG"  # how schemas.config names the file in a usage error
+def _context_param(own: list[inspect.Parameter]) -> tuple[str, bool]:
+    """The name of the ``typer.Context`` parameter the click context reaches a command through:
+    the function's own when it declares one (it still receives it), else ``_flywheel_ctx``,
+    appended to ``own`` here. Returns ``(name, added)``."""
+    name = next((p.name for p in own if p.annotation is typer.Context), None)
+    if name is not None:
+        return name, False
+    own.append(inspect.Parameter("_flywheel_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
+    return "_flywheel_ctx", True
+
+
+def _refused(ctx, flags: dict[str, Any], name: str, msg: str) -> typer.BadParameter:
+    """The usage error for a value a model refused: it names where the value of field ``name``
+    (else of the field a ``"field: reason"`` message names) came from (:func:`value_origin`);
+    ``flags`` maps each field to its option declarations."""
+    name = name or msg.split(":", 1)[0].strip()
+    decl = flags.get(name)
+    flag = None if decl is None else (decl if isinstance(decl, str) else decl[0]).split("/")[0]
+    hint, where = value_origin(ctx, name, flag)
+    if where is not None:
+        msg = f"{where}: {msg.removeprefix(name + ': ')}"
+    return typer.BadParameter(msg, param_hint=hint)
 
 
 def value_origin(ctx, name: str, flag: str | None) -> tuple[str | None, str | None]:
@@ -255,7 +260,7 @@ def value_origin(ctx, name: str, flag: str | None) -> tuple[str | None, str | No
         names.append(c.info_name)
         c = c.parent
     path = ".".join(reversed(names)) or str(ctx.info_name)
-    head = "FLYWHEEL_" + "__".join(p.upper().replace("-", "_") for p in path.split(".")) + "__"
+    head = env_var(path) + "__"
     var = next((k for k in sorted(os.environ)
                 if k.startswith(head) and k[len(head):].lower().replace("-", "_") == name), None)
     if var is not None:
